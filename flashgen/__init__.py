@@ -1,0 +1,12 @@
+"""flashgen: attention specs compiled into tuned Triton kernels."""
+
+__version__ = "0.1.0"
+
+from .spec import AttentionSpec, SpecError, TuneSpec  # noqa: E402
+from .config import KernelConfig, ConfigError, default_config  # noqa: E402
+from .api import AttentionKernel, attention, compile  # noqa: E402
+
+__all__ = [
+    "AttentionSpec", "SpecError", "TuneSpec", "KernelConfig", "ConfigError", "default_config",
+    "AttentionKernel", "attention", "compile", "__version__",
+]

@@ -1,0 +1,104 @@
+"""The user-facing API: ``flashgen.compile(spec)`` and ``flashgen.attention(q, k, v)``."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from . import render
+from .config import KernelConfig, default_config
+from .spec import MAX_HEAD_DIM, AttentionSpec
+
+_TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+LAYOUTS = ("bhsd", "bshd")
+
+
+class AttentionKernel:
+    """A compiled attention spec. Call it as ``kernel(q, k, v)``.
+
+    q is (batch, heads, seqlen_q, head_dim) in layout ``bhsd`` or (batch, seqlen_q,
+    heads, head_dim) in layout ``bshd``; k and v likewise with the KV heads. The output
+    has q's layout and head dim ``head_dim_v``; with ``return_lse=True`` the call also
+    returns the log-sum-exp, (batch, heads, seqlen_q) float32.
+    """
+
+    def __init__(self, spec: AttentionSpec, config: KernelConfig | None = None):
+        self.spec = spec
+        self.config = config if config is not None else default_config(spec)
+        self._modules: dict[KernelConfig, object] = {}
+
+    def module(self, config: KernelConfig | None = None):
+        """The imported Triton module for a config (rendered and cached on first use)."""
+        config = config if config is not None else self.config
+        module = self._modules.get(config)
+        if module is None:
+            module = self._modules[config] = render.load(self.spec, config)
+        return module
+
+    def source(self, config: KernelConfig | None = None) -> str:
+        return render.render(self.spec, config if config is not None else self.config)
+
+    def forward(self, q, k, v, *, layout: str = "bhsd", config: KernelConfig | None = None,
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+        """Run the forward kernel; returns (out, lse)."""
+        return self.module(config).forward(q, k, v, layout=layout, out=out, lse=lse)
+
+    def __call__(self, q, k, v, *, layout: str = "bhsd", return_lse: bool = False,
+                 config: KernelConfig | None = None):
+        out, lse = self.forward(q, k, v, layout=layout, config=config)
+        return (out, lse) if return_lse else out
+
+    def __repr__(self) -> str:
+        return f"AttentionKernel({self.spec.uri}, {self.config})"
+
+
+def compile(spec: AttentionSpec | str, config: KernelConfig | None = None) -> AttentionKernel:  # noqa: A001
+    """Compile a spec (an AttentionSpec, a YAML path or a dict) into a callable kernel."""
+    return _compiled(AttentionSpec.coerce(spec), config)
+
+
+@lru_cache(maxsize=256)
+def _compiled(spec: AttentionSpec, config: KernelConfig | None) -> AttentionKernel:
+    return AttentionKernel(spec, config)
+
+
+def spec_for(q, k, v, *, causal: bool, softmax_scale: float | None, layout: str) -> AttentionSpec:
+    """The spec that describes a call on these tensors; errors name the argument."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
+    if q.dtype not in _TORCH_DTYPES:
+        raise ValueError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
+    head_axis = 1 if layout == "bhsd" else 2
+    num_heads, num_kv_heads = q.shape[head_axis], k.shape[head_axis]
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"k: expected a number of heads that divides q's {num_heads}, got {num_kv_heads}")
+    for name, t in (("q", q), ("v", v)):
+        if not 1 <= t.shape[3] <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: expected a head dim from 1 to {MAX_HEAD_DIM}, got {t.shape[3]}")
+    return AttentionSpec(
+        name="attention",
+        dtype=_TORCH_DTYPES[q.dtype],
+        head_dim=q.shape[3],
+        head_dim_v=v.shape[3],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        causal=causal,
+        softmax_scale=softmax_scale,
+    )
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
+              return_lse: bool = False, config: KernelConfig | None = None):
+    """One-off attention: softmax(q k^T * softmax_scale) v.
+
+    Shapes as in AttentionKernel. ``causal`` masks bottom-right aligned (flash-attn's
+    convention): query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    """
+    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)
+    return compile(spec, config)(q, k, v, layout=layout, return_lse=return_lse)

@@ -1,0 +1,271 @@
+"""AttentionSpec: what attention the user wants, from YAML or Python.
+
+A spec is frozen and validated on construction. Every bad field raises a
+SpecError that names the field and the value, for example::
+
+    spec field 'head_dim': expected an integer from 1 to 256, got 0
+
+``spec.uri`` is a readable, filename-safe id (``gqa-causal_bf16_hd128_h32kv8_causal_train``);
+``spec.key`` is a hash of the canonical form of the computation (every field but
+``name``, ``target`` and ``tune``, which do not change what the kernel computes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+_DTYPE_ALIASES = {
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32",
+}
+TARGETS = ("auto", "h100", "h200", "a100", "l40s", "l4", "a10g", "rtx4090", "rtx3090", "cpu")
+MAX_HEAD_DIM = 256
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class SpecError(ValueError):
+    """A spec field has a wrong type or an impossible value."""
+
+    def __init__(self, field_name: str, message: str, value: Any = dataclasses.MISSING, source: str | None = None):
+        self.field = field_name
+        self.value = value
+        self.message = message
+        got = "" if value is dataclasses.MISSING else f", got {value!r}"
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}spec field '{field_name}': {message}{got}")
+
+    def with_source(self, source: str) -> "SpecError":
+        return SpecError(self.field, self.message, self.value, source=source)
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(name, "expected an integer", value)
+    if value < lo or (hi is not None and value > hi):
+        rng = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
+        raise SpecError(name, f"expected an integer {rng}", value)
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(name, "expected true or false", value)
+    return value
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(name, "expected a number", value)
+    if not math.isfinite(value):
+        raise SpecError(name, "expected a finite number", value)
+    return float(value)
+
+
+@dataclass(frozen=True)
+class TuneSpec:
+    """The ``tune:`` section: what the tuner searches for."""
+
+    seqlens: tuple[int, ...] = (1024, 4096)
+    trials: int = 32
+    batch_tokens: int = 16384  # batch * seqlen used when timing a bucket
+
+    def __post_init__(self):
+        seqlens = self.seqlens
+        if isinstance(seqlens, (str, bytes)) or not isinstance(seqlens, (list, tuple)) or not seqlens:
+            raise SpecError("tune.seqlens", "expected a non-empty list of sequence lengths", seqlens)
+        checked = tuple(_check_int("tune.seqlens", s, 1, 1 << 20) for s in seqlens)
+        object.__setattr__(self, "seqlens", tuple(sorted(set(checked))))
+        _check_int("tune.trials", self.trials, 1, 100_000)
+        _check_int("tune.batch_tokens", self.batch_tokens, 1)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "TuneSpec":
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise SpecError("tune", "expected a mapping with keys " + ", ".join(_fields(cls)), data)
+        unknown = sorted(set(data) - set(_fields(cls)))
+        if unknown:
+            raise SpecError(f"tune.{unknown[0]}", "unknown key (known: " + ", ".join(_fields(cls)) + ")")
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict:
+        return {"seqlens": list(self.seqlens), "trials": self.trials, "batch_tokens": self.batch_tokens}
+
+
+def _fields(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """One attention variant: shapes, dtype, masking, and how it is used."""
+
+    name: str = "attention"
+    dtype: str = "fp16"
+    head_dim: int = 64
+    head_dim_v: int | None = None  # defaults to head_dim
+    num_heads: int = 1
+    num_kv_heads: int | None = None  # defaults to num_heads (GQA/MQA when smaller)
+    causal: bool = False
+    mask: Any = None  # filled in by the mask patterns (issue: custom masked variants)
+    score_mod: Any = None
+    softmax_scale: float | None = None  # defaults to 1/sqrt(head_dim)
+    dropout_p: float = 0.0
+    backward: bool = False
+    target: str = "auto"
+    tune: TuneSpec = field(default_factory=TuneSpec)
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise SpecError("name", "expected letters, digits, '_', '.' or '-' (starting with a letter or digit)", self.name)
+        dtype = _DTYPE_ALIASES.get(self.dtype) if isinstance(self.dtype, str) else None
+        if dtype is None:
+            raise SpecError("dtype", "expected one of fp16, bf16, fp32", self.dtype)
+        set_("dtype", dtype)
+        _check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        if self.head_dim_v is None:
+            set_("head_dim_v", self.head_dim)
+        _check_int("head_dim_v", self.head_dim_v, 1, MAX_HEAD_DIM)
+        _check_int("num_heads", self.num_heads, 1, 65535)
+        if self.num_kv_heads is None:
+            set_("num_kv_heads", self.num_heads)
+        _check_int("num_kv_heads", self.num_kv_heads, 1, 65535)
+        if self.num_heads % self.num_kv_heads:
+            raise SpecError(
+                "num_kv_heads",
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads",
+                self.num_kv_heads,
+            )
+        _check_bool("causal", self.causal)
+        if self.mask is not None:
+            raise SpecError("mask", "mask patterns are not supported by this flashgen version (use causal: true)", self.mask)
+        if self.score_mod is not None:
+            raise SpecError("score_mod", "score modifiers are not supported by this flashgen version", self.score_mod)
+        if self.softmax_scale is not None:
+            scale = _check_float("softmax_scale", self.softmax_scale)
+            if scale <= 0:
+                raise SpecError("softmax_scale", "expected a positive number", self.softmax_scale)
+            set_("softmax_scale", scale)
+        p = _check_float("dropout_p", self.dropout_p)
+        if not 0.0 <= p < 1.0:
+            raise SpecError("dropout_p", "expected a probability in [0, 1)", self.dropout_p)
+        set_("dropout_p", p)
+        _check_bool("backward", self.backward)
+        if not isinstance(self.target, str) or self.target.lower() not in TARGETS:
+            raise SpecError("target", "expected one of " + ", ".join(TARGETS), self.target)
+        set_("target", self.target.lower())
+        if isinstance(self.tune, Mapping) or self.tune is None:
+            set_("tune", TuneSpec.from_dict(self.tune))
+        elif not isinstance(self.tune, TuneSpec):
+            raise SpecError("tune", "expected a mapping", self.tune)
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str | None = None) -> "AttentionSpec":
+        if not isinstance(data, Mapping):
+            raise SpecError("<spec>", "expected a mapping of fields", data, source=source)
+        known = _fields(cls)
+        for key in data:
+            if key not in known:
+                raise SpecError(str(key), "unknown key (known: " + ", ".join(known) + ")", source=source)
+        kwargs = dict(data)
+        try:
+            if "tune" in kwargs:
+                kwargs["tune"] = TuneSpec.from_dict(kwargs["tune"])
+            return cls(**kwargs)
+        except SpecError as err:
+            if source is None:
+                raise
+            raise err.with_source(source) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "AttentionSpec":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise SpecError("<file>", f"cannot read spec file: {err.strerror}", str(path)) from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise SpecError("<file>", f"not valid YAML: {err}", source=str(path)) from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def coerce(cls, spec: "AttentionSpec | str | Path | Mapping") -> "AttentionSpec":
+        """Accept a spec, a path to a YAML spec, or a dict of fields."""
+        if isinstance(spec, AttentionSpec):
+            return spec
+        if isinstance(spec, (str, Path)):
+            return cls.from_yaml(spec)
+        if isinstance(spec, Mapping):
+            return cls.from_dict(spec)
+        raise TypeError(f"expected an AttentionSpec, a YAML path or a dict, got {type(spec).__name__}")
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def scale(self) -> float:
+        """The softmax scale actually used."""
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def gqa_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, DTYPES[self.dtype])
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["tune"] = self.tune.to_dict()
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def canonical(self) -> dict:
+        """The fields that decide what the kernel computes, in a fixed form."""
+        out = self.to_dict()
+        for k in ("name", "target", "tune"):
+            out.pop(k)
+        out["softmax_scale"] = repr(self.scale)
+        return out
+
+    @property
+    def key(self) -> str:
+        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def uri(self) -> str:
+        parts = [self.name, self.dtype, f"hd{self.head_dim}"]
+        if self.head_dim_v != self.head_dim:
+            parts.append(f"hdv{self.head_dim_v}")
+        parts.append(f"h{self.num_heads}kv{self.num_kv_heads}")
+        if self.causal:
+            parts.append("causal")
+        if self.softmax_scale is not None:
+            parts.append(f"scale{self.softmax_scale:g}")
+        if self.dropout_p:
+            parts.append(f"drop{self.dropout_p:g}")
+        parts.append("train" if self.backward else "fwd")
+        return "_".join(parts)
+
+    def replace(self, **changes) -> "AttentionSpec":
+        return dataclasses.replace(self, **changes)
