@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import pprint
 import sys
 import tempfile
 import threading
@@ -60,7 +59,9 @@ def templates_hash() -> str:
 
 
 def _literal(data: dict) -> str:
-    return pprint.pformat(data, sort_dicts=False, width=100)
+    """A dict as Python source, one key a line, in the dict's order."""
+    lines = "".join(f"    {key!r}: {value!r},\n" for key, value in data.items())
+    return "{\n" + lines + "}"
 
 
 def render(spec: AttentionSpec, config: KernelConfig, template: str = FORWARD_TEMPLATE) -> str:

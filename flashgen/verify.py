@@ -1,0 +1,124 @@
+"""The reference attention and the error rule of ../shared/TESTING.md.
+
+The same check gates the test suite and the tuner: no config is timed, stored or
+chosen before ``check_attention`` passes on fresh random inputs.
+
+The rule, for fp16/bf16 (after flash-attn's own tests)::
+
+    max|out - ref| <= F * max|out_pt - ref| + atol,  atol = 2 * max|(ref + 0.3 - 0.3) - ref|
+    mean|out - ref| <= 1.1 * mean|out_pt - ref| + 1e-7
+
+with ``ref`` computed in float32 from the same inputs, ``out_pt`` the same reference
+in the kernel's dtype, F = 2 (3 for gradients). For fp32 the reference is float64 and
+the relative error ||out - ref|| / ||ref|| must stay below 1e-5.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+FP32_RTOL = 1e-5
+
+
+def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                        layout: str = "bhsd", compute_dtype: torch.dtype = torch.float32):
+    """Dense attention in plain PyTorch, computed in ``compute_dtype``.
+
+    Matmuls run in compute_dtype; the softmax in float32 (float64 for float64) and is
+    rounded back to compute_dtype, as a plain PyTorch attention in that dtype would.
+    Returns (out in q's layout, lse (B, H, Sq) in float32 or float64).
+    """
+    if layout == "bshd":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    soft_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    scores = (q @ k.transpose(-1, -2)).to(soft_dtype) * scale
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    if causal:
+        i = torch.arange(seqlen_q, device=q.device)[:, None]
+        j = torch.arange(seqlen_k, device=q.device)[None, :]
+        scores = scores.masked_fill(j > i + (seqlen_k - seqlen_q), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # Rows with every key masked: probabilities 0, output 0, lse -inf.
+    probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = probs.to(compute_dtype) @ v
+    if layout == "bshd":
+        out = out.transpose(1, 2)
+    return out, lse
+
+
+@dataclasses.dataclass
+class CheckResult:
+    name: str
+    ok: bool
+    max_err: float
+    bound: float
+    detail: str = ""
+
+    @property
+    def margin(self) -> float:
+        """max error / allowed error: below 1 passes; the tuner stores it."""
+        return self.max_err / self.bound if self.bound > 0 else (0.0 if self.max_err == 0 else math.inf)
+
+    def __str__(self) -> str:
+        state = "ok" if self.ok else "FAILED"
+        return f"{self.name}: {state} max|err|={self.max_err:.3g} bound={self.bound:.3g} {self.detail}".rstrip()
+
+
+def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | None, *,
+            factor: float = 2.0) -> CheckResult:
+    """Apply the error rule to one tensor. ``pt`` is the kernel-dtype reference (None for fp32)."""
+    out = out.detach()
+    finite_ref = torch.isfinite(ref)
+    # Entries the reference says are infinite (LSE of an empty row) must match exactly.
+    if not torch.equal(torch.isinf(out), ~finite_ref) or torch.isnan(out).any():
+        bad = int((torch.isnan(out) | (torch.isinf(out) != ~finite_ref)).sum())
+        return CheckResult(name, False, math.inf, 0.0, f"{bad} NaN/Inf entries disagree with the reference")
+    o, r = out.double()[finite_ref], ref.double()[finite_ref]
+    if o.numel() == 0:
+        return CheckResult(name, True, 0.0, 0.0)
+    err = (o - r).abs()
+    if pt is None:  # fp32: relative Frobenius error against float64
+        rel = float(err.norm() / r.norm().clamp_min(1e-30))
+        return CheckResult(name, rel <= FP32_RTOL, rel, FP32_RTOL, "(relative, fp32 vs float64)")
+    p = pt.double()[finite_ref]
+    pt_err = (p - r).abs()
+    r32 = r.float()
+    atol = 2 * float(((r32 + 0.3 - 0.3) - r32).abs().max())
+    bound = factor * float(pt_err.max()) + atol
+    mean_bound = 1.1 * float(pt_err.mean()) + 1e-7
+    max_err, mean_err = float(err.max()), float(err.mean())
+    ok = max_err <= bound and mean_err <= mean_bound
+    return CheckResult(name, ok, max_err, bound, f"mean|err|={mean_err:.3g} mean bound={mean_bound:.3g}")
+
+
+def check_attention(out, lse, q, k, v, *, causal: bool, softmax_scale: float | None = None,
+                    layout: str = "bhsd", factor: float = 2.0) -> list[CheckResult]:
+    """Check a kernel's (out, lse) against the reference; returns one result per tensor."""
+    low_precision = q.dtype in (torch.float16, torch.bfloat16)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, layout=layout)
+    if low_precision:
+        out_ref, lse_ref = reference_attention(q, k, v, compute_dtype=torch.float32, **kw)
+        out_pt, lse_pt = reference_attention(q, k, v, compute_dtype=q.dtype, **kw)
+    else:
+        out_ref, lse_ref = reference_attention(q, k, v, compute_dtype=torch.float64, **kw)
+        out_pt = lse_pt = None
+    results = [compare("out", out, out_ref, out_pt, factor=factor)]
+    if lse is not None:
+        results.append(compare("lse", lse, lse_ref, lse_pt, factor=factor))
+    return results
+
+
+def assert_attention_close(out, lse, q, k, v, **kw) -> list[CheckResult]:
+    results = check_attention(out, lse, q, k, v, **kw)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise AssertionError("; ".join(str(r) for r in failed))
+    return results

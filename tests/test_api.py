@@ -1,0 +1,61 @@
+"""flashgen.attention / flashgen.compile: argument errors name the argument."""
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec
+
+
+def t(*shape, dtype=torch.float16):
+    return torch.randn(*shape).to(dtype)
+
+
+@pytest.mark.parametrize("q,k,v,layout,words", [
+    (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), "bsdh", "layout: expected one of"),
+    (t(2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), "bhsd", "q: expected a 4-d tensor"),
+    (t(1, 2, 8, 16), t(1, 2, 8, 16), [1, 2], "bhsd", "v: expected a torch.Tensor"),
+    (t(1, 2, 8, 16, dtype=torch.int32), t(1, 2, 8, 16), t(1, 2, 8, 16), "bhsd", "q: expected dtype"),
+    (t(1, 2, 8, 16), t(1, 2, 8, 16, dtype=torch.float32), t(1, 2, 8, 16), "bhsd", "k: expected dtype torch.float16"),
+    (t(1, 4, 8, 16), t(1, 3, 8, 16), t(1, 3, 8, 16), "bhsd", "k: expected a number of heads that divides q's 4"),
+    (t(1, 2, 8, 16), t(1, 2, 8, 32), t(1, 2, 8, 16), "bhsd", "k: expected (batch, heads, head_dim) = (1, 2, 16)"),
+    (t(1, 2, 8, 16), t(2, 2, 8, 16), t(1, 2, 8, 16), "bhsd", "k: expected (batch, heads, head_dim) = (1, 2, 16)"),
+    (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 9, 16), "bhsd", "v: expected seqlen 8"),
+    (t(1, 2, 8, 300), t(1, 2, 8, 300), t(1, 2, 8, 300), "bhsd", "q: expected a head dim from 1 to 256, got 300"),
+    (t(1, 8, 2, 16), t(1, 8, 1, 16), t(1, 8, 1, 16), "bshd", "v: expected (batch, heads, head_dim) = (1, 1, 16)"),
+])
+def test_bad_arguments_name_the_argument(q, k, v, layout, words):
+    if layout == "bshd":  # v's head count disagrees with k's
+        v = t(1, 8, 2, 16)
+    with pytest.raises((ValueError, TypeError)) as info:
+        flashgen.attention(q, k, v, layout=layout)
+    assert words in str(info.value)
+
+
+def test_compiled_kernel_checks_against_its_spec():
+    kernel = flashgen.compile(AttentionSpec(head_dim=16, num_heads=4, num_kv_heads=2))
+    with pytest.raises(ValueError, match=r"q: expected \(batch, heads, head_dim\) = \(1, 4, 16\)"):
+        kernel(t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16))
+    with pytest.raises(ValueError, match="spec dtype fp16"):
+        kernel(t(1, 4, 8, 16, dtype=torch.float32), t(1, 2, 8, 16), t(1, 2, 8, 16))
+    assert "AttentionKernel(" in repr(kernel)
+
+
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
+        flashgen.attention(t(1, 1, 4, 16), t(1, 1, 4, 16), t(1, 1, 4, 16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to mix devices")
+def test_mixed_devices_name_the_argument():
+    q = t(1, 1, 4, 16).cuda()
+    with pytest.raises(ValueError, match="k: expected device cuda"):
+        flashgen.attention(q, t(1, 1, 4, 16), t(1, 1, 4, 16).cuda())
+
+
+def test_compile_accepts_yaml_path_and_dict(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("head_dim: 16\nnum_heads: 2\n")
+    assert flashgen.compile(path).spec == flashgen.compile({"head_dim": 16, "num_heads": 2}).spec
+    assert flashgen.compile(str(path)) is flashgen.compile(str(path))  # compiled once, reused
