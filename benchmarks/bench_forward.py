@@ -51,7 +51,10 @@ def sdpa(backend):
 def flex_runner(seqlen, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    compiled = torch.compile(flex_attention)
+    # A fresh, static-shape compile per case: after a few shapes dynamo would otherwise
+    # recompile with dynamic shapes (slower kernels) or give up and run flex eagerly.
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
     block_mask = None
     if causal:
         block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seqlen, seqlen)

@@ -107,10 +107,13 @@ def default_config(spec: AttentionSpec, target: str | None = None) -> KernelConf
             return KernelConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
         return KernelConfig(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1 if d > 128 else 2)
     if arch == "sm90":
+        # From the H100 sweep in benchmarks/results (bf16, 16k tokens, triton 3.6).
         if d <= 64:
-            return KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-        if d <= 128:
             return KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+        if d <= 128 and spec.causal:
+            return KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+        if d <= 128:
+            return KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
         return KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     if d <= 64:
         return KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)

@@ -89,7 +89,7 @@ def test_bad_config_knob_names_knob_and_value(knob, value):
 
 def test_default_config_per_gpu_family():
     spec = AttentionSpec(dtype="bf16", head_dim=128)
-    assert default_config(spec, "h100").BLOCK_M == 128
+    assert default_config(spec, "h100").BLOCK_N == 128
     assert default_config(spec.replace(head_dim=256), "h100").BLOCK_M == 64
     assert default_config(spec, "cpu").num_stages == 1
     assert default_config(spec.replace(dtype="fp32"), "a100").BLOCK_N == 32
