@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import torch
 
-from . import render
+from . import ops, render
 from .config import KernelConfig, default_config
 from .spec import MAX_HEAD_DIM, AttentionSpec
 
@@ -15,18 +15,20 @@ LAYOUTS = ("bhsd", "bshd")
 
 
 class AttentionKernel:
-    """A compiled attention spec. Call it as ``kernel(q, k, v)``.
+    """A compiled attention spec. Call it as ``kernel(q, k, v)``; it is differentiable.
 
     q is (batch, heads, seqlen_q, head_dim) in layout ``bhsd`` or (batch, seqlen_q,
     heads, head_dim) in layout ``bshd``; k and v likewise with the KV heads. The output
     has q's layout and head dim ``head_dim_v``; with ``return_lse=True`` the call also
-    returns the log-sum-exp, (batch, heads, seqlen_q) float32.
+    returns the log-sum-exp, (batch, heads, seqlen_q) float32 (not differentiable).
     """
 
     def __init__(self, spec: AttentionSpec, config: KernelConfig | None = None):
         self.spec = spec
         self.config = config if config is not None else default_config(spec)
         self._modules: dict[KernelConfig, object] = {}
+        self._ids: dict[KernelConfig, str] = {}
+        self._id = self.kernel_id(self.config)
 
     def module(self, config: KernelConfig | None = None):
         """The imported Triton module for a config (rendered and cached on first use)."""
@@ -36,17 +38,39 @@ class AttentionKernel:
             module = self._modules[config] = render.load(self.spec, config)
         return module
 
+    def kernel_id(self, config: KernelConfig) -> str:
+        """The id under which the custom ops find this kernel with this config."""
+        kid = self._ids.get(config)
+        if kid is None:
+            kid = self._ids[config] = ops.register(self, config)
+        return kid
+
     def source(self, config: KernelConfig | None = None) -> str:
         return render.render(self.spec, config if config is not None else self.config)
 
     def forward(self, q, k, v, *, layout: str = "bhsd", config: KernelConfig | None = None,
-                out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
-        """Run the forward kernel; returns (out, lse)."""
-        return self.module(config).forward(q, k, v, layout=layout, out=out, lse=lse)
+                out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                dropout_p: float = 0.0, seed: torch.Tensor | None = None):
+        """Run the forward kernel directly (no autograd); returns (out, lse)."""
+        return self.module(config).forward(q, k, v, layout=layout, out=out, lse=lse, dropout_p=dropout_p, seed=seed)
+
+    def backward(self, do, q, k, v, out, lse, *, layout: str = "bhsd", config: KernelConfig | None = None,
+                 dropout_p: float = 0.0, seed: torch.Tensor | None = None, deterministic: bool = False):
+        """Run the backward kernels directly; returns (dq, dk, dv)."""
+        return self.module(config).backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
+                                            deterministic=deterministic)
 
     def __call__(self, q, k, v, *, layout: str = "bhsd", return_lse: bool = False,
-                 config: KernelConfig | None = None):
-        out, lse = self.forward(q, k, v, layout=layout, config=config)
+                 config: KernelConfig | None = None, dropout_p: float | None = None, deterministic: bool = False):
+        """Differentiable attention. ``dropout_p`` defaults to the spec's (pass 0.0 in eval);
+        ``deterministic=True`` computes dQ with the separate, bitwise-repeatable kernel."""
+        kernel_id = self._id if config is None else self.kernel_id(config)
+        p = self.spec.dropout_p if dropout_p is None else float(dropout_p)
+        if p > 0:
+            seed = torch.randint(0, 2**62, (1,), device=q.device, dtype=torch.int64)
+        else:
+            seed = torch.empty(1, device=q.device, dtype=torch.int64)
+        out, lse = ops.attn_fwd(q, k, v, seed, kernel_id, layout, p, deterministic)
         return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:
@@ -63,7 +87,8 @@ def _compiled(spec: AttentionSpec, config: KernelConfig | None) -> AttentionKern
     return AttentionKernel(spec, config)
 
 
-def spec_for(q, k, v, *, causal: bool, softmax_scale: float | None, layout: str) -> AttentionSpec:
+def spec_for(q, k, v, *, causal: bool, softmax_scale: float | None, layout: str,
+             dropout_p: float = 0.0) -> AttentionSpec:
     """The spec that describes a call on these tensors; errors name the argument."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
@@ -90,15 +115,19 @@ def spec_for(q, k, v, *, causal: bool, softmax_scale: float | None, layout: str)
         num_kv_heads=num_kv_heads,
         causal=causal,
         softmax_scale=softmax_scale,
+        dropout_p=dropout_p,
+        backward=True,
     )
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
-              return_lse: bool = False, config: KernelConfig | None = None):
-    """One-off attention: softmax(q k^T * softmax_scale) v.
+              return_lse: bool = False, config: KernelConfig | None = None, dropout_p: float = 0.0,
+              deterministic: bool = False):
+    """One-off attention: softmax(q k^T * softmax_scale) v, differentiable.
 
     Shapes as in AttentionKernel. ``causal`` masks bottom-right aligned (flash-attn's
-    convention): query i sees key j iff j <= i + seqlen_k - seqlen_q.
+    convention): query i sees key j iff j <= i + seqlen_k - seqlen_q. ``dropout_p`` drops
+    attention probabilities (fused, Philox; the backward regenerates the same mask).
     """
-    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)
-    return compile(spec, config)(q, k, v, layout=layout, return_lse=return_lse)
+    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p)
+    return compile(spec, config)(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .spec import AttentionSpec
 
 LOOP_ORDERS = ("q_outer", "kv_outer")
+DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
 _WARPS = (1, 2, 4, 8, 16)
 
@@ -31,25 +32,40 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KernelConfig:
+    # forward
     BLOCK_M: int = 64
     BLOCK_N: int = 64
     num_warps: int = 4
     num_stages: int = 2
     loop_order: str = "q_outer"
+    # backward: the dK/dV kernel's tiles (M1 query rows x N1 keys), the dQ kernel's (M2 x N2)
+    BLOCK_M1: int = 32
+    BLOCK_N1: int = 64
+    BLOCK_M2: int = 64
+    BLOCK_N2: int = 32
+    bwd_num_warps: int = 4
+    bwd_num_stages: int = 2
+    dq_strategy: str = "separate"  # or "atomic": dQ added from the dK/dV kernel
 
     STRUCTURAL = ("loop_order",)
 
     def __post_init__(self):
-        for name in ("BLOCK_M", "BLOCK_N"):
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"):
             value = getattr(self, name)
             if isinstance(value, bool) or value not in _BLOCKS:
                 raise ConfigError(f"config knob '{name}': expected one of {_BLOCKS}, got {value!r}")
-        if isinstance(self.num_warps, bool) or self.num_warps not in _WARPS:
-            raise ConfigError(f"config knob 'num_warps': expected one of {_WARPS}, got {self.num_warps!r}")
-        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
-            raise ConfigError(f"config knob 'num_stages': expected an integer from 1 to 8, got {self.num_stages!r}")
+        for name in ("num_warps", "bwd_num_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in _WARPS:
+                raise ConfigError(f"config knob '{name}': expected one of {_WARPS}, got {value!r}")
+        for name in ("num_stages", "bwd_num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
+                raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
         if self.loop_order not in LOOP_ORDERS:
             raise ConfigError(f"config knob 'loop_order': expected one of {LOOP_ORDERS}, got {self.loop_order!r}")
+        if self.dq_strategy not in DQ_STRATEGIES:
+            raise ConfigError(f"config knob 'dq_strategy': expected one of {DQ_STRATEGIES}, got {self.dq_strategy!r}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "KernelConfig":
@@ -71,6 +87,10 @@ class KernelConfig:
     def __str__(self) -> str:
         return (f"BLOCK_M={self.BLOCK_M} BLOCK_N={self.BLOCK_N} warps={self.num_warps} "
                 f"stages={self.num_stages} {self.loop_order}")
+
+    def describe_backward(self) -> str:
+        return (f"M1={self.BLOCK_M1} N1={self.BLOCK_N1} M2={self.BLOCK_M2} N2={self.BLOCK_N2} "
+                f"warps={self.bwd_num_warps} stages={self.bwd_num_stages} dq={self.dq_strategy}")
 
 
 def interpreting() -> bool:
@@ -95,28 +115,48 @@ def detect_target() -> str:
 
 
 def default_config(spec: AttentionSpec, target: str | None = None) -> KernelConfig:
-    """A sound untuned config for (head dim, dtype, GPU family)."""
+    """A sound untuned config for (head dim, dtype, GPU family), forward and backward."""
     target = target or (spec.target if spec.target != "auto" else detect_target())
     arch = _ARCH.get(target, "sm80")
     d = max(spec.head_dim, spec.head_dim_v)
+    return KernelConfig(**_forward_defaults(spec, arch, d), **_backward_defaults(spec, arch, d))
+
+
+def _forward_defaults(spec: AttentionSpec, arch: str, d: int) -> dict:
+    def cfg(m, n, warps, stages):
+        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+
     if arch == "interpret":
         # The interpreter runs each program in numpy: fewer, larger tiles are faster.
-        return KernelConfig(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+        return cfg(32, 32, 4, 1)
     if spec.dtype == "fp32":
         if d <= 64:
-            return KernelConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-        return KernelConfig(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1 if d > 128 else 2)
+            return cfg(64, 32, 4, 2)
+        return cfg(32, 32, 4, 1 if d > 128 else 2)
     if arch == "sm90":
         # From the H100 sweep in benchmarks/results (bf16, 16k tokens, triton 3.6).
         if d <= 64:
-            return KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+            return cfg(128, 64, 8, 3)
         if d <= 128 and spec.causal:
-            return KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+            return cfg(64, 64, 4, 3)
         if d <= 128:
-            return KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
-        return KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+            return cfg(128, 128, 8, 3)
+        return cfg(64, 64, 4, 2)
     if d <= 64:
-        return KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+        return cfg(128, 64, 4, 3)
     if d <= 128:
-        return KernelConfig(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=2)
-    return KernelConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
+        return cfg(128, 32, 4, 2)
+    return cfg(64, 32, 4, 1)
+
+
+def _backward_defaults(spec: AttentionSpec, arch: str, d: int) -> dict:
+    def cfg(m1, n1, m2, n2, warps, stages):
+        return dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, bwd_num_warps=warps, bwd_num_stages=stages)
+
+    if arch == "interpret":
+        return cfg(32, 32, 32, 32, 4, 1)
+    if spec.dtype == "fp32" or d > 128:
+        return cfg(16, 32, 32, 16, 4, 1)
+    if arch == "sm90":
+        return cfg(32, 128, 128, 32, 4, 2) if d <= 64 else cfg(64, 128, 128, 64, 8, 2)
+    return cfg(32, 64, 64, 32, 4, 2)

@@ -24,7 +24,7 @@ from . import __version__
 from .config import KernelConfig
 from .spec import AttentionSpec
 
-FORWARD_TEMPLATE = "attention_fwd.py.j2"
+TEMPLATE = "attention.py.j2"
 
 
 def template_dir() -> Path:
@@ -32,7 +32,7 @@ def template_dir() -> Path:
     from a source tree or an editable install, the repository's templates/."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "templates", here.parent / "templates"):
-        if (candidate / FORWARD_TEMPLATE).is_file():
+        if (candidate / TEMPLATE).is_file():
             return candidate
     raise FileNotFoundError(f"flashgen templates not found next to {here}; the installation is incomplete")
 
@@ -64,7 +64,7 @@ def _literal(data: dict) -> str:
     return "{\n" + lines + "}"
 
 
-def render(spec: AttentionSpec, config: KernelConfig, template: str = FORWARD_TEMPLATE) -> str:
+def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE) -> str:
     """The Triton module source for this spec and config."""
     spec_dict = spec.to_dict()
     spec_dict["softmax_scale"] = spec.scale
@@ -74,6 +74,7 @@ def render(spec: AttentionSpec, config: KernelConfig, template: str = FORWARD_TE
         template=template,
         spec=spec,
         config=config,
+        dropout=spec.dropout_p > 0,
         spec_literal=_literal(spec_dict),
         config_literal=_literal(config.to_dict()),
     )
@@ -127,6 +128,6 @@ def import_path(path: Path) -> ModuleType:
         return module
 
 
-def load(spec: AttentionSpec, config: KernelConfig, template: str = FORWARD_TEMPLATE) -> ModuleType:
+def load(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE) -> ModuleType:
     """Render, cache and import the module for (spec, config)."""
     return import_path(cached_source_path(spec, render(spec, config, template)))
