@@ -24,12 +24,15 @@ FP32_RTOL = 1e-5
 
 
 def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-                        layout: str = "bhsd", compute_dtype: torch.dtype = torch.float32):
+                        layout: str = "bhsd", compute_dtype: torch.dtype = torch.float32,
+                        dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0):
     """Dense attention in plain PyTorch, computed in ``compute_dtype``.
 
     Matmuls run in compute_dtype; the softmax in float32 (float64 for float64) and is
     rounded back to compute_dtype, as a plain PyTorch attention in that dtype would.
-    Returns (out in q's layout, lse (B, H, Sq) in float32 or float64).
+    Returns (out in q's layout, lse (B, H, Sq) in float32 or float64). With a
+    ``dropout_mask`` (B, H, Sq, Sk) of kept entries, P is multiplied by mask / (1 - p).
+    Differentiable: gradients of the reference are the reference gradients.
     """
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -48,6 +51,8 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     lse = torch.logsumexp(scores, dim=-1)
     # Rows with every key masked: probabilities 0, output 0, lse -inf.
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    if dropout_mask is not None:
+        probs = probs * dropout_mask.to(probs.dtype) / (1.0 - dropout_p)
     out = probs.to(compute_dtype) @ v
     if layout == "bshd":
         out = out.transpose(1, 2)
@@ -75,7 +80,8 @@ class CheckResult:
 def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | None, *,
             factor: float = 2.0) -> CheckResult:
     """Apply the error rule to one tensor. ``pt`` is the kernel-dtype reference (None for fp32)."""
-    out = out.detach()
+    out, ref = out.detach(), ref.detach()
+    pt = pt.detach() if pt is not None else None
     finite_ref = torch.isfinite(ref)
     # Entries the reference says are infinite (LSE of an empty row) must match exactly.
     if not torch.equal(torch.isinf(out), ~finite_ref) or torch.isnan(out).any():
@@ -118,6 +124,35 @@ def check_attention(out, lse, q, k, v, *, causal: bool, softmax_scale: float | N
 
 def assert_attention_close(out, lse, q, k, v, **kw) -> list[CheckResult]:
     results = check_attention(out, lse, q, k, v, **kw)
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise AssertionError("; ".join(str(r) for r in failed))
+    return results
+
+
+def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | None = None,
+                    layout: str = "bhsd", dropout_mask=None, dropout_p: float = 0.0,
+                    factor: float = 3.0) -> list[CheckResult]:
+    """Check (dq, dk, dv) against the reference's gradients for the same dO (3x rule)."""
+    kw = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_mask=dropout_mask,
+              dropout_p=dropout_p)
+    low_precision = q.dtype in (torch.float16, torch.bfloat16)
+
+    def ref_grads(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, _ = reference_attention(*leaves, compute_dtype=dtype, **kw)
+        return torch.autograd.grad(out, leaves, do.to(dtype))
+
+    if low_precision:
+        refs = ref_grads(torch.float32)
+        pts = [g.to(q.dtype) for g in ref_grads(q.dtype)]
+    else:
+        refs, pts = ref_grads(torch.float64), [None] * 3
+    return [compare(name, g, r, pt, factor=factor) for name, g, r, pt in zip(("dq", "dk", "dv"), grads, refs, pts)]
+
+
+def assert_gradients_close(grads, q, k, v, do, **kw) -> list[CheckResult]:
+    results = check_gradients(grads, q, k, v, do, **kw)
     failed = [r for r in results if not r.ok]
     if failed:
         raise AssertionError("; ".join(str(r) for r in failed))

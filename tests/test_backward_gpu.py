@@ -1,0 +1,123 @@
+"""The backward on a real GPU: real sizes in every dtype, both dQ strategies, bitwise
+determinism, a training step captured in a CUDA graph, torch.compile with inductor, and
+memory that stays linear in the sequence length."""
+
+import random
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, default_config
+from flashgen.verify import assert_attention_close, assert_gradients_close
+
+from .helpers import make_qkv
+
+pytestmark = pytest.mark.gpu
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _check(dtype, causal, strategy, seqlens, head_dim, heads=(8, 2), layout="bhsd", deterministic=False):
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    spec = AttentionSpec(dtype=dtype, head_dim=head_dim, num_heads=heads[0], num_kv_heads=heads[1], causal=causal,
+                         backward=True)
+    kernel = flashgen.compile(spec, default_config(spec).replace(dq_strategy=strategy))
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, heads[0], heads[1], *seqlens, head_dim, dtype=DTYPES[dtype],
+                                                     device="cuda", layout=layout, generator=gen))
+    out, lse = kernel(q, k, v, layout=layout, return_lse=True, deterministic=deterministic)
+    do = torch.randn(out.shape, generator=gen).to(device="cuda", dtype=out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    try:
+        assert_attention_close(out, lse, q, k, v, causal=causal, layout=layout)
+        assert_gradients_close(grads, q, k, v, do, causal=causal, layout=layout)
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed}: {err}") from None
+    return kernel, (q, k, v, do), grads
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("strategy", ["separate", "atomic"])
+@pytest.mark.parametrize("seqlens,head_dim", [((1024, 1024), 64), ((777, 1500), 128), ((1500, 777), 80),
+                                              ((1, 2049), 96), ((513, 513), 256)])
+def test_gradients_real_sizes(dtype, causal, strategy, seqlens, head_dim):
+    _check(dtype, causal, strategy, seqlens, head_dim, layout="bshd" if head_dim == 80 else "bhsd")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_deterministic_gradients_are_bitwise_equal(dtype):
+    kernel, (q, k, v, do), grads = _check(dtype, True, "atomic", (2048, 2048), 128, deterministic=True)
+    for _ in range(3):
+        again = torch.autograd.grad(kernel(q, k, v, deterministic=True), (q, k, v), do)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+def test_training_step_in_a_cuda_graph():
+    spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=8, num_kv_heads=2, causal=True, backward=True)
+    kernel = flashgen.compile(spec)
+    torch.manual_seed(random.randrange(2**31))
+    proj = torch.nn.Linear(64, 64 * 3, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        qkv = proj(x)
+        q, k, v = qkv[..., :64], qkv[:, :2, :, 64:128], qkv[:, :2, :, 128:]
+        loss = kernel(q, k, v).float().square().mean()
+        loss.backward()
+        return loss
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up: compile the kernels outside the capture
+            proj.zero_grad(set_to_none=False)
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    proj.zero_grad(set_to_none=False)
+    eager_loss = step().item()
+    eager_grad = proj.weight.grad.clone()
+    graph = torch.cuda.CUDAGraph()
+    proj.zero_grad(set_to_none=False)
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    proj.zero_grad(set_to_none=False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert static_loss.item() == pytest.approx(eager_loss, rel=1e-3)
+    assert torch.allclose(proj.weight.grad.float(), eager_grad.float(), rtol=2e-2, atol=1e-3)
+
+
+def test_torch_compile_inductor_model():
+    spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=4, causal=True, backward=True)
+    kernel = flashgen.compile(spec)
+    lin = torch.nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+
+    def f(x):
+        return lin(kernel(lin(x), x, x)).float().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True)
+    x = torch.randn(2, 4, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    (g1,) = torch.autograd.grad(compiled(x), x)
+    (g2,) = torch.autograd.grad(f(x), x)
+    assert torch.allclose(g1.float(), g2.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_memory_is_linear_in_sequence_length():
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, causal=True, backward=True)
+    kernel = flashgen.compile(spec)
+
+    def peak(seqlen):
+        q, k, v = (t.requires_grad_() for t in make_qkv(1, 8, 8, seqlen, seqlen, 128, dtype=torch.bfloat16,
+                                                         device="cuda"))
+        kernel(q, k, v).sum().backward()  # compile outside the measurement
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        kernel(q, k, v).sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    small, large = peak(4096), peak(16384)
+    assert large <= 4.5 * small, (small, large)  # 4x the tokens: about 4x the bytes, never 16x
