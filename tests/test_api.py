@@ -1,5 +1,7 @@
 """flashgen.attention / flashgen.compile: argument errors name the argument."""
 
+import os
+
 import pytest
 import torch
 
@@ -7,8 +9,11 @@ import flashgen
 from flashgen import AttentionSpec
 
 
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
+
+
 def t(*shape, dtype=torch.float16):
-    return torch.randn(*shape).to(dtype)
+    return torch.randn(*shape).to(device=DEVICE, dtype=dtype)
 
 
 @pytest.mark.parametrize("q,k,v,layout,words", [
@@ -43,15 +48,16 @@ def test_compiled_kernel_checks_against_its_spec():
 
 def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cpu = [torch.randn(1, 1, 4, 16, dtype=torch.float16) for _ in range(3)]
     with pytest.raises(ValueError, match="q: expected a CUDA tensor"):
-        flashgen.attention(t(1, 1, 4, 16), t(1, 1, 4, 16), t(1, 1, 4, 16))
+        flashgen.attention(*cpu)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to mix devices")
 def test_mixed_devices_name_the_argument():
-    q = t(1, 1, 4, 16).cuda()
+    q = torch.randn(1, 1, 4, 16, dtype=torch.float16, device="cuda")
     with pytest.raises(ValueError, match="k: expected device cuda"):
-        flashgen.attention(q, t(1, 1, 4, 16), t(1, 1, 4, 16).cuda())
+        flashgen.attention(q, q.cpu(), q)
 
 
 def test_compile_accepts_yaml_path_and_dict(tmp_path):

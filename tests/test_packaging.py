@@ -25,7 +25,10 @@ def test_wheel_ships_templates_and_finds_them(tmp_path):
     # From the unpacked wheel (no source tree on the path), rendering works.
     code = ("import flashgen.render as r, flashgen; "
             "print(r.template_dir()); print(len(r.render(flashgen.AttentionSpec(), flashgen.KernelConfig())))")
-    env = dict(os.environ, PYTHONPATH=str(site))
+    # The unpacked wheel first; keep other entries (dependencies) but never the source tree.
+    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+              if p and Path(p).resolve() != ROOT]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), *others]))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[0] == str(site / "flashgen" / "templates")
