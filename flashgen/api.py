@@ -8,6 +8,7 @@ import torch
 
 from . import ops, render
 from .config import KernelConfig, default_config
+from .space import nearest_bucket
 from .spec import MAX_HEAD_DIM, AttentionSpec
 
 _TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -23,12 +24,24 @@ class AttentionKernel:
     returns the log-sum-exp, (batch, heads, seqlen_q) float32 (not differentiable).
     """
 
-    def __init__(self, spec: AttentionSpec, config: KernelConfig | None = None):
+    def __init__(self, spec: AttentionSpec, config: KernelConfig | None = None, *,
+                 bucket_configs: dict[int, KernelConfig] | None = None):
         self.spec = spec
         self.config = config if config is not None else default_config(spec)
+        # Tuned configs per power-of-two sequence-length bucket (flashgen.load); a call uses
+        # the nearest bucket's, or self.config when there are none.
+        self.bucket_configs = dict(bucket_configs or {})
+        self.config_source = "given" if config is not None else "default"
         self._modules: dict[KernelConfig, object] = {}
         self._ids: dict[KernelConfig, str] = {}
         self._id = self.kernel_id(self.config)
+        self._bucket_ids = {b: self.kernel_id(c) for b, c in self.bucket_configs.items()}
+
+    def config_for(self, seqlen: int) -> KernelConfig:
+        """The config a call at this sequence length uses."""
+        if not self.bucket_configs:
+            return self.config
+        return self.bucket_configs[nearest_bucket(seqlen, self.bucket_configs)]
 
     def module(self, config: KernelConfig | None = None):
         """The imported Triton module for a config (rendered and cached on first use)."""
@@ -64,7 +77,13 @@ class AttentionKernel:
                  config: KernelConfig | None = None, dropout_p: float | None = None, deterministic: bool = False):
         """Differentiable attention. ``dropout_p`` defaults to the spec's (pass 0.0 in eval);
         ``deterministic=True`` computes dQ with the separate, bitwise-repeatable kernel."""
-        kernel_id = self._id if config is None else self.kernel_id(config)
+        if config is not None:
+            kernel_id = self.kernel_id(config)
+        elif self._bucket_ids:
+            seqlen = max(q.shape[2 if layout == "bhsd" else 1], k.shape[2 if layout == "bhsd" else 1])
+            kernel_id = self._bucket_ids[nearest_bucket(seqlen, self._bucket_ids)]
+        else:
+            kernel_id = self._id
         p = self.spec.dropout_p if dropout_p is None else float(dropout_p)
         if p > 0:
             seed = torch.randint(0, 2**62, (1,), device=q.device, dtype=torch.int64)

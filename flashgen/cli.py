@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -57,6 +58,261 @@ def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_sta
     else:
         write_atomic(Path(output), source)
         click.echo(f"wrote {output}: {spec.uri} with {config}", err=True)
+
+
+def _db_option(f):
+    return click.option("--db", "db_url", default=None,
+                        help="SQLAlchemy URL of the results database (default: $FLASHGEN_DB or the user cache).")(f)
+
+
+def _journal_dir(url: str) -> Path:
+    import platformdirs
+
+    if url.startswith("sqlite:///"):
+        db_path = Path(url[len("sqlite:///"):]).expanduser()
+        return db_path.with_name(db_path.stem + "-journals")
+    return Path(platformdirs.user_cache_dir("flashgen")) / "journals"
+
+
+@main.command()
+@click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False), help="The spec (YAML).")
+@click.option("--trials", type=click.IntRange(1), help="Trials per study (default: the spec's tune.trials).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True,
+              help="Seconds one trial may take before it counts as a timeout.")
+@click.option("--sampler", type=click.Choice(["tpe", "random", "grid", "cmaes"]), default="tpe", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
+@_db_option
+@click.option("--resume", is_flag=True, help="Continue interrupted studies from their Optuna journals.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write search history and importances (PNG).")
+@click.option("--interpret", is_flag=True, help="Run through Triton's CPU interpreter at tiny shapes (NOT a timing).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def tune(spec_path, trials, timeout_s, sampler, seed, db_url, resume, plot_path, interpret, as_json):
+    """Tune a spec on this GPU and store the best config per sequence-length bucket."""
+    import json
+    import os
+
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    spec = _load_spec(spec_path)
+    if interpret and spec.dtype == "bf16":
+        raise click.UsageError(f"{spec_path}: spec field 'dtype': the interpreter's bf16 dot is unreliable, "
+                               "got 'bf16'; tune an fp16 or fp32 spec with --interpret")
+    import torch
+
+    from .db import ResultStore, SchemaVersionError, default_url
+    from .tuner import GpuRunner, InterpretRunner, TuneOptions, tune as run_tune
+
+    if not interpret and not torch.cuda.is_available():
+        raise click.UsageError("no CUDA GPU here: tune on a GPU, or pass --interpret to exercise the whole "
+                               "path through Triton's interpreter (not a timing)")
+    url = db_url or default_url()
+    try:
+        store = ResultStore(url)
+    except SchemaVersionError as err:
+        raise click.ClickException(str(err)) from None
+    runner = InterpretRunner() if interpret else GpuRunner()
+    phases = 2 if spec.backward else 1
+    total = (trials or spec.tune.trials) * phases * len({b for b in _buckets(spec)})
+    history: dict[str, list] = {}
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=f"tune {spec.uri}", unit="trial", disable=as_json, dynamic_ncols=True)
+    state = {"failures": 0}
+
+    def progress(event):
+        rec, study = event["record"], event["study"]
+        history.setdefault(study.study_name, []).append(rec)
+        state["failures"] += rec.status != "ok"
+        ok = [r for r in history[study.study_name] if r.status == "ok"]
+        best = min(ok, key=lambda r: r.ms) if ok else None
+        bar.set_postfix_str(f"S={event['bucket']} {event['phase']} best={best.ms:.3f}ms "
+                            f"{best.tflops:.0f}TFLOP/s fail={state['failures']}" if best else
+                            f"S={event['bucket']} {event['phase']} fail={state['failures']}")
+        bar.update(1)
+
+    options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed, resume=resume,
+                          journal_dir=_journal_dir(url), progress=progress)
+    started = time.time()
+    results = run_tune(spec, runner, store, options)
+    bar.close()
+    wall = time.time() - started
+    rows = [dict(bucket=r.bucket, phase=r.phase, trials=r.trials, failures=r.failures,
+                 config=r.best.config if r.best else None, ms=r.best.ms if r.best else None,
+                 tflops=r.best.tflops if r.best else None, speedup_over_default=r.speedup,
+                 importances=r.importances) for r in results]
+    if as_json:
+        click.echo(json.dumps(dict(spec=spec.uri, db=url, timing=runner.timing_label, wall_s=wall,
+                                   environment=runner.env.as_dict(), results=rows), indent=1))
+    else:
+        _print_tune_table(spec, runner, rows, url, wall)
+    if plot_path:
+        _plot(plot_path, history, results)
+        click.echo(f"wrote {plot_path}")
+    if not any(r.best for r in results):
+        raise click.ClickException("no config passed verification: nothing stored")
+
+
+def _buckets(spec):
+    from .space import bucket_of
+
+    return sorted({bucket_of(s) for s in spec.tune.seqlens})
+
+
+def _print_tune_table(spec, runner, rows, url, wall):
+    click.echo(f"\n{spec.uri} on {runner.env.gpu} ({runner.timing_label}); stored in {url}; {wall:.0f}s")
+    click.echo(f"{'bucket':>7} {'phase':5} {'ms':>9} {'TFLOP/s':>8} {'vs default':>10}  config / importances")
+    for r in rows:
+        if r["config"] is None:
+            click.echo(f"{r['bucket']:>7} {r['phase']:5} {'-':>9} {'-':>8} {'-':>10}  no config passed "
+                       f"({r['failures']})")
+            continue
+        speed = f"{r['speedup_over_default']:.2f}x" if r["speedup_over_default"] else "-"
+        knobs = " ".join(f"{k}={v}" for k, v in r["config"].items() if k in _knobs_of(r["phase"]))
+        click.echo(f"{r['bucket']:>7} {r['phase']:5} {r['ms']:>9.4f} {r['tflops']:>8.1f} {speed:>10}  {knobs}")
+        if r["importances"]:
+            imp = ", ".join(f"{k} {v:.2f}" for k, v in list(r["importances"].items())[:4])
+            click.echo(f"{'':>44}importance: {imp}")
+
+
+def _knobs_of(phase):
+    from .tuner import _phase_knobs
+
+    return _phase_knobs(phase)
+
+
+def _plot(path, history, results):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("--plot needs matplotlib: pip install 'flashgen[plot]'") from None
+    fig, axes = plt.subplots(len(results), 2, figsize=(12, 3.2 * len(results)), squeeze=False)
+    for (ax_h, ax_i), r in zip(axes, results):
+        recs = history.get(r.study_name, [])
+        xs = [i for i, rec in enumerate(recs) if rec.status == "ok"]
+        ys = [recs[i].ms for i in xs]
+        ax_h.scatter(xs, ys, s=12, label="trial")
+        best, line = float("inf"), []
+        for y in ys:
+            best = min(best, y)
+            line.append(best)
+        ax_h.step(xs, line, where="post", color="C1", label="best so far")
+        ax_h.set(title=f"S={r.bucket} {r.phase}: search history", xlabel="trial", ylabel="ms")
+        ax_h.legend()
+        names, vals = list(r.importances), list(r.importances.values())
+        ax_i.barh(names, vals)
+        ax_i.set(title="parameter importance (fANOVA)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+@main.command()
+@_db_option
+@click.option("--json", "as_json", is_flag=True)
+def show(db_url, as_json):
+    """List the tuned configs stored in the database."""
+    import json
+
+    from .db import ResultStore
+
+    rows = ResultStore(db_url, create=False).all_best() if _db_exists(db_url) else []
+    if as_json:
+        click.echo(json.dumps(rows, indent=1, default=str))
+        return
+    if not rows:
+        click.echo("no tuned configs stored")
+        return
+    for r in rows:
+        speed = f"{r['default_ms'] / r['ms']:.2f}x" if r["default_ms"] else "-"
+        click.echo(f"{r['spec_uri']}  S={r['bucket']} {r['phase']}  {r['ms']:.4f} ms  {r['tflops']:.1f} TFLOP/s  "
+                   f"{speed} vs default  on {r['environment']['gpu']} (triton {r['environment']['triton']})")
+
+
+def _db_exists(db_url):
+    from .db import default_url
+
+    url = db_url or default_url()
+    return not url.startswith("sqlite:///") or Path(url[len("sqlite:///"):]).expanduser().exists()
+
+
+@main.command("export")
+@_db_option
+@click.option("--gpu", help="Export this GPU's results (default: this machine's GPU).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Default: tuning_db/<gpu>.yaml")
+def export_cmd(db_url, gpu, output):
+    """Write a GPU's best configs to a file of the shipped tuning_db/ layer."""
+    from .db import EnvInfo, ResultStore
+    from .db.layer import export_rows, gpu_slug, layer_dir
+
+    gpu = gpu or EnvInfo.current().gpu
+    path = Path(output) if output else layer_dir() / f"{gpu_slug(gpu)}.yaml"
+    n = export_rows(ResultStore(db_url, create=False).all_best(), path, gpu)
+    click.echo(f"wrote {n} results for {gpu} to {path}")
+
+
+@main.command("import")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False))
+@_db_option
+def import_cmd(path, db_url):
+    """Load an exported tuning_db file into a database."""
+    from .db import ResultStore
+    from .db.layer import read_file
+
+    n = ResultStore(db_url).import_rows(read_file(Path(path)))
+    click.echo(f"imported {n} results from {path}")
+
+
+@main.group()
+def db():
+    """Inspect or upgrade the results database."""
+
+
+@db.command("check")
+@_db_option
+def db_check(db_url):
+    """Report what is wrong with the database (exit 1 when anything is)."""
+    from .db import ResultStore, default_url
+
+    url = db_url or default_url()
+    if not _db_exists(db_url):
+        click.echo(f"{url}: does not exist (it is created by the first `flashgen tune`)")
+        sys.exit(1)
+    try:
+        problems = ResultStore(url, create=False).check()
+    except Exception as err:
+        click.echo(f"{url}: cannot be opened as a flashgen database: {type(err).__name__}: {err}")
+        sys.exit(1)
+    for p in problems:
+        click.echo(f"{url}: {p}")
+    if problems:
+        sys.exit(1)
+    click.echo(f"{url}: ok")
+
+
+@db.command("upgrade")
+@_db_option
+def db_upgrade(db_url):
+    """Bring a database to this flashgen's schema version."""
+    from sqlalchemy import create_engine, text
+
+    from .db import SCHEMA_VERSION, ResultStore, default_url
+
+    url = db_url or default_url()
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        try:
+            found = conn.execute(text("SELECT value FROM flashgen_meta WHERE key = 'schema_version'")).scalar()
+        except Exception:
+            found = None
+    if found is not None and int(found) > SCHEMA_VERSION:
+        raise click.ClickException(f"{url} is at schema version {found}, newer than this flashgen's "
+                                   f"{SCHEMA_VERSION}: upgrade flashgen instead")
+    if found is not None and int(found) < SCHEMA_VERSION:
+        raise click.ClickException(f"no migration from schema version {found} to {SCHEMA_VERSION} exists")
+    ResultStore(url)  # creates missing tables and stamps the version
+    click.echo(f"{url}: at schema version {SCHEMA_VERSION}")
 
 
 if __name__ == "__main__":

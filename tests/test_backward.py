@@ -17,7 +17,7 @@ from flashgen.verify import assert_attention_close, assert_gradients_close
 from .helpers import make_qkv
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-SEQLENS = [(17, 17), (40, 70), (70, 40), (1, 33), (65, 65)]
+SEQLENS = [(17, 17), (40, 70), (70, 40), (1, 33), (65, 65), (1, 1)]
 HEAD_DIMS = [(16, 16), (40, 40), (64, 48), (96, 96)]
 HEADS = [(4, 4), (8, 2), (6, 1)]
 BLOCKS = [(16, 32, 32, 16), (32, 16, 16, 32), (16, 16, 16, 16)]  # (M1, N1, M2, N2)

@@ -1,0 +1,93 @@
+"""The results database schema (SQLAlchemy ORM).
+
+One row per environment (GPU + software), per spec, per trial (one config measured for
+one spec, environment, sequence-length bucket and phase) and per best choice. Natural keys
+are unique constraints, so every write is an upsert.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+SCHEMA_VERSION = 1
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Meta(Base):
+    __tablename__ = "flashgen_meta"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(256))
+
+
+class Environment(Base):
+    """Where a result was measured. A result is reused only in an identical environment."""
+
+    __tablename__ = "environments"
+    __table_args__ = (UniqueConstraint("gpu", "capability", "sm_count", "memory_gib", "torch", "triton", "cuda",
+                                       "flashgen", "templates", name="uq_environment"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    gpu: Mapped[str] = mapped_column(String(128))
+    capability: Mapped[str] = mapped_column(String(16))
+    sm_count: Mapped[int] = mapped_column(Integer)
+    memory_gib: Mapped[float] = mapped_column(Float)
+    torch: Mapped[str] = mapped_column(String(64))
+    triton: Mapped[str] = mapped_column(String(64))
+    cuda: Mapped[str] = mapped_column(String(32))
+    flashgen: Mapped[str] = mapped_column(String(32))
+    templates: Mapped[str] = mapped_column(String(32))  # hash of the Jinja templates
+
+
+class SpecRow(Base):
+    __tablename__ = "specs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key: Mapped[str] = mapped_column(String(32), unique=True)
+    uri: Mapped[str] = mapped_column(String(256))
+    canonical: Mapped[dict] = mapped_column(JSON)
+
+
+class Trial(Base):
+    """One config measured (or rejected) for (environment, spec, bucket, phase)."""
+
+    __tablename__ = "trials"
+    __table_args__ = (UniqueConstraint("environment_id", "spec_id", "bucket", "phase", "config_key",
+                                       name="uq_trial"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
+    spec_id: Mapped[int] = mapped_column(ForeignKey("specs.id"))
+    bucket: Mapped[int] = mapped_column(Integer)
+    phase: Mapped[str] = mapped_column(String(8))  # fwd | bwd
+    config_key: Mapped[str] = mapped_column(String(32))
+    config: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(24))  # ok | compile_error | out_of_resources | wrong_result | ...
+    ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tflops: Mapped[float | None] = mapped_column(Float, nullable=True)
+    margin: Mapped[float | None] = mapped_column(Float, nullable=True)  # max error / allowed error
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class Best(Base):
+    """The chosen config for (environment, spec, bucket, phase)."""
+
+    __tablename__ = "best_configs"
+    __table_args__ = (UniqueConstraint("environment_id", "spec_id", "bucket", "phase", name="uq_best"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
+    spec_id: Mapped[int] = mapped_column(ForeignKey("specs.id"))
+    bucket: Mapped[int] = mapped_column(Integer)
+    phase: Mapped[str] = mapped_column(String(8))
+    config: Mapped[dict] = mapped_column(JSON)
+    ms: Mapped[float] = mapped_column(Float)
+    tflops: Mapped[float] = mapped_column(Float)
+    default_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)

@@ -1,0 +1,135 @@
+"""The search space: knob -> choices, plus restrictions checked before anything compiles.
+
+Spaces are declared data (after Kernel Tuner). A restriction is a readable expression
+and the predicate that checks it; a point that breaks one is never compiled or timed.
+The resource estimates are deliberately simple: they reject what cannot fit (shared
+memory beyond the device's limit, accumulators that would need more than 255 registers
+per thread) and leave the close calls to the measurement.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from .spec import AttentionSpec
+
+SMEM_LIMITS = {"sm90": 232448, "sm80": 166912, "sm86": 101376, "sm89": 101376}  # bytes per block (opt-in)
+
+
+@dataclass(frozen=True)
+class Restriction:
+    text: str
+    check: Callable[[dict], bool]
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    name: str
+    smem_bytes: float  # per thread block; inf under the interpreter
+    interpret: bool = False
+
+    @classmethod
+    def current(cls, interpret: bool = False) -> "DeviceLimits":
+        import torch
+
+        if interpret or not torch.cuda.is_available():
+            return cls("triton-interpreter", math.inf, interpret=True)
+        props = torch.cuda.get_device_properties(0)
+        smem = getattr(props, "shared_memory_per_block_optin", None)
+        if not smem:
+            smem = SMEM_LIMITS.get(f"sm{props.major}{props.minor}", 101376)
+        return cls(props.name, float(smem))
+
+
+@dataclass
+class SearchSpace:
+    phase: str  # fwd | bwd
+    params: dict[str, tuple]
+    restrictions: list[Restriction] = field(default_factory=list)
+
+    def violations(self, point: dict) -> list[str]:
+        return [r.text for r in self.restrictions if not r.check(point)]
+
+    def size(self) -> int:
+        return math.prod(len(c) for c in self.params.values())
+
+    def points(self) -> Iterator[dict]:
+        """Every valid point, in a fixed order (for exhaustive sweeps and grid search)."""
+        names = list(self.params)
+        for values in itertools.product(*(self.params[n] for n in names)):
+            point = dict(zip(names, values))
+            if not self.violations(point):
+                yield point
+
+
+def _pad(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
+    elem = 4 if spec.dtype == "fp32" else 2
+    bd, bdv = _pad(spec.head_dim), _pad(spec.head_dim_v)
+    if device.interpret:
+        params = dict(BLOCK_M=(16, 32), BLOCK_N=(16, 32), num_warps=(4,), num_stages=(1,),
+                      loop_order=("q_outer", "kv_outer"))
+    else:
+        params = dict(BLOCK_M=(32, 64, 128), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3, 4),
+                      loop_order=("q_outer", "kv_outer"))
+
+    def smem(p):  # Q tile + num_stages buffers of K and V tiles + P staged for the second dot
+        return elem * (p["BLOCK_M"] * bd + p["num_stages"] * p["BLOCK_N"] * (bd + bdv) + p["BLOCK_M"] * p["BLOCK_N"])
+
+    def regs(p):  # fp32 accumulator + S/P tile + Q tile, per thread
+        words = p["BLOCK_M"] * bdv + p["BLOCK_M"] * p["BLOCK_N"] + p["BLOCK_M"] * bd * elem / 4
+        return words / (32 * p["num_warps"])
+
+    return SearchSpace("fwd", params, [
+        Restriction(f"smem = {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv} + BLOCK_M*BLOCK_N) "
+                    f"<= {device.smem_bytes:g}", lambda p: smem(p) <= device.smem_bytes),
+        Restriction(f"registers = (BLOCK_M*{bdv} + BLOCK_M*BLOCK_N + BLOCK_M*{bd}*{elem}/4) / (32*num_warps) <= 255",
+                    lambda p: device.interpret or regs(p) <= 255),
+        # FA1's order keeps one program per (head, batch): the K/V tile is its whole working set.
+        Restriction("loop_order == 'q_outer' or num_stages <= 2",
+                    lambda p: p["loop_order"] == "q_outer" or p["num_stages"] <= 2),
+    ])
+
+
+def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
+    elem = 4 if spec.dtype == "fp32" else 2
+    bd, bdv = _pad(spec.head_dim), _pad(spec.head_dim_v)
+    if device.interpret:
+        params = dict(BLOCK_M1=(16, 32), BLOCK_N1=(16, 32), BLOCK_M2=(16, 32), BLOCK_N2=(16, 32),
+                      bwd_num_warps=(4,), bwd_num_stages=(1,), dq_strategy=("separate", "atomic"))
+    else:
+        params = dict(BLOCK_M1=(32, 64), BLOCK_N1=(32, 64, 128), BLOCK_M2=(32, 64, 128), BLOCK_N2=(32, 64),
+                      bwd_num_warps=(4, 8), bwd_num_stages=(1, 2, 3), dq_strategy=("separate", "atomic"))
+
+    def dkdv_regs(p):  # dK, dV accumulators (fp32) + K, V tiles + P^T and dS^T tiles
+        n, m = p["BLOCK_N1"], p["BLOCK_M1"]
+        return (n * (bd + bdv) + n * (bd + bdv) * elem / 4 + 2 * n * m) / (32 * p["bwd_num_warps"])
+
+    def dq_regs(p):  # dQ accumulator + Q, dO tiles + P and dS tiles
+        m, n = p["BLOCK_M2"], p["BLOCK_N2"]
+        return (m * bd + m * (bd + bdv) * elem / 4 + 2 * m * n) / (32 * p["bwd_num_warps"])
+
+    def smem(p):  # streamed Q^T/dO tiles (dK/dV kernel) or K/V tiles (dQ kernel)
+        return elem * p["bwd_num_stages"] * max(p["BLOCK_M1"], p["BLOCK_N2"]) * (bd + bdv)
+
+    return SearchSpace("bwd", params, [
+        Restriction("dK/dV kernel registers <= 255", lambda p: device.interpret or dkdv_regs(p) <= 255),
+        Restriction("dQ kernel registers <= 255", lambda p: device.interpret or dq_regs(p) <= 255),
+        Restriction(f"smem = {elem}*bwd_num_stages*max(BLOCK_M1, BLOCK_N2)*{bd + bdv} <= {device.smem_bytes:g}",
+                    lambda p: smem(p) <= device.smem_bytes),
+    ])
+
+
+def bucket_of(seqlen: int) -> int:
+    """The power-of-two sequence-length bucket a length belongs to (nearest in log scale)."""
+    return 1 << max(0, round(math.log2(max(1, seqlen))))
+
+
+def nearest_bucket(seqlen: int, buckets) -> int:
+    return min(buckets, key=lambda b: (abs(math.log2(b) - math.log2(max(1, seqlen))), b))

@@ -1,0 +1,354 @@
+"""The autotuner: Optuna searches the knobs, every candidate is verified before it is timed.
+
+One entry point, ``tune(spec, runner, options)``. For each sequence-length bucket it runs
+one Optuna study for the forward and, when the spec trains, one for the backward (with
+the forward fixed at its best). A trial renders, compiles, verifies (the rule of
+../shared/TESTING.md on a reduced grid) and only then times. Failures are typed
+(restricted, compile_error, out_of_resources, wrong_result, timeout, error), stored, never
+retried and never chosen. Every finished trial is written to the results database and to
+the study's Optuna journal at once, so a crashed run loses nothing and ``resume`` goes on.
+Before a best config is stored it is verified on the full grid and timed again beside
+the runner-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+import torch
+
+from .api import AttentionKernel
+from .bench import attention_flops, tflops
+from .config import KernelConfig, default_config
+from .db import EnvInfo, ResultStore, TrialRecord, config_key
+from .space import DeviceLimits, SearchSpace, backward_space, bucket_of, forward_space
+from .spec import AttentionSpec
+from .verify import check_attention, check_gradients
+
+log = logging.getLogger("flashgen.tuner")
+SAMPLERS = ("tpe", "random", "grid", "cmaes")
+
+
+# ----------------------------------------------------------------------------- runners
+@dataclass
+class Workload:
+    bucket: int
+    batch: int
+    seqlen: int
+    tensors: tuple  # q, k, v, do
+
+
+class Runner:
+    """Verifies and times one config. GpuRunner and InterpretRunner share this interface."""
+
+    device = "cpu"
+    timing_label = ""
+    interpret = False
+
+    def __init__(self, verify_shapes, full_verify_shapes):
+        self.verify_shapes = verify_shapes
+        self.full_verify_shapes = full_verify_shapes
+        self.env = EnvInfo.current(interpret=self.interpret)
+        self.limits = DeviceLimits.current(interpret=self.interpret)
+
+    # The two calls a test may override (for example to inject a wrong kernel).
+    def forward(self, kernel: AttentionKernel, config, q, k, v):
+        return kernel.forward(q, k, v, config=config)
+
+    def backward(self, kernel: AttentionKernel, config, do, q, k, v, out, lse):
+        return kernel.backward(do, q, k, v, out, lse, config=config)
+
+    def workload(self, spec: AttentionSpec, bucket: int, batch_tokens: int) -> Workload:
+        seqlen = self.timing_seqlen(bucket)
+        batch = max(1, batch_tokens // seqlen) if not self.interpret else 1
+        gen = torch.Generator().manual_seed(random.randrange(2**31))
+        return Workload(bucket, batch, seqlen, _randn_qkv_do(spec, batch, seqlen, seqlen, self.device, gen))
+
+    def timing_seqlen(self, bucket: int) -> int:
+        return bucket
+
+    def verify(self, kernel, config, phase, shapes) -> tuple[bool, float, str | None]:
+        """The error rule on fresh inputs at each shape; returns (ok, worst margin, error)."""
+        worst = 0.0
+        for batch, seqlen_q, seqlen_k in shapes:
+            gen = torch.Generator().manual_seed(random.randrange(2**31))
+            q, k, v, do = _randn_qkv_do(kernel.spec, batch, seqlen_q, seqlen_k, self.device, gen)
+            out, lse = self.forward(kernel, config, q, k, v)
+            results = check_attention(out, lse, q, k, v, causal=kernel.spec.causal,
+                                      softmax_scale=kernel.spec.softmax_scale)
+            if phase == "bwd":
+                grads = self.backward(kernel, config, do, q, k, v, out, lse)
+                results += check_gradients(grads, q, k, v, do, causal=kernel.spec.causal,
+                                           softmax_scale=kernel.spec.softmax_scale)
+            for r in results:
+                worst = max(worst, r.margin)
+                if not r.ok:
+                    return False, worst, f"at (batch {batch}, seqlen_q {seqlen_q}, seqlen_k {seqlen_k}): {r}"
+        return True, worst, None
+
+    def time(self, kernel, config, phase, work: Workload) -> float:
+        raise NotImplementedError
+
+    def evaluate(self, kernel, config, phase, work: Workload, *, timeout_s: float = 60.0,
+                 full: bool = False) -> TrialRecord:
+        rec = TrialRecord(work.bucket, phase, config.to_dict(), "ok")
+        start = time.monotonic()
+        try:
+            ok, rec.margin, rec.error = self.verify(kernel, config, phase,
+                                                    self.full_verify_shapes if full else self.verify_shapes)
+            if not ok:
+                rec.status = "wrong_result"
+                return rec
+            if time.monotonic() - start > timeout_s:
+                rec.status, rec.error = "timeout", f"compile and verify took over {timeout_s:g}s"
+                return rec
+            rec.ms = self.time(kernel, config, phase, work)
+            spec = kernel.spec
+            flops = attention_flops(work.batch, spec.num_heads, work.seqlen, work.seqlen, spec.head_dim,
+                                    spec.head_dim_v, causal=spec.causal, mode="fwd" if phase == "fwd" else "bwd")
+            rec.tflops = tflops(flops, rec.ms)
+        except Exception as err:  # typed: never let one config end the search
+            rec.status, rec.error = classify_failure(err), f"{type(err).__name__}: {str(err)[:2000]}"
+        if rec.status == "ok" and time.monotonic() - start > timeout_s:
+            rec.status, rec.error = "timeout", f"took {time.monotonic() - start:.0f}s, over {timeout_s:g}s"
+        return rec
+
+
+class GpuRunner(Runner):
+    device = "cuda"
+    timing_label = "GPU time: median of CUDA-event timed runs after warm-up, L2 flushed"
+
+    def __init__(self):
+        super().__init__(verify_shapes=[(2, 257, 257), (1, 129, 300)],
+                         full_verify_shapes=[(2, 1, 1), (2, 257, 257), (1, 129, 300), (1, 300, 129),
+                                             (2, 1023, 1023), (1, 17, 2049)])
+
+    def time(self, kernel, config, phase, work: Workload) -> float:
+        from .bench import time_ms
+
+        q, k, v, do = work.tensors
+        if phase == "fwd":
+            return time_ms(lambda: self.forward(kernel, config, q, k, v))
+        out, lse = self.forward(kernel, config, q, k, v)
+        return time_ms(lambda: self.backward(kernel, config, do, q, k, v, out, lse))
+
+
+class InterpretRunner(Runner):
+    """The whole tuning path on the CPU through Triton's interpreter, at tiny shapes.
+    Its 'times' are interpreter wall times: not a measurement of any GPU."""
+
+    device = "cpu"
+    timing_label = "INTERPRETER WALL TIME - not a timing of any GPU"
+    interpret = True
+
+    def __init__(self):
+        super().__init__(verify_shapes=[(1, 19, 19), (1, 9, 23)],
+                         full_verify_shapes=[(2, 1, 1), (1, 19, 19), (1, 9, 23), (1, 23, 9), (2, 40, 40)])
+
+    def timing_seqlen(self, bucket: int) -> int:
+        return min(bucket, 32)
+
+    def time(self, kernel, config, phase, work: Workload) -> float:
+        q, k, v, do = work.tensors
+        start = time.perf_counter()
+        out, lse = self.forward(kernel, config, q, k, v)
+        if phase == "bwd":
+            self.backward(kernel, config, do, q, k, v, out, lse)
+        return (time.perf_counter() - start) * 1e3
+
+
+def _randn_qkv_do(spec: AttentionSpec, batch, seqlen_q, seqlen_k, device, gen):
+    dtype = spec.torch_dtype
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+    return (randn(batch, spec.num_heads, seqlen_q, spec.head_dim), randn(batch, spec.num_kv_heads, seqlen_k,
+            spec.head_dim), randn(batch, spec.num_kv_heads, seqlen_k, spec.head_dim_v),
+            randn(batch, spec.num_heads, seqlen_q, spec.head_dim_v))
+
+
+def classify_failure(err: BaseException) -> str:
+    name, text = type(err).__name__, str(err)
+    if name == "OutOfResources" or "out of resource" in text.lower() or "shared memory" in text.lower():
+        return "out_of_resources"
+    if name in ("CompilationError", "CompileTimeAssertionFailure") or "compil" in name.lower():
+        return "compile_error"
+    return "error"
+
+
+# ----------------------------------------------------------------------------- tuning
+@dataclass
+class TuneOptions:
+    trials: int | None = None  # per study; default: the spec's tune.trials
+    timeout_s: float = 120.0  # per trial
+    sampler: str = "tpe"
+    seed: int = 0
+    resume: bool = False
+    journal_dir: Path | None = None  # Optuna journals, one file per study
+    phases: tuple[str, ...] | None = None  # default: fwd, plus bwd when the spec trains
+    progress: object = None  # callable(event dict) for the CLI's progress bar
+
+
+@dataclass
+class BucketResult:
+    bucket: int
+    phase: str
+    best: TrialRecord | None
+    default: TrialRecord | None
+    trials: int
+    failures: dict[str, int]
+    importances: dict[str, float] = field(default_factory=dict)
+    study_name: str = ""
+
+    @property
+    def speedup(self) -> float | None:
+        if self.best and self.default and self.default.ms and self.best.ms:
+            return self.default.ms / self.best.ms
+        return None
+
+
+def make_sampler(name: str, seed: int, space: SearchSpace):
+    if name == "tpe":
+        with warnings.catch_warnings():  # multivariate TPE is marked experimental, and is the better model here
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    if name == "grid":
+        return optuna.samplers.GridSampler({k: list(v) for k, v in space.params.items()}, seed=seed)
+    if name == "cmaes":
+        return optuna.samplers.CmaEsSampler(seed=seed, independent_sampler=optuna.samplers.TPESampler(seed=seed))
+    raise ValueError(f"sampler: expected one of {SAMPLERS}, got {name!r}")
+
+
+def study_name(spec: AttentionSpec, env: EnvInfo, bucket: int, phase: str) -> str:
+    env_key = config_key(env.as_dict())[:8]
+    return f"{spec.uri}-{spec.key}-{env_key}-s{bucket}-{phase}"
+
+
+def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneOptions | None = None
+         ) -> list[BucketResult]:
+    """Tune every bucket of the spec; store every trial and the best config per bucket and phase."""
+    options = options or TuneOptions()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    phases = options.phases or (("fwd", "bwd") if spec.backward else ("fwd",))
+    buckets = sorted({bucket_of(s) for s in spec.tune.seqlens})
+    results = []
+    for bucket in buckets:
+        work = runner.workload(spec, bucket, spec.tune.batch_tokens)
+        chosen = default_config(spec, target="cpu" if runner.interpret else None)
+        for phase in phases:
+            result = _tune_phase(spec, runner, store, options, bucket, phase, chosen, work)
+            if result.best is not None:
+                chosen = chosen.replace(**{k: result.best.config[k] for k in _phase_knobs(phase)})
+            results.append(result)
+    return results
+
+
+def _phase_knobs(phase: str) -> tuple[str, ...]:
+    fields = [f.name for f in dataclasses.fields(KernelConfig)]
+    bwd = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy")
+    return bwd if phase == "bwd" else tuple(f for f in fields if f not in bwd)
+
+
+def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig, work) -> BucketResult:
+    space = forward_space(spec, runner.limits) if phase == "fwd" else backward_space(spec, runner.limits)
+    kernel = AttentionKernel(spec, base)
+    name = study_name(spec, runner.env, bucket, phase)
+    storage = _journal(options, name)
+    study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
+                                sampler=make_sampler(options.sampler, options.seed, space))
+    cache: dict[str, TrialRecord] = {}
+    for t in study.trials:  # a resumed study: its finished trials are not measured again
+        if t.state.is_finished() and "record" in t.user_attrs:
+            rec = TrialRecord(**t.user_attrs["record"])
+            cache[config_key(rec.config)] = rec
+    failures: dict[str, int] = {}
+
+    def objective(trial: optuna.Trial) -> float:
+        point = {n: trial.suggest_categorical(n, list(c)) for n, c in space.params.items()}
+        config = base.replace(**point)
+        key = config_key(config.to_dict())
+        rec = cache.get(key)
+        if rec is None:
+            broken = space.violations(point)
+            if broken:
+                rec = TrialRecord(bucket, phase, config.to_dict(), "restricted", error="; ".join(broken))
+            else:
+                rec = runner.evaluate(kernel, config, phase, work, timeout_s=options.timeout_s)
+            cache[key] = rec
+            store.record_trial(runner.env, spec, rec)
+        trial.set_user_attr("record", dataclasses.asdict(rec))
+        if options.progress:
+            options.progress(dict(bucket=bucket, phase=phase, record=rec, study=study))
+        if rec.status != "ok":
+            failures[rec.status] = failures.get(rec.status, 0) + 1
+            raise optuna.TrialPruned(f"{rec.status}: {rec.error}")
+        return rec.ms
+
+    budget = options.trials or spec.tune.trials
+    remaining = budget - sum(1 for t in study.trials if t.state.is_finished()) if options.resume else budget
+    if remaining > 0:
+        study.optimize(objective, n_trials=remaining, catch=())
+    default = runner.evaluate(kernel, base, phase, work, timeout_s=options.timeout_s)
+    best = _final_choice(spec, runner, kernel, study, phase, work, options, store)
+    importances = {}
+    completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    if len(completed) >= 3:
+        try:
+            importances = optuna.importance.get_param_importances(study)
+        except (RuntimeError, ValueError) as err:  # e.g. every completed trial took the same time
+            log.info("no parameter importances for %s: %s", name, err)
+    if best is not None:
+        store.set_best(runner.env, spec, bucket, phase, best.config, best.ms, best.tflops,
+                       default.ms if default.status == "ok" else None)
+    return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name)
+
+
+def _final_choice(spec, runner, kernel, study, phase, work, options, store) -> TrialRecord | None:
+    """Verify the two fastest configs on the full grid, time them again, keep the faster."""
+    completed = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
+                       key=lambda t: t.value)
+    finalists = []
+    for t in completed[:2]:
+        config = KernelConfig.from_dict(t.user_attrs["record"]["config"])
+        rec = runner.evaluate(kernel, config, phase, work, timeout_s=options.timeout_s, full=True)
+        if rec.status != "ok":  # passed the reduced grid, failed the full one: record, never choose
+            store.record_trial(runner.env, spec, rec)
+            continue
+        finalists.append(rec)
+    return min(finalists, key=lambda r: r.ms) if finalists else None
+
+
+def _journal(options: TuneOptions, name: str):
+    if options.journal_dir is None:
+        return None  # in memory
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+    path = Path(options.journal_dir) / f"{name}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not options.resume and path.exists():
+        path.unlink()
+    return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
+
+
+def exhaustive(spec, runner, bucket: int, phase: str = "fwd", base: KernelConfig | None = None):
+    """Measure every valid point of the space (for judging the search); returns records."""
+    base = base or default_config(spec, target="cpu" if runner.interpret else None)
+    space = forward_space(spec, runner.limits) if phase == "fwd" else backward_space(spec, runner.limits)
+    kernel = AttentionKernel(spec, base)
+    work = runner.workload(spec, bucket, spec.tune.batch_tokens)
+    return [runner.evaluate(kernel, base.replace(**p), phase, work) for p in space.points()]
+
+
+__all__ = ["GpuRunner", "InterpretRunner", "Runner", "TuneOptions", "BucketResult", "tune", "exhaustive",
+           "SAMPLERS"]
