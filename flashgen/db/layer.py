@@ -34,14 +34,18 @@ def export_rows(rows: list[dict], path: Path, gpu: str) -> int:
                      key=lambda r: (r["spec_uri"], r["bucket"], r["phase"]))
     doc = {"schema": SCHEMA_VERSION, "gpu": gpu, "results": [
         {"spec": r["spec_uri"], "spec_key": r["spec_key"], "bucket": r["bucket"], "phase": r["phase"],
-         "config": r["config"], "ms": round(r["ms"], 5), "tflops": round(r["tflops"], 2),
-         "default_ms": None if r["default_ms"] is None else round(r["default_ms"], 5),
+         "config": r["config"], "ms": _sig(r["ms"]), "tflops": _sig(r["tflops"]), "default_ms": _sig(r["default_ms"]),
          "environment": r["environment"], "canonical": r["spec"]} for r in entries]}
     header = (f"# flashgen tuning results for {gpu}: written by `flashgen export`, loaded read-only\n"
               f"# below each user's database. Regenerate rather than edit.\n")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=120))
     return len(entries)
+
+
+def _sig(x: float | None) -> float | None:
+    """Six significant digits: enough for any timing, short enough to diff well."""
+    return None if x is None else float(f"{x:.6g}")
 
 
 def read_file(path: Path) -> list[dict]:

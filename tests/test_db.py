@@ -1,0 +1,154 @@
+"""The results database and the loading fallbacks: round trips, schema versions, concurrent
+writers, corrupt or missing files, and the shipped tuning_db layer."""
+
+import multiprocessing as mp
+import sqlite3
+import warnings
+
+import pytest
+
+import flashgen
+from flashgen import AttentionSpec
+from flashgen.db import EnvInfo, ResultStore, SchemaVersionError, TrialRecord
+from flashgen.db import layer as layer_mod
+from flashgen.loader import lookup
+
+SPEC = AttentionSpec(name="dbspec", dtype="fp16", head_dim=32, num_heads=2, causal=True)
+CFG = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, loop_order="q_outer")
+
+
+def env():
+    return EnvInfo.current(interpret=True)
+
+
+def test_round_trip_and_upsert(tmp_path):
+    store = ResultStore(f"sqlite:///{tmp_path / 'a.sqlite'}")
+    store.record_trial(env(), SPEC, TrialRecord(64, "fwd", CFG, "ok", ms=2.0, tflops=1.0, margin=0.2))
+    store.record_trial(env(), SPEC, TrialRecord(64, "fwd", CFG, "ok", ms=1.5, tflops=1.3, margin=0.1))  # same key
+    store.record_trial(env(), SPEC, TrialRecord(64, "fwd", dict(CFG, BLOCK_M=32), "compile_error", error="boom"))
+    trials = store.trials(env(), SPEC)
+    assert [(t.status, t.ms) for t in trials] == [("ok", 1.5), ("compile_error", None)]
+    store.set_best(env(), SPEC, 64, "fwd", CFG, 1.5, 1.3, default_ms=2.0)
+    store.set_best(env(), SPEC, 64, "fwd", CFG, 1.4, 1.4, default_ms=2.0)
+    assert store.best_configs(env(), SPEC) == {64: {"fwd": dict(config=CFG, ms=1.4, tflops=1.4, default_ms=2.0)}}
+    assert store.check() == []
+
+
+def test_other_schema_version_is_refused_with_the_upgrade_command(tmp_path):
+    path = tmp_path / "old.sqlite"
+    ResultStore(f"sqlite:///{path}")
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE flashgen_meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(SchemaVersionError, match=r"schema version 99.*flashgen db upgrade --db sqlite:///"):
+        ResultStore(f"sqlite:///{path}")
+
+
+def _writer(url, worker, n):
+    store = ResultStore(url)
+    for i in range(n):
+        store.record_trial(env(), SPEC, TrialRecord(64, "fwd", dict(CFG, worker=worker, i=i), "ok", ms=1.0 + i))
+
+
+def test_concurrent_processes_lose_nothing(tmp_path):
+    url = f"sqlite:///{tmp_path / 'shared.sqlite'}"
+    ResultStore(url)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(url, w, 25)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert len(ResultStore(url).trials(env(), SPEC)) == 100
+
+
+@pytest.fixture
+def fresh_warnings():
+    from flashgen import loader
+
+    loader._warned.clear()
+    yield
+    loader._warned.clear()
+
+
+def test_missing_database_falls_back_to_default_with_one_warning(tmp_path, fresh_warnings):
+    url = f"sqlite:///{tmp_path / 'none.sqlite'}"
+    with pytest.warns(flashgen.FlashgenFallbackWarning, match="flashgen tune --spec"):
+        kernel = flashgen.load(SPEC, db=url)
+    assert kernel.config_source == "default" and not (tmp_path / "none.sqlite").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flashgen.load(SPEC, db=url)  # said once, not again
+
+
+def test_corrupt_database_never_raises(tmp_path, fresh_warnings):
+    path = tmp_path / "corrupt.sqlite"
+    path.write_bytes(b"this is not a database" * 100)
+    with pytest.warns(flashgen.FlashgenFallbackWarning) as record:
+        configs, source = lookup(SPEC, f"sqlite:///{path}")
+    assert source == "default" and configs == {}
+    assert any("flashgen db check" in str(w.message) for w in record)
+    from click.testing import CliRunner
+
+    from flashgen.cli import main
+
+    result = CliRunner().invoke(main, ["db", "check", "--db", f"sqlite:///{path}"])
+    assert result.exit_code == 1 and "cannot be opened" in result.output
+
+
+def test_locked_database_never_raises(tmp_path, fresh_warnings):
+    path = tmp_path / "locked.sqlite"
+    store = ResultStore(f"sqlite:///{path}")
+    store.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)
+    store.engine.dispose()
+    conn = sqlite3.connect(path, timeout=0)
+    conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+    conn.execute("BEGIN EXCLUSIVE")
+    try:
+        import flashgen.db.store as store_mod
+
+        original = store_mod._sqlite_pragmas
+
+        def short_timeout(engine):  # 30 s busy timeout in production; 0.2 s here
+            from sqlalchemy import event
+
+            @event.listens_for(engine, "connect")
+            def _c(dbapi_conn, _):
+                dbapi_conn.execute("PRAGMA busy_timeout=200")
+
+        store_mod._sqlite_pragmas = short_timeout
+        with pytest.warns(flashgen.FlashgenFallbackWarning, match="cannot read tuning results"):
+            _, source = lookup(SPEC, f"sqlite:///{path}")
+        assert source == "default"
+    finally:
+        store_mod._sqlite_pragmas = original
+        conn.rollback()
+        conn.close()
+
+
+def test_shipped_layer_is_read_below_the_user_database(tmp_path, monkeypatch, fresh_warnings):
+    src = ResultStore(f"sqlite:///{tmp_path / 'src.sqlite'}")
+    src.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=32), 1.0, 1.0)
+    layer = tmp_path / "tuning_db"
+    layer_mod.export_rows(src.all_best(), layer / "interp.yaml", env().gpu)
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: layer)
+    monkeypatch.setattr(flashgen.loader, "shipped_best", layer_mod.shipped_best)
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    configs, source = lookup(SPEC, f"sqlite:///{tmp_path / 'empty.sqlite'}")
+    assert source == "tuning_db" and configs[1024].BLOCK_M == 32
+    user = ResultStore(f"sqlite:///{tmp_path / 'user.sqlite'}")
+    user.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=64), 1.0, 1.0)
+    configs, source = lookup(SPEC, user.url)
+    assert source.startswith("database") and configs[1024].BLOCK_M == 64  # the user's own wins
+
+
+def test_lookup_is_fast(tmp_path, fresh_warnings):
+    import time
+
+    store = ResultStore(f"sqlite:///{tmp_path / 'fast.sqlite'}")
+    store.set_best(env(), SPEC, 1024, "fwd", CFG, 1.0, 1.0)
+    lookup(SPEC, store.url)  # first call imports what it needs
+    start = time.perf_counter()
+    configs, source = lookup(SPEC, store.url)
+    assert source.startswith("database") and (time.perf_counter() - start) < 0.05

@@ -1,0 +1,239 @@
+"""The tuner through the interpreter runner: spaces and restrictions, typed failures, an
+injected wrong kernel never chosen, crash safety and resume, and the CLI end to end."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import flashgen
+from flashgen import AttentionSpec, KernelConfig
+from flashgen.cli import main
+from flashgen.db import EnvInfo, ResultStore
+from flashgen.space import DeviceLimits, backward_space, bucket_of, forward_space, nearest_bucket
+from flashgen.tuner import InterpretRunner, TuneOptions, classify_failure, tune
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = AttentionSpec(name="tiny", dtype="fp32", head_dim=16, num_heads=2, num_kv_heads=1, causal=True,
+                     backward=True, tune={"seqlens": [64], "trials": 5})
+
+
+@pytest.fixture
+def store(tmp_path):
+    return ResultStore(f"sqlite:///{tmp_path / 'results.sqlite'}")
+
+
+# ------------------------------------------------------------------------------ spaces
+def test_space_restrictions_reject_before_compiling():
+    h100 = DeviceLimits("H100", 232448)
+    spec = AttentionSpec(dtype="bf16", head_dim=128)
+    space = forward_space(spec, h100)
+    big = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=4, loop_order="q_outer")
+    assert any("registers" in v for v in space.violations(big))  # 128x128 fp32 acc on 4 warps
+    assert any("smem" in v for v in space.violations(big))
+    ok = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, loop_order="q_outer")
+    assert space.violations(ok) == []
+    assert space.violations(dict(ok, loop_order="kv_outer")) == ["loop_order == 'q_outer' or num_stages <= 2"]
+    points = list(space.points())
+    assert ok in points and big not in points and len(points) < space.size()
+    small_gpu = forward_space(spec, DeviceLimits("small", 101376))
+    assert len(list(small_gpu.points())) < len(points)  # the device's shared memory limit bites
+    bwd = backward_space(spec.replace(head_dim=256), h100)
+    assert any("registers" in v for v in bwd.violations(dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64,
+                                                             bwd_num_warps=4, bwd_num_stages=3,
+                                                             dq_strategy="separate")))
+
+
+def test_buckets():
+    assert [bucket_of(s) for s in (1, 1000, 1024, 1500, 3000, 16384)] == [1, 1024, 1024, 2048, 4096, 16384]
+    assert nearest_bucket(3000, [1024, 4096, 16384]) == 4096
+    assert nearest_bucket(1800, [1024, 4096]) == 1024  # nearer in log scale
+
+
+def test_failures_are_typed():
+    class OutOfResources(Exception):
+        pass
+
+    class CompilationError(Exception):
+        pass
+
+    assert classify_failure(OutOfResources("out of resource: shared memory")) == "out_of_resources"
+    assert classify_failure(CompilationError("bad")) == "compile_error"
+    assert classify_failure(ValueError("x")) == "error"
+
+
+# ------------------------------------------------------------------------------ tuning
+class WrongRunner(InterpretRunner):
+    """Injects an incorrect kernel: every config with BLOCK_M=16 returns a perturbed output."""
+
+    def forward(self, kernel, config, q, k, v):
+        out, lse = super().forward(kernel, config, q, k, v)
+        if config.BLOCK_M == 16:
+            out = out * 1.01
+        return out, lse
+
+
+def test_tuner_never_picks_an_incorrect_config(store):
+    spec = SPEC.replace(backward=False)
+    results = tune(spec, WrongRunner(), store, TuneOptions(trials=8, sampler="grid"))
+    (result,) = results
+    assert result.best is not None and result.best.config["BLOCK_M"] != 16
+    trials = store.trials(EnvInfo.current(interpret=True), spec, phase="fwd")
+    wrong = [t for t in trials if t.config["BLOCK_M"] == 16]
+    assert wrong and all(t.status == "wrong_result" and "out: FAILED" in t.error for t in wrong)
+    assert all(t.status == "ok" and t.margin < 1 for t in trials if t.config["BLOCK_M"] != 16)
+    best = store.best_configs(EnvInfo.current(interpret=True), spec)
+    assert best[64]["fwd"]["config"]["BLOCK_M"] == 32
+
+
+def test_tune_forward_and_backward_then_load(store, tmp_path):
+    results = tune(SPEC, InterpretRunner(), store, TuneOptions(trials=4, journal_dir=tmp_path / "j"))
+    assert [(r.bucket, r.phase) for r in results] == [(64, "fwd"), (64, "bwd")]
+    assert all(r.best is not None and r.default is not None for r in results)
+    with _no_warning():
+        kernel = flashgen.load(SPEC, db=store.url)
+    assert kernel.config_source.startswith("database")
+    cfg = kernel.config_for(64)
+    fwd, bwd = results[0].best.config, results[1].best.config
+    assert cfg.BLOCK_M == fwd["BLOCK_M"] and cfg.loop_order == fwd["loop_order"]
+    assert cfg.dq_strategy == bwd["dq_strategy"] and cfg.BLOCK_N1 == bwd["BLOCK_N1"]
+    q, k, v = (torch.randn(1, h, 40, 16, requires_grad=True) for h in (2, 1, 1))
+    out = kernel(q, k, v)
+    out.sum().backward()
+    from flashgen.verify import assert_attention_close
+
+    assert_attention_close(out, None, q.detach(), k.detach(), v.detach(), causal=True)
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._cm = warnings.catch_warnings()
+        self._cm.__enter__()
+        warnings.simplefilter("error", flashgen.FlashgenFallbackWarning)
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+def test_other_environment_is_a_miss(store):
+    tune(SPEC.replace(backward=False), InterpretRunner(), store, TuneOptions(trials=2))
+    here = EnvInfo.current(interpret=True)
+    for change in (dict(triton="0.0.1"), dict(templates="0" * 16), dict(gpu="Other GPU")):
+        other = EnvInfo(**{**here.as_dict(), **change})
+        assert store.best_configs(other, SPEC.replace(backward=False)) == {}
+    assert store.best_configs(here, SPEC.replace(backward=False))
+
+
+# ------------------------------------------------------------------------------ crash safety
+def test_killed_tune_loses_no_trial_and_resume_continues(tmp_path):
+    db = tmp_path / "r.sqlite"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(textwrap.dedent("""\
+        name: resumable
+        dtype: fp32
+        head_dim: 16
+        num_heads: 2
+        causal: true
+        tune: {seqlens: [64], trials: 40}
+        """))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    cmd = [sys.executable, "-m", "flashgen", "tune", "--spec", str(spec), "--interpret", "--db", f"sqlite:///{db}",
+           "--json"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parsed = AttentionSpec.from_yaml(spec)
+    here = EnvInfo.current(interpret=True)
+    deadline = time.time() + 120
+    done = []
+    while time.time() < deadline and len(done) < 3:
+        time.sleep(0.5)
+        if db.exists():
+            done = ResultStore(f"sqlite:///{db}", create=False).trials(here, parsed) if _has_schema(db) else []
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(done) >= 3, "the tuner wrote no trial in two minutes"
+    kept = ResultStore(f"sqlite:///{db}").trials(here, parsed)
+    assert len(kept) >= len(done)  # nothing written before the kill was lost
+    journals = list((tmp_path / "r-journals").glob("*.log"))
+    assert journals, "no Optuna journal"
+    result = CliRunner().invoke(main, cmd[3:-1] + ["--resume", "--trials", str(len(kept) + 2)], env=env,
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    after = ResultStore(f"sqlite:///{db}").trials(here, parsed)
+    assert len(after) >= len(kept) and {tuple(sorted(t.config.items())) for t in kept} <= \
+        {tuple(sorted(t.config.items())) for t in after}
+
+
+def _has_schema(db):
+    import sqlite3
+
+    try:
+        with sqlite3.connect(db) as conn:
+            return conn.execute("SELECT 1 FROM flashgen_meta").fetchone() is not None
+    except sqlite3.Error:
+        return False
+
+
+# ------------------------------------------------------------------------------ CLI
+def test_cli_tune_interpret_then_new_process_loads_result(tmp_path):
+    db = f"sqlite:///{tmp_path / 'cli.sqlite'}"
+    spec = ROOT / "examples" / "specs" / "small-causal.yaml"
+    result = CliRunner().invoke(main, ["tune", "--spec", str(spec), "--interpret", "--db", db, "--trials", "3"])
+    assert result.exit_code == 0, result.output
+    assert "INTERPRETER WALL TIME - not a timing" in result.output
+    assert "importance" in result.output
+    shown = CliRunner().invoke(main, ["show", "--db", db])
+    assert "small-causal" in shown.output and "S=64 fwd" in shown.output and "S=64 bwd" in shown.output
+    # A new process loads the stored result without tuning, quietly, and computes right.
+    code = textwrap.dedent(f"""
+        import time, warnings, torch, flashgen
+        from flashgen.verify import assert_attention_close
+        warnings.simplefilter("error")
+        t0 = time.perf_counter()
+        kernel = flashgen.load({str(spec)!r}, db={db!r})
+        print("lookup_ms", (time.perf_counter() - t0) * 1e3)
+        assert kernel.config_source.startswith("database"), kernel.config_source
+        q = torch.randn(1, 2, 50, 32, dtype=torch.float16); k = torch.randn(1, 1, 50, 32, dtype=torch.float16)
+        v = torch.randn(1, 1, 50, 32, dtype=torch.float16)
+        out, lse = kernel(q, k, v, return_lse=True)
+        assert_attention_close(out, lse, q, k, v, causal=True)
+        print("loaded ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loaded ok" in proc.stdout
+
+
+def test_cli_tune_refuses_bf16_under_interpreter(tmp_path):
+    result = CliRunner().invoke(main, ["tune", "--spec", str(ROOT / "examples/specs/gqa-causal.yaml"),
+                                       "--interpret", "--db", f"sqlite:///{tmp_path / 'x.sqlite'}"])
+    assert result.exit_code == 2 and "spec field 'dtype'" in result.output and "'bf16'" in result.output
+
+
+def test_export_import_round_trip(tmp_path, store):
+    tune(SPEC.replace(backward=False), InterpretRunner(), store, TuneOptions(trials=2))
+    out = tmp_path / "layer" / "interp.yaml"
+    result = CliRunner().invoke(main, ["export", "--db", store.url, "--gpu", "triton-interpreter", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert text.startswith("# flashgen tuning results") and "BLOCK_M:" in text
+    other = f"sqlite:///{tmp_path / 'other.sqlite'}"
+    result = CliRunner().invoke(main, ["import", str(out), "--db", other])
+    assert result.exit_code == 0 and "imported 1" in result.output
+    here = EnvInfo.current(interpret=True)
+    (imported,) = ResultStore(other).best_configs(here, SPEC.replace(backward=False))[64].values()
+    (original,) = store.best_configs(here, SPEC.replace(backward=False))[64].values()
+    assert imported["config"] == original["config"]
+    for key in ("ms", "tflops", "default_ms"):
+        assert imported[key] == pytest.approx(original[key], rel=1e-5)
