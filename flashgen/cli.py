@@ -121,6 +121,8 @@ def tune(spec_path, trials, timeout_s, sampler, seed, db_url, resume, plot_path,
 
     def progress(event):
         rec, study = event["record"], event["study"]
+        if rec.status == "restricted":  # rejected before compiling: no trial spent
+            return
         history.setdefault(study.study_name, []).append(rec)
         state["failures"] += rec.status != "ok"
         ok = [r for r in history[study.study_name] if r.status == "ok"]

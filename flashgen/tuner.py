@@ -264,8 +264,12 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     kernel = AttentionKernel(spec, base)
     name = study_name(spec, runner.env, bucket, phase)
     storage = _journal(options, name)
+    # A seed of its own per study, so the buckets do not replay one sequence of suggestions.
+    seed = options.seed * 1_000_003 + bucket * 2 + (phase == "bwd")
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
-                                sampler=make_sampler(options.sampler, options.seed, space))
+                                sampler=make_sampler(options.sampler, seed, space))
+    if not study.trials:  # start from the default: the tuner never ends worse than where it began
+        study.enqueue_trial({n: getattr(base, n) for n in space.params})
     cache: dict[str, TrialRecord] = {}
     for t in study.trials:  # a resumed study: its finished trials are not measured again
         if t.state.is_finished() and "record" in t.user_attrs:
@@ -294,10 +298,20 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
             raise optuna.TrialPruned(f"{rec.status}: {rec.error}")
         return rec.ms
 
+    # The budget counts evaluated configs: restricted points cost no compile and no budget
+    # (bounded at 20 suggestions per evaluation, for spaces that are mostly restricted).
     budget = options.trials or spec.tune.trials
-    remaining = budget - sum(1 for t in study.trials if t.state.is_finished()) if options.resume else budget
-    if remaining > 0:
-        study.optimize(objective, n_trials=remaining, catch=())
+
+    def evaluated() -> int:
+        return sum(1 for t in study.trials if t.state.is_finished()
+                   and t.user_attrs.get("record", {}).get("status") != "restricted")
+
+    def stop_when_spent(study_, _trial):
+        if evaluated() >= budget:
+            study_.stop()
+
+    if evaluated() < budget:
+        study.optimize(objective, n_trials=20 * budget, callbacks=[stop_when_spent], catch=())
     default = runner.evaluate(kernel, base, phase, work, timeout_s=options.timeout_s)
     best = _final_choice(spec, runner, kernel, study, phase, work, options, store)
     importances = {}

@@ -82,7 +82,7 @@ class WrongRunner(InterpretRunner):
 
 def test_tuner_never_picks_an_incorrect_config(store):
     spec = SPEC.replace(backward=False)
-    results = tune(spec, WrongRunner(), store, TuneOptions(trials=8, sampler="grid"))
+    results = tune(spec, WrongRunner(), store, TuneOptions(trials=8, sampler="grid"))  # the whole grid
     (result,) = results
     assert result.best is not None and result.best.config["BLOCK_M"] != 16
     trials = store.trials(EnvInfo.current(interpret=True), spec, phase="fwd")
