@@ -268,8 +268,9 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     seed = options.seed * 1_000_003 + bucket * 2 + (phase == "bwd")
     study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
                                 sampler=make_sampler(options.sampler, seed, space))
+    default_point = {n: getattr(base, n) for n in space.params}
     if not study.trials:  # start from the default: the tuner never ends worse than where it began
-        study.enqueue_trial({n: getattr(base, n) for n in space.params})
+        study.enqueue_trial(default_point)
     cache: dict[str, TrialRecord] = {}
     for t in study.trials:  # a resumed study: its finished trials are not measured again
         if t.state.is_finished() and "record" in t.user_attrs:
@@ -283,7 +284,9 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
         key = config_key(config.to_dict())
         rec = cache.get(key)
         if rec is None:
-            broken = space.violations(point)
+            # The default is always measured: it is what flashgen.load runs untuned, so it is the
+            # baseline whatever the resource estimates say of it.
+            broken = [] if point == default_point else space.violations(point)
             if broken:
                 rec = TrialRecord(bucket, phase, config.to_dict(), "restricted", error="; ".join(broken))
             else:
@@ -312,8 +315,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
 
     if evaluated() < budget:
         study.optimize(objective, n_trials=20 * budget, callbacks=[stop_when_spent], catch=())
-    default = runner.evaluate(kernel, base, phase, work, timeout_s=options.timeout_s)
-    best = _final_choice(spec, runner, kernel, study, phase, work, options, store)
+    best, default = _final_choice(spec, runner, kernel, study, phase, work, options, store, base)
     importances = {}
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if len(completed) >= 3:
@@ -327,19 +329,25 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name)
 
 
-def _final_choice(spec, runner, kernel, study, phase, work, options, store) -> TrialRecord | None:
-    """Verify the two fastest configs on the full grid, time them again, keep the faster."""
+def _final_choice(spec, runner, kernel, study, phase, work, options, store, base: KernelConfig):
+    """Verify the two fastest configs and the default on the full grid, time them again in
+    one round, keep the fastest. Returns (best, default) records from that round."""
     completed = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
                        key=lambda t: t.value)
-    finalists = []
-    for t in completed[:2]:
-        config = KernelConfig.from_dict(t.user_attrs["record"]["config"])
+    candidates = [KernelConfig.from_dict(t.user_attrs["record"]["config"]) for t in completed[:2]]
+    if base not in candidates:
+        candidates.append(base)
+    finalists, default = [], None
+    for config in candidates:
         rec = runner.evaluate(kernel, config, phase, work, timeout_s=options.timeout_s, full=True)
+        if config == base:
+            default = rec
         if rec.status != "ok":  # passed the reduced grid, failed the full one: record, never choose
             store.record_trial(runner.env, spec, rec)
             continue
         finalists.append(rec)
-    return min(finalists, key=lambda r: r.ms) if finalists else None
+    best = min(finalists, key=lambda r: r.ms) if finalists else None
+    return best, default
 
 
 def _journal(options: TuneOptions, name: str):
