@@ -38,7 +38,7 @@ def sweep(args):
 def replay(args):
     import optuna
 
-    from flashgen import AttentionSpec
+    from flashgen import AttentionSpec, default_config
     from flashgen.db import config_key
     from flashgen.space import DeviceLimits, SearchSpace, backward_space, forward_space
     from flashgen.tuner import make_sampler
@@ -66,13 +66,17 @@ def replay(args):
             return ms
 
         study = optuna.create_study(direction="minimize", sampler=make_sampler(args.sampler, seed, space))
+        if args.start_from_default:  # as `flashgen tune` does: the heuristic default is trial 0
+            default = default_config(spec, target=args.target)
+            study.enqueue_trial({k: getattr(default, k) for k in knobs})
         study.optimize(objective, n_trials=n_trials)
         done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         found.append(min(t.value for t in done) if done else float("inf"))
     gaps = [f / best_ms - 1 for f in found]
     within = sum(g <= 0.02 for g in gaps)
     print(json.dumps(dict(
-        spec=spec.uri, bucket=doc["bucket"], phase=doc["phase"], sampler=args.sampler, sweep_points=len(measured),
+        spec=spec.uri, bucket=doc["bucket"], phase=doc["phase"], sampler=args.sampler,
+        start_from_default=args.start_from_default, sweep_points=len(measured),
         sweep_ok=sum(v is not None for v in measured.values()), sweep_best_ms=best_ms, trials=n_trials,
         seeds=args.seeds, median_gap=statistics.median(gaps), worst_gap=max(gaps),
         seeds_within_2pct=within), indent=1))
@@ -92,6 +96,8 @@ def main():
     r.add_argument("--fraction", type=float, default=0.25)
     r.add_argument("--seeds", type=int, default=20)
     r.add_argument("--sampler", default="tpe")
+    r.add_argument("--start-from-default", action="store_true", help="enqueue the heuristic default first")
+    r.add_argument("--target", default="h100", help="GPU whose heuristic default is enqueued")
     args = ap.parse_args()
     (sweep if args.cmd == "sweep" else replay)(args)
 

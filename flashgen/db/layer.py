@@ -29,6 +29,13 @@ def gpu_slug(gpu: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "unknown"
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """Writes repeated values out in full (no &anchors / *aliases): each entry reads alone."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
 def export_rows(rows: list[dict], path: Path, gpu: str) -> int:
     entries = sorted((r for r in rows if r["environment"]["gpu"] == gpu),
                      key=lambda r: (r["spec_uri"], r["bucket"], r["phase"]))
@@ -39,7 +46,7 @@ def export_rows(rows: list[dict], path: Path, gpu: str) -> int:
     header = (f"# flashgen tuning results for {gpu}: written by `flashgen export`, loaded read-only\n"
               f"# below each user's database. Regenerate rather than edit.\n")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump(doc, sort_keys=False, width=120))
+    path.write_text(header + yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120))
     return len(entries)
 
 
