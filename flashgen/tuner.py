@@ -149,6 +149,13 @@ class InterpretRunner(Runner):
     interpret = True
 
     def __init__(self):
+        from .config import interpreting
+
+        if not interpreting():
+            # @triton.jit picks interpreted or compiled when a kernel module is imported, so
+            # the mode cannot change inside a process that already runs compiled kernels.
+            raise RuntimeError("InterpretRunner needs TRITON_INTERPRET=1 set before flashgen's kernels are "
+                               "imported (`flashgen tune --interpret` sets it)")
         super().__init__(verify_shapes=[(1, 19, 19), (1, 9, 23)],
                          full_verify_shapes=[(2, 1, 1), (1, 19, 19), (1, 9, 23), (1, 23, 9), (2, 40, 40)])
 

@@ -143,9 +143,11 @@ def test_shipped_layer_is_read_below_the_user_database(tmp_path, monkeypatch, fr
     assert source.startswith("database") and configs[1024].BLOCK_M == 64  # the user's own wins
 
 
-def test_lookup_is_fast(tmp_path, fresh_warnings):
+def test_lookup_is_fast(tmp_path, monkeypatch, fresh_warnings):
     import time
 
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
     store = ResultStore(f"sqlite:///{tmp_path / 'fast.sqlite'}")
     store.set_best(env(), SPEC, 1024, "fwd", CFG, 1.0, 1.0)
     lookup(SPEC, store.url)  # first call imports what it needs
