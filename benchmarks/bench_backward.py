@@ -17,13 +17,15 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, default_config  # noqa: E402
 from flashgen.bench import attention_flops, environment, tflops, time_ms  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_forward import flex_runner as _flex, sdpa as _sdpa  # noqa: E402  (the same anchors)
 
 BWD_SWEEP = [
     dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=2),
@@ -36,24 +38,6 @@ BWD_SWEEP = [
     dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=2,
          dq_strategy="atomic"),
 ]
-
-
-def _sdpa(backend):
-    from torch.nn.attention import sdpa_kernel
-
-    def run(q, k, v, causal):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return run
-
-
-def _flex(seqlen, causal):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    torch._dynamo.reset()
-    compiled = torch.compile(flex_attention, dynamic=False)
-    mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seqlen, seqlen) if causal else None
-    return lambda q, k, v, causal_: compiled(q, k, v, block_mask=mask)
 
 
 def bench_case(head_dim, causal, seqlen, tokens, hidden):

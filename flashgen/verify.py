@@ -134,12 +134,15 @@ def check_attention(out, lse, q, k, v, *, causal: bool, softmax_scale: float | N
     return results
 
 
-def assert_attention_close(out, lse, q, k, v, **kw) -> list[CheckResult]:
-    results = check_attention(out, lse, q, k, v, **kw)
+def _raise_failures(results: list[CheckResult]) -> list[CheckResult]:
     failed = [r for r in results if not r.ok]
     if failed:
         raise AssertionError("; ".join(str(r) for r in failed))
     return results
+
+
+def assert_attention_close(out, lse, q, k, v, **kw) -> list[CheckResult]:
+    return _raise_failures(check_attention(out, lse, q, k, v, **kw))
 
 
 def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | None = None,
@@ -165,8 +168,4 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
 
 
 def assert_gradients_close(grads, q, k, v, do, **kw) -> list[CheckResult]:
-    results = check_gradients(grads, q, k, v, do, **kw)
-    failed = [r for r in results if not r.ok]
-    if failed:
-        raise AssertionError("; ".join(str(r) for r in failed))
-    return results
+    return _raise_failures(check_gradients(grads, q, k, v, do, **kw))

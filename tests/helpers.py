@@ -1,4 +1,6 @@
-"""Shared test helpers: fresh random inputs and output buffers poisoned with NaN."""
+"""Shared test helpers: fresh random inputs, output buffers poisoned with NaN, child processes."""
+
+import os
 
 import torch
 
@@ -23,3 +25,8 @@ def poisoned_outputs(q, heads, seqlen_q, head_dim_v, layout):
     out = torch.full(shape, float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((batch, heads, seqlen_q), float("nan"), dtype=torch.float32, device=q.device)
     return out, lse
+
+
+def child_pythonpath(*first) -> str:
+    """PYTHONPATH for a child process: `first`, then whatever this process was given."""
+    return os.pathsep.join([*map(str, first), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])

@@ -10,13 +10,10 @@ from click.testing import CliRunner
 
 from flashgen.cli import main
 
+from .helpers import child_pythonpath
+
 ROOT = Path(__file__).resolve().parent.parent
 ON_GPU = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")  # conftest sets it where there is no GPU
-
-
-def _pythonpath(*first):
-    """PYTHONPATH for a child process: `first`, then whatever this process was given."""
-    return os.pathsep.join([*map(str, first), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 
 def test_help_lists_the_verbs():
@@ -83,5 +80,5 @@ def test_generated_module_runs_with_only_torch_and_triton(tmp_path):
 def test_console_script_entry_point():
     # `python -m flashgen` works like the installed `flashgen` script.
     proc = subprocess.run([sys.executable, "-m", "flashgen", "--version"], capture_output=True, text=True,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=_pythonpath(ROOT)))
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT)))
     assert proc.returncode == 0 and "flashgen" in proc.stdout

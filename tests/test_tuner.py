@@ -20,6 +20,8 @@ from flashgen.db import EnvInfo, ResultStore
 from flashgen.space import DeviceLimits, backward_space, bucket_of, forward_space, nearest_bucket
 from flashgen.tuner import InterpretRunner, TuneOptions, classify_failure, tune
 
+from .helpers import child_pythonpath
+
 ROOT = Path(__file__).resolve().parent.parent
 # Tests that tune through the interpreter runner need a process whose kernels are interpreted
 # (conftest sets TRITON_INTERPRET where there is no GPU); on a GPU the GpuRunner is exercised by
@@ -154,8 +156,7 @@ def test_killed_tune_loses_no_trial_and_resume_continues(tmp_path):
         causal: true
         tune: {seqlens: [64], trials: 40}
         """))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=child_pythonpath(ROOT))
     cmd = [sys.executable, "-m", "flashgen", "tune", "--spec", str(spec), "--interpret", "--db", f"sqlite:///{db}",
            "--json"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -218,8 +219,7 @@ def test_cli_tune_interpret_then_new_process_loads_result(tmp_path):
         assert_attention_close(out, lse, q, k, v, causal=True)
         print("loaded ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=child_pythonpath(ROOT))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loaded ok" in proc.stdout
