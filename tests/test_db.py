@@ -2,6 +2,7 @@
 writers, corrupt or missing files, and the shipped tuning_db layer."""
 
 import multiprocessing as mp
+import os
 import sqlite3
 import warnings
 
@@ -21,8 +22,33 @@ def env():
     return EnvInfo.current(interpret=True)
 
 
-def test_round_trip_and_upsert(tmp_path):
-    store = ResultStore(f"sqlite:///{tmp_path / 'a.sqlite'}")
+def _drop_all(url):
+    from sqlalchemy import create_engine
+
+    from flashgen.db.models import Base
+
+    engine = create_engine(url)
+    Base.metadata.drop_all(engine)
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path):
+    """The same storage tests against every backend. PostgreSQL runs where
+    FLASHGEN_TEST_POSTGRES_URL names an empty database (.ci/run starts one when it can)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'results.sqlite'}"
+        return
+    pg = os.environ.get("FLASHGEN_TEST_POSTGRES_URL")
+    if not pg:
+        pytest.skip("FLASHGEN_TEST_POSTGRES_URL is not set: no PostgreSQL server to test against")
+    _drop_all(pg)
+    yield pg
+    _drop_all(pg)
+
+
+def test_round_trip_and_upsert(url):
+    store = ResultStore(url)
     store.record_trial(env(), SPEC, TrialRecord(64, "fwd", CFG, "ok", ms=2.0, tflops=1.0, margin=0.2))
     store.record_trial(env(), SPEC, TrialRecord(64, "fwd", CFG, "ok", ms=1.5, tflops=1.3, margin=0.1))  # same key
     store.record_trial(env(), SPEC, TrialRecord(64, "fwd", dict(CFG, BLOCK_M=32), "compile_error", error="boom"))
@@ -34,13 +60,15 @@ def test_round_trip_and_upsert(tmp_path):
     assert store.check() == []
 
 
-def test_other_schema_version_is_refused_with_the_upgrade_command(tmp_path):
-    path = tmp_path / "old.sqlite"
-    ResultStore(f"sqlite:///{path}")
-    with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE flashgen_meta SET value = '99' WHERE key = 'schema_version'")
-    with pytest.raises(SchemaVersionError, match=r"schema version 99.*flashgen db upgrade --db sqlite:///"):
-        ResultStore(f"sqlite:///{path}")
+def test_other_schema_version_is_refused_with_the_upgrade_command(url):
+    from sqlalchemy import text
+
+    store = ResultStore(url)
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE flashgen_meta SET value = '99' WHERE key = 'schema_version'"))
+    store.engine.dispose()
+    with pytest.raises(SchemaVersionError, match=r"schema version 99.*flashgen db upgrade --db "):
+        ResultStore(url)
 
 
 def _writer(url, worker, n):
@@ -49,9 +77,8 @@ def _writer(url, worker, n):
         store.record_trial(env(), SPEC, TrialRecord(64, "fwd", dict(CFG, worker=worker, i=i), "ok", ms=1.0 + i))
 
 
-def test_concurrent_processes_lose_nothing(tmp_path):
-    url = f"sqlite:///{tmp_path / 'shared.sqlite'}"
-    ResultStore(url)
+def test_concurrent_processes_lose_nothing(url):
+    ResultStore(url).engine.dispose()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_writer, args=(url, w, 25)) for w in range(4)]
     for p in procs:
