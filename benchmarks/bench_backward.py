@@ -23,9 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, default_config  # noqa: E402
 from flashgen.bench import attention_flops, environment, tflops, time_ms  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_forward import flex_runner as _flex, sdpa as _sdpa  # noqa: E402  (the same anchors)
+from flashgen.bench import flex_runner as _flex, sdpa_runner as _sdpa  # noqa: E402
 
 BWD_SWEEP = [
     dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=2),

@@ -19,13 +19,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, KernelConfig, default_config  # noqa: E402
 from flashgen.bench import attention_flops, environment, tflops, time_ms  # noqa: E402
+from flashgen.bench import flex_runner, sdpa_runner as sdpa  # noqa: E402
 
 SWEEP = [
     KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -37,28 +37,6 @@ SWEEP = [
     KernelConfig(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
 ]
-
-
-def sdpa(backend):
-    from torch.nn.attention import sdpa_kernel
-
-    def run(q, k, v, causal):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return run
-
-
-def flex_runner(seqlen, causal):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    # A fresh, static-shape compile per case: after a few shapes dynamo would otherwise
-    # recompile with dynamic shapes (slower kernels) or give up and run flex eagerly.
-    torch._dynamo.reset()
-    compiled = torch.compile(flex_attention, dynamic=False)
-    block_mask = None
-    if causal:
-        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, seqlen, seqlen)
-    return lambda q, k, v, causal_: compiled(q, k, v, block_mask=block_mask)
 
 
 def bench_case(head_dim, causal, seqlen, tokens, hidden, sweep, kv_outer):

@@ -62,3 +62,116 @@ def environment() -> dict:
                    capability=f"{props.major}.{props.minor}", memory_gib=round(props.total_memory / 2**30, 1),
                    cuda=torch.version.cuda)
     return env
+
+
+# ----------------------------------------------------------------------------- anchors
+def sdpa_runner(backend):
+    """PyTorch SDPA pinned to one backend (FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    return run
+
+
+def flex_runner(seqlen, causal):
+    """FlexAttention compiled for one shape. A fresh, static-shape compile per case: after a few
+    shapes dynamo would otherwise recompile with dynamic shapes (slower) or fall back to eager."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seqlen, seqlen) if causal else None
+    return lambda q, k, v, causal_: compiled(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def bench_spec(kernel, seqlens, *, tokens: int = 16384, modes=("fwd", "fwd_bwd")) -> list[dict]:
+    """Time a kernel (flashgen.load / compile) beside SDPA's flash, cuDNN and efficient backends and
+    FlexAttention on the same randn inputs, (batch, heads, S, D) with batch = tokens // S.
+    Every anchor's output is compared with flashgen's before it is timed."""
+    from torch.nn.attention import SDPBackend
+
+    spec = kernel.spec
+    anchors = {"sdpa_flash": lambda s: sdpa_runner(SDPBackend.FLASH_ATTENTION),
+               "sdpa_cudnn": lambda s: sdpa_runner(SDPBackend.CUDNN_ATTENTION),
+               "sdpa_efficient": lambda s: sdpa_runner(SDPBackend.EFFICIENT_ATTENTION),
+               "flex": lambda s: flex_runner(s, spec.causal)}
+    rows = []
+    for seqlen in seqlens:
+        batch = max(1, tokens // seqlen)
+        shape = lambda h, d: (batch, h, seqlen, d)  # noqa: E731
+        q = torch.randn(shape(spec.num_heads, spec.head_dim), device="cuda", dtype=spec.torch_dtype)
+        k = torch.randn(shape(spec.num_kv_heads, spec.head_dim), device="cuda", dtype=spec.torch_dtype)
+        v = torch.randn(shape(spec.num_kv_heads, spec.head_dim_v), device="cuda", dtype=spec.torch_dtype)
+        do = torch.randn(shape(spec.num_heads, spec.head_dim_v), device="cuda", dtype=spec.torch_dtype)
+        for mode in modes:
+            flops = attention_flops(batch, spec.num_heads, seqlen, seqlen, spec.head_dim, spec.head_dim_v,
+                                    causal=spec.causal, mode=mode)
+            row = {"seqlen": seqlen, "batch": batch, "mode": mode, "config": str(kernel.config_for(seqlen))}
+            ref = None
+            for name, make in [("flashgen", None), *anchors.items()]:
+                try:
+                    attn = (lambda q_, k_, v_, c: kernel(q_, k_, v_)) if make is None else make(seqlen)
+                    step = _step(attn, q, k, v, do, spec.causal, mode)
+                    out = step()
+                    if ref is None:
+                        ref = out
+                    else:
+                        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, ref))
+                        if not err < 0.1:
+                            row[name] = {"error": f"max|{name} - flashgen| = {err:.3g}"}
+                            continue
+                    ms = time_ms(step)
+                    row[name] = {"ms": ms, "tflops": tflops(flops, ms)}
+                except Exception as exc:  # an anchor that cannot run this case is reported, not fatal
+                    row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            rows.append(row)
+    return rows
+
+
+def _step(attn, q, k, v, do, causal, mode):
+    if mode == "fwd":
+        return lambda: (attn(q, k, v, causal),)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    return lambda: torch.autograd.grad(attn(*leaves, causal), leaves, do)
+
+
+ANCHORS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex")
+
+
+def report_markdown(spec_uri: str, rows: list[dict], env: dict) -> str:
+    tf = lambda r, c: (r.get(c) or {}).get("tflops")  # noqa: E731
+    lines = [f"{spec_uri} | {env.get('gpu')} | torch {env['torch']} | triton {env['triton']} | flashgen "
+             f"{env['flashgen']}", "", "TFLOP/s (masked work not counted; fwd+bwd = 3.5x fwd FLOPs)", "",
+             "| S | mode | flashgen | " + " | ".join(ANCHORS) + " | " + " | ".join(f"vs {a}" for a in ANCHORS) + " |",
+             "|---" * (3 + 2 * len(ANCHORS)) + "|"]
+    for r in rows:
+        ours = tf(r, "flashgen")
+        cells = [f"{tf(r, a):.0f}" if tf(r, a) else "-" for a in ANCHORS]
+        ratios = [f"{ours / tf(r, a):.2f}" if ours and tf(r, a) else "-" for a in ANCHORS]
+        lines.append(f"| {r['seqlen']} | {r['mode']} | {f'{ours:.0f}' if ours else 'err'} | " + " | ".join(cells)
+                     + " | " + " | ".join(ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report_plot(path, spec_uri: str, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r["mode"] for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        sub = [r for r in rows if r["mode"] == mode]
+        xs = [str(r["seqlen"]) for r in sub]
+        for i, name in enumerate(("flashgen", *ANCHORS)):
+            ys = [(r.get(name) or {}).get("tflops") or 0 for r in sub]
+            ax.bar([j + i * 0.15 for j in range(len(xs))], ys, width=0.15, label=name)
+        ax.set_xticks([j + 0.3 for j in range(len(xs))], xs)
+        ax.set(title=f"{spec_uri}: {mode}", xlabel="sequence length", ylabel="TFLOP/s")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

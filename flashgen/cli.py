@@ -211,6 +211,45 @@ def _plot(path, history, results):
 
 
 @main.command()
+@click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False), help="The spec (YAML).")
+@click.option("--seqlens", help="Comma-separated sequence lengths (default: the spec's tune.seqlens).")
+@click.option("--tokens", type=click.IntRange(1), default=16384, show_default=True,
+              help="Tokens per batch: batch = tokens // seqlen.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write bench.json, bench.md and bench.png.")
+@_db_option
+def bench(spec_path, seqlens, tokens, out_dir, db_url):
+    """Time the spec's tuned kernel beside SDPA (flash, cuDNN, efficient) and FlexAttention."""
+    import json
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise click.UsageError("flashgen bench times kernels on a CUDA GPU, and there is none here")
+    from .bench import bench_spec, environment, report_markdown, report_plot
+    from .loader import load
+
+    spec = _load_spec(spec_path)
+    lengths = [int(x) for x in seqlens.split(",")] if seqlens else list(spec.tune.seqlens)
+    kernel = load(spec, db=db_url)
+    modes = ("fwd", "fwd_bwd") if spec.backward else ("fwd",)
+    rows = bench_spec(kernel, lengths, tokens=tokens, modes=modes)
+    env = environment()
+    table = report_markdown(spec.uri, rows, env)
+    click.echo(f"configs from: {kernel.config_source}\n{table}")
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(dict(spec=spec.uri, environment=env, rows=rows,
+                                                        config_source=kernel.config_source), indent=1))
+        (out / "bench.md").write_text(table)
+        try:
+            report_plot(out / "bench.png", spec.uri, rows)
+        except ImportError:
+            click.echo("no bench.png: install matplotlib (pip install 'flashgen[plot]')")
+        click.echo(f"wrote {out}/bench.json, bench.md, bench.png")
+
+
+@main.command()
 @_db_option
 @click.option("--json", "as_json", is_flag=True)
 def show(db_url, as_json):

@@ -82,3 +82,20 @@ def test_console_script_entry_point():
     proc = subprocess.run([sys.executable, "-m", "flashgen", "--version"], capture_output=True, text=True,
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT)))
     assert proc.returncode == 0 and "flashgen" in proc.stdout
+
+
+def test_bench_needs_a_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(main, ["bench", "--spec", str(ROOT / "examples/specs/mha-hd64.yaml")])
+    assert result.exit_code == 2 and "CUDA GPU" in result.output
+
+
+def test_bench_report_counts_and_ratios():
+    from flashgen.bench import report_markdown
+
+    rows = [{"seqlen": 1024, "mode": "fwd", "flashgen": {"tflops": 400.0}, "sdpa_flash": {"tflops": 300.0},
+             "sdpa_cudnn": {"error": "no"}, "sdpa_efficient": {"tflops": 200.0}, "flex": {"tflops": 380.0}}]
+    table = report_markdown("x", rows, {"gpu": "G", "torch": "t", "triton": "tr", "flashgen": "f"})
+    assert "| 1024 | fwd | 400 | 300 | - | 200 | 380 | 1.33 | - | 2.00 | 1.05 |" in table
