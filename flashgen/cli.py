@@ -169,17 +169,11 @@ def _print_tune_table(spec, runner, rows, url, wall):
                        f"({r['failures']})")
             continue
         speed = f"{r['speedup_over_default']:.2f}x" if r["speedup_over_default"] else "-"
-        knobs = " ".join(f"{k}={v}" for k, v in r["config"].items() if k in _knobs_of(r["phase"]))
+        knobs = " ".join(f"{k}={v}" for k, v in r["config"].items() if k in KernelConfig.phase_knobs(r["phase"]))
         click.echo(f"{r['bucket']:>7} {r['phase']:5} {r['ms']:>9.4f} {r['tflops']:>8.1f} {speed:>10}  {knobs}")
         if r["importances"]:
             imp = ", ".join(f"{k} {v:.2f}" for k, v in list(r["importances"].items())[:4])
             click.echo(f"{'':>44}importance: {imp}")
-
-
-def _knobs_of(phase):
-    from .tuner import _phase_knobs
-
-    return _phase_knobs(phase)
 
 
 def _plot(path, history, results):

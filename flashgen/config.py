@@ -48,6 +48,14 @@ class KernelConfig:
     dq_strategy: str = "separate"  # or "atomic": dQ added from the dK/dV kernel
 
     STRUCTURAL = ("loop_order",)
+    BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy")
+
+    @classmethod
+    def phase_knobs(cls, phase: str) -> tuple[str, ...]:
+        """The knobs one phase owns: 'bwd' the backward's, 'fwd' every other."""
+        if phase == "bwd":
+            return cls.BACKWARD
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name not in cls.BACKWARD)
 
     def __post_init__(self):
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"):

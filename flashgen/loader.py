@@ -32,14 +32,13 @@ def _warn_once(spec: AttentionSpec, what: str, message: str) -> None:
 
 
 def _configs(rows: dict[int, dict[str, dict]], base: KernelConfig) -> dict[int, KernelConfig]:
+    """Per bucket: each phase's own knobs from that phase's best row, the rest from base."""
     out = {}
     for bucket, phases in rows.items():
         knobs = {}
-        for phase in ("fwd", "bwd"):
-            if phase in phases:
-                knobs.update(phases[phase]["config"])
-        fields = set(KernelConfig.__dataclass_fields__)
-        out[bucket] = base.replace(**{k: v for k, v in knobs.items() if k in fields})
+        for phase, row in phases.items():
+            knobs.update({k: row["config"][k] for k in KernelConfig.phase_knobs(phase) if k in row["config"]})
+        out[bucket] = base.replace(**knobs)
     return out
 
 

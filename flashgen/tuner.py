@@ -255,15 +255,9 @@ def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneO
         for phase in phases:
             result = _tune_phase(spec, runner, store, options, bucket, phase, chosen, work)
             if result.best is not None:
-                chosen = chosen.replace(**{k: result.best.config[k] for k in _phase_knobs(phase)})
+                chosen = chosen.replace(**{k: result.best.config[k] for k in KernelConfig.phase_knobs(phase)})
             results.append(result)
     return results
-
-
-def _phase_knobs(phase: str) -> tuple[str, ...]:
-    fields = [f.name for f in dataclasses.fields(KernelConfig)]
-    bwd = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy")
-    return bwd if phase == "bwd" else tuple(f for f in fields if f not in bwd)
 
 
 def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig, work) -> BucketResult:

@@ -181,3 +181,19 @@ def test_lookup_is_fast(tmp_path, monkeypatch, fresh_warnings):
     start = time.perf_counter()
     configs, source = lookup(SPEC, store.url)
     assert source.startswith("database") and (time.perf_counter() - start) < 0.05
+
+
+def test_each_phase_contributes_only_its_own_knobs(tmp_path, monkeypatch, fresh_warnings):
+    # The bwd row carries the whole config it was tuned with, forward knobs included. A later
+    # forward-only re-tune must win for the forward knobs; the bwd row supplies only its own.
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    store = ResultStore(f"sqlite:///{tmp_path / 'phases.sqlite'}")
+    stale_fwd = dict(CFG, BLOCK_M=16)
+    store.set_best(here, SPEC, 1024, "bwd", dict(stale_fwd, BLOCK_M1=32, dq_strategy="atomic"), 1.0, 1.0)
+    store.set_best(here, SPEC, 1024, "fwd", dict(CFG, BLOCK_M=64, loop_order="kv_outer"), 1.0, 1.0)
+    configs, source = lookup(SPEC, store.url)
+    cfg = configs[1024]
+    assert source.startswith("database")
+    assert (cfg.BLOCK_M, cfg.loop_order) == (64, "kv_outer")  # from the fwd row, not the bwd row's copy
+    assert (cfg.BLOCK_M1, cfg.dq_strategy) == (32, "atomic")  # from the bwd row
