@@ -63,33 +63,78 @@ class AttentionKernel:
 
     def forward(self, q, k, v, *, layout: str = "bhsd", config: KernelConfig | None = None,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                dropout_p: float = 0.0, seed: torch.Tensor | None = None):
+                dropout_p: float = 0.0, seed: torch.Tensor | None = None, **tensors):
         """Run the forward kernel directly (no autograd); returns (out, lse)."""
-        return self.module(config).forward(q, k, v, layout=layout, out=out, lse=lse, dropout_p=dropout_p, seed=seed)
+        return self.module(config).forward(q, k, v, layout=layout, out=out, lse=lse, dropout_p=dropout_p, seed=seed,
+                                           tensors=tensors)
 
     def backward(self, do, q, k, v, out, lse, *, layout: str = "bhsd", config: KernelConfig | None = None,
-                 dropout_p: float = 0.0, seed: torch.Tensor | None = None, deterministic: bool = False):
+                 dropout_p: float = 0.0, seed: torch.Tensor | None = None, deterministic: bool = False,
+                 **tensors):
         """Run the backward kernels directly; returns (dq, dk, dv)."""
-        return self.module(config).backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
-                                            deterministic=deterministic)
+        dq, dk, dv, _ = self.module(config).backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p,
+                                                     seed=seed, deterministic=deterministic, tensors=tensors)
+        return dq, dk, dv
 
-    def __call__(self, q, k, v, *, layout: str = "bhsd", return_lse: bool = False,
-                 config: KernelConfig | None = None, dropout_p: float | None = None, deterministic: bool = False):
-        """Differentiable attention. ``dropout_p`` defaults to the spec's (pass 0.0 in eval);
-        ``deterministic=True`` computes dQ with the separate, bitwise-repeatable kernel."""
+    def block_map(self, batch: int, seqlen_q: int, seqlen_k: int, *, device="cuda",
+                  config: KernelConfig | None = None, **tensors):
+        """The block map of a custom-expression mask at the forward tiling (see the module's block_map)."""
+        module = self.module(config)
+        if not module.BLOCK_MAP:
+            raise ValueError(f"mask: {self.spec.mask_node.to_dict() if self.spec.mask_node else None} skips blocks "
+                             "inside the kernel; only custom expressions use a block map")
+        cfg = module.CONFIG
+        named = module._tensors(tensors, torch.device(device))
+        return module.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M"], cfg["BLOCK_N"], torch.device(device),
+                                named)
+
+    def _kernel_id_for(self, config, seqlen):
         if config is not None:
-            kernel_id = self.kernel_id(config)
-        elif self._bucket_ids:
-            seqlen = max(q.shape[2 if layout == "bhsd" else 1], k.shape[2 if layout == "bhsd" else 1])
-            kernel_id = self._bucket_ids[nearest_bucket(seqlen, self._bucket_ids)]
-        else:
-            kernel_id = self._id
+            return self.kernel_id(config)
+        if self._bucket_ids:
+            return self._bucket_ids[nearest_bucket(seqlen, self._bucket_ids)]
+        return self._id
+
+    def _tensor_list(self, tensors):
+        names = self.spec.tensor_names
+        unknown = sorted(set(tensors) - set(names))
+        if unknown:
+            raise TypeError(f"{unknown[0]}: unexpected keyword (this spec's tensors: {list(names) or 'none'})")
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise TypeError(f"{missing[0]}: this spec's mask or score_mod reads tensor {missing[0]!r}; "
+                            f"pass {missing[0]}=<tensor>")
+        return [tensors[n] for n in names]
+
+    def _seed(self, dropout_p, device):
         p = self.spec.dropout_p if dropout_p is None else float(dropout_p)
         if p > 0:
-            seed = torch.randint(0, 2**62, (1,), device=q.device, dtype=torch.int64)
-        else:
-            seed = torch.empty(1, device=q.device, dtype=torch.int64)
-        out, lse = ops.attn_fwd(q, k, v, seed, kernel_id, layout, p, deterministic)
+            return p, torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
+        return p, torch.empty(1, device=device, dtype=torch.int64)
+
+    def __call__(self, q, k, v, *, layout: str = "bhsd", return_lse: bool = False,
+                 config: KernelConfig | None = None, dropout_p: float | None = None, deterministic: bool = False,
+                 **tensors):
+        """Differentiable attention. ``dropout_p`` defaults to the spec's (pass 0.0 in eval);
+        ``deterministic=True`` computes dQ with the separate, bitwise-repeatable kernel.
+        Tensors the spec's mask or score_mod reads are passed by name (``document_ids=ids``);
+        gradients flow into float ones that require grad."""
+        seq = 2 if layout == "bhsd" else 1
+        kernel_id = self._kernel_id_for(config, max(q.shape[seq], k.shape[seq]) if q.dim() == 4 else q.shape[0])
+        p, seed = self._seed(dropout_p, q.device)
+        out, lse = ops.attention(q, k, v, seed, self._tensor_list(tensors), kernel_id, layout, p, deterministic)
+        return (out, lse) if return_lse else out
+
+    def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+               return_lse: bool = False, config: KernelConfig | None = None, dropout_p: float | None = None,
+               deterministic: bool = False, **tensors):
+        """Differentiable attention over packed sequences: q (total_q, heads, head_dim), k and v
+        (total_k, kv_heads, head_dim); sequence i is rows cu_seqlens[i]:cu_seqlens[i + 1] (int32).
+        Masks apply within each sequence. LSE is (heads, total_q)."""
+        kernel_id = self._kernel_id_for(config, max(int(max_seqlen_q), int(max_seqlen_k)))
+        p, seed = self._seed(dropout_p, q.device)
+        out, lse = ops.attention(q, k, v, seed, self._tensor_list(tensors), kernel_id, "thd", p, deterministic,
+                                 cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
         return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:
@@ -107,46 +152,68 @@ def _compiled(spec: AttentionSpec, config: KernelConfig | None) -> AttentionKern
 
 
 def spec_for(q, k, v, *, causal: bool, softmax_scale: float | None, layout: str,
-             dropout_p: float = 0.0) -> AttentionSpec:
+             dropout_p: float = 0.0, mask=None, score_mod=None) -> AttentionSpec:
     """The spec that describes a call on these tensors; errors name the argument."""
-    if layout not in LAYOUTS:
+    if layout not in LAYOUTS + ("thd",):
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    ndim = 3 if layout == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name}: expected a {ndim}-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
     if q.dtype not in _TORCH_DTYPES:
         raise ValueError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
-    head_axis = 1 if layout == "bhsd" else 2
+    head_axis = {"bhsd": 1, "bshd": 2, "thd": 1}[layout]
     num_heads, num_kv_heads = q.shape[head_axis], k.shape[head_axis]
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"k: expected a number of heads that divides q's {num_heads}, got {num_kv_heads}")
     for name, t in (("q", q), ("v", v)):
-        if not 1 <= t.shape[3] <= MAX_HEAD_DIM:
-            raise ValueError(f"{name}: expected a head dim from 1 to {MAX_HEAD_DIM}, got {t.shape[3]}")
+        if not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: expected a head dim from 1 to {MAX_HEAD_DIM}, got {t.shape[-1]}")
     return AttentionSpec(
         name="attention",
         dtype=_TORCH_DTYPES[q.dtype],
-        head_dim=q.shape[3],
-        head_dim_v=v.shape[3],
+        head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1],
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         causal=causal,
         softmax_scale=softmax_scale,
         dropout_p=dropout_p,
+        mask=mask,
+        score_mod=score_mod,
         backward=True,
     )
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
               return_lse: bool = False, config: KernelConfig | None = None, dropout_p: float = 0.0,
-              deterministic: bool = False):
-    """One-off attention: softmax(q k^T * softmax_scale) v, differentiable.
+              deterministic: bool = False, mask=None, score_mod=None, **tensors):
+    """One-off attention: softmax(score_mod(q k^T * softmax_scale) masked) v, differentiable.
 
     Shapes as in AttentionKernel. ``causal`` masks bottom-right aligned (flash-attn's
-    convention): query i sees key j iff j <= i + seqlen_k - seqlen_q. ``dropout_p`` drops
-    attention probabilities (fused, Philox; the backward regenerates the same mask).
+    convention): query i sees key j iff j <= i + seqlen_k - seqlen_q. ``mask`` and
+    ``score_mod`` take anything a spec does (a pattern dict, an expression string,
+    flashgen.mask(...), a Python function); the tensors they read are passed by name.
+    ``dropout_p`` drops attention probabilities (fused, Philox; the backward regenerates the same mask).
     """
-    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p)
-    return compile(spec, config)(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic)
+    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
+                    mask=mask, score_mod=score_mod)
+    return compile(spec, config)(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic,
+                                 **tensors)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, softmax_scale: float | None = None, dropout_p: float = 0.0,
+                     return_lse: bool = False, config: KernelConfig | None = None, deterministic: bool = False,
+                     mask=None, score_mod=None, **tensors):
+    """Attention over packed variable-length sequences, as flash_attn_varlen_func.
+
+    q: (total_q, heads, head_dim), k/v: (total_k, kv_heads, head_dim); cu_seqlens_q/k: int32
+    (batch + 1) offsets. Causal alignment and masks apply within each sequence. Returns out
+    (total_q, heads, head_dim_v) (and LSE (heads, total_q) with return_lse)."""
+    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
+                    mask=mask, score_mod=score_mod)
+    return compile(spec, config).varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        return_lse=return_lse, deterministic=deterministic, **tensors)

@@ -35,6 +35,33 @@ def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_d
     return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
 
 
+def visible_count(spec, batch: int, seqlen_q: int, seqlen_k: int, tensors=None, *, device="cuda",
+                  rows_per_chunk: int = 1024) -> int:
+    """Visible (query, key) pairs summed over batch and heads for any spec's mask, counted by
+    evaluating the mask densely in row chunks (the same definition the kernels are generated from)."""
+    from . import masks
+
+    node = spec.mask_node
+    if node is None:
+        return batch * spec.num_heads * seqlen_q * seqlen_k
+    pred = masks.predicate(node)
+    uses_b = masks.uses(pred, "b") or bool(masks.tensors_of(pred))
+    uses_h = masks.uses(pred, "h")
+    named = {n: t.reshape((1,) * (r - t.dim()) + tuple(t.shape))
+             for n, r in masks.tensors_of(pred).items() for t in [(tensors or {})[n].to(device)]}
+    total = 0
+    for b in range(batch if uses_b else 1):
+        for h in range(spec.num_heads if uses_h else 1):
+            for r0 in range(0, seqlen_q, rows_per_chunk):
+                rows = torch.arange(r0, min(seqlen_q, r0 + rows_per_chunk), device=device)[:, None]
+                env = {"b": torch.tensor(b, device=device), "h": torch.tensor(h, device=device), "q_idx": rows,
+                       "kv_idx": torch.arange(seqlen_k, device=device)[None, :], "seqlen_q": seqlen_q,
+                       "seqlen_k": seqlen_k}
+                vis = torch.as_tensor(masks.evaluate(pred, env, named), device=device)
+                total += int(vis.expand(rows.shape[0], seqlen_k).sum())
+    return total * (1 if uses_b else batch) * (1 if uses_h else spec.num_heads)
+
+
 def time_ms(fn, *, warmup: int = 25, rep: int = 100) -> float:
     """Median milliseconds of fn() on the current CUDA device."""
     import triton.testing
@@ -87,6 +114,57 @@ def flex_runner(seqlen, causal):
     return lambda q, k, v, causal_: compiled(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def flex_mods(spec, q, k, tensors=None):
+    """FlexAttention (compiled, static shapes) with the spec's mask as mask_mod and its score
+    modifier as score_mod, both evaluated from the same definitions as flashgen's kernels."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from . import masks
+
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    node = spec.mask_node
+    pred = masks.predicate(node) if node is not None else None
+    smod = masks.score_ir(spec.score_mod) if spec.score_mod is not None else None
+    ranks = {**(masks.tensors_of(pred) if pred is not None else {}), **(masks.tensors_of(smod) if smod else {})}
+    named = {n: tensors[n].reshape((1,) * (r - tensors[n].dim()) + tuple(tensors[n].shape)) for n, r in ranks.items()}
+    sizes = {"seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    block_mask = score_mod = None
+    if pred is not None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return masks.evaluate(pred, {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **sizes}, named)
+        uses_b = masks.uses(pred, "b") or bool(masks.tensors_of(pred))
+        block_mask = create_block_mask(mask_mod, q.shape[0] if uses_b else None,
+                                       q.shape[1] if masks.uses(pred, "h") else None, seqlen_q, seqlen_k,
+                                       device=q.device)
+    if smod is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            env = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **sizes}
+            return masks.evaluate(smod, env, named)
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda q_, k_, v_: compiled(q_, k_, v_, block_mask=block_mask, score_mod=score_mod,
+                                       scale=spec.scale, enable_gqa=q_.shape[1] != k_.shape[1])
+
+
+def bench_tensors(spec, batch: int, seqlen: int, *, documents: int = 4, device="cuda") -> dict:
+    """Inputs for the tensors a spec reads, for benchmarks: document ids of `documents` equal
+    documents, ALiBi slopes 2^(-8 i / heads) (flash-attn's), a randn bias table, prefix seqlen // 2."""
+    out = {}
+    for name in spec.tensor_names:
+        if name in ("document_ids", "doc", "docs"):
+            out[name] = (torch.arange(seqlen, device=device) * documents // seqlen).to(torch.int32)
+        elif name == "alibi_slopes":
+            h = spec.num_heads
+            out[name] = torch.tensor([2 ** (-8 * (i + 1) / h) for i in range(h)], device=device)
+        elif name == "rel_bias":
+            out[name] = torch.randn(spec.num_heads, 2 * seqlen - 1, device=device)
+        elif name.startswith("prefix"):
+            out[name] = torch.full((batch,), seqlen // 2, dtype=torch.int32, device=device)
+        else:
+            raise ValueError(f"{name}: no benchmark input for this tensor; time it from your own script")
+    return out
+
+
 def bench_spec(kernel, seqlens, *, tokens: int = 16384, modes=("fwd", "fwd_bwd")) -> list[dict]:
     """Time a kernel (flashgen.load / compile) beside SDPA's flash, cuDNN and efficient backends and
     FlexAttention on the same randn inputs, (batch, heads, S, D) with batch = tokens // S.
@@ -94,10 +172,12 @@ def bench_spec(kernel, seqlens, *, tokens: int = 16384, modes=("fwd", "fwd_bwd")
     from torch.nn.attention import SDPBackend
 
     spec = kernel.spec
-    anchors = {"sdpa_flash": lambda s: sdpa_runner(SDPBackend.FLASH_ATTENTION),
-               "sdpa_cudnn": lambda s: sdpa_runner(SDPBackend.CUDNN_ATTENTION),
-               "sdpa_efficient": lambda s: sdpa_runner(SDPBackend.EFFICIENT_ATTENTION),
-               "flex": lambda s: flex_runner(s, spec.causal)}
+    plain = spec.mask is None and spec.score_mod is None  # SDPA can run only plain and causal attention
+    anchors = {"sdpa_flash": lambda s, q, k, t: sdpa_runner(SDPBackend.FLASH_ATTENTION),
+               "sdpa_cudnn": lambda s, q, k, t: sdpa_runner(SDPBackend.CUDNN_ATTENTION),
+               "sdpa_efficient": lambda s, q, k, t: sdpa_runner(SDPBackend.EFFICIENT_ATTENTION)} if plain else {}
+    anchors["flex"] = ((lambda s, q, k, t: flex_runner(s, spec.causal)) if plain else
+                       (lambda s, q, k, t: (lambda f: lambda q_, k_, v_, c: f(q_, k_, v_))(flex_mods(spec, q, k, t))))
     rows = []
     for seqlen in seqlens:
         batch = max(1, tokens // seqlen)
@@ -106,14 +186,17 @@ def bench_spec(kernel, seqlens, *, tokens: int = 16384, modes=("fwd", "fwd_bwd")
         k = torch.randn(shape(spec.num_kv_heads, spec.head_dim), device="cuda", dtype=spec.torch_dtype)
         v = torch.randn(shape(spec.num_kv_heads, spec.head_dim_v), device="cuda", dtype=spec.torch_dtype)
         do = torch.randn(shape(spec.num_heads, spec.head_dim_v), device="cuda", dtype=spec.torch_dtype)
+        tensors = bench_tensors(spec, batch, seqlen)
+        pairs = visible_count(spec, batch, seqlen, seqlen, tensors)
         for mode in modes:
-            flops = attention_flops(batch, spec.num_heads, seqlen, seqlen, spec.head_dim, spec.head_dim_v,
-                                    causal=spec.causal, mode=mode)
-            row = {"seqlen": seqlen, "batch": batch, "mode": mode, "config": str(kernel.config_for(seqlen))}
+            flops = 2.0 * pairs * (spec.head_dim + spec.head_dim_v) * {"fwd": 1.0, "fwd_bwd": 3.5}[mode]
+            row = {"seqlen": seqlen, "batch": batch, "mode": mode, "config": str(kernel.config_for(seqlen)),
+                   "visible_fraction": pairs / (batch * spec.num_heads * seqlen * seqlen)}
             ref = None
             for name, make in [("flashgen", None), *anchors.items()]:
                 try:
-                    attn = (lambda q_, k_, v_, c: kernel(q_, k_, v_)) if make is None else make(seqlen)
+                    attn = ((lambda q_, k_, v_, c: kernel(q_, k_, v_, **tensors)) if make is None
+                            else make(seqlen, q, k, tensors))
                     step = _step(attn, q, k, v, do, spec.causal, mode)
                     out = step()
                     if ref is None:

@@ -43,14 +43,30 @@ def _lookup(kernel_id: str):
     return kernel.module(config)
 
 
+def _varlen(cu_q, cu_k, max_q, max_k):
+    if cu_q is None:
+        return {}
+    return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+
+
+def _named(module, tensors):
+    return dict(zip(module.TENSORS, tensors))
+
+
 @torch.library.custom_op("flashgen::attn_fwd", mutates_args=())
-def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, kernel_id: str,
-             layout: str, dropout_p: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _lookup(kernel_id).forward(q, k, v, layout=layout, dropout_p=dropout_p, seed=seed)
+def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, tensors: list[torch.Tensor],
+             kernel_id: str, layout: str, dropout_p: float, deterministic: bool, cu_q: torch.Tensor | None,
+             cu_k: torch.Tensor | None, max_q: int, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    module = _lookup(kernel_id)
+    return module.forward(q, k, v, layout=layout, dropout_p=dropout_p, seed=seed, tensors=_named(module, tensors),
+                          **_varlen(cu_q, cu_k, max_q, max_k))
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, seed, kernel_id, layout, dropout_p, deterministic):
+def _attn_fwd_fake(q, k, v, seed, tensors, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q, max_k):
+    if layout == "thd":
+        return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]),
+                                                                               dtype=torch.float32)
     if layout == "bhsd":
         batch, heads, seqlen_q = q.shape[0], q.shape[1], q.shape[2]
         out_shape = (batch, heads, seqlen_q, v.shape[3])
@@ -62,30 +78,86 @@ def _attn_fwd_fake(q, k, v, seed, kernel_id, layout, dropout_p, deterministic):
 
 @torch.library.custom_op("flashgen::attn_bwd", mutates_args=())
 def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, seed: torch.Tensor, kernel_id: str, layout: str, dropout_p: float,
-             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _lookup(kernel_id).backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
-                                       deterministic=deterministic)
+             lse: torch.Tensor, seed: torch.Tensor, tensors: list[torch.Tensor], kernel_id: str, layout: str,
+             dropout_p: float, deterministic: bool, grad_mask: int, cu_q: torch.Tensor | None,
+             cu_k: torch.Tensor | None, max_q: int, max_k: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """grad_mask: bit i set = differentiate tensors[i] (a float tensor the score_mod reads)."""
+    module = _lookup(kernel_id)
+    names = [n for i, n in enumerate(module.TENSORS) if grad_mask >> i & 1]
+    dq, dk, dv, grads = module.backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
+                                        deterministic=deterministic, tensors=_named(module, tensors),
+                                        tensor_grads=names, **_varlen(cu_q, cu_k, max_q, max_k))
+    return dq, dk, dv, [grads[n].to(t.dtype) if n in grads else t.new_empty(0)
+                        for n, t in zip(module.TENSORS, tensors)]
 
 
 @attn_bwd.register_fake
-def _attn_bwd_fake(do, q, k, v, out, lse, seed, kernel_id, layout, dropout_p, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _attn_bwd_fake(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dropout_p, deterministic, grad_mask,
+                   cu_q, cu_k, max_q, max_k):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            [torch.empty_like(t) if grad_mask >> i & 1 else t.new_empty(0) for i, t in enumerate(tensors)])
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, seed, kernel_id, layout, dropout_p, deterministic = inputs
+    q, k, v, seed, tensors, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q, max_k = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed)
-    ctx.kernel_id, ctx.layout, ctx.dropout_p, ctx.deterministic = kernel_id, layout, dropout_p, deterministic
+    ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
+    ctx.grad_mask = sum(1 << i for i, t in enumerate(tensors) if t.requires_grad and t.is_floating_point())
+    ctx.args = (kernel_id, layout, dropout_p, deterministic)
+    ctx.maxes = (max_q, max_k)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, seed = ctx.saved_tensors
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, seed, ctx.kernel_id, ctx.layout, ctx.dropout_p,
-                          ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, out, lse, seed, cu_q, cu_k, *tensors = ctx.saved_tensors
+    kernel_id, layout, dropout_p, deterministic = ctx.args
+    dq, dk, dv, dts = attn_bwd(dout, q, k, v, out, lse, seed, tensors, kernel_id, layout, dropout_p, deterministic,
+                               ctx.grad_mask, cu_q, cu_k, *ctx.maxes)
+    tensor_grads = [g if ctx.grad_mask >> i & 1 else None for i, g in enumerate(dts)]
+    return dq, dk, dv, None, tensor_grads, None, None, None, None, None, None, None, None
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """The same forward and backward for eager calls, without the custom op's dispatch: that
+    path flattens every argument through pytree and costs ~0.3 ms of CPU per training step,
+    which dominates attention calls of under a millisecond (a sliding window, short documents).
+    Under torch.compile the custom ops above are used instead (api.AttentionKernel picks)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seed, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q, max_k,
+                *tensors):
+        module = _lookup(kernel_id)
+        out, lse = module.forward(q, k, v, layout=layout, dropout_p=dropout_p, seed=seed,
+                                  tensors=_named(module, tensors), **_varlen(cu_q, cu_k, max_q, max_k))
+        ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
+        ctx.args = (kernel_id, layout, dropout_p, deterministic, max_q, max_k)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, seed, cu_q, cu_k, *tensors = ctx.saved_tensors
+        kernel_id, layout, dropout_p, deterministic, max_q, max_k = ctx.args
+        module = _lookup(kernel_id)
+        wanted = ctx.needs_input_grad[12:]
+        names = [n for n, t, w in zip(module.TENSORS, tensors, wanted) if w and t.is_floating_point()]
+        dq, dk, dv, grads = module.backward(dout, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
+                                            deterministic=deterministic, tensors=_named(module, tensors),
+                                            tensor_grads=names, **_varlen(cu_q, cu_k, max_q, max_k))
+        tensor_grads = [grads[n].to(t.dtype) if n in grads else None for n, t in zip(module.TENSORS, tensors)]
+        return (dq, dk, dv, *([None] * 9), *tensor_grads)
+
+
+def attention(q, k, v, seed, tensors, kernel_id, layout, dropout_p, deterministic, cu_q=None, cu_k=None,
+              max_q=0, max_k=0):
+    """(out, lse): the custom op while torch.compile traces, the autograd.Function in eager mode."""
+    if torch.compiler.is_compiling():
+        return attn_fwd(q, k, v, seed, list(tensors), kernel_id, layout, dropout_p, deterministic, cu_q, cu_k,
+                        max_q, max_k)
+    return AttentionFunction.apply(q, k, v, seed, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q,
+                                   max_k, *tensors)

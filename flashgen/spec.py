@@ -17,11 +17,15 @@ import hashlib
 import json
 import math
 import re
+from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
+
+from . import masks
+from .errors import SpecError
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 _DTYPE_ALIASES = {
@@ -32,21 +36,6 @@ _DTYPE_ALIASES = {
 TARGETS = ("auto", "h100", "h200", "a100", "l40s", "l4", "a10g", "rtx4090", "rtx3090", "cpu")
 MAX_HEAD_DIM = 256
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-class SpecError(ValueError):
-    """A spec field has a wrong type or an impossible value."""
-
-    def __init__(self, field_name: str, message: str, value: Any = dataclasses.MISSING, source: str | None = None):
-        self.field = field_name
-        self.value = value
-        self.message = message
-        got = "" if value is dataclasses.MISSING else f", got {value!r}"
-        where = f"{source}: " if source else ""
-        super().__init__(f"{where}spec field '{field_name}': {message}{got}")
-
-    def with_source(self, source: str) -> "SpecError":
-        return SpecError(self.field, self.message, self.value, source=source)
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
@@ -119,8 +108,8 @@ class AttentionSpec:
     num_heads: int = 1
     num_kv_heads: int | None = None  # defaults to num_heads (GQA/MQA when smaller)
     causal: bool = False
-    mask: Any = None  # filled in by the mask patterns (issue: custom masked variants)
-    score_mod: Any = None
+    mask: Any = None  # a pattern, an and/or of patterns, or an expression (flashgen.mask)
+    score_mod: Any = None  # softcap, alibi, relative_bias, an expression, or a list applied in order
     softmax_scale: float | None = None  # defaults to 1/sqrt(head_dim)
     dropout_p: float = 0.0
     backward: bool = False
@@ -151,9 +140,11 @@ class AttentionSpec:
             )
         _check_bool("causal", self.causal)
         if self.mask is not None:
-            raise SpecError("mask", "mask patterns are not supported by this flashgen version (use causal: true)", self.mask)
+            set_("mask", masks.parse_mask(self.mask))
         if self.score_mod is not None:
-            raise SpecError("score_mod", "score modifiers are not supported by this flashgen version", self.score_mod)
+            set_("score_mod", masks.parse_score_mod(self.score_mod))
+        if self.mask is not None or self.score_mod is not None:
+            self.plan  # every expression lowers and every tensor is used consistently
         if self.softmax_scale is not None:
             scale = _check_float("softmax_scale", self.softmax_scale)
             if scale <= 0:
@@ -231,9 +222,31 @@ class AttentionSpec:
 
         return getattr(torch, DTYPES[self.dtype])
 
+    @property
+    def mask_node(self):
+        """The whole mask as one node: ``causal: true`` and the ``mask:`` section and-ed."""
+        causal = masks.MaskNode("causal", (("align", "bottom_right"),)) if self.causal else None
+        if causal is None or self.mask is None:
+            return causal or self.mask
+        return masks.MaskNode("and", (), (causal, self.mask))
+
+    @property
+    def plan(self) -> "masks.Plan":
+        """What the templates render for this spec's mask and score modifier."""
+        return _plan(self.mask_node, self.score_mod)
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        """The named tensors a call passes by keyword (document ids, ALiBi slopes, ...)."""
+        return tuple(t.name for t in self.plan.tensors)
+
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["tune"] = self.tune.to_dict()
+        if self.mask is not None:
+            out["mask"] = self.mask.to_dict()
+        if self.score_mod is not None:
+            out["score_mod"] = self.score_mod.to_dict()
         return out
 
     def to_yaml(self) -> str:
@@ -260,6 +273,10 @@ class AttentionSpec:
         parts.append(f"h{self.num_heads}kv{self.num_kv_heads}")
         if self.causal:
             parts.append("causal")
+        if self.mask is not None:
+            parts.append("mask-" + _node_name(self.mask))
+        if self.score_mod is not None:
+            parts.append("mod-" + "-".join(step[0] for step in self.score_mod.steps))
         if self.softmax_scale is not None:
             parts.append(f"scale{self.softmax_scale:g}")
         if self.dropout_p:
@@ -269,3 +286,14 @@ class AttentionSpec:
 
     def replace(self, **changes) -> "AttentionSpec":
         return dataclasses.replace(self, **changes)
+
+
+def _node_name(node) -> str:
+    if node.kind in ("and", "or"):
+        return node.kind + "-" + "-".join(_node_name(c) for c in node.children)
+    return node.kind
+
+
+@lru_cache(maxsize=512)
+def _plan(mask_node, score_node):
+    return masks.Plan(mask_node, score_node)

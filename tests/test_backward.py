@@ -153,7 +153,19 @@ def test_custom_op_passes_opcheck(device):
                                            BLOCK_M2=16, BLOCK_N2=16, bwd_num_stages=1))
     q, k, v = (torch.randn(1, 2, 9, 16, device=device, requires_grad=True) for _ in range(3))
     seed = torch.empty(1, dtype=torch.int64, device=device)
-    torch.library.opcheck(torch.ops.flashgen.attn_fwd.default, (q, k, v, seed, kernel._id, "bhsd", 0.0, False),
+    torch.library.opcheck(torch.ops.flashgen.attn_fwd.default,
+                          (q, k, v, seed, [], kernel._id, "bhsd", 0.0, False, None, None, 0, 0),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    # with a named tensor the gradient flows into, and packed sequences
+    masked = flashgen.compile(AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, backward=True, causal=True,
+                                            score_mod={"alibi": {}}),
+                              KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, BLOCK_M1=16, BLOCK_N1=16,
+                                           BLOCK_M2=16, BLOCK_N2=16, bwd_num_stages=1))
+    slopes = torch.rand(2, device=device, requires_grad=True)
+    qt, kt, vt = (torch.randn(9, 2, 16, device=device, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.flashgen.attn_fwd.default,
+                          (qt, kt, vt, seed, [slopes], masked._id, "thd", 0.0, False, cu, cu, 5, 5),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

@@ -55,7 +55,12 @@ def test_structure_follows_the_spec():
     full = R.render(spec, KernelConfig())
     causal = R.render(spec.replace(causal=True), KernelConfig())
     kv = R.render(spec, KernelConfig(loop_order="kv_outer"))
-    assert "causal_offset + 1" not in full and "causal_offset + 1" in causal
+    # the causal bound appears in the predicate and the segment ranges only when asked for
+    assert "cols <= (rows + (seqlen_k - seqlen_q))" not in full
+    assert "cols <= (rows + (seqlen_k - seqlen_q))" in causal and "(r0 + (seqlen_k - seqlen_q)) + 1" in causal
+    assert "_block_map_kernel" not in causal
+    custom = R.render(spec.replace(mask="(q_idx - kv_idx) % 4 == 0"), KernelConfig())
+    assert "def _block_map_kernel(" in custom and "_kv_segments" not in custom
     assert "def _attn_fwd(" in full and "_attn_fwd_kv_outer" not in full
     assert "def _attn_fwd_kv_outer(" in kv and "def _attn_fwd(" not in kv
 

@@ -9,8 +9,11 @@
 # P tile by tile from Q, K and LSE (never storing S or P): delta = rowsum(dO * O),
 # dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dK = scale * dS^T Q, dQ = scale * dS K.
 #
-# Causal masking is aligned bottom-right (as flash-attn): query i sees key j iff
-# j <= i + (seqlen_k - seqlen_q). A query row that sees no key outputs 0 with LSE -inf.
+# Mask: {'causal': {'align': 'bottom_right'}} (causal: aligned bottom-right, as flash-attn)
+# Query row i sees key j iff _visible(i, j). A query row that sees no key outputs 0 with LSE -inf.
+# Block skipping: each query block's key range is computed in the kernel (_kv_segments;
+# _q_segments for a key block): blocks outside are never loaded, blocks every row sees
+# run with no mask arithmetic, only the boundary blocks evaluate _visible.
 import torch
 import triton
 import triton.language as tl
@@ -44,32 +47,116 @@ CONFIG = {
     'bwd_num_stages': 2,
     'dq_strategy': 'separate',
 }
+TENSORS = []  # named tensors a call passes by keyword
+TENSOR_RANKS = {}
+GRAD_TENSORS = []  # float tensors gradients flow into
+BLOCK_MAP = False
 
 
 @triton.jit
-def _visible(rows, cols, seqlen_k, causal_offset):
+def _clamp(i, n):
+    return tl.minimum(tl.maximum(i, 0), n - 1)
+
+
+@triton.jit
+def _fdiv(a, b):
+    # Floor division (Python's and FlexAttention's //) for either sign.
+    q = tl.abs(a) // tl.abs(b)
+    return tl.where((a < 0) == (b < 0), q, -((tl.abs(a) + tl.abs(b) - 1) // tl.abs(b)))
+
+
+@triton.jit
+def _fmod(a, b):
+    return a - b * _fdiv(a, b)
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _search(PTR, stride, n, value, RIGHT: tl.constexpr):
+    # The first i in [0, n) with PTR[i] >= value (> value if RIGHT) in a sorted row, else n:
+    # a 64-way search, one vector load per level (3 levels cover 262144 tokens).
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = lo + n
+    probes = tl.arange(0, 64)
+    while lo < hi:
+        step = (hi - lo + 63) // 64
+        idx = lo + probes * step
+        ok = idx < hi
+        vals = tl.load(PTR + idx * stride, mask=ok)
+        if RIGHT:
+            below = ok & (vals <= value)
+        else:
+            below = ok & (vals < value)
+        cnt = tl.sum(below.to(tl.int32), 0)
+        new_lo = tl.where(cnt == 0, lo, lo + (cnt - 1) * step + 1)
+        hi = tl.where(cnt == 0, lo, tl.minimum(lo + cnt * step, hi))
+        lo = new_lo
+    return lo
+
+
+@triton.jit
+def _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k):
     # Which (query row, key column) pairs are attended; rows and cols broadcast to the tile.
-    visible = cols < seqlen_k
-    visible = visible & (cols <= rows + causal_offset)
-    return visible
+    return (cols < seqlen_k) & ((cols <= (rows + (seqlen_k - seqlen_q))))
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, seqlen_k, causal_offset, qk_scale,
+def _kv_segments(r0, r1, off_b, off_h, seqlen_q, seqlen_k):
+    # Query rows [r0, r1] see keys in [lo, hi); every one of them sees all of [flo, fhi).
+    lo0, hi0, flo0, fhi0 = 0, ((r1 + (seqlen_k - seqlen_q)) + 1), 0, ((r0 + (seqlen_k - seqlen_q)) + 1)
+    return lo0, hi0, flo0, fhi0
+
+
+@triton.jit
+def _q_segments(c0, c1, off_b, off_h, seqlen_q, seqlen_k):
+    # Keys [c0, c1] are seen by query rows in [lo, hi); every one of those rows sees all of them in [flo, fhi).
+    lo0, hi0, flo0, fhi0 = (c0 - (seqlen_k - seqlen_q)), seqlen_q, (c1 - (seqlen_k - seqlen_q)), seqlen_q
+    return lo0, hi0, flo0, fhi0
+
+
+@triton.jit
+def _span(lo, hi, flo, fhi, start, n, BLOCK: tl.constexpr, RAGGED):
+    # One segment as block-aligned loop bounds at or after `start`: masked blocks [lo, flo),
+    # whole blocks [flo, fhi) that need no mask arithmetic, masked blocks [fhi, hi).
+    lo = tl.maximum(tl.maximum(lo, 0) // BLOCK * BLOCK, start)
+    hi = tl.maximum(tl.minimum(hi, n), lo)
+    flo = (tl.maximum(flo, lo) + BLOCK - 1) // BLOCK * BLOCK
+    fhi = tl.maximum(tl.minimum(tl.minimum(fhi, hi), n // BLOCK * BLOCK), 0) // BLOCK * BLOCK
+    empty = (fhi <= flo) | RAGGED
+    flo = tl.where(empty, lo, flo)
+    fhi = tl.where(empty, lo, fhi)
+    return lo, flo, fhi, hi
+
+
+@triton.jit
+def _seq_bounds(CU, off_b, seqlen, VARLEN: tl.constexpr):
+    # (first row, length) of batch element off_b: packed by cu_seqlens, or dense.
+    if VARLEN:
+        start = tl.load(CU + off_b)
+        return start, tl.load(CU + off_b + 1) - start
+    else:
+        return 0, seqlen
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, q, k, v, rows, cols, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
                          seed, row0, dropout_p,
                          MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # One (BLOCK_M x BLOCK_N) tile: s = q k^T * scale * log2(e); m' = max(m, rowmax s);
     # l' = l * 2^(m - m') + rowsum 2^(s - m'); acc' = acc * 2^(m - m') + 2^(s - m') v.
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+    qk = qk * qk_scale
     if MASKED:
-        # Only boundary tiles get here: keys past seqlen_k and the causal diagonal.
-        visible = _visible(offs_m[:, None], offs_n[None, :], seqlen_k, causal_offset)
-        qk = tl.where(visible, qk * qk_scale, float("-inf"))
+        # Only boundary tiles get here.
+        qk = tl.where(_visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row with every key masked so far keeps m = -inf; subtract 0 instead (no NaN).
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        qk = qk * qk_scale
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_sub = m_new
     p = tl.math.exp2(qk - m_sub[:, None])
@@ -114,17 +201,6 @@ def _finalize(acc, m_i, l_i):
 
 
 @triton.jit
-def _kv_range(start_m, seqlen_q, seqlen_k, causal_offset, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Keys [0, full_hi) are visible to every row of this query block (no mask arithmetic);
-    # keys [full_hi, hi) form the boundary band that needs the mask; keys >= hi are never loaded.
-    last_row = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    hi = tl.maximum(tl.minimum(seqlen_k, last_row + causal_offset + 1), 0)
-    full_hi = tl.maximum(tl.minimum(seqlen_k, start_m + causal_offset + 1), 0) // BLOCK_N * BLOCK_N
-    full_hi = tl.minimum(full_hi, hi)
-    return full_hi, hi
-
-
-@triton.jit
 def _load_seed(SEED, DROPOUT: tl.constexpr):
     if DROPOUT:
         return tl.load(SEED)
@@ -133,77 +209,45 @@ def _load_seed(SEED, DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _attn_fwd_kv_outer(
-    Q, K, V, O, LSE, SEED, ACC, M, L,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    num_heads, seqlen_q, seqlen_k, qk_scale, dropout_p,
-    GQA_GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # FlashAttention-1: grid (heads, batch); the outer loop walks K/V blocks, which stay on
-    # chip, the inner loop walks the query blocks that see them. The running O (unnormalised),
-    # m and l of every query row live in global memory (ACC, M, L, float32) between visits.
-    off_h = tl.program_id(0).to(tl.int64)
-    off_b = tl.program_id(1).to(tl.int64)
-    off_hk = off_h // GQA_GROUP
-    Q += off_b * stride_qb + off_h * stride_qh
-    K += off_b * stride_kb + off_hk * stride_kh
-    V += off_b * stride_vb + off_hk * stride_vh
-    O += off_b * stride_ob + off_h * stride_oh
-    row0 = (off_b * num_heads + off_h) * seqlen_q
-    LSE += row0
-    M += row0
-    L += row0
-    ACC += row0 * BLOCK_DV
-    seed = _load_seed(SEED, DROPOUT)
-
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    causal_offset = seqlen_k - seqlen_q
-
-    for start_n in range(0, seqlen_k, BLOCK_N):
-        k, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                        seqlen_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BOUNDS=True)
-        # Query rows i with i + offset >= start_n see this block; those with
-        # i + offset >= start_n + BLOCK_N - 1 see all of it.
-        q_lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-        q_full = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
-        q_full = tl.minimum((q_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, seqlen_q)
-        # A ragged last K/V block needs the bounds mask in every query block.
-        q_full = tl.maximum(tl.where(start_n + BLOCK_N > seqlen_k, seqlen_q, q_full), q_lo)
-        # Boundary band, then the query blocks that see the whole K/V block.
-        for start_m in range(q_lo, q_full, BLOCK_M):
-            _kv_outer_visit(Q, ACC, M, L, k, v, start_m, start_n + offs_n, offs_d, offs_dv,
-                            stride_qm, stride_qd, seqlen_q, seqlen_k, causal_offset, qk_scale,
-                            seed, row0, dropout_p, HEAD_DIM, BLOCK_DV, BLOCK_M, MASKED=True,
-                            DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
-        for start_m in range(q_full, seqlen_q, BLOCK_M):
-            _kv_outer_visit(Q, ACC, M, L, k, v, start_m, start_n + offs_n, offs_d, offs_dv,
-                            stride_qm, stride_qd, seqlen_q, seqlen_k, causal_offset, qk_scale,
-                            seed, row0, dropout_p, HEAD_DIM, BLOCK_DV, BLOCK_M, MASKED=False,
-                            DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
-
-    # Every K/V block has been folded in: normalise and write O and LSE.
-    for start_m in range(0, seqlen_q, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < seqlen_q
-        acc = tl.load(ACC + offs_m[:, None] * BLOCK_DV + offs_dv[None, :], mask=row_ok[:, None], other=0.0)
-        m_i = tl.load(M + offs_m, mask=row_ok, other=float("-inf"))
-        l_i = tl.load(L + offs_m, mask=row_ok, other=0.0)
-        out, lse = _finalize(acc, m_i, l_i)
-        o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-        tl.store(O + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty), mask=o_mask)
-        tl.store(LSE + offs_m, lse, mask=row_ok)
+def _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
+              stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
+              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    k, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                    seqlen_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BOUNDS=MASKED)
+    return _online_softmax_step(acc, m_i, l_i, q, k, v, rows, (start_n + offs_n)[None, :], off_b, off_h,
+                                seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
+                                MASKED=MASKED, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
 
 
 @triton.jit
-def _kv_outer_visit(Q, ACC, M, L, k, v, start_m, offs_n, offs_d, offs_dv,
-                    stride_qm, stride_qd, seqlen_q, seqlen_k, causal_offset, qk_scale,
+def _fwd_blocks(acc, m_i, l_i, q, K, V, lo, hi, lo2, hi2, IDX, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd,
+                stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
+                dropout_p,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: the two boundary bands
+    # of a segment), or (LISTED) the key blocks IDX[lo:hi] of a block map.
+    if LISTED:
+        for j in range(lo, hi):
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, tl.load(IDX + j) * BLOCK_N, rows, offs_n, offs_d,
+                                      offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q,
+                                      seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, HEAD_DIM,
+                                      HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED, DROPOUT, DOT_PRECISION)
+    else:
+        for j in range(lo, hi + (hi2 - lo2), BLOCK_N):
+            start_n = tl.where(j < hi, j, j - hi + lo2)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn,
+                                      stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale,
+                                      qk_scale, seed, row0, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                                      BLOCK_DV, MASKED, DROPOUT, DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _kv_outer_visit(Q, ACC, M, L, k, v, start_m, cols, offs_d, offs_dv,
+                    stride_qm, stride_qd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
                     seed, row0, dropout_p, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
                     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
@@ -216,14 +260,102 @@ def _kv_outer_visit(Q, ACC, M, L, k, v, start_m, offs_n, offs_d, offs_dv,
     acc = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0)
     m_i = tl.load(M + offs_m, mask=row_ok, other=float("-inf"))
     l_i = tl.load(L + offs_m, mask=row_ok, other=0.0)
-    acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m, offs_n, seqlen_k, causal_offset,
-                                         qk_scale, seed, row0, dropout_p, MASKED=MASKED, DROPOUT=DROPOUT,
-                                         DOT_PRECISION=DOT_PRECISION)
+    acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m[:, None], cols, off_b, off_h, seqlen_q,
+                                         seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, MASKED=MASKED,
+                                         DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
     tl.store(acc_ptrs, acc, mask=row_ok[:, None])
     tl.store(M + offs_m, m_i, mask=row_ok)
     tl.store(L + offs_m, l_i, mask=row_ok)
     # The same program reads these rows again at the next K/V block: order the accesses.
     tl.debug_barrier()
+
+
+@triton.jit
+def _kv_outer_blocks(Q, ACC, M, L, k, v, lo, hi, lo2, hi2, IDX, cols, offs_d, offs_dv, stride_qm, stride_qd, off_b, off_h,
+                     seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
+                     HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, LISTED: tl.constexpr,
+                     MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Query blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_M, or (LISTED) the query blocks IDX[lo:hi].
+    if LISTED:
+        for j in range(lo, hi):
+            _kv_outer_visit(Q, ACC, M, L, k, v, tl.load(IDX + j) * BLOCK_M, cols, offs_d, offs_dv, stride_qm,
+                            stride_qd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
+                            dropout_p, HEAD_DIM, BLOCK_DV, BLOCK_M, MASKED, DROPOUT, DOT_PRECISION)
+    else:
+        for j in range(lo, hi + (hi2 - lo2), BLOCK_M):
+            start_m = tl.where(j < hi, j, j - hi + lo2)
+            _kv_outer_visit(Q, ACC, M, L, k, v, start_m, cols, offs_d, offs_dv, stride_qm, stride_qd, off_b, off_h,
+                            seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, HEAD_DIM,
+                            BLOCK_DV, BLOCK_M, MASKED, DROPOUT, DOT_PRECISION)
+
+
+@triton.jit
+def _attn_fwd_kv_outer(
+    Q, K, V, O, LSE, SEED, CU_Q, CU_K, ACC, M, L,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh,
+    num_heads, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
+    GQA_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # FlashAttention-1: grid (heads, batch); the outer loop walks K/V blocks, which stay on
+    # chip, the inner loop walks the query blocks that see them. The running O (unnormalised),
+    # m and l of every query row live in global memory (ACC, M, L, float32) between visits.
+    off_h = tl.program_id(0).to(tl.int64)
+    off_b = tl.program_id(1).to(tl.int64)
+    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, VARLEN)
+    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, VARLEN)
+    off_hk = off_h // GQA_GROUP
+    Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+    K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+    V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
+    O += off_b * stride_ob + off_h * stride_oh + q_start * stride_om
+    row0 = off_b * stride_lb + off_h * stride_lh + q_start
+    LSE += row0
+    M += row0
+    L += row0
+    ACC += row0 * BLOCK_DV
+    seed = _load_seed(SEED, DROPOUT)
+
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    for start_n in range(0, seqlen_k, BLOCK_N):
+        k, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                        seqlen_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BOUNDS=True)
+        cols = (start_n + offs_n)[None, :]
+        # The K/V tile was loaded with bounds, so a ragged last block is masked in every query block.
+        segs = _q_segments(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k) - 1, off_b, off_h, seqlen_q,
+                           seqlen_k)
+        end = 0
+        lo, flo, fhi, hi = _span(segs[0], segs[1], segs[2],
+                                 segs[3], end, seqlen_q, BLOCK_M, start_n + BLOCK_N > seqlen_k)
+        _kv_outer_blocks(Q, ACC, M, L, k, v, flo, fhi, fhi, fhi, Q, cols, offs_d, offs_dv, stride_qm,
+                         stride_qd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
+                         dropout_p, HEAD_DIM, BLOCK_DV, BLOCK_M, LISTED=False, MASKED=False,
+                         DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
+        _kv_outer_blocks(Q, ACC, M, L, k, v, lo, flo, fhi, hi, Q, cols, offs_d, offs_dv, stride_qm,
+                         stride_qd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
+                         dropout_p, HEAD_DIM, BLOCK_DV, BLOCK_M, LISTED=False, MASKED=True,
+                         DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
+
+    # Every K/V block has been folded in: normalise and write O and LSE.
+    for start_m in range(0, seqlen_q, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seqlen_q
+        acc = tl.load(ACC + offs_m[:, None] * BLOCK_DV + offs_dv[None, :], mask=row_ok[:, None], other=0.0)
+        m_i = tl.load(M + offs_m, mask=row_ok, other=float("-inf"))
+        l_i = tl.load(L + offs_m, mask=row_ok, other=0.0)
+        out, lse = _finalize(acc, m_i, l_i)
+        o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+        tl.store(O + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty), mask=o_mask)
+        tl.store(LSE + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
@@ -247,44 +379,73 @@ def _bwd_preprocess(O, DO, DELTA,
 
 
 @triton.jit
-def _bwd_kv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, offs_n, offs_d, offs_dv,
-                  stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                  lo, hi, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale, dropout_p,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
-                  MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DROPOUT: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    # One K/V block against query blocks [lo, hi) of one query head, in the transposed
-    # orientation: P^T = exp2(K Q^T * scale * log2 e - LSE * log2 e), (BLOCK_N, BLOCK_M).
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < seqlen_q
-        qT = tl.load(Q + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm,
-                     mask=(offs_d[:, None] < HEAD_DIM) & row_ok[None, :], other=0.0)
-        lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
-        # A row that saw no key has LSE -inf and P = 0: subtract +inf instead.
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        pT = tl.math.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
-        if MASKED:
-            pT = tl.where(_visible(offs_m[None, :], offs_n[:, None], seqlen_k, causal_offset), pT, 0.0)
-        do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                     mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        zT = pT
-        dv = tl.dot(zT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
-        dsT = pT * (dpT - delta[None, :])  # dS = P * (dP - delta)
-        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            # dQ = scale * dS K, added into a float32 buffer shared with the other K/V blocks.
-            dq = tl.dot(tl.trans(dsT).to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
-            tl.atomic_add(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq,
-                          mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_n, offs_d, offs_dv,
+                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                 off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                 MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    # One K/V block against one query block, in the transposed orientation:
+    # P^T = exp2(K Q^T * scale * log2 e - LSE * log2 e), (BLOCK_N, BLOCK_M).
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    rows = offs_m[None, :]
+    cols = offs_n[:, None]
+    row_ok = offs_m < seqlen_q
+    qT = tl.load(Q + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm,
+                 mask=(offs_d[:, None] < HEAD_DIM) & row_ok[None, :], other=0.0)
+    lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
+    # A row that saw no key has LSE -inf and P = 0: subtract +inf instead.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    pT = tl.math.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
+    if MASKED:
+        visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k)
+        pT = tl.where(visible, pT, 0.0)
+    else:
+        visible = (rows < seqlen_q) & (cols < seqlen_k)
+    do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    zT = pT
+    dv = tl.dot(zT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    delta = tl.load(DELTA + offs_m, mask=row_ok, other=0.0)
+    dsT = pT * (dpT - delta[None, :])  # dS = P * (dP - delta), w.r.t. the (modified) score
+    dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=DOT_PRECISION)
+    if ATOMIC_DQ:
+        # dQ = scale * dS K, added into a float32 buffer shared with the other K/V blocks.
+        dq = tl.dot(tl.trans(dsT).to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
+        tl.atomic_add(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq,
+                      mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _bwd_kv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, lo, hi, lo2, hi2, IDX, offs_n, offs_d, offs_dv,
+                   stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
+                   off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, LISTED: tl.constexpr,
+                   MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    # Query blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_M, or (LISTED) the query blocks IDX[lo:hi].
+    if LISTED:
+        for j in range(lo, hi):
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, tl.load(IDX + j) * BLOCK_M, offs_n,
+                                  offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
+                                  stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
+                                  dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT,
+                                  TENSOR_GRADS, DOT_PRECISION)
+    else:
+        for j in range(lo, hi + (hi2 - lo2), BLOCK_M):
+            start_m = tl.where(j < hi, j, j - hi + lo2)
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_n, offs_d, offs_dv,
+                                  stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h,
+                                  seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, HEAD_DIM,
+                                  HEAD_DIM_V, BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT, TENSOR_GRADS, DOT_PRECISION)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEED,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEED, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -292,11 +453,12 @@ def _attn_bwd_dkdv(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_lb, stride_lh,
     num_heads, seqlen_q, seqlen_k, qk_scale, sm_scale, dropout_p,
     GQA_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ATOMIC_DQ: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # KV-outer: grid (key blocks, KV heads, batch). A program owns one K/V block, keeps
     # dK and dV in registers and walks every query block of every query head that shares
@@ -304,142 +466,193 @@ def _attn_bwd_dkdv(
     start_n = tl.program_id(0) * BLOCK_N
     off_hk = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
+    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, VARLEN)
+    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_n >= seqlen_k:
+            return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     n_ok = offs_n < seqlen_k
-    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+    V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
+    k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+    v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=n_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    causal_offset = seqlen_k - seqlen_q
     seed = _load_seed(SEED, DROPOUT)
-    # Query rows before q_lo never see this block; from q_full on they see all of it.
-    q_lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-    q_full = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
-    q_full = tl.minimum((q_full + BLOCK_M - 1) // BLOCK_M * BLOCK_M, seqlen_q)
-    q_full = tl.maximum(tl.where(start_n + BLOCK_N > seqlen_k, seqlen_q, q_full), q_lo)
+    # The query rows that see this key block (the same for every head of the group).
+    segs = _q_segments(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k) - 1, off_b, off_hk, seqlen_q,
+                       seqlen_k)
     for g in range(GQA_GROUP):
         off_h = off_hk * GQA_GROUP + g
-        row0 = (off_b * num_heads + off_h) * seqlen_q
-        Qh = Q + off_b * stride_qb + off_h * stride_qh
-        DOh = DO + off_b * stride_dob + off_h * stride_doh
-        DQh = DQ + off_b * stride_dqb + off_h * stride_dqh
-        dk, dv = _bwd_kv_inner(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, DQh, seed, row0, offs_n, offs_d,
-                               offs_dv, stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                               q_lo, q_full, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale, dropout_p,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_M, MASKED=True, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
-                               DOT_PRECISION=DOT_PRECISION)
-        dk, dv = _bwd_kv_inner(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, DQh, seed, row0, offs_n, offs_d,
-                               offs_dv, stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                               q_full, seqlen_q, seqlen_q, seqlen_k, causal_offset, qk_scale, sm_scale, dropout_p,
-                               HEAD_DIM, HEAD_DIM_V, BLOCK_M, MASKED=False, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
-                               DOT_PRECISION=DOT_PRECISION)
+        row0 = off_b * stride_lb + off_h * stride_lh + q_start
+        Qh = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+        DOh = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
+        DQh = DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
+        end = 0
+        lo, flo, fhi, hi = _span(segs[0], segs[1], segs[2],
+                                 segs[3], end, seqlen_q, BLOCK_M, start_n + BLOCK_N > seqlen_k)
+        dk, dv = _bwd_kv_blocks(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, DQh, seed, row0, flo, fhi,
+                                fhi, fhi, Q, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom,
+                                stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale,
+                                qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, LISTED=False,
+                                MASKED=False, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT, TENSOR_GRADS=TENSOR_GRADS,
+                                DOT_PRECISION=DOT_PRECISION)
+        dk, dv = _bwd_kv_blocks(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, DQh, seed, row0, lo, flo,
+                                fhi, hi, Q, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom,
+                                stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale,
+                                qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, LISTED=False,
+                                MASKED=True, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT, TENSOR_GRADS=TENSOR_GRADS,
+                                DOT_PRECISION=DOT_PRECISION)
     dk = dk * sm_scale
-    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + (k_start + offs_n)[:, None] * stride_dkn
+             + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + (k_start + offs_n)[:, None] * stride_dvn
+             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=n_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit
-def _bwd_q_inner(dq, q, do, lse2, delta, K, V, seed, row0, offs_m, offs_n, offs_d, offs_dv,
-                 stride_kn, stride_kd, stride_vn, stride_vd, lo, hi, seqlen_k, causal_offset, qk_scale, dropout_p,
-                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    for start_n in range(lo, hi, BLOCK_N):
-        kT, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                         seqlen_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BOUNDS=MASKED)
-        cols = start_n + offs_n
-        p = tl.math.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
-        if MASKED:
-            p = tl.where(_visible(offs_m[:, None], cols[None, :], seqlen_k, causal_offset), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PRECISION)
+def _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
+                stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
+                dropout_p,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    kT, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                     seqlen_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BOUNDS=MASKED)
+    cols = (start_n + offs_n)[None, :]
+    p = tl.math.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+    if MASKED:
+        visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k)
+        p = tl.where(visible, p, 0.0)
+    else:
+        visible = (rows < seqlen_q) & (cols < seqlen_k)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _bwd_q_blocks(dq, q, do, lse2, delta, K, V, seed, row0, lo, hi, lo2, hi2, IDX, rows, offs_n, offs_d, offs_dv,
+                  stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
+                  dropout_p,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N, or (LISTED) the key blocks IDX[lo:hi].
+    if LISTED:
+        for j in range(lo, hi):
+            dq = _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, tl.load(IDX + j) * BLOCK_N, rows, offs_n, offs_d,
+                             offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k,
+                             sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED,
+                             DROPOUT, DOT_PRECISION)
+    else:
+        for j in range(lo, hi + (hi2 - lo2), BLOCK_N):
+            start_n = tl.where(j < hi, j, j - hi + lo2)
+            dq = _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
+                             stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale,
+                             qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED, DROPOUT,
+                             DOT_PRECISION)
     return dq
 
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, SEED,
+    Q, K, V, DO, LSE, DELTA, DQ, SEED, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_lb, stride_lh,
     num_heads, seqlen_q, seqlen_k, qk_scale, sm_scale, dropout_p,
     GQA_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Q-outer, deterministic dQ: grid (query blocks, heads, batch); each program owns a Q
     # block and walks the K/V blocks it sees, exactly as the forward does.
-    start_m = tl.program_id(0) * BLOCK_M
+    blk = tl.program_id(0)
+    start_m = blk * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
+    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, VARLEN)
+    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, VARLEN)
+    if VARLEN:
+        if start_m >= seqlen_q:
+            return
     off_hk = off_h // GQA_GROUP
-    row0 = (off_b * num_heads + off_h) * seqlen_q
+    row0 = off_b * stride_lb + off_h * stride_lh + q_start
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    rows = offs_m[:, None]
     row_ok = offs_m < seqlen_q
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+    DO += off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
+    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_dv[None, :] * stride_dod, mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
-    K += off_b * stride_kb + off_hk * stride_kh
-    V += off_b * stride_vb + off_hk * stride_vh
-    causal_offset = seqlen_k - seqlen_q
+    K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+    V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
     seed = _load_seed(SEED, DROPOUT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_hi, hi = _kv_range(start_m, seqlen_q, seqlen_k, causal_offset, BLOCK_M, BLOCK_N)
-    dq = _bwd_q_inner(dq, q, do, lse2, delta, K, V, seed, row0, offs_m, offs_n, offs_d, offs_dv,
-                      stride_kn, stride_kd, stride_vn, stride_vd, 0, full_hi, seqlen_k, causal_offset, qk_scale,
-                      dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED=False, DROPOUT=DROPOUT,
-                      DOT_PRECISION=DOT_PRECISION)
-    dq = _bwd_q_inner(dq, q, do, lse2, delta, K, V, seed, row0, offs_m, offs_n, offs_d, offs_dv,
-                      stride_kn, stride_kd, stride_vn, stride_vd, full_hi, hi, seqlen_k, causal_offset, qk_scale,
-                      dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED=True, DROPOUT=DROPOUT,
-                      DOT_PRECISION=DOT_PRECISION)
+    segs = _kv_segments(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, off_b, off_h, seqlen_q,
+                        seqlen_k)
+    end = 0
+    lo, flo, fhi, hi = _span(segs[0], segs[1], segs[2], segs[3],
+                             end, seqlen_k, BLOCK_N, False)
+    dq = _bwd_q_blocks(dq, q, do, lse2, delta, K, V, seed, row0, flo, fhi, fhi, fhi, K, rows, offs_n,
+                       offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k,
+                       sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                       LISTED=False, MASKED=False, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
+    dq = _bwd_q_blocks(dq, q, do, lse2, delta, K, V, seed, row0, lo, flo, fhi, hi, K, rows, offs_n,
+                       offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k,
+                       sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                       LISTED=False, MASKED=True, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
     dq = dq * sm_scale
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqm
+             + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 def _check_inputs(q, k, v, layout):
-    if layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    if layout not in ("bhsd", "bshd", "thd"):
+        raise ValueError(f"layout: expected 'bhsd', 'bshd' or 'thd' (varlen), got {layout!r}")
+    ndim = 3 if layout == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name}: expected a {ndim}-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
         if t.dtype != DTYPE:
             raise ValueError(f"{name}: expected dtype {DTYPE} (spec dtype {SPEC['dtype']}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
     if q.device.type == "cpu" and not _interpreting():
         raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on the CPU)")
-    seq_dim, head_dim = (2, 1) if layout == "bhsd" else (1, 2)
-    batch = q.shape[0]
+    seq_dim, head_dim = {"bhsd": (2, 1), "bshd": (1, 2), "thd": (0, 1)}[layout]
+    batch = () if layout == "thd" else (q.shape[0],)
+    what = "(heads, head_dim)" if layout == "thd" else "(batch, heads, head_dim)"
     expected = {
-        "q": (batch, SPEC["num_heads"], SPEC["head_dim"]),
-        "k": (batch, SPEC["num_kv_heads"], SPEC["head_dim"]),
-        "v": (batch, SPEC["num_kv_heads"], SPEC["head_dim_v"]),
+        "q": (*batch, SPEC["num_heads"], SPEC["head_dim"]),
+        "k": (*batch, SPEC["num_kv_heads"], SPEC["head_dim"]),
+        "v": (*batch, SPEC["num_kv_heads"], SPEC["head_dim_v"]),
     }
     for name, t in (("q", q), ("k", k), ("v", v)):
-        got = (t.shape[0], t.shape[head_dim], t.shape[3])
+        got = (*(t.shape[0],) * len(batch), t.shape[head_dim], t.shape[-1])
         if got != expected[name]:
-            raise ValueError(
-                f"{name}: expected (batch, heads, head_dim) = {expected[name]} in layout {layout!r}, "
-                f"got {got} from shape {tuple(t.shape)}")
+            raise ValueError(f"{name}: expected {what} = {expected[name]} in layout {layout!r}, "
+                             f"got {got} from shape {tuple(t.shape)}")
     if k.shape[seq_dim] != v.shape[seq_dim]:
         raise ValueError(f"v: expected seqlen {k.shape[seq_dim]} (the seqlen of k), got {v.shape[seq_dim]}")
     return seq_dim, head_dim
@@ -452,11 +665,14 @@ def _interpreting():
 
 
 DTYPE = getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[SPEC["dtype"]])
+SAME_SEQLEN = False  # a document mask indexes one id tensor by query and key
 
 
 def _bhsd_strides(t, layout):
-    # (batch, head, seq, dim) strides whatever the memory layout.
+    # (batch, head, seq, dim) strides whatever the memory layout; packed 'thd' has no batch stride.
     s = t.stride()
+    if layout == "thd":
+        return (0, s[1], s[0], s[2])
     return (s[0], s[1], s[2], s[3]) if layout == "bhsd" else (s[0], s[2], s[1], s[3])
 
 
@@ -487,47 +703,118 @@ def _seed_arg(seed, dropout_p, device):
     raise ValueError(f"dropout_p: this module was generated without dropout (spec dropout_p 0), got {dropout_p!r}")
 
 
+def _tensors(tensors, device):
+    """The named tensors, each viewed with the rank the expressions index it with
+    (missing leading dimensions broadcast: document ids (S,) serve every batch element)."""
+    tensors = dict(tensors or {})
+    unknown = sorted(set(tensors) - set(TENSORS))
+    if unknown:
+        raise TypeError(f"{unknown[0]}: not a tensor of this spec (its tensors: {TENSORS or 'none'})")
+    out = {}
+    for name in TENSORS:
+        t = tensors.get(name)
+        if t is None:
+            raise TypeError(f"{name}: this spec's mask or score_mod reads tensor {name!r}; pass {name}=<tensor>")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device != device:
+            raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+        rank = TENSOR_RANKS[name]
+        if t.dim() > rank or t.numel() == 0:
+            raise ValueError(f"{name}: expected a non-empty tensor of at most {rank} dimensions (indexed with "
+                             f"{rank}), got shape {tuple(t.shape)}")
+        out[name] = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
+    return out
+
+
+def _tensor_args(tensors):
+    args = []
+    for name in TENSORS:
+        t = tensors[name]
+        args += [t, *t.stride(), *t.shape]
+    return args
+
+
+def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim):
+    """(batch, seqlen_q, seqlen_k, cu_q, cu_k): the packed sequences' bounds, or the dense shape."""
+    if layout != "thd":
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens_q: packed sequences need layout 'thd' (total_tokens, heads, head_dim)")
+        dummy = torch.empty(1, dtype=torch.int32, device=q.device)
+        return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], dummy, dummy
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype != torch.int32:
+            raise ValueError(f"{name}: expected a 1-d int32 tensor of batch + 1 offsets, got "
+                             f"{getattr(cu, 'shape', cu)!r} {getattr(cu, 'dtype', '')}")
+        if cu.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device}, got {cu.device}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.numel()} offsets (as cu_seqlens_q), "
+                         f"got {cu_seqlens_k.numel()}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
+    return cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+
+
 def forward(q, k, v, *, layout="bhsd", out=None, lse=None, softmax_scale=None, dropout_p=0.0, seed=None,
-            **knobs):
-    """Attention forward. q: (B, H, Sq, D) for layout 'bhsd' or (B, Sq, H, D) for 'bshd';
-    k, v likewise with the KV heads. Returns (out, lse): out in q's layout with head dim
-    HEAD_DIM_V, lse (B, H, Sq) float32 (natural log). Knobs override CONFIG. With
-    dropout_p > 0, seed is a one-element int64 tensor; pass the same one to backward()."""
+            tensors=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **knobs):
+    """Attention forward. q: (B, H, Sq, D) for layout 'bhsd', (B, Sq, H, D) for 'bshd', or packed
+    (total_q, H, D) for 'thd' with cu_seqlens_q/k and max_seqlen_q/k; k, v likewise with the KV
+    heads. Returns (out, lse): out in q's layout with head dim HEAD_DIM_V, lse (B, H, Sq) float32
+    (natural log; (H, total_q) for 'thd'). ``tensors`` maps the names in TENSORS to tensors.
+    Knobs override CONFIG. With dropout_p > 0, seed is a one-element int64 tensor; pass the same
+    one to backward()."""
     seq_dim, _ = _check_inputs(q, k, v, layout)
     cfg = _knobs(knobs)
-    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[seq_dim], k.shape[seq_dim]
+    batch, seqlen_q, seqlen_k, cu_q, cu_k = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                         layout, q, k, seq_dim)
+    if SAME_SEQLEN and seqlen_q != seqlen_k:
+        raise ValueError(f"k: a document mask needs seqlen_k == seqlen_q ({seqlen_q}), got {seqlen_k}")
+    named = _tensors(tensors, q.device)
     num_heads = SPEC["num_heads"]
     dv = SPEC["head_dim_v"]
-    o_shape = (batch, num_heads, seqlen_q, dv) if layout == "bhsd" else (batch, seqlen_q, num_heads, dv)
+    total_q = q.shape[0]
+    o_shape = {"bhsd": (batch, num_heads, seqlen_q, dv), "bshd": (batch, seqlen_q, num_heads, dv),
+               "thd": (total_q, num_heads, dv)}[layout]
+    lse_shape = (num_heads, total_q) if layout == "thd" else (batch, num_heads, seqlen_q)
     if out is None:
         out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
     elif tuple(out.shape) != o_shape or out.dtype != q.dtype:
         raise ValueError(f"out: expected shape {o_shape} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
     if lse is None:
-        lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
-    elif tuple(lse.shape) != (batch, num_heads, seqlen_q) or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise ValueError(f"lse: expected a contiguous float32 tensor of shape {(batch, num_heads, seqlen_q)}")
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    elif tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape}")
     seed = _seed_arg(seed, dropout_p, q.device)
     if batch * num_heads * seqlen_q == 0:
+        return out, lse
+    if layout == "thd" and seqlen_k == 0:
+        out.zero_(), lse.fill_(float("-inf"))
         return out, lse
     scale = SPEC["softmax_scale"] if softmax_scale is None else softmax_scale
     consts = _launch_consts(cfg, q.dtype, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
     strides = (*_bhsd_strides(q, layout), *_bhsd_strides(k, layout), *_bhsd_strides(v, layout),
-               *_bhsd_strides(out, layout))
+               *_bhsd_strides(out, layout), *((0, total_q) if layout == "thd" else (num_heads * seqlen_q, seqlen_q)))
     qk_scale = scale * 1.4426950408889634  # fold log2(e) into the scale: exp(x) = exp2(x * log2 e)
-    acc = torch.zeros((batch, num_heads, seqlen_q, consts["BLOCK_DV"]), dtype=torch.float32, device=q.device)
-    m = torch.full((batch, num_heads, seqlen_q), float("-inf"), dtype=torch.float32, device=q.device)
-    l = torch.zeros((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    extra = _tensor_args(named)
+    args = (*strides, num_heads, seqlen_q, seqlen_k, scale, qk_scale, float(dropout_p), *extra)
+    rows = total_q if layout == "thd" else batch * seqlen_q
+    acc = torch.zeros((num_heads * rows, consts["BLOCK_DV"]), dtype=torch.float32, device=q.device)
+    m = torch.full((num_heads * rows,), float("-inf"), dtype=torch.float32, device=q.device)
+    l = torch.zeros((num_heads * rows,), dtype=torch.float32, device=q.device)
     grid = (num_heads, batch)
-    _attn_fwd_kv_outer[grid](q, k, v, out, lse, seed, acc, m, l, *strides, num_heads, seqlen_q, seqlen_k, qk_scale,
-                             float(dropout_p), DROPOUT=bool(dropout_p), **consts)
+    _attn_fwd_kv_outer[grid](q, k, v, out, lse, seed, cu_q, cu_k, acc, m, l, *args, VARLEN=layout == "thd",
+                             DROPOUT=bool(dropout_p), **consts)
     return out, lse
 
 
 def backward(do, q, k, v, out, lse, *, layout="bhsd", softmax_scale=None, dropout_p=0.0, seed=None,
-             deterministic=False, **knobs):
-    """Gradients (dq, dk, dv) of forward() given dO, in the inputs' layout.
+             deterministic=False, tensors=None, tensor_grads=(), cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, **knobs):
+    """Gradients (dq, dk, dv, {name: d tensor}) of forward() given dO, in the inputs' layout.
 
+    tensor_grads names the GRAD_TENSORS to differentiate (float32 results, in each tensor's shape).
     dq_strategy 'separate' (or deterministic=True) runs a Q-outer dQ kernel; 'atomic' adds
     dQ from the dK/dV kernel into a float32 buffer (one pass fewer, not bitwise repeatable)."""
     seq_dim, _ = _check_inputs(q, k, v, layout)
@@ -535,39 +822,59 @@ def backward(do, q, k, v, out, lse, *, layout="bhsd", softmax_scale=None, dropou
         raise ValueError(f"do: expected shape {tuple(out.shape)} and dtype {out.dtype} (those of out), "
                          f"got {tuple(do.shape)} {do.dtype}")
     cfg = _knobs(knobs)
-    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[seq_dim], k.shape[seq_dim]
+    batch, seqlen_q, seqlen_k, cu_q, cu_k = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                         layout, q, k, seq_dim)
+    named = _tensors(tensors, q.device)
+    for name in tensor_grads:
+        if name not in GRAD_TENSORS:
+            raise ValueError(f"tensor_grads: {name!r} is not a float tensor read by the score_mod ({GRAD_TENSORS})")
+    grads = {name: torch.zeros(named[name].shape, dtype=torch.float32, device=q.device) for name in tensor_grads}
     num_heads, num_kv_heads = SPEC["num_heads"], SPEC["num_kv_heads"]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     seed = _seed_arg(seed, dropout_p, q.device)
+
+    def result():
+        shaped = {name: g.reshape(tensors[name].shape) for name, g in grads.items()}
+        return dq, dk, dv, shaped
+
     if batch * num_heads * seqlen_q == 0 or seqlen_k == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        dq.zero_(), dk.zero_(), dv.zero_()
+        return result()
+    if layout == "thd":
+        dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
     scale = SPEC["softmax_scale"] if softmax_scale is None else softmax_scale
     qk_scale = scale * 1.4426950408889634
-    delta = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
+    total_q = q.shape[0]
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     pre = _launch_consts(cfg, q.dtype, "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
-    _bwd_preprocess[(triton.cdiv(seqlen_q, pre["BLOCK_M"]), num_heads, batch)](
-        out, do, delta, *_bhsd_strides(out, layout), *_bhsd_strides(do, layout), num_heads, seqlen_q,
+    pre_batch, pre_seq = (1, total_q) if layout == "thd" else (batch, seqlen_q)
+    _bwd_preprocess[(triton.cdiv(pre_seq, pre["BLOCK_M"]), num_heads, pre_batch)](
+        out, do, delta, *_bhsd_strides(out, layout), *_bhsd_strides(do, layout), num_heads, pre_seq,
         HEAD_DIM_V=pre["HEAD_DIM_V"], BLOCK_DV=pre["BLOCK_DV"], BLOCK_M=pre["BLOCK_M"])
     atomic = cfg["dq_strategy"] == "atomic" and not deterministic
     # dQ target: the float32 accumulation buffer (atomic) or dq itself (written once).
-    dq_acc = torch.zeros((batch, num_heads, seqlen_q, SPEC["head_dim"]), dtype=torch.float32,
-                         device=q.device) if atomic else None
-    dq_strides = _bhsd_strides(dq_acc, "bhsd") if atomic else _bhsd_strides(dq, layout)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else None
+    dq_strides = _bhsd_strides(dq_acc if atomic else dq, layout)
     qkv_strides = (*_bhsd_strides(q, layout), *_bhsd_strides(k, layout), *_bhsd_strides(v, layout),
                    *_bhsd_strides(do, layout))
+    lse_strides = (0, total_q) if layout == "thd" else (num_heads * seqlen_q, seqlen_q)
+    extra = _tensor_args(named)
+    grad_args = [grads.get(name, named[name]) for name in GRAD_TENSORS]
     consts = _launch_consts(cfg, q.dtype, "BLOCK_M1", "BLOCK_N1", "bwd_num_warps", "bwd_num_stages")
+    maps = []
     _attn_bwd_dkdv[(triton.cdiv(seqlen_k, cfg["BLOCK_N1"]), num_kv_heads, batch)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc if atomic else dq, seed, *qkv_strides,
-        *_bhsd_strides(dk, layout), *_bhsd_strides(dv, layout), *dq_strides,
-        num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p),
-        ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p), **consts)
+        q, k, v, do, lse, delta, dk, dv, dq_acc if atomic else dq, seed, cu_q, cu_k, *qkv_strides,
+        *_bhsd_strides(dk, layout), *_bhsd_strides(dv, layout), *dq_strides, *lse_strides,
+        num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p), *extra, *grad_args, *maps,
+        VARLEN=layout == "thd", ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p), TENSOR_GRADS=bool(grads), **consts)
     if atomic:
-        dq.copy_(dq_acc if layout == "bhsd" else dq_acc.transpose(1, 2))
+        dq.copy_(dq_acc)
     else:
         consts = _launch_consts(cfg, q.dtype, "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
         _attn_bwd_dq[(triton.cdiv(seqlen_q, cfg["BLOCK_M2"]), num_heads, batch)](
-            q, k, v, do, lse, delta, dq, seed, *qkv_strides, *dq_strides,
-            num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p), DROPOUT=bool(dropout_p), **consts)
-    return dq, dk, dv
+            q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *qkv_strides, *dq_strides, *lse_strides,
+            num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p), *extra, *maps,
+            VARLEN=layout == "thd", DROPOUT=bool(dropout_p), **consts)
+    return result()

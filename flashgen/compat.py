@@ -1,0 +1,86 @@
+"""flash-attn's functions on flashgen kernels: change one import.
+
+    from flashgen.compat import flash_attn_func, flash_attn_varlen_func
+
+Same arguments, (batch, seqlen, heads, head_dim) layout and semantics as flash-attn 2:
+causal masks are aligned bottom-right; ``window_size=(left, right)`` lets query i see keys
+in [i + Sk - Sq - left, i + Sk - Sq + right] (-1 = unbounded; causal sets right = 0);
+``softcap`` caps scores with softcap * tanh(score / softcap); ``alibi_slopes`` (heads,) or
+(batch, heads) float32 add -slope * |i + Sk - Sq - j| after the softcap; a query row that
+sees no key outputs 0 and its LSE is +inf, as flash-attn reports it. Each distinct
+combination of these arguments compiles one flashgen spec (cached).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .api import compile, spec_for
+
+
+def _variant(causal, window_size, softcap, alibi_slopes):
+    left, right = (int(window_size[0]), int(window_size[1])) if window_size is not None else (-1, -1)
+    if causal:
+        right = 0
+    mask = None
+    if (left, right) != (-1, -1):
+        mask = {"sliding_window": {"left": left, "right": right}}
+        causal = False  # right = 0 is the causal bound
+    mods = []
+    if softcap:
+        mods.append({"softcap": {"cap": float(softcap)}})
+    tensors = {}
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype != torch.float32 or alibi_slopes.dim() not in (1, 2):
+            raise ValueError(f"alibi_slopes: expected a float32 tensor (heads,) or (batch, heads), got "
+                             f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype}")
+        mods.append({"alibi": {"slopes": "alibi_slopes"}})
+        tensors["alibi_slopes"] = alibi_slopes
+    return causal, mask, (mods or None), tensors
+
+
+def _outputs(out, lse, probs, return_attn_probs):
+    if not return_attn_probs:
+        return out
+    lse = torch.where(lse == float("-inf"), float("inf"), lse)  # flash-attn's empty-row LSE
+    return out, lse, probs
+
+
+def _probs(q, k, spec, tensors, layout):
+    from .verify import reference_attention
+
+    with torch.no_grad():
+        return reference_attention(q, k, k.new_zeros(k.shape[:-1] + (1,)), causal=spec.causal,
+                                   softmax_scale=spec.softmax_scale, layout=layout, mask=spec.mask,
+                                   score_mod=spec.score_mod, tensors=tensors, return_probs=True)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim).
+
+    With return_attn_probs, returns (out, softmax_lse (batch, heads, seqlen_q), probabilities);
+    the probabilities (batch, heads, seqlen_q, seqlen_k) are computed densely, for testing, and
+    exclude dropout."""
+    causal, mask, mods, tensors = _variant(causal, window_size, softcap, alibi_slopes)
+    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="bshd", dropout_p=dropout_p,
+                    mask=mask, score_mod=mods)
+    out, lse = compile(spec)(q, k, v, layout="bshd", return_lse=True, deterministic=deterministic, **tensors)
+    probs = _probs(q, k, spec, tensors, "bshd") if return_attn_probs else None
+    return _outputs(out, lse, probs, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash_attn_varlen_func: q (total_q, heads, head_dim), k and v (total_k, kv_heads, head_dim),
+    cu_seqlens_q/k int32 (batch + 1). With return_attn_probs, returns (out, softmax_lse
+    (heads, total_q), None): packed sequences have no dense probability tensor."""
+    if block_table is not None:
+        raise ValueError("block_table: paged KV caches are not supported by flashgen.compat")
+    causal, mask, mods, tensors = _variant(causal, window_size, softcap, alibi_slopes)
+    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
+                    mask=mask, score_mod=mods)
+    out, lse = compile(spec).varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    return_lse=True, deterministic=deterministic, **tensors)
+    return _outputs(out, lse, None, return_attn_probs)
