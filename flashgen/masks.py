@@ -497,6 +497,18 @@ def _tensor_name(field, value):
     return value
 
 
+def _expr_params(field, params, variables) -> dict:
+    """An expression's `params:` mapping: names that are not variables, to finite numbers."""
+    params = params or {}
+    if not isinstance(params, Mapping):
+        raise SpecError(_path(field, "params"), "expected a mapping of names to numbers", params)
+    for k, v in params.items():
+        if not isinstance(k, str) or not k.isidentifier() or k in tuple(variables) + SIZE_VARS:
+            raise SpecError(_path(field, "params"), "expected parameter names that are not variables", k)
+        _num(_path(field, "params", k), v)
+    return dict(params)
+
+
 def _params(field, data, allowed: dict):
     """Validate a pattern's parameter mapping against {name: default}; returns the full dict."""
     if data is None or data is True:
@@ -572,13 +584,7 @@ def parse_mask(data, field: str = "mask") -> MaskNode:
     if not isinstance(data, Mapping) or len(data) != 1 and not ("expr" in data and set(data) <= {"expr", "params"}):
         raise SpecError(field, "expected one pattern (" + ", ".join([*PATTERNS, "and", "or", "expr"]) + ")", data)
     if "expr" in data:
-        params = data.get("params") or {}
-        if not isinstance(params, Mapping):
-            raise SpecError(_path(field, "params"), "expected a mapping of names to numbers", params)
-        for k, v in params.items():
-            if not isinstance(k, str) or not k.isidentifier() or k in MASK_VARS + SIZE_VARS:
-                raise SpecError(_path(field, "params"), "expected parameter names that are not variables", k)
-            _num(_path(field, "params", k), v)
+        params = _expr_params(field, data.get("params"), MASK_VARS)
         node, _ = parse_expr(data["expr"], field=_path(field, "expr"), variables=MASK_VARS, params=params)
         if kind(node) != "bool":
             raise SpecError(_path(field, "expr"), "a mask expression must be a condition (comparison, &, |, ~)",
@@ -753,13 +759,7 @@ def parse_score_mod(data, field: str = "score_mod") -> ScoreModNode:
         if not isinstance(item, Mapping) or (len(item) != 1 and not ("expr" in item and set(item) <= {"expr", "params"})):
             raise SpecError(f, "expected one modifier (" + ", ".join([*SCORE_MODS, "expr"]) + ")", item)
         if "expr" in item:
-            params = item.get("params") or {}
-            if not isinstance(params, Mapping):
-                raise SpecError(_path(f, "params"), "expected a mapping of names to numbers", params)
-            for k, v in params.items():
-                if not isinstance(k, str) or not k.isidentifier() or k in SCORE_VARS + SIZE_VARS:
-                    raise SpecError(_path(f, "params"), "expected parameter names that are not variables", k)
-                _num(_path(f, "params", k), v)
+            params = _expr_params(f, item.get("params"), SCORE_VARS)
             ir, _ = parse_expr(item["expr"], field=_path(f, "expr"), variables=SCORE_VARS, params=params)
             if kind(ir) == "bool":
                 raise SpecError(_path(f, "expr"), "a score modifier must be a number, not a condition", item["expr"])
