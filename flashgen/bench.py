@@ -47,8 +47,7 @@ def visible_count(spec, batch: int, seqlen_q: int, seqlen_k: int, tensors=None, 
     pred = masks.predicate(node)
     uses_b = masks.uses(pred, "b") or bool(masks.tensors_of(pred))
     uses_h = masks.uses(pred, "h")
-    named = {n: t.reshape((1,) * (r - t.dim()) + tuple(t.shape))
-             for n, r in masks.tensors_of(pred).items() for t in [(tensors or {})[n].to(device)]}
+    named = {n: t.to(device) for n, t in masks.ranked(tensors, pred).items()}
     total = 0
     for b in range(batch if uses_b else 1):
         for h in range(spec.num_heads if uses_h else 1):
@@ -125,8 +124,7 @@ def flex_mods(spec, q, k, tensors=None):
     node = spec.mask_node
     pred = masks.predicate(node) if node is not None else None
     smod = masks.score_ir(spec.score_mod) if spec.score_mod is not None else None
-    ranks = {**(masks.tensors_of(pred) if pred is not None else {}), **(masks.tensors_of(smod) if smod else {})}
-    named = {n: tensors[n].reshape((1,) * (r - tensors[n].dim()) + tuple(tensors[n].shape)) for n, r in ranks.items()}
+    named = masks.ranked(tensors, pred, smod)
     sizes = {"seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
     block_mask = score_mod = None
     if pred is not None:

@@ -714,6 +714,18 @@ def tensors_of(ir) -> dict[str, int]:
     return out
 
 
+def ranked(tensors: Mapping[str, Any] | None, *irs) -> dict:
+    """The named tensors these IRs read (None entries skipped), each viewed with the rank its
+    expressions index it with: missing leading dimensions broadcast, as the generated modules'
+    _tensors does (document ids (S,) serve every batch element)."""
+    ranks = {}
+    for ir in irs:
+        if ir is not None:
+            ranks.update(tensors_of(ir))
+    tensors = tensors or {}
+    return {n: tensors[n].reshape((1,) * (r - tensors[n].dim()) + tuple(tensors[n].shape)) for n, r in ranks.items()}
+
+
 def uses(ir, name: str) -> bool:
     return any(isinstance(n, Var) and n.name == name for n in walk(ir))
 
@@ -863,14 +875,10 @@ class Mask:
 
     @classmethod
     def from_function(cls, fn: Callable) -> "Mask":
-        expr, rename, consts = function_source(fn, "mask", MASK_VARS)
-        node, _ = parse_expr(expr, field="mask", variables=MASK_VARS, params=consts, arg_names=rename)
-        if kind(node) != "bool":
-            raise SpecError("mask", "a mask function must return a condition", expr)
-        # store the expression in the canonical variable names
-        canon = _rename_source(expr, rename)
-        used = {k: v for k, v in consts.items() if _mentions(canon, k)}
-        return cls(MaskNode("expr", tuple(sorted(used.items())), (), _ast_canonical(canon)))
+        ir, source, params = _function_expr(fn, "mask", MASK_VARS)
+        if kind(ir) != "bool":
+            raise SpecError("mask", "a mask function must return a condition", source)
+        return cls(MaskNode("expr", params, (), source))
 
     def __and__(self, other):
         return Mask(MaskNode("and", (), (self.node, _as_mask(other).node)))
@@ -893,17 +901,24 @@ class ScoreMod:
 
     @classmethod
     def from_function(cls, fn: Callable) -> "ScoreMod":
-        expr, rename, consts = function_source(fn, "score_mod", SCORE_VARS)
-        parse_expr(expr, field="score_mod", variables=SCORE_VARS, params=consts, arg_names=rename)
-        canon = _rename_source(expr, rename)
-        used = {k: v for k, v in consts.items() if _mentions(canon, k)}
-        return cls(ScoreModNode((("expr", tuple(sorted(used.items())), _ast_canonical(canon)),)))
+        _, source, params = _function_expr(fn, "score_mod", SCORE_VARS)
+        return cls(ScoreModNode((("expr", params, source),)))
 
     def to_dict(self):
         return self.node.to_dict()
 
     def __repr__(self):
         return f"flashgen.score_mod({self.to_dict()!r})"
+
+
+def _function_expr(fn: Callable, field: str, variables):
+    """(IR, canonical source in the standard variable names, sorted constants it uses) of a
+    one-return Python mask or score function."""
+    expr, rename, consts = function_source(fn, field, variables)
+    ir, _ = parse_expr(expr, field=field, variables=variables, params=consts, arg_names=rename)
+    canon = _rename_source(expr, rename)
+    used = tuple(sorted((k, v) for k, v in consts.items() if _mentions(canon, k)))
+    return ir, _ast_canonical(canon), used
 
 
 def _mentions(source, name):

@@ -53,13 +53,28 @@ def _named(module, tensors):
     return dict(zip(module.TENSORS, tensors))
 
 
+def _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, max_q, max_k):
+    module = _lookup(kernel_id)
+    return module.forward(q, k, v, layout=layout, dropout_p=dropout_p, seed=seed, tensors=_named(module, tensors),
+                          **_varlen(cu_q, cu_k, max_q, max_k))
+
+
+def _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dropout_p, deterministic, wanted,
+                    cu_q, cu_k, max_q, max_k):
+    """(dq, dk, dv, [d tensor in its dtype, or None where not wanted or not a float tensor])."""
+    module = _lookup(kernel_id)
+    names = [n for n, t, w in zip(module.TENSORS, tensors, wanted) if w and t.is_floating_point()]
+    dq, dk, dv, grads = module.backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
+                                        deterministic=deterministic, tensors=_named(module, tensors),
+                                        tensor_grads=names, **_varlen(cu_q, cu_k, max_q, max_k))
+    return dq, dk, dv, [grads[n].to(t.dtype) if n in grads else None for n, t in zip(module.TENSORS, tensors)]
+
+
 @torch.library.custom_op("flashgen::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, tensors: list[torch.Tensor],
              kernel_id: str, layout: str, dropout_p: float, deterministic: bool, cu_q: torch.Tensor | None,
              cu_k: torch.Tensor | None, max_q: int, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    module = _lookup(kernel_id)
-    return module.forward(q, k, v, layout=layout, dropout_p=dropout_p, seed=seed, tensors=_named(module, tensors),
-                          **_varlen(cu_q, cu_k, max_q, max_k))
+    return _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, max_q, max_k)
 
 
 @attn_fwd.register_fake
@@ -83,13 +98,10 @@ def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              cu_k: torch.Tensor | None, max_q: int, max_k: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """grad_mask: bit i set = differentiate tensors[i] (a float tensor the score_mod reads)."""
-    module = _lookup(kernel_id)
-    names = [n for i, n in enumerate(module.TENSORS) if grad_mask >> i & 1]
-    dq, dk, dv, grads = module.backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
-                                        deterministic=deterministic, tensors=_named(module, tensors),
-                                        tensor_grads=names, **_varlen(cu_q, cu_k, max_q, max_k))
-    return dq, dk, dv, [grads[n].to(t.dtype) if n in grads else t.new_empty(0)
-                        for n, t in zip(module.TENSORS, tensors)]
+    dq, dk, dv, grads = _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dropout_p,
+                                        deterministic, [bool(grad_mask >> i & 1) for i in range(len(tensors))],
+                                        cu_q, cu_k, max_q, max_k)
+    return dq, dk, dv, [t.new_empty(0) if g is None else g for g, t in zip(grads, tensors)]
 
 
 @attn_bwd.register_fake
@@ -130,9 +142,7 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, seed, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q, max_k,
                 *tensors):
-        module = _lookup(kernel_id)
-        out, lse = module.forward(q, k, v, layout=layout, dropout_p=dropout_p, seed=seed,
-                                  tensors=_named(module, tensors), **_varlen(cu_q, cu_k, max_q, max_k))
+        out, lse = _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, max_q, max_k)
         ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
         ctx.args = (kernel_id, layout, dropout_p, deterministic, max_q, max_k)
         ctx.mark_non_differentiable(lse)
@@ -143,13 +153,9 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, seed, cu_q, cu_k, *tensors = ctx.saved_tensors
         kernel_id, layout, dropout_p, deterministic, max_q, max_k = ctx.args
-        module = _lookup(kernel_id)
-        wanted = ctx.needs_input_grad[12:]
-        names = [n for n, t, w in zip(module.TENSORS, tensors, wanted) if w and t.is_floating_point()]
-        dq, dk, dv, grads = module.backward(dout, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
-                                            deterministic=deterministic, tensors=_named(module, tensors),
-                                            tensor_grads=names, **_varlen(cu_q, cu_k, max_q, max_k))
-        tensor_grads = [grads[n].to(t.dtype) if n in grads else None for n, t in zip(module.TENSORS, tensors)]
+        dq, dk, dv, tensor_grads = _backward_grads(dout, q, k, v, out, lse, seed, tensors, kernel_id, layout,
+                                                   dropout_p, deterministic, ctx.needs_input_grad[12:], cu_q, cu_k,
+                                                   max_q, max_k)
         return (dq, dk, dv, *([None] * 9), *tensor_grads)
 
 

@@ -59,17 +59,18 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     scores = (q @ k.transpose(-1, -2)).to(soft_dtype) * scale
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     env = _index_env(q.shape[0], q.shape[1], seqlen_q, seqlen_k, q.device)
-    named = _ranked(tensors, mask, score_mod)
-    if score_mod is not None:
-        smod = masks.score_ir(masks.parse_score_mod(score_mod))
+    pred = masks.predicate(masks.parse_mask(mask)) if mask is not None else None
+    smod = masks.score_ir(masks.parse_score_mod(score_mod)) if score_mod is not None else None
+    named = masks.ranked(tensors, pred, smod)
+    if smod is not None:
         named_c = {n: (t.to(soft_dtype) if t.is_floating_point() else t) for n, t in named.items()}
         scores = masks.evaluate(smod, {**env, "score": scores}, named_c).to(soft_dtype)
     if causal:
         i = torch.arange(seqlen_q, device=q.device)[:, None]
         j = torch.arange(seqlen_k, device=q.device)[None, :]
         scores = scores.masked_fill(j > i + (seqlen_k - seqlen_q), float("-inf"))
-    if mask is not None:
-        visible = masks.evaluate(masks.predicate(masks.parse_mask(mask)), env, named)
+    if pred is not None:
+        visible = masks.evaluate(pred, env, named)
         scores = scores.masked_fill(~torch.as_tensor(visible, device=q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # Rows with every key masked: probabilities 0, output 0, lse -inf.
@@ -89,20 +90,6 @@ def _index_env(batch, heads, seqlen_q, seqlen_k, device):
     return {"b": ar(batch)[:, None, None, None], "h": ar(heads)[None, :, None, None],
             "q_idx": ar(seqlen_q)[None, None, :, None], "kv_idx": ar(seqlen_k)[None, None, None, :],
             "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
-
-
-def _ranked(tensors, mask, score_mod):
-    """Named tensors viewed with the rank the expressions index them with (as the kernels do)."""
-    ranks = {}
-    if mask is not None:
-        ranks.update(masks.tensors_of(masks.predicate(masks.parse_mask(mask))))
-    if score_mod is not None:
-        ranks.update(masks.tensors_of(masks.score_ir(masks.parse_score_mod(score_mod))))
-    out = {}
-    for name, rank in ranks.items():
-        t = (tensors or {})[name]
-        out[name] = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
-    return out
 
 
 def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
