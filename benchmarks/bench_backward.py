@@ -25,16 +25,15 @@ from flashgen import AttentionSpec, default_config  # noqa: E402
 from flashgen.bench import attention_flops, environment, tflops, time_ms  # noqa: E402
 from flashgen.bench import flex_runner as _flex, sdpa_runner as _sdpa  # noqa: E402
 
-BWD_SWEEP = [
-    dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=2),
-    dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=3),
-    dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=2),
-    dict(BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=2),
-    dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=2),
-    dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=2,
-         dq_strategy="atomic"),
-    dict(BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32, bwd_num_warps=4, bwd_num_stages=2,
-         dq_strategy="atomic"),
+BWD_SWEEP = [  # the front runners of the wider sweeps in results/2026-11-22-h100-backward*.md
+    dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=2, bwd_tma=False),
+    dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=3, bwd_tma=False),
+    dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=2, bwd_tma=False),
+    # tensor descriptors (TMA) for the streamed tiles
+    dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=2, bwd_tma=True),
+    dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=3, bwd_tma=True),
+    dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=2, bwd_tma=True),
+    dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, bwd_num_warps=8, bwd_num_stages=3, bwd_tma=True),
 ]
 
 
@@ -130,7 +129,7 @@ def markdown(rows, memory, env):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    ap.add_argument("--seqlens", default="4096")
+    ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--hidden", type=int, default=2048)

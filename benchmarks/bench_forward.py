@@ -31,11 +31,15 @@ SWEEP = [
     KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
     KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
     KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
-    KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
-    KernelConfig(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
     KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
-    KernelConfig(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
-    KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
+    # the Hopper knobs (benchmarks/hopper_knobs.py): tensor descriptors, warp specialization
+    KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, warp_specialize=True),
+    KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, warp_specialize=True),
+    KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, tma=True),
+    KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4, tma=True, warp_specialize=True),
+    KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, tma=True),
+    KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True),
+    KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, warp_specialize=True),
 ]
 
 
@@ -79,7 +83,8 @@ def bench_case(head_dim, causal, seqlen, tokens, hidden, sweep, kv_outer):
             best = r
     row["flashgen_best"] = best
     if kv_outer:
-        cfg = default.replace(loop_order="kv_outer", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+        cfg = default.replace(loop_order="kv_outer", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, tma=False,
+                              warp_specialize=False)
         measure("flashgen_kv_outer", lambda: flashgen.compile(spec, cfg)(q, k, v))
     return row
 

@@ -37,7 +37,9 @@ CASES = {
     "softcap_50": dict(causal=True, score_mod={"softcap": 50.0}),
     "alibi": dict(causal=True, score_mod={"alibi": {}}),
 }
-FWD_SWEEP = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)]
+# (BLOCK_M, BLOCK_N, warps, stages, tma, warp_specialize)
+FWD_SWEEP = [(128, 64, 8, 3, False, False), (64, 64, 4, 3, False, False), (128, 128, 8, 3, False, False),
+             (128, 64, 8, 3, True, False), (128, 128, 8, 3, True, False), (128, 128, 8, 3, True, True)]
 
 
 def run_case(name, fields, seqlen, tokens, heads, head_dim, modes):
@@ -51,8 +53,8 @@ def run_case(name, fields, seqlen, tokens, heads, head_dim, modes):
     ref = flex(q, k, v).float()
     base = default_config(spec)
     fwd = {}
-    for bm, bn, w, s in FWD_SWEEP:
-        cfg = base.replace(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    for bm, bn, w, s, tma, ws in FWD_SWEEP:
+        cfg = base.replace(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, tma=tma, warp_specialize=ws)
         try:
             kernel = flashgen.compile(spec, cfg)
             err = (kernel(q, k, v, **tensors).float() - ref).abs().max().item()

@@ -37,17 +37,22 @@ def main():
 @click.option("--block-n", type=int, help="Override BLOCK_N.")
 @click.option("--num-warps", type=int, help="Override num_warps.")
 @click.option("--num-stages", type=int, help="Override num_stages.")
+@click.option("--tma/--no-tma", default=None, help="Override tma (Hopper tensor descriptors).")
+@click.option("--warp-specialize/--no-warp-specialize", default=None,
+              help="Override warp_specialize (needs num_warps >= 8; off by default below that).")
 @click.option("--target", help="GPU to pick the default config for (default: the spec's target, "
                                "or this machine's GPU when it is 'auto').")
-def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_stages, target):
+def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_stages, tma, warp_specialize, target):
     """Write the rendered Triton module for a spec as a standalone file.
 
     The file imports only torch and triton; call its forward(q, k, v) directly.
     """
     spec = _load_spec(spec_path)
     config = default_config(spec, target=target)
-    changes = {"loop_order": loop_order, "BLOCK_M": block_m, "BLOCK_N": block_n,
-               "num_warps": num_warps, "num_stages": num_stages}
+    if warp_specialize is None and num_warps is not None and num_warps < 8:
+        warp_specialize = False  # the default's warp specialization needs 8 warps
+    changes = {"loop_order": loop_order, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps,
+               "num_stages": num_stages, "tma": tma, "warp_specialize": warp_specialize}
     try:
         config = config.replace(**{k: v for k, v in changes.items() if v is not None})
     except ConfigError as err:

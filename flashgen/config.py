@@ -38,6 +38,10 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     loop_order: str = "q_outer"
+    # Hopper (sm90+), Q-outer forward: tiles through tensor descriptors (the TMA copy engine),
+    # and the whole-block loop split into producer/consumer warps (tl.range warp_specialize).
+    tma: bool = False
+    warp_specialize: bool = False
     # backward: the dK/dV kernel's tiles (M1 query rows x N1 keys), the dQ kernel's (M2 x N2)
     BLOCK_M1: int = 32
     BLOCK_N1: int = 64
@@ -46,9 +50,11 @@ class KernelConfig:
     bwd_num_warps: int = 4
     bwd_num_stages: int = 2
     dq_strategy: str = "separate"  # or "atomic": dQ added from the dK/dV kernel
+    bwd_tma: bool = False  # Q/dO tiles (dK/dV kernel) and K/V tiles (dQ kernel) through tensor descriptors
 
     STRUCTURAL = ("loop_order",)
-    BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy")
+    BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
+                "bwd_tma")
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -70,6 +76,12 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
+        for name in ("tma", "warp_specialize", "bwd_tma"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
+        if self.warp_specialize and self.num_warps < 8:
+            # triton 3.6 fails to split a 4-warp program into producer and consumer groups
+            raise ConfigError(f"config knob 'warp_specialize': needs num_warps >= 8, got num_warps={self.num_warps}")
         if self.loop_order not in LOOP_ORDERS:
             raise ConfigError(f"config knob 'loop_order': expected one of {LOOP_ORDERS}, got {self.loop_order!r}")
         if self.dq_strategy not in DQ_STRATEGIES:
@@ -93,12 +105,14 @@ class KernelConfig:
         return dataclasses.replace(self, **changes)
 
     def __str__(self) -> str:
+        hopper = "".join(f" {name}" for name in ("tma", "warp_specialize") if getattr(self, name))
         return (f"BLOCK_M={self.BLOCK_M} BLOCK_N={self.BLOCK_N} warps={self.num_warps} "
-                f"stages={self.num_stages} {self.loop_order}")
+                f"stages={self.num_stages} {self.loop_order}{hopper}")
 
     def describe_backward(self) -> str:
         return (f"M1={self.BLOCK_M1} N1={self.BLOCK_N1} M2={self.BLOCK_M2} N2={self.BLOCK_N2} "
-                f"warps={self.bwd_num_warps} stages={self.bwd_num_stages} dq={self.dq_strategy}")
+                f"warps={self.bwd_num_warps} stages={self.bwd_num_stages} dq={self.dq_strategy}"
+                f"{' tma' if self.bwd_tma else ''}")
 
 
 def interpreting() -> bool:
@@ -142,13 +156,12 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int) -> dict:
             return cfg(64, 32, 4, 2)
         return cfg(32, 32, 4, 1 if d > 128 else 2)
     if arch == "sm90":
-        # From the H100 sweep in benchmarks/results (bf16, 16k tokens, triton 3.6).
+        # From the H100 sweeps in benchmarks/results (bf16, 16k tokens, triton 3.6);
+        # hopper_knobs.md has the TMA / warp-specialization runs.
         if d <= 64:
-            return cfg(128, 64, 8, 3)
-        if d <= 128 and spec.causal:
-            return cfg(64, 64, 4, 3)
+            return dict(cfg(128, 64, 8, 3), warp_specialize=not spec.causal)
         if d <= 128:
-            return cfg(128, 128, 8, 3)
+            return dict(cfg(128, 128, 8, 3), tma=True, warp_specialize=True)
         return cfg(64, 64, 4, 2)
     if d <= 64:
         return cfg(128, 64, 4, 3)
@@ -166,6 +179,8 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int) -> dict:
     if spec.dtype == "fp32" or d > 128:
         return cfg(16, 32, 32, 16, 4, 1)
     if arch == "sm90":
-        # Best of the backward sweep in benchmarks/results at hd 64 and 128, causal or not.
-        return cfg(64, 64, 64, 64, 4, 2)
+        # Best of the backward sweeps in benchmarks/results at hd 64 and 128, causal or not
+        # (2026-11-22-h100-backward-hopper*.md): 3 stages at hd 64; tensor descriptors pay for
+        # full attention, but lose up to 40% on the short diagonal loops of causal at S=1024.
+        return dict(cfg(64, 64, 64, 64, 4, 3 if d <= 64 else 2), bwd_tma=spec.mask_node is None)
     return cfg(32, 64, 64, 32, 4, 2)

@@ -30,6 +30,7 @@ class DeviceLimits:
     name: str
     smem_bytes: float  # per thread block; inf under the interpreter
     interpret: bool = False
+    hopper: bool = False  # sm90+: tensor descriptors (TMA) and warp specialization are knobs
 
     @classmethod
     def current(cls, interpret: bool = False) -> "DeviceLimits":
@@ -41,7 +42,7 @@ class DeviceLimits:
         smem = getattr(props, "shared_memory_per_block_optin", None)
         if not smem:
             smem = SMEM_LIMITS.get(f"sm{props.major}{props.minor}", 101376)
-        return cls(props.name, float(smem))
+        return cls(props.name, float(smem), hopper=props.major >= 9)
 
 
 @dataclass
@@ -78,6 +79,8 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     else:
         params = dict(BLOCK_M=(32, 64, 128), BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2, 3, 4),
                       loop_order=("q_outer", "kv_outer"))
+    if device.hopper:
+        params.update(tma=(False, True), warp_specialize=(False, True))
 
     def smem(p):  # Q tile + num_stages buffers of K and V tiles + P staged for the second dot
         return elem * (p["BLOCK_M"] * bd + p["num_stages"] * p["BLOCK_N"] * (bd + bdv) + p["BLOCK_M"] * p["BLOCK_N"])
@@ -94,6 +97,11 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         # FA1's order keeps one program per (head, batch): the K/V tile is its whole working set.
         Restriction("loop_order == 'q_outer' or num_stages <= 2",
                     lambda p: p["loop_order"] == "q_outer" or p["num_stages"] <= 2),
+        # The Hopper knobs belong to the Q-outer kernel; triton 3.6 splits 8-warp programs only.
+        Restriction("loop_order == 'q_outer' or not (tma or warp_specialize)",
+                    lambda p: p["loop_order"] == "q_outer" or not (p.get("tma") or p.get("warp_specialize"))),
+        Restriction("not warp_specialize or num_warps >= 8",
+                    lambda p: not p.get("warp_specialize") or p["num_warps"] >= 8),
     ])
 
 
@@ -106,6 +114,8 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     else:
         params = dict(BLOCK_M1=(32, 64), BLOCK_N1=(32, 64, 128), BLOCK_M2=(32, 64, 128), BLOCK_N2=(32, 64),
                       bwd_num_warps=(4, 8), bwd_num_stages=(1, 2, 3), dq_strategy=("separate", "atomic"))
+    if device.hopper:
+        params.update(bwd_tma=(False, True))
 
     # Per thread: the fp32 accumulators and the two fp32 score tiles (P and dS). The dot
     # operands (K, V, Q, dO tiles) are read from shared memory and not counted. Calibrated on

@@ -241,6 +241,15 @@ def study_name(spec: AttentionSpec, env: EnvInfo, bucket: int, phase: str) -> st
     return f"{spec.uri}-{spec.key}-{env_key}-s{bucket}-{phase}"
 
 
+def candidate(space, base: KernelConfig, point: dict, default_point: dict) -> tuple[dict, list[str]]:
+    """The config dict of a sampled point and the restrictions it breaks. Restrictions are
+    checked before a KernelConfig is built (some restricted points are not valid configs).
+    The default is always measured: it is what flashgen.load runs untuned, so it is the
+    baseline whatever the resource estimates say of it."""
+    data = {**base.to_dict(), **point}
+    return data, ([] if point == default_point else space.violations(point))
+
+
 def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneOptions | None = None
          ) -> list[BucketResult]:
     """Tune every bucket of the spec; store every trial and the best config per bucket and phase."""
@@ -281,17 +290,14 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
 
     def objective(trial: optuna.Trial) -> float:
         point = {n: trial.suggest_categorical(n, list(c)) for n, c in space.params.items()}
-        config = base.replace(**point)
-        key = config_key(config.to_dict())
+        data, broken = candidate(space, base, point, default_point)
+        key = config_key(data)
         rec = cache.get(key)
         if rec is None:
-            # The default is always measured: it is what flashgen.load runs untuned, so it is the
-            # baseline whatever the resource estimates say of it.
-            broken = [] if point == default_point else space.violations(point)
             if broken:
-                rec = TrialRecord(bucket, phase, config.to_dict(), "restricted", error="; ".join(broken))
+                rec = TrialRecord(bucket, phase, data, "restricted", error="; ".join(broken))
             else:
-                rec = runner.evaluate(kernel, config, phase, work, timeout_s=options.timeout_s)
+                rec = runner.evaluate(kernel, KernelConfig.from_dict(data), phase, work, timeout_s=options.timeout_s)
             cache[key] = rec
             store.record_trial(runner.env, spec, rec)
         trial.set_user_attr("record", dataclasses.asdict(rec))

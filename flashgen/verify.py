@@ -124,8 +124,9 @@ class CheckResult:
 
 
 def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | None, *,
-            factor: float = 2.0, mean_factor: float = 1.1) -> CheckResult:
-    """Apply the error rule to one tensor. ``pt`` is the kernel-dtype reference (None for fp32)."""
+            factor: float = 2.0, mean_factor: float = 1.1, pt_floor: float = 0.0) -> CheckResult:
+    """Apply the error rule to one tensor. ``pt`` is the kernel-dtype reference (None for fp32);
+    ``pt_floor`` is a lower bound on its error from a steadier estimate (see check_gradients)."""
     out, ref = out.detach(), ref.detach()
     pt = pt.detach() if pt is not None else None
     finite_ref = torch.isfinite(ref)
@@ -149,10 +150,11 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | 
     # The rule's atol, floored: where the reference is exactly 0 by cancellation (a row with
     # one visible key has dq = 0), the kernel's fp32 accumulation still leaves 1e-7 to 1e-6.
     atol = max(2 * float(((r32 + 0.3 - 0.3) - r32).abs().max()), ATOL_FLOOR)
-    bound = factor * float(pt_err.max()) + atol
+    bound = factor * max(float(pt_err.max()), pt_floor) + atol
     # When the kernel-dtype reference is exact (every pt error 0), the mean rule has no scale
     # left: hold the mean to the same absolute floor as the max.
-    mean_bound = mean_factor * float(pt_err.mean()) + (1e-7 if float(pt_err.max()) > 0 else ATOL_FLOOR)
+    mean_bound = (mean_factor * max(float(pt_err.mean()), pt_floor)
+                  + (1e-7 if float(pt_err.max()) > 0 else ATOL_FLOOR))
     max_err, mean_err = float(err.max()), float(err.mean())
     ok = max_err <= bound and mean_err <= mean_bound
     return CheckResult(name, ok, max_err, bound, f"mean|err|={mean_err:.3g} mean bound={mean_bound:.3g}")
@@ -216,8 +218,16 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
     else:
         refs, pts = ref_grads(torch.float64), [None] * len(names)
     # A tensor gradient (an ALiBi slope, a bias table) sums dS over many (query, key) pairs into
-    # few elements: its mean error is its max error, so it is held to the max rule's factor.
-    return [compare(name, g, r, pt, factor=factor, mean_factor=GRAD_MEAN_FACTOR if i < 3 else factor)
+    # few elements: its mean error is its max error, so it is held to the max rule's factor. Its
+    # own kernel-dtype reference error is a max over those few sums, too noisy a yardstick alone
+    # (with 2 slopes a correct kernel failed ~15% of fresh inputs): it is floored by dK's relative
+    # error (the same dS, summed over many elements) times the gradient's magnitude.
+    floor = 0.0
+    if low_precision and len(names) > 3:
+        dk_scale = float(refs[1].abs().max())
+        floor = float((pts[1].float() - refs[1]).abs().max()) / dk_scale if dk_scale > 0 else 0.0
+    return [compare(name, g, r, pt, factor=factor, mean_factor=GRAD_MEAN_FACTOR if i < 3 else factor,
+                    pt_floor=0.0 if i < 3 else floor * float(r.abs().max()))
             for i, (name, g, r, pt) in enumerate(zip(names, grads, refs, pts))]
 
 

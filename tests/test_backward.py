@@ -36,7 +36,7 @@ def _cases():
 
 
 def run_backward_check(device, *, strategy, causal, dtype, seqlens, head_dims, heads, layout, blocks,
-                       batch=2, deterministic=False, warps=4, stages=1):
+                       batch=2, deterministic=False, warps=4, stages=1, **hopper):
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     (seqlen_q, seqlen_k), (d, dv), (h, hk) = seqlens, head_dims, heads
@@ -45,7 +45,7 @@ def run_backward_check(device, *, strategy, causal, dtype, seqlens, head_dims, h
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
     m1, n1, m2, n2 = blocks
     config = KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2,
-                          BLOCK_N2=n2, bwd_num_warps=warps, bwd_num_stages=stages, dq_strategy=strategy)
+                          BLOCK_N2=n2, bwd_num_warps=warps, bwd_num_stages=stages, dq_strategy=strategy, **hopper)
     out, lse = flashgen.attention(q, k, v, causal=causal, layout=layout, config=config, return_lse=True,
                                   deterministic=deterministic)
     do = torch.randn(out.shape, generator=gen).to(device=device, dtype=out.dtype)
@@ -62,6 +62,17 @@ def run_backward_check(device, *, strategy, causal, dtype, seqlens, head_dims, h
 def test_gradients_match_reference(device, strategy, causal, dtype, seqlens, head_dims, heads, layout, blocks):
     run_backward_check(device, strategy=strategy, causal=causal, dtype=dtype, seqlens=seqlens,
                        head_dims=head_dims, heads=heads, layout=layout, blocks=blocks)
+
+
+@pytest.mark.parametrize("strategy", ["separate", "atomic"])
+@pytest.mark.parametrize("causal,seqlens,head_dims,heads,layout", [
+    (True, (40, 70), (64, 64), (4, 2), "bshd"),   # ragged tiles, GQA
+    (False, (70, 33), (40, 40), (2, 1), "bhsd"),  # padded head dim
+])
+def test_backward_tensor_descriptors(device, strategy, causal, seqlens, head_dims, heads, layout):
+    # bwd_tma: Q/dO tiles of the dK/dV kernel and K/V tiles of the dQ kernel through descriptors.
+    run_backward_check(device, strategy=strategy, causal=causal, dtype="fp16", seqlens=seqlens, head_dims=head_dims,
+                       heads=heads, layout=layout, blocks=(16, 32, 32, 16), bwd_tma=True)
 
 
 def test_rows_that_see_no_key_get_zero_gradient(device):

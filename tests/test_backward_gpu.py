@@ -17,12 +17,12 @@ pytestmark = pytest.mark.gpu
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def _check(dtype, causal, strategy, seqlens, head_dim, heads=(8, 2), layout="bhsd", deterministic=False):
+def _check(dtype, causal, strategy, seqlens, head_dim, heads=(8, 2), layout="bhsd", deterministic=False, **knobs):
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     spec = AttentionSpec(dtype=dtype, head_dim=head_dim, num_heads=heads[0], num_kv_heads=heads[1], causal=causal,
                          backward=True)
-    kernel = flashgen.compile(spec, default_config(spec).replace(dq_strategy=strategy))
+    kernel = flashgen.compile(spec, default_config(spec).replace(dq_strategy=strategy, **knobs))
     q, k, v = (t.requires_grad_() for t in make_qkv(2, heads[0], heads[1], *seqlens, head_dim, dtype=DTYPES[dtype],
                                                      device="cuda", layout=layout, generator=gen))
     out, lse = kernel(q, k, v, layout=layout, return_lse=True, deterministic=deterministic)
@@ -43,6 +43,16 @@ def _check(dtype, causal, strategy, seqlens, head_dim, heads=(8, 2), layout="bhs
                                               ((1, 2049), 96), ((513, 513), 256)])
 def test_gradients_real_sizes(dtype, causal, strategy, seqlens, head_dim):
     _check(dtype, causal, strategy, seqlens, head_dim, layout="bshd" if head_dim == 80 else "bhsd")
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("strategy", ["separate", "atomic"])
+@pytest.mark.parametrize("bwd_tma", [False, True])
+@pytest.mark.parametrize("seqlens,head_dim,layout", [((777, 1500), 128, "bshd"), ((1500, 777), 64, "bhsd")])
+def test_gradients_tensor_descriptors(dtype, causal, strategy, bwd_tma, seqlens, head_dim, layout):
+    # Both settings of the Hopper knobs whatever the defaults are: forward tma, backward bwd_tma.
+    _check(dtype, causal, strategy, seqlens, head_dim, layout=layout, tma=bwd_tma, bwd_tma=bwd_tma)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -36,6 +36,21 @@ def test_generate_bad_knob(tmp_path):
     assert result.exit_code == 2 and "BLOCK_M" in result.output
 
 
+def test_generate_hopper_knobs(tmp_path):
+    spec = str(ROOT / "examples/specs/gqa-causal.yaml")  # hd128: the H100 default uses TMA + warp specialization
+    out = tmp_path / "k.py"
+    result = CliRunner().invoke(main, ["generate", "--spec", spec, "--target", "h100", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "'tma': True" in out.read_text() and "'warp_specialize': True" in out.read_text()
+    result = CliRunner().invoke(main, ["generate", "--spec", spec, "--target", "h100", "--num-warps", "4",
+                                       "--no-tma", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "'tma': False" in out.read_text() and "'warp_specialize': False" in out.read_text()
+    result = CliRunner().invoke(main, ["generate", "--spec", spec, "--target", "h100", "--num-warps", "4",
+                                       "--warp-specialize"])
+    assert result.exit_code != 0 and "warp_specialize': needs num_warps >= 8, got num_warps=4" in result.output
+
+
 def test_generated_module_runs_with_only_torch_and_triton(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(textwrap.dedent("""\

@@ -41,7 +41,7 @@ def _cases():
 
 
 def run_and_check(device, *, loop_order, causal, dtype, seqlens, head_dims, heads, layout, blocks, batch=2,
-                  softmax_scale=None, num_warps=4, num_stages=1):
+                  softmax_scale=None, num_warps=4, num_stages=1, **hopper):
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     (seqlen_q, seqlen_k), (d, dv), (h, hk) = seqlens, head_dims, heads
@@ -51,7 +51,7 @@ def run_and_check(device, *, loop_order, causal, dtype, seqlens, head_dims, head
     spec = flashgen.AttentionSpec(dtype=dtype, head_dim=d, head_dim_v=dv, num_heads=h, num_kv_heads=hk,
                                   causal=causal, softmax_scale=softmax_scale)
     config = KernelConfig(BLOCK_M=blocks[0], BLOCK_N=blocks[1], num_warps=num_warps, num_stages=num_stages,
-                          loop_order=loop_order)
+                          loop_order=loop_order, **hopper)
     out, lse = poisoned_outputs(q, h, seqlen_q, dv, layout)
     flashgen.compile(spec, config).forward(q, k, v, layout=layout, out=out, lse=lse)
     try:
@@ -65,6 +65,20 @@ def run_and_check(device, *, loop_order, causal, dtype, seqlens, head_dims, head
 def test_forward_matches_reference(device, loop_order, causal, dtype, seqlens, head_dims, heads, layout, blocks):
     run_and_check(device, loop_order=loop_order, causal=causal, dtype=dtype, seqlens=seqlens,
                   head_dims=head_dims, heads=heads, layout=layout, blocks=blocks)
+
+
+@pytest.mark.parametrize("tma,warp_specialize", [(True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("causal,seqlens,head_dims,heads,layout", [
+    (False, (45, 45), (64, 64), (4, 2), "bhsd"),
+    (True, (37, 70), (40, 40), (4, 1), "bshd"),   # ragged tiles, GQA, padded head dim
+    (True, (70, 37), (36, 36), (2, 2), "bhsd"),   # 72-byte rows: no descriptor, pointer loads
+])
+def test_hopper_knobs(device, tma, warp_specialize, causal, seqlens, head_dims, heads, layout):
+    # Tensor descriptors clip the ragged last tiles (zero-filled loads, clipped stores) and
+    # fall back to pointer loads where the strides are not 16-byte aligned.
+    run_and_check(device, loop_order="q_outer", causal=causal, dtype="fp16", seqlens=seqlens, head_dims=head_dims,
+                  heads=heads, layout=layout, blocks=(16, 32), num_warps=8 if warp_specialize else 4, tma=tma,
+                  warp_specialize=warp_specialize)
 
 
 @pytest.mark.parametrize("loop_order", ["q_outer", "kv_outer"])

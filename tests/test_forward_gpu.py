@@ -50,6 +50,24 @@ def test_knobs(blocks, warps, stages, dtype):
                   num_stages=stages)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tma,warp_specialize", [(True, False), (True, True), (False, True)])
+@pytest.mark.parametrize("causal,seqlens,head_dims,layout,tiles", [
+    (False, (1000, 1000), (64, 64), "bhsd", ((128, 64), 8, 3)),
+    (True, (2047, 2047), (128, 128), "bshd", ((128, 128), 8, 2)),
+    (True, (513, 1900), (80, 80), "bshd", ((64, 64), 8, 3)),
+    (False, (1900, 513), (256, 256), "bhsd", ((64, 32), 8, 2)),
+    (True, (1111, 1111), (64, 64), "bhsd", ((256, 64), 8, 3)),
+])
+def test_hopper_knobs_real_sizes(dtype, tma, warp_specialize, causal, seqlens, head_dims, layout, tiles):
+    (block_m, block_n), warps, stages = tiles
+    if dtype == "fp32" and (block_m > 64 or head_dims[0] > 128):
+        pytest.skip("fp32 tiles this large exceed shared memory")
+    run_and_check("cuda", loop_order="q_outer", causal=causal, dtype=dtype, seqlens=seqlens, head_dims=head_dims,
+                  heads=(8, 2), layout=layout, blocks=(block_m, block_n), num_warps=warps, num_stages=stages,
+                  tma=tma, warp_specialize=warp_specialize)
+
+
 @pytest.mark.parametrize("loop_order", ["q_outer", "kv_outer"])
 def test_forward_is_deterministic(loop_order):
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True)

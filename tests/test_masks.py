@@ -147,9 +147,11 @@ def test_softcap(device):
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 @pytest.mark.parametrize("per_batch", [False, True], ids=["slopes-h", "slopes-bh"])
 def test_alibi_with_slope_gradients(device, dtype, per_batch):
+    # 8 heads: with 2 slopes the fp16 reference's max error (the bound's yardstick) is the max
+    # of 2 noisy sums, and the check failed on ~15% of fresh inputs with a correct kernel.
     seed, gen = _seeded()
-    slopes = torch.rand((2, 2) if per_batch else (2,), generator=gen)
-    check_variant(device, score_mod={"alibi": {}}, causal=True, dtype=dtype, sq=33, sk=47,
+    slopes = torch.rand((2, 8) if per_batch else (8,), generator=gen)
+    check_variant(device, score_mod={"alibi": {}}, causal=True, dtype=dtype, sq=33, sk=47, heads=(8, 2),
                   tensors={"alibi_slopes": slopes}, grad_tensors=("alibi_slopes",))
 
 

@@ -15,10 +15,11 @@ from click.testing import CliRunner
 
 import flashgen
 from flashgen import AttentionSpec, KernelConfig
+from flashgen.config import ConfigError
 from flashgen.cli import main
 from flashgen.db import EnvInfo, ResultStore
 from flashgen.space import DeviceLimits, backward_space, bucket_of, forward_space, nearest_bucket
-from flashgen.tuner import InterpretRunner, TuneOptions, classify_failure, tune
+from flashgen.tuner import InterpretRunner, TuneOptions, candidate, classify_failure, tune
 
 from .helpers import child_pythonpath
 
@@ -56,6 +57,29 @@ def test_space_restrictions_reject_before_compiling():
     assert any("registers" in v for v in bwd.violations(dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64,
                                                              bwd_num_warps=4, bwd_num_stages=3,
                                                              dq_strategy="separate")))
+
+
+def test_hopper_knobs_only_where_they_apply():
+    spec = AttentionSpec(dtype="bf16", head_dim=64)
+    h100 = DeviceLimits("H100", 232448, hopper=True)
+    points = list(forward_space(spec, h100).points())
+    assert {(p["tma"], p["warp_specialize"]) for p in points} == {(False, False), (True, False), (False, True),
+                                                                  (True, True)}
+    assert all(p["num_warps"] >= 8 for p in points if p["warp_specialize"])
+    assert all(p["loop_order"] == "q_outer" for p in points if p["tma"] or p["warp_specialize"])
+    assert {p["bwd_tma"] for p in backward_space(spec, h100).points()} == {False, True}
+    a100 = DeviceLimits("A100", 166912)
+    assert "tma" not in forward_space(spec, a100).params and "bwd_tma" not in backward_space(spec, a100).params
+    with pytest.raises(ConfigError, match="warp_specialize.*num_warps >= 8, got num_warps=4"):
+        KernelConfig(num_warps=4, warp_specialize=True)
+    # the tuner checks the restrictions before it builds a config: TPE may sample that point
+    space, base = forward_space(spec, h100), KernelConfig()
+    point = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, loop_order="q_outer", tma=False,
+                 warp_specialize=True)
+    data, broken = candidate(space, base, point, default_point={})
+    assert broken == ["not warp_specialize or num_warps >= 8"] and data["warp_specialize"] is True
+    with pytest.raises(ConfigError, match="config knob 'tma': expected true or false, got 1"):
+        KernelConfig(tma=1)
 
 
 def test_buckets():

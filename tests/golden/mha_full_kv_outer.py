@@ -12,6 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 SPEC = {
     'name': 'mha',
     'dtype': 'fp16',
@@ -33,6 +38,8 @@ CONFIG = {
     'num_warps': 4,
     'num_stages': 2,
     'loop_order': 'kv_outer',
+    'tma': False,
+    'warp_specialize': False,
     'BLOCK_M1': 32,
     'BLOCK_N1': 64,
     'BLOCK_M2': 64,
@@ -40,6 +47,7 @@ CONFIG = {
     'bwd_num_warps': 4,
     'bwd_num_stages': 2,
     'dq_strategy': 'separate',
+    'bwd_tma': False,
 }
 TENSORS = []  # named tensors a call passes by keyword
 TENSOR_RANKS = {}
@@ -162,26 +170,45 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, rows, cols, off_b, off_h, seqle
 
 
 @triton.jit
-def _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k,
-             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-             BOUNDS: tl.constexpr):
+def _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, off_b,
+             off_hk, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+             BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr, TMA: tl.constexpr):
     # K^T as (BLOCK_D, BLOCK_N) and V as (BLOCK_N, BLOCK_DV); padding reads as 0.
-    k_ptrs = K + offs_d[:, None] * stride_kd + (start_n + offs_n)[None, :] * stride_kn
-    v_ptrs = V + (start_n + offs_n)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
-    k_mask = offs_d[:, None] < HEAD_DIM
-    v_mask = offs_dv[None, :] < HEAD_DIM_V
-    if BOUNDS:
-        k_mask = k_mask & ((start_n + offs_n)[None, :] < seqlen_k)
-        v_mask = v_mask & ((start_n + offs_n)[:, None] < seqlen_k)
-    if BOUNDS or BLOCK_D != HEAD_DIM:
-        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    if TMA:
+        # K, V are (batch, kv heads, seq, dim) tensor descriptors: the copy engine fetches the
+        # tile, rows past seqlen_k and columns past the head dim read as 0.
+        kv = [off_b.to(tl.int32), off_hk.to(tl.int32), start_n, 0]
+        k = K.load(kv).reshape(BLOCK_N, BLOCK_D).T
+        v = V.load(kv).reshape(BLOCK_N, BLOCK_DV)
     else:
-        k = tl.load(k_ptrs)
-    if BOUNDS or BLOCK_DV != HEAD_DIM_V:
-        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
-    else:
-        v = tl.load(v_ptrs)
+        k_ptrs = K + offs_d[:, None] * stride_kd + (start_n + offs_n)[None, :] * stride_kn
+        v_ptrs = V + (start_n + offs_n)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        k_mask = offs_d[:, None] < HEAD_DIM
+        v_mask = offs_dv[None, :] < HEAD_DIM_V
+        if BOUNDS:
+            k_mask = k_mask & ((start_n + offs_n)[None, :] < seqlen_k)
+            v_mask = v_mask & ((start_n + offs_n)[:, None] < seqlen_k)
+        if BOUNDS or BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if BOUNDS or BLOCK_DV != HEAD_DIM_V:
+            v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
     return k, v
+
+
+@triton.jit
+def _load_rows(X, off_b, off_h, start_m, offs_m, offs_d, stride_m, stride_d, seqlen, DIM: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    # Rows [start_m, start_m + BLOCK_M) of one head of Q, dO (or O): (BLOCK_M, BLOCK_D), padding 0.
+    if TMA:
+        x = X.load([off_b.to(tl.int32), off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        mask = (offs_m[:, None] < seqlen) & (offs_d[None, :] < DIM)
+        x = tl.load(X + offs_m[:, None] * stride_m + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+    return x
 
 
 @triton.jit
@@ -204,11 +231,12 @@ def _load_seed(SEED, DROPOUT: tl.constexpr):
 
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
-              stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
+              stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
               HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    k, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                    seqlen_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BOUNDS=MASKED)
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              TMA: tl.constexpr):
+    k, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k,
+                    off_b, off_hk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, BOUNDS=MASKED, TMA=TMA)
     return _online_softmax_step(acc, m_i, l_i, q, k, v, rows, (start_n + offs_n)[None, :], off_b, off_h,
                                 seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
                                 MASKED=MASKED, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
@@ -216,26 +244,27 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, st
 
 @triton.jit
 def _fwd_blocks(acc, m_i, l_i, q, K, V, lo, hi, lo2, hi2, IDX, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd,
-                stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
+                stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
                 dropout_p,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: the two boundary bands
-    # of a segment), or (LISTED) the key blocks IDX[lo:hi] of a block map.
+    # of a segment), or (LISTED) the key blocks IDX[lo:hi] of a block map. WARP_SPECIALIZE
+    # splits the loop into producer warps (loads) and consumer warps (dots, softmax).
     if LISTED:
         for j in range(lo, hi):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, tl.load(IDX + j) * BLOCK_N, rows, offs_n, offs_d,
-                                      offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q,
-                                      seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, HEAD_DIM,
-                                      HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED, DROPOUT, DOT_PRECISION)
+                                      offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk,
+                                      seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, HEAD_DIM,
+                                      HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED, DROPOUT, DOT_PRECISION, TMA)
     else:
-        for j in range(lo, hi + (hi2 - lo2), BLOCK_N):
+        for j in tl.range(lo, hi + (hi2 - lo2), BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             start_n = tl.where(j < hi, j, j - hi + lo2)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn,
-                                      stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale,
-                                      qk_scale, seed, row0, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                      BLOCK_DV, MASKED, DROPOUT, DOT_PRECISION)
+                                      stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
+                                      sm_scale, qk_scale, seed, row0, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                                      BLOCK_DV, BLOCK_N, MASKED, DROPOUT, DOT_PRECISION, TMA)
     return acc, m_i, l_i
 
 
@@ -322,7 +351,8 @@ def _attn_fwd_kv_outer(
 
     for start_n in range(0, seqlen_k, BLOCK_N):
         k, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                        seqlen_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BOUNDS=True)
+                        seqlen_k, off_b, off_hk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, BOUNDS=True,
+                        TMA=False)
         cols = (start_n + offs_n)[None, :]
         # The K/V tile was loaded with bounds, so a ragged last block is masked in every query block.
         segs = _q_segments(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k) - 1, off_b, off_h, seqlen_q,
@@ -376,17 +406,21 @@ def _bwd_preprocess(O, DO, DELTA,
 def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_n, offs_d, offs_dv,
                  stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                  off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
-                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
-                 MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DROPOUT: tl.constexpr,
+                 TENSOR_GRADS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     # One K/V block against one query block, in the transposed orientation:
     # P^T = exp2(K Q^T * scale * log2 e - LSE * log2 e), (BLOCK_N, BLOCK_M).
     offs_m = start_m + tl.arange(0, BLOCK_M)
     rows = offs_m[None, :]
     cols = offs_n[:, None]
     row_ok = offs_m < seqlen_q
-    qT = tl.load(Q + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm,
-                 mask=(offs_d[:, None] < HEAD_DIM) & row_ok[None, :], other=0.0)
+    if TMA:
+        qT = _load_rows(Q, off_b, off_h, start_m, offs_m, offs_d, stride_qm, stride_qd, seqlen_q, HEAD_DIM, BLOCK_M,
+                        BLOCK_D, TMA=True).T
+    else:
+        qT = tl.load(Q + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm,
+                     mask=(offs_d[:, None] < HEAD_DIM) & row_ok[None, :], other=0.0)
     lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
     # A row that saw no key has LSE -inf and P = 0: subtract +inf instead.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -396,8 +430,8 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
         pT = tl.where(visible, pT, 0.0)
     else:
         visible = (rows < seqlen_q) & (cols < seqlen_k)
-    do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    do = _load_rows(DO, off_b, off_h, start_m, offs_m, offs_dv, stride_dom, stride_dod, seqlen_q, HEAD_DIM_V, BLOCK_M,
+                    BLOCK_DV, TMA=TMA)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     zT = pT
     dv = tl.dot(zT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -416,30 +450,31 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
 def _bwd_kv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, lo, hi, lo2, hi2, IDX, offs_n, offs_d, offs_dv,
                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                    off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, LISTED: tl.constexpr,
-                   MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                   DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     # Query blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_M, or (LISTED) the query blocks IDX[lo:hi].
     if LISTED:
         for j in range(lo, hi):
             dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, tl.load(IDX + j) * BLOCK_M, offs_n,
                                   offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
                                   stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                                  dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT,
-                                  TENSOR_GRADS, DOT_PRECISION)
+                                  dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, MASKED,
+                                  ATOMIC_DQ, DROPOUT, TENSOR_GRADS, DOT_PRECISION, TMA)
     else:
         for j in range(lo, hi + (hi2 - lo2), BLOCK_M):
             start_m = tl.where(j < hi, j, j - hi + lo2)
             dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_n, offs_d, offs_dv,
                                   stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h,
                                   seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, HEAD_DIM,
-                                  HEAD_DIM_V, BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT, TENSOR_GRADS, DOT_PRECISION)
+                                  HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT, TENSOR_GRADS,
+                                  DOT_PRECISION, TMA)
     return dk, dv
 
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEED, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, SEED, CU_Q, CU_K, QD, DOD,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -452,7 +487,7 @@ def _attn_bwd_dkdv(
     GQA_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     # KV-outer: grid (key blocks, KV heads, batch). A program owns one K/V block, keeps
     # dK and dV in registers and walks every query block of every query head that shares
@@ -484,8 +519,11 @@ def _attn_bwd_dkdv(
     for g in range(GQA_GROUP):
         off_h = off_hk * GQA_GROUP + g
         row0 = off_b * stride_lb + off_h * stride_lh + q_start
-        Qh = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
-        DOh = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
+        if TMA:  # (batch, heads, seq, dim) tensor descriptors
+            Qh, DOh = QD, DOD
+        else:
+            Qh = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+            DOh = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
         DQh = DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
         end = 0
         lo, flo, fhi, hi = _span(segs[0], segs[1], segs[2],
@@ -493,15 +531,15 @@ def _attn_bwd_dkdv(
         dk, dv = _bwd_kv_blocks(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, DQh, seed, row0, flo, fhi,
                                 fhi, fhi, Q, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom,
                                 stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale,
-                                qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, LISTED=False,
+                                qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, LISTED=False,
                                 MASKED=False, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT, TENSOR_GRADS=TENSOR_GRADS,
-                                DOT_PRECISION=DOT_PRECISION)
+                                DOT_PRECISION=DOT_PRECISION, TMA=TMA)
         dk, dv = _bwd_kv_blocks(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, DQh, seed, row0, lo, flo,
                                 fhi, hi, Q, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom,
                                 stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale,
-                                qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_M, LISTED=False,
+                                qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, LISTED=False,
                                 MASKED=True, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT, TENSOR_GRADS=TENSOR_GRADS,
-                                DOT_PRECISION=DOT_PRECISION)
+                                DOT_PRECISION=DOT_PRECISION, TMA=TMA)
     dk = dk * sm_scale
     tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + (k_start + offs_n)[:, None] * stride_dkn
              + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
@@ -512,12 +550,13 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
-                stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                dropout_p,
+                stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
+                qk_scale, dropout_p,
                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    kT, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                     seqlen_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BOUNDS=MASKED)
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                TMA: tl.constexpr):
+    kT, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k,
+                     off_b, off_hk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, BOUNDS=MASKED, TMA=TMA)
     cols = (start_n + offs_n)[None, :]
     p = tl.math.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
     if MASKED:
@@ -532,31 +571,31 @@ def _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, start_n, rows, offs_n,
 
 @triton.jit
 def _bwd_q_blocks(dq, q, do, lse2, delta, K, V, seed, row0, lo, hi, lo2, hi2, IDX, rows, offs_n, offs_d, offs_dv,
-                  stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                  dropout_p,
+                  stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
+                  qk_scale, dropout_p,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N, or (LISTED) the key blocks IDX[lo:hi].
     if LISTED:
         for j in range(lo, hi):
             dq = _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, tl.load(IDX + j) * BLOCK_N, rows, offs_n, offs_d,
-                             offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k,
-                             sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED,
-                             DROPOUT, DOT_PRECISION)
+                             offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q,
+                             seqlen_k, sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                             BLOCK_N, MASKED, DROPOUT, DOT_PRECISION, TMA)
     else:
         for j in range(lo, hi + (hi2 - lo2), BLOCK_N):
             start_n = tl.where(j < hi, j, j - hi + lo2)
             dq = _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
-                             stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k, sm_scale,
-                             qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED, DROPOUT,
-                             DOT_PRECISION)
+                             stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
+                             sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                             MASKED, DROPOUT, DOT_PRECISION, TMA)
     return dq
 
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE, DELTA, DQ, SEED, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DQ, SEED, CU_Q, CU_K, KD, VD,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -567,10 +606,11 @@ def _attn_bwd_dq(
     GQA_GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     # Q-outer, deterministic dQ: grid (query blocks, heads, batch); each program owns a Q
-    # block and walks the K/V blocks it sees, exactly as the forward does.
+    # block and walks the K/V blocks it sees, exactly as the forward does (with TMA, through
+    # the K/V tensor descriptors KD/VD).
     blk = tl.program_id(0)
     start_m = blk * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
@@ -597,8 +637,11 @@ def _attn_bwd_dq(
     lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
-    K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
-    V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
+    if TMA:
+        kx, vx = KD, VD
+    else:
+        kx = K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+        vx = V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
     seed = _load_seed(SEED, DROPOUT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     segs = _kv_segments(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, off_b, off_h, seqlen_q,
@@ -606,14 +649,14 @@ def _attn_bwd_dq(
     end = 0
     lo, flo, fhi, hi = _span(segs[0], segs[1], segs[2], segs[3],
                              end, seqlen_k, BLOCK_N, False)
-    dq = _bwd_q_blocks(dq, q, do, lse2, delta, K, V, seed, row0, flo, fhi, fhi, fhi, K, rows, offs_n,
-                       offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k,
-                       sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                       LISTED=False, MASKED=False, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
-    dq = _bwd_q_blocks(dq, q, do, lse2, delta, K, V, seed, row0, lo, flo, fhi, hi, K, rows, offs_n,
-                       offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, seqlen_q, seqlen_k,
-                       sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                       LISTED=False, MASKED=True, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
+    dq = _bwd_q_blocks(dq, q, do, lse2, delta, kx, vx, seed, row0, flo, fhi, fhi, fhi, K, rows, offs_n,
+                       offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q,
+                       seqlen_k, sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                       LISTED=False, MASKED=False, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION, TMA=TMA)
+    dq = _bwd_q_blocks(dq, q, do, lse2, delta, kx, vx, seed, row0, lo, flo, fhi, hi, K, rows, offs_n,
+                       offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q,
+                       seqlen_k, sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                       LISTED=False, MASKED=True, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION, TMA=TMA)
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqm
              + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
@@ -668,6 +711,22 @@ def _bhsd_strides(t, layout):
     if layout == "thd":
         return (0, s[1], s[0], s[2])
     return (s[0], s[1], s[2], s[3]) if layout == "bhsd" else (s[0], s[2], s[1], s[3])
+
+
+def _tma_ready(t):
+    # The copy engine needs a 16-byte aligned base and strides, and a contiguous last dim.
+    if TensorDescriptor is None:
+        return False
+    size = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))
+
+
+def _descriptor(t, layout, rows, cols):
+    # A (batch, heads, seq, dim) descriptor of t, one (1, 1, rows, cols) tile per load.
+    b, h, s, d = _bhsd_strides(t, layout)
+    shape = t.shape if layout == "bhsd" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
+    return TensorDescriptor(t, list(shape), [b, h, s, d], [1, 1, rows, cols])
 
 
 def _launch_consts(cfg, dtype, block_m, block_n, num_warps, num_stages):
@@ -858,17 +917,27 @@ def backward(do, q, k, v, out, lse, *, layout="bhsd", softmax_scale=None, dropou
     grad_args = [grads.get(name, named[name]) for name in GRAD_TENSORS]
     consts = _launch_consts(cfg, q.dtype, "BLOCK_M1", "BLOCK_N1", "bwd_num_warps", "bwd_num_stages")
     maps = []
+    tma = cfg["bwd_tma"] and layout != "thd" and all(_tma_ready(t) for t in (q, k, v, do))
+    rows = (q, do)
+    if tma:
+        rows = (_descriptor(q, layout, consts["BLOCK_M"], consts["BLOCK_D"]),
+                _descriptor(do, layout, consts["BLOCK_M"], consts["BLOCK_DV"]))
     _attn_bwd_dkdv[(triton.cdiv(seqlen_k, cfg["BLOCK_N1"]), num_kv_heads, batch)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc if atomic else dq, seed, cu_q, cu_k, *qkv_strides,
+        q, k, v, do, lse, delta, dk, dv, dq_acc if atomic else dq, seed, cu_q, cu_k, *rows, *qkv_strides,
         *_bhsd_strides(dk, layout), *_bhsd_strides(dv, layout), *dq_strides, *lse_strides,
         num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p), *extra, *grad_args, *maps,
-        VARLEN=layout == "thd", ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p), TENSOR_GRADS=bool(grads), **consts)
+        VARLEN=layout == "thd", ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p), TENSOR_GRADS=bool(grads), TMA=tma,
+        **consts)
     if atomic:
         dq.copy_(dq_acc)
     else:
         consts = _launch_consts(cfg, q.dtype, "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
+        tiles = (k, v)
+        if tma:
+            tiles = (_descriptor(k, layout, consts["BLOCK_N"], consts["BLOCK_D"]),
+                     _descriptor(v, layout, consts["BLOCK_N"], consts["BLOCK_DV"]))
         _attn_bwd_dq[(triton.cdiv(seqlen_q, cfg["BLOCK_M2"]), num_heads, batch)](
-            q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *qkv_strides, *dq_strides, *lse_strides,
+            q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *qkv_strides, *dq_strides, *lse_strides,
             num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p), *extra, *maps,
-            VARLEN=layout == "thd", DROPOUT=bool(dropout_p), **consts)
+            VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TMA=tma, **consts)
     return result()
