@@ -39,7 +39,8 @@ CASES = {
 }
 # (BLOCK_M, BLOCK_N, warps, stages, tma, warp_specialize)
 FWD_SWEEP = [(128, 64, 8, 3, False, False), (64, 64, 4, 3, False, False), (128, 128, 8, 3, False, False),
-             (128, 64, 8, 3, True, False), (128, 128, 8, 3, True, False), (128, 128, 8, 3, True, True)]
+             (64, 64, 4, 3, True, False), (128, 64, 8, 3, True, False), (128, 128, 8, 3, True, False),
+             (128, 128, 8, 3, True, True)]
 
 
 def run_case(name, fields, seqlen, tokens, heads, head_dim, modes):
