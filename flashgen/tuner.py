@@ -25,7 +25,7 @@ import optuna
 import torch
 
 from .api import AttentionKernel
-from .bench import attention_flops, tflops
+from .bench import bench_tensors, tflops, visible_count
 from .config import KernelConfig, default_config
 from .db import EnvInfo, ResultStore, TrialRecord, config_key
 from .space import DeviceLimits, SearchSpace, backward_space, bucket_of, forward_space
@@ -43,6 +43,8 @@ class Workload:
     batch: int
     seqlen: int
     tensors: tuple  # q, k, v, do
+    named: dict = field(default_factory=dict)  # the tensors the spec's mask / score_mod read
+    flops_fwd: float = 0.0  # forward FLOPs over the visible area
 
 
 class Runner:
@@ -59,17 +61,21 @@ class Runner:
         self.limits = DeviceLimits.current(interpret=self.interpret)
 
     # The two calls a test may override (for example to inject a wrong kernel).
-    def forward(self, kernel: AttentionKernel, config, q, k, v):
-        return kernel.forward(q, k, v, config=config)
+    def forward(self, kernel: AttentionKernel, config, q, k, v, tensors=None):
+        return kernel.forward(q, k, v, config=config, **(tensors or {}))
 
-    def backward(self, kernel: AttentionKernel, config, do, q, k, v, out, lse):
-        return kernel.backward(do, q, k, v, out, lse, config=config)
+    def backward(self, kernel: AttentionKernel, config, do, q, k, v, out, lse, tensors=None):
+        return kernel.backward(do, q, k, v, out, lse, config=config, **(tensors or {}))
 
     def workload(self, spec: AttentionSpec, bucket: int, batch_tokens: int) -> Workload:
         seqlen = self.timing_seqlen(bucket)
         batch = max(1, batch_tokens // seqlen) if not self.interpret else 1
         gen = torch.Generator().manual_seed(random.randrange(2**31))
-        return Workload(bucket, batch, seqlen, _randn_qkv_do(spec, batch, seqlen, seqlen, self.device, gen))
+        named = bench_tensors(spec, batch, seqlen, device=self.device)
+        pairs = visible_count(spec, batch, seqlen, seqlen, named, device=self.device)
+        flops = 4.0 * pairs * (spec.head_dim + spec.head_dim_v) / 2
+        return Workload(bucket, batch, seqlen, _randn_qkv_do(spec, batch, seqlen, seqlen, self.device, gen), named,
+                        flops)
 
     def timing_seqlen(self, bucket: int) -> int:
         return bucket
@@ -77,16 +83,20 @@ class Runner:
     def verify(self, kernel, config, phase, shapes) -> tuple[bool, float, str | None]:
         """The error rule on fresh inputs at each shape; returns (ok, worst margin, error)."""
         worst = 0.0
+        spec = kernel.spec
         for batch, seqlen_q, seqlen_k in shapes:
+            if spec.plan.same_seqlen:  # a document mask indexes one id tensor by query and key
+                seqlen_k = seqlen_q
             gen = torch.Generator().manual_seed(random.randrange(2**31))
-            q, k, v, do = _randn_qkv_do(kernel.spec, batch, seqlen_q, seqlen_k, self.device, gen)
-            out, lse = self.forward(kernel, config, q, k, v)
-            results = check_attention(out, lse, q, k, v, causal=kernel.spec.causal,
-                                      softmax_scale=kernel.spec.softmax_scale)
+            q, k, v, do = _randn_qkv_do(spec, batch, seqlen_q, seqlen_k, self.device, gen)
+            named = bench_tensors(spec, batch, max(seqlen_q, seqlen_k), device=self.device)
+            rule = dict(causal=spec.causal, softmax_scale=spec.softmax_scale, mask=spec.mask,
+                        score_mod=spec.score_mod, tensors=named)
+            out, lse = self.forward(kernel, config, q, k, v, named)
+            results = check_attention(out, lse, q, k, v, **rule)
             if phase == "bwd":
-                grads = self.backward(kernel, config, do, q, k, v, out, lse)
-                results += check_gradients(grads, q, k, v, do, causal=kernel.spec.causal,
-                                           softmax_scale=kernel.spec.softmax_scale)
+                grads = self.backward(kernel, config, do, q, k, v, out, lse, named)
+                results += check_gradients(grads, q, k, v, do, **rule)
             for r in results:
                 worst = max(worst, r.margin)
                 if not r.ok:
@@ -110,10 +120,7 @@ class Runner:
                 rec.status, rec.error = "timeout", f"compile and verify took over {timeout_s:g}s"
                 return rec
             rec.ms = self.time(kernel, config, phase, work)
-            spec = kernel.spec
-            flops = attention_flops(work.batch, spec.num_heads, work.seqlen, work.seqlen, spec.head_dim,
-                                    spec.head_dim_v, causal=spec.causal, mode="fwd" if phase == "fwd" else "bwd")
-            rec.tflops = tflops(flops, rec.ms)
+            rec.tflops = tflops(work.flops_fwd * (1.0 if phase == "fwd" else 2.5), rec.ms)
         except Exception as err:  # typed: never let one config end the search
             rec.status, rec.error = classify_failure(err), f"{type(err).__name__}: {str(err)[:2000]}"
         if rec.status == "ok" and time.monotonic() - start > timeout_s:
@@ -134,10 +141,11 @@ class GpuRunner(Runner):
         from .bench import time_ms
 
         q, k, v, do = work.tensors
+        named = work.named
         if phase == "fwd":
-            return time_ms(lambda: self.forward(kernel, config, q, k, v))
-        out, lse = self.forward(kernel, config, q, k, v)
-        return time_ms(lambda: self.backward(kernel, config, do, q, k, v, out, lse))
+            return time_ms(lambda: self.forward(kernel, config, q, k, v, named))
+        out, lse = self.forward(kernel, config, q, k, v, named)
+        return time_ms(lambda: self.backward(kernel, config, do, q, k, v, out, lse, named))
 
 
 class InterpretRunner(Runner):
@@ -165,9 +173,9 @@ class InterpretRunner(Runner):
     def time(self, kernel, config, phase, work: Workload) -> float:
         q, k, v, do = work.tensors
         start = time.perf_counter()
-        out, lse = self.forward(kernel, config, q, k, v)
+        out, lse = self.forward(kernel, config, q, k, v, work.named)
         if phase == "bwd":
-            self.backward(kernel, config, do, q, k, v, out, lse)
+            self.backward(kernel, config, do, q, k, v, out, lse, work.named)
         return (time.perf_counter() - start) * 1e3
 
 

@@ -104,11 +104,24 @@ def test_failures_are_typed():
 class WrongRunner(InterpretRunner):
     """Injects an incorrect kernel: every config with BLOCK_M=16 returns a perturbed output."""
 
-    def forward(self, kernel, config, q, k, v):
-        out, lse = super().forward(kernel, config, q, k, v)
+    def forward(self, kernel, config, q, k, v, tensors=None):
+        out, lse = super().forward(kernel, config, q, k, v, tensors)
         if config.BLOCK_M == 16:
             out = out * 1.01
         return out, lse
+
+
+@needs_interpreter
+def test_tuner_verifies_masked_specs_with_their_tensors(store):
+    # The candidates are checked against the masked reference with the spec's named tensors
+    # (document ids, ALiBi slopes), and TFLOP/s count the visible area only.
+    spec = AttentionSpec(name="docs", dtype="fp32", head_dim=16, num_heads=2, backward=True,
+                         mask={"document": {"ids": "document_ids", "causal": True}},
+                         score_mod={"alibi": {}}, tune={"seqlens": [32], "trials": 2})
+    results = tune(spec, InterpretRunner(), store, TuneOptions(trials=2))
+    assert [(r.phase, r.best is not None) for r in results] == [("fwd", True), ("bwd", True)]
+    trials = store.trials(EnvInfo.current(interpret=True), spec)
+    assert trials and all(t.status == "ok" for t in trials), [t.error for t in trials if t.status != "ok"]
 
 
 @needs_interpreter
