@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, KernelConfig, default_config  # noqa: E402
-from flashgen.bench import bench_tensors, environment, flex_mods, tflops, time_ms, visible_count  # noqa: E402
+from flashgen.bench import bench_tensors, environment, flex_mods, pairs_flops, tflops, time_ms  # noqa: E402
+from flashgen.bench import visible_count  # noqa: E402
 
 CASES = {
     "causal": dict(causal=True),
@@ -71,7 +72,7 @@ def run_case(name, fields, seqlen, tokens, heads, head_dim, modes):
     for r in ok.values():
         r.pop("config", None)
     row["flashgen_configs"] = fwd
-    flops = 4.0 * pairs * head_dim
+    flops = pairs_flops(pairs, head_dim)
     if "fwd" in modes:
         row["fwd"] = {"flashgen": {"ms": ok[best_key]["ms"], "tflops": tflops(flops, ok[best_key]["ms"]),
                                    "config": best_key},
@@ -108,7 +109,7 @@ def block_map_cost(seqlen, tokens, heads, head_dim):
     call_ms = time_ms(lambda: kernel(q, k, v))  # map cached: the attention alone
     pairs = visible_count(spec, batch, seqlen, seqlen)
     return {"seqlen": seqlen, "batch": batch, "block_map_ms": build_ms, "attention_ms": call_ms,
-            "ratio": build_ms / call_ms, "attention_tflops": tflops(4.0 * pairs * head_dim, call_ms)}
+            "ratio": build_ms / call_ms, "attention_tflops": tflops(pairs_flops(pairs, head_dim), call_ms)}
 
 
 def markdown(rows, costs, env):

@@ -27,12 +27,17 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
     return growing + (seqlen_q - full) * seqlen_k
 
 
+def pairs_flops(pairs: int, head_dim: int, head_dim_v: int | None = None, *, mode: str = "fwd") -> float:
+    """FLOPs of attention over `pairs` visible (query, key) pairs, summed over batch and heads:
+    Q K^T and P V in the forward; mode fwd, bwd (2.5x fwd) or fwd_bwd (3.5x)."""
+    head_dim_v = head_dim_v or head_dim
+    return 2.0 * pairs * (head_dim + head_dim_v) * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
+
+
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
                     head_dim_v: int | None = None, *, causal: bool = False, mode: str = "fwd") -> float:
-    """FLOPs of attention, masked work not counted. mode: fwd, bwd (2.5x fwd) or fwd_bwd (3.5x)."""
-    head_dim_v = head_dim_v or head_dim
-    fwd = 2.0 * batch * heads * visible_pairs(seqlen_q, seqlen_k, causal) * (head_dim + head_dim_v)
-    return fwd * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
+    """FLOPs of plain or causal attention, masked work not counted (see pairs_flops)."""
+    return pairs_flops(batch * heads * visible_pairs(seqlen_q, seqlen_k, causal), head_dim, head_dim_v, mode=mode)
 
 
 def visible_count(spec, batch: int, seqlen_q: int, seqlen_k: int, tensors=None, *, device="cuda",
@@ -187,7 +192,7 @@ def bench_spec(kernel, seqlens, *, tokens: int = 16384, modes=("fwd", "fwd_bwd")
         tensors = bench_tensors(spec, batch, seqlen)
         pairs = visible_count(spec, batch, seqlen, seqlen, tensors)
         for mode in modes:
-            flops = 2.0 * pairs * (spec.head_dim + spec.head_dim_v) * {"fwd": 1.0, "fwd_bwd": 3.5}[mode]
+            flops = pairs_flops(pairs, spec.head_dim, spec.head_dim_v, mode=mode)
             row = {"seqlen": seqlen, "batch": batch, "mode": mode, "config": str(kernel.config_for(seqlen)),
                    "visible_fraction": pairs / (batch * spec.num_heads * seqlen * seqlen)}
             ref = None

@@ -25,7 +25,7 @@ import optuna
 import torch
 
 from .api import AttentionKernel
-from .bench import bench_tensors, tflops, visible_count
+from .bench import bench_tensors, pairs_flops, tflops, visible_count
 from .config import KernelConfig, default_config
 from .db import EnvInfo, ResultStore, TrialRecord, config_key
 from .space import DeviceLimits, SearchSpace, backward_space, bucket_of, forward_space
@@ -44,7 +44,7 @@ class Workload:
     seqlen: int
     tensors: tuple  # q, k, v, do
     named: dict = field(default_factory=dict)  # the tensors the spec's mask / score_mod read
-    flops_fwd: float = 0.0  # forward FLOPs over the visible area
+    pairs: int = 0  # visible (query, key) pairs, summed over batch and heads
 
 
 class Runner:
@@ -72,10 +72,8 @@ class Runner:
         batch = max(1, batch_tokens // seqlen) if not self.interpret else 1
         gen = torch.Generator().manual_seed(random.randrange(2**31))
         named = bench_tensors(spec, batch, seqlen, device=self.device)
-        pairs = visible_count(spec, batch, seqlen, seqlen, named, device=self.device)
-        flops = 4.0 * pairs * (spec.head_dim + spec.head_dim_v) / 2
         return Workload(bucket, batch, seqlen, _randn_qkv_do(spec, batch, seqlen, seqlen, self.device, gen), named,
-                        flops)
+                        visible_count(spec, batch, seqlen, seqlen, named, device=self.device))
 
     def timing_seqlen(self, bucket: int) -> int:
         return bucket
@@ -120,7 +118,8 @@ class Runner:
                 rec.status, rec.error = "timeout", f"compile and verify took over {timeout_s:g}s"
                 return rec
             rec.ms = self.time(kernel, config, phase, work)
-            rec.tflops = tflops(work.flops_fwd * (1.0 if phase == "fwd" else 2.5), rec.ms)
+            spec = kernel.spec
+            rec.tflops = tflops(pairs_flops(work.pairs, spec.head_dim, spec.head_dim_v, mode=phase), rec.ms)
         except Exception as err:  # typed: never let one config end the search
             rec.status, rec.error = classify_failure(err), f"{type(err).__name__}: {str(err)[:2000]}"
         if rec.status == "ok" and time.monotonic() - start > timeout_s:
