@@ -4,7 +4,8 @@ __version__ = "0.1.0"
 
 from .spec import AttentionSpec, SpecError, TuneSpec  # noqa: E402
 from .config import KernelConfig, ConfigError, default_config  # noqa: E402
-from .api import AttentionKernel, attention, attention_varlen, compile  # noqa: E402
+from .api import AttentionKernel, attention, attention_varlen  # noqa: E402
+from .api import compile_spec as compile  # noqa: E402,A004 (flashgen.compile, public API)
 from .masks import Mask, ScoreMod, mask, score_mod  # noqa: E402
 from .loader import FlashgenFallbackWarning, load  # noqa: E402
 

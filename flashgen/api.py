@@ -1,4 +1,5 @@
-"""The user-facing API: ``flashgen.compile(spec)`` and ``flashgen.attention(q, k, v)``."""
+"""The user-facing API: ``flashgen.compile(spec)`` (``compile_spec`` here, so the builtin is not
+shadowed) and ``flashgen.attention(q, k, v)``."""
 
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ class AttentionKernel:
         # the nearest bucket's, or self.config when there are none.
         self.bucket_configs = dict(bucket_configs or {})
         self.config_source = "given" if config is not None else "default"
-        self._modules: dict[KernelConfig, object] = {}
         self._ids: dict[KernelConfig, str] = {}
         self._id = self.kernel_id(self.config)
         self._bucket_ids = {b: self.kernel_id(c) for b, c in self.bucket_configs.items()}
@@ -45,17 +45,14 @@ class AttentionKernel:
 
     def module(self, config: KernelConfig | None = None):
         """The imported Triton module for a config (rendered and cached on first use)."""
-        config = config if config is not None else self.config
-        module = self._modules.get(config)
-        if module is None:
-            module = self._modules[config] = render.load(self.spec, config)
-        return module
+        return ops.kernel_module(self.kernel_id(config))
 
-    def kernel_id(self, config: KernelConfig) -> str:
-        """The id under which the custom ops find this kernel with this config."""
+    def kernel_id(self, config: KernelConfig | None = None) -> str:
+        """The id the custom ops take for this spec with this config (self-describing: see ops.kernel_id)."""
+        config = config if config is not None else self.config
         kid = self._ids.get(config)
         if kid is None:
-            kid = self._ids[config] = ops.register(self, config)
+            kid = self._ids[config] = ops.kernel_id(self.spec, config)
         return kid
 
     def source(self, config: KernelConfig | None = None) -> str:
@@ -122,7 +119,8 @@ class AttentionKernel:
         seq = 2 if layout == "bhsd" else 1
         kernel_id = self._kernel_id_for(config, max(q.shape[seq], k.shape[seq]) if q.dim() == 4 else q.shape[0])
         p, seed = self._seed(dropout_p, q.device)
-        out, lse = ops.attention(q, k, v, seed, self._tensor_list(tensors), kernel_id, layout, p, deterministic)
+        out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout=layout, seed=seed,
+                                       tensors=self._tensor_list(tensors), dropout_p=p, deterministic=deterministic)
         return (out, lse) if return_lse else out
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -133,16 +131,19 @@ class AttentionKernel:
         Masks apply within each sequence. LSE is (heads, total_q)."""
         kernel_id = self._kernel_id_for(config, max(int(max_seqlen_q), int(max_seqlen_k)))
         p, seed = self._seed(dropout_p, q.device)
-        out, lse = ops.attention(q, k, v, seed, self._tensor_list(tensors), kernel_id, "thd", p, deterministic,
-                                 cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k))
+        out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout="thd", seed=seed,
+                                       tensors=self._tensor_list(tensors), dropout_p=p, deterministic=deterministic,
+                                       cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                       max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
         return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:
         return f"AttentionKernel({self.spec.uri}, {self.config})"
 
 
-def compile(spec: AttentionSpec | str, config: KernelConfig | None = None) -> AttentionKernel:  # noqa: A001
-    """Compile a spec (an AttentionSpec, a YAML path or a dict) into a callable kernel."""
+def compile_spec(spec: AttentionSpec | str, config: KernelConfig | None = None) -> AttentionKernel:
+    """Compile a spec (an AttentionSpec, a YAML path or a dict) into a callable kernel
+    (``flashgen.compile``)."""
     return _compiled(AttentionSpec.coerce(spec), config)
 
 
@@ -200,7 +201,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     """
     spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
                     mask=mask, score_mod=score_mod)
-    return compile(spec, config)(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic,
+    return compile_spec(spec, config)(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic,
                                  **tensors)
 
 
@@ -215,5 +216,5 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     (total_q, heads, head_dim_v) (and LSE (heads, total_q) with return_lse)."""
     spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
                     mask=mask, score_mod=score_mod)
-    return compile(spec, config).varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    return compile_spec(spec, config).varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         return_lse=return_lse, deterministic=deterministic, **tensors)

@@ -45,14 +45,16 @@ def visible_count(spec, batch: int, seqlen_q: int, seqlen_k: int, tensors=None, 
     """Visible (query, key) pairs summed over batch and heads for any spec's mask, counted by
     evaluating the mask densely in row chunks (the same definition the kernels are generated from)."""
     from . import masks
+    from .expr.ir import reads_var, tensors_of
+    from .expr.to_torch import evaluate, tensors_at_rank
 
     node = spec.mask_node
     if node is None:
         return batch * spec.num_heads * seqlen_q * seqlen_k
     pred = masks.predicate(node)
-    uses_b = masks.uses(pred, "b") or bool(masks.tensors_of(pred))
-    uses_h = masks.uses(pred, "h")
-    named = {n: t.to(device) for n, t in masks.ranked(tensors, pred).items()}
+    uses_b = reads_var(pred, "b") or bool(tensors_of(pred))
+    uses_h = reads_var(pred, "h")
+    named = {n: t.to(device) for n, t in tensors_at_rank(tensors, pred).items()}
     total = 0
     for b in range(batch if uses_b else 1):
         for h in range(spec.num_heads if uses_h else 1):
@@ -61,7 +63,7 @@ def visible_count(spec, batch: int, seqlen_q: int, seqlen_k: int, tensors=None, 
                 env = {"b": torch.tensor(b, device=device), "h": torch.tensor(h, device=device), "q_idx": rows,
                        "kv_idx": torch.arange(seqlen_k, device=device)[None, :], "seqlen_q": seqlen_q,
                        "seqlen_k": seqlen_k}
-                vis = torch.as_tensor(masks.evaluate(pred, env, named), device=device)
+                vis = torch.as_tensor(evaluate(pred, env, named), device=device)
                 total += int(vis.expand(rows.shape[0], seqlen_k).sum())
     return total * (1 if uses_b else batch) * (1 if uses_h else spec.num_heads)
 
@@ -124,25 +126,27 @@ def flex_mods(spec, q, k, tensors=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from . import masks
+    from .expr.ir import reads_var, tensors_of
+    from .expr.to_torch import evaluate, tensors_at_rank
 
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     node = spec.mask_node
     pred = masks.predicate(node) if node is not None else None
     smod = masks.score_ir(spec.score_mod) if spec.score_mod is not None else None
-    named = masks.ranked(tensors, pred, smod)
+    named = tensors_at_rank(tensors, pred, smod)
     sizes = {"seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
     block_mask = score_mod = None
     if pred is not None:
         def mask_mod(b, h, q_idx, kv_idx):
-            return masks.evaluate(pred, {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **sizes}, named)
-        uses_b = masks.uses(pred, "b") or bool(masks.tensors_of(pred))
+            return evaluate(pred, {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **sizes}, named)
+        uses_b = reads_var(pred, "b") or bool(tensors_of(pred))
         block_mask = create_block_mask(mask_mod, q.shape[0] if uses_b else None,
-                                       q.shape[1] if masks.uses(pred, "h") else None, seqlen_q, seqlen_k,
+                                       q.shape[1] if reads_var(pred, "h") else None, seqlen_q, seqlen_k,
                                        device=q.device)
     if smod is not None:
         def score_mod(score, b, h, q_idx, kv_idx):
             env = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **sizes}
-            return masks.evaluate(smod, env, named)
+            return evaluate(smod, env, named)
     torch._dynamo.reset()
     compiled = torch.compile(flex_attention, dynamic=False)
     return lambda q_, k_, v_: compiled(q_, k_, v_, block_mask=block_mask, score_mod=score_mod,

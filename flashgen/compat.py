@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import compile, spec_for
+from .api import compile_spec, spec_for
 
 
 def _variant(causal, window_size, softcap, alibi_slopes):
@@ -65,7 +65,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     causal, mask, mods, tensors = _variant(causal, window_size, softcap, alibi_slopes)
     spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="bshd", dropout_p=dropout_p,
                     mask=mask, score_mod=mods)
-    out, lse = compile(spec)(q, k, v, layout="bshd", return_lse=True, deterministic=deterministic, **tensors)
+    out, lse = compile_spec(spec)(q, k, v, layout="bshd", return_lse=True, deterministic=deterministic, **tensors)
     probs = _probs(q, k, spec, tensors, "bshd") if return_attn_probs else None
     return _outputs(out, lse, probs, return_attn_probs)
 
@@ -81,6 +81,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     causal, mask, mods, tensors = _variant(causal, window_size, softcap, alibi_slopes)
     spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
                     mask=mask, score_mod=mods)
-    out, lse = compile(spec).varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    out, lse = compile_spec(spec).varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     return_lse=True, deterministic=deterministic, **tensors)
     return _outputs(out, lse, None, return_attn_probs)

@@ -6,43 +6,56 @@
 registered on the forward op: it saves only q, k, v, out, lse (and the dropout seed) and
 the backward recomputes P tile by tile.
 
-A compiled kernel is named in the ops by a string id (its spec key and config); the
-registry below maps ids to kernels. The ops are opaque to dynamo, so rendering and
-importing the Triton module happen inside them, never in traced code.
+A kernel is named in the ops by a self-describing string, ``kernel_id(spec, config)``: the
+canonical JSON of its spec and config. From the id alone the ops render, compile and import
+its module on first use (``kernel_module``) and keep it in one dict, so every later call is
+a dictionary lookup, and an id works in any process: nothing has to register itself first.
+The ops are opaque to dynamo, so building a module happens inside them, never in traced code.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
+from functools import lru_cache
+from types import ModuleType
 
 import torch
 
+from . import render
 from .config import KernelConfig
-
-_REGISTRY: dict[str, tuple[object, KernelConfig]] = {}
-_lock = threading.Lock()
+from .spec import AttentionSpec
 
 
-def register(kernel, config: KernelConfig) -> str:
-    """The op-level id of (kernel, config); registers it on first use."""
-    digest = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
-    kernel_id = f"{kernel.spec.uri}/{kernel.spec.key}/{digest}"
-    with _lock:
-        _REGISTRY.setdefault(kernel_id, (kernel, config))
-    return kernel_id
+# ----------------------------------------------------------------------------- kernel ids and their modules
+def kernel_id(spec: AttentionSpec, config: KernelConfig) -> str:
+    """The id the custom ops take for (spec, config): canonical JSON, readable back by `kernel_module`."""
+    return json.dumps({"spec": spec.to_dict(), "config": config.to_dict()}, sort_keys=True, separators=(",", ":"))
 
 
-def _lookup(kernel_id: str):
-    try:
-        kernel, config = _REGISTRY[kernel_id]
-    except KeyError:
-        raise RuntimeError(f"flashgen kernel {kernel_id!r} is not registered in this process "
-                           "(compile its spec with flashgen.compile first)") from None
-    return kernel.module(config)
+@lru_cache(maxsize=256)
+def kernel_spec(kernel_id: str) -> tuple[AttentionSpec, KernelConfig]:
+    """The (spec, config) an id names."""
+    data = json.loads(kernel_id)
+    return AttentionSpec.from_dict(data["spec"]), KernelConfig.from_dict(data["config"])
 
 
+_MODULES: dict[str, ModuleType] = {}  # kernel id -> its imported Triton module
+_build_lock = threading.Lock()
+
+
+def kernel_module(kernel_id: str) -> ModuleType:
+    """The imported Triton module of a kernel id, built (rendered, cached, imported) on first use."""
+    module = _MODULES.get(kernel_id)
+    if module is None:
+        with _build_lock:
+            module = _MODULES.get(kernel_id)
+            if module is None:
+                module = _MODULES[kernel_id] = render.load(*kernel_spec(kernel_id))
+    return module
+
+
+# ----------------------------------------------------------------------------- calls into a module
 def _varlen(cu_q, cu_k, max_q, max_k):
     if cu_q is None:
         return {}
@@ -54,7 +67,7 @@ def _named(module, tensors):
 
 
 def _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, max_q, max_k):
-    module = _lookup(kernel_id)
+    module = kernel_module(kernel_id)
     return module.forward(q, k, v, layout=layout, dropout_p=dropout_p, seed=seed, tensors=_named(module, tensors),
                           **_varlen(cu_q, cu_k, max_q, max_k))
 
@@ -62,7 +75,7 @@ def _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, m
 def _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dropout_p, deterministic, wanted,
                     cu_q, cu_k, max_q, max_k):
     """(dq, dk, dv, [d tensor in its dtype, or None where not wanted or not a float tensor])."""
-    module = _lookup(kernel_id)
+    module = kernel_module(kernel_id)
     names = [n for n, t, w in zip(module.TENSORS, tensors, wanted) if w and t.is_floating_point()]
     dq, dk, dv, grads = module.backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
                                         deterministic=deterministic, tensors=_named(module, tensors),
@@ -70,6 +83,7 @@ def _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dro
     return dq, dk, dv, [grads[n].to(t.dtype) if n in grads else None for n, t in zip(module.TENSORS, tensors)]
 
 
+# ----------------------------------------------------------------------------- the custom ops
 @torch.library.custom_op("flashgen::attn_fwd", mutates_args=())
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, tensors: list[torch.Tensor],
              kernel_id: str, layout: str, dropout_p: float, deterministic: bool, cu_q: torch.Tensor | None,
@@ -137,7 +151,7 @@ class AttentionFunction(torch.autograd.Function):
     """The same forward and backward for eager calls, without the custom op's dispatch: that
     path flattens every argument through pytree and costs ~0.3 ms of CPU per training step,
     which dominates attention calls of under a millisecond (a sliding window, short documents).
-    Under torch.compile the custom ops above are used instead (api.AttentionKernel picks)."""
+    Under torch.compile the custom ops above are used instead (apply_attention picks)."""
 
     @staticmethod
     def forward(ctx, q, k, v, seed, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q, max_k,
@@ -159,11 +173,13 @@ class AttentionFunction(torch.autograd.Function):
         return (dq, dk, dv, *([None] * 9), *tensor_grads)
 
 
-def attention(q, k, v, seed, tensors, kernel_id, layout, dropout_p, deterministic, cu_q=None, cu_k=None,
-              max_q=0, max_k=0):
-    """(out, lse): the custom op while torch.compile traces, the autograd.Function in eager mode."""
+def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor, tensors=(), dropout_p: float = 0.0,
+                    deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
+                    max_seqlen_k: int = 0):
+    """(out, lse) of one differentiable call: the custom op while torch.compile traces, the
+    autograd.Function in eager mode. `tensors` are the spec's named tensors in its order."""
     if torch.compiler.is_compiling():
-        return attn_fwd(q, k, v, seed, list(tensors), kernel_id, layout, dropout_p, deterministic, cu_q, cu_k,
-                        max_q, max_k)
-    return AttentionFunction.apply(q, k, v, seed, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q,
-                                   max_k, *tensors)
+        return attn_fwd(q, k, v, seed, list(tensors), kernel_id, layout, dropout_p, deterministic, cu_seqlens_q,
+                        cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return AttentionFunction.apply(q, k, v, seed, kernel_id, layout, dropout_p, deterministic, cu_seqlens_q,
+                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, *tensors)

@@ -21,6 +21,7 @@ import jinja2
 import platformdirs
 
 from . import __version__
+from .codegen.plan import plan_for
 from .config import KernelConfig
 from .spec import AttentionSpec
 
@@ -73,6 +74,7 @@ def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE) 
         version=__version__,
         template=template,
         spec=spec,
+        plan=plan_for(spec),
         config=config,
         dropout=spec.dropout_p > 0,
         spec_literal=_literal(spec_dict),

@@ -17,7 +17,6 @@ import hashlib
 import json
 import math
 import re
-from functools import lru_cache
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -144,7 +143,7 @@ class AttentionSpec:
         if self.score_mod is not None:
             set_("score_mod", masks.parse_score_mod(self.score_mod))
         if self.mask is not None or self.score_mod is not None:
-            self.plan  # every expression lowers and every tensor is used consistently
+            masks.lower(self.mask_node, self.score_mod)  # refuses what could not be generated
         if self.softmax_scale is not None:
             scale = _check_float("softmax_scale", self.softmax_scale)
             if scale <= 0:
@@ -231,14 +230,9 @@ class AttentionSpec:
         return masks.MaskNode("and", (), (causal, self.mask))
 
     @property
-    def plan(self) -> "masks.Plan":
-        """What the templates render for this spec's mask and score modifier."""
-        return _plan(self.mask_node, self.score_mod)
-
-    @property
     def tensor_names(self) -> tuple[str, ...]:
         """The named tensors a call passes by keyword (document ids, ALiBi slopes, ...)."""
-        return tuple(t.name for t in self.plan.tensors)
+        return tuple(t.name for t in masks.lower(self.mask_node, self.score_mod).tensors)
 
     def to_dict(self) -> dict:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -292,8 +286,3 @@ def _node_name(node) -> str:
     if node.kind in ("and", "or"):
         return node.kind + "-" + "-".join(_node_name(c) for c in node.children)
     return node.kind
-
-
-@lru_cache(maxsize=512)
-def _plan(mask_node, score_node):
-    return masks.Plan(mask_node, score_node)

@@ -24,6 +24,7 @@ from pathlib import Path
 import optuna
 import torch
 
+from . import masks
 from .api import AttentionKernel
 from .bench import bench_tensors, pairs_flops, tflops, visible_count
 from .config import KernelConfig, default_config
@@ -83,7 +84,7 @@ class Runner:
         worst = 0.0
         spec = kernel.spec
         for batch, seqlen_q, seqlen_k in shapes:
-            if spec.plan.same_seqlen:  # a document mask indexes one id tensor by query and key
+            if masks.lower(spec.mask_node, spec.score_mod).same_seqlen:  # a document mask indexes one id tensor by query and key
                 seqlen_k = seqlen_q
             gen = torch.Generator().manual_seed(random.randrange(2**31))
             q, k, v, do = _randn_qkv_do(spec, batch, seqlen_q, seqlen_k, self.device, gen)

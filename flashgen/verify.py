@@ -21,6 +21,7 @@ import math
 import torch
 
 from . import masks
+from .expr.to_torch import evaluate, tensors_at_rank
 
 FP32_RTOL = 1e-5
 # TESTING.md's "3x for gradients" loosens the max rule; the mean rule's 1.1x is loosened to
@@ -61,16 +62,16 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     env = _index_env(q.shape[0], q.shape[1], seqlen_q, seqlen_k, q.device)
     pred = masks.predicate(masks.parse_mask(mask)) if mask is not None else None
     smod = masks.score_ir(masks.parse_score_mod(score_mod)) if score_mod is not None else None
-    named = masks.ranked(tensors, pred, smod)
+    named = tensors_at_rank(tensors, pred, smod)
     if smod is not None:
         named_c = {n: (t.to(soft_dtype) if t.is_floating_point() else t) for n, t in named.items()}
-        scores = masks.evaluate(smod, {**env, "score": scores}, named_c).to(soft_dtype)
+        scores = evaluate(smod, {**env, "score": scores}, named_c).to(soft_dtype)
     if causal:
         i = torch.arange(seqlen_q, device=q.device)[:, None]
         j = torch.arange(seqlen_k, device=q.device)[None, :]
         scores = scores.masked_fill(j > i + (seqlen_k - seqlen_q), float("-inf"))
     if pred is not None:
-        visible = masks.evaluate(pred, env, named)
+        visible = evaluate(pred, env, named)
         scores = scores.masked_fill(~torch.as_tensor(visible, device=q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # Rows with every key masked: probabilities 0, output 0, lse -inf.

@@ -65,3 +65,29 @@ def test_compile_accepts_yaml_path_and_dict(tmp_path):
     path.write_text("head_dim: 16\nnum_heads: 2\n")
     assert flashgen.compile(path).spec == flashgen.compile({"head_dim": 16, "num_heads": 2}).spec
     assert flashgen.compile(str(path)) is flashgen.compile(str(path))  # compiled once, reused
+
+
+def test_ops_build_a_kernel_from_its_id_alone():
+    # the id says everything: no kernel object registers itself, a fresh id works at once
+    from flashgen import KernelConfig, ops
+
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, causal=True, name="from-id")
+    config = KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1)
+    kernel_id = ops.kernel_id(spec, config)
+    assert ops.kernel_spec(kernel_id) == (spec, config) and not hasattr(ops, "register")
+    q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE) for _ in range(3))
+    out, lse = torch.ops.flashgen.attn_fwd(q, k, v, torch.empty(1, dtype=torch.int64, device=DEVICE), [], kernel_id,
+                                           "bhsd", 0.0, False, None, None, 0, 0)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert flashgen.compile(spec, config).kernel_id() == kernel_id
+    assert flashgen.compile(spec, config).module() is ops.kernel_module(kernel_id)  # one module per id
+
+
+def test_compile_is_public_without_shadowing_the_builtin():
+    import builtins
+
+    from flashgen import api
+
+    assert flashgen.compile is api.compile_spec and not hasattr(api, "compile")
+    assert builtins.compile("1", "<x>", "eval")  # the builtin is untouched

@@ -1,0 +1,236 @@
+"""Source text -> IR: the ast whitelist checker, expression strings and Python functions.
+
+Expressions are parsed with ``ast`` and checked node by node against a whitelist; nothing
+reaches ``eval`` or ``exec``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import textwrap
+from typing import Any, Callable, Mapping
+
+from ..errors import SpecError
+from .ir import FUNCTIONS, SIZE_VARS, Bin, Const, Fn, Load, Neg, Not, Var, kind
+
+
+# ----------------------------------------------------------------------------- the checker
+_BIN_OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%",
+            ast.BitAnd: "&", ast.BitOr: "|"}
+_COMPARE_OPS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!="}
+
+
+class ExpressionChecker:
+    """ast -> IR, refusing anything outside the whitelist with the offending source."""
+
+    def __init__(self, source: str, field: str, variables, params: Mapping[str, Any], arg_names=None):
+        self.source = source
+        self.field = field
+        self.variables = set(variables) | set(SIZE_VARS)
+        self.params = dict(params)
+        self.rename = dict(arg_names or {})  # a Python function's argument names -> the variables
+        self.tensors: dict[str, int] = {}
+
+    def fail(self, node, message):
+        segment = ast.get_source_segment(self.source, node) if hasattr(node, "lineno") else None
+        where = f" at column {node.col_offset + 1}" if hasattr(node, "col_offset") else ""
+        raise SpecError(self.field, f"{message}{where}: `{segment}`" if segment else message, self.source)
+
+    def name(self, node):
+        name = self.rename.get(node.id, node.id)
+        if name.startswith("__"):
+            self.fail(node, "dunder names are not allowed")
+        if name in self.variables:
+            return Var(name)
+        if name in self.params:
+            return Const(self.params[name])
+        if name in ("True", "False"):
+            return Const(name == "True")
+        hint = "variables: " + ", ".join(sorted(self.variables))
+        if self.params:
+            hint += "; params: " + ", ".join(sorted(self.params))
+        self.fail(node, f"unknown name {name!r} ({hint}; tensors must be indexed, e.g. doc[q_idx])")
+
+    def constant(self, node):
+        if isinstance(node.value, (bool, int, float)):
+            return Const(node.value)
+        self.fail(node, f"only numbers and True/False are allowed as constants, not {type(node.value).__name__}")
+
+    def binary(self, node):
+        op = _BIN_OPS.get(type(node.op))
+        if op is None:
+            self.fail(node, f"operator {type(node.op).__name__} is not allowed")
+        return Bin(op, self.visit(node.left), self.visit(node.right))
+
+    def unary(self, node):
+        if isinstance(node.op, ast.USub):
+            return Neg(self.visit(node.operand))
+        if isinstance(node.op, ast.UAdd):
+            return self.visit(node.operand)
+        if isinstance(node.op, ast.Invert):
+            inner = self.visit(node.operand)
+            if kind(inner) != "bool":
+                self.fail(node, "~ negates a condition (a comparison, & or |)")
+            return Not(inner)
+        self.fail(node, "`not` is not allowed (use ~ on a condition)")
+
+    def compare(self, node):
+        out, left = None, self.visit(node.left)
+        for op, comparator in zip(node.ops, node.comparators):
+            if type(op) not in _COMPARE_OPS:
+                self.fail(node, f"comparison {type(op).__name__} is not allowed")
+            right = self.visit(comparator)
+            term = Bin(_COMPARE_OPS[type(op)], left, right)
+            out = term if out is None else Bin("&", out, term)
+            left = right
+        return out
+
+    def call(self, node):
+        if not isinstance(node.func, ast.Name):
+            if isinstance(node.func, ast.Attribute):
+                self.fail(node, f"attribute access is not allowed (write {node.func.attr}(...), "
+                                "not a module function)")
+            self.fail(node, "only calls of whitelisted functions are allowed")
+        fname = node.func.id
+        if fname not in FUNCTIONS:
+            self.fail(node, f"function {fname!r} is not allowed (allowed: {', '.join(FUNCTIONS)})")
+        if node.keywords or len(node.args) != FUNCTIONS[fname]:
+            self.fail(node, f"{fname} takes {FUNCTIONS[fname]} positional argument(s)")
+        return Fn(fname, tuple(self.visit(a) for a in node.args))
+
+    def subscript(self, node):
+        if not isinstance(node.value, ast.Name):
+            self.fail(node, "only named tensors can be indexed")
+        tname = self.rename.get(node.value.id, node.value.id)
+        if tname.startswith("__"):
+            self.fail(node, "dunder names are not allowed")
+        if tname in self.variables or tname in self.params or tname in FUNCTIONS:
+            self.fail(node, f"{tname!r} is not a tensor")
+        if not tname.isidentifier():
+            self.fail(node, "bad tensor name")
+        items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        for item in items:
+            if isinstance(item, (ast.Slice, ast.Starred)):
+                self.fail(node, "slices are not allowed; index with one expression per dimension")
+        index = tuple(self.visit(i) for i in items)
+        for i in index:
+            if kind(i) not in ("int", "num"):
+                self.fail(node, "tensor indices must be integers")
+        rank = self.tensors.setdefault(tname, len(index))
+        if rank != len(index):
+            self.fail(node, f"tensor {tname!r} is indexed with {len(index)} and {rank} indices")
+        return Load(tname, index)
+
+    def visit(self, node):
+        if isinstance(node, ast.Expression):
+            return self.visit(node.body)
+        handler = {ast.Constant: self.constant, ast.Name: self.name, ast.BinOp: self.binary,
+                   ast.UnaryOp: self.unary, ast.Compare: self.compare, ast.Call: self.call,
+                   ast.Subscript: self.subscript}.get(type(node))
+        if handler is not None:
+            return handler(node)
+        if isinstance(node, ast.BoolOp):
+            self.fail(node, "`and`/`or` are not allowed (use & and | with parentheses)")
+        if isinstance(node, ast.IfExp):
+            self.fail(node, "`x if c else y` is not allowed (use where(c, x, y))")
+        if isinstance(node, ast.Attribute):
+            self.fail(node, "attribute access is not allowed")
+        if isinstance(node, ast.Lambda):
+            self.fail(node, "lambda is not allowed inside an expression")
+        self.fail(node, f"{type(node).__name__} is not allowed")
+
+
+def parse_expr(source: str, *, field: str, variables, params: Mapping[str, Any] | None = None,
+               arg_names: Mapping[str, str] | None = None):
+    """Check and lower one expression; returns (IR, {tensor name: rank})."""
+    if not isinstance(source, str) or not source.strip():
+        raise SpecError(field, "expected a non-empty expression string", source)
+    source = source.strip()
+    try:
+        tree = ast.parse(source, mode="eval")
+    except SyntaxError as err:
+        raise SpecError(field, f"not a valid expression ({err.msg}, column {err.offset})", source) from None
+    checker = ExpressionChecker(source, field, variables, params or {}, arg_names)
+    node = checker.visit(tree)
+    return node, checker.tensors
+
+
+def canonical_source(source: str) -> str:
+    """The expression as ``ast.unparse`` writes it: one spelling per expression."""
+    return ast.unparse(ast.parse(source.strip(), mode="eval"))
+
+
+def rename_source(source: str, rename: Mapping[str, str]) -> str:
+    """The expression with names replaced (a Python function's argument names -> the variables)."""
+    tree = ast.parse(source, mode="eval")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in rename:
+            node.id = rename[node.id]
+    return ast.unparse(tree)
+
+
+def mentions(source: str, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(ast.parse(source, mode="eval")))
+
+
+def expression_params(field: str, params, variables) -> dict:
+    """An expression's ``params:`` mapping: names that are not variables, to finite numbers."""
+    params = params or {}
+    if not isinstance(params, Mapping):
+        raise SpecError(f"{field}.params", "expected a mapping of names to numbers", params)
+    out = {}
+    for name, value in params.items():
+        if not isinstance(name, str) or not name.isidentifier() or name in tuple(variables) + SIZE_VARS:
+            raise SpecError(f"{field}.params", "expected parameter names that are not variables", name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise SpecError(f"{field}.params.{name}", "expected a finite number", value)
+        out[name] = value
+    return out
+
+
+# ----------------------------------------------------------------------------- Python functions
+def read_function(fn: Callable, field: str, variables) -> tuple[str, dict, dict]:
+    """(the return expression's source, {argument name: variable}, {closure constant: number})
+    of a one-expression Python mask or score function (a lambda, or a def whose body is one return)."""
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        raise SpecError(field, "cannot read the source of this function (define it in a file)", fn) from None
+    target = None
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Lambda) or isinstance(node, ast.FunctionDef) and node.name == fn.__name__:
+            target = node
+            break
+    if target is None:
+        raise SpecError(field, "cannot find the function's definition in its source", fn)
+    args = [a.arg for a in target.args.args]
+    if len(args) != len(variables):
+        raise SpecError(field, f"expected a function of ({', '.join(variables)}), got ({', '.join(args)})", fn)
+    if isinstance(target, ast.Lambda):
+        body = target.body
+    else:
+        stmts = [s for s in target.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        if len(stmts) != 1 or not isinstance(stmts[0], ast.Return) or stmts[0].value is None:
+            raise SpecError(field, "the function body must be a single `return <expression>`", fn)
+        body = stmts[0].value
+    expr = ast.unparse(body)
+    rename = {a: v for a, v in zip(args, variables) if a != v}
+    consts = {}
+    closure = inspect.getclosurevars(fn)
+    for scope in (closure.globals, closure.nonlocals):
+        for name, value in scope.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in args:
+                consts[name] = value
+    return expr, rename, consts
+
+
+def function_expression(fn: Callable, field: str, variables):
+    """(IR, canonical source in the standard variable names, sorted (name, value) constants it
+    uses) of a one-expression Python mask or score function."""
+    expr, rename, consts = read_function(fn, field, variables)
+    node, _ = parse_expr(expr, field=field, variables=variables, params=consts, arg_names=rename)
+    source = rename_source(expr, rename)
+    used = tuple(sorted((k, v) for k, v in consts.items() if mentions(source, k)))
+    return node, canonical_source(source), used

@@ -1,0 +1,106 @@
+"""IR -> Triton expression text. Only expressions: statements and loops live in the templates.
+
+``triton_expr(node, names)`` writes one expression, with ``names`` mapping each IR variable
+to the Triton name it has where the expression is used (``q_idx`` is ``rows`` in a tile).
+A named tensor ``doc`` reaches a kernel as the parameters ``t_doc`` (its pointer),
+``t_doc_s0, ...`` (strides) and ``t_doc_n0, ...`` (sizes): ``tensor_params`` lists them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+from .ir import Bin, Const, Fn, Load, Neg, Not, Search, Var, kind
+
+TRITON_FUNCTIONS = {"abs": "tl.abs", "min": "tl.minimum", "max": "tl.maximum", "exp": "tl.exp", "tanh": "_tanh",
+                    "where": "tl.where"}
+
+
+def tensor_pointer(tensor: str) -> str:
+    return f"t_{tensor}"
+
+
+def tensor_stride(tensor: str, dim: int) -> str:
+    return f"t_{tensor}_s{dim}"
+
+
+def tensor_size(tensor: str, dim: int) -> str:
+    return f"t_{tensor}_n{dim}"
+
+
+def tensor_params(tensor: str, rank: int) -> list[str]:
+    """The kernel parameters one named tensor is passed as: pointer, strides, sizes."""
+    return ([tensor_pointer(tensor)] + [tensor_stride(tensor, d) for d in range(rank)]
+            + [tensor_size(tensor, d) for d in range(rank)])
+
+
+def triton_literal(value) -> str:
+    """A bool, int or float as Triton source."""
+    if isinstance(value, float) and math.isinf(value):
+        return 'float("inf")' if value > 0 else 'float("-inf")'
+    return repr(value)
+
+
+def _floor_in_float(node: Bin) -> bool:
+    """A // or % with a float side: written with tl.floor instead of the integer helpers."""
+    return kind(node) == "float" or "float" in (kind(node.a), kind(node.b))
+
+
+def _element_offset(node: Load, names, hoist) -> str:
+    """The clamped element offset of a tensor load: sum of clamp(index_d) * stride_d."""
+    return " + ".join(f"_clamp({triton_expr(i, names, hoist)}, {tensor_size(node.tensor, d)}) * "
+                      f"{tensor_stride(node.tensor, d)}" for d, i in enumerate(node.index))
+
+
+def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | None = None) -> str:
+    """Triton source for an IR node. `hoist(code) -> name`, when given, turns each binary
+    search into a statement of its own and the expression refers to its result by name."""
+    if isinstance(node, Const):
+        return triton_literal(node.value)
+    if isinstance(node, Var):
+        return names[node.name]
+    if isinstance(node, Load):
+        return f"tl.load({tensor_pointer(node.tensor)} + {_element_offset(node, names, hoist)})"
+    if isinstance(node, Search):
+        t = node.tensor
+        code = (f"_search({tensor_pointer(t)} + _clamp({names['b']}, {tensor_size(t, 0)}) * {tensor_stride(t, 0)}, "
+                f"{tensor_stride(t, 1)}, {tensor_size(t, 1)}, "
+                f"{triton_expr(node.value, names, hoist)}, RIGHT={node.right})")
+        return hoist(code) if hoist else code
+    if isinstance(node, Not):
+        return f"~({triton_expr(node.a, names, hoist)})"
+    if isinstance(node, Neg):
+        return f"-({triton_expr(node.a, names, hoist)})"
+    if isinstance(node, Bin):
+        a, b = triton_expr(node.a, names, hoist), triton_expr(node.b, names, hoist)
+        if node.op in ("//", "%"):
+            if _floor_in_float(node):
+                quotient = f"tl.floor(({a}) / ({b}))"
+                return quotient if node.op == "//" else f"(({a}) - ({b}) * {quotient})"
+            return f"{'_fdiv' if node.op == '//' else '_fmod'}({a}, {b})"  # floor semantics for either sign
+        if node.op == "/" and kind(node.a) == "int" and kind(node.b) == "int":
+            return f"(({a}) * 1.0 / ({b}))"  # true division of integers
+        return f"({a} {node.op} {b})"
+    if isinstance(node, Fn):
+        return f"{TRITON_FUNCTIONS[node.name]}({', '.join(triton_expr(x, names, hoist) for x in node.args)})"
+    raise TypeError(node)
+
+
+class ExpressionWriter:
+    """Writes expressions whose binary searches become statements (``s0 = _search(...)``),
+    appended to `lines` once per distinct search, so a search shared by several expressions
+    runs once."""
+
+    def __init__(self, lines: list[str], names: Mapping[str, str]):
+        self.lines, self.names, self.search_names = lines, names, {}
+
+    def hoist(self, code: str) -> str:
+        name = self.search_names.get(code)
+        if name is None:
+            name = self.search_names[code] = f"s{len(self.search_names)}"
+            self.lines.append(f"{name} = {code}")
+        return name
+
+    def expr(self, node) -> str:
+        return triton_expr(node, self.names, self.hoist)

@@ -1,0 +1,119 @@
+"""What every built-in mask pattern is made of, and the checks their parameters share.
+
+A pattern (one file each, beside this one) holds its parameters with defaults, a check
+of their values, its predicate (which query/key pairs are visible, as IR over ``q_idx``,
+``kv_idx``, ...) and its key interval: the keys ``lo(r) <= kv < hi(r)`` that query row ``r``
+sees and the rows ``qlo(c) <= r < qhi(c)`` that see key ``c``, from which a kernel computes
+each block's range: tiles outside it are never loaded, tiles inside every row's interval run
+without mask arithmetic. A pattern without an interval (a custom expression) gets a block map.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from ..errors import SpecError
+from ..expr.ir import FUNCTIONS, MASK_VARS, SCORE_VARS, SIZE_VARS, Const, Var, sub
+
+ALIGNS = ("bottom_right", "top_left")
+REQUIRED = object()  # a parameter without a default
+
+# The variables intervals are written over: a query row r, a key column c.
+R, C = Var("r"), Var("c")
+SQ, SK = Var("seqlen_q"), Var("seqlen_k")
+ROWS, COLS = Var("q_idx"), Var("kv_idx")
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Keys lo(r) <= kv < hi(r) for query row r, and rows qlo(c) <= r < qhi(c) for key c.
+
+    All four are non-decreasing, so a block of rows [r0, r1] sees keys in [lo(r0), hi(r1))
+    and every row sees all of [lo(r1), hi(r0)); likewise for a block of keys.
+    """
+
+    lo: Any
+    hi: Any
+    qlo: Any
+    qhi: Any
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A built-in mask pattern."""
+
+    name: str
+    params: Mapping[str, Any]  # name -> default (REQUIRED: none)
+    shorthand: str | None  # the parameter a bare value sets (`chunked: 7` is `chunked: {size: 7}`)
+    check: Callable[[str, dict], dict]  # (field, params with defaults) -> plain params; SpecError when bad
+    predicate: Callable[[dict], Any]  # params -> IR of the visible (q_idx, kv_idx) pairs
+    intervals: Callable[[dict], list]  # params -> [Interval]: one per segment of keys a row sees
+
+
+def diagonal_offset(align: str):
+    """The key index of query row 0's diagonal: seqlen_k - seqlen_q bottom-right aligned
+    (flash-attn's causal convention), 0 top-left aligned."""
+    return sub(SK, SQ) if align == "bottom_right" else Const(0)
+
+
+# ----------------------------------------------------------------------------- parameter checks
+def path(field, *keys) -> str:
+    return ".".join([field, *map(str, keys)])
+
+
+def check_int(field: str, value, lo: int) -> int:
+    """value, an int >= lo."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise SpecError(field, f"expected an integer >= {lo}", value)
+    return value
+
+
+def check_positive_number(field: str, value) -> float | int:
+    """value, a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SpecError(field, "expected a finite number", value)
+    if value <= 0:
+        raise SpecError(field, "expected a positive number", value)
+    return value
+
+
+def check_bool(field: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(field, "expected true or false", value)
+    return value
+
+
+def check_align(field: str, value) -> str:
+    if value not in ALIGNS:
+        raise SpecError(field, "expected bottom_right or top_left", value)
+    return value
+
+
+def check_tensor_name(field: str, value) -> str:
+    if not isinstance(value, str) or not value.isidentifier() or value.startswith("__"):
+        raise SpecError(field, "expected a tensor name (an identifier)", value)
+    if value in MASK_VARS + SCORE_VARS + SIZE_VARS or value in FUNCTIONS:
+        raise SpecError(field, "a tensor name cannot be a variable or function name", value)
+    return value
+
+
+def read_params(field: str, data, allowed: Mapping[str, Any], shorthand: str | None = None) -> dict:
+    """A pattern's or modifier's parameter mapping with defaults filled in, keyed by our own names.
+
+    ``None`` or ``True`` take every default; a bare value sets the shorthand parameter."""
+    if shorthand and not isinstance(data, (Mapping, type(None))) and data is not True:
+        data = {shorthand: data}
+    if data is None or data is True:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise SpecError(field, "expected a mapping of parameters (" + ", ".join(allowed) + ")", data)
+    unknown = sorted((k for k in data if k not in allowed), key=str)
+    if unknown:
+        raise SpecError(path(field, unknown[0]), "unknown parameter (known: " + ", ".join(allowed) + ")")
+    out = {name: data.get(name, default) for name, default in allowed.items()}
+    missing = [k for k, v in out.items() if v is REQUIRED]
+    if missing:
+        raise SpecError(path(field, missing[0]), "required parameter is missing")
+    return out

@@ -1,0 +1,87 @@
+"""The expression package on its own: parsing, lowering to Triton text, evaluation in
+PyTorch and the symbolic derivative (checked against autograd). No kernel runs here."""
+
+import pytest
+import torch
+
+from flashgen import SpecError
+from flashgen.expr.derivative import derivative
+from flashgen.expr.ir import MASK_VARS, SCORE_VARS, Const, Load, Var, depth, kind, reads_var, tensors_of, walk
+from flashgen.expr.parse import parse_expr
+from flashgen.expr.to_torch import evaluate, tensors_at_rank
+from flashgen.expr.to_triton import ExpressionWriter, tensor_params, triton_expr, triton_literal
+
+TILE = {"b": "off_b", "h": "off_h", "q_idx": "rows", "kv_idx": "cols", "score": "score",
+        "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}
+
+
+def test_parse_builds_ir_and_reports_tensor_ranks():
+    node, tensors = parse_expr("(doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx - w)", field="mask.expr",
+                               variables=MASK_VARS, params={"w": 3})
+    assert kind(node) == "bool" and tensors == {"doc": 2} and tensors_of(node) == {"doc": 2}
+    assert reads_var(node, "b") and not reads_var(node, "h") and Const(3) in list(walk(node))
+    assert depth(Var("q_idx")) == 1 and depth(node) == 4  # & -> == -> doc[...] -> q_idx
+
+
+def test_triton_text_of_each_construct():
+    node, _ = parse_expr("where(q_idx // 3 > kv_idx % 2, abs(score) / 2, -tanh(score)) + t[h, kv_idx] + q_idx / 4",
+                         field="score_mod.expr", variables=SCORE_VARS)
+    text = triton_expr(node, TILE)
+    for piece in ("_fdiv(rows, 3)", "_fmod(cols, 2)", "tl.abs(score)", "-(_tanh(score))",
+                  "tl.load(t_t + _clamp(off_h, t_t_n0) * t_t_s0 + _clamp(cols, t_t_n1) * t_t_s1)",
+                  "((rows) * 1.0 / (4))", "tl.where("):
+        assert piece in text, piece
+    assert tensor_params("t", 2) == ["t_t", "t_t_s0", "t_t_s1", "t_t_n0", "t_t_n1"]
+    assert [triton_literal(x) for x in (True, 7, 0.1, float("inf"), -float("inf"))] == [
+        "True", "7", "0.1", 'float("inf")', 'float("-inf")']
+
+
+def test_expression_writer_hoists_each_search_once():
+    from flashgen.expr.ir import Search
+
+    lines = []
+    writer = ExpressionWriter(lines, {"b": "off_b", "r0": "r0"})
+    search = Search("ids", Var("r0"), False)
+    assert writer.expr(search) == "s0" and writer.expr(search) == "s0" and len(lines) == 1
+    assert lines[0].startswith("s0 = _search(t_ids + _clamp(off_b, t_ids_n0) * t_ids_s0, t_ids_s1, t_ids_n1, r0")
+
+
+def test_torch_evaluation_clamps_indices_and_broadcasts_ranks():
+    node, _ = parse_expr("t[q_idx + 10] > 0", field="mask.expr", variables=MASK_VARS)
+    t = torch.tensor([-1, 1, -1])
+    out = evaluate(node, {"q_idx": torch.arange(3)}, {"t": t})
+    assert out.tolist() == [False, False, False]  # every index clamps to the last element
+    node, _ = parse_expr("d[b, q_idx] == 0", field="mask.expr", variables=MASK_VARS)
+    assert tensors_at_rank({"d": torch.zeros(5)}, node)["d"].shape == (1, 5)
+
+
+@pytest.mark.parametrize("source", [
+    "tanh(score / 3.0) * 3.0 + exp(-abs(score)) - min(score, 1.0) / (1.0 + score * score)",
+    "where(score > 0.5, score * score, max(score, -0.25)) - score / (2.0 + q_idx)",
+])
+def test_derivative_matches_autograd(source):
+    # float64 so the symbolic and the autograd derivative agree to rounding
+    node, _ = parse_expr(source, field="score_mod.expr", variables=SCORE_VARS)
+    score = torch.linspace(-3, 3, 96, dtype=torch.float64).requires_grad_()  # not 0: abs has a kink
+    env = {"score": score, "q_idx": torch.arange(96), "kv_idx": 0, "b": 0, "h": 0}
+    (auto,) = torch.autograd.grad(evaluate(node, env, {}).sum(), score)
+    symbolic = evaluate(derivative(node, Var("score")), {**env, "score": score.detach()}, {})
+    assert torch.allclose(torch.as_tensor(symbolic, dtype=torch.float64).broadcast_to(auto.shape), auto)
+
+
+def test_derivative_for_a_tensor_element():
+    node, _ = parse_expr("score - s[h] * abs(q_idx - kv_idx)", field="score_mod.expr", variables=SCORE_VARS)
+    site = next(n for n in walk(node) if isinstance(n, Load))
+    assert evaluate(derivative(node, site), {"q_idx": 2, "kv_idx": 7, "h": 0, "score": 0.0}, {}) == -5
+
+
+@pytest.mark.parametrize("source,words", [
+    ("q_idx.real > 0", "attribute access"),
+    ("[q_idx][0] > 0", "only named tensors can be indexed"),
+    ("q_idx ** 2 > 0", "operator Pow"),
+    ("f(q_idx) > 0", "function 'f' is not allowed"),
+])
+def test_parse_refuses_with_the_field(source, words):
+    with pytest.raises(SpecError, match="spec field 'm.expr'") as info:
+        parse_expr(source, field="m.expr", variables=MASK_VARS)
+    assert words in str(info.value)
