@@ -416,3 +416,34 @@ def test_gpu_agrees_with_flex_attention(name, fields, tensors):
                              tensors=tensors)[0]
     err, flex_err = (out.float() - pt).abs().max(), (ref.float() - pt).abs().max()
     assert err <= 2 * flex_err + 1e-3, (name, seed, float(err), float(flex_err))
+
+
+# ----------------------------------------------------------------------------- hostile and careless input (issue 12)
+def test_lambdas_sharing_a_line_each_compile_to_their_own_body(device):
+    both = flashgen.mask(lambda b, h, q, k: q >= k) | flashgen.mask(lambda b, h, q, k: (q // 8) == (k // 8))
+    assert both.to_dict() == {"or": [{"expr": "q_idx >= kv_idx"}, {"expr": "q_idx // 8 == kv_idx // 8"}]}
+    first, second = (lambda b, h, q, k: q >= k), (lambda b, h, q, k: q < k)
+    assert flashgen.mask(first).to_dict() == {"expr": "q_idx >= kv_idx"}
+    assert flashgen.mask(second).to_dict() == {"expr": "q_idx < kv_idx"}
+    half, shift = (lambda s, b, h, q, k: s * 0.5), (lambda s, b, h, q, k: s + (q - k) * 0.25)
+    assert flashgen.score_mod(shift).to_dict() == {"expr": "score + (q_idx - kv_idx) * 0.25"}
+    assert flashgen.score_mod(half).to_dict() == {"expr": "score * 0.5"}
+    # the kernel computes the intended mask (fp32: the reference in float64 is exact to ~1e-6)
+    seed, gen = _seeded()
+    q, k, v = _qkv(gen, 1, 2, 2, 37, 37, 16, torch.float32, device)
+    out = flashgen.attention(q, k, v, mask=both, config=SMALL)
+    assert_attention_close(out, None, q, k, v, causal=False, mask="(q_idx >= kv_idx) | (q_idx // 8 == kv_idx // 8)")
+
+
+def test_a_function_whose_source_cannot_be_identified_is_refused(tmp_path):
+    path = tmp_path / "masks_on_disk.py"
+    path.write_text("m = lambda b, h, q, k: q >= k\n")
+    namespace = {}
+    exec(compile("m = lambda b, h, q, k: k < 3 + q\n", str(path), "exec"), namespace)  # the file says otherwise
+    with pytest.raises(SpecError, match="cannot tell which of the 1 functions at line 1"):
+        flashgen.mask(namespace["m"])
+    exec("n = lambda b, h, q, k: q >= k", namespace)  # no source at all
+    with pytest.raises(SpecError, match="cannot read the source"):
+        flashgen.mask(namespace["n"])
+
+

@@ -7,9 +7,9 @@ reaches ``eval`` or ``exec``.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import math
-import textwrap
 from typing import Any, Callable, Mapping
 
 from ..errors import SpecError
@@ -191,22 +191,63 @@ def expression_params(field: str, params, variables) -> dict:
 
 
 # ----------------------------------------------------------------------------- Python functions
+def _positional(node) -> list[str]:
+    return [a.arg for a in node.args.posonlyargs + node.args.args]
+
+
+def _inside(span, node) -> bool:
+    line, end_line, col, end_col = span
+    return (node.lineno, node.col_offset) <= (line, col) and (end_line, end_col) <= (node.end_lineno,
+                                                                                     node.end_col_offset)
+
+
+@functools.lru_cache(maxsize=256)
+def _definition(code) -> ast.Lambda | ast.FunctionDef:
+    """The ast of the lambda or def that compiled to `code`.
+
+    Several lambdas can share a line (``mask(lambda ...: a) | mask(lambda ...: b)``, ``f, g =
+    (lambda ...), (lambda ...)``), so the source line alone does not say which one a function
+    is. The code object does: each instruction carries the line and column span it was
+    compiled from (``co_positions``), and exactly one candidate's body contains them all.
+    """
+    try:
+        lines, _ = inspect.findsource(code)
+        module = ast.parse("".join(lines))
+    except (OSError, TypeError, SyntaxError, ValueError):
+        raise OSError("cannot read the source of this function (define it in a file)") from None
+    spans = [p for p in code.co_positions() if None not in p and (p[0], p[2]) != (p[1], p[3])]
+    if code.co_name == "<lambda>":
+        candidates = [n for n in ast.walk(module) if isinstance(n, ast.Lambda) and n.lineno == code.co_firstlineno]
+        bodies = [(n, n.body) for n in candidates]
+    else:
+        candidates = [n for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      and n.name == code.co_name
+                      and code.co_firstlineno in (n.lineno, *(d.lineno for d in n.decorator_list))]
+        bodies = [(n, n) for n in candidates]
+    args = list(code.co_varnames[:code.co_argcount])
+    matches = [n for n, body in bodies if all(_inside(s, body) for s in spans) and _positional(n) == args
+               and set(code.co_freevars) <= {m.id for m in ast.walk(body) if isinstance(m, ast.Name)}]
+    where = f"line {code.co_firstlineno} of {code.co_filename}"
+    if not candidates:
+        raise OSError(f"cannot find the function's definition at {where} (was the file changed since?)")
+    if len(matches) != 1:
+        raise OSError(f"cannot tell which of the {len(candidates)} functions at {where} this is; "
+                      "define it with def or on a line of its own")
+    return matches[0]
+
+
 def read_function(fn: Callable, field: str, variables) -> tuple[str, dict, dict]:
     """(the return expression's source, {argument name: variable}, {closure constant: number})
     of a one-expression Python mask or score function (a lambda, or a def whose body is one return)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        raise SpecError(field, "expected a Python function (a lambda or def)", fn)
     try:
-        src = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        raise SpecError(field, "cannot read the source of this function (define it in a file)", fn) from None
-    target = None
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.Lambda) or isinstance(node, ast.FunctionDef) and node.name == fn.__name__:
-            target = node
-            break
-    if target is None:
-        raise SpecError(field, "cannot find the function's definition in its source", fn)
-    args = [a.arg for a in target.args.args]
-    if len(args) != len(variables):
+        target = _definition(code)
+    except OSError as err:
+        raise SpecError(field, str(err), fn) from None
+    args = _positional(target)
+    if len(args) != len(variables) or target.args.vararg or target.args.kwonlyargs or target.args.kwarg:
         raise SpecError(field, f"expected a function of ({', '.join(variables)}), got ({', '.join(args)})", fn)
     if isinstance(target, ast.Lambda):
         body = target.body
