@@ -447,3 +447,36 @@ def test_a_function_whose_source_cannot_be_identified_is_refused(tmp_path):
         flashgen.mask(namespace["n"])
 
 
+class _CodeInRepr(int):
+    """An int whose repr is code: written into a generated module it would run at import."""
+
+    def __repr__(self):
+        return "__import__('sys').modules.__setitem__('flashgen_pwned', 1) or 3"
+
+
+class _FloatCodeInRepr(float):
+    def __repr__(self):
+        return "__import__('sys').modules.__setitem__('flashgen_pwned', 1) or 2.0"
+
+
+def test_user_values_reach_generated_source_as_plain_numbers():
+    import sys
+
+    bad, cap = _CodeInRepr(3), _FloatCodeInRepr(2.0)
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < bad
+
+    specs = [AttentionSpec(head_dim=16, mask=flashgen.mask(near)),
+             AttentionSpec(head_dim=16, mask={"sliding_window": {"left": bad, "right": 0}}),
+             AttentionSpec(head_dim=16, mask={"chunked": bad}),
+             AttentionSpec(head_dim=16, mask={"expr": "q_idx - kv_idx < w", "params": {"w": bad}}),
+             AttentionSpec(head_dim=16, score_mod=[{"softcap": cap}, {"expr": "score * s", "params": {"s": cap}}])]
+    for spec in specs:
+        source = render.render(spec, SMALL)
+        assert "__import__" not in source and "flashgen_pwned" not in source, spec.to_dict()
+        flashgen.compile(spec, SMALL).module()  # importing the module runs nothing
+    assert "flashgen_pwned" not in sys.modules
+    assert type(specs[1].mask.param["left"]) is int and type(specs[4].score_mod.steps[0][1][0][1]) is float
+
+

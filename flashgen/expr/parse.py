@@ -1,7 +1,9 @@
 """Source text -> IR: the ast whitelist checker, expression strings and Python functions.
 
 Expressions are parsed with ``ast`` and checked node by node against a whitelist; nothing
-reaches ``eval`` or ``exec``.
+reaches ``eval`` or ``exec``. Every number that enters the IR (a literal, a parameter, a
+constant a Python function closes over) is made a plain ``int``/``float``/``bool`` first, so
+what is later written into generated source is the number, never a user object's ``repr``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,29 @@ from typing import Any, Callable, Mapping
 
 from ..errors import SpecError
 from .ir import FUNCTIONS, SIZE_VARS, Bin, Const, Fn, Load, Neg, Not, Var, kind
+
+
+# ----------------------------------------------------------------------------- plain values
+def plain_number(field: str, value: Any):
+    """value as a plain int, float or bool (never a subclass).
+
+    Subclasses are read through the base type (``int.__int__``), which no override can change.
+    """
+    if isinstance(value, bool):
+        return bool(value)  # bool cannot be subclassed
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        value = float.__float__(value)
+        if not math.isfinite(value):
+            raise SpecError(field, "expected a finite number", value)
+        return value
+    raise SpecError(field, "expected a number", value)
+
+
+def plain_str(value: str) -> str:
+    """A str subclass as a plain str (its text, read through ``str.__str__``)."""
+    return str.__str__(value)
 
 
 # ----------------------------------------------------------------------------- the checker
@@ -45,7 +70,7 @@ class ExpressionChecker:
         if name in self.variables:
             return Var(name)
         if name in self.params:
-            return Const(self.params[name])
+            return Const(plain_number(f"{self.field} ({name})", self.params[name]))
         if name in ("True", "False"):
             return Const(name == "True")
         hint = "variables: " + ", ".join(sorted(self.variables))
@@ -147,7 +172,7 @@ def parse_expr(source: str, *, field: str, variables, params: Mapping[str, Any] 
     """Check and lower one expression; returns (IR, {tensor name: rank})."""
     if not isinstance(source, str) or not source.strip():
         raise SpecError(field, "expected a non-empty expression string", source)
-    source = source.strip()
+    source = plain_str(source).strip()
     try:
         tree = ast.parse(source, mode="eval")
     except SyntaxError as err:
@@ -176,7 +201,7 @@ def mentions(source: str, name: str) -> bool:
 
 
 def expression_params(field: str, params, variables) -> dict:
-    """An expression's ``params:`` mapping: names that are not variables, to finite numbers."""
+    """An expression's ``params:`` mapping: names that are not variables, to plain finite numbers."""
     params = params or {}
     if not isinstance(params, Mapping):
         raise SpecError(f"{field}.params", "expected a mapping of names to numbers", params)
@@ -184,9 +209,9 @@ def expression_params(field: str, params, variables) -> dict:
     for name, value in params.items():
         if not isinstance(name, str) or not name.isidentifier() or name in tuple(variables) + SIZE_VARS:
             raise SpecError(f"{field}.params", "expected parameter names that are not variables", name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SpecError(f"{field}.params.{name}", "expected a finite number", value)
-        out[name] = value
+        out[plain_str(name)] = plain_number(f"{field}.params.{name}", value)
     return out
 
 
@@ -237,7 +262,7 @@ def _definition(code) -> ast.Lambda | ast.FunctionDef:
 
 
 def read_function(fn: Callable, field: str, variables) -> tuple[str, dict, dict]:
-    """(the return expression's source, {argument name: variable}, {closure constant: number})
+    """(the return expression's source, {argument name: variable}, {closure constant: plain number})
     of a one-expression Python mask or score function (a lambda, or a def whose body is one return)."""
     code = getattr(fn, "__code__", None)
     if code is None:
@@ -263,7 +288,7 @@ def read_function(fn: Callable, field: str, variables) -> tuple[str, dict, dict]
     for scope in (closure.globals, closure.nonlocals):
         for name, value in scope.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in args:
-                consts[name] = value
+                consts[name] = plain_number(f"{field} ({name})", value)
     return expr, rename, consts
 
 

@@ -4,6 +4,7 @@
 to the Triton name it has where the expression is used (``q_idx`` is ``rows`` in a tile).
 A named tensor ``doc`` reaches a kernel as the parameters ``t_doc`` (its pointer),
 ``t_doc_s0, ...`` (strides) and ``t_doc_n0, ...`` (sizes): ``tensor_params`` lists them.
+Numbers are written by formatting the plain value, never by a user object's ``repr``.
 """
 
 from __future__ import annotations
@@ -36,10 +37,18 @@ def tensor_params(tensor: str, rank: int) -> list[str]:
 
 
 def triton_literal(value) -> str:
-    """A bool, int or float as Triton source."""
-    if isinstance(value, float) and math.isinf(value):
-        return 'float("inf")' if value > 0 else 'float("-inf")'
-    return repr(value)
+    """A plain bool, int or float as Triton source."""
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            raise ValueError("NaN has no literal")
+        if math.isinf(value):
+            return 'float("inf")' if value > 0 else 'float("-inf")'
+        return float.__repr__(value)
+    raise TypeError(f"not a number: {type(value).__name__}")
 
 
 def _floor_in_float(node: Bin) -> bool:

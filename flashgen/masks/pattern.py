@@ -10,12 +10,12 @@ without mask arithmetic. A pattern without an interval (a custom expression) get
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..errors import SpecError
 from ..expr.ir import FUNCTIONS, MASK_VARS, SCORE_VARS, SIZE_VARS, Const, Var, sub
+from ..expr.parse import plain_number, plain_str
 
 ALIGNS = ("bottom_right", "top_left")
 REQUIRED = object()  # a parameter without a default
@@ -64,16 +64,17 @@ def path(field, *keys) -> str:
 
 
 def check_int(field: str, value, lo: int) -> int:
-    """value, an int >= lo."""
+    """value as a plain int >= lo."""
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
         raise SpecError(field, f"expected an integer >= {lo}", value)
-    return value
+    return plain_number(field, value)
 
 
 def check_positive_number(field: str, value) -> float | int:
-    """value, a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """value as a plain finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SpecError(field, "expected a finite number", value)
+    value = plain_number(field, value)
     if value <= 0:
         raise SpecError(field, "expected a positive number", value)
     return value
@@ -86,14 +87,16 @@ def check_bool(field: str, value) -> bool:
 
 
 def check_align(field: str, value) -> str:
-    if value not in ALIGNS:
-        raise SpecError(field, "expected bottom_right or top_left", value)
-    return value
+    for align in ALIGNS:
+        if isinstance(value, str) and value == align:
+            return align  # our own string, not the caller's object
+    raise SpecError(field, "expected bottom_right or top_left", value)
 
 
 def check_tensor_name(field: str, value) -> str:
     if not isinstance(value, str) or not value.isidentifier() or value.startswith("__"):
         raise SpecError(field, "expected a tensor name (an identifier)", value)
+    value = plain_str(value)
     if value in MASK_VARS + SCORE_VARS + SIZE_VARS or value in FUNCTIONS:
         raise SpecError(field, "a tensor name cannot be a variable or function name", value)
     return value

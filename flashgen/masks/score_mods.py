@@ -72,6 +72,7 @@ def _step(item, field: str) -> tuple:
     (name, value), = item.items()
     if not isinstance(name, str) or name not in MODIFIERS:
         raise SpecError(field, "unknown score modifier (known: " + ", ".join(KINDS) + ")", name)
+    name = next(n for n in MODIFIERS if n == name)  # our own string
     allowed, shorthand = MODIFIERS[name]
     p = read_params(path(field, name), value, allowed, shorthand)
     return (name, tuple(sorted(_check_modifier(path(field, name), name, p).items())), None)
