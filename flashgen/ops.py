@@ -22,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from . import render
+from . import masks, render
 from .config import KernelConfig
 from .spec import AttentionSpec
 
@@ -55,6 +55,23 @@ def kernel_module(kernel_id: str) -> ModuleType:
     return module
 
 
+@lru_cache(maxsize=256)
+def _differentiable_tensors(kernel_id: str) -> tuple[bool, ...]:
+    """Per named tensor, in call order: whether gradients can flow into it (the score modifier
+    reads it). A tensor only the mask reads selects pairs: it has no gradient."""
+    spec, _ = kernel_spec(kernel_id)
+    return tuple(t.grad for t in masks.lower(spec.mask_node, spec.score_mod).tensors)
+
+
+def _grad_mask(kernel_id: str, tensors) -> int:
+    """Bit i set: differentiate tensors[i] (a float tensor the score_mod reads that requires grad)."""
+    if not tensors:
+        return 0
+    flags = _differentiable_tensors(kernel_id)
+    return sum(1 << i for i, (t, ok) in enumerate(zip(tensors, flags))
+               if ok and t.requires_grad and t.is_floating_point())
+
+
 # ----------------------------------------------------------------------------- calls into a module
 def _varlen(cu_q, cu_k, max_q, max_k):
     if cu_q is None:
@@ -74,9 +91,10 @@ def _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, m
 
 def _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dropout_p, deterministic, wanted,
                     cu_q, cu_k, max_q, max_k):
-    """(dq, dk, dv, [d tensor in its dtype, or None where not wanted or not a float tensor])."""
+    """(dq, dk, dv, [d tensor in its dtype, or None where not wanted or not differentiable])."""
     module = kernel_module(kernel_id)
-    names = [n for n, t, w in zip(module.TENSORS, tensors, wanted) if w and t.is_floating_point()]
+    names = [n for n, t, w in zip(module.TENSORS, tensors, wanted)
+             if w and t.is_floating_point() and n in module.GRAD_TENSORS]
     dq, dk, dv, grads = module.backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
                                         deterministic=deterministic, tensors=_named(module, tensors),
                                         tensor_grads=names, **_varlen(cu_q, cu_k, max_q, max_k))
@@ -129,7 +147,7 @@ def _setup_context(ctx, inputs, output):
     q, k, v, seed, tensors, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q, max_k = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
-    ctx.grad_mask = sum(1 << i for i, t in enumerate(tensors) if t.requires_grad and t.is_floating_point())
+    ctx.grad_mask = _grad_mask(kernel_id, tensors)
     ctx.args = (kernel_id, layout, dropout_p, deterministic)
     ctx.maxes = (max_q, max_k)
     ctx.mark_non_differentiable(lse)

@@ -480,3 +480,25 @@ def test_user_values_reach_generated_source_as_plain_numbers():
     assert type(specs[1].mask.param["left"]) is int and type(specs[4].score_mod.steps[0][1][0][1]) is float
 
 
+def test_a_float_tensor_read_by_the_mask_has_no_gradient(device):
+    # masks select pairs: their tensors are constants; the score modifier's still get gradients
+    seed, gen = _seeded()
+    q, k, v = (t.requires_grad_() for t in _qkv(gen, 1, 2, 2, 30, 30, 16, torch.float32, device))
+    w = torch.rand(30, generator=gen).to(device).requires_grad_()
+    slopes = torch.rand(2, generator=gen).to(device).requires_grad_()
+    fields = dict(mask="w[kv_idx] > 0.3", score_mod={"alibi": {}})
+    out = flashgen.attention(q, k, v, **fields, config=SMALL, w=w, alibi_slopes=slopes)
+    out.square().sum().backward()  # raised: "tensor_grads: 'w' is not a float tensor read by the score_mod"
+    assert w.grad is None and slopes.grad is not None
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, slopes)]
+    ref, _ = reference_attention(*leaves[:3], **fields, tensors={"w": w.detach(), "alibi_slopes": leaves[3]},
+                                 compute_dtype=torch.float64)
+    ref.square().sum().backward()
+    for got, want in zip((q, k, v, slopes), leaves):
+        assert torch.allclose(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5), seed
+    # the custom op (what torch.compile calls) treats it the same way
+    kernel = flashgen.compile(AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, backward=True, **fields), SMALL)
+    out, _ = torch.ops.flashgen.attn_fwd(q, k, v, torch.empty(1, dtype=torch.int64, device=device), [slopes, w],
+                                         kernel.kernel_id(), "bhsd", 0.0, False, None, None, 0, 0)
+    out.sum().backward()
+    assert w.grad is None
