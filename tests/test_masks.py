@@ -502,3 +502,42 @@ def test_a_float_tensor_read_by_the_mask_has_no_gradient(device):
                                          kernel.kernel_id(), "bhsd", 0.0, False, None, None, 0, 0)
     out.sum().backward()
     assert w.grad is None
+
+
+@pytest.mark.parametrize("fields,where,words", [
+    ({"mask": "exp(q_idx) > 1"}, "mask.expr", "exp takes a float"),
+    ({"score_mod": "score + tanh(kv_idx)"}, "score_mod.expr", "tanh takes a float"),
+    ({"mask": f"q_idx < {2**63}"}, "mask.expr", "64 bits"),
+    ({"mask": {"expr": "q_idx < n", "params": {"n": 2**63}}}, "mask.params.n", "64 bits"),
+    ({"mask": {"sliding_window": {"left": 2**63}}}, "mask.sliding_window.left", "expected an integer"),
+    ({"mask": {"chunked": 2**64}}, "mask.chunked.size", "expected an integer"),
+    ({"mask": {"sink": {"tokens": 2**63, "window": 1}}}, "mask.sink.tokens", "expected an integer"),
+    ({"mask": {"prefix_lm": 2**63}}, "mask.prefix_lm.prefix", "expected an integer"),
+    ({"mask": " | ".join(f"(q_idx == {i})" for i in range(200))}, "mask.expr", "nests 201 levels"),
+    ({"mask": {"or": [{"sliding_window": {"left": i, "right": 0}} for i in range(200)]}}, "mask", "levels deep"),
+    ({"mask": "(" * 12 + "q_idx * 1.5" + " % 2.5)" * 12 + " < 1.0"}, "mask", "terms long written out"),
+    ({"mask": "x[q_idx] + x_s0[kv_idx] > 0"}, "mask", "'x' and 'x_s0' collide"),
+    ({"mask": "x[q_idx] > 0", "score_mod": "score + x_n0[kv_idx]"}, "score_mod", "collide"),
+    ({"mask": "q_idx % 0 == 1"}, "mask.expr", "`% 0` divides by zero"),
+    ({"mask": "q_idx // 0 == 1"}, "mask.expr", "`// 0` divides by zero"),
+    ({"mask": {"expr": "q_idx % n == 1", "params": {"n": 0}}}, "mask.expr", "divides by zero"),
+], ids=lambda x: str(x)[:40])
+def test_what_would_fail_later_is_refused_up_front(fields, where, words):
+    with pytest.raises(SpecError, match=f"spec field '{where}'") as info:
+        AttentionSpec(head_dim=16, **fields)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("shape", ["score + t[{}] * 1.0", "tanh({}) + score"], ids=["loads", "derivative"])
+def test_the_deepest_accepted_expressions_render_to_valid_python(shape):
+    # each level opens parentheses in the generated source (Python allows 200 nested):
+    # everything accepted renders, one level more is refused
+    inner, deepest = "q_idx" if "t[" in shape else "score", None
+    for _ in range(100):
+        inner = f"t[{inner}]" if "t[" in shape else f"tanh({inner})"
+        try:
+            deepest = AttentionSpec(head_dim=16, score_mod=shape.format(inner), backward=True)
+        except SpecError as err:
+            assert "levels deep" in str(err)
+            break
+    compile(render.render(deepest, SMALL), "deepest.py", "exec")

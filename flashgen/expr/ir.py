@@ -27,6 +27,12 @@ COMPARE_OPS = frozenset({"<", "<=", ">", ">=", "==", "!="})
 ARITH_OPS = frozenset({"+", "-", "*", "/", "//", "%"})
 LOGIC_OPS = frozenset({"&", "|"})
 
+# The deepest expression flashgen lowers. The Triton writer (to_triton.py) opens at most three
+# parentheses per level and Python's parser stops at 200 nested ones; 32 levels leave room for
+# the statement around the expression and for the derivative the backward writes.
+MAX_DEPTH = 32
+# Integer constants are 64-bit in the kernel: a literal outside this range does not compile.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 # ----------------------------------------------------------------------------- nodes

@@ -15,19 +15,22 @@ import math
 from typing import Any, Callable, Mapping
 
 from ..errors import SpecError
-from .ir import FUNCTIONS, SIZE_VARS, Bin, Const, Fn, Load, Neg, Not, Var, kind
+from .ir import FUNCTIONS, INT64_MAX, INT64_MIN, MAX_DEPTH, SIZE_VARS, Bin, Const, Fn, Load, Neg, Not, Var, kind
 
 
 # ----------------------------------------------------------------------------- plain values
 def plain_number(field: str, value: Any):
-    """value as a plain int, float or bool (never a subclass).
+    """value as a plain int, float or bool (never a subclass), in the range the kernel can hold.
 
     Subclasses are read through the base type (``int.__int__``), which no override can change.
     """
     if isinstance(value, bool):
         return bool(value)  # bool cannot be subclassed
     if isinstance(value, int):
-        return int.__int__(value)
+        value = int.__int__(value)
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise SpecError(field, f"expected an integer from {INT64_MIN} to {INT64_MAX} (64 bits)", value)
+        return value
     if isinstance(value, float):
         value = float.__float__(value)
         if not math.isfinite(value):
@@ -39,6 +42,17 @@ def plain_number(field: str, value: Any):
 def plain_str(value: str) -> str:
     """A str subclass as a plain str (its text, read through ``str.__str__``)."""
     return str.__str__(value)
+
+
+def _ast_depth(tree) -> int:
+    """How deeply the expression nodes of a Python ast nest (iterative: any tree can be measured)."""
+    deepest, stack = 0, [(tree, 0)]
+    while stack:
+        node, d = stack.pop()
+        d += isinstance(node, ast.expr)
+        deepest = max(deepest, d)
+        stack.extend((c, d) for c in ast.iter_child_nodes(node))
+    return deepest
 
 
 # ----------------------------------------------------------------------------- the checker
@@ -80,6 +94,9 @@ class ExpressionChecker:
 
     def constant(self, node):
         if isinstance(node.value, (bool, int, float)):
+            if isinstance(node.value, int) and not isinstance(node.value, bool) and \
+                    not INT64_MIN <= node.value <= INT64_MAX:
+                self.fail(node, "integer literals must lie in [-2**63, 2**63) (64 bits)")
             return Const(node.value)
         self.fail(node, f"only numbers and True/False are allowed as constants, not {type(node.value).__name__}")
 
@@ -87,7 +104,10 @@ class ExpressionChecker:
         op = _BIN_OPS.get(type(node.op))
         if op is None:
             self.fail(node, f"operator {type(node.op).__name__} is not allowed")
-        return Bin(op, self.visit(node.left), self.visit(node.right))
+        a, b = self.visit(node.left), self.visit(node.right)
+        if op in ("//", "%") and isinstance(b, Const) and b.value == 0:
+            self.fail(node, f"`{op} 0` divides by zero")
+        return Bin(op, a, b)
 
     def unary(self, node):
         if isinstance(node.op, ast.USub):
@@ -123,7 +143,10 @@ class ExpressionChecker:
             self.fail(node, f"function {fname!r} is not allowed (allowed: {', '.join(FUNCTIONS)})")
         if node.keywords or len(node.args) != FUNCTIONS[fname]:
             self.fail(node, f"{fname} takes {FUNCTIONS[fname]} positional argument(s)")
-        return Fn(fname, tuple(self.visit(a) for a in node.args))
+        args = tuple(self.visit(a) for a in node.args)
+        if fname in ("exp", "tanh") and kind(args[0]) in ("int", "bool"):
+            self.fail(node, f"{fname} takes a float, not an integer (write {fname}(x * 1.0))")
+        return Fn(fname, args)
 
     def subscript(self, node):
         if not isinstance(node.value, ast.Name):
@@ -177,6 +200,12 @@ def parse_expr(source: str, *, field: str, variables, params: Mapping[str, Any] 
         tree = ast.parse(source, mode="eval")
     except SyntaxError as err:
         raise SpecError(field, f"not a valid expression ({err.msg}, column {err.offset})", source) from None
+    except RecursionError:
+        raise SpecError(field, f"the expression nests too deeply (at most {MAX_DEPTH} levels)", source[:80]) from None
+    levels = _ast_depth(tree)
+    if levels > MAX_DEPTH:  # refused before the checker recurses through it
+        raise SpecError(field, f"the expression nests {levels} levels deep; at most {MAX_DEPTH} fit in the "
+                               "generated kernel (combine fewer terms)", source[:80])
     checker = ExpressionChecker(source, field, variables, params or {}, arg_names)
     node = checker.visit(tree)
     return node, checker.tensors

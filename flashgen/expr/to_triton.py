@@ -12,7 +12,12 @@ from __future__ import annotations
 import math
 from typing import Callable, Mapping
 
-from .ir import Bin, Const, Fn, Load, Neg, Not, Search, Var, kind
+from .ir import Bin, Const, Fn, Load, Neg, Not, Search, Var, fold, kind
+
+# The most IR nodes one generated expression may write out. Shared subexpressions are written
+# each time they occur (a nested modifier's derivative repeats what it differentiates, a float
+# `%` writes its operands twice), so the text can grow exponentially with the nesting.
+MAX_TERMS = 4096
 
 TRITON_FUNCTIONS = {"abs": "tl.abs", "min": "tl.minimum", "max": "tl.maximum", "exp": "tl.exp", "tanh": "_tanh",
                     "where": "tl.where"}
@@ -54,6 +59,15 @@ def triton_literal(value) -> str:
 def _floor_in_float(node: Bin) -> bool:
     """A // or % with a float side: written with tl.floor instead of the integer helpers."""
     return kind(node) == "float" or "float" in (kind(node.a), kind(node.b))
+
+
+def written_terms(node) -> int:
+    """How many IR nodes `triton_expr(node)` writes out (without hoisting)."""
+    def count(n, below):
+        twice = isinstance(n, Bin) and n.op == "%" and _floor_in_float(n)  # a - b * floor(a / b)
+        return 1 + (2 if twice else 1) * sum(below)
+
+    return fold(node, count)
 
 
 def _element_offset(node: Load, names, hoist) -> str:

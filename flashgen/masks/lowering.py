@@ -3,7 +3,8 @@
 ``lower(mask, score_mod)`` is what both the kernel generator and the reference start from:
 the predicate, the key/query segments (or None: a block map), the modified score and its
 derivatives, and the named tensors a call passes. It refuses, naming the field, what would
-only fail later: a tensor indexed with different ranks.
+only fail later: a tensor indexed with different ranks, tensor names whose kernel parameters
+collide, expressions nested deeper than the generated source can hold.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 from ..errors import SpecError
 from ..expr.derivative import derivative
-from ..expr.ir import Load, Var, tensors_of, walk
+from ..expr.ir import MAX_DEPTH, Load, Var, depth, tensors_of, walk
+from ..expr.to_triton import MAX_TERMS, tensor_params, written_terms
 from .score_mods import ScoreModNode, score_ir
 from .tree import MaskNode, contains_kind, full_segments, predicate, segments
 
@@ -70,11 +72,32 @@ def _grad_sites(score, grad_names) -> tuple[GradSite, ...]:
     return tuple(sites)
 
 
+def check_size(field: str, node, what: str) -> None:
+    """Refuse an expression nested deeper than MAX_DEPTH or written out with more than MAX_TERMS nodes."""
+    levels = depth(node)
+    if levels > MAX_DEPTH:
+        raise SpecError(field, f"{what} nests {levels} levels deep; at most {MAX_DEPTH} fit in the generated kernel "
+                               "(combine fewer terms)")
+    terms = written_terms(node)
+    if terms > MAX_TERMS:
+        raise SpecError(field, f"{what} is {terms} terms long written out; at most {MAX_TERMS} fit in the "
+                               "generated kernel (nest fewer functions)")
+
+
 def _check_tensors(mask_tensors: dict, score_tensors: dict) -> None:
     for name, rank in score_tensors.items():
         if mask_tensors.get(name, rank) != rank:
             raise SpecError("score_mod", f"tensor {name!r} is indexed with {rank} indices here and "
                             f"{mask_tensors[name]} in the mask")
+    ranks = {**mask_tensors, **score_tensors}
+    owner: dict[str, str] = {}
+    for name in sorted(ranks):
+        for param in tensor_params(name, ranks[name]):
+            other = owner.setdefault(param, name)
+            if other != name:
+                field = "mask" if name in mask_tensors else "score_mod"
+                raise SpecError(field, f"tensor names {other!r} and {name!r} collide: the kernel would receive "
+                                f"both as parameter {param!r}; rename one", name)
 
 
 @lru_cache(maxsize=512)
@@ -82,8 +105,15 @@ def lower(mask: MaskNode | None, score_mod: ScoreModNode | None) -> Lowered:
     """The mask and score modifier as expressions; SpecError naming the field when they cannot be generated."""
     pred = predicate(mask) if mask is not None else None
     score = score_ir(score_mod) if score_mod is not None else None
+    # depth first: the steps below recurse through the expressions
+    if pred is not None:
+        check_size("mask", pred, "the mask")
+    if score is not None:
+        check_size("score_mod", score, "the score modifier")
     if mask is not None:
         kv_segments, q_segments = segments(mask, "kv"), segments(mask, "q")
+        for edge in [e for seg in (kv_segments or []) + (q_segments or []) for e in seg]:
+            check_size("mask", edge, "the mask's key ranges")
     else:
         kv_segments, q_segments = full_segments("kv"), full_segments("q")
     mask_tensors = tensors_of(pred) if pred is not None else {}
@@ -94,6 +124,9 @@ def lower(mask: MaskNode | None, score_mod: ScoreModNode | None) -> Lowered:
     score_derivative, grad_sites = None, ()
     if score is not None:
         score_derivative = derivative(score, Var("score"))
+        check_size("score_mod", score_derivative, "the score modifier's derivative (for the backward)")
         grad_sites = _grad_sites(score, set(score_tensors))
+        for site in grad_sites:
+            check_size("score_mod", site.derivative, f"the derivative for tensor {site.tensor!r}")
     return Lowered(mask, score_mod, pred, score, score_derivative, grad_sites, kv_segments, q_segments, tensors,
                    mask is not None and contains_kind(mask, "document"))

@@ -19,6 +19,9 @@ from ..expr.parse import plain_number, plain_str
 
 ALIGNS = ("bottom_right", "top_left")
 REQUIRED = object()  # a parameter without a default
+# Positions are int32 in the kernel: a size up to 2**30 keeps `i + size + 1` inside int32 for
+# any sequence shorter than 2**30 tokens (and is larger than every sequence a kernel runs).
+MAX_EXTENT = 2**30
 
 # The variables intervals are written over: a query row r, a key column c.
 R, C = Var("r"), Var("c")
@@ -63,10 +66,10 @@ def path(field, *keys) -> str:
     return ".".join([field, *map(str, keys)])
 
 
-def check_int(field: str, value, lo: int) -> int:
-    """value as a plain int >= lo."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise SpecError(field, f"expected an integer >= {lo}", value)
+def check_int(field: str, value, lo: int, hi: int = MAX_EXTENT) -> int:
+    """value as a plain int in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise SpecError(field, f"expected an integer from {lo} to {hi}", value)
     return plain_number(field, value)
 
 
