@@ -1,30 +1,91 @@
-"""The flashgen command line: one group, verbs named for what the user wants."""
+"""The flashgen command line: one group, verbs named for what the user wants.
+
+Errors are handled once, in the group (``_Cli.invoke``): a bad spec, results file, config
+knob, path or database ends the command with one line, ``Error: ...``, that names what is
+wrong (never a password), and exit code 2 for bad input or 1 for everything else. A
+Python traceback from a verb means a bug in flashgen.
+"""
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import click
+from sqlalchemy.exc import SQLAlchemyError
 
 from . import __version__
-from .config import LOOP_ORDERS, ConfigError, KernelConfig, default_config
+from .config import LOOP_ORDERS, ConfigError, KernelConfig, default_config, detect_target
+from .db import DatabaseError, ResultRowError, default_url, hide_password
+from .db.layer import ResultFileError
+from .db.urls import sqlite_file
 from .render import render, write_atomic
-from .spec import AttentionSpec, SpecError
+from .spec import TARGETS, AttentionSpec, SpecError, YamlFileError
+
+EXIT_FAILURE, EXIT_BAD_INPUT = 1, 2
+_INPUT_ERRORS = (SpecError, ConfigError, ResultFileError, ResultRowError, YamlFileError)
+_DB_URL = "flashgen.db_url"  # ctx.meta key: the database this command uses, whose password no message shows
 
 
-def _load_spec(path: str) -> AttentionSpec:
+class _BadInput(click.ClickException):
+    exit_code = EXIT_BAD_INPUT
+
+
+class _Cli(click.Group):
+    """The flashgen group: turns flashgen's, the database's and the file system's errors into
+    one-line click errors, for every verb at once."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except _INPUT_ERRORS as err:
+            raise _BadInput(_one_line(ctx, str(err))) from None
+        except DatabaseError as err:
+            raise click.ClickException(_one_line(ctx, str(err))) from None
+        except SQLAlchemyError as err:  # raised outside ResultStore
+            raise click.ClickException(_one_line(ctx, str(DatabaseError.from_exception(_db_url(ctx), err)))) from None
+        except OSError as err:
+            if err.errno == errno.EPIPE:  # stdout closed by `| head`: click's own handling
+                raise
+            where = f"{err.filename}: " if err.filename else ""
+            raise click.ClickException(_one_line(ctx, f"{where}{err.strerror or err}")) from None
+
+
+def _db_url(ctx) -> str:
+    return ctx.meta.get(_DB_URL) or default_url()
+
+
+def _one_line(ctx, message: str) -> str:
+    for url in {_db_url(ctx), os.environ.get("FLASHGEN_DB") or ""}:
+        message = hide_password(message, url)
+    return re.sub(r"\s*\n\s*", " ", message).strip()
+
+
+def _write_file(path: str | Path, text: str) -> None:
+    """Write a file the user named (atomically); a failure names that file."""
     try:
-        return AttentionSpec.from_yaml(path)
-    except SpecError as err:
-        raise click.UsageError(str(err)) from None
+        write_atomic(Path(path), text)
+    except OSError as err:
+        if err.errno == errno.EPIPE:
+            raise
+        if isinstance(err, FileExistsError):  # from mkdir: a file where a directory must be
+            raise click.ClickException(f"cannot write {path}: {err.filename} is not a directory") from None
+        other = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
+        raise click.ClickException(f"cannot write {path}: {err.strerror or err}{other}") from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="flashgen")
 def main():
-    """flashgen: compile attention specs into tuned Triton kernels."""
+    """flashgen: compile attention specs into tuned Triton kernels.
+
+    Exit codes: 0 done, 1 failed (database, file system, nothing passed verification),
+    2 bad input (a spec, an option, a results file).
+    """
 
 
 @main.command()
@@ -40,41 +101,46 @@ def main():
 @click.option("--tma/--no-tma", default=None, help="Override tma (Hopper tensor descriptors).")
 @click.option("--warp-specialize/--no-warp-specialize", default=None,
               help="Override warp_specialize (needs num_warps >= 8; off by default below that).")
-@click.option("--target", help="GPU to pick the default config for (default: the spec's target, "
-                               "or this machine's GPU when it is 'auto').")
+@click.option("--target", type=click.Choice(TARGETS, case_sensitive=False),
+              help="GPU to pick the default config for (default: the spec's target, "
+                   "or this machine's GPU when it is 'auto').")
 def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_stages, tma, warp_specialize, target):
     """Write the rendered Triton module for a spec as a standalone file.
 
     The file imports only torch and triton; call its forward(q, k, v) directly.
     """
-    spec = _load_spec(spec_path)
+    spec = AttentionSpec.from_yaml(spec_path)
+    if target is not None and target.lower() == "auto":
+        target = detect_target()  # this machine's GPU, whatever the spec names
     config = default_config(spec, target=target)
     if warp_specialize is None and num_warps is not None and num_warps < 8:
         warp_specialize = False  # the default's warp specialization needs 8 warps
     changes = {"loop_order": loop_order, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps,
                "num_stages": num_stages, "tma": tma, "warp_specialize": warp_specialize}
-    try:
-        config = config.replace(**{k: v for k, v in changes.items() if v is not None})
-    except ConfigError as err:
-        raise click.UsageError(str(err)) from None
+    config = config.replace(**{k: v for k, v in changes.items() if v is not None})
     source = render(spec, config)
     if output == "-":
         sys.stdout.write(source)
     else:
-        write_atomic(Path(output), source)
+        _write_file(output, source)
         click.echo(f"wrote {output}: {spec.uri} with {config}", err=True)
 
 
+def _remember_db(ctx, _param, value):
+    ctx.meta[_DB_URL] = value or default_url()
+    return value
+
+
 def _db_option(f):
-    return click.option("--db", "db_url", default=None,
+    return click.option("--db", "db_url", default=None, callback=_remember_db,
                         help="SQLAlchemy URL of the results database (default: $FLASHGEN_DB or the user cache).")(f)
 
 
 def _journal_dir(url: str) -> Path:
     import platformdirs
 
-    if url.startswith("sqlite:///"):
-        db_path = Path(url[len("sqlite:///"):]).expanduser()
+    db_path = sqlite_file(url)
+    if db_path is not None:
         return db_path.with_name(db_path.stem + "-journals")
     return Path(platformdirs.user_cache_dir("flashgen")) / "journals"
 
@@ -94,27 +160,23 @@ def _journal_dir(url: str) -> Path:
 def tune(spec_path, trials, timeout_s, sampler, seed, db_url, resume, plot_path, interpret, as_json):
     """Tune a spec on this GPU and store the best config per sequence-length bucket."""
     import json
-    import os
 
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-    spec = _load_spec(spec_path)
+    spec = AttentionSpec.from_yaml(spec_path)
     if interpret and spec.dtype == "bf16":
         raise click.UsageError(f"{spec_path}: spec field 'dtype': the interpreter's bf16 dot is unreliable, "
                                "got 'bf16'; tune an fp16 or fp32 spec with --interpret")
     import torch
 
-    from .db import ResultStore, SchemaVersionError, default_url
+    from .db import ResultStore
     from .tuner import GpuRunner, InterpretRunner, TuneOptions, tune as run_tune
 
     if not interpret and not torch.cuda.is_available():
         raise click.UsageError("no CUDA GPU here: tune on a GPU, or pass --interpret to exercise the whole "
                                "path through Triton's interpreter (not a timing)")
     url = db_url or default_url()
-    try:
-        store = ResultStore(url)
-    except SchemaVersionError as err:
-        raise click.ClickException(str(err)) from None
+    store = ResultStore(url)  # opened for writing before any trial runs
     runner = InterpretRunner() if interpret else GpuRunner()
     phases = 2 if spec.backward else 1
     total = (trials or spec.tune.trials) * phases * len({b for b in _buckets(spec)})
@@ -148,10 +210,10 @@ def tune(spec_path, trials, timeout_s, sampler, seed, db_url, resume, plot_path,
                  tflops=r.best.tflops if r.best else None, speedup_over_default=r.speedup,
                  importances=r.importances) for r in results]
     if as_json:
-        click.echo(json.dumps(dict(spec=spec.uri, db=url, timing=runner.timing_label, wall_s=wall,
+        click.echo(json.dumps(dict(spec=spec.uri, db=store.display_url, timing=runner.timing_label, wall_s=wall,
                                    environment=runner.env.as_dict(), results=rows), indent=1))
     else:
-        _print_tune_table(spec, runner, rows, url, wall)
+        _print_tune_table(spec, runner, rows, store.display_url, wall)
     if plot_path:
         _plot(plot_path, history, results)
         click.echo(f"wrote {plot_path}")
@@ -209,9 +271,21 @@ def _plot(path, history, results):
     fig.savefig(path, dpi=100)
 
 
+def _seqlens(_ctx, _param, value):
+    if value is None:
+        return None
+    try:
+        lengths = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise click.BadParameter(f"expected positive lengths, got {value!r}")
+    return lengths
+
+
 @main.command()
 @click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False), help="The spec (YAML).")
-@click.option("--seqlens", help="Comma-separated sequence lengths (default: the spec's tune.seqlens).")
+@click.option("--seqlens", callback=_seqlens, help="Comma-separated sequence lengths (default: the spec's tune.seqlens).")
 @click.option("--tokens", type=click.IntRange(1), default=16384, show_default=True,
               help="Tokens per batch: batch = tokens // seqlen.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write bench.json, bench.md and bench.png.")
@@ -227,8 +301,8 @@ def bench(spec_path, seqlens, tokens, out_dir, db_url):
     from .bench import bench_spec, environment, report_markdown, report_plot
     from .loader import load
 
-    spec = _load_spec(spec_path)
-    lengths = [int(x) for x in seqlens.split(",")] if seqlens else list(spec.tune.seqlens)
+    spec = AttentionSpec.from_yaml(spec_path)
+    lengths = seqlens or list(spec.tune.seqlens)
     kernel = load(spec, db=db_url)
     modes = ("fwd", "fwd_bwd") if spec.backward else ("fwd",)
     rows = bench_spec(kernel, lengths, tokens=tokens, modes=modes)
@@ -238,9 +312,9 @@ def bench(spec_path, seqlens, tokens, out_dir, db_url):
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "bench.json").write_text(json.dumps(dict(spec=spec.uri, environment=env, rows=rows,
+        _write_file(out / "bench.json", json.dumps(dict(spec=spec.uri, environment=env, rows=rows,
                                                         config_source=kernel.config_source), indent=1))
-        (out / "bench.md").write_text(table)
+        _write_file(out / "bench.md", table)
         try:
             report_plot(out / "bench.png", spec.uri, rows)
         except ImportError:
@@ -257,7 +331,7 @@ def show(db_url, as_json):
 
     from .db import ResultStore
 
-    rows = ResultStore(db_url, create=False).all_best() if _db_exists(db_url) else []
+    rows = ResultStore(db_url, create=False).all_best()
     if as_json:
         click.echo(json.dumps(rows, indent=1, default=str))
         return
@@ -270,13 +344,6 @@ def show(db_url, as_json):
                    f"{speed} vs default  on {r['environment']['gpu']} (triton {r['environment']['triton']})")
 
 
-def _db_exists(db_url):
-    from .db import default_url
-
-    url = db_url or default_url()
-    return not url.startswith("sqlite:///") or Path(url[len("sqlite:///"):]).expanduser().exists()
-
-
 @main.command("export")
 @_db_option
 @click.option("--gpu", help="Export this GPU's results (default: this machine's GPU).")
@@ -284,11 +351,12 @@ def _db_exists(db_url):
 def export_cmd(db_url, gpu, output):
     """Write a GPU's best configs to a file of the shipped tuning_db/ layer."""
     from .db import EnvInfo, ResultStore
-    from .db.layer import export_rows, gpu_slug, layer_dir
+    from .db.layer import export_text, gpu_slug, layer_dir
 
     gpu = gpu or EnvInfo.current().gpu
     path = Path(output) if output else layer_dir() / f"{gpu_slug(gpu)}.yaml"
-    n = export_rows(ResultStore(db_url, create=False).all_best(), path, gpu)
+    text, n = export_text(ResultStore(db_url, create=False).all_best(), gpu)
+    _write_file(path, text)
     click.echo(f"wrote {n} results for {gpu} to {path}")
 
 
@@ -296,11 +364,12 @@ def export_cmd(db_url, gpu, output):
 @click.argument("path", type=click.Path(exists=True, dir_okay=False))
 @_db_option
 def import_cmd(path, db_url):
-    """Load an exported tuning_db file into a database."""
+    """Load an exported tuning_db file into a database (every entry is checked first)."""
     from .db import ResultStore
     from .db.layer import read_file
 
-    n = ResultStore(db_url).import_rows(read_file(Path(path)))
+    rows = read_file(Path(path))
+    n = ResultStore(db_url).import_rows(rows)
     click.echo(f"imported {n} results from {path}")
 
 
@@ -311,48 +380,39 @@ def db():
 
 @db.command("check")
 @_db_option
-def db_check(db_url):
-    """Report what is wrong with the database (exit 1 when anything is)."""
-    from .db import ResultStore, default_url
+@click.pass_context
+def db_check(ctx, db_url):
+    """Report what is wrong with the database, malformed results included (exit 1 when anything is)."""
+    from .db import ResultStore
 
-    url = db_url or default_url()
-    if not _db_exists(db_url):
-        click.echo(f"{url}: does not exist (it is created by the first `flashgen tune`)")
-        sys.exit(1)
-    try:
-        problems = ResultStore(url, create=False).check()
-    except Exception as err:
-        click.echo(f"{url}: cannot be opened as a flashgen database: {type(err).__name__}: {err}")
-        sys.exit(1)
+    store = ResultStore(db_url, create=False)
+    problems = store.check()
     for p in problems:
-        click.echo(f"{url}: {p}")
+        click.echo(f"{store.display_url}: {p}")
     if problems:
-        sys.exit(1)
-    click.echo(f"{url}: ok")
+        ctx.exit(EXIT_FAILURE)
+    click.echo(f"{store.display_url}: ok")
 
 
 @db.command("upgrade")
 @_db_option
 def db_upgrade(db_url):
     """Bring a database to this flashgen's schema version."""
-    from sqlalchemy import create_engine, text
+    from .db import SCHEMA_VERSION, ResultStore, SchemaVersionError
 
-    from .db import SCHEMA_VERSION, ResultStore, default_url
-
-    url = db_url or default_url()
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        try:
-            found = conn.execute(text("SELECT value FROM flashgen_meta WHERE key = 'schema_version'")).scalar()
-        except Exception:
-            found = None
-    if found is not None and int(found) > SCHEMA_VERSION:
-        raise click.ClickException(f"{url} is at schema version {found}, newer than this flashgen's "
-                                   f"{SCHEMA_VERSION}: upgrade flashgen instead")
-    if found is not None and int(found) < SCHEMA_VERSION:
-        raise click.ClickException(f"no migration from schema version {found} to {SCHEMA_VERSION} exists")
-    ResultStore(url)  # creates missing tables and stamps the version
-    click.echo(f"{url}: at schema version {SCHEMA_VERSION}")
+    try:
+        store = ResultStore(db_url, create=False)
+    except SchemaVersionError as err:
+        if err.found is None:
+            raise
+        if err.found > SCHEMA_VERSION:
+            raise click.ClickException(f"{err.url} is at schema version {err.found}, newer than this flashgen's "
+                                       f"{SCHEMA_VERSION}: upgrade flashgen instead") from None
+        raise click.ClickException(f"no migration from schema version {err.found} to {SCHEMA_VERSION} "
+                                   "exists") from None
+    if store.missing_tables():
+        ResultStore(db_url)  # creates the missing tables
+    click.echo(f"{store.display_url}: at schema version {SCHEMA_VERSION}")
 
 
 if __name__ == "__main__":

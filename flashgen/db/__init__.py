@@ -2,7 +2,10 @@
 in tuning_db/."""
 
 from .models import SCHEMA_VERSION
-from .store import EnvInfo, ResultStore, SchemaVersionError, TrialRecord, config_key, default_url
+from .rows import ResultRowError
+from .store import (DatabaseError, EnvInfo, MissingDatabaseError, ResultStore, SchemaVersionError, TrialRecord,
+                    config_key, default_url)
+from .urls import display_url, hide_password
 
-__all__ = ["SCHEMA_VERSION", "EnvInfo", "ResultStore", "SchemaVersionError", "TrialRecord", "config_key",
-           "default_url"]
+__all__ = ["SCHEMA_VERSION", "DatabaseError", "EnvInfo", "MissingDatabaseError", "ResultRowError", "ResultStore",
+           "SchemaVersionError", "TrialRecord", "config_key", "default_url", "display_url", "hide_password"]

@@ -7,7 +7,9 @@ write is one short transaction, and every insert is an upsert on the row's natur
 so a duplicate write is a no-op rather than an error. All access goes through
 ``_session()``, which commits, or rolls back and re-raises.
 
-A database at another schema version is refused with the command that upgrades it.
+A database at another schema version is refused with the command that upgrades it. Every
+failure to open, read or write the database is a DatabaseError whose one-line message names
+the database without its password (flashgen.db.urls).
 """
 
 from __future__ import annotations
@@ -20,17 +22,62 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
-from sqlalchemy import create_engine, event, select
+from sqlalchemy import Text, create_engine, event, inspect, select, type_coerce
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..config import KernelConfig
 from ..spec import AttentionSpec
 from .models import SCHEMA_VERSION, Base, Best, Environment, Meta, SpecRow, Trial
+from .rows import ResultRowError, check_best, check_row
+from .urls import display_url, hide_password, sqlite_file
 
 
-class SchemaVersionError(RuntimeError):
-    """The database was written by another flashgen schema version."""
+class DatabaseError(RuntimeError):
+    """The results database cannot be opened, read or written. The message is one line and
+    names the database without its password."""
+
+    def __init__(self, url: str, problem: str):
+        self.url = display_url(url)
+        self.problem = hide_password(problem, url)
+        super().__init__(f"database {self.url}: {self.problem}")
+
+    @classmethod
+    def from_exception(cls, url: str, err: BaseException) -> "DatabaseError":
+        return cls(url, _describe(err))
+
+
+class MissingDatabaseError(DatabaseError):
+    """An SQLite database file that does not exist was opened for reading."""
+
+
+class SchemaVersionError(DatabaseError):
+    """The database was written by another flashgen schema version (``found``), or holds no
+    flashgen schema at all (``found`` is None)."""
+
+    def __init__(self, url: str, problem: str, found: int | None = None):
+        super().__init__(url, problem)
+        self.found = found
+
+
+def _describe(err: BaseException) -> str:
+    """What went wrong, in one line, from an error of SQLAlchemy, its driver or the file system."""
+    if isinstance(err, DBAPIError) and err.orig is not None:
+        text = str(err.orig)
+    elif isinstance(err, NoSuchModuleError):
+        text = f"unknown kind of database ({err})"
+    elif isinstance(err, ImportError):
+        text = f"its driver is not installed ({err})"
+    elif isinstance(err, FileExistsError):  # from mkdir: a file where a directory must be
+        text = f"{err.filename} is not a directory"
+    elif isinstance(err, OSError):
+        text = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+    elif isinstance(err, (ValueError, SQLAlchemyError)) and not isinstance(err, DBAPIError):
+        text = f"{err}"
+    else:
+        text = f"{type(err).__name__}: {err}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 def default_url() -> str:
@@ -102,16 +149,38 @@ def _sqlite_pragmas(engine: Engine) -> None:
         cur.close()
 
 
+_OPEN_ERRORS = (SQLAlchemyError, OSError, ImportError, ValueError)  # bad URL, no driver, no file, no server
+
+
 class ResultStore:
+    """``url`` is kept as given (it opens the database); ``display_url`` hides its password and
+    is what every message shows. ``create=False`` opens an existing flashgen database only."""
+
     def __init__(self, url: str | None = None, *, create: bool = True):
         self.url = url or default_url()
-        if self.url.startswith("sqlite:///") and create:
-            Path(self.url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        self.engine = create_engine(self.url, future=True)
-        if self.engine.dialect.name == "sqlite":
-            _sqlite_pragmas(self.engine)
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self._check_schema(create)
+        self.display_url = display_url(self.url)
+        path = sqlite_file(self.url)
+        if path is not None and not create and not path.exists():
+            raise MissingDatabaseError(self.url, "does not exist (the first `flashgen tune` creates it)")
+        try:
+            if path is not None and create:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            self.engine = create_engine(self.url, future=True)
+            if self.engine.dialect.name == "sqlite":
+                _sqlite_pragmas(self.engine)
+            self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+            self._check_schema(create)
+        except _OPEN_ERRORS as err:
+            raise DatabaseError(self.url, f"cannot be opened{' for writing' if create else ''}: "
+                                          f"{_describe(err)}") from None
+        except DatabaseError as err:
+            if type(err) is not DatabaseError:
+                raise
+            raise DatabaseError(self.url, f"cannot be opened{' for writing' if create else ''}: "
+                                          f"{err.problem}") from None
+
+    def __repr__(self) -> str:
+        return f"ResultStore({self.display_url!r})"
 
     # ------------------------------------------------------------------ plumbing
     @contextlib.contextmanager
@@ -120,6 +189,9 @@ class ResultStore:
         try:
             yield session
             session.commit()
+        except SQLAlchemyError as err:
+            session.rollback()
+            raise DatabaseError.from_exception(self.url, err) from None
         except BaseException:
             session.rollback()
             raise
@@ -133,7 +205,7 @@ class ResultStore:
         elif dialect == "postgresql":
             from sqlalchemy.dialects.postgresql import insert
         else:
-            raise NotImplementedError(f"upserts on {dialect!r}: use SQLite or PostgreSQL")
+            raise DatabaseError(self.url, f"flashgen writes to SQLite or PostgreSQL, not {dialect}")
         stmt = insert(model).values(**values)
         if update:
             stmt = stmt.on_conflict_do_update(index_elements=list(keys), set_={k: values[k] for k in update})
@@ -144,16 +216,27 @@ class ResultStore:
     def _check_schema(self, create: bool) -> None:
         if create:
             Base.metadata.create_all(self.engine)
+        elif not inspect(self.engine).has_table(Meta.__tablename__):
+            raise SchemaVersionError(self.url, "is not a flashgen database (no flashgen_meta table)")
         with self._session() as s:
             row = s.get(Meta, "schema_version")
-            if row is None:
-                if not create:
-                    raise SchemaVersionError(f"{self.url} is not a flashgen database (no schema version)")
-                self._upsert(s, Meta, {"key": "schema_version", "value": str(SCHEMA_VERSION)}, ("key",))
-            elif row.value != str(SCHEMA_VERSION):
+            if row is None and not create:
+                raise SchemaVersionError(self.url, "is not a flashgen database (no schema version)")
+            if row is not None and row.value != str(SCHEMA_VERSION):
+                found = int(row.value) if row.value.isdigit() else -1
                 raise SchemaVersionError(
-                    f"{self.url} is at flashgen schema version {row.value}, this flashgen reads version "
-                    f"{SCHEMA_VERSION}: run `flashgen db upgrade --db {self.url}`")
+                    self.url, f"is at flashgen schema version {row.value}, this flashgen reads version "
+                              f"{SCHEMA_VERSION}: run `flashgen db upgrade --db {self.display_url}`", found)
+            if create:  # a write even when the row is there: a read-only database fails now, not after tuning
+                self._upsert(s, Meta, {"key": "schema_version", "value": str(SCHEMA_VERSION)}, ("key",))
+
+    def missing_tables(self) -> list[str]:
+        """The flashgen tables this database lacks (``flashgen db upgrade`` creates them)."""
+        try:
+            present = set(inspect(self.engine).get_table_names())
+        except SQLAlchemyError as err:
+            raise DatabaseError.from_exception(self.url, err) from None
+        return sorted(set(Base.metadata.tables) - present)
 
     def _env_id(self, s: Session, env: EnvInfo, create: bool = True) -> int | None:
         if create:
@@ -178,11 +261,15 @@ class ResultStore:
 
     def set_best(self, env: EnvInfo, spec: AttentionSpec, bucket: int, phase: str, config: dict, ms: float,
                  tflops: float, default_ms: float | None = None) -> None:
+        check_best(dict(bucket=bucket, phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms))
         with self._session() as s:
-            values = dict(environment_id=self._env_id(s, env), spec_id=self._spec_id(s, spec), bucket=bucket,
-                          phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms)
-            self._upsert(s, Best, values, ("environment_id", "spec_id", "bucket", "phase"),
-                         update=("config", "ms", "tflops", "default_ms"))
+            self._set_best(s, env, spec, bucket, phase, config, ms, tflops, default_ms)
+
+    def _set_best(self, s: Session, env: EnvInfo, spec, bucket, phase, config, ms, tflops, default_ms) -> None:
+        values = dict(environment_id=self._env_id(s, env), spec_id=self._spec_id(s, spec), bucket=bucket,
+                      phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms)
+        self._upsert(s, Best, values, ("environment_id", "spec_id", "bucket", "phase"),
+                     update=("config", "ms", "tflops", "default_ms"))
 
     # ------------------------------------------------------------------ reads
     def trials(self, env: EnvInfo, spec: AttentionSpec, bucket: int | None = None,
@@ -222,12 +309,20 @@ class ResultStore:
                     for b, e, sp in s.execute(q)]
 
     def import_rows(self, rows: list[dict]) -> int:
-        """Load exported best configs (see flashgen.db.layer) into this database."""
-        for row in rows:
-            env = EnvInfo(**row["environment"])
-            spec = _SpecShim(row["spec_key"], row["spec_uri"], row["spec"])
-            self.set_best(env, spec, row["bucket"], row["phase"], row["config"], row["ms"], row["tflops"],
-                          row.get("default_ms"))
+        """Load exported best configs (see flashgen.db.layer) into this database: every row is
+        checked first (ResultRowError names the first bad one), then all are written in one
+        transaction."""
+        for i, row in enumerate(rows):
+            try:
+                check_row(row)
+            except ResultRowError as err:
+                raise ResultRowError(f"{i}.{err.field}", err.message, err.value) from None
+        with self._session() as s:
+            for row in rows:
+                env = EnvInfo(**row["environment"])
+                spec = _SpecShim(row["spec_key"], row["spec_uri"], row["spec"])
+                self._set_best(s, env, spec, row["bucket"], row["phase"], row["config"], row["ms"], row["tflops"],
+                               row.get("default_ms"))
         return len(rows)
 
     def check(self) -> list[str]:
@@ -238,11 +333,21 @@ class ResultStore:
                 result = s.connection().exec_driver_sql("PRAGMA integrity_check").scalar()
                 if result != "ok":
                     problems.append(f"SQLite integrity check: {result}")
-            for b in s.execute(select(Best)).scalars():
+            # The config as stored text: a column that is not JSON is a problem to report, not a crash.
+            q = (select(Best.id, SpecRow.uri, Best.bucket, Best.phase, type_coerce(Best.config, Text), Best.ms,
+                        Best.tflops, Best.default_ms).outerjoin(SpecRow, Best.spec_id == SpecRow.id).order_by(Best.id))
+            for id_, uri, bucket, phase, config, ms, tflops, default_ms in s.execute(q):
+                where = f"best config {id_} ({uri} bucket {bucket!r} {phase!r})"
                 try:
-                    KernelConfig.from_dict(b.config)
-                except Exception as err:  # a config this flashgen cannot run
-                    problems.append(f"best config {b.id} is invalid: {err}")
+                    config = json.loads(config) if isinstance(config, (str, bytes)) else config
+                except ValueError:
+                    problems.append(f"{where} is invalid: field 'config': not JSON")
+                    continue
+                try:
+                    check_best(dict(bucket=bucket, phase=phase, config=config, ms=ms, tflops=tflops,
+                                    default_ms=default_ms))
+                except ResultRowError as err:  # a result flashgen.load skips
+                    problems.append(f"{where} is invalid: {err}")
         return problems
 
 
