@@ -25,11 +25,13 @@ import optuna
 import torch
 
 from .api import AttentionKernel
-from .bench import bench_tensors, pairs_flops, tflops, visible_count
+from .flops import pairs_flops, tflops, visible_count
+from .inputs import named_tensors, qkv_do
 from .config import KernelConfig, default_config
 from .db import EnvInfo, ResultStore, TrialRecord, config_key
 from .space import DeviceLimits, SearchSpace, backward_space, bucket_of, forward_space
 from .spec import AttentionSpec
+from .timing import time_ms
 from .verify import check_attention, check_gradients
 
 log = logging.getLogger("flashgen.tuner")
@@ -71,9 +73,9 @@ class Runner:
         seqlen = self.timing_seqlen(bucket)
         batch = max(1, batch_tokens // seqlen) if not self.interpret else 1
         gen = torch.Generator().manual_seed(random.randrange(2**31))
-        named = bench_tensors(spec, batch, seqlen, device=self.device)
-        return Workload(bucket, batch, seqlen, _randn_qkv_do(spec, batch, seqlen, seqlen, self.device, gen), named,
-                        visible_count(spec, batch, seqlen, seqlen, named, device=self.device))
+        named = named_tensors(spec, batch, seqlen, device=self.device)
+        return Workload(bucket, batch, seqlen, qkv_do(spec, batch, seqlen, seqlen, device=self.device, generator=gen),
+                        named, visible_count(spec, batch, seqlen, seqlen, named, device=self.device))
 
     def timing_seqlen(self, bucket: int) -> int:
         return bucket
@@ -86,8 +88,8 @@ class Runner:
             if spec.plan.same_seqlen:  # a document mask indexes one id tensor by query and key
                 seqlen_k = seqlen_q
             gen = torch.Generator().manual_seed(random.randrange(2**31))
-            q, k, v, do = _randn_qkv_do(spec, batch, seqlen_q, seqlen_k, self.device, gen)
-            named = bench_tensors(spec, batch, max(seqlen_q, seqlen_k), device=self.device)
+            q, k, v, do = qkv_do(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
+            named = named_tensors(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
             rule = dict(causal=spec.causal, softmax_scale=spec.softmax_scale, mask=spec.mask,
                         score_mod=spec.score_mod, tensors=named)
             out, lse = self.forward(kernel, config, q, k, v, named)
@@ -137,8 +139,6 @@ class GpuRunner(Runner):
                                              (2, 1023, 1023), (1, 17, 2049)])
 
     def time(self, kernel, config, phase, work: Workload) -> float:
-        from .bench import time_ms
-
         q, k, v, do = work.tensors
         named = work.named
         if phase == "fwd":
@@ -176,17 +176,6 @@ class InterpretRunner(Runner):
         if phase == "bwd":
             self.backward(kernel, config, do, q, k, v, out, lse, work.named)
         return (time.perf_counter() - start) * 1e3
-
-
-def _randn_qkv_do(spec: AttentionSpec, batch, seqlen_q, seqlen_k, device, gen):
-    dtype = spec.torch_dtype
-
-    def randn(*shape):
-        return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-
-    return (randn(batch, spec.num_heads, seqlen_q, spec.head_dim), randn(batch, spec.num_kv_heads, seqlen_k,
-            spec.head_dim), randn(batch, spec.num_kv_heads, seqlen_k, spec.head_dim_v),
-            randn(batch, spec.num_heads, seqlen_q, spec.head_dim_v))
 
 
 def classify_failure(err: BaseException) -> str:

@@ -15,10 +15,11 @@ from click.testing import CliRunner
 
 import flashgen
 from flashgen import AttentionSpec, KernelConfig
-from flashgen.bench import bench_tensors, pairs_flops, tflops, visible_count
-from flashgen.config import ConfigError
 from flashgen.cli import main
+from flashgen.config import ConfigError
 from flashgen.db import EnvInfo, ResultStore
+from flashgen.flops import pairs_flops, tflops, visible_count
+from flashgen.inputs import named_tensors
 from flashgen.space import DeviceLimits, backward_space, bucket_of, forward_space, nearest_bucket
 from flashgen.tuner import InterpretRunner, TuneOptions, candidate, classify_failure, tune
 
@@ -123,7 +124,7 @@ def test_tuner_verifies_masked_specs_with_their_tensors(store):
     assert [(r.phase, r.best is not None) for r in results] == [("fwd", True), ("bwd", True)]
     trials = store.trials(EnvInfo.current(interpret=True), spec)
     assert trials and all(t.status == "ok" for t in trials), [t.error for t in trials if t.status != "ok"]
-    pairs = visible_count(spec, 1, 32, 32, bench_tensors(spec, 1, 32, device="cpu"), device="cpu")
+    pairs = visible_count(spec, 1, 32, 32, named_tensors(spec, 1, 32, device="cpu"), device="cpu")
     assert pairs < 32 * 32 * 2 / 2  # causal within 4 documents: well under half the square
     for t in trials:
         assert t.tflops == pytest.approx(tflops(pairs_flops(pairs, 16, mode=t.phase), t.ms))
