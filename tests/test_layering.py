@@ -31,6 +31,7 @@ def flashgen_imports(module: str) -> set[str]:
     ("inputs", {"bench", "tuner", "cli", "db"}),
     ("flops", {"bench", "tuner", "cli", "db"}),
     ("timing", {"bench", "tuner", "cli", "db"}),
+    ("failures", {"bench", "tuner", "cli", "db"}),
     ("verify", {"inputs", "flops", "timing", "bench", "tuner", "cli", "db"}),
 ])
 def test_module_imports_nothing_after_it(module, after):
@@ -44,5 +45,5 @@ def test_only_the_cli_imports_the_benchmarks():
 
 def test_the_import_parser_sees_imports():
     # the parser itself: it finds the imports these rules are about
-    assert {"inputs", "flops", "timing", "verify", "db"} <= flashgen_imports("tuner")
+    assert {"inputs", "flops", "timing", "failures", "verify", "db"} <= flashgen_imports("tuner")
     assert "bench" in flashgen_imports("cli")
