@@ -9,18 +9,23 @@ import textwrap
 import time
 from pathlib import Path
 
+import jinja2
 import pytest
 import torch
+import triton
 from click.testing import CliRunner
+from triton.runtime.errors import OutOfResources
 
 import flashgen
 from flashgen import AttentionSpec, KernelConfig
-from flashgen.bench import bench_tensors, pairs_flops, tflops, visible_count
-from flashgen.config import ConfigError
 from flashgen.cli import main
+from flashgen.config import ConfigError
 from flashgen.db import EnvInfo, ResultStore
+from flashgen.failures import STATUSES
+from flashgen.flops import pairs_flops, tflops, visible_count
+from flashgen.inputs import named_tensors
 from flashgen.space import DeviceLimits, backward_space, bucket_of, forward_space, nearest_bucket
-from flashgen.tuner import InterpretRunner, TuneOptions, candidate, classify_failure, tune
+from flashgen.tuner import InterpretRunner, TuneOptions, candidate, tune
 
 from .helpers import child_pythonpath
 
@@ -89,16 +94,91 @@ def test_buckets():
     assert nearest_bucket(1800, [1024, 4096]) == 1024  # nearer in log scale
 
 
-def test_failures_are_typed():
-    class OutOfResources(Exception):
-        pass
+# ------------------------------------------------------------------------------ typed failures
+JIT_INFO = dict(key="key", repr="_attn_fwd[num_warps=4]", fn=None, compile={}, is_manual_warmup=False,
+                already_compiled=False)
 
-    class CompilationError(Exception):
-        pass
 
-    assert classify_failure(OutOfResources("out of resource: shared memory")) == "out_of_resources"
-    assert classify_failure(CompilationError("bad")) == "compile_error"
-    assert classify_failure(ValueError("x")) == "error"
+def triton_compiles(then_fails: BaseException | None, *, finishes: bool):
+    """What Triton's JIT does on a first launch: its pre-compile hook, the compile, its
+    post-compile hook (when the compile finishes), then the launch."""
+    runtime = triton.knobs.runtime
+    assert runtime.jit_cache_hook is not None, "the runner does not watch Triton's compiles"
+    runtime.jit_cache_hook(**JIT_INFO)
+    if finishes:
+        runtime.jit_post_compile_hook(**JIT_INFO)
+    if then_fails is not None:
+        raise then_fails
+
+
+class FaultRunner(InterpretRunner):
+    """Raises `error` in one stage of a trial: build (render and import the module), compile
+    (inside Triton's JIT compile), run (after a finished compile) or time."""
+
+    def __init__(self, where: str, error: BaseException):
+        super().__init__()
+        self.where, self.error = where, error
+
+    def build(self, kernel, config):
+        if self.where == "build":
+            raise self.error
+        return super().build(kernel, config)
+
+    def forward(self, kernel, config, q, k, v, tensors=None):
+        if self.where in ("compile", "run"):
+            triton_compiles(self.error, finishes=self.where == "run")
+        return super().forward(kernel, config, q, k, v, tensors)
+
+    def time(self, kernel, config, phase, work):
+        if self.where == "time":
+            raise self.error
+        return super().time(kernel, config, phase, work)
+
+
+SAME_TEXT = "out of resource: shared memory"  # what the old classifier read; the stage decides now
+
+
+@needs_interpreter
+@pytest.mark.parametrize("where, error, status", [
+    ("build", jinja2.UndefinedError("'plan' is undefined"), "compile_error"),
+    ("compile", RuntimeError(SAME_TEXT), "compile_error"),
+    ("run", RuntimeError(SAME_TEXT), "error"),
+    ("run", OutOfResources(233472, 232448, "shared memory"), "out_of_resources"),
+    ("time", RuntimeError(SAME_TEXT), "error"),
+    ("time", OutOfResources(1024, 1024, "threads"), "out_of_resources"),
+])
+def test_failures_are_typed_by_the_stage_they_happen_in(where, error, status):
+    runner = FaultRunner(where, error)
+    spec = SPEC.replace(backward=False)
+    kernel = flashgen.AttentionKernel(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16))
+    rec = runner.evaluate(kernel, kernel.config, "fwd", runner.workload(spec, 16, 16))
+    assert (rec.status, rec.error) == (status, f"{type(error).__name__}: {error}")
+    assert rec.status in STATUSES and rec.ms is None
+    # the runner gives Triton's hooks back as it found them
+    assert triton.knobs.runtime.jit_cache_hook is None and triton.knobs.runtime.jit_post_compile_hook is None
+
+
+@needs_interpreter
+def test_restricted_invalid_and_timed_out_trials():
+    runner = InterpretRunner()
+    spec = SPEC.replace(backward=False)
+    kernel = flashgen.AttentionKernel(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16))
+    work = runner.workload(spec, 16, 16)
+    data = kernel.config.to_dict()
+    rec = runner.trial(kernel, data, ["BLOCK_N <= 8"], "fwd", work)  # breaks a restriction: never built
+    assert (rec.status, rec.error, rec.config) == ("restricted", "BLOCK_N <= 8", data)
+    rec = runner.trial(kernel, dict(data, BLOCK_M=24), [], "fwd", work)  # no valid config
+    assert rec.status == "restricted" and "config knob 'BLOCK_M'" in rec.error
+    rec = runner.trial(kernel, data, [], "fwd", work, timeout_s=0.0)
+    assert rec.status == "timeout" and rec.error.startswith("compile and verify took") and rec.margin < 1
+    rec = runner.trial(kernel, data, [], "fwd", work)
+    assert rec.status == "ok" and rec.ms > 0 and rec.error is None
+
+
+def test_stored_status_strings_are_unchanged():
+    # The database keeps these strings; results written before the typed failures stay readable.
+    assert set(STATUSES) == {"ok", "restricted", "compile_error", "out_of_resources", "wrong_result", "timeout",
+                             "error"}
 
 
 # ------------------------------------------------------------------------------ tuning
@@ -123,7 +203,7 @@ def test_tuner_verifies_masked_specs_with_their_tensors(store):
     assert [(r.phase, r.best is not None) for r in results] == [("fwd", True), ("bwd", True)]
     trials = store.trials(EnvInfo.current(interpret=True), spec)
     assert trials and all(t.status == "ok" for t in trials), [t.error for t in trials if t.status != "ok"]
-    pairs = visible_count(spec, 1, 32, 32, bench_tensors(spec, 1, 32, device="cpu"), device="cpu")
+    pairs = visible_count(spec, 1, 32, 32, named_tensors(spec, 1, 32, device="cpu"), device="cpu")
     assert pairs < 32 * 32 * 2 / 2  # causal within 4 documents: well under half the square
     for t in trials:
         assert t.tflops == pytest.approx(tflops(pairs_flops(pairs, 16, mode=t.phase), t.ms))
