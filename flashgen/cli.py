@@ -10,7 +10,8 @@ import click
 
 from . import __version__
 from .config import LOOP_ORDERS, ConfigError, KernelConfig, default_config
-from .render import render, write_atomic
+from .codegen.cache import write_atomic
+from .codegen.render import render
 from .spec import AttentionSpec, SpecError
 
 
