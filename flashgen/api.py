@@ -6,7 +6,8 @@ from functools import lru_cache
 
 import torch
 
-from . import ops, render
+from . import ops
+from .codegen import render
 from .config import KernelConfig, default_config
 from .space import nearest_bucket
 from .spec import MAX_HEAD_DIM, AttentionSpec
@@ -48,7 +49,7 @@ class AttentionKernel:
         config = config if config is not None else self.config
         module = self._modules.get(config)
         if module is None:
-            module = self._modules[config] = render.load(self.spec, config)
+            module = self._modules[config] = render.build_module(self.spec, config)
         return module
 
     def kernel_id(self, config: KernelConfig) -> str:

@@ -20,10 +20,11 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from . import __version__
 from .config import LOOP_ORDERS, ConfigError, KernelConfig, default_config, detect_target
+from .codegen.cache import write_atomic
+from .codegen.render import render
 from .db import DatabaseError, ResultRowError, default_url, hide_password
 from .db.layer import ResultFileError
 from .db.urls import sqlite_file
-from .render import render, write_atomic
 from .spec import TARGETS, AttentionSpec, SpecError, YamlFileError
 
 EXIT_FAILURE, EXIT_BAD_INPUT = 1, 2

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import AttentionSpec, KernelConfig, SpecError, render
+from flashgen import AttentionSpec, KernelConfig, SpecError
+from flashgen.codegen import render
 from flashgen.verify import (assert_attention_close, assert_gradients_close, reference_attention,
                              reference_varlen)
 
@@ -40,7 +41,7 @@ def check_variant(device, *, mask=None, score_mod=None, causal=False, tensors=No
     spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads[0], num_kv_heads=heads[1], causal=causal,
                          mask=mask, score_mod=score_mod, backward=backward)
     cfg = config.replace(loop_order=loop_order, dq_strategy=dq_strategy)
-    module = render.load(spec, cfg)
+    module = render.build_module(spec, cfg)
     q, k, v = _qkv(gen, batch, heads[0], heads[1], sq, sk, d, torch_dtype, device)
     tensors = {n: t.to(device) for n, t in (tensors or {}).items()}
     out, lse = module.forward(q, k, v, tensors=tensors)

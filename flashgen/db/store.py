@@ -112,7 +112,7 @@ class EnvInfo:
         import triton
 
         from .. import __version__
-        from ..render import templates_hash
+        from ..codegen.render import templates_hash
 
         if interpret or not torch.cuda.is_available():
             gpu, cap, sms, mem, cuda = "triton-interpreter", "cpu", 0, 0.0, "none"

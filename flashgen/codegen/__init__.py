@@ -1,0 +1,2 @@
+"""From a spec and a config to an imported Triton module: render.py fills the Jinja templates,
+cache.py writes the source into the content-addressed kernel cache and imports it."""
