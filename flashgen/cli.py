@@ -326,12 +326,28 @@ def bench(spec_path, seqlens, tokens, out_dir, db_url):
 @_db_option
 @click.option("--json", "as_json", is_flag=True)
 def show(db_url, as_json):
-    """List the tuned configs stored in the database."""
+    """List the tuned configs stored in the database, and the shipped ones that serve this machine.
+
+    Each says whether it serves this machine: an exact match of the environment, or a near
+    match (same GPU model, templates and Triton major.minor; other torch, CUDA or Triton
+    patch release), which flashgen.load uses when no exact match exists.
+    """
     import json
 
-    from .db import ResultStore
+    from .db import EnvInfo, ResultStore
+    from .db.layer import ResultFileError, layer_dir, read_file
 
-    rows = ResultStore(db_url, create=False).all_best()
+    here = EnvInfo.current()
+    rows = [dict(r, source="database", match=here.match(r["environment"]))
+            for r in ResultStore(db_url, create=False).all_best()]
+    for path in sorted(layer_dir().glob("*.yaml")):
+        try:
+            shipped = read_file(path)
+        except ResultFileError as err:
+            click.echo(f"skipping {err}", err=True)
+            continue
+        rows += [dict(r, source="tuning_db", match=here.match(r["environment"])) for r in shipped
+                 if here.match(r["environment"])]
     if as_json:
         click.echo(json.dumps(rows, indent=1, default=str))
         return
@@ -340,8 +356,12 @@ def show(db_url, as_json):
         return
     for r in rows:
         speed = f"{r['default_ms'] / r['ms']:.2f}x" if r["default_ms"] else "-"
-        click.echo(f"{r['spec_uri']}  S={r['bucket']} {r['phase']}  {r['ms']:.4f} ms  {r['tflops']:.1f} TFLOP/s  "
-                   f"{speed} vs default  on {r['environment']['gpu']} (triton {r['environment']['triton']})")
+        env = r["environment"]
+        served = {"exact": "exact match here", "near": f"near match here (tuned with {here.differences(env)})",
+                  None: "not for this machine"}[r["match"]]
+        click.echo(f"{r['source']}: {r['spec_uri']}  S={r['bucket']} {r['phase']}  {r['ms']:.4f} ms  "
+                   f"{r['tflops']:.1f} TFLOP/s  {speed} vs default  on {env['gpu']} (triton {env['triton']}): "
+                   f"{served}")
 
 
 @main.command("export")

@@ -276,3 +276,40 @@ def test_no_traceback_reaches_stderr(args, code, tmp_path):
     assert proc.returncode == code and proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("Error: "), proc.stderr
     assert ":pw@" not in proc.stderr
+
+
+def test_show_says_which_results_serve_this_machine(tmp_path, monkeypatch):
+    # A database holding an exact and a near match for this (simulated) H100, and one result
+    # from another Triton minor; tuning_db/ entries that serve the machine are listed too.
+    from flashgen import AttentionSpec, __version__
+    from flashgen.db import EnvInfo, ResultStore
+    from flashgen.db import layer as layer_mod
+    from flashgen.render import templates_hash
+
+    h100 = dict(gpu="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.2, torch="2.13.0",
+                triton="3.6.1", cuda="12.8", flashgen=__version__, templates=templates_hash())
+    here = EnvInfo(**h100)
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    spec = AttentionSpec.from_yaml(SMALL_SPEC)
+    store = ResultStore(f"sqlite:///{tmp_path / 'show.sqlite'}")
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    store.set_best(here, spec, 64, "fwd", cfg, 1.0, 1.0)
+    store.set_best(EnvInfo(**dict(h100, torch="2.11.0", triton="3.6.0")), spec, 128, "fwd", cfg, 1.0, 1.0)
+    store.set_best(EnvInfo(**dict(h100, triton="3.7.0")), spec, 256, "fwd", cfg, 1.0, 1.0)
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: tmp_path / "no-layer")
+    result = CliRunner().invoke(main, ["show", "--db", store.url], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 3, result.output
+    assert "S=64 fwd" in lines[0] and lines[0].endswith("exact match here")
+    assert "S=128 fwd" in lines[1] and lines[1].endswith("near match here (tuned with triton 3.6.0, torch 2.11.0)")
+    assert "S=256 fwd" in lines[2] and lines[2].endswith("not for this machine")
+    layer = tmp_path / "layer"
+    layer_mod.export_rows(store.all_best(), layer / "h100.yaml", here.gpu)
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: layer)
+    result = CliRunner().invoke(main, ["show", "--db", store.url, "--json"], catch_exceptions=False)
+    import json
+
+    rows = [(r["source"], r["bucket"], r["match"]) for r in json.loads(result.output)]
+    assert rows == [("database", 64, "exact"), ("database", 128, "near"), ("database", 256, None),
+                    ("tuning_db", 64, "exact"), ("tuning_db", 128, "near")]  # shipped: only what serves here

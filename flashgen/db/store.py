@@ -28,6 +28,7 @@ from sqlalchemy.exc import DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..spec import AttentionSpec
+from .env import SPEED_FIELDS, EnvInfo, pick
 from .models import SCHEMA_VERSION, Base, Best, Environment, Meta, SpecRow, Trial
 from .rows import ResultRowError, check_best, check_row
 from .urls import display_url, hide_password, sqlite_file
@@ -90,41 +91,6 @@ def default_url() -> str:
 
 def config_key(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class EnvInfo:
-    """The environment a result belongs to; every field must match for a result to be used."""
-
-    gpu: str
-    capability: str
-    sm_count: int
-    memory_gib: float
-    torch: str
-    triton: str
-    cuda: str
-    flashgen: str
-    templates: str
-
-    @classmethod
-    def current(cls, interpret: bool = False) -> "EnvInfo":
-        import torch
-        import triton
-
-        from .. import __version__
-        from ..render import templates_hash
-
-        if interpret or not torch.cuda.is_available():
-            gpu, cap, sms, mem, cuda = "triton-interpreter", "cpu", 0, 0.0, "none"
-        else:
-            props = torch.cuda.get_device_properties(0)
-            gpu, cap, sms = props.name, f"{props.major}.{props.minor}", props.multi_processor_count
-            mem, cuda = round(props.total_memory / 2**30, 1), str(torch.version.cuda)
-        return cls(gpu=gpu, capability=cap, sm_count=sms, memory_gib=mem, torch=torch.__version__.split("+")[0],
-                   triton=triton.__version__, cuda=cuda, flashgen=__version__, templates=templates_hash())
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -298,11 +264,22 @@ class ResultStore:
                                                               default_ms=b.default_ms)
             return out
 
-    def all_best(self) -> list[dict]:
-        """Every best config with its environment and spec, for `flashgen show` and export."""
+    def matching_best(self, here: EnvInfo, spec: AttentionSpec) -> dict[int, dict[str, dict]]:
+        """{bucket: {phase: row}}: the best configs that serve ``here`` (flashgen.db.env: an
+        exact match preferred, else the nearest near match), each row with its 'match'."""
+        return pick(here, self.all_best(spec_key=spec.key, where={f: getattr(here, f) for f in SPEED_FIELDS}))
+
+    def all_best(self, *, spec_key: str | None = None, where: dict | None = None) -> list[dict]:
+        """Every best config with its environment and spec, for `flashgen show` and export
+        (only one spec's, or only environments with the ``where`` field values, when given)."""
         with self._session() as s:
             q = (select(Best, Environment, SpecRow).join(Environment, Best.environment_id == Environment.id)
-                 .join(SpecRow, Best.spec_id == SpecRow.id).order_by(SpecRow.uri, Best.bucket, Best.phase))
+                 .join(SpecRow, Best.spec_id == SpecRow.id))
+            if spec_key is not None:
+                q = q.where(SpecRow.key == spec_key)
+            for name, value in (where or {}).items():
+                q = q.where(getattr(Environment, name) == value)
+            q = q.order_by(SpecRow.uri, Best.bucket, Best.phase, Best.id)
             return [dict(environment={c: getattr(e, c) for c in EnvInfo.__dataclass_fields__},
                          spec_key=sp.key, spec_uri=sp.uri, spec=sp.canonical, bucket=b.bucket, phase=b.phase,
                          config=b.config, ms=b.ms, tflops=b.tflops, default_ms=b.default_ms)
