@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, default_config  # noqa: E402
-from flashgen.bench import attention_flops, environment, tflops, time_ms  # noqa: E402
-from flashgen.bench import flex_runner as _flex, sdpa_runner as _sdpa  # noqa: E402
+from flashgen.bench import environment, flex_runner as _flex, sdpa_runner as _sdpa  # noqa: E402
+from flashgen.flops import attention_flops, tflops  # noqa: E402
+from flashgen.timing import time_ms  # noqa: E402
 
 BWD_SWEEP = [  # the front runners of the wider sweeps in results/2026-11-22-h100-backward*.md
     dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=2, bwd_tma=False),

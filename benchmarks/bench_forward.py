@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, KernelConfig, default_config  # noqa: E402
-from flashgen.bench import attention_flops, environment, tflops, time_ms  # noqa: E402
-from flashgen.bench import flex_runner, sdpa_runner as sdpa  # noqa: E402
+from flashgen.bench import environment, flex_runner, sdpa_runner as sdpa  # noqa: E402
+from flashgen.flops import attention_flops, tflops  # noqa: E402
+from flashgen.timing import time_ms  # noqa: E402
 
 SWEEP = [
     KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),

@@ -25,8 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, KernelConfig, default_config  # noqa: E402
-from flashgen.bench import bench_tensors, environment, flex_mods, pairs_flops, tflops, time_ms  # noqa: E402
-from flashgen.bench import visible_count  # noqa: E402
+from flashgen.bench import environment, flex_mods  # noqa: E402
+from flashgen.flops import pairs_flops, tflops, visible_count  # noqa: E402
+from flashgen.inputs import named_tensors  # noqa: E402
+from flashgen.timing import time_ms  # noqa: E402
 
 CASES = {
     "causal": dict(causal=True),
@@ -48,7 +50,7 @@ def run_case(name, fields, seqlen, tokens, heads, head_dim, modes):
     batch = max(1, tokens // seqlen)
     spec = AttentionSpec(name=name, dtype="bf16", head_dim=head_dim, num_heads=heads, backward=True, **fields)
     q, k, v, do = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    tensors = bench_tensors(spec, batch, seqlen)
+    tensors = named_tensors(spec, batch, seqlen)
     pairs = visible_count(spec, batch, seqlen, seqlen, tensors)
     row = {"case": name, "seqlen": seqlen, "batch": batch, "visible_fraction": pairs / (batch * heads * seqlen ** 2)}
     flex = flex_mods(spec, q, k, tensors)

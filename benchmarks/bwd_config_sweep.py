@@ -7,7 +7,9 @@ import sys, time, torch, itertools
 sys.path.insert(0, ".")
 import flashgen
 from flashgen import AttentionSpec, default_config
-from flashgen.bench import bench_tensors, time_ms, visible_count, tflops
+from flashgen.flops import tflops, visible_count
+from flashgen.inputs import named_tensors
+from flashgen.timing import time_ms
 cases = [("sw256", 16384, dict(mask={"sliding_window": {"left": 256, "right": 0}})),
          ("chunk1024", 16384, dict(mask={"chunked": 1024})),
          ("doc4", 4096, dict(mask={"document": {}})),
@@ -21,7 +23,7 @@ for name, S, f in cases:
     B = 16384 // S
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, backward=True, **f)
     q, k, v, do = (torch.randn(B, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    t = bench_tensors(spec, B, S)
+    t = named_tensors(spec, B, S)
     pairs = visible_count(spec, B, S, S, t)
     base = default_config(spec)
     mod = flashgen.compile(spec, base).module()

@@ -8,7 +8,7 @@ import sys, time, torch
 sys.path.insert(0, ".")
 import flashgen
 from flashgen import AttentionSpec
-from flashgen.bench import time_ms
+from flashgen.timing import time_ms
 for name, S, f in [("sw256", 16384, dict(mask={"sliding_window": {"left": 256, "right": 0}})), ("causal", 4096, dict(causal=True))]:
     B = 16384 // S
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, backward=True, **f)

@@ -36,7 +36,7 @@ def main():
     for name, fields, config in cases:
         spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, backward=True, **fields)
         module = flashgen.compile(spec, config).module()
-        module._interpreting = lambda: True  # accept CPU tensors: nothing is launched
+        module._LAUNCHER.interpreting = lambda: True  # accept CPU tensors: nothing is launched
         q = torch.randn(1, 16, 1024, 128, dtype=torch.bfloat16)
         out, lse = module.forward(q, q, q)
         for phase, call in (("forward", lambda: module.forward(q, q, q)),

@@ -7,7 +7,8 @@ from functools import lru_cache
 
 import torch
 
-from . import ops, render
+from . import ops
+from .codegen import render
 from .config import KernelConfig, default_config
 from .space import nearest_bucket
 from .spec import MAX_HEAD_DIM, AttentionSpec

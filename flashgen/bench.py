@@ -1,82 +1,23 @@
-"""Timing and FLOP counting, shared by the benchmark scripts and the tuner.
+"""Benchmarks: flashgen beside the anchors (PyTorch SDPA's backends, FlexAttention), and reports.
 
-FLOPs follow the FlashAttention papers: 2 * (head_dim + head_dim_v) multiply-adds per
-visible (query, key) pair per head; masked-out pairs are not counted. Times are the
-median of triton.testing.do_bench (CUDA events, after warm-up, L2 flushed between runs)
-on randn inputs, never zeros.
+Every anchor runs on the same randn inputs as flashgen and its output is compared with
+flashgen's before it is timed. Inputs, FLOPs and timing are those the tuner uses
+(inputs.py, flops.py, timing.py): TFLOP/s count visible (query, key) pairs only; times are
+medians of CUDA-event runs after warm-up with L2 flushed.
 """
 
 from __future__ import annotations
 
-import math
 import platform
 
 import torch
 
-
-def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """Number of (query, key) pairs that are not masked (bottom-right causal alignment)."""
-    if not causal:
-        return seqlen_q * seqlen_k
-    offset = seqlen_k - seqlen_q
-    # Row i sees clamp(i + offset + 1, 0, seqlen_k) keys: none before row `first`,
-    # a growing count up to row `full`, every key from there on.
-    first = min(seqlen_q, max(0, -offset))
-    full = min(seqlen_q, max(first, seqlen_k - offset - 1))
-    growing = (first + offset + 1 + full + offset) * (full - first) // 2
-    return growing + (seqlen_q - full) * seqlen_k
-
-
-def pairs_flops(pairs: int, head_dim: int, head_dim_v: int | None = None, *, mode: str = "fwd") -> float:
-    """FLOPs of attention over `pairs` visible (query, key) pairs, summed over batch and heads:
-    Q K^T and P V in the forward; mode fwd, bwd (2.5x fwd) or fwd_bwd (3.5x)."""
-    head_dim_v = head_dim_v or head_dim
-    return 2.0 * pairs * (head_dim + head_dim_v) * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[mode]
-
-
-def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
-                    head_dim_v: int | None = None, *, causal: bool = False, mode: str = "fwd") -> float:
-    """FLOPs of plain or causal attention, masked work not counted (see pairs_flops)."""
-    return pairs_flops(batch * heads * visible_pairs(seqlen_q, seqlen_k, causal), head_dim, head_dim_v, mode=mode)
-
-
-def visible_count(spec, batch: int, seqlen_q: int, seqlen_k: int, tensors=None, *, device="cuda",
-                  rows_per_chunk: int = 1024) -> int:
-    """Visible (query, key) pairs summed over batch and heads for any spec's mask, counted by
-    evaluating the mask densely in row chunks (the same definition the kernels are generated from)."""
-    from . import masks
-    from .expr.ir import reads_var, tensors_of
-    from .expr.to_torch import evaluate, tensors_at_rank
-
-    node = spec.mask_node
-    if node is None:
-        return batch * spec.num_heads * seqlen_q * seqlen_k
-    pred = masks.predicate(node)
-    uses_b = reads_var(pred, "b") or bool(tensors_of(pred))
-    uses_h = reads_var(pred, "h")
-    named = {n: t.to(device) for n, t in tensors_at_rank(tensors, pred).items()}
-    total = 0
-    for b in range(batch if uses_b else 1):
-        for h in range(spec.num_heads if uses_h else 1):
-            for r0 in range(0, seqlen_q, rows_per_chunk):
-                rows = torch.arange(r0, min(seqlen_q, r0 + rows_per_chunk), device=device)[:, None]
-                env = {"b": torch.tensor(b, device=device), "h": torch.tensor(h, device=device), "q_idx": rows,
-                       "kv_idx": torch.arange(seqlen_k, device=device)[None, :], "seqlen_q": seqlen_q,
-                       "seqlen_k": seqlen_k}
-                vis = torch.as_tensor(evaluate(pred, env, named), device=device)
-                total += int(vis.expand(rows.shape[0], seqlen_k).sum())
-    return total * (1 if uses_b else batch) * (1 if uses_h else spec.num_heads)
-
-
-def time_ms(fn, *, warmup: int = 25, rep: int = 100) -> float:
-    """Median milliseconds of fn() on the current CUDA device."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-
-
-def tflops(flops: float, ms: float) -> float:
-    return flops / (ms * 1e-3) / 1e12 if ms > 0 and math.isfinite(ms) else 0.0
+from . import masks
+from .expr.ir import reads_var, tensors_of
+from .expr.to_torch import evaluate, tensors_at_rank
+from .flops import pairs_flops, tflops, visible_count
+from .inputs import named_tensors
+from .timing import time_ms
 
 
 def environment() -> dict:
@@ -125,10 +66,6 @@ def flex_mods(spec, q, k, tensors=None):
     modifier as score_mod, both evaluated from the same definitions as flashgen's kernels."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from . import masks
-    from .expr.ir import reads_var, tensors_of
-    from .expr.to_torch import evaluate, tensors_at_rank
-
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     node = spec.mask_node
     pred = masks.predicate(node) if node is not None else None
@@ -153,25 +90,6 @@ def flex_mods(spec, q, k, tensors=None):
                                        scale=spec.scale, enable_gqa=q_.shape[1] != k_.shape[1])
 
 
-def bench_tensors(spec, batch: int, seqlen: int, *, documents: int = 4, device="cuda") -> dict:
-    """Inputs for the tensors a spec reads, for benchmarks: document ids of `documents` equal
-    documents, ALiBi slopes 2^(-8 i / heads) (flash-attn's), a randn bias table, prefix seqlen // 2."""
-    out = {}
-    for name in spec.tensor_names:
-        if name in ("document_ids", "doc", "docs"):
-            out[name] = (torch.arange(seqlen, device=device) * documents // seqlen).to(torch.int32)
-        elif name == "alibi_slopes":
-            h = spec.num_heads
-            out[name] = torch.tensor([2 ** (-8 * (i + 1) / h) for i in range(h)], device=device)
-        elif name == "rel_bias":
-            out[name] = torch.randn(spec.num_heads, 2 * seqlen - 1, device=device)
-        elif name.startswith("prefix"):
-            out[name] = torch.full((batch,), seqlen // 2, dtype=torch.int32, device=device)
-        else:
-            raise ValueError(f"{name}: no benchmark input for this tensor; time it from your own script")
-    return out
-
-
 def bench_spec(kernel, seqlens, *, tokens: int = 16384, modes=("fwd", "fwd_bwd")) -> list[dict]:
     """Time a kernel (flashgen.load / compile) beside SDPA's flash, cuDNN and efficient backends and
     FlexAttention on the same randn inputs, (batch, heads, S, D) with batch = tokens // S.
@@ -193,7 +111,7 @@ def bench_spec(kernel, seqlens, *, tokens: int = 16384, modes=("fwd", "fwd_bwd")
         k = torch.randn(shape(spec.num_kv_heads, spec.head_dim), device="cuda", dtype=spec.torch_dtype)
         v = torch.randn(shape(spec.num_kv_heads, spec.head_dim_v), device="cuda", dtype=spec.torch_dtype)
         do = torch.randn(shape(spec.num_heads, spec.head_dim_v), device="cuda", dtype=spec.torch_dtype)
-        tensors = bench_tensors(spec, batch, seqlen)
+        tensors = named_tensors(spec, batch, seqlen)
         pairs = visible_count(spec, batch, seqlen, seqlen, tensors)
         for mode in modes:
             flops = pairs_flops(pairs, spec.head_dim, spec.head_dim_v, mode=mode)

@@ -3,7 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from typing import Any
+
+# A bad value is quoted, not dumped: a 1 MB string or a structure of shared sub-lists
+# (which repr() would write out in full) stays a short one-line message.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxlong, _REPR.maxother = 4, 120, 60, 120
+_REPR.maxtuple = _REPR.maxlist = _REPR.maxdict = _REPR.maxset = 8
+MAX_VALUE_REPR = 200
+
+
+def short_repr(value: Any) -> str:
+    text = _REPR.repr(value)
+    return text if len(text) <= MAX_VALUE_REPR else text[:MAX_VALUE_REPR - 3] + "..."
 
 
 class SpecError(ValueError):
@@ -13,7 +26,7 @@ class SpecError(ValueError):
         self.field = field_name
         self.value = value
         self.message = message
-        got = "" if value is dataclasses.MISSING else f", got {value!r}"
+        got = "" if value is dataclasses.MISSING else f", got {short_repr(value)}"
         where = f"{source}: " if source else ""
         super().__init__(f"{where}spec field '{field_name}': {message}{got}")
 

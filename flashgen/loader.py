@@ -1,9 +1,16 @@
 """flashgen.load: the kernel bound to the best stored config per sequence-length bucket.
 
-Lookup order: the user's database (FLASHGEN_DB or the user cache dir), then the shipped
+Lookup order: the user's database (FLASHGEN_DB or the user data dir), then the shipped
 tuning_db/ layer, then the heuristic default with one warning that names the command to
-tune. The lookup never tunes, and a missing, locked, stale or corrupt database never
-raises: it warns once and falls back (`flashgen db check` says what is wrong).
+tune. In the database and in tuning_db/ a result measured on this GPU model with these
+templates and this Triton major.minor is used (flashgen.db.env): an exact match of the
+whole environment first, else a near match, which the source says ("tuning_db (near
+match: tuned with torch 2.11.0, ...)").
+
+The lookup never tunes, and a missing, locked, stale or corrupt database never raises: it
+warns once and falls back (`flashgen db check` says what is wrong). A stored result that is
+malformed (flashgen.db.rows) is skipped with one warning, and so is an unreadable tuning_db/
+file: the other results still count. Warnings never show a password.
 """
 
 from __future__ import annotations
@@ -12,9 +19,12 @@ import warnings
 from pathlib import Path
 
 from .api import AttentionKernel
-from .config import KernelConfig, default_config
-from .db import EnvInfo, ResultStore, default_url
+from .config import ConfigError, KernelConfig, default_config
+from .db import (DatabaseError, EnvInfo, MissingDatabaseError, ResultRowError, ResultStore, default_url, display_url,
+                 hide_password)
+from .db.env import source_label
 from .db.layer import shipped_best
+from .db.rows import check_best
 from .spec import AttentionSpec
 
 
@@ -22,24 +32,44 @@ class FlashgenFallbackWarning(UserWarning):
     """flashgen is running a kernel with an untuned config, and says why."""
 
 
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple] = set()
 
 
-def _warn_once(spec: AttentionSpec, what: str, message: str) -> None:
-    if (spec.key, what) not in _warned:
-        _warned.add((spec.key, what))
+def _warn_once(key: tuple, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
         warnings.warn(message, FlashgenFallbackWarning, stacklevel=3)
 
 
-def _configs(rows: dict[int, dict[str, dict]], base: KernelConfig) -> dict[int, KernelConfig]:
-    """Per bucket: each phase's own knobs from that phase's best row, the rest from base."""
-    out = {}
+def _configs(rows: dict[int, dict[str, dict]], base: KernelConfig) -> tuple[dict[int, KernelConfig], list[str]]:
+    """Per bucket: each phase's own knobs from that phase's best row, the rest from base; and
+    the rows skipped as malformed, as sentences."""
+    out, bad = {}, []
     for bucket, phases in rows.items():
-        knobs = {}
+        knobs, used = {}, 0
         for phase, row in phases.items():
+            try:
+                check_best(dict(row, bucket=bucket, phase=phase))
+            except ResultRowError as err:
+                bad.append(f"bucket {bucket!r} {phase!r}: {err}")
+                continue
             knobs.update({k: row["config"][k] for k in KernelConfig.phase_knobs(phase) if k in row["config"]})
-        out[bucket] = base.replace(**knobs)
-    return out
+            used += 1
+        if not used:
+            continue
+        try:
+            out[bucket] = base.replace(**knobs)
+        except ConfigError as err:  # each phase's knobs are sound alone, not together
+            bad.append(f"bucket {bucket!r}: {err}")
+    return out, bad
+
+
+def _usable(rows: dict, base: KernelConfig, spec: AttentionSpec, where: str, fix: str) -> dict[int, KernelConfig]:
+    configs, bad = _configs(rows, base)
+    if bad:
+        _warn_once((spec.key, "rows", where), f"flashgen: skipping {len(bad)} malformed tuning result(s) for "
+                                              f"{spec.uri} in {where} ({bad[0]}). {fix}")
+    return configs
 
 
 def lookup(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None = None
@@ -48,23 +78,35 @@ def lookup(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None 
     base = default_config(spec)
     env = EnvInfo.current()
     url = db or default_url()
+    shown = display_url(url)
+    check = f"Run `flashgen db check --db {shown}`."
     try:
-        if not (url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).expanduser().exists()):
-            rows = ResultStore(url, create=False).best_configs(env, spec)
-            if rows:
-                return _configs(rows, base), f"database {url}"
+        rows = ResultStore(url, create=False).matching_best(env, spec)
+        configs = _usable(rows, base, spec, shown, check)
+        if configs:
+            return configs, source_label(f"database {shown}", env, rows)
+    except MissingDatabaseError:
+        pass  # nothing tuned here yet: not worth a warning
     except Exception as err:  # missing tables, locked, corrupt, another schema version, no driver...
-        _warn_once(spec, "db", f"flashgen: cannot read tuning results from {url} ({type(err).__name__}: "
-                               f"{str(err).splitlines()[0][:300]}); falling back. Run `flashgen db check --db {url}`.")
+        reason = err.problem if isinstance(err, DatabaseError) else f"{type(err).__name__}: {err}"
+        reason = hide_password(reason.strip().splitlines()[0][:300] if reason.strip() else type(err).__name__, url)
+        _warn_once((spec.key, "db"), f"flashgen: cannot read tuning results from {shown} ({reason}); "
+                                     f"falling back. {check}")
+
+    def skip_file(path, err):
+        _warn_once(("layer", str(path)), f"flashgen: skipping the shipped tuning results file {path}: "
+                                         f"{err.problem}. The other files still count.")
+
     try:
-        rows = shipped_best(spec.key, env.as_dict())
-        if rows:
-            return _configs(rows, base), "tuning_db"
-    except Exception as err:
-        _warn_once(spec, "layer", f"flashgen: cannot read the shipped tuning_db ({err}); falling back.")
+        rows = shipped_best(spec.key, env, on_bad_file=skip_file)
+        configs = _usable(rows, base, spec, "tuning_db", "Regenerate the file with `flashgen export`.")
+        if configs:
+            return configs, source_label("tuning_db", env, rows)
+    except Exception as err:  # noqa: BLE001 (a load never fails for its results)
+        _warn_once((spec.key, "layer"), f"flashgen: cannot read the shipped tuning_db ({err}); falling back.")
     where = spec_path or "spec.yaml"
-    _warn_once(spec, "default", f"flashgen: no tuned config for {spec.uri} on {env.gpu}; using the heuristic "
-                                f"default. Tune it with `flashgen tune --spec {where}`.")
+    _warn_once((spec.key, "default"), f"flashgen: no tuned config for {spec.uri} on {env.gpu}; using the heuristic "
+                                      f"default. Tune it with `flashgen tune --spec {where}`.")
     return {}, "default"
 
 

@@ -22,7 +22,8 @@ from types import ModuleType
 
 import torch
 
-from . import masks, render
+from . import masks
+from .codegen import render
 from .config import KernelConfig
 from .spec import AttentionSpec
 
@@ -51,7 +52,7 @@ def kernel_module(kernel_id: str) -> ModuleType:
         with _build_lock:
             module = _MODULES.get(kernel_id)
             if module is None:
-                module = _MODULES[kernel_id] = render.load(*kernel_spec(kernel_id))
+                module = _MODULES[kernel_id] = render.build_module(*kernel_spec(kernel_id))
     return module
 
 

@@ -13,6 +13,7 @@ SpecError that names the field and the value, for example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -34,7 +35,139 @@ _DTYPE_ALIASES = {
 }
 TARGETS = ("auto", "h100", "h200", "a100", "l40s", "l4", "a10g", "rtx4090", "rtx3090", "cpu")
 MAX_HEAD_DIM = 256
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+MAX_NAME_LENGTH = 100  # the name starts spec.uri, which names files: keep it far below 255 bytes
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # used with fullmatch: `$` would accept "foo\n"
+
+# What a spec file may be. Specs are a few hundred bytes; the bounds stop a small hostile
+# file from hanging or crashing the reader (nested aliases expand exponentially, deep
+# nesting exhausts Python's stack) long before any real spec comes near them.
+MAX_SPEC_BYTES = 1 << 20
+MAX_SPEC_VALUES = 10_000  # scalars, lists and mappings, counting every alias expansion
+MAX_YAML_DEPTH = 64
+
+
+# ----------------------------------------------------------------------------- YAML reading
+class YamlFileError(ValueError):
+    """A YAML file cannot be read, decoded or parsed, or is past a size bound. ``key`` is set
+    for a duplicate key; the message is one line and names the file."""
+
+    def __init__(self, path: str, problem: str, key: Any = None):
+        self.path, self.problem, self.key = path, problem, key
+        super().__init__(f"{path}: {problem}")
+
+
+class _LimitError(yaml.YAMLError):
+    def __init__(self, problem: str, mark, key: Any = None):
+        self.problem, self.mark, self.key = problem, mark, key
+        super().__init__(problem)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses duplicate keys, nesting deeper than ``max_depth`` and
+    documents that expand, through &anchors and *aliases, to more than ``max_values`` values."""
+
+    max_depth = MAX_YAML_DEPTH
+    max_values = MAX_SPEC_VALUES
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1  # the composer recurses once per level: bound it before Python's stack does
+        try:
+            if self._depth > self.max_depth:
+                raise _LimitError(f"nested deeper than {self.max_depth} levels", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def compose_document(self):
+        node = super().compose_document()
+        _check_expansion(node, self.max_values, self.max_depth)
+        return node
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` overrides on purpose
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # unhashable: the base constructor says so
+                continue
+            if duplicate:
+                raise _LimitError(f"duplicate key {key!r}", key_node.start_mark, key=key)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_expansion(root, max_values: int, max_depth: int) -> None:
+    """Count the values the node graph expands to (every alias copied out) without expanding it:
+    an iterative depth-first walk that adds up each node's size once."""
+
+    def children(node):
+        if isinstance(node, yaml.SequenceNode):
+            return node.value
+        if isinstance(node, yaml.MappingNode):
+            return [n for pair in node.value for n in pair]
+        return []
+
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    open_: set[int] = set()  # started, not finished: the current path from the root
+    stack = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        if finished:
+            kids = children(node)
+            size[id(node)] = 1 + sum(size[id(k)] for k in kids)
+            depth[id(node)] = 1 + max((depth[id(k)] for k in kids), default=0)
+            open_.discard(id(node))
+            if size[id(node)] > max_values:
+                raise _LimitError(f"expands to more than {max_values} values through &anchors and *aliases",
+                                  node.start_mark)
+            if depth[id(node)] > max_depth:
+                raise _LimitError(f"nests deeper than {max_depth} levels through &anchors and *aliases",
+                                  node.start_mark)
+        elif id(node) in open_:
+            raise _LimitError("an alias refers to the value that contains it", node.start_mark)
+        elif id(node) not in size:
+            open_.add(id(node))
+            stack.append((node, True))
+            stack.extend((k, False) for k in children(node) if id(k) not in size)
+
+
+def _where(mark) -> str:
+    return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+
+def read_yaml(path: str | Path, *, max_bytes: int = MAX_SPEC_BYTES, max_values: int = MAX_SPEC_VALUES) -> Any:
+    """The data of a YAML file, read with the bounds above; YamlFileError (one line, naming the
+    file) for anything that cannot be read, is not UTF-8, is not valid YAML or breaks a bound."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as err:
+        raise YamlFileError(str(path), f"cannot read: {err.strerror or err}") from None
+    if len(raw) > max_bytes:
+        raise YamlFileError(str(path), f"larger than {max_bytes} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise YamlFileError(str(path), f"not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start})") from None
+    loader = type("_Loader", (_BoundedLoader,), {"max_values": max_values})
+    try:
+        return yaml.load(text, Loader=loader)  # noqa: S506 (a SafeLoader)
+    except _LimitError as err:
+        raise YamlFileError(str(path), err.problem + _where(err.mark), key=err.key) from None
+    except yaml.MarkedYAMLError as err:
+        problem = " ".join(p for p in (err.context, err.problem) if p)
+        raise YamlFileError(str(path), f"not valid YAML: {problem}{_where(err.problem_mark)}") from None
+    except yaml.YAMLError as err:
+        raise YamlFileError(str(path), "not valid YAML: " + " ".join(str(err).split())) from None
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
@@ -83,7 +216,7 @@ class TuneSpec:
             return cls()
         if not isinstance(data, Mapping):
             raise SpecError("tune", "expected a mapping with keys " + ", ".join(_fields(cls)), data)
-        unknown = sorted(set(data) - set(_fields(cls)))
+        unknown = [k for k in data if k not in _fields(cls)]  # not sorted: keys may mix types (`1: x`)
         if unknown:
             raise SpecError(f"tune.{unknown[0]}", "unknown key (known: " + ", ".join(_fields(cls)) + ")")
         return cls(**dict(data))
@@ -94,6 +227,34 @@ class TuneSpec:
 
 def _fields(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
+
+
+def _refuse_deep_nesting(post_init):
+    """A mask or score_mod nested past Python's stack (a 400-level expression, a deep dict)
+    is a SpecError naming the field, not a RecursionError."""
+
+    @functools.wraps(post_init)
+    def checked(self):
+        try:
+            post_init(self)
+        except RecursionError:
+            raise SpecError(_too_deep(self), "nested too deeply (split the expression, or use and/or lists)") from None
+
+    return checked
+
+
+def _too_deep(spec) -> str:
+    """Which field overflowed the stack: parse each again on its own (a parsed node parses at once)."""
+    for name, parse in (("mask", masks.parse_mask), ("score_mod", masks.parse_score_mod)):
+        value = getattr(spec, name)
+        try:
+            if value is not None:
+                parse(value)
+        except RecursionError:
+            return name
+        except Exception:  # noqa: BLE001 (another error in this field: not the deep one)
+            pass
+    return "mask" if spec.mask is not None else "score_mod"
 
 
 @dataclass(frozen=True)
@@ -115,10 +276,12 @@ class AttentionSpec:
     target: str = "auto"
     tune: TuneSpec = field(default_factory=TuneSpec)
 
+    @_refuse_deep_nesting
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
-            raise SpecError("name", "expected letters, digits, '_', '.' or '-' (starting with a letter or digit)", self.name)
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name) or len(self.name) > MAX_NAME_LENGTH:
+            raise SpecError("name", f"expected up to {MAX_NAME_LENGTH} letters, digits, '_', '.' or '-' "
+                                    "(starting with a letter or digit)", self.name)
         dtype = _DTYPE_ALIASES.get(self.dtype) if isinstance(self.dtype, str) else None
         if dtype is None:
             raise SpecError("dtype", "expected one of fp16, bf16, fp32", self.dtype)
@@ -185,13 +348,12 @@ class AttentionSpec:
     def from_yaml(cls, path: str | Path) -> "AttentionSpec":
         path = Path(path)
         try:
-            text = path.read_text()
-        except OSError as err:
-            raise SpecError("<file>", f"cannot read spec file: {err.strerror}", str(path)) from None
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise SpecError("<file>", f"not valid YAML: {err}", source=str(path)) from None
+            data = read_yaml(path)
+        except YamlFileError as err:
+            if err.key is not None:
+                raise SpecError(str(err.key), err.problem, source=str(path)) from None
+            problem = err.problem.replace("cannot read:", "cannot read spec file:", 1)
+            raise SpecError("<file>", problem, source=str(path)) from None
         return cls.from_dict(data, source=str(path))
 
     @classmethod

@@ -2,13 +2,19 @@
 
 One entry point, ``tune(spec, runner, options)``. For each sequence-length bucket it runs
 one Optuna study for the forward and, when the spec trains, one for the backward (with
-the forward fixed at its best). A trial renders, compiles, verifies (the rule of
-../shared/TESTING.md on a reduced grid) and only then times. Failures are typed
-(restricted, compile_error, out_of_resources, wrong_result, timeout, error), stored, never
-retried and never chosen. Every finished trial is written to the results database and to
-the study's Optuna journal at once, so a crashed run loses nothing and ``resume`` goes on.
-Before a best config is stored it is verified on the full grid and timed again beside
-the runner-up.
+the forward fixed at its best). A trial checks the space's restrictions, renders,
+compiles, verifies (the rule of ../shared/TESTING.md on a reduced grid) and only then
+times; the runner wraps each stage, so a failure is typed by where it happened
+(failures.py: restricted, compile_error, out_of_resources, wrong_result, timeout, error),
+stored, never retried and never chosen. Every finished trial is written to the results
+database and to the study's Optuna journal at once, so a crashed run loses nothing, and a
+later run of the same spec in the same environment goes on with the study it finds (never
+deleting it: another process may be writing to it). Before a best config is stored it is
+verified on the full grid and timed again beside the runner-up; it replaces a stored result
+only when it is faster (ResultStore.set_best), and the result says which one stays.
+
+Inputs, FLOP counts and timing come from inputs.py, flops.py and timing.py, which the
+benchmarks share: the tuner imports nothing from bench.py.
 """
 
 from __future__ import annotations
@@ -26,15 +32,21 @@ import torch
 
 from . import masks
 from .api import AttentionKernel
-from .bench import bench_tensors, pairs_flops, tflops, visible_count
 from .config import KernelConfig, default_config
 from .db import EnvInfo, ResultStore, TrialRecord, config_key
+from .failures import (CompilationFailedConfig, FailedConfig, InvalidConfig, RuntimeFailedConfig, TimedOutConfig,
+                       WrongResultConfig, launching, stage)
+from .flops import pairs_flops, tflops, visible_count
+from .inputs import named_tensors, qkv_do
 from .space import DeviceLimits, SearchSpace, backward_space, bucket_of, forward_space
 from .spec import AttentionSpec
+from .timing import time_ms, wall_ms
 from .verify import check_attention, check_gradients
 
 log = logging.getLogger("flashgen.tuner")
-SAMPLERS = ("tpe", "random", "grid", "cmaes")
+# No CMA-ES: every knob is categorical, which CMA-ES cannot model (Optuna falls back to its
+# independent sampler on each one, with a warning per knob).
+SAMPLERS = ("tpe", "random", "grid")
 
 
 # ----------------------------------------------------------------------------- runners
@@ -49,7 +61,8 @@ class Workload:
 
 
 class Runner:
-    """Verifies and times one config. GpuRunner and InterpretRunner share this interface."""
+    """Runs one config through the stages of a trial; GpuRunner and InterpretRunner share this
+    interface. A stage that fails gives the record its typed failure (see failures.py)."""
 
     device = "cpu"
     timing_label = ""
@@ -61,7 +74,11 @@ class Runner:
         self.env = EnvInfo.current(interpret=self.interpret)
         self.limits = DeviceLimits.current(interpret=self.interpret)
 
-    # The two calls a test may override (for example to inject a wrong kernel).
+    # The calls a test may override (for example to inject a wrong kernel or a failing stage).
+    def build(self, kernel: AttentionKernel, config):
+        """Render the config's module and import it."""
+        return kernel.module(config)
+
     def forward(self, kernel: AttentionKernel, config, q, k, v, tensors=None):
         return kernel.forward(q, k, v, config=config, **(tensors or {}))
 
@@ -72,60 +89,86 @@ class Runner:
         seqlen = self.timing_seqlen(bucket)
         batch = max(1, batch_tokens // seqlen) if not self.interpret else 1
         gen = torch.Generator().manual_seed(random.randrange(2**31))
-        named = bench_tensors(spec, batch, seqlen, device=self.device)
-        return Workload(bucket, batch, seqlen, _randn_qkv_do(spec, batch, seqlen, seqlen, self.device, gen), named,
-                        visible_count(spec, batch, seqlen, seqlen, named, device=self.device))
+        named = named_tensors(spec, batch, seqlen, device=self.device)
+        return Workload(bucket, batch, seqlen, qkv_do(spec, batch, seqlen, seqlen, device=self.device, generator=gen),
+                        named, visible_count(spec, batch, seqlen, seqlen, named, device=self.device))
 
     def timing_seqlen(self, bucket: int) -> int:
         return bucket
 
-    def verify(self, kernel, config, phase, shapes) -> tuple[bool, float, str | None]:
-        """The error rule on fresh inputs at each shape; returns (ok, worst margin, error)."""
+    def trial(self, kernel, data: dict, broken: list[str], phase, work: Workload, *,
+              timeout_s: float = 60.0) -> TrialRecord:
+        """A sampled point from the start: the restrictions it breaks, its config, then evaluate."""
+        try:
+            if broken:
+                raise InvalidConfig("; ".join(broken))
+            with stage(InvalidConfig):
+                config = KernelConfig.from_dict(data)
+        except FailedConfig as failure:
+            return _failed(TrialRecord(work.bucket, phase, data, "ok"), failure)
+        return self.evaluate(kernel, config, phase, work, timeout_s=timeout_s)
+
+    def evaluate(self, kernel, config, phase, work: Workload, *, timeout_s: float = 60.0,
+                 full: bool = False) -> TrialRecord:
+        """Render, compile and run, verify, then time one config (the full grid with ``full``)."""
+        rec = TrialRecord(work.bucket, phase, config.to_dict(), "ok")
+        start = time.monotonic()
+        try:
+            with stage(CompilationFailedConfig):
+                self.build(kernel, config)
+            rec.margin = self.verify(kernel, config, phase, self.full_verify_shapes if full else self.verify_shapes)
+            _within(start, timeout_s, "compile and verify")
+            with launching():
+                rec.ms = self.time(kernel, config, phase, work)
+            spec = kernel.spec
+            rec.tflops = tflops(pairs_flops(work.pairs, spec.head_dim, spec.head_dim_v, mode=phase), rec.ms)
+            _within(start, timeout_s, "the trial")
+        except FailedConfig as failure:  # typed: never let one config end the search
+            _failed(rec, failure)
+        return rec
+
+    def verify(self, kernel, config, phase, shapes) -> float:
+        """The error rule on fresh inputs at each shape; returns the worst margin, raises
+        WrongResultConfig at the first result that breaks the rule."""
         worst = 0.0
         spec = kernel.spec
         for batch, seqlen_q, seqlen_k in shapes:
             if masks.lower(spec.mask_node, spec.score_mod).same_seqlen:  # a document mask indexes one id tensor by query and key
                 seqlen_k = seqlen_q
             gen = torch.Generator().manual_seed(random.randrange(2**31))
-            q, k, v, do = _randn_qkv_do(spec, batch, seqlen_q, seqlen_k, self.device, gen)
-            named = bench_tensors(spec, batch, max(seqlen_q, seqlen_k), device=self.device)
+            q, k, v, do = qkv_do(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
+            named = named_tensors(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
+            with launching():
+                out, lse = self.forward(kernel, config, q, k, v, named)
+                grads = self.backward(kernel, config, do, q, k, v, out, lse, named) if phase == "bwd" else None
             rule = dict(causal=spec.causal, softmax_scale=spec.softmax_scale, mask=spec.mask,
                         score_mod=spec.score_mod, tensors=named)
-            out, lse = self.forward(kernel, config, q, k, v, named)
-            results = check_attention(out, lse, q, k, v, **rule)
-            if phase == "bwd":
-                grads = self.backward(kernel, config, do, q, k, v, out, lse, named)
-                results += check_gradients(grads, q, k, v, do, **rule)
+            with stage(RuntimeFailedConfig):
+                results = check_attention(out, lse, q, k, v, **rule)
+                if grads is not None:
+                    results += check_gradients(grads, q, k, v, do, **rule)
             for r in results:
                 worst = max(worst, r.margin)
                 if not r.ok:
-                    return False, worst, f"at (batch {batch}, seqlen_q {seqlen_q}, seqlen_k {seqlen_k}): {r}"
-        return True, worst, None
+                    raise WrongResultConfig(f"at (batch {batch}, seqlen_q {seqlen_q}, seqlen_k {seqlen_k}): {r}",
+                                            margin=worst)
+        return worst
 
     def time(self, kernel, config, phase, work: Workload) -> float:
         raise NotImplementedError
 
-    def evaluate(self, kernel, config, phase, work: Workload, *, timeout_s: float = 60.0,
-                 full: bool = False) -> TrialRecord:
-        rec = TrialRecord(work.bucket, phase, config.to_dict(), "ok")
-        start = time.monotonic()
-        try:
-            ok, rec.margin, rec.error = self.verify(kernel, config, phase,
-                                                    self.full_verify_shapes if full else self.verify_shapes)
-            if not ok:
-                rec.status = "wrong_result"
-                return rec
-            if time.monotonic() - start > timeout_s:
-                rec.status, rec.error = "timeout", f"compile and verify took over {timeout_s:g}s"
-                return rec
-            rec.ms = self.time(kernel, config, phase, work)
-            spec = kernel.spec
-            rec.tflops = tflops(pairs_flops(work.pairs, spec.head_dim, spec.head_dim_v, mode=phase), rec.ms)
-        except Exception as err:  # typed: never let one config end the search
-            rec.status, rec.error = classify_failure(err), f"{type(err).__name__}: {str(err)[:2000]}"
-        if rec.status == "ok" and time.monotonic() - start > timeout_s:
-            rec.status, rec.error = "timeout", f"took {time.monotonic() - start:.0f}s, over {timeout_s:g}s"
-        return rec
+
+def _within(start: float, timeout_s: float, what: str) -> None:
+    elapsed = time.monotonic() - start
+    if elapsed > timeout_s:
+        raise TimedOutConfig(f"{what} took {elapsed:.0f}s, over {timeout_s:g}s")
+
+
+def _failed(rec: TrialRecord, failure: FailedConfig) -> TrialRecord:
+    rec.status, rec.error = failure.status, failure.detail
+    if failure.margin is not None:
+        rec.margin = failure.margin
+    return rec
 
 
 class GpuRunner(Runner):
@@ -138,8 +181,6 @@ class GpuRunner(Runner):
                                              (2, 1023, 1023), (1, 17, 2049)])
 
     def time(self, kernel, config, phase, work: Workload) -> float:
-        from .bench import time_ms
-
         q, k, v, do = work.tensors
         named = work.named
         if phase == "fwd":
@@ -172,31 +213,13 @@ class InterpretRunner(Runner):
 
     def time(self, kernel, config, phase, work: Workload) -> float:
         q, k, v, do = work.tensors
-        start = time.perf_counter()
-        out, lse = self.forward(kernel, config, q, k, v, work.named)
-        if phase == "bwd":
-            self.backward(kernel, config, do, q, k, v, out, lse, work.named)
-        return (time.perf_counter() - start) * 1e3
 
+        def run():
+            out, lse = self.forward(kernel, config, q, k, v, work.named)
+            if phase == "bwd":
+                self.backward(kernel, config, do, q, k, v, out, lse, work.named)
 
-def _randn_qkv_do(spec: AttentionSpec, batch, seqlen_q, seqlen_k, device, gen):
-    dtype = spec.torch_dtype
-
-    def randn(*shape):
-        return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-
-    return (randn(batch, spec.num_heads, seqlen_q, spec.head_dim), randn(batch, spec.num_kv_heads, seqlen_k,
-            spec.head_dim), randn(batch, spec.num_kv_heads, seqlen_k, spec.head_dim_v),
-            randn(batch, spec.num_heads, seqlen_q, spec.head_dim_v))
-
-
-def classify_failure(err: BaseException) -> str:
-    name, text = type(err).__name__, str(err)
-    if name == "OutOfResources" or "out of resource" in text.lower() or "shared memory" in text.lower():
-        return "out_of_resources"
-    if name in ("CompilationError", "CompileTimeAssertionFailure") or "compil" in name.lower():
-        return "compile_error"
-    return "error"
+        return wall_ms(run)
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -206,8 +229,7 @@ class TuneOptions:
     timeout_s: float = 120.0  # per trial
     sampler: str = "tpe"
     seed: int = 0
-    resume: bool = False
-    journal_dir: Path | None = None  # Optuna journals, one file per study
+    journal_dir: Path | None = None  # Optuna journals, one file per study; a study found there goes on
     phases: tuple[str, ...] | None = None  # default: fwd, plus bwd when the spec trains
     progress: object = None  # callable(event dict) for the CLI's progress bar
 
@@ -222,6 +244,8 @@ class BucketResult:
     failures: dict[str, int]
     importances: dict[str, float] = field(default_factory=dict)
     study_name: str = ""
+    resumed: int = 0  # trials this run found finished in the study, from an earlier or concurrent run
+    kept: dict | None = None  # the faster stored result that this run's best did not replace
 
     @property
     def speedup(self) -> float | None:
@@ -239,8 +263,6 @@ def make_sampler(name: str, seed: int, space: SearchSpace):
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
         return optuna.samplers.GridSampler({k: list(v) for k, v in space.params.items()}, seed=seed)
-    if name == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=seed, independent_sampler=optuna.samplers.TPESampler(seed=seed))
     raise ValueError(f"sampler: expected one of {SAMPLERS}, got {name!r}")
 
 
@@ -262,7 +284,9 @@ def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneO
          ) -> list[BucketResult]:
     """Tune every bucket of the spec; store every trial and the best config per bucket and phase."""
     options = options or TuneOptions()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # Optuna's warnings are about failed trials, with their tracebacks: a config's failure is
+    # a typed record here, and an interrupt or a database error reaches the caller whole.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     phases = options.phases or (("fwd", "bwd") if spec.backward else ("fwd",))
     buckets = sorted({bucket_of(s) for s in spec.tune.seqlens})
     results = []
@@ -302,10 +326,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
         key = config_key(data)
         rec = cache.get(key)
         if rec is None:
-            if broken:
-                rec = TrialRecord(bucket, phase, data, "restricted", error="; ".join(broken))
-            else:
-                rec = runner.evaluate(kernel, KernelConfig.from_dict(data), phase, work, timeout_s=options.timeout_s)
+            rec = runner.trial(kernel, data, broken, phase, work, timeout_s=options.timeout_s)
             cache[key] = rec
             store.record_trial(runner.env, spec, rec)
         trial.set_user_attr("record", dataclasses.asdict(rec))
@@ -328,7 +349,8 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
         if evaluated() >= budget:
             study_.stop()
 
-    if evaluated() < budget:
+    resumed = evaluated()
+    if resumed < budget:
         study.optimize(objective, n_trials=20 * budget, callbacks=[stop_when_spent], catch=())
     best, default = _final_choice(spec, runner, kernel, study, phase, work, options, store, base)
     importances = {}
@@ -338,10 +360,11 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
             importances = optuna.importance.get_param_importances(study)
         except (RuntimeError, ValueError) as err:  # e.g. every completed trial took the same time
             log.info("no parameter importances for %s: %s", name, err)
+    kept = None
     if best is not None:
-        store.set_best(runner.env, spec, bucket, phase, best.config, best.ms, best.tflops,
-                       default.ms if default.status == "ok" else None)
-    return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name)
+        kept = store.set_best(runner.env, spec, bucket, phase, best.config, best.ms, best.tflops,
+                              default.ms if default.status == "ok" else None)
+    return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept)
 
 
 def _final_choice(spec, runner, kernel, study, phase, work, options, store, base: KernelConfig):
@@ -373,8 +396,6 @@ def _journal(options: TuneOptions, name: str):
 
     path = Path(options.journal_dir) / f"{name}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not options.resume and path.exists():
-        path.unlink()
     return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
 
 

@@ -6,8 +6,12 @@ so Triton's whole pipeline (frontend, TTGIR passes, ptxas) runs on the CPU. This
 what the interpreter cannot: code that runs in Python but does not lower (a static branch
 that returns early, a descriptor used as a pointer, an unsupported layout).
 
-Prints one line per kernel; exits 0 when all compiled, 1 on a compile error, and 3 when
-this Triton's internals are not the ones this script drives.
+Also checks that the spec's constants, read by the kernels as tl.constexpr module globals,
+key the compiled binary: two modules whose kernels have the same text but another HEAD_DIM
+must not share one (Triton's disk cache is shared between them).
+
+Prints one line per case and phase; exits 0 when all compiled, 1 on a compile error or a
+shared binary, and 3 when this Triton's internals are not the ones this script drives.
 """
 
 from __future__ import annotations
@@ -52,12 +56,15 @@ class Sm90Driver:
         return getattr(self._cuda, name)
 
 
+CASE = [""]  # the case being compiled
 COMPILED = []
+BINARIES = {}  # (case, kernel name) -> the compiled binary's hash
 
 
 def _compile_only(run):
     def compile_run(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        BINARIES[(CASE[0], self.__name__)] = kernel.hash
         COMPILED.append(f"{self.__name__}: {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B smem, "
                         f"{len(kernel.asm['cubin'])} B cubin")
         return kernel
@@ -78,25 +85,39 @@ def main() -> int:
          hopper),
         ("hd64, pointer loads", dict(head_dim=64, num_heads=4), KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8,
                                                                             num_stages=3, dq_strategy="atomic")),
+        # the same kernel text as hd64's: only the HEAD_DIM/BLOCK_D globals differ
+        ("hd128, pointer loads", dict(head_dim=128, num_heads=4), KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8,
+                                                                              num_stages=3, dq_strategy="atomic")),
         ("sliding window + softcap, TMA", dict(head_dim=64, num_heads=4, mask={"sliding_window": {"left": 256}},
                                                score_mod={"softcap": 30.0}), hopper),
         ("custom expression (block map), TMA", dict(head_dim=64, num_heads=4, causal=True,
                                                     mask={"expr": "(q_idx - kv_idx) % 64 == 0"}), hopper),
         ("documents, FA1 loop order", dict(head_dim=96, num_heads=4, mask={"document": {"ids": "doc"}}),
          KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, loop_order="kv_outer")),
+        ("packed sequences, causal, dropout", dict(head_dim=64, num_heads=4, num_kv_heads=2, causal=True,
+                                                   dropout_p=0.1, varlen=True),
+         KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
     ]
     failed = 0
     for name, fields, config in cases:
+        CASE[0] = name
+        varlen = fields.pop("varlen", False)
         spec = AttentionSpec(dtype="bf16", backward=True, **fields)
         module = flashgen.compile(spec, config).module()
-        module._interpreting = lambda: True  # accept CPU tensors: nothing is launched
+        module._LAUNCHER.interpreting = lambda: True  # accept CPU tensors: nothing is launched
         h, hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q = torch.randn(2, h, 300, d, dtype=torch.bfloat16)
         k = torch.randn(2, hk, 300, d, dtype=torch.bfloat16)
         tensors = {"doc": torch.zeros(2, 300, dtype=torch.int32)} if "doc" in module.TENSORS else {}
-        for phase, run in (("forward", lambda: module.forward(q, k, k, tensors=tensors)),
-                           ("backward", lambda: module.backward(q, q, k, k, q, torch.zeros(2, h, 300),
-                                                                tensors=tensors))):
+        kw = dict(tensors=tensors)
+        if varlen:  # packed (tokens, heads, dim): two sequences of 300
+            q, k = q.transpose(1, 2).reshape(600, h, d), k.transpose(1, 2).reshape(600, hk, d)
+            cu = torch.tensor([0, 300, 600], dtype=torch.int32)
+            kw.update(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300, max_seqlen_k=300,
+                      dropout_p=0.1, seed=torch.zeros(1, dtype=torch.int64))
+        lse = torch.zeros(h, 600) if varlen else torch.zeros(2, h, 300)
+        for phase, run in (("forward", lambda: module.forward(q, k, k, **kw)),
+                           ("backward", lambda: module.backward(q, q, k, k, q, lse, **kw))):
             COMPILED.clear()
             try:
                 run()
@@ -105,6 +126,13 @@ def main() -> int:
                 print(f"FAILED {name} {phase}: {type(err).__name__}: {str(err)[:4000]}")
                 continue
             print(f"ok {name} {phase}: " + "; ".join(COMPILED))
+    shared = [kernel for (case, kernel), digest in BINARIES.items()
+              if case == "hd64, pointer loads" and BINARIES.get(("hd128, pointer loads", kernel)) == digest]
+    if shared or not BINARIES:
+        failed += 1
+        print(f"FAILED constexpr globals: hd64 and hd128 share the binaries of {shared}")
+    else:
+        print("ok constexpr globals: hd64 and hd128 compile to different binaries")
     return 1 if failed else 0
 
 

@@ -1,4 +1,5 @@
-"""The command line: help, generate, and a generated module used standalone."""
+"""The command line: help, generate, a generated module used standalone, and one clean error line
+for every user error (bad specs, paths, options and databases) from every verb."""
 
 import os
 import subprocess
@@ -6,6 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from flashgen.cli import main
@@ -114,3 +116,252 @@ def test_bench_report_counts_and_ratios():
              "sdpa_cudnn": {"error": "no"}, "sdpa_efficient": {"tflops": 200.0}, "flex": {"tflops": 380.0}}]
     table = report_markdown("x", rows, {"gpu": "G", "torch": "t", "triton": "tr", "flashgen": "f"})
     assert "| 1024 | fwd | 400 | 300 | - | 200 | 380 | 1.33 | - | 2.00 | 1.05 |" in table
+
+
+# ----------------------------------------------------------------------------- user errors: one line, no traceback
+SECRET = "S3cretPw"
+SMALL_SPEC = ROOT / "examples/specs/small-causal.yaml"  # fp16: `tune --interpret` takes it
+
+
+def _one_error(result, code: int, *words: str) -> str:
+    """The result failed with `code` and said why in one `Error:` line, without a traceback."""
+    assert isinstance(result.exception, SystemExit), f"unhandled {result.exception!r}\n{result.output}"
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output and SECRET not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result.output
+    if "Usage:" not in result.output:  # click's own usage errors add the usage above the error
+        assert result.output.strip() == errors[0], result.output
+    for word in words:
+        assert word in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def sound_database(tmp_path_factory):
+    """A flashgen database holding one result, and that result exported to a file."""
+    from flashgen import AttentionSpec
+    from flashgen.db import EnvInfo, ResultStore
+    from flashgen.db.layer import export_rows
+
+    root = tmp_path_factory.mktemp("sound")
+    store = ResultStore(f"sqlite:///{root / 'sound.sqlite'}")
+    here = EnvInfo.current(interpret=True)
+    store.set_best(here, AttentionSpec.from_yaml(SMALL_SPEC), 64, "fwd",
+                   dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1), 1.0, 1.0)
+    export_rows(store.all_best(), root / "results.yaml", here.gpu)
+    store.engine.dispose()
+    return root
+
+
+def _database(fault: str, tmp_path, sound: Path) -> str:
+    if fault == "missing":
+        return f"sqlite:///{tmp_path / 'missing.sqlite'}"
+    if fault == "corrupt":
+        (tmp_path / "corrupt.sqlite").write_bytes(bytes(range(256)) * 40)
+        return f"sqlite:///{tmp_path / 'corrupt.sqlite'}"
+    if fault == "read-only":  # SQLite's own read-only mode: file modes do not stop root
+        return f"sqlite:///file:{sound / 'sound.sqlite'}?mode=ro&uri=true"
+    if fault == "unreachable":
+        return f"postgresql+psycopg://u:{SECRET}@127.0.0.1:1/x"
+    if fault == "bad-path":  # under a regular file
+        (tmp_path / "a-file").write_text("x")
+        return f"sqlite:///{tmp_path / 'a-file' / 'x.sqlite'}"
+    raise AssertionError(fault)
+
+
+VERBS = {
+    "tune": lambda tmp, sound: ["tune", "--spec", str(SMALL_SPEC), "--interpret", "--trials", "1"],
+    "show": lambda tmp, sound: ["show"],
+    "export": lambda tmp, sound: ["export", "--gpu", "triton-interpreter", "-o", str(tmp / "out.yaml")],
+    "import": lambda tmp, sound: ["import", str(sound / "results.yaml")],
+    "db-check": lambda tmp, sound: ["db", "check"],
+    "db-upgrade": lambda tmp, sound: ["db", "upgrade"],
+    "bench": lambda tmp, sound: ["bench", "--spec", str(SMALL_SPEC)],
+}
+FAULTS = ("missing", "corrupt", "read-only", "unreachable", "bad-path")
+# What each verb does with each database: None when it succeeds (reading a read-only
+# database, importing into a new one), else the exit code and words of its one error line.
+EXPECTED = {
+    **{(verb, "missing"): (1, "does not exist") for verb in ("show", "export", "db-check", "db-upgrade")},
+    **{(verb, "bad-path"): (1, "does not exist") for verb in ("show", "export", "db-check", "db-upgrade")},
+    **{(verb, "read-only"): None for verb in ("show", "export", "db-check", "db-upgrade")},
+    **{(verb, "corrupt"): (1, "cannot be opened", "file is not a database") for verb in VERBS},
+    **{(verb, "unreachable"): (1, "cannot be opened", "u:***@127.0.0.1") for verb in VERBS},
+    ("tune", "read-only"): (1, "cannot be opened for writing", "readonly database"),
+    ("import", "read-only"): (1, "cannot be opened for writing", "readonly database"),
+    ("tune", "bad-path"): (1, "is not a directory"),
+    ("import", "bad-path"): (1, "is not a directory"),
+    ("import", "missing"): None,  # importing creates the database
+    **{("bench", fault): (2, "CUDA GPU") for fault in FAULTS},  # no GPU here: refused before the database
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_against_every_database_fault(verb, fault, tmp_path, sound_database, monkeypatch):
+    import torch
+
+    if (verb, fault) == ("tune", "missing"):
+        pytest.skip("tune creates a missing database and tunes into it (test_tuner runs that)")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # bench: the same cell on a GPU machine
+    db = _database(fault, tmp_path, sound_database)
+    result = CliRunner().invoke(main, [*VERBS[verb](tmp_path, sound_database), "--db", db])
+    expected = EXPECTED[verb, fault]
+    if expected is None:
+        assert result.exit_code == 0, result.output
+        assert SECRET not in result.output and "Traceback" not in result.output
+    else:
+        _one_error(result, *expected)
+
+
+def _write(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+BAD_PATHS = {  # verb arguments -> exit code and words of the one error line
+    "spec-missing": (lambda t: ["generate", "--spec", str(t / "nope.yaml")], 2, "cannot read spec file"),
+    "spec-directory": (lambda t: ["generate", "--spec", str(t)], 2, "is a directory"),
+    "spec-list": (lambda t: ["generate", "--spec", _write(t / "l.yaml", b"- 1\n- 2\n")], 2,
+                  "expected a mapping of fields"),
+    "spec-latin1": (lambda t: ["generate", "--spec", _write(t / "l1.yaml", b"name: caf\xe9\n")], 2, "not UTF-8"),
+    "spec-alias-bomb": (lambda t: ["generate", "--spec", _write(t / "b.yaml", (
+        "mask:\n  and:\n  - &l1 {and: [{causal: true}, {causal: true}]}\n"
+        + "".join(f"  - &l{i} {{and: [*l{i - 1}, *l{i - 1}]}}\n" for i in range(2, 26))).encode())], 2,
+        "expands to more than"),
+    "spec-duplicate-key": (lambda t: ["generate", "--spec", _write(t / "d.yaml", b"name: a\nname: b\n")], 2,
+                           "duplicate key 'name'"),
+    "output-under-a-file": (lambda t: ["generate", "--spec", str(SMALL_SPEC), "-o",
+                                       str(Path(_write(t / "f", b"x")) / "k.py")], 1, "cannot write",
+                            "is not a directory"),
+    "target": (lambda t: ["generate", "--spec", str(SMALL_SPEC), "--target", "tpu"], 2, "'tpu' is not one of"),
+    "tune-spec-missing": (lambda t: ["tune", "--spec", str(t / "nope.yaml"), "--interpret"], 2, "nope.yaml"),
+    "bench-seqlens": (lambda t: ["bench", "--spec", str(SMALL_SPEC), "--seqlens", "1,a"], 2, "comma-separated"),
+    "import-missing": (lambda t: ["import", str(t / "nope.yaml")], 2, "does not exist"),
+    "import-latin1": (lambda t: ["import", _write(t / "r.yaml", b"gpu: caf\xe9\n"), "--db",
+                                 f"sqlite:///{t / 'x.sqlite'}"], 2, "not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_PATHS)
+def test_bad_paths_and_options_give_one_line(case, tmp_path):
+    args, code, *words = BAD_PATHS[case]
+    _one_error(CliRunner().invoke(main, args(tmp_path)), code, *words)
+
+
+def test_export_onto_an_unwritable_path(tmp_path, sound_database):
+    (tmp_path / "f").write_text("x")
+    result = CliRunner().invoke(main, ["export", "--gpu", "g", "-o", str(tmp_path / "f" / "o.yaml"),
+                                       "--db", f"sqlite:///{sound_database / 'sound.sqlite'}"])
+    _one_error(result, 1, "cannot write", "is not a directory")
+
+
+def test_target_is_case_insensitive_and_auto_detects(tmp_path):
+    for target in ("AUTO", "H100"):
+        result = CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--target", target,
+                                           "-o", str(tmp_path / "k.py")])
+        assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("args,code", [
+    (["show", "--db", "postgresql+psycopg://u:pw@127.0.0.1:1/x"], 1),
+    (["generate", "--spec", "{latin1}"], 2),
+], ids=["unreachable-db", "latin1-spec"])
+def test_no_traceback_reaches_stderr(args, code, tmp_path):
+    latin1 = _write(tmp_path / "latin1.yaml", b"name: caf\xe9\n")
+    args = [a.replace("{latin1}", latin1) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "flashgen", *args], capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=child_pythonpath(ROOT)))
+    assert proc.returncode == code and proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("Error: "), proc.stderr
+    assert ":pw@" not in proc.stderr
+
+
+def test_show_says_which_results_serve_this_machine(tmp_path, monkeypatch):
+    # A database holding an exact and a near match for this (simulated) H100, and one result
+    # from another Triton minor; tuning_db/ entries that serve the machine are listed too.
+    from flashgen import AttentionSpec, __version__
+    from flashgen.db import EnvInfo, ResultStore
+    from flashgen.db import layer as layer_mod
+    from flashgen.render import templates_hash
+
+    h100 = dict(gpu="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.2, torch="2.13.0",
+                triton="3.6.1", cuda="12.8", flashgen=__version__, templates=templates_hash())
+    here = EnvInfo(**h100)
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    spec = AttentionSpec.from_yaml(SMALL_SPEC)
+    store = ResultStore(f"sqlite:///{tmp_path / 'show.sqlite'}")
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    store.set_best(here, spec, 64, "fwd", cfg, 1.0, 1.0)
+    store.set_best(EnvInfo(**dict(h100, torch="2.11.0", triton="3.6.0")), spec, 128, "fwd", cfg, 1.0, 1.0)
+    store.set_best(EnvInfo(**dict(h100, triton="3.7.0")), spec, 256, "fwd", cfg, 1.0, 1.0)
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: tmp_path / "no-layer")
+    result = CliRunner().invoke(main, ["show", "--db", store.url], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 3, result.output
+    assert "S=64 fwd" in lines[0] and lines[0].endswith("exact match here")
+    assert "S=128 fwd" in lines[1] and lines[1].endswith("near match here (tuned with triton 3.6.0, torch 2.11.0)")
+    assert "S=256 fwd" in lines[2] and lines[2].endswith("not for this machine")
+    layer = tmp_path / "layer"
+    layer_mod.export_rows(store.all_best(), layer / "h100.yaml", here.gpu)
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: layer)
+    result = CliRunner().invoke(main, ["show", "--db", store.url, "--json"], catch_exceptions=False)
+    import json
+
+    rows = [(r["source"], r["bucket"], r["match"]) for r in json.loads(result.output)]
+    assert rows == [("database", 64, "exact"), ("database", 128, "near"), ("database", 256, None),
+                    ("tuning_db", 64, "exact"), ("tuning_db", 128, "near")]  # shipped: only what serves here
+
+
+def test_plot_needs_matplotlib_before_any_tuning(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    db = tmp_path / "never.sqlite"
+    result = CliRunner().invoke(main, ["tune", "--spec", str(SMALL_SPEC), "--interpret", "--db", f"sqlite:///{db}",
+                                       "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 2 and "--plot needs matplotlib" in result.output, result.output
+    assert not db.exists()  # refused before the database was opened, let alone a trial run
+
+
+def test_cmaes_is_not_offered(tmp_path):
+    from flashgen import cli, tuner
+
+    assert cli.SAMPLERS == tuner.SAMPLERS and "cmaes" not in cli.SAMPLERS
+    result = CliRunner().invoke(main, ["tune", "--spec", str(SMALL_SPEC), "--interpret", "--sampler", "cmaes"])
+    assert result.exit_code == 2 and "'cmaes' is not one of" in result.output
+
+
+def test_generate_tuned_writes_the_stored_config(tmp_path, monkeypatch):
+    from flashgen import AttentionSpec
+    from flashgen.db import EnvInfo, ResultStore
+    from flashgen.db import layer as layer_mod
+
+    here = EnvInfo.current(interpret=True)  # what this process's lookup sees, GPU or not
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: tmp_path / "no-layer")
+    store = ResultStore(f"sqlite:///{tmp_path / 'gen.sqlite'}")
+    spec = AttentionSpec.from_yaml(SMALL_SPEC)
+    store.set_best(here, spec, 64, "fwd", dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=1), 1.0, 1.0)
+    store.set_best(here, spec, 1024, "fwd", dict(BLOCK_M=128, BLOCK_N=16, num_warps=8, num_stages=3), 1.0, 1.0)
+    out = tmp_path / "tuned.py"
+    args = ["generate", "--spec", str(SMALL_SPEC), "--tuned", "--db", store.url, "-o", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "'BLOCK_M': 128," in out.read_text() and "'num_warps': 8," in out.read_text()  # the longest bucket
+    result = CliRunner().invoke(main, args + ["--seqlen", "50", "--num-stages", "2"])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "'BLOCK_N': 64," in text and "'num_warps': 2," in text and "'num_stages': 2," in text
+    assert "tuned config for S=64 from database" in result.output
+    empty = ["generate", "--spec", str(SMALL_SPEC), "--tuned", "--db", f"sqlite:///{tmp_path / 'none.sqlite'}"]
+    _one_error(CliRunner().invoke(main, empty), 1, "no tuned config", "flashgen tune --spec")
+    _one_error(CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--seqlen", "64"]), 2, "--tuned")
+
+
+def test_export_writes_to_the_working_directory_by_default(tmp_path, sound_database, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["export", "--db", f"sqlite:///{sound_database / 'sound.sqlite'}", "--gpu",
+                                       "triton-interpreter"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "triton-interpreter.yaml").read_text().startswith("# flashgen tuning results")

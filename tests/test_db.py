@@ -197,3 +197,365 @@ def test_each_phase_contributes_only_its_own_knobs(tmp_path, monkeypatch, fresh_
     assert source.startswith("database")
     assert (cfg.BLOCK_M, cfg.loop_order) == (64, "kv_outer")  # from the fwd row, not the bwd row's copy
     assert (cfg.BLOCK_M1, cfg.dq_strategy) == (32, "atomic")  # from the bwd row
+
+
+# ----------------------------------------------------------------------------- passwords
+SECRET_URLS = [
+    "postgresql+psycopg://admin:S3cretPw@127.0.0.1:1/db",  # a server that is not there
+    "postgresql://admin:S3cretPw@127.0.0.1:abc/db",  # a port SQLAlchemy cannot parse
+    "nosuchdb://admin:S3cretPw@127.0.0.1/db",  # a kind of database SQLAlchemy does not know
+    "postgresql+psycopg://admin:S3cretPw%40x%2Fy@127.0.0.1:1/db",  # %-encoded '@' and '/'
+]
+
+
+@pytest.mark.parametrize("url", SECRET_URLS, ids=["unreachable", "bad-port", "unknown-dialect", "encoded"])
+def test_passwords_are_never_shown(url, fresh_warnings):
+    from flashgen.db import DatabaseError
+
+    with pytest.warns(flashgen.FlashgenFallbackWarning) as record:
+        flashgen.load(SPEC, db=url)
+    messages = [str(w.message) for w in record]
+    assert any("cannot read tuning results from" in m and "admin:***@" in m for m in messages), messages
+    with pytest.raises(DatabaseError) as info:
+        ResultStore(url, create=False)
+    shown = " ".join(messages + [str(info.value), repr(info.value), info.value.url])
+    assert "S3cret" not in shown and "admin:***@" in shown
+
+
+def test_display_url_and_repr(tmp_path):
+    from flashgen.db import display_url, hide_password
+
+    assert display_url("postgresql://admin:S3cret@host/db") == "postgresql://admin:***@host/db"
+    assert display_url("postgresql://admin:p@ss@host:x/db") == "postgresql://admin:***@host:x/db"
+    assert hide_password("boom at postgresql://a:S3cret@h/db (S3cret)", "postgresql://a:S3cret@h/db") \
+        == "boom at postgresql://a:***@h/db (***)"
+    url = f"sqlite:///file:{tmp_path / 'r.sqlite'}?mode=rwc&uri=true"  # shown as given: no password
+    assert display_url(url) == url and repr(ResultStore(url)) == f"ResultStore({url!r})"
+
+
+# ----------------------------------------------------------------------------- malformed results
+def _exported(tmp_path, name="good.yaml", bucket=1024, block_m=32):
+    src = ResultStore(f"sqlite:///{tmp_path / ('src-' + name + '.sqlite')}")
+    src.set_best(env(), SPEC, bucket, "fwd", dict(CFG, BLOCK_M=block_m), 1.0, 1.0)
+    path = tmp_path / "layer" / name
+    layer_mod.export_rows(src.all_best(), path, env().gpu)
+    return path
+
+
+BAD_ENTRIES = {  # what a careless edit (or a hostile file) writes -> the field the error names
+    "bucket-0": (("bucket",), 0, "bucket"),
+    "bucket-negative": (("bucket",), -1024, "bucket"),
+    "bucket-string": (("bucket",), "1024", "bucket"),
+    "bucket-not-pow2": (("bucket",), 1000, "bucket"),
+    "bucket-bool": (("bucket",), True, "bucket"),
+    "knob-string": (("config", "BLOCK_M"), "32", "config"),
+    "knob-value": (("config", "num_warps"), 3, "config"),
+    "knob-unknown": (("config", "BLOCK_Q"), 32, "config"),
+    "config-list": (("config",), [32, 32], "config"),
+    "phase": (("phase",), "forward", "phase"),
+    "ms-string": (("ms",), "fast", "ms"),
+    "ms-nan": (("ms",), float("nan"), "ms"),
+    "tflops-none": (("tflops",), None, "tflops"),
+    "env-field": (("environment", "sm_count"), "many", "environment.sm_count"),
+}
+
+
+def _spoil(path, keys, value):
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    target = doc["results"][0]
+    for key in keys[:-1]:
+        target = target[key]
+    target[keys[-1]] = value
+    path.write_text(yaml.safe_dump(doc))
+
+
+@pytest.mark.parametrize("case", list(BAD_ENTRIES))
+def test_malformed_entries_are_refused_on_import(tmp_path, case):
+    from click.testing import CliRunner
+
+    from flashgen.cli import main
+
+    keys, value, field = BAD_ENTRIES[case]
+    path = _exported(tmp_path)
+    _spoil(path, keys, value)
+    with pytest.raises(layer_mod.ResultFileError) as info:
+        layer_mod.read_file(path)
+    assert f"results entry 0 ({SPEC.uri}): field '{field}'" in str(info.value) and str(path) in str(info.value)
+    target = tmp_path / "target.sqlite"
+    result = CliRunner().invoke(main, ["import", str(path), "--db", f"sqlite:///{target}"])
+    assert result.exit_code == 2 and f"field '{field}'" in result.output and not target.exists()
+
+
+def test_import_rows_checks_every_row_before_writing(tmp_path):
+    from flashgen.db import ResultRowError
+
+    rows = layer_mod.read_file(_exported(tmp_path))
+    store = ResultStore(f"sqlite:///{tmp_path / 'direct.sqlite'}")
+    with pytest.raises(ResultRowError, match=r"field '1.bucket'"):
+        store.import_rows([rows[0], dict(rows[0], bucket=0)])
+    assert store.all_best() == []  # not even the good first row
+
+
+def test_one_bad_shipped_file_is_skipped_alone_and_said_once(tmp_path, monkeypatch, fresh_warnings):
+    good = _exported(tmp_path, "a-good.yaml", bucket=1024, block_m=32)
+    bad = _exported(tmp_path, "b-bad.yaml", bucket=2048, block_m=64)
+    _spoil(bad, ("bucket",), 0)
+    (good.parent / "c-latin1.yaml").write_bytes("gpu: caf\u00e9\n".encode("latin-1"))
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: good.parent)
+    monkeypatch.setattr(flashgen.loader, "shipped_best", layer_mod.shipped_best)
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    empty = f"sqlite:///{tmp_path / 'none.sqlite'}"
+    with pytest.warns(flashgen.FlashgenFallbackWarning) as record:
+        kernel = flashgen.load(SPEC, db=empty)
+    assert kernel.config_source == "tuning_db" and set(kernel.bucket_configs) == {1024}
+    assert kernel.config_for(100).BLOCK_M == 32
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2, messages
+    assert any(str(bad) in m and "field 'bucket'" in m for m in messages)
+    assert any("c-latin1.yaml" in m and "not UTF-8" in m for m in messages)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flashgen.load(SPEC.replace(name="other"), db=empty)  # said once, not per spec or per call
+
+
+def _spoil_db(path, sql):
+    conn = sqlite3.connect(path)
+    conn.execute(sql)
+    conn.commit()
+    conn.close()
+
+
+def test_malformed_rows_in_the_database_are_skipped_and_reported(tmp_path, monkeypatch, fresh_warnings):
+    from click.testing import CliRunner
+
+    from flashgen.cli import main
+
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    path = tmp_path / "spoiled.sqlite"
+    store = ResultStore(f"sqlite:///{path}")
+    for bucket in (64, 128, 256, 512):
+        store.set_best(here, SPEC, bucket, "fwd", dict(CFG, BLOCK_M=64), 1.0, 1.0)
+    store.engine.dispose()
+    _spoil_db(path, "UPDATE best_configs SET bucket = 0 WHERE bucket = 64")
+    _spoil_db(path, "UPDATE best_configs SET bucket = 'big' WHERE bucket = 128")
+    _spoil_db(path, """UPDATE best_configs SET config = '{"BLOCK_M": "64"}' WHERE bucket = 256""")
+    with pytest.warns(flashgen.FlashgenFallbackWarning, match="skipping 3 malformed tuning result"):
+        kernel = flashgen.load(SPEC, db=f"sqlite:///{path}")
+    assert set(kernel.bucket_configs) == {512} and kernel.config_for(1).BLOCK_M == 64  # calls still work
+    result = CliRunner().invoke(main, ["db", "check", "--db", f"sqlite:///{path}"])
+    assert result.exit_code == 1, result.output
+    assert "bucket 0 'fwd') is invalid: field 'bucket'" in result.output
+    assert "bucket 'big' 'fwd') is invalid: field 'bucket'" in result.output
+    assert "config knob 'BLOCK_M'" in result.output
+    _spoil_db(path, "UPDATE best_configs SET config = 'not json' WHERE bucket = 512")
+    result = CliRunner().invoke(main, ["db", "check", "--db", f"sqlite:///{path}"])
+    assert result.exit_code == 1 and "field 'config': not JSON" in result.output
+
+
+def test_set_best_refuses_a_malformed_result(tmp_path):
+    from flashgen.db import ResultRowError
+
+    store = ResultStore(f"sqlite:///{tmp_path / 'strict.sqlite'}")
+    with pytest.raises(ResultRowError, match="field 'bucket'"):
+        store.set_best(env(), SPEC, 0, "fwd", CFG, 1.0, 1.0)
+    with pytest.raises(ResultRowError, match="field 'phase'"):
+        store.set_best(env(), SPEC, 64, "both", CFG, 1.0, 1.0)
+
+
+def test_db_upgrade_creates_missing_tables_and_refuses_other_versions(tmp_path):
+    from click.testing import CliRunner
+    from sqlalchemy import text
+
+    from flashgen.cli import main
+
+    url = f"sqlite:///{tmp_path / 'old.sqlite'}"
+    store = ResultStore(url)
+    with store.engine.begin() as conn:
+        conn.execute(text("DROP TABLE trials"))
+    assert store.missing_tables() == ["trials"]
+    result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
+    assert result.exit_code == 0 and "at schema version 1" in result.output
+    assert store.missing_tables() == []
+    for version, words in (("99", "newer than this flashgen's 1"), ("0", "no migration from schema version 0")):
+        with store.engine.begin() as conn:
+            conn.execute(text(f"UPDATE flashgen_meta SET value = '{version}' WHERE key = 'schema_version'"))
+        result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
+        assert result.exit_code == 1 and words in result.output, result.output
+    store.engine.dispose()
+
+
+# ------------------------------------------------------------------------------ environments
+# The shipped tuning_db/ was measured in the triton 3.6 GPU image; the README's install on an
+# H100 brings other torch and CUDA builds and maybe another Triton patch release.
+H100 = dict(gpu="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.2)
+IMAGE = dict(torch="2.11.0", triton="3.6.0", cuda="13.0")
+README_INSTALL = dict(torch="2.13.0", triton="3.6.1", cuda="12.8", memory_gib=79.1)
+
+
+def _h100(**changes):
+    from flashgen import __version__
+    from flashgen.render import templates_hash
+
+    return EnvInfo(**{**H100, **IMAGE, "flashgen": __version__, "templates": templates_hash(), **changes})
+
+
+def _as_machine(monkeypatch, here):
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+
+
+@pytest.mark.parametrize("machine, source", [
+    (dict(), "tuning_db"),  # the triton 3.6 image: exact
+    (README_INSTALL, "tuning_db (near match: tuned with triton 3.6.0, torch 2.11.0, cuda 13.0, memory_gib 79.2)"),
+    (dict(torch="2.11.1", cuda="13.0"), "tuning_db"),  # torch is not what the shipped file says: near
+    (dict(triton="3.7.0"), "default"),  # another Triton minor compiles other code
+    (dict(gpu="NVIDIA H100 PCIe", sm_count=114), "default"),  # another GPU model
+    (dict(templates="0" * 16), "default"),  # other kernels
+])
+def test_shipped_tuning_db_serves_h100_users(machine, source, monkeypatch, fresh_warnings, tmp_path):
+    spec = AttentionSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "specs",
+                                                "gqa-causal.yaml"))
+    here = _h100(**machine)
+    _as_machine(monkeypatch, here)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        configs, got = lookup(spec, f"sqlite:///{tmp_path / 'none.sqlite'}")
+    if machine.get("torch") == "2.11.1":  # a near match whose label names only what differs
+        assert got == "tuning_db (near match: tuned with torch 2.11.0)"
+    else:
+        assert got == source
+    assert bool(configs) == (source != "default")
+    if configs:
+        shipped = layer_mod.shipped_best(spec.key, here)
+        assert configs[4096].BLOCK_M == shipped[4096]["fwd"]["config"]["BLOCK_M"]
+        assert configs[4096].BLOCK_M1 == shipped[4096]["bwd"]["config"]["BLOCK_M1"]
+        assert not caught
+    else:
+        assert any("no tuned config" in str(w.message) for w in caught)
+
+
+def test_exact_match_preferred_then_the_nearest(tmp_path, monkeypatch, fresh_warnings):
+    here = _h100(**README_INSTALL)
+    _as_machine(monkeypatch, here)
+    store = ResultStore(f"sqlite:///{tmp_path / 'envs.sqlite'}")
+    far = _h100()  # triton 3.6.0, torch 2.11.0: near
+    nearer = _h100(triton="3.6.1")  # same Triton patch release: nearer
+    store.set_best(far, SPEC, 1024, "fwd", dict(CFG, BLOCK_M=16), 1.0, 1.0)
+    store.set_best(nearer, SPEC, 1024, "fwd", dict(CFG, BLOCK_M=32), 1.0, 1.0)
+    store.set_best(_h100(triton="3.7.0"), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=128), 1.0, 1.0)  # no match
+    configs, source = lookup(SPEC, store.url)
+    assert configs[1024].BLOCK_M == 32
+    assert source == f"database {store.url} (near match: tuned with torch 2.11.0, cuda 13.0, memory_gib 79.2)"
+    store.set_best(here, SPEC, 1024, "fwd", dict(CFG, BLOCK_M=64), 1.0, 1.0)
+    configs, source = lookup(SPEC, store.url)
+    assert configs[1024].BLOCK_M == 64 and source == f"database {store.url}"  # exact: no label
+    assert {r["match"] for r in store.matching_best(here, SPEC)[1024].values()} == {"exact"}
+
+
+@pytest.mark.parametrize("version, minor", [("3.6.1", "3.6"), ("3.6.0+git1a2b", "3.6"), ("3.10.0", "3.10"),
+                                            ("3", None), (None, None)])
+def test_triton_minor(version, minor):
+    from flashgen.db.env import triton_minor
+
+    assert triton_minor(version) == minor
+
+
+# ------------------------------------------------------------------------------ results you can trust
+def test_a_slower_result_never_replaces_a_faster_one(url):
+    store = ResultStore(url)
+    assert store.set_best(env(), SPEC, 64, "fwd", CFG, 2.0, 1.0, default_ms=3.0) is None
+    slower = dict(CFG, BLOCK_M=32)
+    kept = store.set_best(env(), SPEC, 64, "fwd", slower, 2.5, 0.8, default_ms=3.0)
+    assert kept == dict(config=CFG, ms=2.0, tflops=1.0, default_ms=3.0)
+    assert store.best_configs(env(), SPEC)[64]["fwd"]["config"] == CFG
+    faster = dict(CFG, BLOCK_N=16)
+    assert store.set_best(env(), SPEC, 64, "fwd", faster, 1.5, 1.3) is None
+    assert store.best_configs(env(), SPEC)[64]["fwd"]["ms"] == 1.5
+    # another environment is another result: its slower time does not compete
+    other = EnvInfo(**{**env().as_dict(), "torch": "0.0.0"})
+    assert store.set_best(other, SPEC, 64, "fwd", slower, 9.0, 0.1) is None
+    # import follows the same rule, and counts only what it stored
+    rows = [dict(r, ms=r["ms"] * 2) for r in store.all_best()] + \
+        [dict(r, ms=r["ms"] / 2, bucket=128) for r in store.all_best()]
+    assert store.import_rows(rows) == 2
+    assert store.best_configs(env(), SPEC)[64]["fwd"]["ms"] == 1.5
+
+
+def _best_writer(url, worker, n):
+    store = ResultStore(url)
+    for i in range(n):
+        store.set_best(env(), SPEC, 64, "fwd", dict(CFG, BLOCK_M=(16, 32, 64, 128)[worker]), 10.0 - worker - i / n,
+                       1.0)
+
+
+def test_concurrent_best_writers_keep_the_fastest(url):
+    ResultStore(url).engine.dispose()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_best_writer, args=(url, w, 20)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    best = ResultStore(url).best_configs(env(), SPEC)[64]["fwd"]
+    assert best["config"]["BLOCK_M"] == 128 and best["ms"] == pytest.approx(10.0 - 3 - 19 / 20)
+
+
+def _opener(url, barrier, errors):
+    barrier.wait()
+    try:
+        ResultStore(url).engine.dispose()
+    except Exception as err:  # noqa: BLE001 (reported to the test)
+        errors.put(str(err))
+
+
+def test_processes_creating_one_fresh_database_at_once_all_succeed(tmp_path):
+    # Before: "table flashgen_meta already exists" in about half of such races.
+    ctx = mp.get_context("fork")
+    errors = ctx.Queue()
+    for attempt in range(8):
+        url = f"sqlite:///{tmp_path / f'fresh{attempt}.sqlite'}"
+        barrier = ctx.Barrier(3)
+        procs = [ctx.Process(target=_opener, args=(url, barrier, errors)) for _ in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert found == []
+
+
+def test_a_database_deleted_while_in_use_is_an_error(tmp_path):
+    path = tmp_path / "gone.sqlite"
+    store = ResultStore(f"sqlite:///{path}")
+    store.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)
+    path.unlink()
+    with pytest.raises(flashgen.db.DatabaseError, match="was deleted or replaced while in use"):
+        store.set_best(env(), SPEC, 128, "fwd", CFG, 1.0, 1.0)
+    ResultStore(f"sqlite:///{path}")  # a new database there
+    with pytest.raises(flashgen.db.DatabaseError, match="was deleted or replaced while in use"):
+        store.record_trial(env(), SPEC, TrialRecord(64, "fwd", CFG, "ok", ms=1.0))
+
+
+def test_default_database_lives_in_the_user_data_dir(tmp_path, monkeypatch):
+    import platformdirs
+
+    from flashgen.db import default_url
+
+    monkeypatch.delenv("FLASHGEN_DB", raising=False)
+    monkeypatch.setattr(platformdirs, "user_data_dir", lambda app: str(tmp_path / "data" / app))
+    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(tmp_path / "cache" / app))
+    new, old = tmp_path / "data" / "flashgen" / "tuning.sqlite", tmp_path / "cache" / "flashgen" / "tuning.sqlite"
+    assert default_url() == f"sqlite:///{new}"
+    ResultStore(f"sqlite:///{old}").engine.dispose()  # an older flashgen's database
+    assert default_url() == f"sqlite:///{old}"  # read where it is while the data dir has none
+    ResultStore(f"sqlite:///{new}").engine.dispose()
+    assert default_url() == f"sqlite:///{new}"
+    monkeypatch.setenv("FLASHGEN_DB", "sqlite:///elsewhere.sqlite")
+    assert default_url() == "sqlite:///elsewhere.sqlite"

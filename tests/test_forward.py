@@ -122,3 +122,82 @@ def test_default_config_runs(device):
     q, k, v = make_qkv(1, 2, 2, 50, 50, 64, dtype=torch.float16, device=device)
     out, lse = flashgen.attention(q, k, v, causal=True, return_lse=True)
     assert_attention_close(out, lse, q, k, v, causal=True)
+
+
+# ----------------------------------------------------------------------------- hostile inputs
+def _guarded(rows, *shape, dtype, device, pad=64):
+    """A (rows, *shape) tensor inside a NaN-filled buffer with `pad` rows on either side: a kernel
+    that reads past it reads NaN, one that writes past it changes the guard rows."""
+    buf = torch.full((rows + 2 * pad, *shape), float("nan"), dtype=dtype, device=device)
+    return buf, buf[pad:pad + rows]
+
+
+def _varlen_inputs(device, total_q=12, total_k=12, heads=(4, 2), d=16, gen=None):
+    q_buf, q = _guarded(total_q, heads[0], d, dtype=torch.float16, device=device)
+    k_buf, k = _guarded(total_k, heads[1], d, dtype=torch.float16, device=device)
+    v_buf, v = _guarded(total_k, heads[1], d, dtype=torch.float16, device=device)
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    return q, k, v
+
+
+@pytest.mark.parametrize("cu_q,cu_k,max_q,max_k,message", [
+    ([0, 5, 40], [0, 5, 12], 35, 7, "cu_seqlens_q: expected offsets within the 12 tokens of q, got last offset 40"),
+    ([0, 5, 12], [0, -3, 12], 7, 15, "cu_seqlens_k: expected nondecreasing offsets, got 0 then -3"),
+    ([0, 9, 4, 12], [0, 4, 8, 12], 9, 4, "cu_seqlens_q: expected nondecreasing offsets, got 9 then 4 at index 1"),
+    ([2, 5, 12], [0, 5, 12], 7, 7, "cu_seqlens_q: expected the first offset to be 0, got 2"),
+    ([0, 5, 12], [0, 5, 12], 7, 3, "max_seqlen_k: expected at least the longest sequence (7 tokens"),
+], ids=["past-the-end", "negative", "non-monotone", "first-not-0", "max-seqlen-too-small"])
+def test_varlen_refuses_offsets_outside_the_tensors(device, cu_q, cu_k, max_q, max_k, message):
+    # Today's kernels read and write past q/out with these ("double free or corruption").
+    q, k, v = _varlen_inputs(device)
+    offsets = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    with pytest.raises(ValueError) as info:
+        flashgen.attention_varlen(q, k, v, offsets(cu_q), offsets(cu_k), max_q, max_k, causal=True,
+                                  config=KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("loop_order", ["q_outer", "kv_outer"])
+def test_varlen_kernels_clamp_offsets_the_host_cannot_read(device, monkeypatch, loop_order):
+    # Under CUDA graph capture or torch.compile the host does not read cu_seqlens (a device->host
+    # copy): the kernels clamp each sequence into the tensors. Guard rows around every input and
+    # output show any access past them: NaN read into the result, or a guard row overwritten.
+    from flashgen.verify import reference_varlen
+
+    gen = torch.Generator().manual_seed(0)
+    module = flashgen.compile(flashgen.AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2,
+                                                     causal=True, backward=True),
+                              KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, loop_order=loop_order, BLOCK_M1=16,
+                                           BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_num_stages=1)).module()
+    q, k, v = _varlen_inputs(device, gen=gen)
+    cu_good = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
+    cu_past_end = torch.tensor([0, 5, 40], dtype=torch.int32, device=device)
+    cu_negative = torch.tensor([0, -3, 12], dtype=torch.int32, device=device)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for cu_q, cu_k, keys_seen in ((cu_past_end, cu_good, [0, 5, 12]), (cu_good, cu_negative, [0, 0, 12])):
+        out_buf, out = _guarded(12, 4, 16, dtype=torch.float16, device=device)
+        lse_buf = torch.full((4 * 12 + 128,), float("nan"), device=device)
+        lse = lse_buf[64:64 + 48].view(4, 12)
+        module.forward(q, k, v, layout="thd", out=out, lse=lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                       max_seqlen_q=35, max_seqlen_k=35)
+        assert out_buf[:64].isnan().all() and out_buf[76:].isnan().all(), "a write past out"
+        assert lse_buf[:64].isnan().all() and lse_buf[112:].isnan().all(), "a write past lse"
+        # what the kernels computed: the sequences clamped into range
+        clamped = torch.tensor(keys_seen, dtype=torch.int32)
+        ref, _ = reference_varlen(q.float().cpu(), k.float().cpu(), v.float().cpu(), cu_good.cpu(), clamped,
+                                  causal=True)
+        assert not out.isnan().any() and (out.float().cpu() - ref).abs().max() < 2e-2
+        dq, dk, dv, _ = module.backward(torch.ones_like(out), q, k, v, out, lse, layout="thd", cu_seqlens_q=cu_q,
+                                        cu_seqlens_k=cu_k, max_seqlen_q=35, max_seqlen_k=35)
+        assert not any(g.isnan().any() for g in (dq, dk, dv)), "a read past q, k, v or dO"
+
+
+def test_complex_and_meta_tensors_are_refused_by_name(device):
+    q, k, v = (torch.randn(1, 2, 9, 16).to(device, torch.float16) for _ in range(3))
+    with pytest.raises(ValueError, match="slopes: expected a real"):
+        flashgen.attention(q, k, v, score_mod={"alibi": {"slopes": "slopes"}},
+                           slopes=torch.ones(2, dtype=torch.complex64, device=device))
+    meta = [t.to("meta") for t in (q, k, v)]
+    with pytest.raises(ValueError, match="q: expected a tensor with data, got a meta tensor"):
+        flashgen.compile(flashgen.AttentionSpec(dtype="fp16", head_dim=16, num_heads=2)).forward(*meta)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import AttentionSpec, KernelConfig, SpecError, render
+from flashgen import AttentionSpec, KernelConfig, SpecError
+from flashgen.codegen import render
 from flashgen.verify import (assert_attention_close, assert_gradients_close, reference_attention,
                              reference_varlen)
 
@@ -40,7 +41,7 @@ def check_variant(device, *, mask=None, score_mod=None, causal=False, tensors=No
     spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads[0], num_kv_heads=heads[1], causal=causal,
                          mask=mask, score_mod=score_mod, backward=backward)
     cfg = config.replace(loop_order=loop_order, dq_strategy=dq_strategy)
-    module = render.load(spec, cfg)
+    module = render.build_module(spec, cfg)
     q, k, v = _qkv(gen, batch, heads[0], heads[1], sq, sk, d, torch_dtype, device)
     tensors = {n: t.to(device) for n, t in (tensors or {}).items()}
     out, lse = module.forward(q, k, v, tensors=tensors)
@@ -513,8 +514,8 @@ def test_a_float_tensor_read_by_the_mask_has_no_gradient(device):
     ({"mask": {"chunked": 2**64}}, "mask.chunked.size", "expected an integer"),
     ({"mask": {"sink": {"tokens": 2**63, "window": 1}}}, "mask.sink.tokens", "expected an integer"),
     ({"mask": {"prefix_lm": 2**63}}, "mask.prefix_lm.prefix", "expected an integer"),
-    ({"mask": " | ".join(f"(q_idx == {i})" for i in range(200))}, "mask.expr", "nests 201 levels"),
-    ({"mask": {"or": [{"sliding_window": {"left": i, "right": 0}} for i in range(200)]}}, "mask", "levels deep"),
+    ({"mask": " | ".join(f"(q_idx == {i})" for i in range(200))}, "mask.expr", "nested too deeply (201 levels"),
+    ({"mask": {"or": [{"sliding_window": {"left": i, "right": 0}} for i in range(200)]}}, "mask", "nested too deeply"),
     ({"mask": "(" * 12 + "q_idx * 1.5" + " % 2.5)" * 12 + " < 1.0"}, "mask", "terms long written out"),
     ({"mask": "x[q_idx] + x_s0[kv_idx] > 0"}, "mask", "'x' and 'x_s0' collide"),
     ({"mask": "x[q_idx] > 0", "score_mod": "score + x_n0[kv_idx]"}, "score_mod", "collide"),
@@ -538,6 +539,6 @@ def test_the_deepest_accepted_expressions_render_to_valid_python(shape):
         try:
             deepest = AttentionSpec(head_dim=16, score_mod=shape.format(inner), backward=True)
         except SpecError as err:
-            assert "levels deep" in str(err)
+            assert "nested too deeply" in str(err)
             break
     compile(render.render(deepest, SMALL), "deepest.py", "exec")

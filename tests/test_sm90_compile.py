@@ -25,6 +25,14 @@ def test_kernels_compile_for_sm90(tmp_path):
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert len([line for line in lines if line.startswith("ok ")]) == 10, proc.stdout
+    assert len([line for line in lines if line.startswith("ok ")]) == 15, proc.stdout
+    # the Q-outer forward with TMA and warp specialization, every backward, the masked specs (a pattern, a
+    # block map, documents) and packed sequences
+    for case in ("TMA + warp specialization", "sliding window + softcap", "custom expression (block map)",
+                 "documents, FA1 loop order", "packed sequences"):
+        for phase in ("forward", "backward"):
+            assert any(line.startswith("ok ") and case in line and f" {phase}: " in line for line in lines), (case,
+                                                                                                           phase)
+    assert "ok constexpr globals: hd64 and hd128 compile to different binaries" in lines, proc.stdout
     # the TMA + warp-specialized forward uses the copy engine's shared-memory staging
     assert any("TMA + warp specialization forward: _attn_fwd: 8 warps" in line for line in lines), proc.stdout

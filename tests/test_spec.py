@@ -131,3 +131,158 @@ def test_unreadable_and_malformed_files(tmp_path):
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(SpecError, match="expected a mapping of fields"):
         AttentionSpec.from_yaml(listy)
+
+
+# ----------------------------------------------------------------------------- hostile and careless YAML
+def _alias_bomb(levels: int) -> str:
+    """The issue's spec: each anchor an `and` of the previous one twice (2**levels leaves)."""
+    lines = ["name: bomb", "head_dim: 64", "num_heads: 1", "mask:", "  and:",
+             "  - &l1 {and: [{causal: true}, {causal: true}]}"]
+    lines += [f"  - &l{i} {{and: [*l{i - 1}, *l{i - 1}]}}" for i in range(2, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+def _one_line_error(info, path) -> str:
+    text = str(info.value)
+    assert "\n" not in text and str(path) in text
+    return text
+
+
+def test_alias_bomb_is_refused_at_once(tmp_path):
+    import time
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(_alias_bomb(25))
+    assert len(path.read_bytes()) < 1000  # the issue's 782-byte file never finished parsing
+    started = time.perf_counter()
+    with pytest.raises(SpecError) as info:
+        AttentionSpec.from_yaml(path)
+    assert "expands to more than 10000 values" in _one_line_error(info, path)
+    import flashgen
+
+    with pytest.raises(SpecError, match="expands to more than"):
+        flashgen.load(str(path))  # the loader parses the same way
+    assert time.perf_counter() - started < 5
+
+
+def test_anchors_and_merge_keys_a_spec_may_use_still_load(tmp_path):
+    path = tmp_path / "aliases.yaml"
+    path.write_text(textwrap.dedent("""\
+        name: shared
+        head_dim: 64
+        num_heads: 4
+        mask:
+          or:
+          - &window {sliding_window: {left: 8, right: 0}}
+          - and: [*window, {chunked: 16}]
+        tune: &tune
+          <<: {trials: 3}
+          seqlens: [128]
+        """))
+    spec = AttentionSpec.from_yaml(path)
+    assert spec.tune.trials == 3 and spec.mask.kind == "or"
+    assert spec.mask.children[0] == spec.mask.children[1].children[0]
+    medium = tmp_path / "medium.yaml"
+    medium.write_text(_alias_bomb(8))  # 2**8 patterns: large, but a real (if silly) spec
+    assert AttentionSpec.from_yaml(medium).mask.kind == "and"
+
+
+@pytest.mark.parametrize("text,words", [
+    ("name: x\nmask: " + "{and: [" * 70 + "{causal: true}" + "]}" * 70 + "\n", "nested deeper than 64 levels"),
+    ("[" * 5000 + "]" * 5000 + "\n", "nested deeper than 64 levels"),  # RecursionError in PyYAML's composer
+    ("mask: &a {and: [*a]}\n", "an alias refers to the value that contains it"),
+    ("head_dim: [64\n", "not valid YAML"),
+], ids=["deep-mask", "deep-list", "recursive-alias", "syntax"])
+def test_yaml_bounds_and_syntax_errors_are_one_line_spec_errors(tmp_path, text, words):
+    path = tmp_path / "hostile.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        AttentionSpec.from_yaml(path)
+    assert words in _one_line_error(info, path) and info.value.field == "<file>"
+
+
+def test_deep_alias_nesting_is_bounded_too(tmp_path):
+    # each level is shallow in the file, deep once the aliases are copied out
+    lines = ["mask:", "  and:", "  - &l0 {causal: true}"]
+    lines += [f"  - &l{i} {{and: [{{and: [{{and: [*l{i - 1}]}}]}}]}}" for i in range(1, 30)]
+    path = tmp_path / "deep-alias.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SpecError, match="nests deeper than 64 levels"):
+        AttentionSpec.from_yaml(path)
+
+
+def _nested(depth: int, leaf, wrap):
+    for _ in range(depth):
+        leaf = wrap(leaf)
+    return leaf
+
+
+@pytest.mark.parametrize("field,value", [
+    ("mask", "~" * 400 + "(q_idx >= kv_idx)"),
+    ("mask", " & ".join(["(q_idx >= kv_idx)"] * 400)),
+    ("mask", _nested(600, {"causal": True}, lambda m: {"and": [m, {"causal": True}]})),
+    ("score_mod", "score" + " + 1.0" * 400),
+], ids=["not-400", "and-400", "dict-600", "score-400"])
+def test_deep_expressions_are_a_spec_error_not_a_recursion_error(field, value):
+    with pytest.raises(SpecError) as info:
+        AttentionSpec(**{field: value})
+    assert info.value.field.split(".")[0] == field and "nested too deeply" in str(info.value)
+
+
+@pytest.mark.parametrize("text,field", [
+    ("name: a\nhead_dim: 64\nname: b\n", "name"),
+    ("tune:\n  trials: 3\n  trials: 4\n", "trials"),
+], ids=["top", "nested"])
+def test_duplicate_keys_are_refused_naming_the_key(tmp_path, text, field):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        AttentionSpec.from_yaml(path)
+    assert info.value.field == field and f"duplicate key '{field}'" in _one_line_error(info, path)
+
+
+def test_non_utf8_and_oversized_spec_files(tmp_path):
+    latin = tmp_path / "latin1.yaml"
+    latin.write_bytes("name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(SpecError) as info:
+        AttentionSpec.from_yaml(latin)
+    assert "not UTF-8 text (byte 0xe9 at offset 9)" in _one_line_error(info, latin)
+    big = tmp_path / "big.yaml"
+    big.write_text("# padding\n" * 110_000)
+    with pytest.raises(SpecError, match="larger than 1048576 bytes"):
+        AttentionSpec.from_yaml(big)
+    with pytest.raises(SpecError, match="cannot read spec file: Is a directory"):
+        AttentionSpec.from_yaml(tmp_path)
+
+
+@pytest.mark.parametrize("text,field", [
+    ("1: x\nfoo: y\n", "1"),
+    ("foo: y\n1: x\n", "foo"),  # the first unknown key in the file
+    ("tune: {foo: y, 1: x}\n", "tune.foo"),
+], ids=["int-first", "str-first", "tune"])
+def test_unknown_keys_of_mixed_types(tmp_path, text, field):
+    path = tmp_path / "mixed.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        AttentionSpec.from_yaml(path)
+    assert info.value.field == field and "unknown key" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["foo\n", "a" * 101, "", "-lead", "sp ace"],
+                         ids=["newline", "101-chars", "empty", "dash", "space"])
+def test_names_that_cannot_name_a_file_are_refused(name):
+    with pytest.raises(SpecError) as info:
+        AttentionSpec(name=name)
+    assert info.value.field == "name" and "up to 100 letters" in str(info.value)
+
+
+def test_longest_name_still_makes_a_valid_file_name():
+    spec = AttentionSpec(name="a" * 100, head_dim=256, head_dim_v=200, num_heads=64, num_kv_heads=8,
+                         softmax_scale=0.123456, dropout_p=0.125, backward=True)
+    assert len(spec.uri.encode()) < 200
+
+
+def test_bad_values_are_quoted_short():
+    with pytest.raises(SpecError) as info:
+        AttentionSpec(name="x" * 100_000)
+    assert len(str(info.value)) < 400 and "xxx...xxx" in str(info.value)

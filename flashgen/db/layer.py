@@ -1,19 +1,39 @@
 """tuning_db/: tuned results shipped with flashgen, read-only, below the user's database.
 
 ``flashgen export`` writes one YAML file per GPU (sorted, one result per entry, so it
-diffs well); flashgen reads every file there and uses an entry only when its environment
-(GPU, torch, triton, CUDA, flashgen and templates) is exactly the current one.
+diffs well); flashgen reads every file there and uses an entry whose environment serves the
+current one (flashgen.db.env: the same GPU model, templates hash and Triton major.minor; an
+exact match preferred, a near match used and labelled).
 ``flashgen import`` loads such a file into a database.
+
+Every entry is checked (flashgen.db.rows) when a file is read: a file with a malformed
+entry is refused whole, naming the entry, and while loading kernels an unreadable file is
+skipped on its own (the other files still count).
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
+from ..spec import YamlFileError, read_yaml
+from .env import EnvInfo, pick
 from .models import SCHEMA_VERSION
+from .rows import ResultRowError, check_row
+
+MAX_FILE_BYTES = 64 << 20
+MAX_FILE_VALUES = 5_000_000  # values after alias expansion; an entry holds about 50
+
+
+class ResultFileError(ValueError):
+    """A tuning results file cannot be read or holds a malformed entry (one line, naming the file)."""
+
+    def __init__(self, path, problem: str):
+        self.path, self.problem = str(path), problem
+        super().__init__(f"{path}: {problem}")
 
 
 def layer_dir() -> Path:
@@ -36,7 +56,8 @@ class _PlainDumper(yaml.SafeDumper):
         return True
 
 
-def export_rows(rows: list[dict], path: Path, gpu: str) -> int:
+def export_text(rows: list[dict], gpu: str) -> tuple[str, int]:
+    """(the file's text, the number of results) for one GPU's rows."""
     entries = sorted((r for r in rows if r["environment"]["gpu"] == gpu),
                      key=lambda r: (r["spec_uri"], r["bucket"], r["phase"]))
     doc = {"schema": SCHEMA_VERSION, "gpu": gpu, "results": [
@@ -45,9 +66,14 @@ def export_rows(rows: list[dict], path: Path, gpu: str) -> int:
          "environment": r["environment"], "canonical": r["spec"]} for r in entries]}
     header = (f"# flashgen tuning results for {gpu}: written by `flashgen export`, loaded read-only\n"
               f"# below each user's database. Regenerate rather than edit.\n")
+    return header + yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120), len(entries)
+
+
+def export_rows(rows: list[dict], path: Path, gpu: str) -> int:
+    text, n = export_text(rows, gpu)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120))
-    return len(entries)
+    path.write_text(text)
+    return n
 
 
 def _sig(x: float | None) -> float | None:
@@ -55,21 +81,52 @@ def _sig(x: float | None) -> float | None:
     return None if x is None else float(f"{x:.6g}")
 
 
+_ENTRY_KEYS = ("spec", "spec_key", "bucket", "phase", "config", "ms", "tflops", "environment", "canonical")
+
+
 def read_file(path: Path) -> list[dict]:
-    """Rows of one exported file, in the store's row format."""
-    doc = yaml.safe_load(Path(path).read_text()) or {}
+    """Rows of one exported file, in the store's row format; ResultFileError when the file or
+    any entry in it is malformed."""
+    try:
+        doc = read_yaml(path, max_bytes=MAX_FILE_BYTES, max_values=MAX_FILE_VALUES)
+    except YamlFileError as err:
+        raise ResultFileError(path, err.problem) from None
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ResultFileError(path, "expected a mapping with keys schema, gpu, results")
     if doc.get("schema") != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema {doc.get('schema')!r}, this flashgen reads {SCHEMA_VERSION}")
-    return [dict(environment=e["environment"], spec_key=e["spec_key"], spec_uri=e["spec"], spec=e["canonical"],
-                 bucket=e["bucket"], phase=e["phase"], config=e["config"], ms=e["ms"], tflops=e["tflops"],
-                 default_ms=e.get("default_ms")) for e in doc.get("results", [])]
+        raise ResultFileError(path, f"schema {doc.get('schema')!r}, this flashgen reads {SCHEMA_VERSION}")
+    entries = doc.get("results") or []
+    if not isinstance(entries, list):
+        raise ResultFileError(path, "field 'results': expected a list of entries")
+    rows = []
+    for i, e in enumerate(entries):
+        where = f"results entry {i}"
+        if not isinstance(e, dict) or any(k not in e for k in _ENTRY_KEYS):
+            raise ResultFileError(path, f"{where}: expected a mapping with keys {', '.join(_ENTRY_KEYS)}")
+        row = dict(environment=e["environment"], spec_key=e["spec_key"], spec_uri=e["spec"], spec=e["canonical"],
+                   bucket=e["bucket"], phase=e["phase"], config=e["config"], ms=e["ms"], tflops=e["tflops"],
+                   default_ms=e.get("default_ms"))
+        try:
+            check_row(row)
+        except ResultRowError as err:
+            raise ResultFileError(path, f"{where} ({e.get('spec')}): {err}") from None
+        rows.append(row)
+    return rows
 
 
-def shipped_best(spec_key: str, env: dict) -> dict[int, dict[str, dict]]:
-    """{bucket: {phase: row}} from tuning_db/ for this spec in exactly this environment."""
-    out: dict[int, dict[str, dict]] = {}
+def shipped_best(spec_key: str, here: EnvInfo,
+                 on_bad_file: Callable[[Path, ResultFileError], None] | None = None) -> dict[int, dict[str, dict]]:
+    """{bucket: {phase: row}} from tuning_db/ for this spec: per bucket and phase the row that
+    serves ``here`` (an exact match preferred, else the nearest near match; flashgen.db.env),
+    each with its 'match'. A file that cannot be read is skipped (and passed to on_bad_file);
+    the others still count."""
+    rows = []
     for path in sorted(layer_dir().glob("*.yaml")):
-        for row in read_file(path):
-            if row["spec_key"] == spec_key and row["environment"] == env:
-                out.setdefault(row["bucket"], {})[row["phase"]] = row
-    return out
+        try:
+            rows += [row for row in read_file(path) if row["spec_key"] == spec_key]
+        except ResultFileError as err:
+            if on_bad_file is not None:
+                on_bad_file(path, err)
+    return pick(here, rows)

@@ -4,10 +4,18 @@ Thread and process safety: one ResultStore may be shared by threads (SQLAlchemy'
 pools connections; every method opens its own short session). Several processes may
 write to one SQLite file at once: the file is in WAL mode with a busy timeout, every
 write is one short transaction, and every insert is an upsert on the row's natural key,
-so a duplicate write is a no-op rather than an error. All access goes through
-``_session()``, which commits, or rolls back and re-raises.
+so a duplicate write is a no-op rather than an error. Processes that create the tables of
+one fresh database at once all succeed (the loser of the race finds the tables made). All
+access goes through ``_session()``, which commits, or rolls back and re-raises; for an
+SQLite file it first checks that the file it opened is still there, so a database deleted
+or replaced while in use is an error, never a write into a file nobody will read.
 
-A database at another schema version is refused with the command that upgrades it.
+A best config is replaced only by a faster one measured in the same environment
+(``set_best`` says whether it stored), so a shorter re-tune never overwrites a better result.
+
+A database at another schema version is refused with the command that upgrades it. Every
+failure to open, read or write the database is a DatabaseError whose one-line message names
+the database without its password (flashgen.db.urls).
 """
 
 from __future__ import annotations
@@ -16,68 +24,98 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
-from sqlalchemy import create_engine, event, select
+from sqlalchemy import Text, create_engine, event, inspect, select, type_coerce
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, IntegrityError, NoSuchModuleError, OperationalError, ProgrammingError, \
+    SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..config import KernelConfig
 from ..spec import AttentionSpec
+from .env import SPEED_FIELDS, EnvInfo, pick
 from .models import SCHEMA_VERSION, Base, Best, Environment, Meta, SpecRow, Trial
+from .rows import ResultRowError, check_best, check_row
+from .urls import display_url, hide_password, sqlite_file
 
 
-class SchemaVersionError(RuntimeError):
-    """The database was written by another flashgen schema version."""
+class DatabaseError(RuntimeError):
+    """The results database cannot be opened, read or written. The message is one line and
+    names the database without its password."""
+
+    def __init__(self, url: str, problem: str):
+        self.url = display_url(url)
+        self.problem = hide_password(problem, url)
+        super().__init__(f"database {self.url}: {self.problem}")
+
+    @classmethod
+    def from_exception(cls, url: str, err: BaseException) -> "DatabaseError":
+        return cls(url, _describe(err))
+
+
+class MissingDatabaseError(DatabaseError):
+    """An SQLite database file that does not exist was opened for reading."""
+
+
+class SchemaVersionError(DatabaseError):
+    """The database was written by another flashgen schema version (``found``), or holds no
+    flashgen schema at all (``found`` is None)."""
+
+    def __init__(self, url: str, problem: str, found: int | None = None):
+        super().__init__(url, problem)
+        self.found = found
+
+
+def _file_id(path: Path | None) -> tuple[int, int] | None:
+    """(device, inode) of a file; None when there is no file (deleted, or not SQLite)."""
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _describe(err: BaseException) -> str:
+    """What went wrong, in one line, from an error of SQLAlchemy, its driver or the file system."""
+    if isinstance(err, DBAPIError) and err.orig is not None:
+        text = str(err.orig)
+    elif isinstance(err, NoSuchModuleError):
+        text = f"unknown kind of database ({err})"
+    elif isinstance(err, ImportError):
+        text = f"its driver is not installed ({err})"
+    elif isinstance(err, FileExistsError):  # from mkdir: a file where a directory must be
+        text = f"{err.filename} is not a directory"
+    elif isinstance(err, OSError):
+        text = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+    elif isinstance(err, (ValueError, SQLAlchemyError)) and not isinstance(err, DBAPIError):
+        text = f"{err}"
+    else:
+        text = f"{type(err).__name__}: {err}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(err).__name__
 
 
 def default_url() -> str:
+    """$FLASHGEN_DB, else tuning.sqlite in the user data directory (results are not a cache:
+    they cost GPU hours). A database left in the user cache directory by an older flashgen is
+    used while the data directory holds none."""
     url = os.environ.get("FLASHGEN_DB")
     if url:
         return url
-    path = Path(platformdirs.user_cache_dir("flashgen")) / "tuning.sqlite"
+    path = Path(platformdirs.user_data_dir("flashgen")) / "tuning.sqlite"
+    old = Path(platformdirs.user_cache_dir("flashgen")) / "tuning.sqlite"
+    if not path.exists() and old.exists():
+        path = old
     return f"sqlite:///{path}"
 
 
 def config_key(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class EnvInfo:
-    """The environment a result belongs to; every field must match for a result to be used."""
-
-    gpu: str
-    capability: str
-    sm_count: int
-    memory_gib: float
-    torch: str
-    triton: str
-    cuda: str
-    flashgen: str
-    templates: str
-
-    @classmethod
-    def current(cls, interpret: bool = False) -> "EnvInfo":
-        import torch
-        import triton
-
-        from .. import __version__
-        from ..render import templates_hash
-
-        if interpret or not torch.cuda.is_available():
-            gpu, cap, sms, mem, cuda = "triton-interpreter", "cpu", 0, 0.0, "none"
-        else:
-            props = torch.cuda.get_device_properties(0)
-            gpu, cap, sms = props.name, f"{props.major}.{props.minor}", props.multi_processor_count
-            mem, cuda = round(props.total_memory / 2**30, 1), str(torch.version.cuda)
-        return cls(gpu=gpu, capability=cap, sm_count=sms, memory_gib=mem, torch=torch.__version__.split("+")[0],
-                   triton=triton.__version__, cuda=cuda, flashgen=__version__, templates=templates_hash())
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -96,22 +134,46 @@ def _sqlite_pragmas(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):
         cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout=30000")  # first: switching to WAL waits for other writers too
         cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA busy_timeout=30000")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
 
+_OPEN_ERRORS = (SQLAlchemyError, OSError, ImportError, ValueError)  # bad URL, no driver, no file, no server
+
+
 class ResultStore:
+    """``url`` is kept as given (it opens the database); ``display_url`` hides its password and
+    is what every message shows. ``create=False`` opens an existing flashgen database only."""
+
     def __init__(self, url: str | None = None, *, create: bool = True):
         self.url = url or default_url()
-        if self.url.startswith("sqlite:///") and create:
-            Path(self.url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        self.engine = create_engine(self.url, future=True)
-        if self.engine.dialect.name == "sqlite":
-            _sqlite_pragmas(self.engine)
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self._check_schema(create)
+        self.display_url = display_url(self.url)
+        path = sqlite_file(self.url)
+        if path is not None and not create and not path.exists():
+            raise MissingDatabaseError(self.url, "does not exist (the first `flashgen tune` creates it)")
+        try:
+            if path is not None and create:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            self.engine = create_engine(self.url, future=True)
+            if self.engine.dialect.name == "sqlite":
+                _sqlite_pragmas(self.engine)
+            self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+            self._file, self._file_id = path, None
+            self._check_schema(create)
+            self._file_id = _file_id(path)
+        except _OPEN_ERRORS as err:
+            raise DatabaseError(self.url, f"cannot be opened{' for writing' if create else ''}: "
+                                          f"{_describe(err)}") from None
+        except DatabaseError as err:
+            if type(err) is not DatabaseError:
+                raise
+            raise DatabaseError(self.url, f"cannot be opened{' for writing' if create else ''}: "
+                                          f"{err.problem}") from None
+
+    def __repr__(self) -> str:
+        return f"ResultStore({self.display_url!r})"
 
     # ------------------------------------------------------------------ plumbing
     @contextlib.contextmanager
@@ -119,41 +181,80 @@ class ResultStore:
         session: Session = self._sessions()
         try:
             yield session
+            self._check_file()
             session.commit()
+        except SQLAlchemyError as err:
+            session.rollback()
+            raise DatabaseError.from_exception(self.url, err) from None
         except BaseException:
             session.rollback()
             raise
         finally:
             session.close()
 
-    def _upsert(self, session: Session, model, values: dict, keys: tuple[str, ...], update: tuple[str, ...] = ()):
+    def _upsert(self, session: Session, model, values: dict, keys: tuple[str, ...], update: tuple[str, ...] = (),
+                only_if_lower: str | None = None):
         dialect = self.engine.dialect.name
         if dialect == "sqlite":
             from sqlalchemy.dialects.sqlite import insert
         elif dialect == "postgresql":
             from sqlalchemy.dialects.postgresql import insert
         else:
-            raise NotImplementedError(f"upserts on {dialect!r}: use SQLite or PostgreSQL")
+            raise DatabaseError(self.url, f"flashgen writes to SQLite or PostgreSQL, not {dialect}")
         stmt = insert(model).values(**values)
         if update:
-            stmt = stmt.on_conflict_do_update(index_elements=list(keys), set_={k: values[k] for k in update})
+            where = None if only_if_lower is None else \
+                getattr(model, only_if_lower) > getattr(stmt.excluded, only_if_lower)
+            stmt = stmt.on_conflict_do_update(index_elements=list(keys), set_={k: values[k] for k in update},
+                                              where=where)
         else:
             stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
         session.execute(stmt)
 
+    def _check_file(self) -> None:
+        """An SQLite file deleted or replaced since it was opened: SQLite would go on writing
+        into the unlinked file, and the results would be lost without a word."""
+        if self._file_id is not None and _file_id(self._file) != self._file_id:
+            raise DatabaseError(self.url, "was deleted or replaced while in use: the results written since are "
+                                          "lost (run the command again to store them)")
+
+    def _create_tables(self) -> None:
+        """create_all, which checks for each table then creates it: another process may create
+        it in between, and then this one finds it made."""
+        for attempt in range(20):
+            try:
+                Base.metadata.create_all(self.engine)
+                return
+            except (OperationalError, ProgrammingError, IntegrityError) as err:
+                text = str(err.orig if isinstance(err, DBAPIError) else err)
+                if attempt == 19 or not ("already exists" in text or "duplicate key" in text):
+                    raise
+                time.sleep(0.02 * (attempt + 1))
+
     def _check_schema(self, create: bool) -> None:
         if create:
-            Base.metadata.create_all(self.engine)
+            self._create_tables()
+        elif not inspect(self.engine).has_table(Meta.__tablename__):
+            raise SchemaVersionError(self.url, "is not a flashgen database (no flashgen_meta table)")
         with self._session() as s:
             row = s.get(Meta, "schema_version")
-            if row is None:
-                if not create:
-                    raise SchemaVersionError(f"{self.url} is not a flashgen database (no schema version)")
-                self._upsert(s, Meta, {"key": "schema_version", "value": str(SCHEMA_VERSION)}, ("key",))
-            elif row.value != str(SCHEMA_VERSION):
+            if row is None and not create:
+                raise SchemaVersionError(self.url, "is not a flashgen database (no schema version)")
+            if row is not None and row.value != str(SCHEMA_VERSION):
+                found = int(row.value) if row.value.isdigit() else -1
                 raise SchemaVersionError(
-                    f"{self.url} is at flashgen schema version {row.value}, this flashgen reads version "
-                    f"{SCHEMA_VERSION}: run `flashgen db upgrade --db {self.url}`")
+                    self.url, f"is at flashgen schema version {row.value}, this flashgen reads version "
+                              f"{SCHEMA_VERSION}: run `flashgen db upgrade --db {self.display_url}`", found)
+            if create:  # a write even when the row is there: a read-only database fails now, not after tuning
+                self._upsert(s, Meta, {"key": "schema_version", "value": str(SCHEMA_VERSION)}, ("key",))
+
+    def missing_tables(self) -> list[str]:
+        """The flashgen tables this database lacks (``flashgen db upgrade`` creates them)."""
+        try:
+            present = set(inspect(self.engine).get_table_names())
+        except SQLAlchemyError as err:
+            raise DatabaseError.from_exception(self.url, err) from None
+        return sorted(set(Base.metadata.tables) - present)
 
     def _env_id(self, s: Session, env: EnvInfo, create: bool = True) -> int | None:
         if create:
@@ -177,12 +278,26 @@ class ResultStore:
                          update=("status", "ms", "tflops", "margin", "error", "config"))
 
     def set_best(self, env: EnvInfo, spec: AttentionSpec, bucket: int, phase: str, config: dict, ms: float,
-                 tflops: float, default_ms: float | None = None) -> None:
+                 tflops: float, default_ms: float | None = None) -> dict | None:
+        """Store a best config unless the environment already holds a faster one for this spec,
+        bucket and phase. Returns None when stored, else the faster stored row (config, ms,
+        tflops, default_ms), which stays."""
+        check_best(dict(bucket=bucket, phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms))
         with self._session() as s:
-            values = dict(environment_id=self._env_id(s, env), spec_id=self._spec_id(s, spec), bucket=bucket,
-                          phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms)
-            self._upsert(s, Best, values, ("environment_id", "spec_id", "bucket", "phase"),
-                         update=("config", "ms", "tflops", "default_ms"))
+            return self._set_best(s, env, spec, bucket, phase, config, ms, tflops, default_ms)
+
+    def _set_best(self, s: Session, env: EnvInfo, spec, bucket, phase, config, ms, tflops, default_ms) -> dict | None:
+        values = dict(environment_id=self._env_id(s, env), spec_id=self._spec_id(s, spec), bucket=bucket,
+                      phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms)
+        # One statement, so concurrent writers cannot interleave a read and a write: the row is
+        # replaced only where the new time is lower.
+        self._upsert(s, Best, values, ("environment_id", "spec_id", "bucket", "phase"),
+                     update=("config", "ms", "tflops", "default_ms"), only_if_lower="ms")
+        kept = s.execute(select(Best).filter_by(**{k: values[k] for k in ("environment_id", "spec_id", "bucket",
+                                                                          "phase")})).scalar_one()
+        if kept.ms == ms and kept.config == config:
+            return None
+        return dict(config=kept.config, ms=kept.ms, tflops=kept.tflops, default_ms=kept.default_ms)
 
     # ------------------------------------------------------------------ reads
     def trials(self, env: EnvInfo, spec: AttentionSpec, bucket: int | None = None,
@@ -211,24 +326,45 @@ class ResultStore:
                                                               default_ms=b.default_ms)
             return out
 
-    def all_best(self) -> list[dict]:
-        """Every best config with its environment and spec, for `flashgen show` and export."""
+    def matching_best(self, here: EnvInfo, spec: AttentionSpec) -> dict[int, dict[str, dict]]:
+        """{bucket: {phase: row}}: the best configs that serve ``here`` (flashgen.db.env: an
+        exact match preferred, else the nearest near match), each row with its 'match'."""
+        return pick(here, self.all_best(spec_key=spec.key, where={f: getattr(here, f) for f in SPEED_FIELDS}))
+
+    def all_best(self, *, spec_key: str | None = None, where: dict | None = None) -> list[dict]:
+        """Every best config with its environment and spec, for `flashgen show` and export
+        (only one spec's, or only environments with the ``where`` field values, when given)."""
         with self._session() as s:
             q = (select(Best, Environment, SpecRow).join(Environment, Best.environment_id == Environment.id)
-                 .join(SpecRow, Best.spec_id == SpecRow.id).order_by(SpecRow.uri, Best.bucket, Best.phase))
+                 .join(SpecRow, Best.spec_id == SpecRow.id))
+            if spec_key is not None:
+                q = q.where(SpecRow.key == spec_key)
+            for name, value in (where or {}).items():
+                q = q.where(getattr(Environment, name) == value)
+            q = q.order_by(SpecRow.uri, Best.bucket, Best.phase, Best.id)
             return [dict(environment={c: getattr(e, c) for c in EnvInfo.__dataclass_fields__},
                          spec_key=sp.key, spec_uri=sp.uri, spec=sp.canonical, bucket=b.bucket, phase=b.phase,
                          config=b.config, ms=b.ms, tflops=b.tflops, default_ms=b.default_ms)
                     for b, e, sp in s.execute(q)]
 
     def import_rows(self, rows: list[dict]) -> int:
-        """Load exported best configs (see flashgen.db.layer) into this database."""
-        for row in rows:
-            env = EnvInfo(**row["environment"])
-            spec = _SpecShim(row["spec_key"], row["spec_uri"], row["spec"])
-            self.set_best(env, spec, row["bucket"], row["phase"], row["config"], row["ms"], row["tflops"],
-                          row.get("default_ms"))
-        return len(rows)
+        """Load exported best configs (see flashgen.db.layer) into this database: every row is
+        checked first (ResultRowError names the first bad one), then all are written in one
+        transaction, each only where the database holds no faster result for its environment.
+        Returns how many were stored."""
+        for i, row in enumerate(rows):
+            try:
+                check_row(row)
+            except ResultRowError as err:
+                raise ResultRowError(f"{i}.{err.field}", err.message, err.value) from None
+        stored = 0
+        with self._session() as s:
+            for row in rows:
+                env = EnvInfo(**row["environment"])
+                spec = _SpecShim(row["spec_key"], row["spec_uri"], row["spec"])
+                stored += self._set_best(s, env, spec, row["bucket"], row["phase"], row["config"], row["ms"],
+                                         row["tflops"], row.get("default_ms")) is None
+        return stored
 
     def check(self) -> list[str]:
         """Problems found, as sentences; empty when the database is sound."""
@@ -238,11 +374,21 @@ class ResultStore:
                 result = s.connection().exec_driver_sql("PRAGMA integrity_check").scalar()
                 if result != "ok":
                     problems.append(f"SQLite integrity check: {result}")
-            for b in s.execute(select(Best)).scalars():
+            # The config as stored text: a column that is not JSON is a problem to report, not a crash.
+            q = (select(Best.id, SpecRow.uri, Best.bucket, Best.phase, type_coerce(Best.config, Text), Best.ms,
+                        Best.tflops, Best.default_ms).outerjoin(SpecRow, Best.spec_id == SpecRow.id).order_by(Best.id))
+            for id_, uri, bucket, phase, config, ms, tflops, default_ms in s.execute(q):
+                where = f"best config {id_} ({uri} bucket {bucket!r} {phase!r})"
                 try:
-                    KernelConfig.from_dict(b.config)
-                except Exception as err:  # a config this flashgen cannot run
-                    problems.append(f"best config {b.id} is invalid: {err}")
+                    config = json.loads(config) if isinstance(config, (str, bytes)) else config
+                except ValueError:
+                    problems.append(f"{where} is invalid: field 'config': not JSON")
+                    continue
+                try:
+                    check_best(dict(bucket=bucket, phase=phase, config=config, ms=ms, tflops=tflops,
+                                    default_ms=default_ms))
+                except ResultRowError as err:  # a result flashgen.load skips
+                    problems.append(f"{where} is invalid: {err}")
         return problems
 
 

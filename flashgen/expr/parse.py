@@ -201,11 +201,12 @@ def parse_expr(source: str, *, field: str, variables, params: Mapping[str, Any] 
     except SyntaxError as err:
         raise SpecError(field, f"not a valid expression ({err.msg}, column {err.offset})", source) from None
     except RecursionError:
-        raise SpecError(field, f"the expression nests too deeply (at most {MAX_DEPTH} levels)", source[:80]) from None
+        raise SpecError(field, f"the expression is nested too deeply (at most {MAX_DEPTH} levels)",
+                        source[:80]) from None
     levels = _ast_depth(tree)
     if levels > MAX_DEPTH:  # refused before the checker recurses through it
-        raise SpecError(field, f"the expression nests {levels} levels deep; at most {MAX_DEPTH} fit in the "
-                               "generated kernel (combine fewer terms)", source[:80])
+        raise SpecError(field, f"the expression is nested too deeply ({levels} levels; at most {MAX_DEPTH} fit in "
+                               "the generated kernel: combine fewer terms)", source[:80])
     checker = ExpressionChecker(source, field, variables, params or {}, arg_names)
     node = checker.visit(tree)
     return node, checker.tensors

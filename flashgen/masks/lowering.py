@@ -76,8 +76,8 @@ def check_size(field: str, node, what: str) -> None:
     """Refuse an expression nested deeper than MAX_DEPTH or written out with more than MAX_TERMS nodes."""
     levels = depth(node)
     if levels > MAX_DEPTH:
-        raise SpecError(field, f"{what} nests {levels} levels deep; at most {MAX_DEPTH} fit in the generated kernel "
-                               "(combine fewer terms)")
+        raise SpecError(field, f"{what} is nested too deeply ({levels} levels; at most {MAX_DEPTH} fit in the "
+                               "generated kernel: combine fewer terms)")
     terms = written_terms(node)
     if terms > MAX_TERMS:
         raise SpecError(field, f"{what} is {terms} terms long written out; at most {MAX_TERMS} fit in the "

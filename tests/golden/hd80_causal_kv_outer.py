@@ -18,11 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:
-    TensorDescriptor = None
-
 SPEC = {
     'name': 'odd',
     'dtype': 'fp32',
@@ -59,6 +54,17 @@ TENSORS = []  # named tensors a call passes by keyword
 TENSOR_RANKS = {}
 GRAD_TENSORS = []  # float tensors gradients flow into
 BLOCK_MAP = False
+
+# The spec's constants, read by the kernels as compile-time globals (tile sizes, warps and
+# stages are the config's: kernel parameters).
+HEAD_DIM = tl.constexpr(80)  # q and k
+HEAD_DIM_V = tl.constexpr(48)  # v and the output
+BLOCK_D = tl.constexpr(128)  # HEAD_DIM padded to a power of two >= 16 (tl.dot's minimum)
+BLOCK_DV = tl.constexpr(64)  # HEAD_DIM_V padded likewise
+GQA_GROUP = tl.constexpr(1)  # query heads per KV head: query head h reads KV head h // GQA_GROUP
+DOT_PRECISION = tl.constexpr("ieee")  # fp32 inputs: exact fp32 products, not tf32
+RCP_LN2 = tl.constexpr(1.4426950408889634)  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2)
+LN2 = tl.constexpr(0.6931471805599453)  # = ln 2: ln(x) = log2(x) * LN2
 
 
 @triton.jit
@@ -127,33 +133,35 @@ def _q_segments(c0, c1, off_b, off_h, seqlen_q, seqlen_k):
 
 
 @triton.jit
-def _span(lo, hi, flo, fhi, start, n, BLOCK: tl.constexpr, RAGGED):
-    # One segment as block-aligned loop bounds at or after `start`: masked blocks [lo, flo),
-    # whole blocks [flo, fhi) that need no mask arithmetic, masked blocks [fhi, hi).
+def _span(lo, hi, full_lo, full_hi, start, n, BLOCK: tl.constexpr, RAGGED):
+    # One segment as block-aligned loop bounds at or after `start`: masked blocks [lo, full_lo),
+    # whole blocks [full_lo, full_hi) that need no mask arithmetic, masked blocks [full_hi, hi).
     lo = tl.maximum(tl.maximum(lo, 0) // BLOCK * BLOCK, start)
     hi = tl.maximum(tl.minimum(hi, n), lo)
-    flo = (tl.maximum(flo, lo) + BLOCK - 1) // BLOCK * BLOCK
-    fhi = tl.maximum(tl.minimum(tl.minimum(fhi, hi), n // BLOCK * BLOCK), 0) // BLOCK * BLOCK
-    empty = (fhi <= flo) | RAGGED
-    flo = tl.where(empty, lo, flo)
-    fhi = tl.where(empty, lo, fhi)
-    return lo, flo, fhi, hi
+    full_lo = (tl.maximum(full_lo, lo) + BLOCK - 1) // BLOCK * BLOCK
+    full_hi = tl.maximum(tl.minimum(tl.minimum(full_hi, hi), n // BLOCK * BLOCK), 0) // BLOCK * BLOCK
+    empty = (full_hi <= full_lo) | RAGGED
+    full_lo = tl.where(empty, lo, full_lo)
+    full_hi = tl.where(empty, lo, full_hi)
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def _seq_bounds(CU, off_b, seqlen, VARLEN: tl.constexpr):
-    # (first row, length) of batch element off_b: packed by cu_seqlens, or dense.
+def _seq_bounds(CU, off_b, seqlen, total, VARLEN: tl.constexpr):
+    # (first row, length) of batch element off_b: packed by cu_seqlens, or dense. The host
+    # checks packed offsets, except where it cannot read them (CUDA graph capture, torch.compile):
+    # clamped into [0, total] and the length to seqlen (max_seqlen), no offset reaches past the tensors.
     if VARLEN:
-        start = tl.load(CU + off_b)
-        return start, tl.load(CU + off_b + 1) - start
+        start = tl.minimum(tl.maximum(tl.load(CU + off_b), 0), total)
+        end = tl.minimum(tl.maximum(tl.load(CU + off_b + 1), start), total)
+        return start, tl.minimum(end - start, seqlen)
     else:
         return 0, seqlen
 
 
 @triton.jit
 def _online_softmax_step(acc, m_i, l_i, q, k, v, rows, cols, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                         seed, row0, dropout_p,
-                         MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         seed, row0, dropout_p, MASKED: tl.constexpr, DROPOUT: tl.constexpr):
     # One (BLOCK_M x BLOCK_N) tile: s = q k^T * scale * log2(e); m' = max(m, rowmax s);
     # l' = l * 2^(m - m') + rowsum 2^(s - m'); acc' = acc * 2^(m - m') + 2^(s - m') v.
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)
@@ -177,8 +185,7 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, rows, cols, off_b, off_h, seqle
 
 @triton.jit
 def _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, off_b,
-             off_hk, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-             BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr, TMA: tl.constexpr):
+             off_hk, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr, TMA: tl.constexpr):
     # K^T as (BLOCK_D, BLOCK_N) and V as (BLOCK_N, BLOCK_DV); padding reads as 0.
     if TMA:
         # K, V are (batch, kv heads, seq, dim) tensor descriptors: the copy engine fetches the
@@ -207,10 +214,10 @@ def _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, strid
 
 @triton.jit
 def _load_rows(X, off_b, off_h, start_m, offs_m, offs_d, stride_m, stride_d, seqlen, DIM: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
-    # Rows [start_m, start_m + BLOCK_M) of one head of Q, dO (or O): (BLOCK_M, BLOCK_D), padding 0.
+               BLOCK_M: tl.constexpr, BLOCK_DIM: tl.constexpr, TMA: tl.constexpr):
+    # Rows [start_m, start_m + BLOCK_M) of one head of Q, dO (or O): (BLOCK_M, BLOCK_DIM), padding 0.
     if TMA:
-        x = X.load([off_b.to(tl.int32), off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        x = X.load([off_b.to(tl.int32), off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_DIM)
     else:
         mask = (offs_m[:, None] < seqlen) & (offs_d[None, :] < DIM)
         x = tl.load(X + offs_m[:, None] * stride_m + offs_d[None, :] * stride_d, mask=mask, other=0.0)
@@ -223,7 +230,7 @@ def _finalize(acc, m_i, l_i):
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)  # * ln 2
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
     return out, lse
 
 
@@ -236,50 +243,10 @@ def _load_seed(SEED, DROPOUT: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
-              stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
-              HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              TMA: tl.constexpr):
-    k, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k,
-                    off_b, off_hk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, BOUNDS=MASKED, TMA=TMA)
-    return _online_softmax_step(acc, m_i, l_i, q, k, v, rows, (start_n + offs_n)[None, :], off_b, off_h,
-                                seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
-                                MASKED=MASKED, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
-
-
-@triton.jit
-def _fwd_blocks(acc, m_i, l_i, q, K, V, lo, hi, lo2, hi2, IDX, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd,
-                stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
-                dropout_p,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: the two boundary bands
-    # of a segment), or (LISTED) the key blocks IDX[lo:hi] of a block map. WARP_SPECIALIZE
-    # splits the loop into producer warps (loads) and consumer warps (dots, softmax).
-    if LISTED:
-        for j in range(lo, hi):
-            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, tl.load(IDX + j) * BLOCK_N, rows, offs_n, offs_d,
-                                      offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk,
-                                      seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, HEAD_DIM,
-                                      HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED, DROPOUT, DOT_PRECISION, TMA)
-    else:
-        for j in tl.range(lo, hi + (hi2 - lo2), BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            start_n = tl.where(j < hi, j, j - hi + lo2)
-            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn,
-                                      stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
-                                      sm_scale, qk_scale, seed, row0, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                      BLOCK_DV, BLOCK_N, MASKED, DROPOUT, DOT_PRECISION, TMA)
-    return acc, m_i, l_i
-
-
-@triton.jit
 def _kv_outer_visit(Q, ACC, M, L, k, v, start_m, cols, offs_d, offs_dv,
                     stride_qm, stride_qd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                    seed, row0, dropout_p, HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    seed, row0, dropout_p, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
+                    DROPOUT: tl.constexpr):
     # Read a query block's running (acc, m, l), fold one K/V tile in, write it back.
     offs_m = start_m + tl.arange(0, BLOCK_M)
     row_ok = offs_m < seqlen_q
@@ -290,8 +257,8 @@ def _kv_outer_visit(Q, ACC, M, L, k, v, start_m, cols, offs_d, offs_dv,
     m_i = tl.load(M + offs_m, mask=row_ok, other=float("-inf"))
     l_i = tl.load(L + offs_m, mask=row_ok, other=0.0)
     acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, offs_m[:, None], cols, off_b, off_h, seqlen_q,
-                                         seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, MASKED=MASKED,
-                                         DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
+                                         seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
+                                         MASKED=MASKED, DROPOUT=DROPOUT)
     tl.store(acc_ptrs, acc, mask=row_ok[:, None])
     tl.store(M + offs_m, m_i, mask=row_ok)
     tl.store(L + offs_m, l_i, mask=row_ok)
@@ -300,22 +267,21 @@ def _kv_outer_visit(Q, ACC, M, L, k, v, start_m, cols, offs_d, offs_dv,
 
 
 @triton.jit
-def _kv_outer_blocks(Q, ACC, M, L, k, v, lo, hi, lo2, hi2, IDX, cols, offs_d, offs_dv, stride_qm, stride_qd, off_b, off_h,
-                     seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
-                     HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, LISTED: tl.constexpr,
-                     MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # Query blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_M, or (LISTED) the query blocks IDX[lo:hi].
+def _kv_outer_blocks(Q, ACC, M, L, k, v, lo, hi, lo2, hi2, BLOCKS, cols, offs_d, offs_dv, stride_qm, stride_qd, off_b,
+                     off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
+                     BLOCK_M: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr):
+    # Query blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_M, or (LISTED) the query blocks BLOCKS[lo:hi].
     if LISTED:
         for j in range(lo, hi):
-            _kv_outer_visit(Q, ACC, M, L, k, v, tl.load(IDX + j) * BLOCK_M, cols, offs_d, offs_dv, stride_qm,
+            _kv_outer_visit(Q, ACC, M, L, k, v, tl.load(BLOCKS + j) * BLOCK_M, cols, offs_d, offs_dv, stride_qm,
                             stride_qd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
-                            dropout_p, HEAD_DIM, BLOCK_DV, BLOCK_M, MASKED, DROPOUT, DOT_PRECISION)
+                            dropout_p, BLOCK_M, MASKED, DROPOUT)
     else:
         for j in range(lo, hi + (hi2 - lo2), BLOCK_M):
             start_m = tl.where(j < hi, j, j - hi + lo2)
             _kv_outer_visit(Q, ACC, M, L, k, v, start_m, cols, offs_d, offs_dv, stride_qm, stride_qd, off_b, off_h,
-                            seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, HEAD_DIM,
-                            BLOCK_DV, BLOCK_M, MASKED, DROPOUT, DOT_PRECISION)
+                            seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, BLOCK_M,
+                            MASKED, DROPOUT)
 
 
 @triton.jit
@@ -327,18 +293,16 @@ def _attn_fwd_kv_outer(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh,
     num_heads, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
-    GQA_GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    total_q, total_k,  # packed sequences: the tokens of q and k (cu_seqlens offsets are clamped into them)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
 ):
     # FlashAttention-1: grid (heads, batch); the outer loop walks K/V blocks, which stay on
     # chip, the inner loop walks the query blocks that see them. The running O (unnormalised),
     # m and l of every query row live in global memory (ACC, M, L, float32) between visits.
     off_h = tl.program_id(0).to(tl.int64)
     off_b = tl.program_id(1).to(tl.int64)
-    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, VARLEN)
-    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, VARLEN)
+    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, total_q, VARLEN)
+    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, total_k, VARLEN)
     off_hk = off_h // GQA_GROUP
     Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
     K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
@@ -357,23 +321,24 @@ def _attn_fwd_kv_outer(
 
     for start_n in range(0, seqlen_k, BLOCK_N):
         k, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                        seqlen_k, off_b, off_hk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, BOUNDS=True,
-                        TMA=False)
+                        seqlen_k, off_b, off_hk, BLOCK_N, BOUNDS=True, TMA=False)
         cols = (start_n + offs_n)[None, :]
         # The K/V tile was loaded with bounds, so a ragged last block is masked in every query block.
-        segs = _q_segments(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k) - 1, off_b, off_h, seqlen_q,
-                           seqlen_k)
-        end = 0
-        lo, flo, fhi, hi = _span(segs[0], segs[1], segs[2],
-                                 segs[3], end, seqlen_q, BLOCK_M, start_n + BLOCK_N > seqlen_k)
-        _kv_outer_blocks(Q, ACC, M, L, k, v, flo, fhi, fhi, fhi, Q, cols, offs_d, offs_dv, stride_qm,
+        (seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi) = _q_segments(
+            start_n, tl.minimum(start_n + BLOCK_N, seqlen_k) - 1, off_b, off_h, seqlen_q, seqlen_k)
+        first_unvisited = 0
+        lo, full_lo, full_hi, hi = _span(seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi, first_unvisited,
+                                         seqlen_q, BLOCK_M, start_n + BLOCK_N > seqlen_k)
+        # whole blocks, every pair visible: no mask arithmetic
+        _kv_outer_blocks(Q, ACC, M, L, k, v,
+                         full_lo, full_hi, full_hi, full_hi, Q, cols, offs_d, offs_dv, stride_qm,
                          stride_qd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
-                         dropout_p, HEAD_DIM, BLOCK_DV, BLOCK_M, LISTED=False, MASKED=False,
-                         DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
-        _kv_outer_blocks(Q, ACC, M, L, k, v, lo, flo, fhi, hi, Q, cols, offs_d, offs_dv, stride_qm,
+                         dropout_p, BLOCK_M, LISTED=False, MASKED=False, DROPOUT=DROPOUT)
+        # the boundary blocks below and above them (and the ragged last block), in one loop
+        _kv_outer_blocks(Q, ACC, M, L, k, v,
+                         lo, full_lo, full_hi, hi, Q, cols, offs_d, offs_dv, stride_qm,
                          stride_qd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
-                         dropout_p, HEAD_DIM, BLOCK_DV, BLOCK_M, LISTED=False, MASKED=True,
-                         DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION)
+                         dropout_p, BLOCK_M, LISTED=False, MASKED=True, DROPOUT=DROPOUT)
 
     # Every K/V block has been folded in: normalise and write O and LSE.
     for start_m in range(0, seqlen_q, BLOCK_M):
@@ -393,7 +358,7 @@ def _bwd_preprocess(O, DO, DELTA,
                     stride_ob, stride_oh, stride_om, stride_od,
                     stride_dob, stride_doh, stride_dom, stride_dod,
                     num_heads, seqlen_q,
-                    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr):
+                    BLOCK_M: tl.constexpr):
     # delta_i = sum_d dO_id * O_id  (= rowsum(P * dP), the softmax backward's correction)
     start_m = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
@@ -412,9 +377,8 @@ def _bwd_preprocess(O, DO, DELTA,
 def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_n, offs_d, offs_dv,
                  stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                  off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
-                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DROPOUT: tl.constexpr,
-                 TENSOR_GRADS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                 TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr):
     # One K/V block against one query block, in the transposed orientation:
     # P^T = exp2(K Q^T * scale * log2 e - LSE * log2 e), (BLOCK_N, BLOCK_M).
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -428,9 +392,9 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
         qT = tl.load(Q + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm,
                      mask=(offs_d[:, None] < HEAD_DIM) & row_ok[None, :], other=0.0)
     lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
-    # A row that saw no key has LSE -inf and P = 0: subtract +inf instead.
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    pT = tl.math.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse2[None, :])
+    # LSE in base 2; a row that saw no key has LSE -inf and P = 0: subtract +inf instead.
+    lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * RCP_LN2)
+    pT = tl.math.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse_log2[None, :])
     if MASKED:
         visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k)
         pT = tl.where(visible, pT, 0.0)
@@ -453,28 +417,26 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
 
 
 @triton.jit
-def _bwd_kv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, lo, hi, lo2, hi2, IDX, offs_n, offs_d, offs_dv,
+def _bwd_kv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, lo, hi, lo2, hi2, BLOCKS, offs_n, offs_d, offs_dv,
                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                    off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                    BLOCK_M: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                   DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
-    # Query blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_M, or (LISTED) the query blocks IDX[lo:hi].
+                   DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr):
+    # Query blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_M, or (LISTED) the query blocks BLOCKS[lo:hi].
     if LISTED:
         for j in range(lo, hi):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, tl.load(IDX + j) * BLOCK_M, offs_n,
-                                  offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, tl.load(BLOCKS + j) * BLOCK_M,
+                                  offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
                                   stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                                  dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, MASKED,
-                                  ATOMIC_DQ, DROPOUT, TENSOR_GRADS, DOT_PRECISION, TMA)
+                                  dropout_p, BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT,
+                                  TENSOR_GRADS, TMA)
     else:
         for j in range(lo, hi + (hi2 - lo2), BLOCK_M):
             start_m = tl.where(j < hi, j, j - hi + lo2)
             dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_n, offs_d, offs_dv,
                                   stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h,
-                                  seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, HEAD_DIM,
-                                  HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT, TENSOR_GRADS,
-                                  DOT_PRECISION, TMA)
+                                  seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
+                                  BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT, TENSOR_GRADS, TMA)
     return dk, dv
 
 
@@ -490,10 +452,9 @@ def _attn_bwd_dkdv(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_lb, stride_lh,
     num_heads, seqlen_q, seqlen_k, qk_scale, sm_scale, dropout_p,
-    GQA_GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    total_q, total_k,  # packed sequences: the tokens of q and k (cu_seqlens offsets are clamped into them)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr,
 ):
     # KV-outer: grid (key blocks, KV heads, batch). A program owns one K/V block, keeps
     # dK and dV in registers and walks every query block of every query head that shares
@@ -501,8 +462,8 @@ def _attn_bwd_dkdv(
     start_n = tl.program_id(0) * BLOCK_N
     off_hk = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
-    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, VARLEN)
-    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, VARLEN)
+    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, total_q, VARLEN)
+    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, total_k, VARLEN)
     if VARLEN:
         if start_n >= seqlen_k:
             return
@@ -520,32 +481,34 @@ def _attn_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     seed = _load_seed(SEED, DROPOUT)
     # The query rows that see this key block (the same for every head of the group).
-    segs = _q_segments(start_n, tl.minimum(start_n + BLOCK_N, seqlen_k) - 1, off_b, off_hk, seqlen_q,
-                       seqlen_k)
+    (seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi) = _q_segments(
+        start_n, tl.minimum(start_n + BLOCK_N, seqlen_k) - 1, off_b, off_hk, seqlen_q, seqlen_k)
     for g in range(GQA_GROUP):
         off_h = off_hk * GQA_GROUP + g
         row0 = off_b * stride_lb + off_h * stride_lh + q_start
         if TMA:  # (batch, heads, seq, dim) tensor descriptors
-            Qh, DOh = QD, DOD
+            q_source, do_source = QD, DOD
         else:
-            Qh = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
-            DOh = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
-        DQh = DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
-        end = 0
-        lo, flo, fhi, hi = _span(segs[0], segs[1], segs[2],
-                                 segs[3], end, seqlen_q, BLOCK_M, start_n + BLOCK_N > seqlen_k)
-        dk, dv = _bwd_kv_blocks(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, DQh, seed, row0, flo, fhi,
-                                fhi, fhi, Q, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom,
-                                stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale,
-                                qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, LISTED=False,
-                                MASKED=False, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT, TENSOR_GRADS=TENSOR_GRADS,
-                                DOT_PRECISION=DOT_PRECISION, TMA=TMA)
-        dk, dv = _bwd_kv_blocks(dk, dv, k, v, Qh, DOh, LSE + row0, DELTA + row0, DQh, seed, row0, lo, flo,
-                                fhi, hi, Q, offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom,
-                                stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale,
-                                qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, LISTED=False,
-                                MASKED=True, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT, TENSOR_GRADS=TENSOR_GRADS,
-                                DOT_PRECISION=DOT_PRECISION, TMA=TMA)
+            q_source = Q + off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
+            do_source = DO + off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
+        dq_head = DQ + off_b * stride_dqb + off_h * stride_dqh + q_start * stride_dqm
+        first_unvisited = 0
+        lo, full_lo, full_hi, hi = _span(seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi, first_unvisited,
+                                         seqlen_q, BLOCK_M, start_n + BLOCK_N > seqlen_k)
+        # whole blocks, every pair visible: no mask arithmetic
+        dk, dv = _bwd_kv_blocks(dk, dv, k, v, q_source, do_source, LSE + row0, DELTA + row0, dq_head, seed, row0,
+                                full_lo, full_hi, full_hi, full_hi, Q, offs_n, offs_d, offs_dv,
+                                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q,
+                                seqlen_k, sm_scale, qk_scale, dropout_p, BLOCK_M,
+                                LISTED=False, MASKED=False, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
+                                TENSOR_GRADS=TENSOR_GRADS, TMA=TMA)
+        # the boundary blocks below and above them (and the ragged last block), in one loop
+        dk, dv = _bwd_kv_blocks(dk, dv, k, v, q_source, do_source, LSE + row0, DELTA + row0, dq_head, seed, row0,
+                                lo, full_lo, full_hi, hi, Q, offs_n, offs_d, offs_dv,
+                                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q,
+                                seqlen_k, sm_scale, qk_scale, dropout_p, BLOCK_M,
+                                LISTED=False, MASKED=True, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
+                                TENSOR_GRADS=TENSOR_GRADS, TMA=TMA)
     dk = dk * sm_scale
     tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + (k_start + offs_n)[:, None] * stride_dkn
              + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
@@ -555,16 +518,14 @@ def _attn_bwd_dkdv(
 
 
 @triton.jit
-def _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
+def _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
                 stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
                 qk_scale, dropout_p,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                TMA: tl.constexpr):
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
     kT, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k,
-                     off_b, off_hk, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, BOUNDS=MASKED, TMA=TMA)
+                     off_b, off_hk, BLOCK_N, BOUNDS=MASKED, TMA=TMA)
     cols = (start_n + offs_n)[None, :]
-    p = tl.math.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse2[:, None])
+    p = tl.math.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse_log2[:, None])
     if MASKED:
         visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k)
         p = tl.where(visible, p, 0.0)
@@ -576,26 +537,23 @@ def _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, start_n, rows, offs_n,
 
 
 @triton.jit
-def _bwd_q_blocks(dq, q, do, lse2, delta, K, V, seed, row0, lo, hi, lo2, hi2, IDX, rows, offs_n, offs_d, offs_dv,
+def _bwd_q_blocks(dq, q, do, lse_log2, delta, K, V, seed, row0, lo, hi, lo2, hi2, BLOCKS, rows, offs_n, offs_d, offs_dv,
                   stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
                   qk_scale, dropout_p,
-                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
-    # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N, or (LISTED) the key blocks IDX[lo:hi].
+                  TMA: tl.constexpr):
+    # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N, or (LISTED) the key blocks BLOCKS[lo:hi].
     if LISTED:
         for j in range(lo, hi):
-            dq = _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, tl.load(IDX + j) * BLOCK_N, rows, offs_n, offs_d,
-                             offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q,
-                             seqlen_k, sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                             BLOCK_N, MASKED, DROPOUT, DOT_PRECISION, TMA)
+            dq = _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, tl.load(BLOCKS + j) * BLOCK_N, rows, offs_n,
+                             offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q,
+                             seqlen_k, sm_scale, qk_scale, dropout_p, BLOCK_N, MASKED, DROPOUT, TMA)
     else:
         for j in range(lo, hi + (hi2 - lo2), BLOCK_N):
             start_n = tl.where(j < hi, j, j - hi + lo2)
-            dq = _bwd_q_tile(dq, q, do, lse2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
+            dq = _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
                              stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
-                             sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                             MASKED, DROPOUT, DOT_PRECISION, TMA)
+                             sm_scale, qk_scale, dropout_p, BLOCK_N, MASKED, DROPOUT, TMA)
     return dq
 
 
@@ -609,10 +567,8 @@ def _attn_bwd_dq(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_lb, stride_lh,
     num_heads, seqlen_q, seqlen_k, qk_scale, sm_scale, dropout_p,
-    GQA_GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    total_q, total_k,  # packed sequences: the tokens of q and k (cu_seqlens offsets are clamped into them)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
 ):
     # Q-outer, deterministic dQ: grid (query blocks, heads, batch); each program owns a Q
     # block and walks the K/V blocks it sees, exactly as the forward does (with TMA, through
@@ -621,8 +577,8 @@ def _attn_bwd_dq(
     start_m = blk * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
-    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, VARLEN)
-    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, VARLEN)
+    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, total_q, VARLEN)
+    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, total_k, VARLEN)
     if VARLEN:
         if start_m >= seqlen_q:
             return
@@ -641,309 +597,53 @@ def _attn_bwd_dq(
     do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                  mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    # LSE in base 2; a row that saw no key has LSE -inf and P = 0: subtract +inf instead.
+    lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * RCP_LN2)
     delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
+    # Where the K/V tiles come from: their tensor descriptors (TMA) or the pointers.
     if TMA:
-        kx, vx = KD, VD
+        k_source, v_source = KD, VD
     else:
-        kx = K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
-        vx = V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
+        k_source = K + off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
+        v_source = V + off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
     seed = _load_seed(SEED, DROPOUT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    segs = _kv_segments(start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, off_b, off_h, seqlen_q,
-                        seqlen_k)
-    end = 0
-    lo, flo, fhi, hi = _span(segs[0], segs[1], segs[2], segs[3],
-                             end, seqlen_k, BLOCK_N, False)
-    dq = _bwd_q_blocks(dq, q, do, lse2, delta, kx, vx, seed, row0, flo, fhi, fhi, fhi, K, rows, offs_n,
-                       offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q,
-                       seqlen_k, sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                       LISTED=False, MASKED=False, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION, TMA=TMA)
-    dq = _bwd_q_blocks(dq, q, do, lse2, delta, kx, vx, seed, row0, lo, flo, fhi, hi, K, rows, offs_n,
-                       offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q,
-                       seqlen_k, sm_scale, qk_scale, dropout_p, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                       LISTED=False, MASKED=True, DROPOUT=DROPOUT, DOT_PRECISION=DOT_PRECISION, TMA=TMA)
+    (seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi) = _kv_segments(
+        start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, off_b, off_h, seqlen_q, seqlen_k)
+    first_unvisited = 0
+    lo, full_lo, full_hi, hi = _span(seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi, first_unvisited,
+                                     seqlen_k, BLOCK_N, False)
+    # whole blocks, every pair visible: no mask arithmetic
+    dq = _bwd_q_blocks(dq, q, do, lse_log2, delta, k_source, v_source, seed, row0,
+                       full_lo, full_hi, full_hi, full_hi, K, rows, offs_n, offs_d, offs_dv,
+                       stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
+                       qk_scale, dropout_p, BLOCK_N, LISTED=False, MASKED=False,
+                       DROPOUT=DROPOUT, TMA=TMA)
+    # the boundary blocks below and above them (and the ragged last block), in one loop
+    dq = _bwd_q_blocks(dq, q, do, lse_log2, delta, k_source, v_source, seed, row0,
+                       lo, full_lo, full_hi, hi, K, rows, offs_n, offs_d, offs_dv,
+                       stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
+                       qk_scale, dropout_p, BLOCK_N, LISTED=False, MASKED=True,
+                       DROPOUT=DROPOUT, TMA=TMA)
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqm
              + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
-def _check_inputs(q, k, v, layout):
-    if layout not in ("bhsd", "bshd", "thd"):
-        raise ValueError(f"layout: expected 'bhsd', 'bshd' or 'thd' (varlen), got {layout!r}")
-    ndim = 3 if layout == "thd" else 4
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != ndim:
-            raise ValueError(f"{name}: expected a {ndim}-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
-        if t.dtype != DTYPE:
-            raise ValueError(f"{name}: expected dtype {DTYPE} (spec dtype {SPEC['dtype']}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
-    if q.device.type == "cpu" and not _interpreting():
-        raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on the CPU)")
-    seq_dim, head_dim = {"bhsd": (2, 1), "bshd": (1, 2), "thd": (0, 1)}[layout]
-    batch = () if layout == "thd" else (q.shape[0],)
-    what = "(heads, head_dim)" if layout == "thd" else "(batch, heads, head_dim)"
-    expected = {
-        "q": (*batch, SPEC["num_heads"], SPEC["head_dim"]),
-        "k": (*batch, SPEC["num_kv_heads"], SPEC["head_dim"]),
-        "v": (*batch, SPEC["num_kv_heads"], SPEC["head_dim_v"]),
-    }
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        got = (*(t.shape[0],) * len(batch), t.shape[head_dim], t.shape[-1])
-        if got != expected[name]:
-            raise ValueError(f"{name}: expected {what} = {expected[name]} in layout {layout!r}, "
-                             f"got {got} from shape {tuple(t.shape)}")
-    if k.shape[seq_dim] != v.shape[seq_dim]:
-        raise ValueError(f"v: expected seqlen {k.shape[seq_dim]} (the seqlen of k), got {v.shape[seq_dim]}")
-    return seq_dim, head_dim
+from flashgen.runtime.host import AttentionLauncher  # noqa: E402 (the host side: plain Python)
 
-
-def _interpreting():
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-DTYPE = getattr(torch, {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}[SPEC["dtype"]])
-SAME_SEQLEN = False  # a document mask indexes one id tensor by query and key
-
-
-def _bhsd_strides(t, layout):
-    # (batch, head, seq, dim) strides whatever the memory layout; packed 'thd' has no batch stride.
-    s = t.stride()
-    if layout == "thd":
-        return (0, s[1], s[0], s[2])
-    return (s[0], s[1], s[2], s[3]) if layout == "bhsd" else (s[0], s[2], s[1], s[3])
-
-
-def _tma_ready(t):
-    # The copy engine needs a 16-byte aligned base and strides, and a contiguous last dim.
-    if TensorDescriptor is None:
-        return False
-    size = t.element_size()
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
-            and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))
-
-
-def _descriptor(t, layout, rows, cols):
-    # A (batch, heads, seq, dim) descriptor of t, one (1, 1, rows, cols) tile per load.
-    b, h, s, d = _bhsd_strides(t, layout)
-    shape = t.shape if layout == "bhsd" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
-    return TensorDescriptor(t, list(shape), [b, h, s, d], [1, 1, rows, cols])
-
-
-def _launch_consts(cfg, dtype, block_m, block_n, num_warps, num_stages):
-    return dict(
-        GQA_GROUP=SPEC["num_heads"] // SPEC["num_kv_heads"],
-        HEAD_DIM=SPEC["head_dim"], HEAD_DIM_V=SPEC["head_dim_v"],
-        BLOCK_D=max(16, triton.next_power_of_2(SPEC["head_dim"])),
-        BLOCK_DV=max(16, triton.next_power_of_2(SPEC["head_dim_v"])),
-        BLOCK_M=cfg[block_m], BLOCK_N=cfg[block_n],
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=cfg[num_warps], num_stages=cfg[num_stages],
-    )
-
-
-def _knobs(overrides):
-    cfg = dict(CONFIG)
-    for name, value in overrides.items():
-        if name not in cfg or name == "loop_order":
-            raise TypeError(f"unexpected knob {name!r}")
-        cfg[name] = value
-    return cfg
-
-
-def _seed_arg(seed, dropout_p, device):
-    if not dropout_p:
-        return torch.empty(1, dtype=torch.int64, device=device)  # never read
-    raise ValueError(f"dropout_p: this module was generated without dropout (spec dropout_p 0), got {dropout_p!r}")
-
-
-def _tensors(tensors, device):
-    """The named tensors, each viewed with the rank the expressions index it with
-    (missing leading dimensions broadcast: document ids (S,) serve every batch element)."""
-    tensors = dict(tensors or {})
-    unknown = sorted(set(tensors) - set(TENSORS))
-    if unknown:
-        raise TypeError(f"{unknown[0]}: not a tensor of this spec (its tensors: {TENSORS or 'none'})")
-    out = {}
-    for name in TENSORS:
-        t = tensors.get(name)
-        if t is None:
-            raise TypeError(f"{name}: this spec's mask or score_mod reads tensor {name!r}; pass {name}=<tensor>")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.device != device:
-            raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
-        rank = TENSOR_RANKS[name]
-        if t.dim() > rank or t.numel() == 0:
-            raise ValueError(f"{name}: expected a non-empty tensor of at most {rank} dimensions (indexed with "
-                             f"{rank}), got shape {tuple(t.shape)}")
-        out[name] = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
-    return out
-
-
-def _tensor_args(tensors):
-    args = []
-    for name in TENSORS:
-        t = tensors[name]
-        args += [t, *t.stride(), *t.shape]
-    return args
-
-
-def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim):
-    """(batch, seqlen_q, seqlen_k, cu_q, cu_k): the packed sequences' bounds, or the dense shape."""
-    if layout != "thd":
-        if cu_seqlens_q is not None or cu_seqlens_k is not None:
-            raise ValueError("cu_seqlens_q: packed sequences need layout 'thd' (total_tokens, heads, head_dim)")
-        dummy = torch.empty(1, dtype=torch.int32, device=q.device)
-        return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], dummy, dummy
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype != torch.int32:
-            raise ValueError(f"{name}: expected a 1-d int32 tensor of batch + 1 offsets, got "
-                             f"{getattr(cu, 'shape', cu)!r} {getattr(cu, 'dtype', '')}")
-        if cu.device != q.device:
-            raise ValueError(f"{name}: expected device {q.device}, got {cu.device}")
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.numel()} offsets (as cu_seqlens_q), "
-                         f"got {cu_seqlens_k.numel()}")
-    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
-    return cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-
-
-def forward(q, k, v, *, layout="bhsd", out=None, lse=None, softmax_scale=None, dropout_p=0.0, seed=None,
-            tensors=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **knobs):
-    """Attention forward. q: (B, H, Sq, D) for layout 'bhsd', (B, Sq, H, D) for 'bshd', or packed
-    (total_q, H, D) for 'thd' with cu_seqlens_q/k and max_seqlen_q/k; k, v likewise with the KV
-    heads. Returns (out, lse): out in q's layout with head dim HEAD_DIM_V, lse (B, H, Sq) float32
-    (natural log; (H, total_q) for 'thd'). ``tensors`` maps the names in TENSORS to tensors.
-    Knobs override CONFIG. With dropout_p > 0, seed is a one-element int64 tensor; pass the same
-    one to backward()."""
-    seq_dim, _ = _check_inputs(q, k, v, layout)
-    cfg = _knobs(knobs)
-    batch, seqlen_q, seqlen_k, cu_q, cu_k = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                         layout, q, k, seq_dim)
-    if SAME_SEQLEN and seqlen_q != seqlen_k:
-        raise ValueError(f"k: a document mask needs seqlen_k == seqlen_q ({seqlen_q}), got {seqlen_k}")
-    named = _tensors(tensors, q.device)
-    num_heads = SPEC["num_heads"]
-    dv = SPEC["head_dim_v"]
-    total_q = q.shape[0]
-    o_shape = {"bhsd": (batch, num_heads, seqlen_q, dv), "bshd": (batch, seqlen_q, num_heads, dv),
-               "thd": (total_q, num_heads, dv)}[layout]
-    lse_shape = (num_heads, total_q) if layout == "thd" else (batch, num_heads, seqlen_q)
-    if out is None:
-        out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
-    elif tuple(out.shape) != o_shape or out.dtype != q.dtype:
-        raise ValueError(f"out: expected shape {o_shape} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
-    if lse is None:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    elif tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape}")
-    seed = _seed_arg(seed, dropout_p, q.device)
-    if batch * num_heads * seqlen_q == 0:
-        return out, lse
-    if layout == "thd" and seqlen_k == 0:
-        out.zero_(), lse.fill_(float("-inf"))
-        return out, lse
-    scale = SPEC["softmax_scale"] if softmax_scale is None else softmax_scale
-    consts = _launch_consts(cfg, q.dtype, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-    strides = (*_bhsd_strides(q, layout), *_bhsd_strides(k, layout), *_bhsd_strides(v, layout),
-               *_bhsd_strides(out, layout), *((0, total_q) if layout == "thd" else (num_heads * seqlen_q, seqlen_q)))
-    qk_scale = scale * 1.4426950408889634  # fold log2(e) into the scale: exp(x) = exp2(x * log2 e)
-    extra = _tensor_args(named)
-    args = (*strides, num_heads, seqlen_q, seqlen_k, scale, qk_scale, float(dropout_p), *extra)
-    rows = total_q if layout == "thd" else batch * seqlen_q
-    acc = torch.zeros((num_heads * rows, consts["BLOCK_DV"]), dtype=torch.float32, device=q.device)
-    m = torch.full((num_heads * rows,), float("-inf"), dtype=torch.float32, device=q.device)
-    l = torch.zeros((num_heads * rows,), dtype=torch.float32, device=q.device)
-    grid = (num_heads, batch)
-    _attn_fwd_kv_outer[grid](q, k, v, out, lse, seed, cu_q, cu_k, acc, m, l, *args, VARLEN=layout == "thd",
-                             DROPOUT=bool(dropout_p), **consts)
-    return out, lse
-
-
-def backward(do, q, k, v, out, lse, *, layout="bhsd", softmax_scale=None, dropout_p=0.0, seed=None,
-             deterministic=False, tensors=None, tensor_grads=(), cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, **knobs):
-    """Gradients (dq, dk, dv, {name: d tensor}) of forward() given dO, in the inputs' layout.
-
-    tensor_grads names the GRAD_TENSORS to differentiate (float32 results, in each tensor's shape).
-    dq_strategy 'separate' (or deterministic=True) runs a Q-outer dQ kernel; 'atomic' adds
-    dQ from the dK/dV kernel into a float32 buffer (one pass fewer, not bitwise repeatable)."""
-    seq_dim, _ = _check_inputs(q, k, v, layout)
-    if do.shape != out.shape or do.dtype != out.dtype or do.device != out.device:
-        raise ValueError(f"do: expected shape {tuple(out.shape)} and dtype {out.dtype} (those of out), "
-                         f"got {tuple(do.shape)} {do.dtype}")
-    cfg = _knobs(knobs)
-    batch, seqlen_q, seqlen_k, cu_q, cu_k = _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                         layout, q, k, seq_dim)
-    named = _tensors(tensors, q.device)
-    for name in tensor_grads:
-        if name not in GRAD_TENSORS:
-            raise ValueError(f"tensor_grads: {name!r} is not a float tensor read by the score_mod ({GRAD_TENSORS})")
-    grads = {name: torch.zeros(named[name].shape, dtype=torch.float32, device=q.device) for name in tensor_grads}
-    num_heads, num_kv_heads = SPEC["num_heads"], SPEC["num_kv_heads"]
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    seed = _seed_arg(seed, dropout_p, q.device)
-
-    def result():
-        shaped = {name: g.reshape(tensors[name].shape) for name, g in grads.items()}
-        return dq, dk, dv, shaped
-
-    if batch * num_heads * seqlen_q == 0 or seqlen_k == 0:
-        dq.zero_(), dk.zero_(), dv.zero_()
-        return result()
-    if layout == "thd":
-        dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
-    scale = SPEC["softmax_scale"] if softmax_scale is None else softmax_scale
-    qk_scale = scale * 1.4426950408889634
-    total_q = q.shape[0]
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    pre = _launch_consts(cfg, q.dtype, "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
-    pre_batch, pre_seq = (1, total_q) if layout == "thd" else (batch, seqlen_q)
-    _bwd_preprocess[(triton.cdiv(pre_seq, pre["BLOCK_M"]), num_heads, pre_batch)](
-        out, do, delta, *_bhsd_strides(out, layout), *_bhsd_strides(do, layout), num_heads, pre_seq,
-        HEAD_DIM_V=pre["HEAD_DIM_V"], BLOCK_DV=pre["BLOCK_DV"], BLOCK_M=pre["BLOCK_M"])
-    atomic = cfg["dq_strategy"] == "atomic" and not deterministic
-    # dQ target: the float32 accumulation buffer (atomic) or dq itself (written once).
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else None
-    dq_strides = _bhsd_strides(dq_acc if atomic else dq, layout)
-    qkv_strides = (*_bhsd_strides(q, layout), *_bhsd_strides(k, layout), *_bhsd_strides(v, layout),
-                   *_bhsd_strides(do, layout))
-    lse_strides = (0, total_q) if layout == "thd" else (num_heads * seqlen_q, seqlen_q)
-    extra = _tensor_args(named)
-    grad_args = [grads.get(name, named[name]) for name in GRAD_TENSORS]
-    consts = _launch_consts(cfg, q.dtype, "BLOCK_M1", "BLOCK_N1", "bwd_num_warps", "bwd_num_stages")
-    maps = []
-    tma = cfg["bwd_tma"] and layout != "thd" and all(_tma_ready(t) for t in (q, k, v, do))
-    rows = (q, do)
-    if tma:
-        rows = (_descriptor(q, layout, consts["BLOCK_M"], consts["BLOCK_D"]),
-                _descriptor(do, layout, consts["BLOCK_M"], consts["BLOCK_DV"]))
-    _attn_bwd_dkdv[(triton.cdiv(seqlen_k, cfg["BLOCK_N1"]), num_kv_heads, batch)](
-        q, k, v, do, lse, delta, dk, dv, dq_acc if atomic else dq, seed, cu_q, cu_k, *rows, *qkv_strides,
-        *_bhsd_strides(dk, layout), *_bhsd_strides(dv, layout), *dq_strides, *lse_strides,
-        num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p), *extra, *grad_args, *maps,
-        VARLEN=layout == "thd", ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p), TENSOR_GRADS=bool(grads), TMA=tma,
-        **consts)
-    if atomic:
-        dq.copy_(dq_acc)
-    else:
-        consts = _launch_consts(cfg, q.dtype, "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
-        tiles = (k, v)
-        if tma:
-            tiles = (_descriptor(k, layout, consts["BLOCK_N"], consts["BLOCK_D"]),
-                     _descriptor(v, layout, consts["BLOCK_N"], consts["BLOCK_DV"]))
-        _attn_bwd_dq[(triton.cdiv(seqlen_q, cfg["BLOCK_M2"]), num_heads, batch)](
-            q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *qkv_strides, *dq_strides, *lse_strides,
-            num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p), *extra, *maps,
-            VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TMA=tma, **consts)
-    return result()
+_LAUNCHER = AttentionLauncher(
+    spec=SPEC,
+    config=CONFIG,
+    forward_kernel=_attn_fwd_kv_outer,
+    preprocess_kernel=_bwd_preprocess,
+    dkdv_kernel=_attn_bwd_dkdv,
+    dq_kernel=_attn_bwd_dq,
+    tensor_ranks=TENSOR_RANKS,
+    grad_tensors=GRAD_TENSORS,
+    same_seqlen=False,  # a document mask indexes one id tensor by query and key
+)
+# The module's interface (flashgen's ops and api call these).
+forward = _LAUNCHER.forward
+backward = _LAUNCHER.backward
+_tensors = _LAUNCHER.named_tensors

@@ -1,0 +1,109 @@
+"""Render (spec, config) into a Triton module's source, and build (render, cache, import) it.
+
+Rendering is pure: the same spec and config give byte-identical source. templates/ holds an
+entry template (attention.py.j2) that includes one partial per kernel family and per shared
+piece; the host side is plain Python (flashgen/runtime/host.py), imported by the modules
+flashgen builds and pasted verbatim into standalone ones (what `flashgen generate` writes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+
+import jinja2
+
+from .. import __version__
+from ..config import KernelConfig
+from ..runtime import host
+from ..spec import AttentionSpec
+from .cache import cached_source_path, import_path
+from .plan import plan_for
+
+TEMPLATE = "attention.py.j2"
+
+
+def template_dir() -> Path:
+    """Where the Jinja templates are: inside the wheel (flashgen/templates) or,
+    from a source tree or an editable install, the repository's templates/."""
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "templates", package.parent / "templates"):
+        if (candidate / TEMPLATE).is_file():
+            return candidate
+    raise FileNotFoundError(f"flashgen templates not found next to {package}; the installation is incomplete")
+
+
+def host_source() -> str:
+    """The host module's source, as pasted into standalone modules."""
+    return Path(host.__file__).read_text()
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def templates_hash() -> str:
+    """A hash of every template (partials included) and of the host module, which decides how
+    the kernels launch: results tuned with other ones are stale."""
+    h = hashlib.sha256()
+    root = template_dir()
+    for path in sorted(root.rglob("*.j2"), key=lambda p: p.relative_to(root).as_posix()):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    h.update(b"flashgen/runtime/host.py")
+    h.update(host_source().encode())
+    return h.hexdigest()[:16]
+
+
+def _literal(data: dict) -> str:
+    """A dict as Python source, one key a line, in the dict's order."""
+    lines = "".join(f"    {key!r}: {value!r},\n" for key, value in data.items())
+    return "{\n" + lines + "}"
+
+
+def spec_constants(spec: AttentionSpec) -> dict:
+    """The values the kernels read as module-level constexpr globals."""
+    return {
+        "head_dim": spec.head_dim,
+        "head_dim_v": spec.head_dim_v,
+        "block_d": host.padded_head_dim(spec.head_dim),
+        "block_dv": host.padded_head_dim(spec.head_dim_v),
+        "gqa_group": spec.gqa_group,
+        "dot_precision": "ieee" if spec.dtype == "fp32" else "tf32",
+    }
+
+
+def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, *, standalone: bool = True) -> str:
+    """The Triton module source for this spec and config. standalone: the host side pasted in,
+    so the module needs only torch and triton; otherwise it imports flashgen.runtime.host."""
+    spec_dict = spec.to_dict()
+    spec_dict["softmax_scale"] = spec.scale
+    spec_dict.pop("tune")
+    return _environment().get_template(template).render(
+        version=__version__,
+        template=template,
+        spec=spec,
+        plan=plan_for(spec),
+        config=config,
+        dropout=spec.dropout_p > 0,
+        constants=spec_constants(spec),
+        spec_literal=_literal(spec_dict),
+        config_literal=_literal(config.to_dict()),
+        standalone=standalone,
+        host_source=host_source().rstrip("\n") if standalone else "",
+    )
+
+
+def build_module(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE) -> ModuleType:
+    """Render, cache and import the module for (spec, config); it imports the host side."""
+    return import_path(cached_source_path(spec.uri, render(spec, config, template, standalone=False)))

@@ -1,0 +1,92 @@
+"""What one tuning result must hold, checked where results enter flashgen (``import``, the
+shipped tuning_db/ files), where they are used (``flashgen.load``) and by ``flashgen db check``.
+
+A result that passed these checks cannot make a kernel call fail: its bucket is a power of
+two (the call picks the nearest bucket in log scale), its phase is known, its config builds
+a KernelConfig, and its timings are finite numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+from ..config import ConfigError, KernelConfig
+from ..errors import short_repr
+
+PHASES = ("fwd", "bwd")
+MAX_BUCKET = 1 << 30
+ENVIRONMENT_FIELDS = {"gpu": str, "capability": str, "sm_count": int, "memory_gib": (int, float), "torch": str,
+                      "triton": str, "cuda": str, "flashgen": str, "templates": str}
+MAX_TEXT = 256  # the longest spec uri / environment string the schema stores
+
+
+class ResultRowError(ValueError):
+    """A tuning result has a malformed field."""
+
+    def __init__(self, field: str, message: str, value: Any = dataclasses.MISSING):
+        self.field, self.message, self.value = field, message, value
+        got = "" if value is dataclasses.MISSING else f", got {short_repr(value)}"
+        super().__init__(f"field '{field}': {message}{got}")
+
+
+def _number(field: str, value: Any, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ResultRowError(field, "expected a finite number", value)
+    if value < 0 or (positive and value == 0):
+        raise ResultRowError(field, "expected a positive number" if positive else "expected a number >= 0", value)
+
+
+def _text(field: str, value: Any) -> None:
+    if not isinstance(value, str) or not value or len(value) > MAX_TEXT:
+        raise ResultRowError(field, f"expected a non-empty string of at most {MAX_TEXT} characters", value)
+
+
+def check_bucket(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BUCKET \
+            or value & (value - 1):
+        raise ResultRowError("bucket", f"expected a power of two from 1 to {MAX_BUCKET}", value)
+    return value
+
+
+def check_config(value: Any, field: str = "config") -> KernelConfig:
+    if not isinstance(value, Mapping):
+        raise ResultRowError(field, "expected a mapping of kernel knobs", value)
+    try:
+        return KernelConfig.from_dict(dict(value))
+    except ConfigError as err:
+        raise ResultRowError(field, str(err)) from None
+    except TypeError as err:  # a key that is not a string
+        raise ResultRowError(field, f"not a mapping of knob names ({err})", value) from None
+
+
+def check_best(row: Mapping) -> None:
+    """A best-config row: bucket, phase, config, ms, tflops and default_ms."""
+    check_bucket(row.get("bucket"))
+    if row.get("phase") not in PHASES:
+        raise ResultRowError("phase", "expected one of " + ", ".join(PHASES), row.get("phase"))
+    check_config(row.get("config"))
+    _number("ms", row.get("ms"), positive=True)
+    _number("tflops", row.get("tflops"), positive=False)
+    if row.get("default_ms") is not None:
+        _number("default_ms", row["default_ms"], positive=True)
+
+
+def check_row(row: Mapping) -> None:
+    """A whole exported row: the best config, its environment and its spec."""
+    check_best(row)
+    env = row.get("environment")
+    if not isinstance(env, Mapping) or set(env) != set(ENVIRONMENT_FIELDS):
+        raise ResultRowError("environment", "expected a mapping with keys " + ", ".join(ENVIRONMENT_FIELDS), env)
+    for name, kind in ENVIRONMENT_FIELDS.items():
+        value = env[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ResultRowError(f"environment.{name}", f"expected {'a string' if kind is str else 'a number'}",
+                                 value)
+        if kind is str:
+            _text(f"environment.{name}", value)
+    _text("spec_key", row.get("spec_key"))
+    _text("spec", row.get("spec_uri"))
+    if not isinstance(row.get("spec"), Mapping):
+        raise ResultRowError("canonical", "expected the spec's canonical mapping", row.get("spec"))

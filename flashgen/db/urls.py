@@ -1,0 +1,68 @@
+"""Database URLs as flashgen shows them: never with a password, and SQLite files as paths.
+
+Every message that names a database (warnings, errors, CLI output, reprs) goes through
+``display_url`` or ``hide_password``: a URL such as ``postgresql://admin:S3cret@host/db``
+is written ``postgresql://admin:***@host/db``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from sqlalchemy.engine import make_url
+
+# user:password@ in a URL that SQLAlchemy cannot parse (a bad port, say); greedy up to the
+# last '@', so a password holding '@' is hidden whole.
+_PASSWORD_RE = re.compile(r"(://[^:/@]*):(.*)@")
+
+
+def display_url(url: str) -> str:
+    """The URL with its password replaced by *** (a URL without one is shown as given)."""
+    try:
+        parsed = make_url(url)
+        return url if parsed.password is None else parsed.render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 (unparsable: hide by pattern, still never show it)
+        return _PASSWORD_RE.sub(r"\1:***@", url)
+
+
+def _passwords(url: str) -> set[str]:
+    found = set()
+    match = _PASSWORD_RE.search(url)
+    if match and match.group(2):
+        found |= {match.group(2), unquote(match.group(2))}
+    try:
+        password = make_url(url).password
+    except Exception:  # noqa: BLE001
+        password = None
+    if password:
+        found.add(str(password))
+    return found
+
+
+def hide_password(text: str, url: str | None) -> str:
+    """text with the URL shown as display_url and its password (raw or %-decoded) as ***."""
+    if not url:
+        return text
+    text = text.replace(url, display_url(url))
+    for secret in sorted(_passwords(url), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file an SQLite URL names (``file:`` URIs included); None for other databases and
+    for in-memory SQLite."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 (not a URL: not a file either)
+        return None
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return None
+    database = parsed.database
+    if database.startswith("file:") and str(parsed.query.get("uri", "")).lower() in ("true", "1"):
+        if str(parsed.query.get("mode", "")) == "memory":
+            return None
+        database = unquote(urlsplit(database).path)
+    return Path(database).expanduser()

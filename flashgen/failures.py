@@ -1,0 +1,131 @@
+"""Typed trial failures, after Kernel Tuner's InvalidConfig / CompilationFailedConfig / RuntimeFailedConfig.
+
+A trial runs in stages: restriction check, config validation, render and import, compile,
+launch, run, verify, time. Each stage turns what it raises into the failure of that stage,
+so a failure's type says WHERE the config failed, never what its message looked like. The
+tuner stores every failure, never retries it and never chooses it. ``status`` is the string
+the results database stores; the strings are those of the first schema, so stored results
+stay readable.
+
+Triton compiles a kernel on its first launch, so "compile" and "run" happen inside one call.
+``launching()`` tells them apart by watching Triton's JIT hooks (``jit_cache_hook`` is called
+before a compile, ``jit_post_compile_hook`` after): what fails between the two failed to
+compile. It sets those process-wide hooks for its duration (chaining any already set), so it
+is meant for one tuning thread, as the tuner runs.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+
+class FailedConfig(Exception):
+    """A config that failed a stage of its trial. ``margin`` is the verifier's, where it got that far."""
+
+    status = "error"
+
+    def __init_subclass__(cls, *, status: str, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.status = status
+
+    def __init__(self, detail: str, *, margin: float | None = None):
+        super().__init__(detail)
+        self.detail = detail
+        self.margin = margin
+
+    @classmethod
+    def caused_by(cls, err: BaseException) -> "FailedConfig":
+        return cls(f"{type(err).__name__}: {str(err)[:2000]}")
+
+
+class InvalidConfig(FailedConfig, status="restricted"):
+    """Breaks a restriction of the search space, or is no valid config: never rendered or compiled."""
+
+
+class CompilationFailedConfig(FailedConfig, status="compile_error"):
+    """Rendering or importing its module failed, or Triton's compiler did."""
+
+
+class RuntimeFailedConfig(FailedConfig, status="error"):
+    """Compiled, then failed while it ran (or while its output was checked)."""
+
+
+class OutOfResourcesConfig(RuntimeFailedConfig, status="out_of_resources"):
+    """Compiled, but Triton refused the launch: more shared memory, tensor memory or threads than the device has."""
+
+
+class WrongResultConfig(FailedConfig, status="wrong_result"):
+    """Ran, and its output broke the error rule of ../shared/TESTING.md."""
+
+
+class TimedOutConfig(FailedConfig, status="timeout"):
+    """Took longer than the trial's time limit."""
+
+
+FAILURES = (InvalidConfig, CompilationFailedConfig, RuntimeFailedConfig, OutOfResourcesConfig, WrongResultConfig,
+            TimedOutConfig)
+STATUSES = ("ok", *(f.status for f in FAILURES))
+
+
+@contextmanager
+def stage(failure: type[FailedConfig]):
+    """One stage of a trial: an exception raised in it becomes `failure` (a FailedConfig passes through)."""
+    try:
+        yield
+    except FailedConfig:
+        raise
+    except Exception as err:
+        raise failure.caused_by(err) from err
+
+
+@contextmanager
+def launching():
+    """Running kernels, which Triton compiles on their first launch: an exception raised while
+    Triton's JIT compiles is a compile failure (as are Triton's compiler errors), Triton's
+    OutOfResources (raised when a compiled binary is loaded for launch) is out of resources,
+    anything else a runtime failure."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    watch = _CompileWatch()
+    try:
+        with watch:
+            yield
+    except FailedConfig:
+        raise
+    except Exception as err:
+        if watch.compiling or isinstance(err, (CompilationError, PTXASError)):
+            raise CompilationFailedConfig.caused_by(err) from err
+        if isinstance(err, OutOfResources):
+            raise OutOfResourcesConfig.caused_by(err) from err
+        raise RuntimeFailedConfig.caused_by(err) from err
+
+
+class _CompileWatch:
+    """Knows whether Triton's JIT is compiling, from its pre- and post-compile hooks."""
+
+    def __init__(self):
+        self.compiling = False
+
+    def _before(self, **info):
+        self.compiling = True
+        # A true result from the hook would tell Triton to skip the compile: pass on the earlier hook's.
+        return self._previous[0](**info) if self._previous[0] else None
+
+    def _after(self, **info):
+        self.compiling = False
+        return self._previous[1](**info) if self._previous[1] else None
+
+    def __enter__(self):
+        import triton
+
+        self._runtime = getattr(getattr(triton, "knobs", None), "runtime", None)  # triton >= 3.4
+        if self._runtime is not None:
+            self._previous = (self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook)
+            self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *exc):
+        if self._runtime is not None:
+            self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._previous
+        return False

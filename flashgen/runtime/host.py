@@ -1,0 +1,468 @@
+"""The host side of a rendered attention module: input checks, launch arguments, launches.
+
+Plain Python over torch and triton. A rendered module holds the @triton.jit kernels and what
+differs per spec (SPEC, CONFIG, the named tensors, a few flags); it builds one
+AttentionLauncher from them and exposes the launcher's methods as its forward, backward,
+block_map and dropout_keep_mask. The modules flashgen builds import this file; the module
+`flashgen generate` writes includes it verbatim, so that file needs only torch and triton.
+This file therefore imports nothing from flashgen, and its top-level names must not clash
+with the kernels' (which all start with an underscore or are upper case).
+
+Layouts: q, k, v, out and dO are 'bhsd' (batch, heads, seq, dim), 'bshd' (batch, seq, heads,
+dim) or packed 'thd' (total tokens, heads, dim) with cu_seqlens offsets; every kernel takes
+(batch, head, seq, dim) strides, so any strides work and nothing is copied.
+"""
+
+import os
+
+import torch
+import triton
+
+try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
+LAYOUTS = ("bhsd", "bshd", "thd")
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# The kernels read the spec's constants as tl.constexpr module globals; Triton keys its disk
+# cache by their values from 3.5 on (before, two specs with the same kernel text could share
+# one compiled binary).
+MIN_TRITON = (3, 5)
+
+
+def interpreting():
+    """Whether Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def padded_head_dim(head_dim):
+    """The tile width for a head dim: the next power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def bhsd_strides(t, layout):
+    """(batch, head, seq, dim) strides whatever the memory layout; packed 'thd' has no batch stride."""
+    s = t.stride()
+    if layout == "thd":
+        return (0, s[1], s[0], s[2])
+    return (s[0], s[1], s[2], s[3]) if layout == "bhsd" else (s[0], s[2], s[1], s[3])
+
+
+def tma_ready(t):
+    """Whether the copy engine can read t: a 16-byte aligned base and strides, a contiguous last dim."""
+    if TensorDescriptor is None:
+        return False
+    size = t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))
+
+
+def tensor_descriptor(t, layout, rows, cols):
+    """A (batch, heads, seq, dim) descriptor of t, one (1, 1, rows, cols) tile per load."""
+    b, h, s, d = bhsd_strides(t, layout)
+    shape = t.shape if layout == "bhsd" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
+    return TensorDescriptor(t, list(shape), [b, h, s, d], [1, 1, rows, cols])
+
+
+def index_lists(tile_classes):
+    """Block-map tile classes (.., n, m) -> counts (.., n, 2) [whole, partial] and block indices
+    (.., n, 2, m): per row, the whole blocks' indices, then the partial ones', each ascending."""
+    lists = [torch.argsort((tile_classes != c).to(torch.int8), dim=-1, stable=True).to(torch.int32) for c in (2, 1)]
+    counts = torch.stack([(tile_classes == 2).sum(-1), (tile_classes == 1).sum(-1)], dim=-1).to(torch.int32)
+    return counts.contiguous(), torch.stack(lists, dim=-2).contiguous()
+
+
+def device_sync_forbidden(device):
+    """True while reading a tensor on `device` from the host would break the caller: a CUDA
+    graph being captured (a device->host copy is illegal there) or torch.compile tracing."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return capturing or torch.compiler.is_compiling()
+
+
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
+    """Packed-sequence offsets that stay inside q and k: first 0, nondecreasing, last <= the
+    tokens there are, no sequence longer than its max_seqlen. One device->host copy."""
+    offsets = torch.cat([cu_seqlens_q, cu_seqlens_k]).cpu().to(torch.int64)
+    n = cu_seqlens_q.numel()
+    for name, cu, total, tensor, max_name, max_len in (
+            ("cu_seqlens_q", offsets[:n], total_q, "q", "max_seqlen_q", max_seqlen_q),
+            ("cu_seqlens_k", offsets[n:], total_k, "k", "max_seqlen_k", max_seqlen_k)):
+        if cu[0] != 0:
+            raise ValueError(f"{name}: expected the first offset to be 0, got {cu[0].item()}")
+        lengths = cu[1:] - cu[:-1]
+        if (lengths < 0).any():
+            i = int((lengths < 0).nonzero()[0])
+            raise ValueError(f"{name}: expected nondecreasing offsets, got {cu[i].item()} then {cu[i + 1].item()} "
+                             f"at index {i}")
+        if cu[-1] > total:
+            raise ValueError(f"{name}: expected offsets within the {total} tokens of {tensor}, got last offset "
+                             f"{cu[-1].item()}")
+        longest = int(lengths.max())
+        if longest > max_len:
+            i = int(lengths.argmax())
+            raise ValueError(f"{max_name}: expected at least the longest sequence ({longest} tokens, "
+                             f"{name}[{i + 1}] - {name}[{i}]), got {max_len}")
+
+
+class AttentionLauncher:
+    """Checks a call's inputs and launches one rendered module's kernels.
+
+    spec, config: the module's SPEC and CONFIG dicts. The kernels: forward_kernel (the Q-outer
+    _attn_fwd or the KV-outer _attn_fwd_kv_outer, as config['loop_order'] says), the three
+    backward kernels, and block_map_kernel (custom masks: the tile classifier) and
+    keep_mask_kernel (dropout: the keep mask, for tests) where the module has them.
+    tensor_ranks: {name: rank} of the named tensors a call passes, in kernel-argument order;
+    grad_tensors: the float ones gradients flow into. map_uses_batch/map_uses_head: whether the
+    block map differs per batch element/head. same_seqlen: the mask indexes one tensor by
+    query and key (document ids), so seqlen_q must equal seqlen_k.
+    """
+
+    RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2), folded into qk_scale
+
+    def __init__(self, *, spec, config, forward_kernel, preprocess_kernel, dkdv_kernel, dq_kernel,
+                 tensor_ranks=None, grad_tensors=(), block_map_kernel=None, map_uses_batch=False,
+                 map_uses_head=False, keep_mask_kernel=None, same_seqlen=False):
+        version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+        if version < MIN_TRITON:
+            raise ImportError(f"triton: this module needs triton >= {'.'.join(map(str, MIN_TRITON))}, "
+                              f"found {triton.__version__}")
+        self.spec, self.config = spec, config
+        self.dtype = TORCH_DTYPES[spec["dtype"]]
+        self.num_heads, self.num_kv_heads = spec["num_heads"], spec["num_kv_heads"]
+        self.block_dv = padded_head_dim(spec["head_dim_v"])
+        self.block_d = padded_head_dim(spec["head_dim"])
+        self.forward_kernel = forward_kernel
+        self.preprocess_kernel, self.dkdv_kernel, self.dq_kernel = preprocess_kernel, dkdv_kernel, dq_kernel
+        self.tensor_ranks = dict(tensor_ranks or {})
+        self.tensor_names = list(self.tensor_ranks)
+        self.grad_tensors = list(grad_tensors)
+        self.block_map_kernel = block_map_kernel
+        self.map_uses_batch, self.map_uses_head = map_uses_batch, map_uses_head
+        self.block_maps = {}  # (batch, heads, seqlens, tiling, device) -> block map, for masks that read no tensor
+        self.keep_mask_kernel = keep_mask_kernel
+        self.dropout = spec["dropout_p"] > 0
+        self.same_seqlen = same_seqlen
+
+    def interpreting(self):
+        """Whether CPU tensors are accepted (tests that only compile replace this)."""
+        return interpreting()
+
+    # ------------------------------------------------------------------ input checks
+    def check_inputs(self, q, k, v, layout):
+        """(seq dim, head dim) of the layout, after checking q, k, v against the spec."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected 'bhsd', 'bshd' or 'thd' (varlen), got {layout!r}")
+        ndim = 3 if layout == "thd" else 4
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.device.type == "meta":
+                raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
+            if t.dim() != ndim:
+                raise ValueError(f"{name}: expected a {ndim}-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
+            if t.dtype != self.dtype:
+                raise ValueError(f"{name}: expected dtype {self.dtype} (spec dtype {self.spec['dtype']}), got {t.dtype}")
+            if t.device != q.device:
+                raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
+        if q.device.type == "cpu" and not self.interpreting():
+            raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on the CPU)")
+        seq_dim, head_dim = {"bhsd": (2, 1), "bshd": (1, 2), "thd": (0, 1)}[layout]
+        batch = () if layout == "thd" else (q.shape[0],)
+        what = "(heads, head_dim)" if layout == "thd" else "(batch, heads, head_dim)"
+        expected = {
+            "q": (*batch, self.num_heads, self.spec["head_dim"]),
+            "k": (*batch, self.num_kv_heads, self.spec["head_dim"]),
+            "v": (*batch, self.num_kv_heads, self.spec["head_dim_v"]),
+        }
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            got = (*(t.shape[0],) * len(batch), t.shape[head_dim], t.shape[-1])
+            if got != expected[name]:
+                raise ValueError(f"{name}: expected {what} = {expected[name]} in layout {layout!r}, "
+                                 f"got {got} from shape {tuple(t.shape)}")
+        if k.shape[seq_dim] != v.shape[seq_dim]:
+            raise ValueError(f"v: expected seqlen {k.shape[seq_dim]} (the seqlen of k), got {v.shape[seq_dim]}")
+        return seq_dim, head_dim
+
+    def named_tensors(self, tensors, device):
+        """The named tensors, each viewed with the rank the expressions index it with
+        (missing leading dimensions broadcast: document ids (S,) serve every batch element)."""
+        tensors = dict(tensors or {})
+        unknown = sorted(set(tensors) - set(self.tensor_names))
+        if unknown:
+            raise TypeError(f"{unknown[0]}: not a tensor of this spec (its tensors: {self.tensor_names or 'none'})")
+        out = {}
+        for name, rank in self.tensor_ranks.items():
+            t = tensors.get(name)
+            if t is None:
+                raise TypeError(f"{name}: this spec's mask or score_mod reads tensor {name!r}; pass {name}=<tensor>")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.device.type == "meta":
+                raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
+            if t.is_complex():
+                raise ValueError(f"{name}: expected a real (integer, float or bool) tensor, got dtype {t.dtype}")
+            if t.device != device:
+                raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+            if t.dim() > rank or t.numel() == 0:
+                raise ValueError(f"{name}: expected a non-empty tensor of at most {rank} dimensions (indexed with "
+                                 f"{rank}), got shape {tuple(t.shape)}")
+            out[name] = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
+        return out
+
+    def tensor_args(self, tensors):
+        """The kernels' arguments for the named tensors: each tensor, its strides, its shape."""
+        args = []
+        for name in self.tensor_names:
+            t = tensors[name]
+            args += [t, *t.stride(), *t.shape]
+        return args
+
+    def knobs(self, overrides):
+        """CONFIG with a call's knob overrides (loop_order is structural: it cannot change here)."""
+        cfg = dict(self.config)
+        for name, value in overrides.items():
+            if name not in cfg or name == "loop_order":
+                raise TypeError(f"unexpected knob {name!r}")
+            cfg[name] = value
+        return cfg
+
+    @staticmethod
+    def launch_knobs(cfg, block_m, block_n, num_warps, num_stages):
+        """The tile sizes and launch options of one kernel, from the knobs of its phase."""
+        return dict(BLOCK_M=cfg[block_m], BLOCK_N=cfg[block_n], num_warps=cfg[num_warps], num_stages=cfg[num_stages])
+
+    def seed_arg(self, seed, dropout_p, device):
+        """The seed tensor the kernels read (a dummy when dropout is off)."""
+        if not dropout_p:
+            return torch.empty(1, dtype=torch.int64, device=device)  # never read
+        if not self.dropout:
+            raise ValueError(f"dropout_p: this module was generated without dropout (spec dropout_p 0), "
+                             f"got {dropout_p!r}")
+        if seed is None or seed.dtype != torch.int64 or seed.numel() != 1:
+            raise ValueError("seed: expected a one-element int64 tensor when dropout_p > 0")
+        if not 0.0 <= dropout_p < 1.0:
+            raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+        return seed
+
+    def varlen_args(self, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim):
+        """(batch, seqlen_q, seqlen_k, total_q, total_k, cu_q, cu_k): the packed sequences' bounds
+        (totals: the tokens of q and k, which the kernels clamp offsets into), or the dense shape."""
+        if layout != "thd":
+            if cu_seqlens_q is not None or cu_seqlens_k is not None:
+                raise ValueError("cu_seqlens_q: packed sequences need layout 'thd' (total_tokens, heads, head_dim)")
+            dummy = torch.empty(1, dtype=torch.int32, device=q.device)
+            return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], 0, 0, dummy, dummy
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype != torch.int32:
+                raise ValueError(f"{name}: expected a 1-d int32 tensor of batch + 1 offsets, got "
+                                 f"{getattr(cu, 'shape', cu)!r} {getattr(cu, 'dtype', '')}")
+            if cu.device != q.device:
+                raise ValueError(f"{name}: expected device {q.device}, got {cu.device}")
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.numel()} offsets (as cu_seqlens_q), "
+                             f"got {cu_seqlens_k.numel()}")
+        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+                raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
+        if self.block_map_kernel is not None or self.same_seqlen:
+            raise ValueError("layout: packed sequences ('thd') are not supported with this mask "
+                             "(block maps and document masks are per dense batch); use a dense batch")
+        total_q, total_k = q.shape[0], k.shape[0]
+        if not device_sync_forbidden(q.device):  # else the kernels clamp the offsets into range (_seq_bounds)
+            check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+        return (cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, total_q, total_k, cu_seqlens_q.contiguous(),
+                cu_seqlens_k.contiguous())
+
+    # ------------------------------------------------------------------ block map (custom masks)
+    def block_map(self, batch, seqlen_q, seqlen_k, block_m, block_n, device, tensors=None):
+        """The mask's block map at this tiling: (per query block: counts, key blocks; per key block:
+        counts, query blocks). Computed on the device by evaluating the mask on every tile; cached
+        per shape when the mask reads no tensor (a mask over tensors is recomputed each call)."""
+        nb = batch if self.map_uses_batch else 1
+        nh = self.num_heads if self.map_uses_head else 1
+        key = (nb, nh, seqlen_q, seqlen_k, block_m, block_n, str(device))
+        if not self.tensor_names and key in self.block_maps:
+            return self.block_maps[key]
+        nq, nk = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
+        tile_classes = torch.empty((nb * nh, nq, nk), dtype=torch.int8, device=device)
+        self.block_map_kernel[(nq, nk, nb * nh)](tile_classes, seqlen_q, seqlen_k, nb, nh, *self.tensor_args(tensors),
+                                                 BLOCK_M=block_m, BLOCK_N=block_n)
+        tile_classes = tile_classes.view(nb, nh, nq, nk)
+        result = (*index_lists(tile_classes), *index_lists(tile_classes.transpose(-1, -2)))
+        if not self.tensor_names:
+            self.block_maps[key] = result
+        return result
+
+    def map_args(self, counts, lists, batch):
+        """The kernels' block-map arguments: counts and lists broadcast to (batch, heads), and their strides."""
+        counts = counts.expand(batch, self.num_heads, *counts.shape[2:])
+        lists = lists.expand(batch, self.num_heads, *lists.shape[2:])
+        return [counts, lists, counts.stride(0), counts.stride(1), counts.stride(2),
+                lists.stride(0), lists.stride(1), lists.stride(2), lists.stride(3)]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, q, k, v, *, layout="bhsd", out=None, lse=None, softmax_scale=None, dropout_p=0.0, seed=None,
+                tensors=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **knobs):
+        """Attention forward. q: (B, H, Sq, D) for layout 'bhsd', (B, Sq, H, D) for 'bshd', or packed
+        (total_q, H, D) for 'thd' with cu_seqlens_q/k and max_seqlen_q/k; k, v likewise with the KV
+        heads. Returns (out, lse): out in q's layout with head dim head_dim_v, lse (B, H, Sq) float32
+        (natural log; (H, total_q) for 'thd'). ``tensors`` maps the names in TENSORS to tensors.
+        Knobs override CONFIG. With dropout_p > 0, seed is a one-element int64 tensor; pass the same
+        one to backward()."""
+        seq_dim, _ = self.check_inputs(q, k, v, layout)
+        cfg = self.knobs(knobs)
+        batch, seqlen_q, seqlen_k, total_q, total_k, cu_q, cu_k = self.varlen_args(
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim)
+        if self.same_seqlen and seqlen_q != seqlen_k:
+            raise ValueError(f"k: a document mask needs seqlen_k == seqlen_q ({seqlen_q}), got {seqlen_k}")
+        named = self.named_tensors(tensors, q.device)
+        num_heads = self.num_heads
+        dv = self.spec["head_dim_v"]
+        o_shape = {"bhsd": (batch, num_heads, seqlen_q, dv), "bshd": (batch, seqlen_q, num_heads, dv),
+                   "thd": (q.shape[0], num_heads, dv)}[layout]
+        lse_shape = (num_heads, q.shape[0]) if layout == "thd" else (batch, num_heads, seqlen_q)
+        if out is None:
+            out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
+        elif tuple(out.shape) != o_shape or out.dtype != q.dtype:
+            raise ValueError(f"out: expected shape {o_shape} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+        if lse is None:
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        elif tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
+            raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape}")
+        seed = self.seed_arg(seed, dropout_p, q.device)
+        if batch * num_heads * seqlen_q == 0:
+            return out, lse
+        if layout == "thd" and seqlen_k == 0:
+            out.zero_(), lse.fill_(float("-inf"))
+            return out, lse
+        scale = self.spec["softmax_scale"] if softmax_scale is None else softmax_scale
+        launch = self.launch_knobs(cfg, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+        lse_strides = (0, q.shape[0]) if layout == "thd" else (num_heads * seqlen_q, seqlen_q)
+        strides = (*bhsd_strides(q, layout), *bhsd_strides(k, layout), *bhsd_strides(v, layout),
+                   *bhsd_strides(out, layout), *lse_strides)
+        qk_scale = scale * self.RCP_LN2  # exp(x * scale) = exp2(x * qk_scale)
+        extra = self.tensor_args(named)
+        if self.block_map_kernel is not None:
+            rows_cnt, rows_idx, cols_cnt, cols_idx = self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M"],
+                                                                    cfg["BLOCK_N"], q.device, named)
+            if cfg["loop_order"] == "q_outer":
+                extra += self.map_args(rows_cnt, rows_idx, batch)
+            else:
+                extra += self.map_args(cols_cnt, cols_idx, batch)
+        args = (*strides, num_heads, seqlen_q, seqlen_k, scale, qk_scale, float(dropout_p), *extra, total_q, total_k)
+        if cfg["loop_order"] == "q_outer":
+            grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
+            tma = cfg["tma"] and layout != "thd" and all(tma_ready(t) for t in (q, k, v, out))
+            tiles = (q, k, v, out)
+            if tma:
+                blocks = ((launch["BLOCK_M"], self.block_d), (launch["BLOCK_N"], self.block_d),
+                          (launch["BLOCK_N"], self.block_dv), (launch["BLOCK_M"], self.block_dv))
+                tiles = tuple(tensor_descriptor(t, layout, *block) for t, block in zip(tiles, blocks))
+            self.forward_kernel[grid](q, k, v, out, lse, seed, cu_q, cu_k, *tiles, *args, VARLEN=layout == "thd",
+                                      DROPOUT=bool(dropout_p), TMA=tma, WARP_SPECIALIZE=cfg["warp_specialize"],
+                                      **launch)
+        else:
+            rows = q.shape[0] if layout == "thd" else batch * seqlen_q
+            acc = torch.zeros((num_heads * rows, self.block_dv), dtype=torch.float32, device=q.device)
+            m = torch.full((num_heads * rows,), float("-inf"), dtype=torch.float32, device=q.device)
+            l = torch.zeros((num_heads * rows,), dtype=torch.float32, device=q.device)  # noqa: E741
+            grid = (num_heads, batch)
+            self.forward_kernel[grid](q, k, v, out, lse, seed, cu_q, cu_k, acc, m, l, *args, VARLEN=layout == "thd",
+                                      DROPOUT=bool(dropout_p), **launch)
+        return out, lse
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, do, q, k, v, out, lse, *, layout="bhsd", softmax_scale=None, dropout_p=0.0, seed=None,
+                 deterministic=False, tensors=None, tensor_grads=(), cu_seqlens_q=None, cu_seqlens_k=None,
+                 max_seqlen_q=None, max_seqlen_k=None, **knobs):
+        """Gradients (dq, dk, dv, {name: d tensor}) of forward() given dO, in the inputs' layout.
+
+        tensor_grads names the GRAD_TENSORS to differentiate (float32 results, in each tensor's shape).
+        dq_strategy 'separate' (or deterministic=True) runs a Q-outer dQ kernel; 'atomic' adds
+        dQ from the dK/dV kernel into a float32 buffer (one pass fewer, not bitwise repeatable)."""
+        seq_dim, _ = self.check_inputs(q, k, v, layout)
+        if do.shape != out.shape or do.dtype != out.dtype or do.device != out.device:
+            raise ValueError(f"do: expected shape {tuple(out.shape)} and dtype {out.dtype} (those of out), "
+                             f"got {tuple(do.shape)} {do.dtype}")
+        cfg = self.knobs(knobs)
+        batch, seqlen_q, seqlen_k, total_q, total_k, cu_q, cu_k = self.varlen_args(
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim)
+        named = self.named_tensors(tensors, q.device)
+        for name in tensor_grads:
+            if name not in self.grad_tensors:
+                raise ValueError(f"tensor_grads: {name!r} is not a float tensor read by the score_mod "
+                                 f"({self.grad_tensors})")
+        grads = {name: torch.zeros(named[name].shape, dtype=torch.float32, device=q.device) for name in tensor_grads}
+        num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        seed = self.seed_arg(seed, dropout_p, q.device)
+
+        def result():
+            shaped = {name: g.reshape(tensors[name].shape) for name, g in grads.items()}
+            return dq, dk, dv, shaped
+
+        if batch * num_heads * seqlen_q == 0 or seqlen_k == 0:
+            dq.zero_(), dk.zero_(), dv.zero_()
+            return result()
+        if layout == "thd":
+            dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
+        scale = self.spec["softmax_scale"] if softmax_scale is None else softmax_scale
+        qk_scale = scale * self.RCP_LN2
+        delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+        pre = self.launch_knobs(cfg, "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
+        pre_batch, pre_seq = (1, q.shape[0]) if layout == "thd" else (batch, seqlen_q)
+        self.preprocess_kernel[(triton.cdiv(pre_seq, pre["BLOCK_M"]), num_heads, pre_batch)](
+            out, do, delta, *bhsd_strides(out, layout), *bhsd_strides(do, layout), num_heads, pre_seq,
+            BLOCK_M=pre["BLOCK_M"])
+        atomic = cfg["dq_strategy"] == "atomic" and not deterministic
+        # dQ target: the float32 accumulation buffer (atomic) or dq itself (written once).
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else None
+        dq_strides = bhsd_strides(dq_acc if atomic else dq, layout)
+        qkv_strides = (*bhsd_strides(q, layout), *bhsd_strides(k, layout), *bhsd_strides(v, layout),
+                       *bhsd_strides(do, layout))
+        lse_strides = (0, q.shape[0]) if layout == "thd" else (num_heads * seqlen_q, seqlen_q)
+        sizes = (num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p))
+        extra = self.tensor_args(named)
+        grad_args = [grads.get(name, named[name]) for name in self.grad_tensors]
+        launch = self.launch_knobs(cfg, "BLOCK_M1", "BLOCK_N1", "bwd_num_warps", "bwd_num_stages")
+        maps = []
+        if self.block_map_kernel is not None:
+            maps = self.map_args(*self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M1"], cfg["BLOCK_N1"], q.device,
+                                                 named)[2:], batch)
+        tma = cfg["bwd_tma"] and layout != "thd" and all(tma_ready(t) for t in (q, k, v, do))
+        rows = (q, do)
+        if tma:
+            rows = (tensor_descriptor(q, layout, launch["BLOCK_M"], self.block_d),
+                    tensor_descriptor(do, layout, launch["BLOCK_M"], self.block_dv))
+        self.dkdv_kernel[(triton.cdiv(seqlen_k, cfg["BLOCK_N1"]), num_kv_heads, batch)](
+            q, k, v, do, lse, delta, dk, dv, dq_acc if atomic else dq, seed, cu_q, cu_k, *rows, *qkv_strides,
+            *bhsd_strides(dk, layout), *bhsd_strides(dv, layout), *dq_strides, *lse_strides, *sizes, *extra,
+            *grad_args, *maps, total_q, total_k, VARLEN=layout == "thd", ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p),
+            TENSOR_GRADS=bool(grads), TMA=tma, **launch)
+        if atomic:
+            dq.copy_(dq_acc)
+        else:
+            launch = self.launch_knobs(cfg, "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
+            if self.block_map_kernel is not None:
+                maps = self.map_args(*self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M2"], cfg["BLOCK_N2"],
+                                                     q.device, named)[:2], batch)
+            tiles = (k, v)
+            if tma:
+                tiles = (tensor_descriptor(k, layout, launch["BLOCK_N"], self.block_d),
+                         tensor_descriptor(v, layout, launch["BLOCK_N"], self.block_dv))
+            self.dq_kernel[(triton.cdiv(seqlen_q, cfg["BLOCK_M2"]), num_heads, batch)](
+                q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *qkv_strides, *dq_strides, *lse_strides,
+                *sizes, *extra, *maps, total_q, total_k, VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TMA=tma,
+                **launch)
+        return result()
+
+    # ------------------------------------------------------------------ dropout (tests)
+    def dropout_keep_mask(self, batch, seqlen_q, seqlen_k, seed, dropout_p):
+        """For tests only: the (B, H, Sq, Sk) bool keep mask that forward/backward use for this seed."""
+        keep = torch.empty((batch, self.num_heads, seqlen_q, seqlen_k), dtype=torch.int8, device=seed.device)
+        grid = (triton.cdiv(seqlen_q, 32), triton.cdiv(seqlen_k, 32), batch * self.num_heads)
+        self.keep_mask_kernel[grid](keep, seed, seqlen_q, seqlen_k, float(dropout_p), BLOCK_M=32, BLOCK_N=32)
+        return keep.bool()
