@@ -159,3 +159,18 @@ def test_static_cache_and_bad_names_are_refused():
     with pytest.raises(ValueError, match="name: expected an identifier-like string"):
         register("")
     assert register() == DEFAULT_NAME
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(sliding_window=0), "sliding_window: expected a positive int or None, got 0"),
+    (dict(s_aux=torch.zeros(4, 1)), "s_aux: expected a (heads,) tensor of sink logits"),
+    (dict(attention_mask=torch.ones(3, 7, dtype=torch.bool)), "attention_mask: expected a (batch, keys) = (2, 7)"),
+    (dict(attention_mask=torch.ones(2, 1, 5, 7, dtype=torch.bool), softcap=5.0),
+     "attention_mask: a 4-d mask cannot be combined with sliding_window, softcap or s_aux"),
+    (dict(position_bias=torch.zeros(2, 4, 5, 7)), "position_bias: not supported"),
+])
+def test_bad_arguments_name_the_argument(kw, words):
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 7, 16)
+    with pytest.raises((ValueError, NotImplementedError)) as info:
+        attention_forward(torch.nn.Module(), q, k, k, kw.pop("attention_mask", None), **kw)
+    assert words in str(info.value)
