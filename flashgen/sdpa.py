@@ -110,8 +110,9 @@ def _mask_terms(attn_mask, query, target):
                          f"L and key's S), got {tuple(attn_mask.shape)}")
     m = attn_mask.reshape((1,) * (len(target) - attn_mask.dim()) + tuple(attn_mask.shape))
     if len(target) > 4:  # several leading dims: flatten them as query's were (a copy only if they broadcast)
-        lead = target[:-3] if any(d != 1 for d in m.shape[:-3]) else (1,)
-        m = m.expand(*lead, *m.shape[-3:]).reshape(-1, *m.shape[-3:])
+        if any(d != 1 for d in m.shape[:-3]):
+            m = m.expand(*target[:-3], *m.shape[-3:])
+        m = m.reshape(-1, *m.shape[-3:])
     if attn_mask.dtype == torch.bool:
         return f"{_MASK_INDEX} != 0", [], {MASK_NAME: m}
     return None, [f"score + {_MASK_INDEX}"], {MASK_NAME: m}

@@ -121,6 +121,7 @@ def test_gradients_match_torch_sdpa(device, dtype, qs, ks, vs, ms, kind, kw):
 @pytest.mark.parametrize("qs, ks, vs, ms, kind, kw", [
     ((2, 3, 2, 9, 16), (2, 3, 2, 11, 16), (2, 3, 2, 11, 16), (3, 1, 9, 11), "bool", {}),  # 5-d, mask per middle dim
     ((2, 3, 2, 9, 16), (1, 3, 2, 11, 16), (2, 1, 2, 11, 16), None, None, {}),  # leading dims broadcast
+    ((2, 3, 2, 9, 16), (2, 3, 2, 11, 16), (2, 3, 2, 11, 16), (9, 11), "float", {}),  # 5-d, one mask for all
     ((4, 9, 16), (4, 11, 16), (4, 11, 8), (9, 11), "float", {}),  # 3-d (N, L, E)
     ((9, 16), (11, 16), (11, 16), None, None, {"is_causal": True}),  # 2-d (L, E)
     ((2, 4, 9, 16), (2, 1, 11, 16), (2, 1, 11, 16), None, None, {}),  # one KV head broadcast without GQA
@@ -135,6 +136,17 @@ def test_sdpa_shapes_and_scales(device, qs, ks, vs, ms, kind, kw):
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
     assert out.shape == ref.shape
     _check(out, q, k, v, mask, torch.float32, **kw)
+
+
+def test_float_mask_in_query_dtype(device):
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, _ = _inputs(gen, device, torch.float16, (2, 4, 17, 16), (2, 2, 23, 16), (2, 2, 23, 16), grad=True)
+    mask = torch.randn(2, 1, 17, 23, generator=gen).to(device=device, dtype=torch.float16).requires_grad_()
+    out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    do = torch.randn(out.shape, generator=gen).to(device=device, dtype=torch.float16)
+    grads = torch.autograd.grad(out, (q, k, v, mask), do)
+    assert grads[3].dtype == torch.float16 and grads[3].shape == mask.shape
+    _check(out, q, k, v, mask, torch.float16, do=do, grads=grads, enable_gqa=True)
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
