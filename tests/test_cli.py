@@ -284,7 +284,7 @@ def test_show_says_which_results_serve_this_machine(tmp_path, monkeypatch):
     from flashgen import AttentionSpec, __version__
     from flashgen.db import EnvInfo, ResultStore
     from flashgen.db import layer as layer_mod
-    from flashgen.render import templates_hash
+    from flashgen.codegen.render import templates_hash
 
     h100 = dict(gpu="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.2, torch="2.13.0",
                 triton="3.6.1", cuda="12.8", flashgen=__version__, templates=templates_hash())

@@ -398,7 +398,7 @@ README_INSTALL = dict(torch="2.13.0", triton="3.6.1", cuda="12.8", memory_gib=79
 
 def _h100(**changes):
     from flashgen import __version__
-    from flashgen.render import templates_hash
+    from flashgen.codegen.render import templates_hash
 
     return EnvInfo(**{**H100, **IMAGE, "flashgen": __version__, "templates": templates_hash(), **changes})
 
