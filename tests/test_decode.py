@@ -18,7 +18,7 @@ from flashgen.compat import flash_attn_with_kvcache
 from flashgen.runtime import decode as host_decode
 from flashgen.verify import compare, reference_attention
 
-DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _seeded():
@@ -58,9 +58,9 @@ class Cache:
             self.k_cache = torch.full(shape, float("nan"), dtype=dtype)
             self.v_cache = torch.full(shape, float("nan"), dtype=dtype)
             for b, n in enumerate(stored):
-                for j in range(n):
-                    page, slot = order[b, j // page_size], j % page_size
-                    self.k_cache[page, slot], self.v_cache[page, slot] = self.dense_k[b][j], self.dense_v[b][j]
+                j = torch.arange(n)
+                page, slot = order[b, j // page_size], j % page_size
+                self.k_cache[page, slot], self.v_cache[page, slot] = self.dense_k[b][:n], self.dense_v[b][:n]
         self.k_cache, self.v_cache = self.k_cache.to(device), self.v_cache.to(device)
 
     def stored(self, b, n):
@@ -92,7 +92,7 @@ def reference_decode(q, cache, *, causal=False, mask=None, score_mod=None, tenso
 
 def run_decode(device, *, dtype="fp16", heads=(4, 2), d=32, batch=3, sq=1, lengths=(37, 1, 20), capacity=48,
                page_size=None, appended=0, num_splits=1, causal=True, mask=None, score_mod=None, tensors=None,
-               batch_tensors=(), BLOCK_N=16, factor=2.0):
+               batch_tensors=(), BLOCK_N=16, factor=2.0, **knobs):
     """Decode fresh inputs through flashgen.decode and check out and LSE against the reference."""
     seed, gen = _seeded()
     torch_dtype = DTYPES[dtype]
@@ -106,7 +106,7 @@ def run_decode(device, *, dtype="fp16", heads=(4, 2), d=32, batch=3, sq=1, lengt
     tensors = {n: t.to(device) for n, t in (tensors or {}).items()}
     flashgen.decode(spec, q, cache.k_cache, cache.v_cache, cache.cache_seqlens, k=cache.new_k, v=cache.new_v,
                     block_table=cache.block_table, out=out, lse=lse, num_splits=num_splits, BLOCK_N=BLOCK_N,
-                    **tensors)
+                    **knobs, **tensors)
     out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=causal, mask=mask, score_mod=score_mod,
                                                         tensors=tensors, batch_tensors=batch_tensors)
     what = f"{spec.uri} sq={sq} lengths={lengths} page_size={page_size} splits={num_splits} seed={seed}"
@@ -344,3 +344,28 @@ def test_standalone_module_decodes(device, tmp_path):
                              num_splits=2, BLOCK_N=16)
     out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=True)
     assert compare("out", out, out_ref, out_pt).ok and compare("lse", lse, lse_ref, lse_pt).ok, f"seed={seed}"
+
+
+def test_bench_decode_smoke(tmp_path):
+    # benchmarks/bench_decode.py --smoke: the issue's table at toy sizes on the CPU, every provider
+    # recorded (timed or with its error), flashgen checked against SDPA before it is timed.
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_decode.py"
+    module_spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    rows = bench.main(["--smoke", "--out", str(tmp_path)])
+    assert [(r["case"], r["mode"]) for r in rows] == [
+        ("B=2 q_len=1 KV=40", "contiguous"), ("B=1 q_len=3 KV=33", "contiguous"),
+        ("B=2 q_len=1 KV=40", "paged-1"), ("B=2 q_len=1 KV=40", "paged-16")]
+    for r in rows:
+        assert "us" in r["flashgen"] and r["flashgen"]["max_err"] < bench.TOLERANCE, r
+        assert r["flashgen"]["TBps"] > 0
+    assert rows[0]["ratio_vs_sdpa_math"] == rows[0]["sdpa_math"]["us"] / rows[0]["flashgen"]["us"]
+    assert rows[2]["ratio_vs_flashgen_contiguous"] > 0
+    written = json.loads(next(tmp_path.glob("*-decode-smoke.json")).read_text())
+    assert written["rows"] == json.loads(json.dumps(rows))
+    assert "| B=2 q_len=1 KV=40 | paged-16 |" in next(tmp_path.glob("*.md")).read_text()

@@ -65,7 +65,9 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     if num_splits == 0:
         total_mblocks = batch * num_kv_heads * triton.cdiv(packed_rows, block_m)
         num_splits = num_splits_heuristic(total_mblocks, sm_count(device), triton.cdiv(capacity, block_n))
-    return block_m, block_n, num_splits, num_warps or 4, num_stages or 2
+    # Memory-bound: a third stage keeps another K/V tile in flight (shared memory: 3 x 2 tiles of
+    # 64 x 128 x 2 bytes = 96 KiB at head dim 128; two stages above that).
+    return block_m, block_n, num_splits, num_warps or 4, num_stages or (3 if head_dim <= 128 else 2)
 
 
 def check_cache_bounds(cache_seqlens, seqlen_add, capacity, block_table, page_size, num_pages, cache_batch_idx,
