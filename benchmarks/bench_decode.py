@@ -11,7 +11,12 @@ mask). Then a paged cache (page sizes 1, 16, 256; a shuffled block table) at B=8
 against the contiguous one. Every output is checked against SDPA's (or the dense reference)
 before it is timed; each provider's failure is recorded, not fatal.
 
-Rows: {case, mode, <provider>: {us, TBps} | {error}, ratio_vs_<anchor>: anchor us / flashgen us}.
+"flashgen_graph" is the compat call captured in a CUDA graph and replayed, as a serving loop runs
+decode: there the one host synchronisation of an eager call (the bounds check of cache_seqlens
+and block_table) is skipped, so the GPU never waits for the host between steps.
+
+Rows: {case, mode, <provider>: {us, TBps} | {error}, ratio_vs_<anchor>: anchor us / flashgen us,
+graph_ratio_vs_<anchor>: the same for flashgen_graph}.
 TBps = the cache bytes the call must read (K and V of every batch element) / time. Writes
 <date>-<gpu>-decode.json and .md into --out.
 
@@ -75,7 +80,24 @@ def _flex(q_len, kv):
     return lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=True)
 
 
-def _measure(row, name, fn, check, bytes_read, timer):
+def _graphed(fn):
+    """fn captured in a CUDA graph, as a serving loop runs decode: the host bounds check is
+    skipped there (the kernel clamps), so no synchronisation sits between steps."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return lambda: (graph.replay(), out)[1]
+
+
+def _measure(row, name, fn, check, bytes_read, timer, graph=False):
+    if graph:
+        try:
+            fn = _graphed(fn)
+        except Exception as exc:
+            row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+            return
     try:
         out = fn()
         err = (out.float() - check).abs().max().item()
@@ -88,13 +110,13 @@ def _measure(row, name, fn, check, bytes_read, timer):
         row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
 
 
-def _ratios(row, flashgen_key, anchors):
+def _ratios(row, flashgen_key, anchors, prefix=""):
     ours = (row.get(flashgen_key) or {}).get("us")
     timed = {a: row[a]["us"] for a in anchors if "us" in (row.get(a) or {})}
     for a in anchors:
-        row[f"ratio_vs_{a}"] = timed[a] / ours if ours and a in timed else None
+        row[f"{prefix}ratio_vs_{a}"] = timed[a] / ours if ours and a in timed else None
     if timed and ours:
-        row["ratio_vs_fastest"] = min(timed.values()) / ours
+        row[f"{prefix}ratio_vs_fastest"] = min(timed.values()) / ours
 
 
 def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, smoke, timer):
@@ -112,9 +134,12 @@ def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, sm
     spec = AttentionSpec(name="decode", dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
                          head_dim=head_dim, num_heads=heads, num_kv_heads=kv_heads, causal=True, backward=False)
     kernel = flashgen.compile(spec)
-    m = lambda name, fn: _measure(row, name, fn, check, bytes_read, timer)  # noqa: E731
-    m("flashgen", lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True))
+    m = lambda name, fn, graph=False: _measure(row, name, fn, check, bytes_read, timer, graph)  # noqa: E731
+    compat = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)  # noqa: E731
+    m("flashgen", compat)
     m("flashgen_native", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens))
+    if not smoke:
+        m("flashgen_graph", compat, graph=True)
     if smoke:
         m("sdpa_math", lambda: _sdpa(None)(qh, kh, vh).transpose(1, 2))
     else:
@@ -127,10 +152,12 @@ def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, sm
         except Exception as exc:
             row["flex"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     _ratios(row, "flashgen", ("sdpa_math",) if smoke else ANCHORS)
+    if not smoke:
+        _ratios(row, "flashgen_graph", ANCHORS, prefix="graph_")
     return row, (q, k_cache, v_cache, seqlens, check, bytes_read)
 
 
-def bench_paged(page_size, contiguous_row, inputs, *, timer):
+def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke):
     """The contiguous case's inputs in a paged cache (shuffled pages) against the contiguous call."""
     q, k_cache, v_cache, seqlens, check, bytes_read = inputs
     batch, kv = k_cache.shape[:2]
@@ -145,9 +172,13 @@ def bench_paged(page_size, contiguous_row, inputs, *, timer):
         k_pages[table[b, j // page_size].long(), j % page_size] = k_cache[b]
         v_pages[table[b, j // page_size].long(), j % page_size] = v_cache[b]
     row = {"case": contiguous_row["case"], "mode": f"paged-{page_size}", "page_size": page_size}
-    _measure(row, "flashgen", lambda: flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,
-                                                              block_table=table, causal=True),
-             check, bytes_read, timer)
+    paged = lambda: flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,  # noqa: E731
+                                            block_table=table, causal=True)
+    _measure(row, "flashgen", paged, check, bytes_read, timer)
+    if not smoke:
+        _measure(row, "flashgen_graph", paged, check, bytes_read, timer, graph=True)
+        contiguous, ours = (contiguous_row.get("flashgen_graph") or {}).get("us"), row["flashgen_graph"].get("us")
+        row["graph_ratio_vs_flashgen_contiguous"] = contiguous / ours if contiguous and ours else None
     row["flashgen_contiguous"] = contiguous_row.get("flashgen")
     contiguous_us = (contiguous_row.get("flashgen") or {}).get("us")
     paged_us = (row.get("flashgen") or {}).get("us")
@@ -156,7 +187,7 @@ def bench_paged(page_size, contiguous_row, inputs, *, timer):
 
 
 def markdown(rows, env):
-    providers = ["flashgen", "flashgen_native", *ANCHORS, "sdpa_math"]
+    providers = ["flashgen", "flashgen_native", "flashgen_graph", *ANCHORS, "sdpa_math"]
     providers = [p for p in providers if any(p in r for r in rows)]
     ratios = sorted({key for r in rows for key in r if key.startswith("ratio_vs_")})
     lines = [f"GPU: {env.get('gpu', 'none (CPU interpreter)')} | torch {env['torch']} | triton {env['triton']} | "
@@ -208,7 +239,7 @@ def main(argv=None):
         rows.append(row)
         paged_inputs = (row, inputs)
     for page_size in paged["page_sizes"]:
-        rows.append(bench_paged(page_size, *paged_inputs, timer=timer))
+        rows.append(bench_paged(page_size, *paged_inputs, timer=timer, smoke=args.smoke))
     gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0] if env.get("gpu") else "cpu"
     stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-decode{'-smoke' if args.smoke else ''}"
     out = Path(args.out)

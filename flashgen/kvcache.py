@@ -34,13 +34,14 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_heads, head_dim): new keys and values written into the cache in place at cache_seqlens
     first, then attended. num_splits 0 picks the split count from the shapes (never from
     cache_seqlens: a call is CUDA-graph capturable). The tensors the spec's mask or score_mod
-    reads are passed by name. out, lse: buffers to write into. Returns out (batch, seqlen_q, heads, head_dim_v) in q's dtype, and
-    with return_lse the log-sum-exp (batch, heads, seqlen_q) float32 (-inf where a row sees no key).
+    reads are passed by name. out, lse: buffers to write into. Returns out (batch, seqlen_q,
+    heads, head_dim_v) in q's dtype, and with return_lse the log-sum-exp (batch, heads, seqlen_q) float32 (-inf where a row sees no key).
     """
     kernel = spec_or_kernel if isinstance(spec_or_kernel, AttentionKernel) else compile(
         AttentionSpec.coerce(spec_or_kernel))
     module = kernel.module(config)
     out, lse = module.decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
                              cache_batch_idx=cache_batch_idx, softmax_scale=softmax_scale, tensors=tensors, out=out,
-                             lse=lse, BLOCK_N=BLOCK_N, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+                             lse=lse, BLOCK_N=BLOCK_N, num_splits=num_splits, num_warps=num_warps,
+                             num_stages=num_stages)
     return (out, lse) if return_lse else out

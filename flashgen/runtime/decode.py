@@ -15,8 +15,8 @@ torch.compile traces; the kernel then clamps every index, so nothing is read out
 import torch
 import triton
 
-from flashgen.runtime.host import (AttentionLauncher, device_sync_forbidden, interpreting,  # standalone: host.py precedes
-                                   padded_head_dim)  # standalone: host.py precedes
+from flashgen.runtime.host import AttentionLauncher, device_sync_forbidden  # standalone: host.py precedes
+from flashgen.runtime.host import interpreting, padded_head_dim  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
@@ -151,7 +151,8 @@ class DecodeLauncher:
             if t.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
         if q.device.type == "cpu" and not interpreting():
-            raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on the CPU)")
+            raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on "
+                             "the CPU)")
         if (k is None) != (v is None):
             raise ValueError("k: new keys and values come together; pass both k and v or neither")
         batch, seqlen_q = q.shape[:2]

@@ -790,7 +790,8 @@ def _attn_decode(
         tl.store(part + offs_dv[None, :], out, mask=o_mask)
         tl.store(LSE_PART + part_row, lse, mask=row_ok)
     else:
-        o_ptrs = O + off_b * stride_ob + qpos[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :] * stride_od
+        o_ptrs = (O + off_b * stride_ob + qpos[:, None] * stride_om + head[:, None] * stride_oh
+                  + offs_dv[None, :] * stride_od)
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
         tl.store(LSE + off_b * stride_lb + head * stride_lh + qpos, lse, mask=row_ok)
 

@@ -748,13 +748,13 @@ def _attn_decode(
     lo, full_lo, full_hi, hi = _span(seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi, first_unvisited,
                                      split_hi, BLOCK_N, False)
     # whole blocks, every pair visible: no mask arithmetic
-    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, q, K, V, BT, full_lo, full_hi, full_hi, full_hi, rows, offs_n, offs_d,
-                                   offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb, stride_vb, num_pages,
+    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, q, K, V, BT, full_lo, full_hi, full_hi, full_hi, rows, offs_n,
+                                   offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb, stride_vb, num_pages,
                                    off_b, heads, seqlen_q, seqlen_k, sm_scale, qk_scale, BLOCK_N,
                                    MASKED=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
     # the boundary blocks below and above them (and the ragged last block), in one loop
-    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, q, K, V, BT, lo, full_lo, full_hi, hi, rows, offs_n, offs_d,
-                                   offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb, stride_vb, num_pages,
+    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, q, K, V, BT, lo, full_lo, full_hi, hi, rows, offs_n,
+                                   offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb, stride_vb, num_pages,
                                    off_b, heads, seqlen_q, seqlen_k, sm_scale, qk_scale, BLOCK_N,
                                    MASKED=True, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
 
@@ -768,7 +768,8 @@ def _attn_decode(
         tl.store(part + offs_dv[None, :], out, mask=o_mask)
         tl.store(LSE_PART + part_row, lse, mask=row_ok)
     else:
-        o_ptrs = O + off_b * stride_ob + qpos[:, None] * stride_om + head[:, None] * stride_oh + offs_dv[None, :] * stride_od
+        o_ptrs = (O + off_b * stride_ob + qpos[:, None] * stride_om + head[:, None] * stride_oh
+                  + offs_dv[None, :] * stride_od)
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
         tl.store(LSE + off_b * stride_lb + head * stride_lh + qpos, lse, mask=row_ok)
 
