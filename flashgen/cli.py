@@ -22,7 +22,7 @@ from . import __version__
 from .config import LOOP_ORDERS, ConfigError, KernelConfig, default_config, detect_target
 from .codegen.cache import write_atomic
 from .codegen.render import render
-from .db import DatabaseError, ResultRowError, default_url, hide_password
+from .db import DatabaseError, ResultRowError, default_url, display_url, hide_password
 from .db.layer import ResultFileError
 from .db.urls import sqlite_file
 from .spec import TARGETS, AttentionSpec, SpecError, YamlFileError
@@ -79,6 +79,17 @@ def _write_file(path: str | Path, text: str) -> None:
         raise click.ClickException(f"cannot write {path}: {err.strerror or err}{other}") from None
 
 
+def _remember_db(ctx, _param, value):
+    ctx.meta[_DB_URL] = value or default_url()
+    return value
+
+
+def _db_option(f):
+    return click.option("--db", "db_url", default=None, callback=_remember_db,
+                        help="SQLAlchemy URL of the results database (default: $FLASHGEN_DB, else tuning.sqlite "
+                             "in the user data directory).")(f)
+
+
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="flashgen")
 def main():
@@ -105,15 +116,25 @@ def main():
 @click.option("--target", type=click.Choice(TARGETS, case_sensitive=False),
               help="GPU to pick the default config for (default: the spec's target, "
                    "or this machine's GPU when it is 'auto').")
-def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_stages, tma, warp_specialize, target):
+@click.option("--tuned", is_flag=True,
+              help="Start from the tuned config that flashgen.load would use on this machine (the database, "
+                   "then tuning_db/); the overrides above still apply.")
+@click.option("--seqlen", type=click.IntRange(1),
+              help="With --tuned: the sequence length whose bucket's config to write (default: the longest "
+                   "tuned bucket).")
+@_db_option
+def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_stages, tma, warp_specialize, target,
+             tuned, seqlen, db_url):
     """Write the rendered Triton module for a spec as a standalone file.
 
     The file imports only torch and triton; call its forward(q, k, v) directly.
     """
     spec = AttentionSpec.from_yaml(spec_path)
+    if seqlen is not None and not tuned:
+        raise click.UsageError("--seqlen picks a tuned bucket: pass --tuned with it")
     if target is not None and target.lower() == "auto":
         target = detect_target()  # this machine's GPU, whatever the spec names
-    config = default_config(spec, target=target)
+    config = _tuned_config(spec, spec_path, db_url, seqlen) if tuned else default_config(spec, target=target)
     if warp_specialize is None and num_warps is not None and num_warps < 8:
         warp_specialize = False  # the default's warp specialization needs 8 warps
     changes = {"loop_order": loop_order, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps,
@@ -127,14 +148,24 @@ def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_sta
         click.echo(f"wrote {output}: {spec.uri} with {config}", err=True)
 
 
-def _remember_db(ctx, _param, value):
-    ctx.meta[_DB_URL] = value or default_url()
-    return value
+def _tuned_config(spec, spec_path, db_url, seqlen) -> KernelConfig:
+    """The stored config flashgen.load would run for this sequence length (or the longest
+    tuned bucket); an error that names the command to tune when nothing is stored."""
+    import warnings
 
+    from .loader import lookup
+    from .space import nearest_bucket
 
-def _db_option(f):
-    return click.option("--db", "db_url", default=None, callback=_remember_db,
-                        help="SQLAlchemy URL of the results database (default: $FLASHGEN_DB or the user cache).")(f)
+    with warnings.catch_warnings():  # the fallback warning: here a missing result is an error
+        warnings.simplefilter("ignore")
+        configs, source = lookup(spec, db_url, spec_path=spec_path)
+    if not configs:
+        raise click.ClickException(f"no tuned config for {spec.uri} on this machine in "
+                                   f"{display_url(db_url or default_url())} or tuning_db: "
+                                   f"tune it with `flashgen tune --spec {spec_path}`")
+    bucket = nearest_bucket(seqlen, configs) if seqlen else max(configs)
+    click.echo(f"tuned config for S={bucket} from {source}", err=True)
+    return configs[bucket]
 
 
 def _journal_dir(url: str) -> Path:
@@ -146,25 +177,55 @@ def _journal_dir(url: str) -> Path:
     return Path(platformdirs.user_cache_dir("flashgen")) / "journals"
 
 
+def _seqlens(_ctx, _param, value):
+    if value is None:
+        return None
+    try:
+        lengths = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise click.BadParameter(f"expected positive lengths, got {value!r}")
+    return lengths
+
+
+SAMPLERS = ("tpe", "random", "grid")  # flashgen.tuner.SAMPLERS, named here so --help imports no torch
+EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
+
+
 @main.command()
 @click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False), help="The spec (YAML).")
 @click.option("--trials", type=click.IntRange(1), help="Trials per study (default: the spec's tune.trials).")
+@click.option("--seqlens", callback=_seqlens,
+              help="Comma-separated sequence lengths to tune (default: the spec's tune.seqlens).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True,
               help="Seconds one trial may take before it counts as a timeout.")
-@click.option("--sampler", type=click.Choice(["tpe", "random", "grid", "cmaes"]), default="tpe", show_default=True)
+@click.option("--sampler", type=click.Choice(SAMPLERS), default="tpe", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
 @_db_option
-@click.option("--resume", is_flag=True, help="Continue interrupted studies from their Optuna journals.")
+@click.option("--resume", is_flag=True, hidden=True,
+              help="Accepted for old scripts: a study found for the spec always goes on.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write search history and importances (PNG).")
 @click.option("--interpret", is_flag=True, help="Run through Triton's CPU interpreter at tiny shapes (NOT a timing).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def tune(spec_path, trials, timeout_s, sampler, seed, db_url, resume, plot_path, interpret, as_json):
-    """Tune a spec on this GPU and store the best config per sequence-length bucket."""
+@click.pass_context
+def tune(ctx, spec_path, trials, seqlens, timeout_s, sampler, seed, db_url, resume, plot_path, interpret, as_json):
+    """Tune a spec on this GPU and store the best config per sequence-length bucket.
+
+    A study (one per bucket and phase) that an earlier, interrupted or concurrent run left
+    for the same spec and environment goes on: its finished trials count and are not run
+    again. A stored result is replaced only by a faster one.
+    """
+    import dataclasses
     import json
 
+    if plot_path:
+        _pyplot()  # a missing matplotlib is said now, not after the tune
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     spec = AttentionSpec.from_yaml(spec_path)
+    if seqlens:
+        spec = spec.replace(tune=dataclasses.replace(spec.tune, seqlens=tuple(seqlens)))
     if interpret and spec.dtype == "bf16":
         raise click.UsageError(f"{spec_path}: spec field 'dtype': the interpreter's bf16 dot is unreliable, "
                                "got 'bf16'; tune an fp16 or fp32 spec with --interpret")
@@ -200,16 +261,22 @@ def tune(spec_path, trials, timeout_s, sampler, seed, db_url, resume, plot_path,
                             f"S={event['bucket']} {event['phase']} fail={state['failures']}")
         bar.update(1)
 
-    options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed, resume=resume,
+    options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed,
                           journal_dir=_journal_dir(url), progress=progress)
     started = time.time()
-    results = run_tune(spec, runner, store, options)
+    try:
+        results = run_tune(spec, runner, store, options)
+    except KeyboardInterrupt:
+        bar.close()
+        click.echo(f"interrupted: the finished trials are kept in {store.display_url}; run the same command again "
+                   "to go on from them", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
     bar.close()
     wall = time.time() - started
-    rows = [dict(bucket=r.bucket, phase=r.phase, trials=r.trials, failures=r.failures,
+    rows = [dict(bucket=r.bucket, phase=r.phase, trials=r.trials, resumed=r.resumed, failures=r.failures,
                  config=r.best.config if r.best else None, ms=r.best.ms if r.best else None,
                  tflops=r.best.tflops if r.best else None, speedup_over_default=r.speedup,
-                 importances=r.importances) for r in results]
+                 importances=r.importances, kept=r.kept) for r in results]
     if as_json:
         click.echo(json.dumps(dict(spec=spec.uri, db=store.display_url, timing=runner.timing_label, wall_s=wall,
                                    environment=runner.env.as_dict(), results=rows), indent=1))
@@ -229,7 +296,10 @@ def _buckets(spec):
 
 
 def _print_tune_table(spec, runner, rows, url, wall):
-    click.echo(f"\n{spec.uri} on {runner.env.gpu} ({runner.timing_label}); stored in {url}; {wall:.0f}s")
+    click.echo(f"\n{spec.uri} on {runner.env.gpu} ({runner.timing_label}); results in {url}; {wall:.0f}s")
+    for r in rows:
+        if r["resumed"]:
+            click.echo(f"S={r['bucket']} {r['phase']}: went on from {r['resumed']} trials of an earlier run")
     click.echo(f"{'bucket':>7} {'phase':5} {'ms':>9} {'TFLOP/s':>8} {'vs default':>10}  config / importances")
     for r in rows:
         if r["config"] is None:
@@ -239,19 +309,26 @@ def _print_tune_table(spec, runner, rows, url, wall):
         speed = f"{r['speedup_over_default']:.2f}x" if r["speedup_over_default"] else "-"
         knobs = " ".join(f"{k}={v}" for k, v in r["config"].items() if k in KernelConfig.phase_knobs(r["phase"]))
         click.echo(f"{r['bucket']:>7} {r['phase']:5} {r['ms']:>9.4f} {r['tflops']:>8.1f} {speed:>10}  {knobs}")
+        if r["kept"]:
+            click.echo(f"{'':>44}kept the stored config: {r['kept']['ms']:.4f} ms is faster than this run's")
         if r["importances"]:
             imp = ", ".join(f"{k} {v:.2f}" for k, v in list(r["importances"].items())[:4])
             click.echo(f"{'':>44}importance: {imp}")
 
 
-def _plot(path, history, results):
+def _pyplot():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise click.ClickException("--plot needs matplotlib: pip install 'flashgen[plot]'") from None
+        raise click.UsageError("--plot needs matplotlib: pip install 'flashgen[plot]'") from None
+    return plt
+
+
+def _plot(path, history, results):
+    plt = _pyplot()
     fig, axes = plt.subplots(len(results), 2, figsize=(12, 3.2 * len(results)), squeeze=False)
     for (ax_h, ax_i), r in zip(axes, results):
         recs = history.get(r.study_name, [])
@@ -270,18 +347,6 @@ def _plot(path, history, results):
         ax_i.set(title="parameter importance (fANOVA)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-
-
-def _seqlens(_ctx, _param, value):
-    if value is None:
-        return None
-    try:
-        lengths = [int(x) for x in value.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
-    if not lengths or min(lengths) < 1:
-        raise click.BadParameter(f"expected positive lengths, got {value!r}")
-    return lengths
 
 
 @main.command()
@@ -327,12 +392,28 @@ def bench(spec_path, seqlens, tokens, out_dir, db_url):
 @_db_option
 @click.option("--json", "as_json", is_flag=True)
 def show(db_url, as_json):
-    """List the tuned configs stored in the database."""
+    """List the tuned configs stored in the database, and the shipped ones that serve this machine.
+
+    Each says whether it serves this machine: an exact match of the environment, or a near
+    match (same GPU model, templates and Triton major.minor; other torch, CUDA or Triton
+    patch release), which flashgen.load uses when no exact match exists.
+    """
     import json
 
-    from .db import ResultStore
+    from .db import EnvInfo, ResultStore
+    from .db.layer import ResultFileError, layer_dir, read_file
 
-    rows = ResultStore(db_url, create=False).all_best()
+    here = EnvInfo.current()
+    rows = [dict(r, source="database", match=here.match(r["environment"]))
+            for r in ResultStore(db_url, create=False).all_best()]
+    for path in sorted(layer_dir().glob("*.yaml")):
+        try:
+            shipped = read_file(path)
+        except ResultFileError as err:
+            click.echo(f"skipping {err}", err=True)
+            continue
+        rows += [dict(r, source="tuning_db", match=here.match(r["environment"])) for r in shipped
+                 if here.match(r["environment"])]
     if as_json:
         click.echo(json.dumps(rows, indent=1, default=str))
         return
@@ -341,21 +422,26 @@ def show(db_url, as_json):
         return
     for r in rows:
         speed = f"{r['default_ms'] / r['ms']:.2f}x" if r["default_ms"] else "-"
-        click.echo(f"{r['spec_uri']}  S={r['bucket']} {r['phase']}  {r['ms']:.4f} ms  {r['tflops']:.1f} TFLOP/s  "
-                   f"{speed} vs default  on {r['environment']['gpu']} (triton {r['environment']['triton']})")
+        env = r["environment"]
+        served = {"exact": "exact match here", "near": f"near match here (tuned with {here.differences(env)})",
+                  None: "not for this machine"}[r["match"]]
+        click.echo(f"{r['source']}: {r['spec_uri']}  S={r['bucket']} {r['phase']}  {r['ms']:.4f} ms  "
+                   f"{r['tflops']:.1f} TFLOP/s  {speed} vs default  on {env['gpu']} (triton {env['triton']}): "
+                   f"{served}")
 
 
 @main.command("export")
 @_db_option
 @click.option("--gpu", help="Export this GPU's results (default: this machine's GPU).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Default: tuning_db/<gpu>.yaml")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Default: <gpu>.yaml in the working directory (copy it into a source tree's tuning_db/ to ship it).")
 def export_cmd(db_url, gpu, output):
-    """Write a GPU's best configs to a file of the shipped tuning_db/ layer."""
+    """Write a GPU's best configs to a file in the format of the shipped tuning_db/ layer."""
     from .db import EnvInfo, ResultStore
-    from .db.layer import export_text, gpu_slug, layer_dir
+    from .db.layer import export_text, gpu_slug
 
     gpu = gpu or EnvInfo.current().gpu
-    path = Path(output) if output else layer_dir() / f"{gpu_slug(gpu)}.yaml"
+    path = Path(output) if output else Path.cwd() / f"{gpu_slug(gpu)}.yaml"
     text, n = export_text(ResultStore(db_url, create=False).all_best(), gpu)
     _write_file(path, text)
     click.echo(f"wrote {n} results for {gpu} to {path}")
@@ -371,7 +457,8 @@ def import_cmd(path, db_url):
 
     rows = read_file(Path(path))
     n = ResultStore(db_url).import_rows(rows)
-    click.echo(f"imported {n} results from {path}")
+    kept = f" (kept {len(rows) - n} faster results the database held)" if n < len(rows) else ""
+    click.echo(f"imported {n} results from {path}{kept}")
 
 
 @main.group()

@@ -1,11 +1,16 @@
 """flashgen.load: the kernel bound to the best stored config per sequence-length bucket.
 
-Lookup order: the user's database (FLASHGEN_DB or the user cache dir), then the shipped
+Lookup order: the user's database (FLASHGEN_DB or the user data dir), then the shipped
 tuning_db/ layer, then the heuristic default with one warning that names the command to
-tune. The lookup never tunes, and a missing, locked, stale or corrupt database never
-raises: it warns once and falls back (`flashgen db check` says what is wrong). A stored
-result that is malformed (flashgen.db.rows) is skipped with one warning, and so is an
-unreadable tuning_db/ file: the other results still count. Warnings never show a password.
+tune. In the database and in tuning_db/ a result measured on this GPU model with these
+templates and this Triton major.minor is used (flashgen.db.env): an exact match of the
+whole environment first, else a near match, which the source says ("tuning_db (near
+match: tuned with torch 2.11.0, ...)").
+
+The lookup never tunes, and a missing, locked, stale or corrupt database never raises: it
+warns once and falls back (`flashgen db check` says what is wrong). A stored result that is
+malformed (flashgen.db.rows) is skipped with one warning, and so is an unreadable tuning_db/
+file: the other results still count. Warnings never show a password.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from .api import AttentionKernel
 from .config import ConfigError, KernelConfig, default_config
 from .db import (DatabaseError, EnvInfo, MissingDatabaseError, ResultRowError, ResultStore, default_url, display_url,
                  hide_password)
+from .db.env import source_label
 from .db.layer import shipped_best
 from .db.rows import check_best
 from .spec import AttentionSpec
@@ -75,9 +81,10 @@ def lookup(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None 
     shown = display_url(url)
     check = f"Run `flashgen db check --db {shown}`."
     try:
-        configs = _usable(ResultStore(url, create=False).best_configs(env, spec), base, spec, shown, check)
+        rows = ResultStore(url, create=False).matching_best(env, spec)
+        configs = _usable(rows, base, spec, shown, check)
         if configs:
-            return configs, f"database {shown}"
+            return configs, source_label(f"database {shown}", env, rows)
     except MissingDatabaseError:
         pass  # nothing tuned here yet: not worth a warning
     except Exception as err:  # missing tables, locked, corrupt, another schema version, no driver...
@@ -91,10 +98,10 @@ def lookup(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None 
                                          f"{err.problem}. The other files still count.")
 
     try:
-        rows = shipped_best(spec.key, env.as_dict(), on_bad_file=skip_file)
+        rows = shipped_best(spec.key, env, on_bad_file=skip_file)
         configs = _usable(rows, base, spec, "tuning_db", "Regenerate the file with `flashgen export`.")
         if configs:
-            return configs, "tuning_db"
+            return configs, source_label("tuning_db", env, rows)
     except Exception as err:  # noqa: BLE001 (a load never fails for its results)
         _warn_once((spec.key, "layer"), f"flashgen: cannot read the shipped tuning_db ({err}); falling back.")
     where = spec_path or "spec.yaml"

@@ -7,9 +7,11 @@ compiles, verifies (the rule of ../shared/TESTING.md on a reduced grid) and only
 times; the runner wraps each stage, so a failure is typed by where it happened
 (failures.py: restricted, compile_error, out_of_resources, wrong_result, timeout, error),
 stored, never retried and never chosen. Every finished trial is written to the results
-database and to the study's Optuna journal at once, so a crashed run loses nothing and
-``resume`` goes on. Before a best config is stored it is verified on the full grid and
-timed again beside the runner-up.
+database and to the study's Optuna journal at once, so a crashed run loses nothing, and a
+later run of the same spec in the same environment goes on with the study it finds (never
+deleting it: another process may be writing to it). Before a best config is stored it is
+verified on the full grid and timed again beside the runner-up; it replaces a stored result
+only when it is faster (ResultStore.set_best), and the result says which one stays.
 
 Inputs, FLOP counts and timing come from inputs.py, flops.py and timing.py, which the
 benchmarks share: the tuner imports nothing from bench.py.
@@ -41,7 +43,9 @@ from .timing import time_ms, wall_ms
 from .verify import check_attention, check_gradients
 
 log = logging.getLogger("flashgen.tuner")
-SAMPLERS = ("tpe", "random", "grid", "cmaes")
+# No CMA-ES: every knob is categorical, which CMA-ES cannot model (Optuna falls back to its
+# independent sampler on each one, with a warning per knob).
+SAMPLERS = ("tpe", "random", "grid")
 
 
 # ----------------------------------------------------------------------------- runners
@@ -224,8 +228,7 @@ class TuneOptions:
     timeout_s: float = 120.0  # per trial
     sampler: str = "tpe"
     seed: int = 0
-    resume: bool = False
-    journal_dir: Path | None = None  # Optuna journals, one file per study
+    journal_dir: Path | None = None  # Optuna journals, one file per study; a study found there goes on
     phases: tuple[str, ...] | None = None  # default: fwd, plus bwd when the spec trains
     progress: object = None  # callable(event dict) for the CLI's progress bar
 
@@ -240,6 +243,8 @@ class BucketResult:
     failures: dict[str, int]
     importances: dict[str, float] = field(default_factory=dict)
     study_name: str = ""
+    resumed: int = 0  # trials this run found finished in the study, from an earlier or concurrent run
+    kept: dict | None = None  # the faster stored result that this run's best did not replace
 
     @property
     def speedup(self) -> float | None:
@@ -257,8 +262,6 @@ def make_sampler(name: str, seed: int, space: SearchSpace):
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "grid":
         return optuna.samplers.GridSampler({k: list(v) for k, v in space.params.items()}, seed=seed)
-    if name == "cmaes":
-        return optuna.samplers.CmaEsSampler(seed=seed, independent_sampler=optuna.samplers.TPESampler(seed=seed))
     raise ValueError(f"sampler: expected one of {SAMPLERS}, got {name!r}")
 
 
@@ -280,7 +283,9 @@ def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneO
          ) -> list[BucketResult]:
     """Tune every bucket of the spec; store every trial and the best config per bucket and phase."""
     options = options or TuneOptions()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # Optuna's warnings are about failed trials, with their tracebacks: a config's failure is
+    # a typed record here, and an interrupt or a database error reaches the caller whole.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     phases = options.phases or (("fwd", "bwd") if spec.backward else ("fwd",))
     buckets = sorted({bucket_of(s) for s in spec.tune.seqlens})
     results = []
@@ -343,7 +348,8 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
         if evaluated() >= budget:
             study_.stop()
 
-    if evaluated() < budget:
+    resumed = evaluated()
+    if resumed < budget:
         study.optimize(objective, n_trials=20 * budget, callbacks=[stop_when_spent], catch=())
     best, default = _final_choice(spec, runner, kernel, study, phase, work, options, store, base)
     importances = {}
@@ -353,10 +359,11 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
             importances = optuna.importance.get_param_importances(study)
         except (RuntimeError, ValueError) as err:  # e.g. every completed trial took the same time
             log.info("no parameter importances for %s: %s", name, err)
+    kept = None
     if best is not None:
-        store.set_best(runner.env, spec, bucket, phase, best.config, best.ms, best.tflops,
-                       default.ms if default.status == "ok" else None)
-    return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name)
+        kept = store.set_best(runner.env, spec, bucket, phase, best.config, best.ms, best.tflops,
+                              default.ms if default.status == "ok" else None)
+    return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept)
 
 
 def _final_choice(spec, runner, kernel, study, phase, work, options, store, base: KernelConfig):
@@ -388,8 +395,6 @@ def _journal(options: TuneOptions, name: str):
 
     path = Path(options.journal_dir) / f"{name}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not options.resume and path.exists():
-        path.unlink()
     return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
 
 

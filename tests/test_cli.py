@@ -276,3 +276,92 @@ def test_no_traceback_reaches_stderr(args, code, tmp_path):
     assert proc.returncode == code and proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("Error: "), proc.stderr
     assert ":pw@" not in proc.stderr
+
+
+def test_show_says_which_results_serve_this_machine(tmp_path, monkeypatch):
+    # A database holding an exact and a near match for this (simulated) H100, and one result
+    # from another Triton minor; tuning_db/ entries that serve the machine are listed too.
+    from flashgen import AttentionSpec, __version__
+    from flashgen.db import EnvInfo, ResultStore
+    from flashgen.db import layer as layer_mod
+    from flashgen.codegen.render import templates_hash
+
+    h100 = dict(gpu="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.2, torch="2.13.0",
+                triton="3.6.1", cuda="12.8", flashgen=__version__, templates=templates_hash())
+    here = EnvInfo(**h100)
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    spec = AttentionSpec.from_yaml(SMALL_SPEC)
+    store = ResultStore(f"sqlite:///{tmp_path / 'show.sqlite'}")
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    store.set_best(here, spec, 64, "fwd", cfg, 1.0, 1.0)
+    store.set_best(EnvInfo(**dict(h100, torch="2.11.0", triton="3.6.0")), spec, 128, "fwd", cfg, 1.0, 1.0)
+    store.set_best(EnvInfo(**dict(h100, triton="3.7.0")), spec, 256, "fwd", cfg, 1.0, 1.0)
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: tmp_path / "no-layer")
+    result = CliRunner().invoke(main, ["show", "--db", store.url], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 3, result.output
+    assert "S=64 fwd" in lines[0] and lines[0].endswith("exact match here")
+    assert "S=128 fwd" in lines[1] and lines[1].endswith("near match here (tuned with triton 3.6.0, torch 2.11.0)")
+    assert "S=256 fwd" in lines[2] and lines[2].endswith("not for this machine")
+    layer = tmp_path / "layer"
+    layer_mod.export_rows(store.all_best(), layer / "h100.yaml", here.gpu)
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: layer)
+    result = CliRunner().invoke(main, ["show", "--db", store.url, "--json"], catch_exceptions=False)
+    import json
+
+    rows = [(r["source"], r["bucket"], r["match"]) for r in json.loads(result.output)]
+    assert rows == [("database", 64, "exact"), ("database", 128, "near"), ("database", 256, None),
+                    ("tuning_db", 64, "exact"), ("tuning_db", 128, "near")]  # shipped: only what serves here
+
+
+def test_plot_needs_matplotlib_before_any_tuning(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    db = tmp_path / "never.sqlite"
+    result = CliRunner().invoke(main, ["tune", "--spec", str(SMALL_SPEC), "--interpret", "--db", f"sqlite:///{db}",
+                                       "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 2 and "--plot needs matplotlib" in result.output, result.output
+    assert not db.exists()  # refused before the database was opened, let alone a trial run
+
+
+def test_cmaes_is_not_offered(tmp_path):
+    from flashgen import cli, tuner
+
+    assert cli.SAMPLERS == tuner.SAMPLERS and "cmaes" not in cli.SAMPLERS
+    result = CliRunner().invoke(main, ["tune", "--spec", str(SMALL_SPEC), "--interpret", "--sampler", "cmaes"])
+    assert result.exit_code == 2 and "'cmaes' is not one of" in result.output
+
+
+def test_generate_tuned_writes_the_stored_config(tmp_path, monkeypatch):
+    from flashgen import AttentionSpec
+    from flashgen.db import EnvInfo, ResultStore
+    from flashgen.db import layer as layer_mod
+
+    here = EnvInfo.current(interpret=True)  # what this process's lookup sees, GPU or not
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: tmp_path / "no-layer")
+    store = ResultStore(f"sqlite:///{tmp_path / 'gen.sqlite'}")
+    spec = AttentionSpec.from_yaml(SMALL_SPEC)
+    store.set_best(here, spec, 64, "fwd", dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=1), 1.0, 1.0)
+    store.set_best(here, spec, 1024, "fwd", dict(BLOCK_M=128, BLOCK_N=16, num_warps=8, num_stages=3), 1.0, 1.0)
+    out = tmp_path / "tuned.py"
+    args = ["generate", "--spec", str(SMALL_SPEC), "--tuned", "--db", store.url, "-o", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "'BLOCK_M': 128," in out.read_text() and "'num_warps': 8," in out.read_text()  # the longest bucket
+    result = CliRunner().invoke(main, args + ["--seqlen", "50", "--num-stages", "2"])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "'BLOCK_N': 64," in text and "'num_warps': 2," in text and "'num_stages': 2," in text
+    assert "tuned config for S=64 from database" in result.output
+    empty = ["generate", "--spec", str(SMALL_SPEC), "--tuned", "--db", f"sqlite:///{tmp_path / 'none.sqlite'}"]
+    _one_error(CliRunner().invoke(main, empty), 1, "no tuned config", "flashgen tune --spec")
+    _one_error(CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--seqlen", "64"]), 2, "--tuned")
+
+
+def test_export_writes_to_the_working_directory_by_default(tmp_path, sound_database, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["export", "--db", f"sqlite:///{sound_database / 'sound.sqlite'}", "--gpu",
+                                       "triton-interpreter"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "triton-interpreter.yaml").read_text().startswith("# flashgen tuning results")

@@ -386,3 +386,176 @@ def test_db_upgrade_creates_missing_tables_and_refuses_other_versions(tmp_path):
         result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
         assert result.exit_code == 1 and words in result.output, result.output
     store.engine.dispose()
+
+
+# ------------------------------------------------------------------------------ environments
+# The shipped tuning_db/ was measured in the triton 3.6 GPU image; the README's install on an
+# H100 brings other torch and CUDA builds and maybe another Triton patch release.
+H100 = dict(gpu="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.2)
+IMAGE = dict(torch="2.11.0", triton="3.6.0", cuda="13.0")
+README_INSTALL = dict(torch="2.13.0", triton="3.6.1", cuda="12.8", memory_gib=79.1)
+
+
+def _h100(**changes):
+    from flashgen import __version__
+    from flashgen.codegen.render import templates_hash
+
+    return EnvInfo(**{**H100, **IMAGE, "flashgen": __version__, "templates": templates_hash(), **changes})
+
+
+def _as_machine(monkeypatch, here):
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+
+
+@pytest.mark.parametrize("machine, source", [
+    (dict(), "tuning_db"),  # the triton 3.6 image: exact
+    (README_INSTALL, "tuning_db (near match: tuned with triton 3.6.0, torch 2.11.0, cuda 13.0, memory_gib 79.2)"),
+    (dict(torch="2.11.1", cuda="13.0"), "tuning_db"),  # torch is not what the shipped file says: near
+    (dict(triton="3.7.0"), "default"),  # another Triton minor compiles other code
+    (dict(gpu="NVIDIA H100 PCIe", sm_count=114), "default"),  # another GPU model
+    (dict(templates="0" * 16), "default"),  # other kernels
+])
+def test_shipped_tuning_db_serves_h100_users(machine, source, monkeypatch, fresh_warnings, tmp_path):
+    spec = AttentionSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "specs",
+                                                "gqa-causal.yaml"))
+    here = _h100(**machine)
+    _as_machine(monkeypatch, here)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        configs, got = lookup(spec, f"sqlite:///{tmp_path / 'none.sqlite'}")
+    if machine.get("torch") == "2.11.1":  # a near match whose label names only what differs
+        assert got == "tuning_db (near match: tuned with torch 2.11.0)"
+    else:
+        assert got == source
+    assert bool(configs) == (source != "default")
+    if configs:
+        shipped = layer_mod.shipped_best(spec.key, here)
+        assert configs[4096].BLOCK_M == shipped[4096]["fwd"]["config"]["BLOCK_M"]
+        assert configs[4096].BLOCK_M1 == shipped[4096]["bwd"]["config"]["BLOCK_M1"]
+        assert not caught
+    else:
+        assert any("no tuned config" in str(w.message) for w in caught)
+
+
+def test_exact_match_preferred_then_the_nearest(tmp_path, monkeypatch, fresh_warnings):
+    here = _h100(**README_INSTALL)
+    _as_machine(monkeypatch, here)
+    store = ResultStore(f"sqlite:///{tmp_path / 'envs.sqlite'}")
+    far = _h100()  # triton 3.6.0, torch 2.11.0: near
+    nearer = _h100(triton="3.6.1")  # same Triton patch release: nearer
+    store.set_best(far, SPEC, 1024, "fwd", dict(CFG, BLOCK_M=16), 1.0, 1.0)
+    store.set_best(nearer, SPEC, 1024, "fwd", dict(CFG, BLOCK_M=32), 1.0, 1.0)
+    store.set_best(_h100(triton="3.7.0"), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=128), 1.0, 1.0)  # no match
+    configs, source = lookup(SPEC, store.url)
+    assert configs[1024].BLOCK_M == 32
+    assert source == f"database {store.url} (near match: tuned with torch 2.11.0, cuda 13.0, memory_gib 79.2)"
+    store.set_best(here, SPEC, 1024, "fwd", dict(CFG, BLOCK_M=64), 1.0, 1.0)
+    configs, source = lookup(SPEC, store.url)
+    assert configs[1024].BLOCK_M == 64 and source == f"database {store.url}"  # exact: no label
+    assert {r["match"] for r in store.matching_best(here, SPEC)[1024].values()} == {"exact"}
+
+
+@pytest.mark.parametrize("version, minor", [("3.6.1", "3.6"), ("3.6.0+git1a2b", "3.6"), ("3.10.0", "3.10"),
+                                            ("3", None), (None, None)])
+def test_triton_minor(version, minor):
+    from flashgen.db.env import triton_minor
+
+    assert triton_minor(version) == minor
+
+
+# ------------------------------------------------------------------------------ results you can trust
+def test_a_slower_result_never_replaces_a_faster_one(url):
+    store = ResultStore(url)
+    assert store.set_best(env(), SPEC, 64, "fwd", CFG, 2.0, 1.0, default_ms=3.0) is None
+    slower = dict(CFG, BLOCK_M=32)
+    kept = store.set_best(env(), SPEC, 64, "fwd", slower, 2.5, 0.8, default_ms=3.0)
+    assert kept == dict(config=CFG, ms=2.0, tflops=1.0, default_ms=3.0)
+    assert store.best_configs(env(), SPEC)[64]["fwd"]["config"] == CFG
+    faster = dict(CFG, BLOCK_N=16)
+    assert store.set_best(env(), SPEC, 64, "fwd", faster, 1.5, 1.3) is None
+    assert store.best_configs(env(), SPEC)[64]["fwd"]["ms"] == 1.5
+    # another environment is another result: its slower time does not compete
+    other = EnvInfo(**{**env().as_dict(), "torch": "0.0.0"})
+    assert store.set_best(other, SPEC, 64, "fwd", slower, 9.0, 0.1) is None
+    # import follows the same rule, and counts only what it stored
+    rows = [dict(r, ms=r["ms"] * 2) for r in store.all_best()] + \
+        [dict(r, ms=r["ms"] / 2, bucket=128) for r in store.all_best()]
+    assert store.import_rows(rows) == 2
+    assert store.best_configs(env(), SPEC)[64]["fwd"]["ms"] == 1.5
+
+
+def _best_writer(url, worker, n):
+    store = ResultStore(url)
+    for i in range(n):
+        store.set_best(env(), SPEC, 64, "fwd", dict(CFG, BLOCK_M=(16, 32, 64, 128)[worker]), 10.0 - worker - i / n,
+                       1.0)
+
+
+def test_concurrent_best_writers_keep_the_fastest(url):
+    ResultStore(url).engine.dispose()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_best_writer, args=(url, w, 20)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    best = ResultStore(url).best_configs(env(), SPEC)[64]["fwd"]
+    assert best["config"]["BLOCK_M"] == 128 and best["ms"] == pytest.approx(10.0 - 3 - 19 / 20)
+
+
+def _opener(url, barrier, errors):
+    barrier.wait()
+    try:
+        ResultStore(url).engine.dispose()
+    except Exception as err:  # noqa: BLE001 (reported to the test)
+        errors.put(str(err))
+
+
+def test_processes_creating_one_fresh_database_at_once_all_succeed(tmp_path):
+    # Before: "table flashgen_meta already exists" in about half of such races.
+    ctx = mp.get_context("fork")
+    errors = ctx.Queue()
+    for attempt in range(8):
+        url = f"sqlite:///{tmp_path / f'fresh{attempt}.sqlite'}"
+        barrier = ctx.Barrier(3)
+        procs = [ctx.Process(target=_opener, args=(url, barrier, errors)) for _ in range(3)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    found = []
+    while not errors.empty():
+        found.append(errors.get())
+    assert found == []
+
+
+def test_a_database_deleted_while_in_use_is_an_error(tmp_path):
+    path = tmp_path / "gone.sqlite"
+    store = ResultStore(f"sqlite:///{path}")
+    store.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)
+    path.unlink()
+    with pytest.raises(flashgen.db.DatabaseError, match="was deleted or replaced while in use"):
+        store.set_best(env(), SPEC, 128, "fwd", CFG, 1.0, 1.0)
+    ResultStore(f"sqlite:///{path}")  # a new database there
+    with pytest.raises(flashgen.db.DatabaseError, match="was deleted or replaced while in use"):
+        store.record_trial(env(), SPEC, TrialRecord(64, "fwd", CFG, "ok", ms=1.0))
+
+
+def test_default_database_lives_in_the_user_data_dir(tmp_path, monkeypatch):
+    import platformdirs
+
+    from flashgen.db import default_url
+
+    monkeypatch.delenv("FLASHGEN_DB", raising=False)
+    monkeypatch.setattr(platformdirs, "user_data_dir", lambda app: str(tmp_path / "data" / app))
+    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(tmp_path / "cache" / app))
+    new, old = tmp_path / "data" / "flashgen" / "tuning.sqlite", tmp_path / "cache" / "flashgen" / "tuning.sqlite"
+    assert default_url() == f"sqlite:///{new}"
+    ResultStore(f"sqlite:///{old}").engine.dispose()  # an older flashgen's database
+    assert default_url() == f"sqlite:///{old}"  # read where it is while the data dir has none
+    ResultStore(f"sqlite:///{new}").engine.dispose()
+    assert default_url() == f"sqlite:///{new}"
+    monkeypatch.setenv("FLASHGEN_DB", "sqlite:///elsewhere.sqlite")
+    assert default_url() == "sqlite:///elsewhere.sqlite"

@@ -299,9 +299,6 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason="cu_seqlens are validated on the host by engineer A's work (issue 12 item 2); "
-                                       "today they crash the interpreter or return garbage. Remove this marker "
-                                       "when that lands.")
 @settings(max_examples=2, **CI)  # each example is one child process
 @given(cases=st.lists(invalid_varlen(), min_size=6, max_size=6))
 def test_invalid_cu_seqlens_are_refused_naming_the_argument(cases):

@@ -25,6 +25,7 @@ from flashgen.failures import STATUSES
 from flashgen.flops import pairs_flops, tflops, visible_count
 from flashgen.inputs import named_tensors
 from flashgen.space import DeviceLimits, backward_space, bucket_of, forward_space, nearest_bucket
+import flashgen.tuner
 from flashgen.tuner import InterpretRunner, TuneOptions, candidate, tune
 
 from .helpers import child_pythonpath
@@ -266,43 +267,124 @@ def test_other_environment_is_a_miss(store):
 
 
 # ------------------------------------------------------------------------------ crash safety
-@needs_interpreter
-def test_killed_tune_loses_no_trial_and_resume_continues(tmp_path):
-    db = tmp_path / "r.sqlite"
+def _tune_cmd(tmp_path, db, *extra, trials=40):
+    """A `flashgen tune --interpret` command line for a tiny forward-only spec, and its env."""
     spec = tmp_path / "spec.yaml"
-    spec.write_text(textwrap.dedent("""\
+    spec.write_text(textwrap.dedent(f"""\
         name: resumable
         dtype: fp32
         head_dim: 16
         num_heads: 2
         causal: true
-        tune: {seqlens: [64], trials: 40}
+        tune: {{seqlens: [64], trials: {trials}}}
         """))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=child_pythonpath(ROOT))
     cmd = [sys.executable, "-m", "flashgen", "tune", "--spec", str(spec), "--interpret", "--db", f"sqlite:///{db}",
-           "--json"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    parsed = AttentionSpec.from_yaml(spec)
+           "--json", *extra]
+    return cmd, env, AttentionSpec.from_yaml(spec)
+
+
+def _wait_for_trials(db, spec, n, proc, seconds=120):
     here = EnvInfo.current(interpret=True)
-    deadline = time.time() + 120
+    deadline = time.time() + seconds
     done = []
-    while time.time() < deadline and len(done) < 3:
+    while time.time() < deadline and len(done) < n and proc.poll() is None:
         time.sleep(0.5)
         if db.exists():
-            done = ResultStore(f"sqlite:///{db}", create=False).trials(here, parsed) if _has_schema(db) else []
+            done = ResultStore(f"sqlite:///{db}", create=False).trials(here, spec) if _has_schema(db) else []
+    return done
+
+
+@needs_interpreter
+def test_killed_tune_loses_no_trial_and_the_next_run_goes_on(tmp_path):
+    db = tmp_path / "r.sqlite"
+    cmd, env, parsed = _tune_cmd(tmp_path, db)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = _wait_for_trials(db, parsed, 3, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert len(done) >= 3, "the tuner wrote no trial in two minutes"
+    here = EnvInfo.current(interpret=True)
     kept = ResultStore(f"sqlite:///{db}").trials(here, parsed)
     assert len(kept) >= len(done)  # nothing written before the kill was lost
     journals = list((tmp_path / "r-journals").glob("*.log"))
     assert journals, "no Optuna journal"
-    result = CliRunner().invoke(main, cmd[3:-1] + ["--resume", "--trials", str(len(kept) + 2)], env=env,
-                                catch_exceptions=False)
+    # No --resume: going on is the default, and the earlier trials are not run again.
+    result = CliRunner().invoke(main, cmd[3:] + ["--trials", str(len(kept) + 2)], env=env, catch_exceptions=False)
     assert result.exit_code == 0, result.output
+    import json
+
+    (row,) = json.loads(result.output)["results"]
+    assert row["resumed"] >= len(kept) - 1  # the default is measured again in the final round, not as a trial
     after = ResultStore(f"sqlite:///{db}").trials(here, parsed)
     assert len(after) >= len(kept) and {tuple(sorted(t.config.items())) for t in kept} <= \
         {tuple(sorted(t.config.items())) for t in after}
+
+
+@needs_interpreter
+def test_ctrl_c_says_how_to_resume_in_one_line(tmp_path):
+    db = tmp_path / "i.sqlite"
+    cmd, env, parsed = _tune_cmd(tmp_path, db)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = _wait_for_trials(db, parsed, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert len(done) >= 2, "the tuner wrote no trial in two minutes"
+    assert proc.returncode == 130, (out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "run the same command again" in lines[0] and str(db) in lines[0], err
+
+
+@needs_interpreter
+def test_two_tunes_on_one_fresh_database_both_finish(tmp_path):
+    # Before: one of them crashed ("table flashgen_meta already exists", or a journal deleted
+    # under the other's feet). Now they share the study: both finish, every trial is stored.
+    db = tmp_path / "shared.sqlite"
+    cmd, env, parsed = _tune_cmd(tmp_path, db, "--trials", "3", "--seqlens", "32", trials=5)
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    import json
+
+    for out, _ in outs:
+        assert [r["bucket"] for r in json.loads(out)["results"]] == [32]  # --seqlens, not the spec's 64
+    here = EnvInfo.current(interpret=True)
+    store = ResultStore(f"sqlite:///{db}", create=False)
+    assert len(store.trials(here, parsed, bucket=32)) >= 3 and list(store.best_configs(here, parsed)) == [32]
+
+
+@needs_interpreter
+def test_a_worse_retune_keeps_the_better_result(store):
+    spec = SPEC.replace(backward=False)
+    here = EnvInfo.current(interpret=True)
+    better = dict(KernelConfig(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1).to_dict())
+    store.set_best(here, spec, 64, "fwd", better, 1e-6, 1e6)  # faster than any interpreter run
+    (result,) = tune(spec, InterpretRunner(), store, TuneOptions(trials=2))
+    assert result.best is not None and result.kept == dict(config=better, ms=1e-6, tflops=1e6, default_ms=None)
+    assert store.best_configs(here, spec)[64]["fwd"]["config"] == better
+
+
+@needs_interpreter
+def test_a_database_deleted_during_a_tune_is_an_error_not_stored(tmp_path, monkeypatch):
+    db = tmp_path / "vanishing.sqlite"
+
+    class DeletingRunner(InterpretRunner):
+        calls = 0
+
+        def build(self, kernel, config):
+            DeletingRunner.calls += 1
+            if DeletingRunner.calls == 2 and db.exists():
+                db.unlink()
+            return super().build(kernel, config)
+
+    monkeypatch.setattr(flashgen.tuner, "InterpretRunner", DeletingRunner)
+    result = CliRunner().invoke(main, ["tune", "--spec", str(ROOT / "examples" / "specs" / "small-causal.yaml"),
+                                       "--interpret", "--db", f"sqlite:///{db}", "--trials", "3", "--seqlens", "32"])
+    assert result.exit_code == 1, result.output
+    assert "was deleted or replaced while in use" in result.output and "results in" not in result.output
+    assert "Traceback" not in result.output
 
 
 def _has_schema(db):

@@ -1,8 +1,9 @@
 """tuning_db/: tuned results shipped with flashgen, read-only, below the user's database.
 
 ``flashgen export`` writes one YAML file per GPU (sorted, one result per entry, so it
-diffs well); flashgen reads every file there and uses an entry only when its environment
-(GPU, torch, triton, CUDA, flashgen and templates) is exactly the current one.
+diffs well); flashgen reads every file there and uses an entry whose environment serves the
+current one (flashgen.db.env: the same GPU model, templates hash and Triton major.minor; an
+exact match preferred, a near match used and labelled).
 ``flashgen import`` loads such a file into a database.
 
 Every entry is checked (flashgen.db.rows) when a file is read: a file with a malformed
@@ -19,6 +20,7 @@ from typing import Callable
 import yaml
 
 from ..spec import YamlFileError, read_yaml
+from .env import EnvInfo, pick
 from .models import SCHEMA_VERSION
 from .rows import ResultRowError, check_row
 
@@ -114,19 +116,17 @@ def read_file(path: Path) -> list[dict]:
     return rows
 
 
-def shipped_best(spec_key: str, env: dict, on_bad_file: Callable[[Path, ResultFileError], None] | None = None
-                 ) -> dict[int, dict[str, dict]]:
-    """{bucket: {phase: row}} from tuning_db/ for this spec in exactly this environment. A file
-    that cannot be read is skipped (and passed to on_bad_file); the others still count."""
-    out: dict[int, dict[str, dict]] = {}
+def shipped_best(spec_key: str, here: EnvInfo,
+                 on_bad_file: Callable[[Path, ResultFileError], None] | None = None) -> dict[int, dict[str, dict]]:
+    """{bucket: {phase: row}} from tuning_db/ for this spec: per bucket and phase the row that
+    serves ``here`` (an exact match preferred, else the nearest near match; flashgen.db.env),
+    each with its 'match'. A file that cannot be read is skipped (and passed to on_bad_file);
+    the others still count."""
+    rows = []
     for path in sorted(layer_dir().glob("*.yaml")):
         try:
-            rows = read_file(path)
+            rows += [row for row in read_file(path) if row["spec_key"] == spec_key]
         except ResultFileError as err:
             if on_bad_file is not None:
                 on_bad_file(path, err)
-            continue
-        for row in rows:
-            if row["spec_key"] == spec_key and row["environment"] == env:
-                out.setdefault(row["bucket"], {})[row["phase"]] = row
-    return out
+    return pick(here, rows)

@@ -4,8 +4,14 @@ Thread and process safety: one ResultStore may be shared by threads (SQLAlchemy'
 pools connections; every method opens its own short session). Several processes may
 write to one SQLite file at once: the file is in WAL mode with a busy timeout, every
 write is one short transaction, and every insert is an upsert on the row's natural key,
-so a duplicate write is a no-op rather than an error. All access goes through
-``_session()``, which commits, or rolls back and re-raises.
+so a duplicate write is a no-op rather than an error. Processes that create the tables of
+one fresh database at once all succeed (the loser of the race finds the tables made). All
+access goes through ``_session()``, which commits, or rolls back and re-raises; for an
+SQLite file it first checks that the file it opened is still there, so a database deleted
+or replaced while in use is an error, never a write into a file nobody will read.
+
+A best config is replaced only by a faster one measured in the same environment
+(``set_best`` says whether it stored), so a shorter re-tune never overwrites a better result.
 
 A database at another schema version is refused with the command that upgrades it. Every
 failure to open, read or write the database is a DatabaseError whose one-line message names
@@ -18,16 +24,19 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
 from sqlalchemy import Text, create_engine, event, inspect, select, type_coerce
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, IntegrityError, NoSuchModuleError, OperationalError, ProgrammingError, \
+    SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..spec import AttentionSpec
+from .env import SPEED_FIELDS, EnvInfo, pick
 from .models import SCHEMA_VERSION, Base, Best, Environment, Meta, SpecRow, Trial
 from .rows import ResultRowError, check_best, check_row
 from .urls import display_url, hide_password, sqlite_file
@@ -60,6 +69,17 @@ class SchemaVersionError(DatabaseError):
         self.found = found
 
 
+def _file_id(path: Path | None) -> tuple[int, int] | None:
+    """(device, inode) of a file; None when there is no file (deleted, or not SQLite)."""
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def _describe(err: BaseException) -> str:
     """What went wrong, in one line, from an error of SQLAlchemy, its driver or the file system."""
     if isinstance(err, DBAPIError) and err.orig is not None:
@@ -81,50 +101,21 @@ def _describe(err: BaseException) -> str:
 
 
 def default_url() -> str:
+    """$FLASHGEN_DB, else tuning.sqlite in the user data directory (results are not a cache:
+    they cost GPU hours). A database left in the user cache directory by an older flashgen is
+    used while the data directory holds none."""
     url = os.environ.get("FLASHGEN_DB")
     if url:
         return url
-    path = Path(platformdirs.user_cache_dir("flashgen")) / "tuning.sqlite"
+    path = Path(platformdirs.user_data_dir("flashgen")) / "tuning.sqlite"
+    old = Path(platformdirs.user_cache_dir("flashgen")) / "tuning.sqlite"
+    if not path.exists() and old.exists():
+        path = old
     return f"sqlite:///{path}"
 
 
 def config_key(config: dict) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class EnvInfo:
-    """The environment a result belongs to; every field must match for a result to be used."""
-
-    gpu: str
-    capability: str
-    sm_count: int
-    memory_gib: float
-    torch: str
-    triton: str
-    cuda: str
-    flashgen: str
-    templates: str
-
-    @classmethod
-    def current(cls, interpret: bool = False) -> "EnvInfo":
-        import torch
-        import triton
-
-        from .. import __version__
-        from ..codegen.render import templates_hash
-
-        if interpret or not torch.cuda.is_available():
-            gpu, cap, sms, mem, cuda = "triton-interpreter", "cpu", 0, 0.0, "none"
-        else:
-            props = torch.cuda.get_device_properties(0)
-            gpu, cap, sms = props.name, f"{props.major}.{props.minor}", props.multi_processor_count
-            mem, cuda = round(props.total_memory / 2**30, 1), str(torch.version.cuda)
-        return cls(gpu=gpu, capability=cap, sm_count=sms, memory_gib=mem, torch=torch.__version__.split("+")[0],
-                   triton=triton.__version__, cuda=cuda, flashgen=__version__, templates=templates_hash())
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 @dataclass
@@ -143,8 +134,8 @@ def _sqlite_pragmas(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):
         cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout=30000")  # first: switching to WAL waits for other writers too
         cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA busy_timeout=30000")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
@@ -169,7 +160,9 @@ class ResultStore:
             if self.engine.dialect.name == "sqlite":
                 _sqlite_pragmas(self.engine)
             self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+            self._file, self._file_id = path, None
             self._check_schema(create)
+            self._file_id = _file_id(path)
         except _OPEN_ERRORS as err:
             raise DatabaseError(self.url, f"cannot be opened{' for writing' if create else ''}: "
                                           f"{_describe(err)}") from None
@@ -188,6 +181,7 @@ class ResultStore:
         session: Session = self._sessions()
         try:
             yield session
+            self._check_file()
             session.commit()
         except SQLAlchemyError as err:
             session.rollback()
@@ -198,7 +192,8 @@ class ResultStore:
         finally:
             session.close()
 
-    def _upsert(self, session: Session, model, values: dict, keys: tuple[str, ...], update: tuple[str, ...] = ()):
+    def _upsert(self, session: Session, model, values: dict, keys: tuple[str, ...], update: tuple[str, ...] = (),
+                only_if_lower: str | None = None):
         dialect = self.engine.dialect.name
         if dialect == "sqlite":
             from sqlalchemy.dialects.sqlite import insert
@@ -208,14 +203,37 @@ class ResultStore:
             raise DatabaseError(self.url, f"flashgen writes to SQLite or PostgreSQL, not {dialect}")
         stmt = insert(model).values(**values)
         if update:
-            stmt = stmt.on_conflict_do_update(index_elements=list(keys), set_={k: values[k] for k in update})
+            where = None if only_if_lower is None else \
+                getattr(model, only_if_lower) > getattr(stmt.excluded, only_if_lower)
+            stmt = stmt.on_conflict_do_update(index_elements=list(keys), set_={k: values[k] for k in update},
+                                              where=where)
         else:
             stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
         session.execute(stmt)
 
+    def _check_file(self) -> None:
+        """An SQLite file deleted or replaced since it was opened: SQLite would go on writing
+        into the unlinked file, and the results would be lost without a word."""
+        if self._file_id is not None and _file_id(self._file) != self._file_id:
+            raise DatabaseError(self.url, "was deleted or replaced while in use: the results written since are "
+                                          "lost (run the command again to store them)")
+
+    def _create_tables(self) -> None:
+        """create_all, which checks for each table then creates it: another process may create
+        it in between, and then this one finds it made."""
+        for attempt in range(20):
+            try:
+                Base.metadata.create_all(self.engine)
+                return
+            except (OperationalError, ProgrammingError, IntegrityError) as err:
+                text = str(err.orig if isinstance(err, DBAPIError) else err)
+                if attempt == 19 or not ("already exists" in text or "duplicate key" in text):
+                    raise
+                time.sleep(0.02 * (attempt + 1))
+
     def _check_schema(self, create: bool) -> None:
         if create:
-            Base.metadata.create_all(self.engine)
+            self._create_tables()
         elif not inspect(self.engine).has_table(Meta.__tablename__):
             raise SchemaVersionError(self.url, "is not a flashgen database (no flashgen_meta table)")
         with self._session() as s:
@@ -260,16 +278,26 @@ class ResultStore:
                          update=("status", "ms", "tflops", "margin", "error", "config"))
 
     def set_best(self, env: EnvInfo, spec: AttentionSpec, bucket: int, phase: str, config: dict, ms: float,
-                 tflops: float, default_ms: float | None = None) -> None:
+                 tflops: float, default_ms: float | None = None) -> dict | None:
+        """Store a best config unless the environment already holds a faster one for this spec,
+        bucket and phase. Returns None when stored, else the faster stored row (config, ms,
+        tflops, default_ms), which stays."""
         check_best(dict(bucket=bucket, phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms))
         with self._session() as s:
-            self._set_best(s, env, spec, bucket, phase, config, ms, tflops, default_ms)
+            return self._set_best(s, env, spec, bucket, phase, config, ms, tflops, default_ms)
 
-    def _set_best(self, s: Session, env: EnvInfo, spec, bucket, phase, config, ms, tflops, default_ms) -> None:
+    def _set_best(self, s: Session, env: EnvInfo, spec, bucket, phase, config, ms, tflops, default_ms) -> dict | None:
         values = dict(environment_id=self._env_id(s, env), spec_id=self._spec_id(s, spec), bucket=bucket,
                       phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms)
+        # One statement, so concurrent writers cannot interleave a read and a write: the row is
+        # replaced only where the new time is lower.
         self._upsert(s, Best, values, ("environment_id", "spec_id", "bucket", "phase"),
-                     update=("config", "ms", "tflops", "default_ms"))
+                     update=("config", "ms", "tflops", "default_ms"), only_if_lower="ms")
+        kept = s.execute(select(Best).filter_by(**{k: values[k] for k in ("environment_id", "spec_id", "bucket",
+                                                                          "phase")})).scalar_one()
+        if kept.ms == ms and kept.config == config:
+            return None
+        return dict(config=kept.config, ms=kept.ms, tflops=kept.tflops, default_ms=kept.default_ms)
 
     # ------------------------------------------------------------------ reads
     def trials(self, env: EnvInfo, spec: AttentionSpec, bucket: int | None = None,
@@ -298,11 +326,22 @@ class ResultStore:
                                                               default_ms=b.default_ms)
             return out
 
-    def all_best(self) -> list[dict]:
-        """Every best config with its environment and spec, for `flashgen show` and export."""
+    def matching_best(self, here: EnvInfo, spec: AttentionSpec) -> dict[int, dict[str, dict]]:
+        """{bucket: {phase: row}}: the best configs that serve ``here`` (flashgen.db.env: an
+        exact match preferred, else the nearest near match), each row with its 'match'."""
+        return pick(here, self.all_best(spec_key=spec.key, where={f: getattr(here, f) for f in SPEED_FIELDS}))
+
+    def all_best(self, *, spec_key: str | None = None, where: dict | None = None) -> list[dict]:
+        """Every best config with its environment and spec, for `flashgen show` and export
+        (only one spec's, or only environments with the ``where`` field values, when given)."""
         with self._session() as s:
             q = (select(Best, Environment, SpecRow).join(Environment, Best.environment_id == Environment.id)
-                 .join(SpecRow, Best.spec_id == SpecRow.id).order_by(SpecRow.uri, Best.bucket, Best.phase))
+                 .join(SpecRow, Best.spec_id == SpecRow.id))
+            if spec_key is not None:
+                q = q.where(SpecRow.key == spec_key)
+            for name, value in (where or {}).items():
+                q = q.where(getattr(Environment, name) == value)
+            q = q.order_by(SpecRow.uri, Best.bucket, Best.phase, Best.id)
             return [dict(environment={c: getattr(e, c) for c in EnvInfo.__dataclass_fields__},
                          spec_key=sp.key, spec_uri=sp.uri, spec=sp.canonical, bucket=b.bucket, phase=b.phase,
                          config=b.config, ms=b.ms, tflops=b.tflops, default_ms=b.default_ms)
@@ -311,19 +350,21 @@ class ResultStore:
     def import_rows(self, rows: list[dict]) -> int:
         """Load exported best configs (see flashgen.db.layer) into this database: every row is
         checked first (ResultRowError names the first bad one), then all are written in one
-        transaction."""
+        transaction, each only where the database holds no faster result for its environment.
+        Returns how many were stored."""
         for i, row in enumerate(rows):
             try:
                 check_row(row)
             except ResultRowError as err:
                 raise ResultRowError(f"{i}.{err.field}", err.message, err.value) from None
+        stored = 0
         with self._session() as s:
             for row in rows:
                 env = EnvInfo(**row["environment"])
                 spec = _SpecShim(row["spec_key"], row["spec_uri"], row["spec"])
-                self._set_best(s, env, spec, row["bucket"], row["phase"], row["config"], row["ms"], row["tflops"],
-                               row.get("default_ms"))
-        return len(rows)
+                stored += self._set_best(s, env, spec, row["bucket"], row["phase"], row["config"], row["ms"],
+                                         row["tflops"], row.get("default_ms")) is None
+        return stored
 
     def check(self) -> list[str]:
         """Problems found, as sentences; empty when the database is sound."""
