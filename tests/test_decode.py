@@ -369,3 +369,45 @@ def test_bench_decode_smoke(tmp_path):
     written = json.loads(next(tmp_path.glob("*-decode-smoke.json")).read_text())
     assert written["rows"] == json.loads(json.dumps(rows))
     assert "| B=2 q_len=1 KV=40 | paged-16 |" in next(tmp_path.glob("*.md")).read_text()
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: records each launch's grid and non-tensor arguments."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            scalars = [a for a in args if not isinstance(a, torch.Tensor)]
+            self.launches.append((grid, scalars, kwargs))
+        return launch
+
+
+def test_decode_host_side_is_capturable(monkeypatch):
+    # Where the host may not read the device (CUDA graph capture, torch.compile), a decode step
+    # (append included, paged) reads no tensor on the host, and what it launches (grids, sizes,
+    # knobs) depends on shapes only: two steps with other cache_seqlens launch the same.
+    monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: True)
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    module = flashgen.compile(spec).module()
+    kernel, combine = _Recorder(), _Recorder()
+    launcher = host_decode.DecodeLauncher(attention=module._LAUNCHER, kernel=kernel, combine_kernel=combine)
+    q = torch.zeros(2, 2, 4, 16, dtype=torch.float16)
+    cache = torch.zeros(7, 4, 2, 16, dtype=torch.float16)
+    new = torch.ones(2, 2, 2, 16, dtype=torch.float16)
+    table = torch.tensor([[3, 1, 5], [0, 6, 2]], dtype=torch.int32)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("a decode step read a tensor on the host")
+
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    for lengths in ([3, 9], [0, 10]):
+        launcher.decode(q, cache, cache, torch.tensor(lengths, dtype=torch.int32), k=new, v=new, block_table=table,
+                        num_splits=3)
+    monkeypatch.undo()
+    assert len(kernel.launches) == len(combine.launches) == 2
+    assert kernel.launches[0] == kernel.launches[1] and combine.launches[0] == combine.launches[1]
+    # the appends landed at each step's lengths, crossing pages: element 0 at 3, 4 (page 3 slot 3, page 1 slot 0)
+    assert torch.equal(cache[3, 3], new[0, 0, :, :]) and torch.equal(cache[1, 0], new[0, 1])
