@@ -1,0 +1,205 @@
+"""flashgen as a Hugging Face transformers attention implementation.
+
+    from flashgen.integrations.transformers import register
+    name = register()                                  # "fg_attention"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=name)
+    model.set_attn_implementation(name)                # or switch a model you have
+
+``register()`` adds one function to transformers' ``AttentionInterface`` and one to its
+``AttentionMaskInterface`` under the returned name (transformers treats any name containing
+"flash" as one of its flash-attn packages, so the default is "fg_attention").
+
+What each call does, following transformers' own flash-attention path (``_flash_attention_forward``):
+
+* Causal attention is flashgen's ``causal`` aligned bottom-right, which is what a KV cache
+  needs: the L new queries are the last L of the S keys (prefill, decode, chunked prefill).
+* Padded batches go through ``flashgen.attention_varlen``: the mask interface hands the
+  attention the 2-d (batch, keys) padding mask (or None when nothing is padded), and the
+  attention packs the real tokens, runs varlen, and scatters the output back (padded query
+  rows are 0). No (B, H, L, S) mask is built. Queries are the last L keys' rows (left padding,
+  as transformers assumes), except one query per row in decode. ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` kwargs (padding-free training) and packed ``position_ids`` (batch 1,
+  positions restarting) also take the varlen path.
+* ``sliding_window`` (the key q - sliding_window < kv <= q) is the ``sliding_window`` pattern
+  with left = sliding_window - 1; ``softcap`` the ``softcap`` score modifier; ``scaling`` the
+  softmax scale; ``dropout`` flashgen's fused dropout; GQA is native (K/V never repeated).
+* ``s_aux``, learnable sinks as gpt-oss uses them: one logit per head that joins every row's
+  softmax and carries no value (softmax over [scores, sink], sink column dropped). flashgen has
+  no sink-logit feature; it is expressed exactly as one zero key and value prepended to every
+  sequence, scored by the modifier ``where(kv_idx == 0, s_aux[h], score)``. The shift by one
+  key keeps bottom-right alignment, the ``sink`` mask pattern keeps that key visible beside a
+  window, and gradients reach q, k, v and s_aux through flashgen's own backward.
+  (Rescaling by sigmoid(lse - sink) is exact in the forward too, but flashgen's LSE carries
+  no gradient, so training would lose the normaliser's share of dQ, dK and dsink.) Cost: K and
+  V are copied once per call with the extra row.
+* A 4-d mask (a custom mask passed to the model) runs as ``flashgen.scaled_dot_product_attention``
+  with that mask, as transformers' SDPA path would.
+
+Not supported, refused with an error: static KV caches (``cache_implementation="static"``: the
+cache's unfilled slots can only be excluded by a dense mask), paged attention (continuous
+batching) and ``position_bias``. Mask overlays a model adds to the causal mask through
+``or_mask_function``/``and_mask_function`` (image tokens seeing each other) are not applied,
+as in transformers' flash-attention path.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from .. import attention, attention_varlen, scaled_dot_product_attention
+from .. import mask as _mask
+
+__all__ = ["DEFAULT_NAME", "register", "attention_forward", "padding_mask"]
+
+DEFAULT_NAME = "fg_attention"
+SINKS = "s_aux"  # the named tensor the sink score modifier reads
+
+
+def register(name: str = DEFAULT_NAME) -> str:
+    """Make flashgen selectable as ``attn_implementation=name`` in transformers; returns name."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"name: expected an identifier-like string such as {DEFAULT_NAME!r}, got {name!r}")
+    if "flash" in name:
+        raise ValueError(f"name: transformers treats names containing 'flash' as its flash-attn packages; "
+                         f"choose another (e.g. {DEFAULT_NAME!r}), got {name!r}")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, padding_mask)
+    return name
+
+
+def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+                 **kwargs):
+    """transformers' mask hook: the (batch, kv_length) bool padding mask the attention unpads
+    with, or None when no token is padded (causal and windows are the kernel's own patterns)."""
+    if isinstance(q_offset, torch.Tensor) or (attention_mask is None and kv_length > q_offset + q_length):
+        raise ValueError("past_key_values: flashgen's transformers attention needs a dynamic KV cache (the "
+                         "default); a static cache holds unfilled slots it cannot tell apart "
+                         f"(kv_length {kv_length} > {q_offset} cached + {q_length} new tokens)")
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]  # sliding-window layers keep the last keys
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+def _variant(is_causal, sliding_window, softcap, s_aux, tensors):
+    """(causal, mask, score_mod) for one layer's options; a sink adds its tensor to `tensors`."""
+    window = None
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window: expected a positive int or None, got {sliding_window!r}")
+        window = sliding_window - 1  # transformers' window holds the query and window - 1 keys before it
+    mods = [{"softcap": float(softcap)}] if softcap is not None else []
+    causal, mask = is_causal, None
+    if s_aux is None:
+        if window is not None:
+            mask = {"sliding_window": {"left": window, "right": 0 if is_causal else window}}
+            causal = False  # the window's right = 0 is the causal bound
+        return causal, mask, mods or None
+    if not isinstance(s_aux, torch.Tensor) or s_aux.dim() != 1:
+        raise ValueError(f"s_aux: expected a (heads,) tensor of sink logits, got {s_aux!r:.80}")
+    tensors[SINKS] = s_aux
+    mods.append(f"where(kv_idx == 0, {SINKS}[h], score)")
+    if window is not None and is_causal:
+        mask, causal = {"sink": {"tokens": 1, "window": window}}, False  # causal, and the sink or the window
+    elif window is not None:
+        mask = _mask("kv_idx < 1") | _mask(sliding_window={"left": window, "right": window})
+    return causal, mask, mods
+
+
+def _with_sink_rows(k, v, cu_seqlens=None):
+    """k, v with one zero row before each sequence (the sink's key and value) and its cu_seqlens."""
+    if cu_seqlens is None:  # (B, S, H, D): one zero key at the front of every batch row
+        return tuple(torch.cat([t.new_zeros(t.shape[0], 1, *t.shape[2:]), t], dim=1) for t in (k, v)) + (None,)
+    tokens = torch.arange(k.shape[0], device=k.device)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)  # the sequence of each token
+    dest = tokens + seq + 1
+    rows = k.shape[0] + cu_seqlens.numel() - 1
+    out = [t.new_zeros(rows, *t.shape[1:]).index_copy(0, dest, t) for t in (k, v)]
+    return out[0], out[1], cu_seqlens + torch.arange(cu_seqlens.numel(), device=k.device, dtype=cu_seqlens.dtype)
+
+
+def _packing(keep):
+    """(indices of kept tokens, int32 cu_seqlens, max length) of a (batch, seq) bool mask."""
+    lengths = keep.sum(dim=1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return keep.flatten().nonzero().squeeze(1), cu, int(lengths.max())
+
+
+def _packed_positions(position_ids, batch, seqlen):
+    """cu_seqlens of sequences packed into one row (positions restart), or None, as transformers
+    detects them (batch 1, more than one token, positions not one increasing run)."""
+    if position_ids is None or batch != 1 or seqlen == 1:
+        return None
+    pos = position_ids.reshape(-1)
+    if not bool((pos != torch.arange(pos.numel(), device=pos.device) + pos.min()).any()):
+        return None
+    starts = (pos == pos.min()).nonzero().squeeze(1)
+    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+    return cu, cu, int(cu.diff().max()), int(cu.diff().max())
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                      softcap=None, s_aux=None, is_causal=None, **kwargs):
+    """transformers' attention-function signature: query (B, H, L, D), key/value (B, H_kv, S, D)
+    -> ((B, L, H, Dv) output, None). See the module docstring for what each argument does."""
+    for arg in ("cache", "position_bias"):
+        if kwargs.get(arg) is not None:
+            raise NotImplementedError(f"{arg}: not supported by flashgen's transformers attention "
+                                      "(paged caches and position biases need a dense mask)")
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    dropout = float(dropout)
+    if attention_mask is not None and attention_mask.dim() == 4:  # a model-specific or user mask
+        if sliding_window is not None or softcap is not None or s_aux is not None:
+            raise NotImplementedError("attention_mask: a 4-d mask cannot be combined with sliding_window, "
+                                      "softcap or s_aux here; pass the 2-d padding mask")
+        out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                           scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
+    tensors = {}
+    causal, mask, score_mod = _variant(bool(is_causal), sliding_window, softcap, s_aux, tensors)
+    kw = dict(causal=causal, mask=mask, score_mod=score_mod, softmax_scale=scaling, dropout_p=dropout, **tensors)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, L, H, D) views: flashgen's bshd
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+
+    if attention_mask is not None:  # padded batch: pack the real tokens, run varlen, scatter back
+        if attention_mask.shape != (batch, seqlen_k):
+            raise ValueError(f"attention_mask: expected a (batch, keys) = {(batch, seqlen_k)} padding mask, "
+                             f"got {tuple(attention_mask.shape)}")
+        keep = attention_mask.bool()
+        idx_k, cu_k, max_k = _packing(keep)
+        if seqlen_q == seqlen_k:
+            idx_q, cu_q, max_q = idx_k, cu_k, max_k
+        elif seqlen_q == 1:  # decode: every row's one new token
+            idx_q = torch.arange(batch, device=q.device)
+            cu_q, max_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32), 1
+        else:  # the new tokens are the last seqlen_q keys (left padding)
+            idx_q, cu_q, max_q = _packing(keep[:, -seqlen_q:])
+        flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+        q_p, k_p, v_p = flat(q).index_select(0, idx_q), flat(k).index_select(0, idx_k), flat(v).index_select(0, idx_k)
+        out = _varlen(q_p, k_p, v_p, cu_q, cu_k, max_q, max_k, s_aux, kw)
+        full = out.new_zeros(batch * seqlen_q, *out.shape[1:]).index_copy(0, idx_q, out)
+        return full.view(batch, seqlen_q, *out.shape[1:]), None
+
+    packed = None
+    if all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
+        packed = (kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
+                  int(kwargs["max_length_q"]), int(kwargs["max_length_k"]))
+    elif seqlen_q == seqlen_k:
+        packed = _packed_positions(kwargs.get("position_ids"), batch, seqlen_q)
+    if packed is not None:  # padding-free: sequences concatenated along the token axis
+        flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
+        out = _varlen(flat(q), flat(k), flat(v), *packed, s_aux, kw)
+        return out.view(batch, seqlen_q, *out.shape[1:]), None
+
+    if s_aux is not None:
+        k, v, _ = _with_sink_rows(k, v)
+    return attention(q, k, v, layout="bshd", **kw), None
+
+
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, s_aux, kw):
+    if s_aux is not None:
+        k, v, cu_k = _with_sink_rows(k, v, cu_k)
+        max_k += 1
+    return attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw)

@@ -1,0 +1,168 @@
+"""``flashgen.scaled_dot_product_attention``: torch's SDPA signature and semantics on flashgen kernels.
+
+    from flashgen import scaled_dot_product_attention as sdpa   # instead of F.scaled_dot_product_attention
+
+Alignment: ``is_causal=True`` here is SDPA's *top-left* causal mask (query i sees keys j <= i,
+whatever the lengths), while flash-attn's names (``flashgen.attention(causal=True)``,
+``flashgen.compat``) keep flash-attn's *bottom-right* alignment (j <= i + S - L). The two agree
+only when L == S.
+
+How the SDPA arguments map onto flashgen (one spec per distinct combination, compiled once):
+
+* ``attn_mask`` bool (True = attend) becomes the mask expression ``attn_mask[b, h, q_idx, kv_idx]``
+  over the tensor passed by name; a float mask becomes the score modifier ``score + attn_mask[...]``,
+  so gradients flow into it when it requires grad. flashgen clamps tensor indices, so a mask
+  dimension of size 1 serves every batch element, head, query or key: SDPA's broadcasting,
+  without materialising the (B, H, L, S) mask.
+* ``is_causal`` is the ``causal`` pattern with ``align: top_left``.
+* ``scale`` is the softmax scale; a zero or negative scale (SDPA allows them, flashgen's
+  softmax_scale must be positive) becomes the score modifier ``score * scale`` at scale 1.
+* ``enable_gqa`` lets key/value have fewer heads than query (flashgen never copies them);
+  without it, head counts broadcast as SDPA's math does (equal, or 1).
+* Leading dims: any number, broadcast between query, key and value as in SDPA, flattened into
+  flashgen's batch (a view unless they broadcast). A 2-d (L, E) query has one head.
+* A query row whose keys are all masked outputs 0 with zero gradients, as torch's SDPA does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .api import attention
+
+__all__ = ["scaled_dot_product_attention"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MASK_NAME = "attn_mask"  # the named tensor the mask expressions read
+_MASK_INDEX = f"{MASK_NAME}[b, h, q_idx, kv_idx]"
+
+
+def _check_tensors(query, key, value):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(f"{name}: expected at least 2 dims (..., seq, dim), got shape {tuple(t.shape)}")
+        if t.dim() != query.dim():
+            raise ValueError(f"{name}: expected {query.dim()} dims as query has, got shape {tuple(t.shape)}")
+        if t.dtype != query.dtype:
+            raise ValueError(f"{name}: expected dtype {query.dtype} (query's), got {t.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name}: expected device {query.device} (query's), got {t.device}")
+    if query.dtype not in _DTYPES:
+        raise ValueError(f"query: expected dtype float16, bfloat16 or float32, got {query.dtype}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key: expected head dim {query.shape[-1]} (query's), got shape {tuple(key.shape)}")
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(f"value: expected seq len {key.shape[-2]} (key's), got shape {tuple(value.shape)}")
+
+
+def _shape_of(*shapes, what):
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        raise ValueError(f"{what}: shapes {' and '.join(str(tuple(s)) for s in shapes)} do not broadcast") from None
+
+
+def _heads(query, key, value, enable_gqa):
+    """(leading dims, query heads, KV heads), SDPA's rules: with enable_gqa the KV head counts
+    divide the query's; without it every leading dim, heads included, broadcasts."""
+    if query.dim() == 2:
+        return (), 1, 1
+    if not enable_gqa:
+        lead = _shape_of(query.shape[:-2], key.shape[:-2], value.shape[:-2], what="query, key, value")
+        return lead[:-1], lead[-1], lead[-1]
+    lead = _shape_of(query.shape[:-3], key.shape[:-3], value.shape[:-3], what="query, key, value")
+    hq, hk, hv = query.shape[-3], key.shape[-3], value.shape[-3]
+    for name, h in (("key", hk), ("value", hv)):
+        if h == 0 or hq % h:
+            raise ValueError(f"{name}: with enable_gqa its number of heads must divide query's {hq}, got {h}")
+    return lead, hq, math.lcm(hk, hv)
+
+
+def _as_bhsd(t, lead, heads):
+    """t as (batch, heads, seq, dim): leading dims broadcast and flattened; KV heads repeated
+    only where key and value have different counts (enable_gqa allows it, flashgen shares one)."""
+    if t.dim() == 2:
+        return t[None, None]
+    if t.shape[-3] != heads and t.shape[-3] != 1:
+        t = t.repeat_interleave(heads // t.shape[-3], dim=-3)  # enable_gqa, key and value differ
+    t = t.expand(*lead, heads, *t.shape[-2:])
+    return t.reshape(-1, *t.shape[-3:])
+
+
+def _mask_terms(attn_mask, query, target):
+    """(mask, score_mod, named tensors) expressing attn_mask over the (batch, heads, L, S) call."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in (query.dtype, torch.float32):
+        raise ValueError(f"attn_mask: expected dtype bool, float32 or query's {query.dtype}, got {attn_mask.dtype}")
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask: expected device {query.device} (query's), got {attn_mask.device}")
+    try:
+        fits = attn_mask.dim() <= len(target) and tuple(torch.broadcast_shapes(attn_mask.shape, target)) == target
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"attn_mask: expected a shape broadcastable to {target} (query's batch, heads, "
+                         f"L and key's S), got {tuple(attn_mask.shape)}")
+    m = attn_mask.reshape((1,) * (len(target) - attn_mask.dim()) + tuple(attn_mask.shape))
+    if len(target) > 4:  # several leading dims: flatten them as query's were (a copy only if they broadcast)
+        if any(d != 1 for d in m.shape[:-3]):
+            m = m.expand(*target[:-3], *m.shape[-3:])
+        m = m.reshape(-1, *m.shape[-3:])
+    if attn_mask.dtype == torch.bool:
+        return f"{_MASK_INDEX} != 0", [], {MASK_NAME: m}
+    return None, [f"score + {_MASK_INDEX}"], {MASK_NAME: m}
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """torch.nn.functional.scaled_dot_product_attention on a flashgen kernel: same arguments,
+    shapes, broadcasting and results, differentiable (into a float ``attn_mask`` too).
+
+    query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev) -> (..., Hq, L, Ev).
+    ``is_causal`` is aligned top-left, as in SDPA (query i sees keys j <= i);
+    ``flashgen.attention(causal=True)`` and ``flashgen.compat`` keep flash-attn's bottom-right
+    alignment (j <= i + S - L). ``attn_mask``: bool (True = attend) or float added to the
+    scores (float32 or query's dtype), broadcastable to (..., Hq, L, S); it cannot be combined
+    with ``is_causal`` (SDPA's documented rule: put the causal part into the mask).
+    ``dropout_p`` drops attention probabilities whenever it is > 0, as SDPA does (pass 0.0 in
+    eval). dtypes: float16, bfloat16, float32.
+    """
+    _check_tensors(query, key, value)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa: expected a bool, got {type(enable_gqa).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1], got {dropout_p!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
+    if is_causal and attn_mask is not None:
+        raise ValueError("is_causal: cannot be combined with attn_mask (SDPA refuses both); "
+                         "put the causal part into the mask")
+    lead, heads, kv_heads = _heads(query, key, value, enable_gqa)
+    q = _as_bhsd(query, lead, heads)
+    k, v = _as_bhsd(key, lead, kv_heads), _as_bhsd(value, lead, kv_heads)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    out_shape = (*lead, heads, seqlen_q, value.shape[-1]) if query.dim() > 2 else (seqlen_q, value.shape[-1])
+
+    mask, mods, tensors = None, [], {}
+    if attn_mask is not None and seqlen_q and seqlen_k:
+        mask, mods, tensors = _mask_terms(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
+    if is_causal:
+        mask = {"causal": {"align": "top_left"}}
+    softmax_scale = None if scale is None else float(scale)
+    if softmax_scale is not None and softmax_scale <= 0:
+        mods.insert(0, {"expr": "score * s", "params": {"s": softmax_scale}})
+        softmax_scale = 1.0
+    p = float(dropout_p)
+    out = attention(q, k, v, softmax_scale=softmax_scale, dropout_p=0.0 if p == 1.0 else p, mask=mask,
+                    score_mod=mods or None, **tensors)
+    if p == 1.0:  # every probability dropped: SDPA returns zeros (and zero gradients)
+        out = out * 0.0
+    return out.reshape(out_shape)

@@ -1,0 +1,61 @@
+"""benchmarks/bench_transformers.py on the CPU (--tiny --device cpu): every part runs or records
+its error, and the JSON rows and the table have the fields the GPU run is read by."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench_transformers", ROOT / "benchmarks" / "bench_transformers.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+MODES = ["prefill", "train_step", "generate", "compile_train_step"]
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_writes_every_row(tmp_path):
+    assert bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--warmup", "0", "--steps", "1",
+                       "--seqlen", "12", "--prompt", "4", "--new-tokens", "2"]) == 0
+    (path,) = tmp_path.glob("*-cpu-call-path-transformers-tiny.json")
+    result = json.loads(path.read_text())
+    assert result["env"]["transformers"] and result["config"]["layers"] == 2
+    rows = {row["mode"]: row for row in result["rows"]}
+    assert list(rows) == MODES
+    for mode in MODES[:3]:  # these run both ways on the CPU
+        row = rows[mode]
+        assert "error" not in row, row
+        assert row["flashgen_ms"] > 0 and row["sdpa_ms"] > 0
+        assert row["ratio_vs_sdpa"] == round(row["sdpa_ms"] / row["flashgen_ms"], 3)
+    assert rows["prefill"]["max_abs_logit_diff_vs_sdpa"] < 1e-4
+    assert rows["generate"]["same_tokens_fraction"] == 1.0
+    compiled = rows["compile_train_step"]  # compiles, or says why not
+    assert compiled["sdpa_ms"] > 0 and (compiled["flashgen_ms"] or compiled["error"]["flashgen"])
+    table = path.with_suffix(".md").read_text()
+    assert "| case | mode | flashgen ms | sdpa ms | ratio vs sdpa | notes |" in table and table.count("| llama-") == 4
+
+
+def test_a_failing_part_is_recorded_and_the_run_goes_on():
+    def measure(impl):
+        if impl == "flashgen":
+            raise RuntimeError("out of memory, say")
+        return 2.0
+
+    rows = []
+    row = bench.run_mode(rows, "case", "train_step", measure)
+    assert rows == [row] and row["sdpa_ms"] == 2.0 and row["flashgen_ms"] is None and row["ratio_vs_sdpa"] is None
+    assert row["error"] == {"flashgen": "RuntimeError: out of memory, say"}
+    assert "RuntimeError: out of memory, say" in bench.markdown({"env": {"torch": "t", "triton": "t",
+                                                                         "transformers": "t", "flashgen": "f"},
+                                                                 "rows": rows})
+
+
+def test_gpu_names_become_short_file_names():
+    assert bench.gpu_slug({"gpu": "NVIDIA H100 80GB HBM3"}, "cuda") == "h100"
+    assert bench.gpu_slug({"gpu": "NVIDIA H200"}, "cuda") == "h200"
+    assert bench.gpu_slug({"gpu": "Some New GPU"}, "cuda") == "some-new-gpu"
+    assert bench.gpu_slug({}, "cpu") == "cpu"

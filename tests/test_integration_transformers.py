@@ -1,0 +1,176 @@
+"""flashgen as a transformers attention implementation, on tiny random-weight models.
+
+Llama (causal, GQA, padding, KV-cache generation, training) against transformers' SDPA path;
+Gemma 2 (sliding windows, softcapping: transformers' SDPA refuses softcap) and gpt-oss
+(sliding windows, learnable sinks: no SDPA path either) against transformers' eager path.
+
+The rule of TESTING.md: fp32 logits and gradients against the same model run in float64 by
+transformers' own attention, relative error (flashgen.verify.compare); fp16 logits against
+float32 with the fp16 SDPA model as the dtype's yardstick. A padded row is checked against its
+sequence run alone (float64, unpadded): padding must not leak, and padded query rows are not
+compared (transformers' paths fill them with different junk).
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashgen.integrations.transformers import DEFAULT_NAME, attention_forward, register  # noqa: E402
+from flashgen.verify import compare  # noqa: E402
+
+NAME = register()
+VOCAB = 128
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+
+
+def _model(kind, seed=0):
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    elif kind == "gemma2":  # layer 0 slides over 5 keys; a small cap makes tanh bend the scores
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **TINY, sliding_window=5, attn_logit_softcapping=0.5, query_pre_attn_scalar=16))
+    else:
+        model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **{**TINY, "intermediate_size": 64}, sliding_window=5, num_local_experts=4, num_experts_per_tok=2))
+        model.set_experts_implementation("eager")  # grouped_mm has no float64
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()  # sinks that matter (initialised at std 0.02)
+    return model.eval()
+
+
+REFERENCE = {"llama": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}
+
+
+def _logits(model, impl, dtype, ids, **kw):
+    model.set_attn_implementation(impl)
+    return model.to(dtype)(ids, **kw).logits
+
+
+def _assert_close(out, ref, pt=None, name="logits"):
+    result = compare(name, out, ref, pt)
+    assert result.ok, str(result)
+
+
+def _padded_batch(gen):
+    """Token ids (3, 21) and a left-padding mask: rows of 21, 16 and 9 real tokens."""
+    ids = torch.randint(0, VOCAB, (3, 21), generator=gen)
+    mask = torch.ones(3, 21, dtype=torch.long)
+    mask[1, :5] = mask[2, :12] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
+def test_logits_match_transformers_dense_and_padded(kind):
+    model, gen = _model(kind), torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (2, 23), generator=gen)
+    ref = _logits(model, REFERENCE[kind], torch.float64, ids)
+    _assert_close(_logits(model, NAME, torch.float32, ids), ref)
+
+    ids, mask = _padded_batch(gen)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() gives them
+    out = _logits(model, NAME, torch.float32, ids, attention_mask=mask, position_ids=positions)
+    for row in range(3):
+        real = mask[row].bool()
+        alone = _logits(model, REFERENCE[kind], torch.float64, ids[row:row + 1, real])[0]
+        _assert_close(out[row, real], alone, name=f"logits of row {row}")
+
+
+def test_llama_fp16_logits():
+    model, gen = _model("llama"), torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (2, 17), generator=gen)
+    ref = _logits(model, "sdpa", torch.float32, ids)
+    pt = _logits(model, "sdpa", torch.float16, ids)
+    _assert_close(_logits(model, NAME, torch.float16, ids), ref, pt)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
+def test_greedy_generation_matches(kind):
+    # Gemma 2 and gpt-oss generate past their 5-key window, from a KV cache that keeps the last keys.
+    model, gen = _model(kind), torch.Generator().manual_seed(3)
+    ids, mask = _padded_batch(gen)
+    ids, mask = ids[:2, 3:], mask[:2, 3:]  # two rows, one left-padded
+    tokens = {}
+    for impl in (REFERENCE[kind], NAME):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                      pad_token_id=0)[:, ids.shape[1]:]
+    assert torch.equal(tokens[NAME], tokens[REFERENCE[kind]]), tokens
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
+def test_training_gradients_match(kind):
+    # gpt-oss: the gradient reaches its sinks through the prepended sink key.
+    model, gen = _model(kind), torch.Generator().manual_seed(4)
+    model.train()
+    ids = torch.randint(0, VOCAB, (2, 15), generator=gen)
+    grads = {}
+    for impl, dtype in ((REFERENCE[kind], torch.float64), (NAME, torch.float32)):
+        model.set_attn_implementation(impl)
+        model.to(dtype).zero_grad()
+        model(ids, labels=ids).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert set(grads[NAME]) == set(grads[REFERENCE[kind]])
+    assert kind != "gpt_oss" or any("sinks" in n for n in grads[NAME])
+    for n, g in grads[NAME].items():
+        _assert_close(g, grads[REFERENCE[kind]][n], name=f"d{n}")
+
+
+def test_packed_sequences_by_position_ids():
+    # Padding-free training: two sequences in one row, positions restarting, must not see each other.
+    model, gen = _model("llama"), torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (1, 20), generator=gen)
+    positions = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    out = _logits(model, NAME, torch.float32, ids, position_ids=positions)
+    _assert_close(out[0, :12], _logits(model, "sdpa", torch.float64, ids[:, :12])[0], name="first")
+    _assert_close(out[0, 12:], _logits(model, "sdpa", torch.float64, ids[:, 12:])[0], name="second")
+
+
+def test_a_4d_mask_runs_with_sdpa_semantics():
+    model, gen = _model("llama"), torch.Generator().manual_seed(6)
+    ids = torch.randint(0, VOCAB, (2, 13), generator=gen)
+    mask = torch.ones(13, 13, dtype=torch.bool).tril() & (torch.rand(2, 1, 13, 13, generator=gen) > 0.3)
+    mask |= torch.eye(13, dtype=torch.bool)  # every query sees itself
+    ref = _logits(model, "sdpa", torch.float64, ids, attention_mask=mask)
+    _assert_close(_logits(model, NAME, torch.float32, ids, attention_mask=mask), ref)
+
+
+def test_dropout_in_training():
+    # Uniform attention (q = 0) over 48 keys of ones: each output is (kept keys) / (48 * (1 - p)).
+    module = torch.nn.Module()
+    q, v = torch.zeros(2, 4, 48, 16), torch.ones(2, 2, 48, 16)
+    out, _ = attention_forward(module, q, torch.randn(2, 2, 48, 16), v, None, dropout=0.25, is_causal=False)
+    kept = out[..., 0] * 48 * 0.75
+    assert torch.allclose(kept, kept.round(), atol=1e-4) and kept.std() > 0
+    assert abs(out.mean().item() - 1.0) < 0.05
+
+
+def test_static_cache_and_bad_names_are_refused():
+    model, gen = _model("llama"), torch.Generator().manual_seed(7)
+    model.set_attn_implementation(NAME)
+    with pytest.raises(ValueError, match="past_key_values: .* needs a dynamic KV cache"):
+        model.generate(torch.randint(0, VOCAB, (1, 5), generator=gen), max_new_tokens=2, do_sample=False,
+                       cache_implementation="static", pad_token_id=0)
+    with pytest.raises(ValueError, match="name: transformers treats names containing 'flash'"):
+        register("my_flash")
+    with pytest.raises(ValueError, match="name: expected an identifier-like string"):
+        register("")
+    assert register() == DEFAULT_NAME
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(sliding_window=0), "sliding_window: expected a positive int or None, got 0"),
+    (dict(s_aux=torch.zeros(4, 1)), "s_aux: expected a (heads,) tensor of sink logits"),
+    (dict(attention_mask=torch.ones(3, 7, dtype=torch.bool)), "attention_mask: expected a (batch, keys) = (2, 7)"),
+    (dict(attention_mask=torch.ones(2, 1, 5, 7, dtype=torch.bool), softcap=5.0),
+     "attention_mask: a 4-d mask cannot be combined with sliding_window, softcap or s_aux"),
+    (dict(position_bias=torch.zeros(2, 4, 5, 7)), "position_bias: not supported"),
+])
+def test_bad_arguments_name_the_argument(kw, words):
+    q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 7, 16)
+    with pytest.raises((ValueError, NotImplementedError)) as info:
+        attention_forward(torch.nn.Module(), q, k, k, kw.pop("attention_mask", None), **kw)
+    assert words in str(info.value)

@@ -1,0 +1,228 @@
+"""flashgen.scaled_dot_product_attention against torch's own SDPA, by the rule of TESTING.md.
+
+fp16: the reference is torch's SDPA on the same inputs upcast to float32, and the kernel's
+own-dtype error is measured by torch's SDPA run in float16; fp32: float64 reference, relative
+error (flashgen.verify.compare). Gradients use the 3x rule, the float mask's gradient included.
+"""
+
+import math
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashgen
+from flashgen.verify import GRAD_MEAN_FACTOR, compare
+
+REF_DTYPE = {torch.float16: torch.float32, torch.float32: torch.float64}
+
+
+def _inputs(gen, device, dtype, q_shape, k_shape, v_shape, mask_shape=None, mask_kind=None, grad=False):
+    q, k, v = (torch.randn(s, generator=gen).to(device=device, dtype=dtype).requires_grad_(grad)
+               for s in (q_shape, k_shape, v_shape))
+    mask = None
+    if mask_kind == "bool":
+        mask = (torch.rand(mask_shape, generator=gen) > 0.3).to(device)
+    elif mask_kind == "float":  # float32 masks are allowed on any query dtype, as in SDPA
+        mask = torch.randn(mask_shape, generator=gen).to(device).requires_grad_(grad)
+    return q, k, v, mask
+
+
+def _leaves(q, k, v, mask, dtype):
+    """Copies of the inputs in `dtype` that gradients can be taken for (a float mask in at least float32)."""
+    leaves = [t.detach().to(dtype).requires_grad_(t.requires_grad) for t in (q, k, v)]
+    if mask is not None and mask.is_floating_point():
+        mask = mask.detach().to(torch.promote_types(dtype, torch.float32)).requires_grad_(mask.requires_grad)
+    return leaves, mask
+
+
+def _plain_attention(q, k, v, mask, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA's documented reference code run in the inputs' dtype: matmuls in that dtype, the
+    softmax in float32 rounded back, as a plain PyTorch attention would (TESTING.md's out_pt:
+    torch's own fp16 SDPA accumulates in float32, too exact to measure what fp16 costs)."""
+    if enable_gqa:
+        k = k.repeat_interleave(q.size(-3) // k.size(-3), -3)
+        v = v.repeat_interleave(q.size(-3) // v.size(-3), -3)
+    scale = 1 / math.sqrt(q.size(-1)) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)).float() * scale
+    if is_causal:
+        mask = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool, device=q.device).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key: 0, as torch's SDPA gives
+    return probs.to(q.dtype) @ v
+
+
+def _check(out, q, k, v, mask, dtype, do=None, grads=(), factor=2.0, **kw):
+    """The rule of TESTING.md for the output (and, with do, for d(query, key, value, mask)):
+    the reference is torch's SDPA in float32 (fp16 inputs) or float64 (fp32 inputs)."""
+    ref_leaves, ref_mask = _leaves(q, k, v, mask, REF_DTYPE[dtype])
+    ref = F.scaled_dot_product_attention(*ref_leaves, attn_mask=ref_mask, **kw)
+    pt = None
+    if dtype != torch.float32:
+        pt_leaves, pt_mask = _leaves(q, k, v, mask, dtype)
+        pt = _plain_attention(*pt_leaves, pt_mask, **kw)
+        assert (pt.float() - ref).abs().max() < 1e-2  # the yardstick computes the same attention
+    results = [compare("out", out, ref, pt, factor=factor)]
+    if do is not None:
+        wanted = lambda leaves, m: leaves + ([m] if m is not None and m.requires_grad else [])  # noqa: E731
+        refs = torch.autograd.grad(ref, wanted(ref_leaves, ref_mask), do.to(ref.dtype))
+        pts = torch.autograd.grad(pt, wanted(pt_leaves, pt_mask), do) if pt is not None else [None] * len(refs)
+        for name, g, r, p in zip(("dquery", "dkey", "dvalue", "dattn_mask"), grads, refs, pts):
+            results.append(compare(name, g, r, p, factor=3.0, mean_factor=GRAD_MEAN_FACTOR))
+    failed = [str(r) for r in results if not r.ok]
+    assert not failed, failed
+
+
+# (query, key, value, attn_mask shape or None, mask kind, SDPA keywords): odd lengths, L != S
+# both ways, GQA, masks broadcast along every dim and in full.
+CASES = [
+    ((2, 4, 17, 16), (2, 4, 23, 16), (2, 4, 23, 16), None, None, {}),
+    ((2, 4, 23, 40), (2, 4, 17, 40), (2, 4, 17, 24), None, None, {"scale": 0.3}),
+    ((2, 4, 17, 16), (2, 4, 23, 16), (2, 4, 23, 16), None, None, {"is_causal": True}),
+    ((2, 4, 23, 16), (2, 4, 17, 16), (2, 4, 17, 16), None, None, {"is_causal": True}),
+    ((2, 8, 9, 32), (2, 2, 33, 32), (2, 2, 33, 32), None, None, {"enable_gqa": True, "is_causal": True}),
+    ((1, 8, 13, 16), (1, 1, 13, 16), (1, 1, 13, 16), None, None, {"enable_gqa": True}),
+    ((2, 4, 17, 16), (2, 4, 23, 16), (2, 4, 23, 16), (17, 23), "bool", {}),
+    ((2, 4, 17, 16), (2, 4, 23, 16), (2, 4, 23, 16), (2, 1, 1, 23), "bool", {}),
+    ((2, 8, 23, 16), (2, 2, 17, 16), (2, 2, 17, 16), (1, 8, 23, 17), "bool", {"enable_gqa": True}),
+    ((2, 4, 17, 16), (2, 4, 23, 16), (2, 4, 23, 16), (2, 4, 17, 23), "float", {}),
+    ((2, 4, 23, 16), (2, 4, 17, 16), (2, 4, 17, 16), (1, 17), "float", {}),
+    ((2, 4, 17, 16), (2, 4, 23, 16), (2, 4, 23, 16), (4, 17, 1), "float", {"scale": 0.5}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("qs, ks, vs, ms, kind, kw", CASES)
+def test_forward_matches_torch_sdpa(device, dtype, qs, ks, vs, ms, kind, kw):
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((qs, ks, ms, kind)).encode()))
+    q, k, v, mask = _inputs(gen, device, dtype, qs, ks, vs, ms, kind)
+    out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    assert out.shape == (*qs[:-1], vs[-1]) and out.dtype == dtype
+    _check(out, q, k, v, mask, dtype, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("qs, ks, vs, ms, kind, kw", [CASES[i] for i in (3, 4, 8, 9, 10)])
+def test_gradients_match_torch_sdpa(device, dtype, qs, ks, vs, ms, kind, kw):
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((qs, ks, ms, kind, "grad")).encode()))
+    q, k, v, mask = _inputs(gen, device, dtype, qs, ks, vs, ms, kind, grad=True)
+    out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    do = torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype)
+    leaves = (q, k, v) + ((mask,) if kind == "float" else ())
+    grads = torch.autograd.grad(out, leaves, do)
+    assert kind != "float" or grads[3].shape == mask.shape  # summed over the broadcast dims
+    _check(out, q, k, v, mask, dtype, do=do, grads=grads, **kw)
+
+
+@pytest.mark.parametrize("qs, ks, vs, ms, kind, kw", [
+    ((2, 3, 2, 9, 16), (2, 3, 2, 11, 16), (2, 3, 2, 11, 16), (3, 1, 9, 11), "bool", {}),  # 5-d, mask per middle dim
+    ((2, 3, 2, 9, 16), (1, 3, 2, 11, 16), (2, 1, 2, 11, 16), None, None, {}),  # leading dims broadcast
+    ((2, 3, 2, 9, 16), (2, 3, 2, 11, 16), (2, 3, 2, 11, 16), (9, 11), "float", {}),  # 5-d, one mask for all
+    ((4, 9, 16), (4, 11, 16), (4, 11, 8), (9, 11), "float", {}),  # 3-d (N, L, E)
+    ((9, 16), (11, 16), (11, 16), None, None, {"is_causal": True}),  # 2-d (L, E)
+    ((2, 4, 9, 16), (2, 1, 11, 16), (2, 1, 11, 16), None, None, {}),  # one KV head broadcast without GQA
+    ((2, 4, 9, 16), (2, 2, 11, 16), (2, 1, 11, 16), None, None, {"enable_gqa": True}),  # key/value head counts differ
+    ((2, 4, 9, 16), (2, 4, 11, 16), (2, 4, 11, 16), None, None, {"scale": -0.7}),  # SDPA allows any scale
+    ((2, 4, 9, 16), (2, 4, 11, 16), (2, 4, 11, 16), None, None, {"scale": 0.0}),
+])
+def test_sdpa_shapes_and_scales(device, qs, ks, vs, ms, kind, kw):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, mask = _inputs(gen, device, torch.float32, qs, ks, vs, ms, kind)
+    out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    assert out.shape == ref.shape
+    _check(out, q, k, v, mask, torch.float32, **kw)
+
+
+def test_float_mask_in_query_dtype(device):
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, _ = _inputs(gen, device, torch.float16, (2, 4, 17, 16), (2, 2, 23, 16), (2, 2, 23, 16), grad=True)
+    mask = torch.randn(2, 1, 17, 23, generator=gen).to(device=device, dtype=torch.float16).requires_grad_()
+    out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    do = torch.randn(out.shape, generator=gen).to(device=device, dtype=torch.float16)
+    grads = torch.autograd.grad(out, (q, k, v, mask), do)
+    assert grads[3].dtype == torch.float16 and grads[3].shape == mask.shape
+    _check(out, q, k, v, mask, torch.float16, do=do, grads=grads, enable_gqa=True)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_rows_with_every_key_masked_are_zero_as_in_torch(device, kind):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, _ = _inputs(gen, device, torch.float32, (1, 2, 5, 16), (1, 2, 7, 16), (1, 2, 7, 16), grad=True)
+    mask = torch.ones(5, 7, dtype=torch.bool, device=device)
+    mask[2] = False
+    if kind == "float":
+        mask = torch.zeros(5, 7, device=device).masked_fill(~mask, float("-inf")).requires_grad_()
+    out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2])) and torch.equal(ref[:, :, 2], out[:, :, 2])
+    leaves = (q, k, v) + ((mask,) if kind == "float" else ())
+    grads = torch.autograd.grad(out.sum(), leaves)
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert torch.equal(grads[0][:, :, 2], torch.zeros_like(grads[0][:, :, 2]))
+    _check(out, q, k, v, mask, torch.float32)
+
+
+def test_causal_alignment_top_left_here_bottom_right_in_flash_attn_names(device):
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, _ = _inputs(gen, device, torch.float32, (1, 2, 9, 16), (1, 2, 21, 16), (1, 2, 21, 16))
+    top_left = flashgen.scaled_dot_product_attention(q, k, v, is_causal=True)
+    bottom_right = flashgen.attention(q, k, v, causal=True)
+    i, j = torch.arange(9, device=device)[:, None], torch.arange(21, device=device)[None, :]
+    _check(top_left, q, k, v, j <= i, torch.float32)  # SDPA's is_causal: j <= i
+    _check(bottom_right, q, k, v, j <= i + 21 - 9, torch.float32)  # flash-attn's causal: j <= i + S - L
+    assert (top_left - bottom_right).abs().max() > 0.1
+
+
+def test_dropout_keeps_one_minus_p_and_rescales(device):
+    # Uniform attention (q = 0) over 64 keys of ones: without dropout every output is 1; with
+    # dropout each is (kept keys) / (64 * (1 - p)), whose mean over 2 * 2 * 64 rows is 1 +- ~0.01.
+    p = 0.25
+    q = torch.zeros(2, 2, 64, 16, device=device)
+    v = torch.ones(2, 2, 64, 16, device=device)
+    out = flashgen.scaled_dot_product_attention(q, torch.randn(2, 2, 64, 16, device=device), v, dropout_p=p)
+    rows = out[..., 0]
+    assert torch.equal(out, rows[..., None].expand_as(out))  # one keep mask per row, shared by the dims
+    assert abs(rows.mean().item() - 1.0) < 0.05
+    kept = rows * 64 * (1 - p)
+    assert torch.allclose(kept, kept.round(), atol=1e-4) and kept.std() > 0  # whole keys kept, rows differ
+    assert torch.equal(flashgen.scaled_dot_product_attention(q, q, v, dropout_p=1.0), torch.zeros_like(out))
+
+
+def t(*shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("args, kw, words", [
+    ((t(1, 2, 4, 8), t(1, 2, 4, 8), [1]), {}, "value: expected a torch.Tensor"),
+    ((t(4), t(4), t(4)), {}, "query: expected at least 2 dims"),
+    ((t(1, 2, 4, 8), t(2, 4, 8), t(2, 4, 8)), {}, "key: expected 4 dims"),
+    ((t(1, 2, 4, 8), t(1, 2, 4, 8, dtype=torch.float16), t(1, 2, 4, 8)), {}, "key: expected dtype torch.float32"),
+    ((t(1, 2, 4, 8, dtype=torch.float64),) * 3, {}, "query: expected dtype float16, bfloat16 or float32"),
+    ((t(1, 2, 4, 8), t(1, 2, 4, 4), t(1, 2, 4, 8)), {}, "key: expected head dim 8"),
+    ((t(1, 2, 4, 8), t(1, 2, 5, 8), t(1, 2, 4, 8)), {}, "value: expected seq len 5"),
+    ((t(1, 4, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8)), {}, "query, key, value: shapes"),
+    ((t(1, 4, 4, 8), t(1, 3, 4, 8), t(1, 3, 4, 8)), {"enable_gqa": True}, "key: with enable_gqa its number of heads"),
+    ((t(1, 2, 4, 8),) * 3, {"attn_mask": t(3, 4)}, "attn_mask: expected a shape broadcastable to (1, 2, 4, 4)"),
+    ((t(1, 2, 4, 8),) * 3, {"attn_mask": t(2, 1, 2, 4, 4)}, "attn_mask: expected a shape broadcastable"),
+    ((t(1, 2, 4, 8),) * 3, {"attn_mask": torch.ones(4, 4, dtype=torch.int32)}, "attn_mask: expected dtype bool"),
+    ((t(1, 2, 4, 8, dtype=torch.float16),) * 3, {"attn_mask": t(4, 4, dtype=torch.bfloat16)},
+     "attn_mask: expected dtype bool, float32 or query's torch.float16"),
+    ((t(1, 2, 4, 8),) * 3, {"attn_mask": [[True]]}, "attn_mask: expected a torch.Tensor or None"),
+    ((t(1, 2, 4, 8),) * 3, {"attn_mask": torch.ones(4, 4, dtype=torch.bool), "is_causal": True},
+     "is_causal: cannot be combined with attn_mask"),
+    ((t(1, 2, 4, 8),) * 3, {"is_causal": 1}, "is_causal: expected a bool"),
+    ((t(1, 2, 4, 8),) * 3, {"enable_gqa": "yes"}, "enable_gqa: expected a bool"),
+    ((t(1, 2, 4, 8),) * 3, {"dropout_p": 1.5}, "dropout_p: expected a probability in [0, 1], got 1.5"),
+    ((t(1, 2, 4, 8),) * 3, {"dropout_p": -0.1}, "dropout_p: expected a probability"),
+    ((t(1, 2, 4, 8),) * 3, {"scale": math.inf}, "scale: expected a finite number or None, got inf"),
+    ((t(1, 2, 4, 8),) * 3, {"scale": "0.1"}, "scale: expected a finite number"),
+])
+def test_bad_arguments_name_the_argument(args, kw, words):
+    with pytest.raises((TypeError, ValueError)) as info:
+        flashgen.scaled_dot_product_attention(*args, **kw)
+    assert words in str(info.value)
