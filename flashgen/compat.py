@@ -84,3 +84,32 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out, lse = compile_spec(spec).varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     return_lse=True, deterministic=deterministic, **tensors)
     return _outputs(out, lse, None, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash_attn_with_kvcache: q (batch, seqlen_q, heads, head_dim) over a KV cache.
+
+    k_cache, v_cache: (batch_cache, seqlen_cache, kv_heads, head_dim), or paged (num_blocks,
+    page_block_size, kv_heads, head_dim) with block_table (batch, max_num_blocks_per_seq) int32.
+    cache_seqlens: int or (batch,) int32, the keys already in the cache. k, v (batch, seqlen_new,
+    kv_heads, head_dim): written into the cache in place at cache_seqlens, then attended (each
+    element attends to cache_seqlens + seqlen_new keys). cache_batch_idx (batch,) int32: the cache
+    rows of a contiguous cache. num_splits: 0 a heuristic, 1 no split, n that many. Returns out,
+    and (out, softmax_lse (batch, heads, seqlen_q)) with return_softmax_lse. Rotary embedding and
+    cache_leftpad are not supported (apply rotary to q and k before the call)."""
+    from .kvcache import decode
+
+    if rotary_cos is not None or rotary_sin is not None:
+        raise ValueError("rotary_cos: in-kernel rotary embedding is not supported by flashgen.compat; apply it to "
+                         "q and k before the call")
+    if cache_leftpad is not None:
+        raise ValueError("cache_leftpad: left-padded caches are not supported by flashgen.compat")
+    causal, mask, mods, tensors = _variant(causal, window_size, softcap, alibi_slopes)
+    spec = spec_for(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, layout="bshd", mask=mask,
+                    score_mod=mods)
+    out, lse = decode(spec, q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+                      cache_batch_idx=cache_batch_idx, num_splits=int(num_splits), return_lse=True, **tensors)
+    return _outputs(out, lse, None, return_softmax_lse)[:2] if return_softmax_lse else out

@@ -2,7 +2,7 @@
 
 Rendering is pure: the same spec and config give byte-identical source. templates/ holds an
 entry template (attention.py.j2) that includes one partial per kernel family and per shared
-piece; the host side is plain Python (flashgen/runtime/host.py), imported by the modules
+piece; the host side is plain Python (flashgen/runtime/host.py and decode.py), imported by the modules
 flashgen builds and pasted verbatim into standalone ones (what `flashgen generate` writes).
 """
 
@@ -17,7 +17,7 @@ import jinja2
 
 from .. import __version__
 from ..config import KernelConfig
-from ..runtime import host
+from ..runtime import decode, host
 from ..spec import AttentionSpec
 from .cache import cached_source_path, import_path
 from .plan import plan_for
@@ -38,6 +38,17 @@ def template_dir() -> Path:
 def host_source() -> str:
     """The host module's source, as pasted into standalone modules."""
     return Path(host.__file__).read_text()
+
+
+# The line of flashgen/runtime/decode.py that imports host.py's names: a standalone module has
+# pasted host.py just before, so it drops that line.
+HOST_IMPORT_MARK = "# standalone: host.py precedes"
+
+
+def decode_source() -> str:
+    """The decode host module's source, as pasted into standalone modules (after host.py)."""
+    lines = Path(decode.__file__).read_text().splitlines(keepends=True)
+    return "".join(line for line in lines if HOST_IMPORT_MARK not in line)
 
 
 @lru_cache(maxsize=1)
@@ -62,6 +73,8 @@ def templates_hash() -> str:
         h.update(path.read_bytes())
     h.update(b"flashgen/runtime/host.py")
     h.update(host_source().encode())
+    h.update(b"flashgen/runtime/decode.py")
+    h.update(decode_source().encode())
     return h.hexdigest()[:16]
 
 
@@ -101,6 +114,7 @@ def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, 
         config_literal=_literal(config.to_dict()),
         standalone=standalone,
         host_source=host_source().rstrip("\n") if standalone else "",
+        decode_source=decode_source().rstrip("\n") if standalone else "",
     )
 
 

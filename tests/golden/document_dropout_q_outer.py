@@ -678,7 +678,181 @@ def _attn_bwd_dq(
              + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
+@triton.jit
+def _decode_kv_tile(K, V, BT, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                    stride_kp, stride_vp, seqlen_k, num_pages, BOUNDS: tl.constexpr, PAGED: tl.constexpr,
+                    PAGE_SIZE: tl.constexpr):
+    # K^T as (BLOCK_D, BLOCK_N) and V as (BLOCK_N, BLOCK_DV) for keys start_n + offs_n; padding reads 0.
+    # Paged: key j lives in page BT[j // PAGE_SIZE] (clamped into the pool), slot j % PAGE_SIZE.
+    cols = start_n + offs_n
+    if PAGED:
+        page = tl.load(BT + cols // PAGE_SIZE, mask=cols < seqlen_k, other=0)
+        page = _clamp(page, num_pages).to(tl.int64)
+        k_rows = page * stride_kp + (cols % PAGE_SIZE) * stride_kn
+        v_rows = page * stride_vp + (cols % PAGE_SIZE) * stride_vn
+    else:
+        k_rows = cols.to(tl.int64) * stride_kn
+        v_rows = cols.to(tl.int64) * stride_vn
+    k_ptrs = K + offs_d[:, None] * stride_kd + k_rows[None, :]
+    v_ptrs = V + v_rows[:, None] + offs_dv[None, :] * stride_vd
+    k_mask = offs_d[:, None] < HEAD_DIM
+    v_mask = offs_dv[None, :] < HEAD_DIM_V
+    if BOUNDS:
+        k_mask = k_mask & (cols[None, :] < seqlen_k)
+        v_mask = v_mask & (cols[:, None] < seqlen_k)
+    if BOUNDS or BLOCK_D != HEAD_DIM:
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    if BOUNDS or BLOCK_DV != HEAD_DIM_V:
+        v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
+def _decode_blocks(acc, m_i, l_i, q, K, V, BT, lo, hi, lo2, hi2, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd,
+                   stride_vn, stride_vd, stride_kp, stride_vp, num_pages, off_b, heads, seqlen_q, seqlen_k, sm_scale,
+                   qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PAGED: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr):
+    # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: a segment's two boundary bands).
+    for j in range(lo, hi + (hi2 - lo2), BLOCK_N):
+        start_n = tl.where(j < hi, j, j - hi + lo2)
+        k, v = _decode_kv_tile(K, V, BT, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                               stride_kp, stride_vp, seqlen_k, num_pages, BOUNDS=MASKED, PAGED=PAGED,
+                               PAGE_SIZE=PAGE_SIZE)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, rows, (start_n + offs_n)[None, :], off_b, heads,
+                                             seqlen_q, seqlen_k, sm_scale, qk_scale, 0, 0, 0.0, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+                                             MASKED=MASKED, DROPOUT=False)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_decode(
+    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BT, CACHE_BATCH,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    stride_btb, num_pages, num_kv_heads, cache_batch, capacity, seqlen_q, seqlen_add, num_splits,
+    sm_scale, qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BATCH_INDEX: tl.constexpr, SPLIT: tl.constexpr,
+):
+    # Grid (num_splits, packed row blocks, batch * kv heads). seqlen_k = SEQLENS[b] + seqlen_add
+    # (the keys appended this step), clamped to the cache's capacity: nothing is read out of
+    # bounds whatever SEQLENS holds (the host checks it where it may read it). SPLIT: write this
+    # split's fp32 partial O and its LSE for _decode_combine; else O and LSE directly.
+    split = tl.program_id(0)
+    start_m = tl.program_id(1) * BLOCK_M
+    off_b = (tl.program_id(2) // num_kv_heads).to(tl.int64)
+    off_hk = (tl.program_id(2) % num_kv_heads).to(tl.int64)
+    seqlen_k = tl.minimum(tl.maximum(tl.load(SEQLENS + off_b) + seqlen_add, 0), capacity)
+    if PAGED:
+        BT += off_b * stride_btb
+        K += off_hk * stride_kh
+        V += off_hk * stride_vh
+    else:
+        cache_b = off_b
+        if BATCH_INDEX:
+            cache_b = _clamp(tl.load(CACHE_BATCH + off_b), cache_batch).to(tl.int64)
+        K += cache_b * stride_kb + off_hk * stride_kh
+        V += cache_b * stride_vb + off_hk * stride_vh
+
+    # Packed rows: row r is query position r // GQA_GROUP of head off_hk * GQA_GROUP + r % GQA_GROUP.
+    offs_r = start_m + tl.arange(0, BLOCK_M)
+    qpos = offs_r // GQA_GROUP
+    head = off_hk * GQA_GROUP + offs_r % GQA_GROUP
+    row_ok = qpos < seqlen_q
+    rows = qpos[:, None]
+    heads = head[:, None]
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = Q + off_b * stride_qb + qpos[:, None] * stride_qm + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    r0 = start_m // GQA_GROUP
+    r1 = tl.minimum((start_m + BLOCK_M - 1) // GQA_GROUP, seqlen_q - 1)
+    # The keys some packed row sees: the hull of the mask's segments for query rows r0..r1.
+    (seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi) = _kv_segments(
+        r0, r1, off_b, off_hk * GQA_GROUP, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1)
+    vis_lo = seg0_lo
+    vis_hi = seg0_hi
+    vis_lo = tl.maximum(vis_lo, 0)
+    vis_hi = tl.minimum(vis_hi, seqlen_k)
+    # This split's slice of the visible keys, in whole blocks: [split_lo, split_hi). A slice past
+    # the end is empty: its O is 0 and its LSE -inf, which the combine weighs as nothing.
+    vis_lo = vis_lo // BLOCK_N * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(vis_hi - vis_lo, 0), BLOCK_N), num_splits) * BLOCK_N
+    split_lo = vis_lo + split * per_split
+    split_hi = tl.maximum(tl.minimum(split_lo + per_split, vis_hi), split_lo)
+    first_unvisited = split_lo
+    lo, full_lo, full_hi, hi = _span(seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi, first_unvisited,
+                                     split_hi, BLOCK_N, False)
+    # whole blocks, every pair visible: no mask arithmetic
+    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, q, K, V, BT, full_lo, full_hi, full_hi, full_hi, rows, offs_n,
+                                   offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb, stride_vb, num_pages,
+                                   off_b, heads, seqlen_q, seqlen_k, sm_scale, qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N,
+                                   MASKED=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
+    # the boundary blocks below and above them (and the ragged last block), in one loop
+    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, q, K, V, BT, lo, full_lo, full_hi, hi, rows, offs_n,
+                                   offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb, stride_vb, num_pages,
+                                   off_b, heads, seqlen_q, seqlen_k, sm_scale, qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N,
+                                   MASKED=True, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
+
+    out, lse = _finalize(acc, m_i, l_i)
+    o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+    if SPLIT:
+        # O_PART is (batch, seqlen_q, heads, num_splits, BLOCK_DV), LSE_PART (batch, seqlen_q, heads,
+        # num_splits), both contiguous
+        part_row = ((off_b * seqlen_q + qpos) * (num_kv_heads * GQA_GROUP) + head) * num_splits + split
+        part = O_PART + part_row[:, None] * BLOCK_DV
+        tl.store(part + offs_dv[None, :], out, mask=o_mask)
+        tl.store(LSE_PART + part_row, lse, mask=row_ok)
+    else:
+        o_ptrs = (O + off_b * stride_ob + qpos[:, None] * stride_om + head[:, None] * stride_oh
+                  + offs_dv[None, :] * stride_od)
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
+        tl.store(LSE + off_b * stride_lb + head * stride_lh + qpos, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_combine(O, LSE, O_PART, LSE_PART, stride_ob, stride_om, stride_oh, stride_od, stride_lb, stride_lh,
+                    seqlen_q, num_heads, num_splits, BLOCK_S: tl.constexpr):
+    # One (batch, query position, head) row per program. With the splits' LSEs l_s and partial
+    # outputs O_s (each normalised by its own sum): LSE = ln sum_s exp(l_s), O = sum_s exp(l_s - LSE) O_s.
+    # Splits that saw no key have l_s = -inf and weigh nothing; a row no split saw gives O = 0, LSE = -inf.
+    row = tl.program_id(0).to(tl.int64)  # (b * seqlen_q + position) * num_heads + head
+    off_h = row % num_heads
+    pos = (row // num_heads) % seqlen_q
+    off_b = row // (num_heads * seqlen_q)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < num_splits
+    lse_s = tl.load(LSE_PART + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2((lse_s - m_safe) * RCP_LN2)
+    total = tl.sum(w, 0)
+    empty = total == 0.0
+    total_safe = tl.where(empty, 1.0, total)
+    part = tl.load(O_PART + (row * num_splits + offs_s[:, None]) * BLOCK_DV + offs_dv[None, :],
+                   mask=s_ok[:, None] & (w[:, None] > 0.0), other=0.0)
+    out = tl.sum(part * (w / total_safe)[:, None], 0)
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(total_safe))
+    tl.store(O + off_b * stride_ob + pos * stride_om + off_h * stride_oh + offs_dv * stride_od,
+             out.to(O.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + pos, lse)
+
+
 from flashgen.runtime.host import AttentionLauncher  # noqa: E402 (the host side: plain Python)
+from flashgen.runtime.decode import DecodeLauncher  # noqa: E402
 
 _LAUNCHER = AttentionLauncher(
     spec=SPEC,
@@ -692,8 +866,10 @@ _LAUNCHER = AttentionLauncher(
     keep_mask_kernel=_dropout_mask_kernel,
     same_seqlen=True,  # a document mask indexes one id tensor by query and key
 )
+_DECODE = DecodeLauncher(attention=_LAUNCHER, kernel=_attn_decode, combine_kernel=_decode_combine)
 # The module's interface (flashgen's ops and api call these).
 forward = _LAUNCHER.forward
+decode = _DECODE.decode
 backward = _LAUNCHER.backward
 _tensors = _LAUNCHER.named_tensors
 dropout_keep_mask = _LAUNCHER.dropout_keep_mask

@@ -1,0 +1,255 @@
+"""Decode on the GPU (issue 14): flashgen's KV-cache kernels beside SDPA (flash, cuDNN) and FlexAttention.
+
+The issue's table: bf16, 32 query heads over 8 KV heads, head dim 128, (batch, q_len, KV
+length) = (8, 1, 8192), (64, 1, 4096), (1, 1, 131072), (8, 16, 8192), causal aligned
+bottom-right (query i of q_len sees keys j <= KV - q_len + i). flashgen runs its default knobs
+through flashgen.compat.flash_attn_with_kvcache ("flashgen") and through flashgen.decode with a
+spec ("flashgen_native"); the anchors run on the same cache, viewed (batch, heads, KV, dim):
+SDPA flash and cuDNN (bottom-right causal through torch.nn.attention.bias.causal_lower_right),
+FlexAttention compiled (its flex_decoding path for short queries, a bottom-right causal block
+mask). Then a paged cache (page sizes 1, 16, 256; a shuffled block table) at B=8, KV 8192,
+against the contiguous one. Every output is checked against SDPA's (or the dense reference)
+before it is timed; each provider's failure is recorded, not fatal.
+
+"flashgen_graph" is the compat call captured in a CUDA graph and replayed, as a serving loop runs
+decode: there the one host synchronisation of an eager call (the bounds check of cache_seqlens
+and block_table) is skipped, so the GPU never waits for the host between steps.
+
+Rows: {case, mode, <provider>: {us, TBps} | {error}, ratio_vs_<anchor>: anchor us / flashgen us,
+graph_ratio_vs_<anchor>: the same for flashgen_graph}.
+TBps = the cache bytes the call must read (K and V of every batch element) / time. Writes
+<date>-<gpu>-decode.json and .md into --out.
+
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --out benchmarks/results/
+    PYTHONPATH=. TRITON_INTERPRET=1 python3 benchmarks/bench_decode.py --smoke --out /tmp/x   # CPU, tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import flashgen  # noqa: E402
+from flashgen import AttentionSpec  # noqa: E402
+from flashgen.bench import environment  # noqa: E402
+from flashgen.compat import flash_attn_with_kvcache  # noqa: E402
+from flashgen.timing import time_ms, wall_ms  # noqa: E402
+
+# (batch, q_len, KV length)
+CASES = [(8, 1, 8192), (64, 1, 4096), (1, 1, 131072), (8, 16, 8192)]
+PAGED = {"batch": 8, "q_len": 1, "kv": 8192, "page_sizes": (1, 16, 256)}
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+ANCHORS = ("sdpa_flash", "sdpa_cudnn", "flex")
+# The smoke run: the same code on the CPU interpreter at toy sizes (fp16: the interpreter's bf16 dot is wrong).
+SMOKE_CASES = [(2, 1, 40), (1, 3, 33)]
+SMOKE_PAGED = {"batch": 2, "q_len": 1, "kv": 40, "page_sizes": (1, 16)}
+SMOKE_HEADS = (4, 2, 16)
+TOLERANCE = 3e-2  # max |out - check| for bf16/fp16 outputs of O(1)
+
+
+def _sdpa(backend):
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    def run(q, k, v):
+        # q (B, H, Sq, D), k/v (B, H_kv, S, D) views of the cache
+        mask = causal_lower_right(q.shape[2], k.shape[2]) if q.shape[2] > 1 else None
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    return run
+
+
+def _flex(q_len, kv):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.reset()
+    compiled = torch.compile(flex_attention, dynamic=False)
+    offset = kv - q_len
+    mask = create_block_mask(lambda b, h, q, k: k <= q + offset, None, None, q_len, kv)
+    return lambda q, k, v: compiled(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+def _graphed(fn):
+    """fn captured in a CUDA graph, as a serving loop runs decode: the host bounds check is
+    skipped there (the kernel clamps), so no synchronisation sits between steps."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return lambda: (graph.replay(), out)[1]
+
+
+def _measure(row, name, fn, check, bytes_read, timer, graph=False):
+    if graph:
+        try:
+            fn = _graphed(fn)
+        except Exception as exc:
+            row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+            return
+    try:
+        out = fn()
+        err = (out.float() - check).abs().max().item()
+        if not err < TOLERANCE:
+            row[name] = {"error": f"max|out - check| = {err:.3g}"}
+            return
+        us = timer(fn) * 1e3
+        row[name] = {"us": us, "TBps": bytes_read / (us * 1e-6) / 1e12, "max_err": err}
+    except Exception as exc:  # one failing provider must not end the run
+        row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+
+
+def _ratios(row, flashgen_key, anchors, prefix=""):
+    ours = (row.get(flashgen_key) or {}).get("us")
+    timed = {a: row[a]["us"] for a in anchors if "us" in (row.get(a) or {})}
+    for a in anchors:
+        row[f"{prefix}ratio_vs_{a}"] = timed[a] / ours if ours and a in timed else None
+    if timed and ours:
+        row[f"{prefix}ratio_vs_fastest"] = min(timed.values()) / ours
+
+
+def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, smoke, timer):
+    gen = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    q = randn(batch, q_len, heads, head_dim)
+    k_cache, v_cache = randn(batch, kv, kv_heads, head_dim), randn(batch, kv, kv_heads, head_dim)
+    seqlens = torch.full((batch,), kv, dtype=torch.int32, device=device)
+    bytes_read = 2 * batch * kv * kv_heads * head_dim * k_cache.element_size()
+    row = {"case": f"B={batch} q_len={q_len} KV={kv}", "mode": "contiguous", "batch": batch, "q_len": q_len,
+           "kv": kv}
+    qh, kh, vh = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    check = _sdpa(None if smoke else torch.nn.attention.SDPBackend.FLASH_ATTENTION)(qh, kh, vh).transpose(1, 2)
+    check = check.float()
+    spec = AttentionSpec(name="decode", dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
+                         head_dim=head_dim, num_heads=heads, num_kv_heads=kv_heads, causal=True, backward=False)
+    kernel = flashgen.compile(spec)
+    m = lambda name, fn, graph=False: _measure(row, name, fn, check, bytes_read, timer, graph)  # noqa: E731
+    compat = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)  # noqa: E731
+    m("flashgen", compat)
+    m("flashgen_native", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens))
+    if not smoke:
+        m("flashgen_graph", compat, graph=True)
+    if smoke:
+        m("sdpa_math", lambda: _sdpa(None)(qh, kh, vh).transpose(1, 2))
+    else:
+        backends = torch.nn.attention.SDPBackend
+        m("sdpa_flash", lambda: _sdpa(backends.FLASH_ATTENTION)(qh, kh, vh).transpose(1, 2))
+        m("sdpa_cudnn", lambda: _sdpa(backends.CUDNN_ATTENTION)(qh, kh, vh).transpose(1, 2))
+        try:
+            flex = _flex(q_len, kv)
+            m("flex", lambda: flex(qh, kh, vh).transpose(1, 2))
+        except Exception as exc:
+            row["flex"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+    _ratios(row, "flashgen", ("sdpa_math",) if smoke else ANCHORS)
+    if not smoke:
+        _ratios(row, "flashgen_graph", ANCHORS, prefix="graph_")
+    return row, (q, k_cache, v_cache, seqlens, check, bytes_read)
+
+
+def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke):
+    """The contiguous case's inputs in a paged cache (shuffled pages) against the contiguous call."""
+    q, k_cache, v_cache, seqlens, check, bytes_read = inputs
+    batch, kv = k_cache.shape[:2]
+    per_seq = -(-kv // page_size)
+    gen = torch.Generator().manual_seed(1)
+    table = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).to(torch.int32).to(q.device)
+    shape = (batch * per_seq, page_size, *k_cache.shape[2:])
+    k_pages = torch.zeros(shape, dtype=k_cache.dtype, device=q.device)
+    v_pages = torch.zeros(shape, dtype=v_cache.dtype, device=q.device)
+    j = torch.arange(kv, device=q.device)
+    for b in range(batch):
+        k_pages[table[b, j // page_size].long(), j % page_size] = k_cache[b]
+        v_pages[table[b, j // page_size].long(), j % page_size] = v_cache[b]
+    row = {"case": contiguous_row["case"], "mode": f"paged-{page_size}", "page_size": page_size}
+    paged = lambda: flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,  # noqa: E731
+                                            block_table=table, causal=True)
+    _measure(row, "flashgen", paged, check, bytes_read, timer)
+    if not smoke:
+        _measure(row, "flashgen_graph", paged, check, bytes_read, timer, graph=True)
+        contiguous, ours = (contiguous_row.get("flashgen_graph") or {}).get("us"), row["flashgen_graph"].get("us")
+        row["graph_ratio_vs_flashgen_contiguous"] = contiguous / ours if contiguous and ours else None
+    row["flashgen_contiguous"] = contiguous_row.get("flashgen")
+    contiguous_us = (contiguous_row.get("flashgen") or {}).get("us")
+    paged_us = (row.get("flashgen") or {}).get("us")
+    row["ratio_vs_flashgen_contiguous"] = contiguous_us / paged_us if contiguous_us and paged_us else None
+    return row
+
+
+def markdown(rows, env):
+    providers = ["flashgen", "flashgen_native", "flashgen_graph", *ANCHORS, "sdpa_math"]
+    providers = [p for p in providers if any(p in r for r in rows)]
+    ratios = sorted({key for r in rows for key in r if key.startswith("ratio_vs_")})
+    lines = [f"GPU: {env.get('gpu', 'none (CPU interpreter)')} | torch {env['torch']} | triton {env['triton']} | "
+             f"flashgen {env['flashgen']} | {time.strftime('%Y-%m-%d')}", "",
+             "Each cell: microseconds (cache TB/s). Ratios: anchor time / flashgen time (> 1: flashgen faster).", "",
+             "| case | mode | " + " | ".join(providers) + " | " + " | ".join(ratios) + " |",
+             "|---" * (2 + len(providers) + len(ratios)) + "|"]
+
+    def cell(x):
+        if not x:
+            return "-"
+        return f"{x['us']:.1f} ({x['TBps']:.2f})" if "us" in x else "err"
+
+    for r in rows:
+        vals = [cell(r.get(p)) for p in providers]
+        rs = [f"{r[k]:.2f}" if r.get(k) else "-" for k in ratios]
+        lines.append(f"| {r['case']} | {r['mode']} | " + " | ".join(vals) + " | " + " | ".join(rs) + " |")
+    errors = [f"- {r['case']} {r['mode']} {p}: {r[p]['error']}" for r in rows for p in providers
+              if isinstance(r.get(p), dict) and "error" in r[p]]
+    if errors:
+        lines += ["", "Errors:", *errors]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU interpreter (TRITON_INTERPRET=1)")
+    args = ap.parse_args(argv)
+    env = environment()
+    if args.smoke:
+        cases, paged, (heads, kv_heads, head_dim) = SMOKE_CASES, SMOKE_PAGED, SMOKE_HEADS
+        dtype, device, timer = torch.float16, "cuda" if torch.cuda.is_available() else "cpu", wall_ms
+    else:
+        cases, paged, (heads, kv_heads, head_dim) = CASES, PAGED, (HEADS, KV_HEADS, HEAD_DIM)
+        dtype, device, timer = torch.bfloat16, "cuda", time_ms
+    kw = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device, smoke=args.smoke,
+              timer=timer)
+    rows, paged_inputs = [], None
+    for batch, q_len, kv in cases:
+        t0 = time.time()
+        row, inputs = bench_case(batch, q_len, kv, **kw)
+        rows.append(row)
+        if (batch, q_len, kv) == (paged["batch"], paged["q_len"], paged["kv"]):
+            paged_inputs = (row, inputs)
+        print(f"{row['case']}: {time.time() - t0:.0f}s", flush=True)
+    if paged_inputs is None:
+        row, inputs = bench_case(paged["batch"], paged["q_len"], paged["kv"], **kw)
+        rows.append(row)
+        paged_inputs = (row, inputs)
+    for page_size in paged["page_sizes"]:
+        rows.append(bench_paged(page_size, *paged_inputs, timer=timer, smoke=args.smoke))
+    gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0] if env.get("gpu") else "cpu"
+    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-decode{'-smoke' if args.smoke else ''}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    table = markdown(rows, env)
+    (out / f"{stem}.md").write_text(table)
+    print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
