@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import AttentionKernel, compile
+from .api import AttentionKernel, compile_spec
 from .config import KernelConfig
 from .spec import AttentionSpec
 
@@ -37,7 +37,7 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     reads are passed by name. out, lse: buffers to write into. Returns out (batch, seqlen_q,
     heads, head_dim_v) in q's dtype, and with return_lse the log-sum-exp (batch, heads, seqlen_q) float32 (-inf where a row sees no key).
     """
-    kernel = spec_or_kernel if isinstance(spec_or_kernel, AttentionKernel) else compile(
+    kernel = spec_or_kernel if isinstance(spec_or_kernel, AttentionKernel) else compile_spec(
         AttentionSpec.coerce(spec_or_kernel))
     module = kernel.module(config)
     out, lse = module.decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
