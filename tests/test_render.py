@@ -214,23 +214,24 @@ def test_templates_are_split_by_kernel_family():
                      "decode/split_kv.j2"}
 
 
-def test_templates_hash_covers_every_partial_and_the_host(tmp_path, monkeypatch):
+def test_templates_hash_covers_every_partial_of_the_tuned_families(tmp_path, monkeypatch):
     assert len(R.templates_hash()) == 16
     before = R.templates_hash()
     copy = tmp_path / "templates"
     shutil.copytree(R.template_dir(), copy)
     monkeypatch.setattr(R, "template_dir", lambda: copy)
     assert R.templates_hash() == before
-    partial = copy / "common" / "math.j2"
-    partial.write_text(partial.read_text() + "\n")
-    assert R.templates_hash() != before
-    partial.write_text(partial.read_text()[:-1])
+    for name in ("common/math.j2", "prefill/q_outer.j2", "backward/dq.j2", "host/launcher.j2"):
+        partial = copy / name
+        partial.write_text(partial.read_text() + "\n")
+        assert R.templates_hash() != before, name
+        partial.write_text(partial.read_text()[:-1])
+        assert R.templates_hash() == before
+    # decode is not tuned yet: its kernels and the host code do not stale tuned prefill/backward results
+    decode = copy / "decode" / "split_kv.j2"
+    decode.write_text(decode.read_text() + "\n")
     monkeypatch.setattr(R, "host_source", lambda: host.__doc__)
-    assert R.templates_hash() != before
-    monkeypatch.undo()
-    monkeypatch.setattr(R, "template_dir", lambda: copy)
-    monkeypatch.setattr(R, "decode_source", lambda: "")
-    assert R.templates_hash() != before
+    assert R.templates_hash() == before
 
 
 def test_build_module_replaces_render_load():
