@@ -22,7 +22,6 @@ from . import __version__
 from .config import LOOP_ORDERS, ConfigError, KernelConfig, default_config, detect_target
 from .db import DatabaseError, ResultRowError, default_url, display_url, hide_password
 from .db.layer import ResultFileError
-from .db.urls import sqlite_file
 from .render import render, write_atomic
 from .spec import TARGETS, AttentionSpec, SpecError, YamlFileError
 
@@ -167,15 +166,6 @@ def _tuned_config(spec, spec_path, db_url, seqlen) -> KernelConfig:
     return configs[bucket]
 
 
-def _journal_dir(url: str) -> Path:
-    import platformdirs
-
-    db_path = sqlite_file(url)
-    if db_path is not None:
-        return db_path.with_name(db_path.stem + "-journals")
-    return Path(platformdirs.user_cache_dir("flashgen")) / "journals"
-
-
 def _seqlens(_ctx, _param, value):
     if value is None:
         return None
@@ -260,8 +250,7 @@ def tune(ctx, spec_path, trials, seqlens, timeout_s, sampler, seed, db_url, resu
                             f"S={event['bucket']} {event['phase']} fail={state['failures']}")
         bar.update(1)
 
-    options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed,
-                          journal_dir=_journal_dir(url), progress=progress)
+    options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed, progress=progress)
     started = time.time()
     try:
         results = run_tune(spec, runner, store, options)
@@ -484,8 +473,11 @@ def db_check(ctx, db_url):
 @db.command("upgrade")
 @_db_option
 def db_upgrade(db_url):
-    """Bring a database to this flashgen's schema version."""
+    """Bring a database to this flashgen's schema (Alembic migrations), and Optuna's tables to
+    the installed Optuna's."""
     from .db import SCHEMA_VERSION, ResultStore, SchemaVersionError
+    from .db.migrate import REVISIONS
+    from .db.store import upgrade_database
 
     try:
         store = ResultStore(db_url, create=False)
@@ -495,10 +487,15 @@ def db_upgrade(db_url):
         if err.found > SCHEMA_VERSION:
             raise click.ClickException(f"{err.url} is at schema version {err.found}, newer than this flashgen's "
                                        f"{SCHEMA_VERSION}: upgrade flashgen instead") from None
-        raise click.ClickException(f"no migration from schema version {err.found} to {SCHEMA_VERSION} "
-                                   "exists") from None
+        if err.found not in REVISIONS:
+            raise click.ClickException(f"no migration from schema version {err.found} to {SCHEMA_VERSION} "
+                                       "exists") from None
+        upgrade_database(db_url, err.found)
+        store = ResultStore(db_url, create=False)
+        click.echo(f"{store.display_url}: upgraded from schema version {err.found} to {SCHEMA_VERSION}")
+        return
     if store.missing_tables():
-        ResultStore(db_url)  # creates the missing tables
+        upgrade_database(store.url, SCHEMA_VERSION)
     click.echo(f"{store.display_url}: at schema version {SCHEMA_VERSION}")
 
 

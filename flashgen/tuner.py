@@ -6,10 +6,11 @@ the forward fixed at its best). A trial checks the space's restrictions, renders
 compiles, verifies (the rule of ../shared/TESTING.md on a reduced grid) and only then
 times; the runner wraps each stage, so a failure is typed by where it happened
 (failures.py: restricted, compile_error, out_of_resources, wrong_result, timeout, error),
-stored, never retried and never chosen. Every finished trial is written to the results
-database and to the study's Optuna journal at once, so a crashed run loses nothing, and a
-later run of the same spec in the same environment goes on with the study it finds (never
-deleting it: another process may be writing to it). Before a best config is stored it is
+stored, never retried and never chosen. The studies live in Optuna's RDB storage inside
+the results database (ResultStore.open_study), each trial's record in its user attributes,
+written when the trial ends: a crashed run loses nothing, and a later or concurrent run of
+the same spec in the same environment goes on with the study it finds; a config another
+run already measured in that study is not measured again. Before a best config is stored it is
 verified on the full grid and timed again beside the runner-up; it replaces a stored result
 only when it is faster (ResultStore.set_best), and the result says which one stays.
 
@@ -25,7 +26,6 @@ import random
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import optuna
 import torch
@@ -228,7 +228,6 @@ class TuneOptions:
     timeout_s: float = 120.0  # per trial
     sampler: str = "tpe"
     seed: int = 0
-    journal_dir: Path | None = None  # Optuna journals, one file per study; a study found there goes on
     phases: tuple[str, ...] | None = None  # default: fwd, plus bwd when the spec trains
     progress: object = None  # callable(event dict) for the CLI's progress bar
 
@@ -265,11 +264,6 @@ def make_sampler(name: str, seed: int, space: SearchSpace):
     raise ValueError(f"sampler: expected one of {SAMPLERS}, got {name!r}")
 
 
-def study_name(spec: AttentionSpec, env: EnvInfo, bucket: int, phase: str) -> str:
-    env_key = config_key(env.as_dict())[:8]
-    return f"{spec.uri}-{spec.key}-{env_key}-s{bucket}-{phase}"
-
-
 def candidate(space, base: KernelConfig, point: dict, default_point: dict) -> tuple[dict, list[str]]:
     """The config dict of a sampled point and the restrictions it breaks. Restrictions are
     checked before a KernelConfig is built (some restricted points are not valid configs).
@@ -303,32 +297,28 @@ def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneO
 def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig, work) -> BucketResult:
     space = forward_space(spec, runner.limits) if phase == "fwd" else backward_space(spec, runner.limits)
     kernel = AttentionKernel(spec, base)
-    name = study_name(spec, runner.env, bucket, phase)
-    storage = _journal(options, name)
     # A seed of its own per study, so the buckets do not replay one sequence of suggestions.
     seed = options.seed * 1_000_003 + bucket * 2 + (phase == "bwd")
-    study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
-                                sampler=make_sampler(options.sampler, seed, space))
+    study = store.open_study(spec, runner.env, bucket, phase, make_sampler(options.sampler, seed, space))
+    name = study.study_name
     default_point = {n: getattr(base, n) for n in space.params}
     if not study.trials:  # start from the default: the tuner never ends worse than where it began
         study.enqueue_trial(default_point)
-    cache: dict[str, TrialRecord] = {}
-    for t in study.trials:  # a resumed study: its finished trials are not measured again
-        if t.state.is_finished() and "record" in t.user_attrs:
-            rec = TrialRecord(**t.user_attrs["record"])
-            cache[config_key(rec.config)] = rec
     failures: dict[str, int] = {}
+
+    def measured() -> dict[str, TrialRecord]:
+        """The records of the configs this study has finished, this run's and other runs'."""
+        return {config_key(t.user_attrs["record"]["config"]): TrialRecord(**t.user_attrs["record"])
+                for t in study.get_trials(deepcopy=False) if t.state.is_finished() and "record" in t.user_attrs}
 
     def objective(trial: optuna.Trial) -> float:
         point = {n: trial.suggest_categorical(n, list(c)) for n, c in space.params.items()}
         data, broken = candidate(space, base, point, default_point)
-        key = config_key(data)
-        rec = cache.get(key)
+        rec = measured().get(config_key(data))
         if rec is None:
             rec = runner.trial(kernel, data, broken, phase, work, timeout_s=options.timeout_s)
-            cache[key] = rec
-            store.record_trial(runner.env, spec, rec)
         trial.set_user_attr("record", dataclasses.asdict(rec))
+        store.ensure_present()  # Optuna wrote through its own connection: a vanished file is an error now
         if options.progress:
             options.progress(dict(bucket=bucket, phase=phase, record=rec, study=study))
         if rec.status != "ok":
@@ -341,8 +331,9 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     budget = options.trials or spec.tune.trials
 
     def evaluated() -> int:
-        return sum(1 for t in study.trials if t.state.is_finished()
-                   and t.user_attrs.get("record", {}).get("status") != "restricted")
+        return sum(1 for t in study.get_trials(deepcopy=False) if t.state.is_finished()
+                   and t.user_attrs.get("record", {}).get("status") not in (None, "restricted")
+                   and not t.user_attrs.get("final"))
 
     def stop_when_spent(study_, _trial):
         if evaluated() >= budget:
@@ -351,7 +342,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     resumed = evaluated()
     if resumed < budget:
         study.optimize(objective, n_trials=20 * budget, callbacks=[stop_when_spent], catch=())
-    best, default = _final_choice(spec, runner, kernel, study, phase, work, options, store, base)
+    best, default = _final_choice(runner, kernel, study, space, phase, work, options, base)
     importances = {}
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if len(completed) >= 3:
@@ -366,9 +357,11 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept)
 
 
-def _final_choice(spec, runner, kernel, study, phase, work, options, store, base: KernelConfig):
+def _final_choice(runner, kernel, study, space, phase, work, options, base: KernelConfig):
     """Verify the two fastest configs and the default on the full grid, time them again in
-    one round, keep the fastest. Returns (best, default) records from that round."""
+    one round, keep the fastest. Returns (best, default) records from that round. A config
+    that fails the full grid is added to the study as a failed trial (marked 'final', so it
+    spends no budget), and is then never chosen, in this run or a later one."""
     completed = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
                        key=lambda t: t.value)
     candidates = [KernelConfig.from_dict(t.user_attrs["record"]["config"]) for t in completed[:2]]
@@ -380,22 +373,15 @@ def _final_choice(spec, runner, kernel, study, phase, work, options, store, base
         if config == base:
             default = rec
         if rec.status != "ok":  # passed the reduced grid, failed the full one: record, never choose
-            store.record_trial(runner.env, spec, rec)
+            params = {n: rec.config[n] for n in space.params}
+            dists = {n: optuna.distributions.CategoricalDistribution(list(c)) for n, c in space.params.items()}
+            study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, params=params,
+                                                      distributions=dists,
+                                                      user_attrs={"record": dataclasses.asdict(rec), "final": True}))
             continue
         finalists.append(rec)
     best = min(finalists, key=lambda r: r.ms) if finalists else None
     return best, default
-
-
-def _journal(options: TuneOptions, name: str):
-    if options.journal_dir is None:
-        return None  # in memory
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
-
-    path = Path(options.journal_dir) / f"{name}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
 
 
 def exhaustive(spec, runner, bucket: int, phase: str = "fwd", base: KernelConfig | None = None):
