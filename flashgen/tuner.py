@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
+import socket
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -314,9 +316,17 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     def objective(trial: optuna.Trial) -> float:
         point = {n: trial.suggest_categorical(n, list(c)) for n, c in space.params.items()}
         data, broken = candidate(space, base, point, default_point)
-        rec = measured().get(config_key(data))
-        if rec is None:
+        key = config_key(data)
+        rec = measured().get(key)
+        if rec is not None:  # measured before, by this run or another: told again, not run again
+            trial.set_user_attr("reused", True)
+        elif broken or store.claim(name, key, trial._trial_id):
+            if not broken:  # who measures it: where to look when a worker dies mid-trial
+                trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
             rec = runner.trial(kernel, data, broken, phase, work, timeout_s=options.timeout_s)
+        else:  # another worker is measuring this config now
+            trial.set_user_attr("claimed_elsewhere", True)
+            raise optuna.TrialPruned("another worker is measuring this config")
         trial.set_user_attr("record", dataclasses.asdict(rec))
         store.ensure_present()  # Optuna wrote through its own connection: a vanished file is an error now
         if options.progress:
@@ -335,12 +345,20 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
                    and t.user_attrs.get("record", {}).get("status") not in (None, "restricted")
                    and not t.user_attrs.get("final"))
 
+    def retries_waiting() -> bool:
+        """A dead worker's trial, failed by its heartbeat, is enqueued again: it runs even when
+        the budget is spent (it was part of the budget)."""
+        return bool(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
+
     def stop_when_spent(study_, _trial):
-        if evaluated() >= budget:
+        if evaluated() >= budget and not retries_waiting():
             study_.stop()
 
+    with warnings.catch_warnings():  # a trial of a dead worker: failed now, and enqueued again
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
     resumed = evaluated()
-    if resumed < budget:
+    if resumed < budget or retries_waiting():
         study.optimize(objective, n_trials=20 * budget, callbacks=[stop_when_spent], catch=())
     best, default = _final_choice(runner, kernel, study, space, phase, work, options, base)
     importances = {}

@@ -14,7 +14,7 @@ import datetime as dt
 from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 2  # flashgen_meta.schema_version; migrate.REVISIONS maps it to Alembic's
+SCHEMA_VERSION = 3  # flashgen_meta.schema_version; migrate.REVISIONS maps it to Alembic's
 
 
 def _now() -> dt.datetime:
@@ -72,3 +72,13 @@ class Best(Base):
     tflops: Mapped[float] = mapped_column(Float)
     default_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class Claim(Base):
+    """Which trial is measuring a config of a study, so that workers sharing the study never
+    measure one config twice (ResultStore.claim)."""
+
+    __tablename__ = "trial_claims"
+    study: Mapped[str] = mapped_column(String(512), primary_key=True)
+    config_key: Mapped[str] = mapped_column(String(32), primary_key=True)
+    trial_id: Mapped[int] = mapped_column(Integer)  # Optuna's trial id

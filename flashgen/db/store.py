@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
-from sqlalchemy import Text, create_engine, event, inspect, select, type_coerce
+from sqlalchemy import Text, create_engine, event, inspect, select, type_coerce, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ..spec import AttentionSpec
 from .env import SPEED_FIELDS, EnvInfo, pick
 from . import migrate
-from .models import SCHEMA_VERSION, Base, Best, Environment, Meta, SpecRow
+from .models import SCHEMA_VERSION, Base, Best, Claim, Environment, Meta, SpecRow
 from .rows import ResultRowError, check_best, check_row
 from .urls import display_url, hide_password, sqlite_file
 
@@ -146,6 +146,7 @@ def _sqlite_pragmas(engine: Engine) -> None:
         cur.close()
 
 
+HEARTBEAT_S = 30  # see ResultStore._heartbeat
 _OPEN_ERRORS = (SQLAlchemyError, OSError, ImportError, ValueError)  # bad URL, no driver, no file, no server
 
 
@@ -153,8 +154,9 @@ class ResultStore:
     """``url`` is kept as given (it opens the database); ``display_url`` hides its password and
     is what every message shows. ``create=False`` opens an existing flashgen database only."""
 
-    def __init__(self, url: str | None = None, *, create: bool = True):
+    def __init__(self, url: str | None = None, *, create: bool = True, heartbeat_s: int = HEARTBEAT_S):
         self.url = url or default_url()
+        self.heartbeat_s = heartbeat_s
         self.display_url = display_url(self.url)
         path = sqlite_file(self.url)
         if path is not None and not create and not path.exists():
@@ -246,7 +248,7 @@ class ResultStore:
                         conn.execute(Meta.__table__.insert().values(key="schema_version",
                                                                     value=str(SCHEMA_VERSION)))
                 if fresh:
-                    self._optuna = _rdb(self.url, self.engine.dialect.name)
+                    self._optuna = _rdb(self.url, self.engine.dialect.name, **self._heartbeat())
         if not inspect(self.engine).has_table(Meta.__tablename__):
             raise SchemaVersionError(self.url, "is not a flashgen database (no flashgen_meta table)")
         with self._session() as s:
@@ -269,10 +271,44 @@ class ResultStore:
         if self._optuna is None:
             try:
                 with migrate.schema_lock(self.engine, self.url):
-                    self._optuna = _rdb(self.url, self.engine.dialect.name)
+                    self._optuna = _rdb(self.url, self.engine.dialect.name, **self._heartbeat())
             except (SQLAlchemyError, RuntimeError) as err:  # RuntimeError: Optuna's schema is another version
                 raise DatabaseError(self.url, f"cannot open Optuna's tables: {_describe(err)}") from None
         return self._optuna
+
+    def _heartbeat(self) -> dict:
+        """A running trial writes a heartbeat every heartbeat_s; one silent for 3x that (its
+        worker killed) is failed by the next trial any worker starts, and retried once more
+        with the same config (RetryFailedTrialCallback)."""
+        import warnings
+
+        import optuna.storages as storages
+
+        callback = getattr(storages, "RetryHeartbeatStaleTrialCallback", None)  # optuna >= 4.9
+        name = "heartbeat_stale_trial_callback" if callback else "failed_trial_callback"
+        with warnings.catch_warnings():  # heartbeats are 'experimental' in Optuna, and what flashgen needs
+            warnings.simplefilter("ignore", optuna_experimental_warning())
+            retry = (callback or storages.RetryFailedTrialCallback)(max_retry=2)
+        return {"heartbeat_interval": self.heartbeat_s, "grace_period": 3 * self.heartbeat_s, name: retry}
+
+    def claim(self, study: str, key: str, trial_id: int) -> bool:
+        """Whether trial ``trial_id`` may measure config ``key`` of ``study``: True for the first
+        trial to claim it (one insert: the database picks one winner among concurrent workers),
+        and for a trial taking over the claim of a trial that failed (its worker died or was
+        interrupted); False while another trial holds it or has measured it."""
+        from optuna.trial import TrialState
+
+        with self._session() as s:
+            self._upsert(s, Claim, dict(study=study, config_key=key, trial_id=trial_id), ("study", "config_key"))
+            holder = s.execute(select(Claim.trial_id).filter_by(study=study, config_key=key)).scalar_one()
+        if holder == trial_id:
+            return True
+        if self.optuna_storage().get_trial(holder).state != TrialState.FAIL:
+            return False
+        with self._session() as s:  # compare-and-set: of two trials taking over, one wins
+            taken = s.execute(update(Claim).filter_by(study=study, config_key=key, trial_id=holder)
+                              .values(trial_id=trial_id))
+            return taken.rowcount == 1
 
     def study_name(self, spec, env: EnvInfo, bucket: int, phase: str) -> str:
         return f"{spec.uri}-{spec.key}-{config_key(env.as_dict())[:8]}-s{bucket}-{phase}"
@@ -442,11 +478,21 @@ class ResultStore:
         return problems
 
 
+def optuna_experimental_warning():
+    from optuna.exceptions import ExperimentalWarning
+
+    return ExperimentalWarning
+
+
 def _rdb(url: str, dialect: str, **kwargs):
+    import warnings
+
     from optuna.storages import RDBStorage
 
     engine_kwargs = {"connect_args": {"timeout": 30}} if dialect == "sqlite" else {"pool_pre_ping": True}
-    return RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+    with warnings.catch_warnings():  # heartbeat_interval is marked experimental
+        warnings.simplefilter("ignore", optuna_experimental_warning())
+        return RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
 
 
 def upgrade_database(url: str, found: int) -> None:
