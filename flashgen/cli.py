@@ -308,7 +308,7 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
     rows = [dict(bucket=r.bucket, phase=r.phase, trials=r.trials, resumed=r.resumed, failures=r.failures,
                  config=r.best.config if r.best else None, ms=r.best.ms if r.best else None,
                  tflops=r.best.tflops if r.best else None, speedup_over_default=r.speedup,
-                 importances=r.importances, kept=r.kept) for r in results]
+                 importances=r.importances, kept=r.kept, warm_starts=r.warm_starts) for r in results]
     if not as_json:
         _print_tune_table(spec, runner, rows, store.display_url, wall)
     if plot_path:
@@ -391,6 +391,9 @@ def _print_tune_table(spec, runner, rows, url, wall):
     for r in rows:
         if r["resumed"]:
             click.echo(f"S={r['bucket']} {r['phase']}: went on from {r['resumed']} trials of an earlier run")
+        elif r["warm_starts"]:
+            click.echo(f"S={r['bucket']} {r['phase']}: started from the best configs of {r['warm_starts']} "
+                       "nearest tuned specs")
     click.echo(f"{'bucket':>7} {'phase':5} {'ms':>9} {'TFLOP/s':>8} {'vs default':>10}  config / importances")
     for r in rows:
         if r["config"] is None:

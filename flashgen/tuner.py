@@ -1,6 +1,9 @@
 """The autotuner: Optuna searches the knobs, every candidate is verified before it is timed.
 
-One entry point, ``tune(spec, runner, options)``. For each sequence-length bucket it runs
+One entry point, ``tune(spec, runner, options)``. A new study starts from the best configs of
+the nearest specs already tuned on the same GPU model (warm_starts; the heuristic default
+only when there are none), and the default is always measured in the final round, so the
+tuner never ends worse than where flashgen.load began. For each sequence-length bucket it runs
 one Optuna study for the forward and, when the spec trains, one for the backward (with
 the forward fixed at its best). A trial checks the space's restrictions, renders,
 compiles, verifies (the rule of ../shared/TESTING.md on a reduced grid) and only then
@@ -246,6 +249,7 @@ class BucketResult:
     study_name: str = ""
     resumed: int = 0  # trials this run found finished in the study, from an earlier or concurrent run
     kept: dict | None = None  # the faster stored result that this run's best did not replace
+    warm_starts: int = 0  # configs of the nearest tuned specs this study started from
 
     @property
     def speedup(self) -> float | None:
@@ -264,6 +268,25 @@ def make_sampler(name: str, seed: int, space: SearchSpace):
     if name == "grid":
         return optuna.samplers.GridSampler({k: list(v) for k, v in space.params.items()}, seed=seed)
     raise ValueError(f"sampler: expected one of {SAMPLERS}, got {name!r}")
+
+
+def warm_starts(spec: AttentionSpec, env: EnvInfo, store: ResultStore, bucket: int, phase: str,
+                space: SearchSpace, k: int = 3) -> list[dict]:
+    """The first points of a new study: the best configs of the k nearest specs tuned on this
+    GPU model (flashgen.db.neighbours), from the database and the shipped tuning_db/, that lie
+    in this space and break none of its restrictions."""
+    from .db.layer import ResultFileError, layer_dir, read_file
+    from .db.neighbours import warm_starts as nearest
+
+    rows = store.all_best(where={f: getattr(env, f) for f in ("gpu", "capability", "sm_count")})
+    for path in sorted(layer_dir().glob("*.yaml")):
+        try:
+            rows += read_file(path)
+        except ResultFileError as err:  # flashgen.load says so; here a missing hint costs nothing
+            log.info("no warm start from %s", err)
+    points = nearest(spec.key, spec.canonical(), env, bucket, phase, rows, space.params, k=len(rows))
+    fits = [p for p in points if all(p[n] in c for n, c in space.params.items()) and not space.violations(p)]
+    return fits[:k]
 
 
 def candidate(space, base: KernelConfig, point: dict, default_point: dict) -> tuple[dict, list[str]]:
@@ -304,8 +327,11 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     study = store.open_study(spec, runner.env, bucket, phase, make_sampler(options.sampler, seed, space))
     name = study.study_name
     default_point = {n: getattr(base, n) for n in space.params}
-    if not study.trials:  # start from the default: the tuner never ends worse than where it began
-        study.enqueue_trial(default_point)
+    starts = []
+    if not study.trials:  # a new study starts from the nearest tuned specs, else from the default
+        starts = warm_starts(spec, runner.env, store, bucket, phase, space)
+        for point in starts or [default_point]:
+            study.enqueue_trial(point)
     failures: dict[str, int] = {}
 
     def measured() -> dict[str, TrialRecord]:
@@ -372,7 +398,8 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     if best is not None:
         kept = store.set_best(runner.env, spec, bucket, phase, best.config, best.ms, best.tflops,
                               default.ms if default.status == "ok" else None)
-    return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept)
+    return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept,
+                        len(starts))
 
 
 def _final_choice(runner, kernel, study, space, phase, work, options, base: KernelConfig):

@@ -671,3 +671,26 @@ def test_db_upgrade_migrates_schema_1(url, with_trials):
     store.close()
     result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])  # twice: nothing to do
     assert result.exit_code == 0 and "at schema version 3" in result.output
+
+
+def test_warm_starts_rank_the_nearest_specs_on_this_gpu():
+    from flashgen.db.neighbours import mask_kind, warm_starts
+
+    here = _h100()
+
+    def row(spec, cfg, gpu=here, bucket=4096, ms=1.0):
+        return dict(spec_key=spec.key, spec=spec.canonical(), environment=gpu.as_dict(), bucket=bucket, phase="fwd",
+                    config=dict(CFG, **cfg), ms=ms)
+
+    target = AttentionSpec(name="t", dtype="bf16", head_dim=128, num_heads=32, num_kv_heads=8, causal=True)
+    rows = [row(target, dict(BLOCK_M=256)),  # the spec itself: never its own warm start
+            row(target.replace(head_dim=64), dict(BLOCK_M=64)),
+            row(target.replace(head_dim=256), dict(BLOCK_M=32), ms=0.5),
+            row(target.replace(causal=False), dict(BLOCK_M=128)),  # another mask kind: after any head dim
+            row(target.replace(head_dim=64), dict(BLOCK_M=16), gpu=_h100(gpu="NVIDIA A100", sm_count=108)),
+            row(target.replace(dtype="fp16"), dict(BLOCK_M=16))]  # another dtype: last
+    knobs = ("BLOCK_M", "BLOCK_N")
+    points = warm_starts(target.key, target.canonical(), here, 4096, "fwd", rows, knobs, k=5)
+    assert [p["BLOCK_M"] for p in points] == [32, 64, 128, 16]  # ties on distance: the faster first
+    assert mask_kind(target.canonical()) == "causal"
+    assert mask_kind(target.replace(causal=False, mask={"document": {}}).canonical()) == "document"

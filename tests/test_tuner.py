@@ -579,3 +579,28 @@ def test_tune_many_specs_over_two_workers(tmp_path):
         workers |= {t.user_attrs["worker"] for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
                     if "worker" in t.user_attrs}
     assert len(workers) == 2  # the trials were spread over both workers
+
+
+@needs_interpreter
+def test_a_new_study_starts_from_the_nearest_tuned_specs(store, tmp_path):
+    # A spec tuned before (head dim 16) and an unrelated one (a sliding window) are in the
+    # database; a new causal spec with head dim 32 starts from the causal one's best config,
+    # not from the heuristic default.
+    here = EnvInfo.current(interpret=True)
+    near = SPEC.replace(name="near", backward=False)
+    far = near.replace(name="far", causal=False, mask={"sliding_window": {"left": 8}})
+    near_best = KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, loop_order="kv_outer").to_dict()
+    store.set_best(here, near, 64, "fwd", near_best, 1.0, 1.0)
+    store.set_best(here, far, 64, "fwd", KernelConfig(BLOCK_M=16, BLOCK_N=32, num_stages=1).to_dict(), 0.5, 1.0)
+    new = near.replace(name="new", head_dim=32)
+    (result,) = tune(new, InterpretRunner(), store, TuneOptions(trials=2))
+    assert result.warm_starts == 2
+    study = store.open_study(new, here, 64, "fwd")
+    first = study.trials[0].params
+    assert (first["BLOCK_M"], first["BLOCK_N"], first["loop_order"]) == (16, 16, "kv_outer")  # the nearest first
+    assert (study.trials[1].params["BLOCK_N"], study.trials[1].params["loop_order"]) == (32, "q_outer")
+    assert result.default is not None and result.default.status == "ok"  # still measured, in the final round
+    # nothing tuned on this GPU for its kind: the default starts the search
+    (alone,) = tune(SPEC.replace(name="alone", dtype="fp16", backward=False), InterpretRunner(),
+                    ResultStore(f"sqlite:///{tmp_path / 'alone.sqlite'}"), TuneOptions(trials=1))
+    assert alone.warm_starts == 0
