@@ -294,8 +294,26 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
                             f"S={event['bucket']} {event['phase']} fail={state['failures']}")
         bar.update(1)
 
-    options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed, progress=progress)
+    import signal
+    import threading
+
+    interrupted = threading.Event()
+
+    def on_interrupt(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    def unraisable(info, default=sys.unraisablehook):
+        # A KeyboardInterrupt raised inside a weakref callback or __del__ is dropped by Python
+        # ("Exception ignored in ..."): quietly, since the tuner stops before its next trial.
+        if not issubclass(info.exc_type, KeyboardInterrupt):
+            default(info)
+
+    options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed, progress=progress,
+                          interrupted=interrupted.is_set)
     started = time.time()
+    previous, previous_hook = signal.signal(signal.SIGINT, on_interrupt), sys.unraisablehook
+    sys.unraisablehook = unraisable
     try:
         results = run_tune(spec, runner, store, options)
     except KeyboardInterrupt:
@@ -303,6 +321,9 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
         click.echo(f"interrupted: the finished trials are kept in {store.display_url}; run the same command again "
                    "to go on from them", err=True)
         ctx.exit(EXIT_INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
     bar.close()
     wall = time.time() - started
     rows = [dict(bucket=r.bucket, phase=r.phase, trials=r.trials, resumed=r.resumed, failures=r.failures,

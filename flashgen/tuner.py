@@ -235,6 +235,9 @@ class TuneOptions:
     seed: int = 0
     phases: tuple[str, ...] | None = None  # default: fwd, plus bwd when the spec trains
     progress: object = None  # callable(event dict) for the CLI's progress bar
+    # callable() -> bool: a Ctrl-C arrived. Python drops a KeyboardInterrupt raised inside a
+    # weakref callback or __del__, so the tuner also asks before each trial.
+    interrupted: object = None
 
 
 @dataclass
@@ -340,6 +343,8 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
                 for t in study.get_trials(deepcopy=False) if t.state.is_finished() and "record" in t.user_attrs}
 
     def objective(trial: optuna.Trial) -> float:
+        if options.interrupted and options.interrupted():
+            raise KeyboardInterrupt
         point = {n: trial.suggest_categorical(n, list(c)) for n, c in space.params.items()}
         data, broken = candidate(space, base, point, default_point)
         key = config_key(data)

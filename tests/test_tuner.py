@@ -267,7 +267,7 @@ def test_other_environment_is_a_miss(store):
 
 
 # ------------------------------------------------------------------------------ crash safety
-def _tune_cmd(tmp_path, db, *extra, trials=40, url=None):
+def _tune_cmd(tmp_path, db, *extra, trials=40, url=None, seqlens="64"):
     """A `flashgen tune --interpret` command line for a tiny forward-only spec, and its env."""
     spec = tmp_path / "spec.yaml"
     spec.write_text(textwrap.dedent(f"""\
@@ -276,7 +276,7 @@ def _tune_cmd(tmp_path, db, *extra, trials=40, url=None):
         head_dim: 16
         num_heads: 2
         causal: true
-        tune: {{seqlens: [64], trials: {trials}}}
+        tune: {{seqlens: [{seqlens}], trials: {trials}}}
         """))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=child_pythonpath(ROOT))
     cmd = [sys.executable, "-m", "flashgen", "tune", "--spec", str(spec), "--interpret", "--db",
@@ -323,7 +323,7 @@ def test_killed_tune_loses_no_trial_and_the_next_run_goes_on(tmp_path):
 @needs_interpreter
 def test_ctrl_c_says_how_to_resume_in_one_line(tmp_path):
     db = tmp_path / "i.sqlite"
-    cmd, env, parsed = _tune_cmd(tmp_path, db)
+    cmd, env, parsed = _tune_cmd(tmp_path, db, seqlens="16, 32, 64, 128")  # four studies: still running at ^C
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     done = _wait_for_trials(db, parsed, 2, proc)
     proc.send_signal(signal.SIGINT)
