@@ -98,15 +98,24 @@ def _writer(url, worker, n):
         _record(store, TrialRecord(64, "fwd", dict(CFG, worker=worker, i=i), "ok", ms=1.0 + i))
 
 
-def test_concurrent_processes_lose_nothing(url):
-    ResultStore(url).close()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(url, w, 10)) for w in range(4)]
+def _run_all(procs, seconds=120):
+    """Start the processes together; each must end well."""
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(seconds)
         assert p.exitcode == 0
+
+
+def _four_writers(url, target, n):
+    """Four processes running target(url, worker, n) at once on one database."""
+    ResultStore(url).close()
+    ctx = mp.get_context("spawn")
+    _run_all([ctx.Process(target=target, args=(url, w, n)) for w in range(4)])
+
+
+def test_concurrent_processes_lose_nothing(url):
+    _four_writers(url, _writer, 10)
     assert len(ResultStore(url).trials(env(), SPEC)) == 40
 
 
@@ -515,14 +524,7 @@ def _best_writer(url, worker, n):
 
 
 def test_concurrent_best_writers_keep_the_fastest(url):
-    ResultStore(url).close()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_best_writer, args=(url, w, 20)) for w in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+    _four_writers(url, _best_writer, 20)
     best = ResultStore(url).best_configs(env(), SPEC)[64]["fwd"]
     assert best["config"]["BLOCK_M"] == 128 and best["ms"] == pytest.approx(10.0 - 3 - 19 / 20)
 
@@ -542,12 +544,7 @@ def test_processes_creating_one_fresh_database_at_once_all_succeed(tmp_path):
     for attempt in range(8):
         url = f"sqlite:///{tmp_path / f'fresh{attempt}.sqlite'}"
         barrier = ctx.Barrier(3)
-        procs = [ctx.Process(target=_opener, args=(url, barrier, errors)) for _ in range(3)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
+        _run_all([ctx.Process(target=_opener, args=(url, barrier, errors)) for _ in range(3)], 60)
     found = []
     while not errors.empty():
         found.append(errors.get())
