@@ -4,8 +4,10 @@ replayed over the recorded results (a simulation runner: no GPU needed for the r
     # on the GPU: measure every valid point of one bucket and phase
     PYTHONPATH=. python3 benchmarks/tuner_efficiency.py sweep --spec examples/specs/gqa-causal.yaml \
         --bucket 4096 --phase fwd --out sweep.json
-    # anywhere: replay the tuner's sampler for a quarter of the sweep's trials, many seeds
-    PYTHONPATH=. python3 benchmarks/tuner_efficiency.py replay sweep.json --fraction 0.25 --seeds 20
+    # anywhere: replay the tuner's sampler for a quarter of the sweep's trials, many seeds,
+    # started as `flashgen tune` starts a study: from the nearest tuned specs (tuning_db/) on the
+    # sweep's GPU, the swept spec itself left out, no hand-set default
+    PYTHONPATH=. python3 benchmarks/tuner_efficiency.py replay sweep.json --fraction 0.25 --seeds 20 --warm-start
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def replay(args):
         point = {k: r["config"][k] for k in knobs}
         measured[config_key(point)] = r["ms"] if r["status"] == "ok" else None
     best_ms = min(v for v in measured.values() if v is not None)
+    starts = _warm_starts(doc, spec, knobs, choices) if args.warm_start else []
     n_trials = max(1, round(len(measured) * args.fraction))
     found = []
     for seed in range(args.seeds):
@@ -66,9 +69,11 @@ def replay(args):
             return ms
 
         study = optuna.create_study(direction="minimize", sampler=make_sampler(args.sampler, seed, space))
-        if args.start_from_default:  # as `flashgen tune` does: the heuristic default is trial 0
+        if args.start_from_default:  # as `flashgen tune` did: the heuristic default is trial 0
             default = default_config(spec, target=args.target)
             study.enqueue_trial({k: getattr(default, k) for k in knobs})
+        for point in starts:
+            study.enqueue_trial(point)
         study.optimize(objective, n_trials=n_trials)
         done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         found.append(min(t.value for t in done) if done else float("inf"))
@@ -76,10 +81,26 @@ def replay(args):
     within = sum(g <= 0.02 for g in gaps)
     print(json.dumps(dict(
         spec=spec.uri, bucket=doc["bucket"], phase=doc["phase"], sampler=args.sampler,
-        start_from_default=args.start_from_default, sweep_points=len(measured),
+        start_from_default=args.start_from_default, warm_starts=starts, sweep_points=len(measured),
         sweep_ok=sum(v is not None for v in measured.values()), sweep_best_ms=best_ms, trials=n_trials,
         seeds=args.seeds, median_gap=statistics.median(gaps), worst_gap=max(gaps),
         seeds_within_2pct=within), indent=1))
+
+
+def _warm_starts(doc, spec, knobs, choices) -> list[dict]:
+    """What `flashgen tune` enqueues first for this spec on the sweep's GPU, from tuning_db/
+    with the swept spec's own results left out; only points the sweep measured."""
+    from flashgen.db import EnvInfo
+    from flashgen.db.layer import layer_dir, read_file
+    from flashgen.db.neighbours import warm_starts
+
+    gpu = doc["environment"]
+    here = EnvInfo(gpu=gpu["gpu"], capability=gpu["capability"], sm_count=gpu["sm_count"],
+                   memory_gib=gpu["memory_gib"], torch="", triton=gpu["triton"], cuda=gpu["cuda"], flashgen="",
+                   templates="")
+    rows = [row for path in sorted(layer_dir().glob("*.yaml")) for row in read_file(path)]
+    points = warm_starts(spec.key, spec.canonical(), here, doc["bucket"], doc["phase"], rows, knobs, k=len(rows))
+    return [p for p in points if all(p[k] in choices[k] for k in knobs)][:3]
 
 
 def main():
@@ -98,6 +119,8 @@ def main():
     r.add_argument("--sampler", default="tpe")
     r.add_argument("--start-from-default", action="store_true", help="enqueue the heuristic default first")
     r.add_argument("--target", default="h100", help="GPU whose heuristic default is enqueued")
+    r.add_argument("--warm-start", action="store_true",
+                   help="enqueue the best configs of the nearest tuned specs first (as `flashgen tune` does)")
     args = ap.parse_args()
     (sweep if args.cmd == "sweep" else replay)(args)
 

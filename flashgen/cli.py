@@ -24,7 +24,6 @@ from .codegen.cache import write_atomic
 from .codegen.render import render
 from .db import DatabaseError, ResultRowError, default_url, display_url, hide_password
 from .db.layer import ResultFileError
-from .db.urls import sqlite_file
 from .spec import TARGETS, AttentionSpec, SpecError, YamlFileError
 
 EXIT_FAILURE, EXIT_BAD_INPUT = 1, 2
@@ -168,15 +167,6 @@ def _tuned_config(spec, spec_path, db_url, seqlen) -> KernelConfig:
     return configs[bucket]
 
 
-def _journal_dir(url: str) -> Path:
-    import platformdirs
-
-    db_path = sqlite_file(url)
-    if db_path is not None:
-        return db_path.with_name(db_path.stem + "-journals")
-    return Path(platformdirs.user_cache_dir("flashgen")) / "journals"
-
-
 def _seqlens(_ctx, _param, value):
     if value is None:
         return None
@@ -194,7 +184,9 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
 
 
 @main.command()
-@click.option("--spec", "spec_path", required=True, type=click.Path(dir_okay=False), help="The spec (YAML).")
+@click.argument("spec_args", metavar="[SPEC]...", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--spec", "spec_opts", multiple=True, type=click.Path(dir_okay=False),
+              help="A spec (YAML); may be repeated, or the specs given as arguments.")
 @click.option("--trials", type=click.IntRange(1), help="Trials per study (default: the spec's tune.trials).")
 @click.option("--seqlens", callback=_seqlens,
               help="Comma-separated sequence lengths to tune (default: the spec's tune.seqlens).")
@@ -203,48 +195,90 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
 @click.option("--sampler", type=click.Choice(SAMPLERS), default="tpe", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
 @_db_option
+@click.option("--gpus", type=click.IntRange(1), default=1, show_default=True,
+              help="Worker processes, one per local GPU (CUDA_VISIBLE_DEVICES set for each), sharing the studies "
+                   "through the database. Other hosts join by running `flashgen tune` on the same --db.")
+@click.option("--heartbeat", "heartbeat_s", type=click.IntRange(1), default=30, show_default=True,
+              help="Seconds between a running trial's heartbeats: a trial silent for 3x this (its worker killed) "
+                   "is failed and run again by a live worker.")
 @click.option("--resume", is_flag=True, hidden=True,
               help="Accepted for old scripts: a study found for the spec always goes on.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write search history and importances (PNG).")
 @click.option("--interpret", is_flag=True, help="Run through Triton's CPU interpreter at tiny shapes (NOT a timing).")
-@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the results as JSON (one object; a list of them for several specs).")
 @click.pass_context
-def tune(ctx, spec_path, trials, seqlens, timeout_s, sampler, seed, db_url, resume, plot_path, interpret, as_json):
-    """Tune a spec on this GPU and store the best config per sequence-length bucket.
+def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, db_url, gpus, heartbeat_s, resume,
+         plot_path, interpret, as_json):
+    """Tune specs on this machine's GPUs and store the best config per sequence-length bucket.
 
-    A study (one per bucket and phase) that an earlier, interrupted or concurrent run left
-    for the same spec and environment goes on: its finished trials count and are not run
-    again. A stored result is replaced only by a faster one.
+    One Optuna study per spec, bucket and phase, kept in the database: a study that an
+    earlier, interrupted or concurrent run left (on this host or another one using the same
+    --db) goes on, its finished trials counted and not run again, and every worker claims a
+    config before measuring it, so none is measured twice. A stored result is replaced only
+    by a faster one.
     """
     import dataclasses
     import json
 
+    paths = list(spec_args) + list(spec_opts)
+    if not paths:
+        raise click.UsageError("no spec: name one or more spec files (`flashgen tune examples/specs/*.yaml`)")
+    if plot_path and gpus > 1:
+        raise click.UsageError("--plot draws one process's search: leave it out with --gpus above 1")
     if plot_path:
         _pyplot()  # a missing matplotlib is said now, not after the tune
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-    spec = AttentionSpec.from_yaml(spec_path)
-    if seqlens:
-        spec = spec.replace(tune=dataclasses.replace(spec.tune, seqlens=tuple(seqlens)))
-    if interpret and spec.dtype == "bf16":
-        raise click.UsageError(f"{spec_path}: spec field 'dtype': the interpreter's bf16 dot is unreliable, "
-                               "got 'bf16'; tune an fp16 or fp32 spec with --interpret")
+    specs = []
+    for path in paths:
+        spec = AttentionSpec.from_yaml(path)
+        if seqlens:
+            spec = spec.replace(tune=dataclasses.replace(spec.tune, seqlens=tuple(seqlens)))
+        if interpret and spec.dtype == "bf16":
+            raise click.UsageError(f"{path}: spec field 'dtype': the interpreter's bf16 dot is unreliable, "
+                                   "got 'bf16'; tune an fp16 or fp32 spec with --interpret")
+        specs.append(spec)
     import torch
 
     from .db import ResultStore
-    from .tuner import GpuRunner, InterpretRunner, TuneOptions, tune as run_tune
 
     if not interpret and not torch.cuda.is_available():
         raise click.UsageError("no CUDA GPU here: tune on a GPU, or pass --interpret to exercise the whole "
                                "path through Triton's interpreter (not a timing)")
+    if not interpret and gpus > torch.cuda.device_count():
+        raise click.UsageError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
     url = db_url or default_url()
-    store = ResultStore(url)  # opened for writing before any trial runs
+    store = ResultStore(url, heartbeat_s=heartbeat_s)  # opened for writing before any trial runs
+    if gpus > 1:
+        forwarded = dict(trials=trials, seqlens=",".join(map(str, seqlens)) if seqlens else None, timeout=timeout_s,
+                         sampler=sampler, db=url, heartbeat=heartbeat_s)
+        docs = _run_workers(ctx, store, paths, forwarded, seed, gpus, interpret)
+        if as_json:
+            click.echo(json.dumps(dict(db=store.display_url, workers=docs), indent=1))
+        else:
+            _print_stored(store, specs, interpret)
+        return
+    docs = []
+    for spec in specs:
+        docs.append(_tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json))
+    if as_json:
+        click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
+    if not all(any(r["config"] for r in doc["results"]) for doc in docs):
+        raise click.ClickException("no config passed verification for " + ", ".join(
+            doc["spec"] for doc in docs if not any(r["config"] for r in doc["results"])) + ": nothing stored for it")
+
+
+def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json) -> dict:
+    """Tune one spec in this process; print its table (unless as_json) and return its results."""
+    from tqdm.auto import tqdm
+
+    from .tuner import GpuRunner, InterpretRunner, TuneOptions, tune as run_tune
+
     runner = InterpretRunner() if interpret else GpuRunner()
     phases = 2 if spec.backward else 1
     total = (trials or spec.tune.trials) * phases * len({b for b in _buckets(spec)})
     history: dict[str, list] = {}
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=total, desc=f"tune {spec.uri}", unit="trial", disable=as_json, dynamic_ncols=True)
     state = {"failures": 0}
 
@@ -261,9 +295,26 @@ def tune(ctx, spec_path, trials, seqlens, timeout_s, sampler, seed, db_url, resu
                             f"S={event['bucket']} {event['phase']} fail={state['failures']}")
         bar.update(1)
 
-    options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed,
-                          journal_dir=_journal_dir(url), progress=progress)
+    import signal
+    import threading
+
+    interrupted = threading.Event()
+
+    def on_interrupt(signum, frame):
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    def unraisable(info, default=sys.unraisablehook):
+        # A KeyboardInterrupt raised inside a weakref callback or __del__ is dropped by Python
+        # ("Exception ignored in ..."): quietly, since the tuner stops before its next trial.
+        if not issubclass(info.exc_type, KeyboardInterrupt):
+            default(info)
+
+    options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed, progress=progress,
+                          interrupted=interrupted.is_set)
     started = time.time()
+    previous, previous_hook = signal.signal(signal.SIGINT, on_interrupt), sys.unraisablehook
+    sys.unraisablehook = unraisable
     try:
         results = run_tune(spec, runner, store, options)
     except KeyboardInterrupt:
@@ -271,22 +322,84 @@ def tune(ctx, spec_path, trials, seqlens, timeout_s, sampler, seed, db_url, resu
         click.echo(f"interrupted: the finished trials are kept in {store.display_url}; run the same command again "
                    "to go on from them", err=True)
         ctx.exit(EXIT_INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
     bar.close()
     wall = time.time() - started
     rows = [dict(bucket=r.bucket, phase=r.phase, trials=r.trials, resumed=r.resumed, failures=r.failures,
                  config=r.best.config if r.best else None, ms=r.best.ms if r.best else None,
                  tflops=r.best.tflops if r.best else None, speedup_over_default=r.speedup,
-                 importances=r.importances, kept=r.kept) for r in results]
-    if as_json:
-        click.echo(json.dumps(dict(spec=spec.uri, db=store.display_url, timing=runner.timing_label, wall_s=wall,
-                                   environment=runner.env.as_dict(), results=rows), indent=1))
-    else:
+                 importances=r.importances, kept=r.kept, warm_starts=r.warm_starts) for r in results]
+    if not as_json:
         _print_tune_table(spec, runner, rows, store.display_url, wall)
     if plot_path:
         _plot(plot_path, history, results)
         click.echo(f"wrote {plot_path}")
-    if not any(r.best for r in results):
-        raise click.ClickException("no config passed verification: nothing stored")
+    return dict(spec=spec.uri, db=store.display_url, timing=runner.timing_label, wall_s=wall,
+                environment=runner.env.as_dict(), results=rows)
+
+
+def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: bool, environ=None):
+    """(command, environment) of each `--gpus` worker: worker i sees one GPU (the i-th of
+    CUDA_VISIBLE_DEVICES, or GPU i), starts at spec i (so the workers begin on different
+    specs, then help with the rest through the shared studies) and samples with seed + i."""
+    environ = dict(os.environ if environ is None else environ)
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
+        [str(i) for i in range(gpus)]
+    out = []
+    for i in range(gpus):
+        order = paths[i % len(paths):] + paths[:i % len(paths)]
+        cmd = [sys.executable, "-m", "flashgen", "tune", *order, "--gpus", "1", "--seed", str(seed + i), "--json"]
+        for name, value in forwarded.items():
+            if value is not None:
+                cmd += [f"--{name}", str(value)]
+        if interpret:
+            cmd.append("--interpret")
+        out.append((cmd, dict(environ, CUDA_VISIBLE_DEVICES=visible[i % len(visible)])))
+    return out
+
+
+def _run_workers(ctx, store, paths, forwarded, seed, gpus, interpret) -> list[dict]:
+    """Start the workers, wait for all, return their JSON results; a failed worker is an error
+    that names it (its own messages went to stderr as it ran)."""
+    import json
+    import subprocess
+
+    started = time.time()
+    procs = [(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True), env["CUDA_VISIBLE_DEVICES"])
+             for cmd, env in worker_commands(paths, forwarded, seed, gpus, interpret)]
+    try:
+        outputs = [p.communicate()[0] for p, _ in procs]
+    except KeyboardInterrupt:  # the workers had it too (one process group): they keep what they finished
+        for p, _ in procs:
+            p.wait()
+        click.echo(f"interrupted: the finished trials are kept in {store.display_url}; run the same command again "
+                   "to go on from them", err=True)
+        ctx.exit(EXIT_INTERRUPTED)
+    failed = [f"worker {i} (CUDA_VISIBLE_DEVICES={gpu}) exited with {p.returncode}"
+              for i, (p, gpu) in enumerate(procs) if p.returncode]
+    if failed:
+        raise click.ClickException("; ".join(failed))
+    docs = []
+    for i, ((_, gpu), text) in enumerate(zip(procs, outputs)):
+        result = json.loads(text)
+        docs.append(dict(worker=i, cuda_visible_devices=gpu, specs=result if isinstance(result, list) else [result]))
+    click.echo(f"{gpus} workers finished in {time.time() - started:.0f}s", err=True)
+    return docs
+
+
+def _print_stored(store, specs, interpret) -> None:
+    """The best configs the workers left in the database, per spec."""
+    from .db import EnvInfo
+
+    here = EnvInfo.current(interpret=interpret)
+    for spec in specs:
+        click.echo(f"\n{spec.uri} on {here.gpu}; results in {store.display_url}")
+        for bucket, phases in sorted(store.best_configs(here, spec).items()):
+            for phase, row in sorted(phases.items()):
+                knobs = " ".join(f"{k}={v}" for k, v in row["config"].items() if k in KernelConfig.phase_knobs(phase))
+                click.echo(f"{bucket:>7} {phase:5} {row['ms']:>9.4f} {row['tflops']:>8.1f}  {knobs}")
 
 
 def _buckets(spec):
@@ -300,6 +413,9 @@ def _print_tune_table(spec, runner, rows, url, wall):
     for r in rows:
         if r["resumed"]:
             click.echo(f"S={r['bucket']} {r['phase']}: went on from {r['resumed']} trials of an earlier run")
+        elif r["warm_starts"]:
+            click.echo(f"S={r['bucket']} {r['phase']}: started from the best configs of {r['warm_starts']} "
+                       "nearest tuned specs")
     click.echo(f"{'bucket':>7} {'phase':5} {'ms':>9} {'TFLOP/s':>8} {'vs default':>10}  config / importances")
     for r in rows:
         if r["config"] is None:
@@ -485,8 +601,11 @@ def db_check(ctx, db_url):
 @db.command("upgrade")
 @_db_option
 def db_upgrade(db_url):
-    """Bring a database to this flashgen's schema version."""
+    """Bring a database to this flashgen's schema (Alembic migrations), and Optuna's tables to
+    the installed Optuna's."""
     from .db import SCHEMA_VERSION, ResultStore, SchemaVersionError
+    from .db.migrate import REVISIONS
+    from .db.store import upgrade_database
 
     try:
         store = ResultStore(db_url, create=False)
@@ -496,10 +615,15 @@ def db_upgrade(db_url):
         if err.found > SCHEMA_VERSION:
             raise click.ClickException(f"{err.url} is at schema version {err.found}, newer than this flashgen's "
                                        f"{SCHEMA_VERSION}: upgrade flashgen instead") from None
-        raise click.ClickException(f"no migration from schema version {err.found} to {SCHEMA_VERSION} "
-                                   "exists") from None
+        if err.found not in REVISIONS:
+            raise click.ClickException(f"no migration from schema version {err.found} to {SCHEMA_VERSION} "
+                                       "exists") from None
+        upgrade_database(db_url, err.found)
+        store = ResultStore(db_url, create=False)
+        click.echo(f"{store.display_url}: upgraded from schema version {err.found} to {SCHEMA_VERSION}")
+        return
     if store.missing_tables():
-        ResultStore(db_url)  # creates the missing tables
+        upgrade_database(store.url, SCHEMA_VERSION)
     click.echo(f"{store.display_url}: at schema version {SCHEMA_VERSION}")
 
 

@@ -1,15 +1,19 @@
 """The autotuner: Optuna searches the knobs, every candidate is verified before it is timed.
 
-One entry point, ``tune(spec, runner, options)``. For each sequence-length bucket it runs
+One entry point, ``tune(spec, runner, options)``. A new study starts from the best configs of
+the nearest specs already tuned on the same GPU model (warm_starts; the heuristic default
+only when there are none), and the default is always measured in the final round, so the
+tuner never ends worse than where flashgen.load began. For each sequence-length bucket it runs
 one Optuna study for the forward and, when the spec trains, one for the backward (with
 the forward fixed at its best). A trial checks the space's restrictions, renders,
 compiles, verifies (the rule of ../shared/TESTING.md on a reduced grid) and only then
 times; the runner wraps each stage, so a failure is typed by where it happened
 (failures.py: restricted, compile_error, out_of_resources, wrong_result, timeout, error),
-stored, never retried and never chosen. Every finished trial is written to the results
-database and to the study's Optuna journal at once, so a crashed run loses nothing, and a
-later run of the same spec in the same environment goes on with the study it finds (never
-deleting it: another process may be writing to it). Before a best config is stored it is
+stored, never retried and never chosen. The studies live in Optuna's RDB storage inside
+the results database (ResultStore.open_study), each trial's record in its user attributes,
+written when the trial ends: a crashed run loses nothing, and a later or concurrent run of
+the same spec in the same environment goes on with the study it finds; a config another
+run already measured in that study is not measured again. Before a best config is stored it is
 verified on the full grid and timed again beside the runner-up; it replaces a stored result
 only when it is faster (ResultStore.set_best), and the result says which one stays.
 
@@ -21,11 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
+import socket
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import optuna
 import torch
@@ -229,9 +234,11 @@ class TuneOptions:
     timeout_s: float = 120.0  # per trial
     sampler: str = "tpe"
     seed: int = 0
-    journal_dir: Path | None = None  # Optuna journals, one file per study; a study found there goes on
     phases: tuple[str, ...] | None = None  # default: fwd, plus bwd when the spec trains
     progress: object = None  # callable(event dict) for the CLI's progress bar
+    # callable() -> bool: a Ctrl-C arrived. Python drops a KeyboardInterrupt raised inside a
+    # weakref callback or __del__, so the tuner also asks before each trial.
+    interrupted: object = None
 
 
 @dataclass
@@ -246,6 +253,7 @@ class BucketResult:
     study_name: str = ""
     resumed: int = 0  # trials this run found finished in the study, from an earlier or concurrent run
     kept: dict | None = None  # the faster stored result that this run's best did not replace
+    warm_starts: int = 0  # configs of the nearest tuned specs this study started from
 
     @property
     def speedup(self) -> float | None:
@@ -266,9 +274,23 @@ def make_sampler(name: str, seed: int, space: SearchSpace):
     raise ValueError(f"sampler: expected one of {SAMPLERS}, got {name!r}")
 
 
-def study_name(spec: AttentionSpec, env: EnvInfo, bucket: int, phase: str) -> str:
-    env_key = config_key(env.as_dict())[:8]
-    return f"{spec.uri}-{spec.key}-{env_key}-s{bucket}-{phase}"
+def warm_starts(spec: AttentionSpec, env: EnvInfo, store: ResultStore, bucket: int, phase: str,
+                space: SearchSpace, k: int = 3) -> list[dict]:
+    """The first points of a new study: the best configs of the k nearest specs tuned on this
+    GPU model (flashgen.db.neighbours), from the database and the shipped tuning_db/, that lie
+    in this space and break none of its restrictions."""
+    from .db.layer import ResultFileError, layer_dir, read_file
+    from .db.neighbours import warm_starts as nearest
+
+    rows = store.all_best(where={f: getattr(env, f) for f in ("gpu", "capability", "sm_count")})
+    for path in sorted(layer_dir().glob("*.yaml")):
+        try:
+            rows += read_file(path)
+        except ResultFileError as err:  # flashgen.load says so; here a missing hint costs nothing
+            log.info("no warm start from %s", err)
+    points = nearest(spec.key, spec.canonical(), env, bucket, phase, rows, space.params, k=len(rows))
+    fits = [p for p in points if all(p[n] in c for n, c in space.params.items()) and not space.violations(p)]
+    return fits[:k]
 
 
 def candidate(space, base: KernelConfig, point: dict, default_point: dict) -> tuple[dict, list[str]]:
@@ -304,32 +326,41 @@ def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneO
 def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig, work) -> BucketResult:
     space = forward_space(spec, runner.limits) if phase == "fwd" else backward_space(spec, runner.limits)
     kernel = AttentionKernel(spec, base)
-    name = study_name(spec, runner.env, bucket, phase)
-    storage = _journal(options, name)
     # A seed of its own per study, so the buckets do not replay one sequence of suggestions.
     seed = options.seed * 1_000_003 + bucket * 2 + (phase == "bwd")
-    study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
-                                sampler=make_sampler(options.sampler, seed, space))
+    study = store.open_study(spec, runner.env, bucket, phase, make_sampler(options.sampler, seed, space))
+    name = study.study_name
     default_point = {n: getattr(base, n) for n in space.params}
-    if not study.trials:  # start from the default: the tuner never ends worse than where it began
-        study.enqueue_trial(default_point)
-    cache: dict[str, TrialRecord] = {}
-    for t in study.trials:  # a resumed study: its finished trials are not measured again
-        if t.state.is_finished() and "record" in t.user_attrs:
-            rec = TrialRecord(**t.user_attrs["record"])
-            cache[config_key(rec.config)] = rec
+    starts = []
+    if not study.trials:  # a new study starts from the nearest tuned specs, else from the default
+        starts = warm_starts(spec, runner.env, store, bucket, phase, space)
+        for point in starts or [default_point]:
+            study.enqueue_trial(point)
     failures: dict[str, int] = {}
 
+    def measured() -> dict[str, TrialRecord]:
+        """The records of the configs this study has finished, this run's and other runs'."""
+        return {config_key(t.user_attrs["record"]["config"]): TrialRecord(**t.user_attrs["record"])
+                for t in study.get_trials(deepcopy=False) if t.state.is_finished() and "record" in t.user_attrs}
+
     def objective(trial: optuna.Trial) -> float:
+        if options.interrupted and options.interrupted():
+            raise KeyboardInterrupt
         point = {n: trial.suggest_categorical(n, list(c)) for n, c in space.params.items()}
         data, broken = candidate(space, base, point, default_point)
         key = config_key(data)
-        rec = cache.get(key)
-        if rec is None:
+        rec = measured().get(key)
+        if rec is not None:  # measured before, by this run or another: told again, not run again
+            trial.set_user_attr("reused", True)
+        elif broken or store.claim(name, key, trial._trial_id):
+            if not broken:  # who measures it: where to look when a worker dies mid-trial
+                trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
             rec = runner.trial(kernel, data, broken, phase, work, timeout_s=options.timeout_s)
-            cache[key] = rec
-            store.record_trial(runner.env, spec, rec)
+        else:  # another worker is measuring this config now
+            trial.set_user_attr("claimed_elsewhere", True)
+            raise optuna.TrialPruned("another worker is measuring this config")
         trial.set_user_attr("record", dataclasses.asdict(rec))
+        store.ensure_present()  # Optuna wrote through its own connection: a vanished file is an error now
         if options.progress:
             options.progress(dict(bucket=bucket, phase=phase, record=rec, study=study))
         if rec.status != "ok":
@@ -342,17 +373,26 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     budget = options.trials or spec.tune.trials
 
     def evaluated() -> int:
-        return sum(1 for t in study.trials if t.state.is_finished()
-                   and t.user_attrs.get("record", {}).get("status") != "restricted")
+        return sum(1 for t in study.get_trials(deepcopy=False) if t.state.is_finished()
+                   and t.user_attrs.get("record", {}).get("status") not in (None, "restricted")
+                   and not t.user_attrs.get("final"))
+
+    def retries_waiting() -> bool:
+        """A dead worker's trial, failed by its heartbeat, is enqueued again: it runs even when
+        the budget is spent (it was part of the budget)."""
+        return bool(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
 
     def stop_when_spent(study_, _trial):
-        if evaluated() >= budget:
+        if evaluated() >= budget and not retries_waiting():
             study_.stop()
 
+    with warnings.catch_warnings():  # a trial of a dead worker: failed now, and enqueued again
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
     resumed = evaluated()
-    if resumed < budget:
+    if resumed < budget or retries_waiting():
         study.optimize(objective, n_trials=20 * budget, callbacks=[stop_when_spent], catch=())
-    best, default = _final_choice(spec, runner, kernel, study, phase, work, options, store, base)
+    best, default = _final_choice(runner, kernel, study, space, phase, work, options, base)
     importances = {}
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if len(completed) >= 3:
@@ -364,12 +404,15 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig,
     if best is not None:
         kept = store.set_best(runner.env, spec, bucket, phase, best.config, best.ms, best.tflops,
                               default.ms if default.status == "ok" else None)
-    return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept)
+    return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept,
+                        len(starts))
 
 
-def _final_choice(spec, runner, kernel, study, phase, work, options, store, base: KernelConfig):
+def _final_choice(runner, kernel, study, space, phase, work, options, base: KernelConfig):
     """Verify the two fastest configs and the default on the full grid, time them again in
-    one round, keep the fastest. Returns (best, default) records from that round."""
+    one round, keep the fastest. Returns (best, default) records from that round. A config
+    that fails the full grid is added to the study as a failed trial (marked 'final', so it
+    spends no budget), and is then never chosen, in this run or a later one."""
     completed = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
                        key=lambda t: t.value)
     candidates = [KernelConfig.from_dict(t.user_attrs["record"]["config"]) for t in completed[:2]]
@@ -381,22 +424,15 @@ def _final_choice(spec, runner, kernel, study, phase, work, options, store, base
         if config == base:
             default = rec
         if rec.status != "ok":  # passed the reduced grid, failed the full one: record, never choose
-            store.record_trial(runner.env, spec, rec)
+            params = {n: rec.config[n] for n in space.params}
+            dists = {n: optuna.distributions.CategoricalDistribution(list(c)) for n, c in space.params.items()}
+            study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, params=params,
+                                                      distributions=dists,
+                                                      user_attrs={"record": dataclasses.asdict(rec), "final": True}))
             continue
         finalists.append(rec)
     best = min(finalists, key=lambda r: r.ms) if finalists else None
     return best, default
-
-
-def _journal(options: TuneOptions, name: str):
-    if options.journal_dir is None:
-        return None  # in memory
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
-
-    path = Path(options.journal_dir) / f"{name}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return JournalStorage(JournalFileBackend(str(path), lock_obj=JournalFileOpenLock(str(path))))
 
 
 def exhaustive(spec, runner, bucket: int, phase: str = "fwd", base: KernelConfig | None = None):

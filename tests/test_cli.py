@@ -150,7 +150,7 @@ def sound_database(tmp_path_factory):
     store.set_best(here, AttentionSpec.from_yaml(SMALL_SPEC), 64, "fwd",
                    dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1), 1.0, 1.0)
     export_rows(store.all_best(), root / "results.yaml", here.gpu)
-    store.engine.dispose()
+    store.close()
     return root
 
 

@@ -23,13 +23,31 @@ def env():
 
 
 def _drop_all(url):
-    from sqlalchemy import create_engine
-
-    from flashgen.db.models import Base
+    """Every table: flashgen's, Optuna's and both Alembic version tables."""
+    from sqlalchemy import MetaData, create_engine
 
     engine = create_engine(url)
-    Base.metadata.drop_all(engine)
+    tables = MetaData()
+    tables.reflect(engine)
+    tables.drop_all(engine)
     engine.dispose()
+
+
+def _record(store, rec: TrialRecord, spec=SPEC, where=None):
+    """One finished trial with its record, as the tuner leaves it in the study."""
+    import dataclasses
+
+    import optuna
+
+    study = store.open_study(spec, where or env(), rec.bucket, rec.phase)
+    with warnings.catch_warnings():  # Optuna: heartbeats are meant for Study.optimize (the tuner's way)
+        warnings.simplefilter("ignore", UserWarning)
+        trial = study.ask()
+    trial.set_user_attr("record", dataclasses.asdict(rec))
+    if rec.status == "ok":
+        study.tell(trial, rec.ms)
+    else:
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -49,11 +67,14 @@ def url(request, tmp_path):
 
 def test_round_trip_and_upsert(url):
     store = ResultStore(url)
-    store.record_trial(env(), SPEC, TrialRecord(64, "fwd", CFG, "ok", ms=2.0, tflops=1.0, margin=0.2))
-    store.record_trial(env(), SPEC, TrialRecord(64, "fwd", CFG, "ok", ms=1.5, tflops=1.3, margin=0.1))  # same key
-    store.record_trial(env(), SPEC, TrialRecord(64, "fwd", dict(CFG, BLOCK_M=32), "compile_error", error="boom"))
-    trials = store.trials(env(), SPEC)
+    _record(store, TrialRecord(64, "fwd", CFG, "ok", ms=2.0, tflops=1.0, margin=0.2))
+    _record(store, TrialRecord(64, "fwd", CFG, "ok", ms=1.5, tflops=1.3, margin=0.1))  # same config: the latest
+    _record(store, TrialRecord(64, "fwd", dict(CFG, BLOCK_M=32), "compile_error", error="boom"))
+    _record(store, TrialRecord(64, "bwd", CFG, "ok", ms=3.0))
+    _record(store, TrialRecord(64, "fwd", CFG, "ok", ms=9.0), where=EnvInfo(**{**env().as_dict(), "gpu": "other"}))
+    trials = store.trials(env(), SPEC, phase="fwd")
     assert [(t.status, t.ms) for t in trials] == [("ok", 1.5), ("compile_error", None)]
+    assert [t.ms for t in store.trials(env(), SPEC)] == [1.5, None, 3.0]
     store.set_best(env(), SPEC, 64, "fwd", CFG, 1.5, 1.3, default_ms=2.0)
     store.set_best(env(), SPEC, 64, "fwd", CFG, 1.4, 1.4, default_ms=2.0)
     assert store.best_configs(env(), SPEC) == {64: {"fwd": dict(config=CFG, ms=1.4, tflops=1.4, default_ms=2.0)}}
@@ -66,27 +87,36 @@ def test_other_schema_version_is_refused_with_the_upgrade_command(url):
     store = ResultStore(url)
     with store.engine.begin() as conn:
         conn.execute(text("UPDATE flashgen_meta SET value = '99' WHERE key = 'schema_version'"))
-    store.engine.dispose()
+    store.close()
     with pytest.raises(SchemaVersionError, match=r"schema version 99.*flashgen db upgrade --db "):
         ResultStore(url)
 
 
 def _writer(url, worker, n):
     store = ResultStore(url)
-    for i in range(n):
-        store.record_trial(env(), SPEC, TrialRecord(64, "fwd", dict(CFG, worker=worker, i=i), "ok", ms=1.0 + i))
+    for i in range(n):  # one study, written by every process at once
+        _record(store, TrialRecord(64, "fwd", dict(CFG, worker=worker, i=i), "ok", ms=1.0 + i))
 
 
-def test_concurrent_processes_lose_nothing(url):
-    ResultStore(url).engine.dispose()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(url, w, 25)) for w in range(4)]
+def _run_all(procs, seconds=120):
+    """Start the processes together; each must end well."""
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(seconds)
         assert p.exitcode == 0
-    assert len(ResultStore(url).trials(env(), SPEC)) == 100
+
+
+def _four_writers(url, target, n):
+    """Four processes running target(url, worker, n) at once on one database."""
+    ResultStore(url).close()
+    ctx = mp.get_context("spawn")
+    _run_all([ctx.Process(target=target, args=(url, w, n)) for w in range(4)])
+
+
+def test_concurrent_processes_lose_nothing(url):
+    _four_writers(url, _writer, 10)
+    assert len(ResultStore(url).trials(env(), SPEC)) == 40
 
 
 @pytest.fixture
@@ -127,7 +157,7 @@ def test_locked_database_never_raises(tmp_path, fresh_warnings):
     path = tmp_path / "locked.sqlite"
     store = ResultStore(f"sqlite:///{path}")
     store.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)
-    store.engine.dispose()
+    store.close()
     conn = sqlite3.connect(path, timeout=0)
     conn.execute("PRAGMA locking_mode=EXCLUSIVE")
     conn.execute("BEGIN EXCLUSIVE")
@@ -339,7 +369,7 @@ def test_malformed_rows_in_the_database_are_skipped_and_reported(tmp_path, monke
     store = ResultStore(f"sqlite:///{path}")
     for bucket in (64, 128, 256, 512):
         store.set_best(here, SPEC, bucket, "fwd", dict(CFG, BLOCK_M=64), 1.0, 1.0)
-    store.engine.dispose()
+    store.close()
     _spoil_db(path, "UPDATE best_configs SET bucket = 0 WHERE bucket = 64")
     _spoil_db(path, "UPDATE best_configs SET bucket = 'big' WHERE bucket = 128")
     _spoil_db(path, """UPDATE best_configs SET config = '{"BLOCK_M": "64"}' WHERE bucket = 256""")
@@ -374,18 +404,20 @@ def test_db_upgrade_creates_missing_tables_and_refuses_other_versions(tmp_path):
 
     url = f"sqlite:///{tmp_path / 'old.sqlite'}"
     store = ResultStore(url)
+    store.optuna_storage()  # Optuna's tables are made on first use
     with store.engine.begin() as conn:
-        conn.execute(text("DROP TABLE trials"))
-    assert store.missing_tables() == ["trials"]
+        conn.execute(text("DROP TABLE best_configs"))
+        conn.execute(text("DROP TABLE trial_heartbeats"))
+    assert store.missing_tables() == ["best_configs", "trial_heartbeats"]
     result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
-    assert result.exit_code == 0 and "at schema version 1" in result.output
+    assert result.exit_code == 0 and "at schema version 3" in result.output
     assert store.missing_tables() == []
-    for version, words in (("99", "newer than this flashgen's 1"), ("0", "no migration from schema version 0")):
+    for version, words in (("99", "newer than this flashgen's 3"), ("0", "no migration from schema version 0")):
         with store.engine.begin() as conn:
             conn.execute(text(f"UPDATE flashgen_meta SET value = '{version}' WHERE key = 'schema_version'"))
         result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
         assert result.exit_code == 1 and words in result.output, result.output
-    store.engine.dispose()
+    store.close()
 
 
 # ------------------------------------------------------------------------------ environments
@@ -492,14 +524,7 @@ def _best_writer(url, worker, n):
 
 
 def test_concurrent_best_writers_keep_the_fastest(url):
-    ResultStore(url).engine.dispose()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_best_writer, args=(url, w, 20)) for w in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
+    _four_writers(url, _best_writer, 20)
     best = ResultStore(url).best_configs(env(), SPEC)[64]["fwd"]
     assert best["config"]["BLOCK_M"] == 128 and best["ms"] == pytest.approx(10.0 - 3 - 19 / 20)
 
@@ -507,7 +532,7 @@ def test_concurrent_best_writers_keep_the_fastest(url):
 def _opener(url, barrier, errors):
     barrier.wait()
     try:
-        ResultStore(url).engine.dispose()
+        ResultStore(url).close()
     except Exception as err:  # noqa: BLE001 (reported to the test)
         errors.put(str(err))
 
@@ -519,12 +544,7 @@ def test_processes_creating_one_fresh_database_at_once_all_succeed(tmp_path):
     for attempt in range(8):
         url = f"sqlite:///{tmp_path / f'fresh{attempt}.sqlite'}"
         barrier = ctx.Barrier(3)
-        procs = [ctx.Process(target=_opener, args=(url, barrier, errors)) for _ in range(3)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
+        _run_all([ctx.Process(target=_opener, args=(url, barrier, errors)) for _ in range(3)], 60)
     found = []
     while not errors.empty():
         found.append(errors.get())
@@ -540,7 +560,7 @@ def test_a_database_deleted_while_in_use_is_an_error(tmp_path):
         store.set_best(env(), SPEC, 128, "fwd", CFG, 1.0, 1.0)
     ResultStore(f"sqlite:///{path}")  # a new database there
     with pytest.raises(flashgen.db.DatabaseError, match="was deleted or replaced while in use"):
-        store.record_trial(env(), SPEC, TrialRecord(64, "fwd", CFG, "ok", ms=1.0))
+        store.ensure_present()
 
 
 def test_default_database_lives_in_the_user_data_dir(tmp_path, monkeypatch):
@@ -553,9 +573,121 @@ def test_default_database_lives_in_the_user_data_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(tmp_path / "cache" / app))
     new, old = tmp_path / "data" / "flashgen" / "tuning.sqlite", tmp_path / "cache" / "flashgen" / "tuning.sqlite"
     assert default_url() == f"sqlite:///{new}"
-    ResultStore(f"sqlite:///{old}").engine.dispose()  # an older flashgen's database
+    ResultStore(f"sqlite:///{old}").close()  # an older flashgen's database
     assert default_url() == f"sqlite:///{old}"  # read where it is while the data dir has none
-    ResultStore(f"sqlite:///{new}").engine.dispose()
+    ResultStore(f"sqlite:///{new}").close()
     assert default_url() == f"sqlite:///{new}"
     monkeypatch.setenv("FLASHGEN_DB", "sqlite:///elsewhere.sqlite")
     assert default_url() == "sqlite:///elsewhere.sqlite"
+
+
+# ------------------------------------------------------------------------------ migrations
+# The tables of schema 1 as flashgen 0.1.0 made them in SQLite (its `.schema`, verbatim).
+SCHEMA_1_SQLITE = """
+CREATE TABLE flashgen_meta ("key" VARCHAR(64) NOT NULL, value VARCHAR(256) NOT NULL, PRIMARY KEY ("key"));
+CREATE TABLE environments (id INTEGER NOT NULL, gpu VARCHAR(128) NOT NULL, capability VARCHAR(16) NOT NULL,
+    sm_count INTEGER NOT NULL, memory_gib FLOAT NOT NULL, torch VARCHAR(64) NOT NULL, triton VARCHAR(64) NOT NULL,
+    cuda VARCHAR(32) NOT NULL, flashgen VARCHAR(32) NOT NULL, templates VARCHAR(32) NOT NULL, PRIMARY KEY (id),
+    CONSTRAINT uq_environment UNIQUE (gpu, capability, sm_count, memory_gib, torch, triton, cuda, flashgen, templates));
+CREATE TABLE specs (id INTEGER NOT NULL, "key" VARCHAR(32) NOT NULL, uri VARCHAR(256) NOT NULL,
+    canonical JSON NOT NULL, PRIMARY KEY (id), UNIQUE ("key"));
+CREATE TABLE trials (id INTEGER NOT NULL, environment_id INTEGER NOT NULL, spec_id INTEGER NOT NULL,
+    bucket INTEGER NOT NULL, phase VARCHAR(8) NOT NULL, config_key VARCHAR(32) NOT NULL, config JSON NOT NULL,
+    status VARCHAR(24) NOT NULL, ms FLOAT, tflops FLOAT, margin FLOAT, error TEXT, created DATETIME NOT NULL,
+    PRIMARY KEY (id), CONSTRAINT uq_trial UNIQUE (environment_id, spec_id, bucket, phase, config_key),
+    FOREIGN KEY(environment_id) REFERENCES environments (id), FOREIGN KEY(spec_id) REFERENCES specs (id));
+CREATE TABLE best_configs (id INTEGER NOT NULL, environment_id INTEGER NOT NULL, spec_id INTEGER NOT NULL,
+    bucket INTEGER NOT NULL, phase VARCHAR(8) NOT NULL, config JSON NOT NULL, ms FLOAT NOT NULL,
+    tflops FLOAT NOT NULL, default_ms FLOAT, created DATETIME NOT NULL, PRIMARY KEY (id),
+    CONSTRAINT uq_best UNIQUE (environment_id, spec_id, bucket, phase),
+    FOREIGN KEY(environment_id) REFERENCES environments (id), FOREIGN KEY(spec_id) REFERENCES specs (id));
+INSERT INTO flashgen_meta VALUES ('schema_version', '1');
+"""
+
+
+def _schema_1(url, with_trials: bool):
+    """A database as flashgen 0.1.0 left it: SQLite from its own DDL, other databases through
+    migration 0001; one environment, spec and best config, and (with_trials) one trial."""
+    import json
+
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        if engine.dialect.name == "sqlite":
+            for statement in SCHEMA_1_SQLITE.split(";"):
+                if statement.strip():
+                    conn.exec_driver_sql(statement)
+        else:
+            from alembic import command
+
+            from flashgen.db import migrate
+
+            command.upgrade(migrate._config(conn), "0001")
+            conn.execute(text(f"DROP TABLE {migrate.VERSION_TABLE}"))  # 0.1.0 had no Alembic
+        e = env().as_dict()
+        conn.execute(text("INSERT INTO environments (id, gpu, capability, sm_count, memory_gib, torch, triton, cuda, "
+                          "flashgen, templates) VALUES (1, :gpu, :capability, :sm_count, :memory_gib, :torch, "
+                          ":triton, :cuda, :flashgen, :templates)"), e)
+        conn.execute(text("INSERT INTO specs (id, key, uri, canonical) VALUES (1, :key, :uri, :canonical)"),
+                     dict(key=SPEC.key, uri=SPEC.uri, canonical=json.dumps(SPEC.canonical())))
+        conn.execute(text("INSERT INTO best_configs (environment_id, spec_id, bucket, phase, config, ms, tflops, "
+                          "default_ms, created) VALUES (1, 1, 64, 'fwd', :config, 1.5, 2.0, 3.0, :now)"),
+                     dict(config=json.dumps(CFG), now="2026-11-01 00:00:00"))
+        if with_trials:
+            conn.execute(text("INSERT INTO trials (environment_id, spec_id, bucket, phase, config_key, config, "
+                              "status, ms, created) VALUES (1, 1, 64, 'fwd', 'k', :config, 'ok', 1.5, :now)"),
+                         dict(config=json.dumps(CFG), now="2026-11-01 00:00:00"))
+    engine.dispose()
+
+
+@pytest.mark.parametrize("with_trials", [True, False])
+def test_db_upgrade_migrates_schema_1(url, with_trials):
+    from click.testing import CliRunner
+    from sqlalchemy import inspect, text
+
+    from flashgen.cli import main
+    from flashgen.db import migrate
+
+    _schema_1(url, with_trials)
+    with pytest.raises(SchemaVersionError, match=r"schema version 1, .*flashgen db upgrade --db "):
+        ResultStore(url)
+    result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
+    assert result.exit_code == 0 and "upgraded from schema version 1 to 3" in result.output, result.output
+    store = ResultStore(url)
+    assert store.best_configs(env(), SPEC) == {64: {"fwd": dict(config=CFG, ms=1.5, tflops=2.0, default_ms=3.0)}}
+    assert store.missing_tables() == []  # Optuna's tables too
+    tables = set(inspect(store.engine).get_table_names())
+    assert ("flashgen_trials_v1" in tables) == with_trials  # kept where it held anything
+    with store.engine.connect() as conn:
+        assert migrate.current_revision(conn) == migrate.HEAD
+        if with_trials:
+            assert conn.execute(text("SELECT COUNT(*) FROM flashgen_trials_v1")).scalar() == 1
+    _record(store, TrialRecord(64, "fwd", CFG, "ok", ms=1.0))  # Optuna's trials table is now Optuna's
+    assert [t.ms for t in store.trials(env(), SPEC)] == [1.0]
+    store.close()
+    result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])  # twice: nothing to do
+    assert result.exit_code == 0 and "at schema version 3" in result.output
+
+
+def test_warm_starts_rank_the_nearest_specs_on_this_gpu():
+    from flashgen.db.neighbours import mask_kind, warm_starts
+
+    here = _h100()
+
+    def row(spec, cfg, gpu=here, bucket=4096, ms=1.0):
+        return dict(spec_key=spec.key, spec=spec.canonical(), environment=gpu.as_dict(), bucket=bucket, phase="fwd",
+                    config=dict(CFG, **cfg), ms=ms)
+
+    target = AttentionSpec(name="t", dtype="bf16", head_dim=128, num_heads=32, num_kv_heads=8, causal=True)
+    rows = [row(target, dict(BLOCK_M=256)),  # the spec itself: never its own warm start
+            row(target.replace(head_dim=64), dict(BLOCK_M=64)),
+            row(target.replace(head_dim=256), dict(BLOCK_M=32), ms=0.5),
+            row(target.replace(causal=False), dict(BLOCK_M=128)),  # another mask kind: after any head dim
+            row(target.replace(head_dim=64), dict(BLOCK_M=16), gpu=_h100(gpu="NVIDIA A100", sm_count=108)),
+            row(target.replace(dtype="fp16"), dict(BLOCK_M=16))]  # another dtype: last
+    knobs = ("BLOCK_M", "BLOCK_N")
+    points = warm_starts(target.key, target.canonical(), here, 4096, "fwd", rows, knobs, k=5)
+    assert [p["BLOCK_M"] for p in points] == [32, 64, 128, 16]  # ties on distance: the faster first
+    assert mask_kind(target.canonical()) == "causal"
+    assert mask_kind(target.replace(causal=False, mask={"document": {}}).canonical()) == "document"

@@ -21,9 +21,9 @@ import yaml
 
 from ..spec import YamlFileError, read_yaml
 from .env import EnvInfo, pick
-from .models import SCHEMA_VERSION
 from .rows import ResultRowError, check_row
 
+FILE_FORMAT = 1  # the files' own format version, apart from the database schema
 MAX_FILE_BYTES = 64 << 20
 MAX_FILE_VALUES = 5_000_000  # values after alias expansion; an entry holds about 50
 
@@ -60,7 +60,7 @@ def export_text(rows: list[dict], gpu: str) -> tuple[str, int]:
     """(the file's text, the number of results) for one GPU's rows."""
     entries = sorted((r for r in rows if r["environment"]["gpu"] == gpu),
                      key=lambda r: (r["spec_uri"], r["bucket"], r["phase"]))
-    doc = {"schema": SCHEMA_VERSION, "gpu": gpu, "results": [
+    doc = {"schema": FILE_FORMAT, "gpu": gpu, "results": [
         {"spec": r["spec_uri"], "spec_key": r["spec_key"], "bucket": r["bucket"], "phase": r["phase"],
          "config": r["config"], "ms": _sig(r["ms"]), "tflops": _sig(r["tflops"]), "default_ms": _sig(r["default_ms"]),
          "environment": r["environment"], "canonical": r["spec"]} for r in entries]}
@@ -95,8 +95,8 @@ def read_file(path: Path) -> list[dict]:
         doc = {}
     if not isinstance(doc, dict):
         raise ResultFileError(path, "expected a mapping with keys schema, gpu, results")
-    if doc.get("schema") != SCHEMA_VERSION:
-        raise ResultFileError(path, f"schema {doc.get('schema')!r}, this flashgen reads {SCHEMA_VERSION}")
+    if doc.get("schema") != FILE_FORMAT:
+        raise ResultFileError(path, f"schema {doc.get('schema')!r}, this flashgen reads {FILE_FORMAT}")
     entries = doc.get("results") or []
     if not isinstance(entries, list):
         raise ResultFileError(path, "field 'results': expected a list of entries")

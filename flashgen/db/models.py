@@ -1,18 +1,20 @@
 """The results database schema (SQLAlchemy ORM).
 
-One row per environment (GPU + software), per spec, per trial (one config measured for
-one spec, environment, sequence-length bucket and phase) and per best choice. Natural keys
-are unique constraints, so every write is an upsert.
+One row per environment (GPU + software), per spec and per best choice (the config chosen
+for one spec, environment, sequence-length bucket and phase). Natural keys are unique
+constraints, so every write is an upsert. The trials themselves live in Optuna's RDB
+storage in the same database (one study per spec, environment, bucket and phase; each
+trial's flashgen record in its user attributes). Schema changes: flashgen.db.migrate.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 3  # flashgen_meta.schema_version; migrate.REVISIONS maps it to Alembic's
 
 
 def _now() -> dt.datetime:
@@ -55,27 +57,6 @@ class SpecRow(Base):
     canonical: Mapped[dict] = mapped_column(JSON)
 
 
-class Trial(Base):
-    """One config measured (or rejected) for (environment, spec, bucket, phase)."""
-
-    __tablename__ = "trials"
-    __table_args__ = (UniqueConstraint("environment_id", "spec_id", "bucket", "phase", "config_key",
-                                       name="uq_trial"),)
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    environment_id: Mapped[int] = mapped_column(ForeignKey("environments.id"))
-    spec_id: Mapped[int] = mapped_column(ForeignKey("specs.id"))
-    bucket: Mapped[int] = mapped_column(Integer)
-    phase: Mapped[str] = mapped_column(String(8))  # fwd | bwd
-    config_key: Mapped[str] = mapped_column(String(32))
-    config: Mapped[dict] = mapped_column(JSON)
-    status: Mapped[str] = mapped_column(String(24))  # ok | compile_error | out_of_resources | wrong_result | ...
-    ms: Mapped[float | None] = mapped_column(Float, nullable=True)
-    tflops: Mapped[float | None] = mapped_column(Float, nullable=True)
-    margin: Mapped[float | None] = mapped_column(Float, nullable=True)  # max error / allowed error
-    error: Mapped[str | None] = mapped_column(Text, nullable=True)
-    created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)
-
-
 class Best(Base):
     """The chosen config for (environment, spec, bucket, phase)."""
 
@@ -91,3 +72,13 @@ class Best(Base):
     tflops: Mapped[float] = mapped_column(Float)
     default_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)
+
+
+class Claim(Base):
+    """Which trial is measuring a config of a study, so that workers sharing the study never
+    measure one config twice (ResultStore.claim)."""
+
+    __tablename__ = "trial_claims"
+    study: Mapped[str] = mapped_column(String(512), primary_key=True)
+    config_key: Mapped[str] = mapped_column(String(32), primary_key=True)
+    trial_id: Mapped[int] = mapped_column(Integer)  # Optuna's trial id

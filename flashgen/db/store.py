@@ -1,5 +1,12 @@
 """ResultStore: the tuning results in any SQLAlchemy database (SQLite by default).
 
+One database holds everything: Optuna's RDB storage keeps the studies and their trials
+(one study per spec, environment, bucket and phase; each trial's flashgen record, a
+TrialRecord, in its user attributes), and flashgen's own tables keep what Optuna does not:
+environments, specs and the best config per spec, environment, bucket and phase. Any
+SQLAlchemy URL serves (SQLite by default; PostgreSQL for many hosts). Schema changes go
+through flashgen.db.migrate (Alembic), run by ``flashgen db upgrade``.
+
 Thread and process safety: one ResultStore may be shared by threads (SQLAlchemy's engine
 pools connections; every method opens its own short session). Several processes may
 write to one SQLite file at once: the file is in WAL mode with a busy timeout, every
@@ -24,20 +31,19 @@ import contextlib
 import hashlib
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
-from sqlalchemy import Text, create_engine, event, inspect, select, type_coerce
+from sqlalchemy import Text, create_engine, event, inspect, select, type_coerce, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, IntegrityError, NoSuchModuleError, OperationalError, ProgrammingError, \
-    SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..spec import AttentionSpec
 from .env import SPEED_FIELDS, EnvInfo, pick
-from .models import SCHEMA_VERSION, Base, Best, Environment, Meta, SpecRow, Trial
+from . import migrate
+from .models import SCHEMA_VERSION, Base, Best, Claim, Environment, Meta, SpecRow
 from .rows import ResultRowError, check_best, check_row
 from .urls import display_url, hide_password, sqlite_file
 
@@ -140,6 +146,7 @@ def _sqlite_pragmas(engine: Engine) -> None:
         cur.close()
 
 
+HEARTBEAT_S = 30  # see ResultStore._heartbeat
 _OPEN_ERRORS = (SQLAlchemyError, OSError, ImportError, ValueError)  # bad URL, no driver, no file, no server
 
 
@@ -147,8 +154,9 @@ class ResultStore:
     """``url`` is kept as given (it opens the database); ``display_url`` hides its password and
     is what every message shows. ``create=False`` opens an existing flashgen database only."""
 
-    def __init__(self, url: str | None = None, *, create: bool = True):
+    def __init__(self, url: str | None = None, *, create: bool = True, heartbeat_s: int = HEARTBEAT_S):
         self.url = url or default_url()
+        self.heartbeat_s = heartbeat_s
         self.display_url = display_url(self.url)
         path = sqlite_file(self.url)
         if path is not None and not create and not path.exists():
@@ -161,6 +169,7 @@ class ResultStore:
                 _sqlite_pragmas(self.engine)
             self._sessions = sessionmaker(self.engine, expire_on_commit=False)
             self._file, self._file_id = path, None
+            self._optuna = None
             self._check_schema(create)
             self._file_id = _file_id(path)
         except _OPEN_ERRORS as err:
@@ -174,6 +183,12 @@ class ResultStore:
 
     def __repr__(self) -> str:
         return f"ResultStore({self.display_url!r})"
+
+    def close(self) -> None:
+        """Close the pooled connections, flashgen's and Optuna's (the store opens new ones if used again)."""
+        self.engine.dispose()
+        if self._optuna is not None:
+            self._optuna.engine.dispose()
 
     # ------------------------------------------------------------------ plumbing
     @contextlib.contextmanager
@@ -218,43 +233,112 @@ class ResultStore:
             raise DatabaseError(self.url, "was deleted or replaced while in use: the results written since are "
                                           "lost (run the command again to store them)")
 
-    def _create_tables(self) -> None:
-        """create_all, which checks for each table then creates it: another process may create
-        it in between, and then this one finds it made."""
-        for attempt in range(20):
-            try:
-                Base.metadata.create_all(self.engine)
-                return
-            except (OperationalError, ProgrammingError, IntegrityError) as err:
-                text = str(err.orig if isinstance(err, DBAPIError) else err)
-                if attempt == 19 or not ("already exists" in text or "duplicate key" in text):
-                    raise
-                time.sleep(0.02 * (attempt + 1))
+    def ensure_present(self) -> None:
+        """DatabaseError when the SQLite file this store opened is gone or replaced (the tuner
+        asks after every trial, whose record Optuna writes through its own connection)."""
+        self._check_file()
 
     def _check_schema(self, create: bool) -> None:
         if create:
-            self._create_tables()
-        elif not inspect(self.engine).has_table(Meta.__tablename__):
+            with migrate.schema_lock(self.engine, self.url):
+                with self.engine.begin() as conn:
+                    fresh = not migrate.has_tables(conn)
+                    if fresh:  # made at the newest schema, flashgen's tables and then Optuna's
+                        migrate.create(conn, Base.metadata)
+                        conn.execute(Meta.__table__.insert().values(key="schema_version",
+                                                                    value=str(SCHEMA_VERSION)))
+                if fresh:
+                    self._optuna = _rdb(self.url, self.engine.dialect.name, **self._heartbeat())
+        if not inspect(self.engine).has_table(Meta.__tablename__):
             raise SchemaVersionError(self.url, "is not a flashgen database (no flashgen_meta table)")
         with self._session() as s:
             row = s.get(Meta, "schema_version")
-            if row is None and not create:
+            if row is None:
                 raise SchemaVersionError(self.url, "is not a flashgen database (no schema version)")
-            if row is not None and row.value != str(SCHEMA_VERSION):
+            if row.value != str(SCHEMA_VERSION):
                 found = int(row.value) if row.value.isdigit() else -1
                 raise SchemaVersionError(
                     self.url, f"is at flashgen schema version {row.value}, this flashgen reads version "
                               f"{SCHEMA_VERSION}: run `flashgen db upgrade --db {self.display_url}`", found)
             if create:  # a write even when the row is there: a read-only database fails now, not after tuning
-                self._upsert(s, Meta, {"key": "schema_version", "value": str(SCHEMA_VERSION)}, ("key",))
+                self._upsert(s, Meta, {"key": "schema_version", "value": str(SCHEMA_VERSION)}, ("key",),
+                             update=("value",))
+
+    # ------------------------------------------------------------------ Optuna's storage
+    def optuna_storage(self):
+        """Optuna's RDB storage on this database (its tables made, under the schema lock, on
+        first use); the one store of studies and trials."""
+        if self._optuna is None:
+            try:
+                with migrate.schema_lock(self.engine, self.url):
+                    self._optuna = _rdb(self.url, self.engine.dialect.name, **self._heartbeat())
+            except (SQLAlchemyError, RuntimeError) as err:  # RuntimeError: Optuna's schema is another version
+                raise DatabaseError(self.url, f"cannot open Optuna's tables: {_describe(err)}") from None
+        return self._optuna
+
+    def _heartbeat(self) -> dict:
+        """A running trial writes a heartbeat every heartbeat_s; one silent for 3x that (its
+        worker killed) is failed by the next trial any worker starts, and retried once more
+        with the same config (RetryFailedTrialCallback)."""
+        import warnings
+
+        import optuna.storages as storages
+
+        callback = getattr(storages, "RetryHeartbeatStaleTrialCallback", None)  # optuna >= 4.9
+        name = "heartbeat_stale_trial_callback" if callback else "failed_trial_callback"
+        with warnings.catch_warnings():  # heartbeats are 'experimental' in Optuna, and what flashgen needs
+            warnings.simplefilter("ignore", optuna_experimental_warning())
+            retry = (callback or storages.RetryFailedTrialCallback)(max_retry=2)
+        return {"heartbeat_interval": self.heartbeat_s, "grace_period": 3 * self.heartbeat_s, name: retry}
+
+    def claim(self, study: str, key: str, trial_id: int) -> bool:
+        """Whether trial ``trial_id`` may measure config ``key`` of ``study``: True for the first
+        trial to claim it (one insert: the database picks one winner among concurrent workers),
+        and for a trial taking over the claim of a trial that failed (its worker died or was
+        interrupted); False while another trial holds it or has measured it."""
+        from optuna.trial import TrialState
+
+        with self._session() as s:
+            self._upsert(s, Claim, dict(study=study, config_key=key, trial_id=trial_id), ("study", "config_key"))
+            holder = s.execute(select(Claim.trial_id).filter_by(study=study, config_key=key)).scalar_one()
+        if holder == trial_id:
+            return True
+        if self.optuna_storage().get_trial(holder).state != TrialState.FAIL:
+            return False
+        with self._session() as s:  # compare-and-set: of two trials taking over, one wins
+            taken = s.execute(update(Claim).filter_by(study=study, config_key=key, trial_id=holder)
+                              .values(trial_id=trial_id))
+            return taken.rowcount == 1
+
+    def study_name(self, spec, env: EnvInfo, bucket: int, phase: str) -> str:
+        return f"{spec.uri}-{spec.key}-{config_key(env.as_dict())[:8]}-s{bucket}-{phase}"
+
+    def open_study(self, spec, env: EnvInfo, bucket: int, phase: str, sampler=None):
+        """The Optuna study of (spec, environment, bucket, phase): the one another run left
+        (interrupted, finished or running now) or a new one. Its user attributes say whose it
+        is, for ``trials``."""
+        import optuna
+
+        storage = self.optuna_storage()
+        name = self.study_name(spec, env, bucket, phase)
+        study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
+                                    sampler=sampler)
+        attrs = dict(spec_key=spec.key, spec_uri=spec.uri, environment=env.as_dict(), bucket=bucket, phase=phase)
+        if any(study.user_attrs.get(k) != v for k, v in attrs.items()):
+            for k, v in attrs.items():
+                study.set_user_attr(k, v)
+        return study
 
     def missing_tables(self) -> list[str]:
-        """The flashgen tables this database lacks (``flashgen db upgrade`` creates them)."""
+        """The tables this database lacks, flashgen's and Optuna's (``flashgen db upgrade``
+        creates them)."""
+        from optuna.storages._rdb.models import BaseModel
+
         try:
             present = set(inspect(self.engine).get_table_names())
         except SQLAlchemyError as err:
             raise DatabaseError.from_exception(self.url, err) from None
-        return sorted(set(Base.metadata.tables) - present)
+        return sorted((set(Base.metadata.tables) | set(BaseModel.metadata.tables)) - present)
 
     def _env_id(self, s: Session, env: EnvInfo, create: bool = True) -> int | None:
         if create:
@@ -268,15 +352,6 @@ class ResultStore:
         return s.execute(select(SpecRow.id).filter_by(key=spec.key)).scalar_one_or_none()
 
     # ------------------------------------------------------------------ writes
-    def record_trial(self, env: EnvInfo, spec: AttentionSpec, trial: TrialRecord) -> None:
-        with self._session() as s:
-            values = dict(environment_id=self._env_id(s, env), spec_id=self._spec_id(s, spec), bucket=trial.bucket,
-                          phase=trial.phase, config_key=config_key(trial.config), config=trial.config,
-                          status=trial.status, ms=trial.ms, tflops=trial.tflops, margin=trial.margin,
-                          error=trial.error)
-            self._upsert(s, Trial, values, ("environment_id", "spec_id", "bucket", "phase", "config_key"),
-                         update=("status", "ms", "tflops", "margin", "error", "config"))
-
     def set_best(self, env: EnvInfo, spec: AttentionSpec, bucket: int, phase: str, config: dict, ms: float,
                  tflops: float, default_ms: float | None = None) -> dict | None:
         """Store a best config unless the environment already holds a faster one for this spec,
@@ -302,17 +377,28 @@ class ResultStore:
     # ------------------------------------------------------------------ reads
     def trials(self, env: EnvInfo, spec: AttentionSpec, bucket: int | None = None,
                phase: str | None = None) -> list[TrialRecord]:
-        with self._session() as s:
-            env_id, spec_id = self._env_id(s, env, create=False), self._spec_id(s, spec, create=False)
-            if env_id is None or spec_id is None:
-                return []
-            q = select(Trial).filter_by(environment_id=env_id, spec_id=spec_id)
-            if bucket is not None:
-                q = q.filter_by(bucket=bucket)
-            if phase is not None:
-                q = q.filter_by(phase=phase)
-            return [TrialRecord(t.bucket, t.phase, t.config, t.status, t.ms, t.tflops, t.margin, t.error)
-                    for t in s.execute(q.order_by(Trial.id)).scalars()]
+        """The finished trials' records of this spec in this environment, from Optuna's
+        studies, in the order they were run (one per config: a config measured twice, by
+        concurrent workers, is listed once, with its latest record)."""
+        storage = self.optuna_storage()
+        found: dict[tuple, TrialRecord] = {}
+        try:
+            studies = sorted(storage.get_all_studies(), key=lambda st: st._study_id)
+            for study in studies:
+                attrs = study.user_attrs
+                if attrs.get("spec_key") != spec.key or attrs.get("environment") != env.as_dict() or \
+                        (bucket is not None and attrs.get("bucket") != bucket) or \
+                        (phase is not None and attrs.get("phase") != phase):
+                    continue
+                for t in storage.get_all_trials(study._study_id, deepcopy=False):
+                    record = t.user_attrs.get("record")
+                    if t.state.is_finished() and record:
+                        key = (study._study_id, config_key(record["config"]))
+                        found.pop(key, None)
+                        found[key] = TrialRecord(**record)
+        except SQLAlchemyError as err:
+            raise DatabaseError.from_exception(self.url, err) from None
+        return list(found.values())
 
     def best_configs(self, env: EnvInfo, spec: AttentionSpec) -> dict[int, dict[str, dict]]:
         """{bucket: {phase: best row as a dict}} for this exact environment and spec."""
@@ -390,6 +476,41 @@ class ResultStore:
                 except ResultRowError as err:  # a result flashgen.load skips
                     problems.append(f"{where} is invalid: {err}")
         return problems
+
+
+def optuna_experimental_warning():
+    from optuna.exceptions import ExperimentalWarning
+
+    return ExperimentalWarning
+
+
+def _rdb(url: str, dialect: str, **kwargs):
+    import warnings
+
+    from optuna.storages import RDBStorage
+
+    engine_kwargs = {"connect_args": {"timeout": 30}} if dialect == "sqlite" else {"pool_pre_ping": True}
+    with warnings.catch_warnings():  # heartbeat_interval is marked experimental
+        warnings.simplefilter("ignore", optuna_experimental_warning())
+        return RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+
+
+def upgrade_database(url: str, found: int) -> None:
+    """``flashgen db upgrade``: migrate a flashgen database at schema ``found`` (Alembic,
+    flashgen.db.migrate), make any of flashgen's tables it lacks, then bring Optuna's tables
+    to the installed Optuna (made where missing)."""
+    try:
+        engine = create_engine(url, future=True)
+        if engine.dialect.name == "sqlite":
+            _sqlite_pragmas(engine)
+        with migrate.schema_lock(engine, url):
+            with engine.begin() as conn:
+                migrate.upgrade(conn, found)
+                Base.metadata.create_all(conn)
+            _rdb(url, engine.dialect.name, skip_compatibility_check=True).upgrade()
+        engine.dispose()
+    except _OPEN_ERRORS as err:
+        raise DatabaseError(url, f"cannot be upgraded: {_describe(err)}") from None
 
 
 @dataclass(frozen=True)
