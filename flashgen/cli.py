@@ -89,6 +89,20 @@ def _db_option(f):
                              "in the user data directory).")(f)
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _rerun_interpreted():
+    """Run this command again with TRITON_INTERPRET=1 from the start: Triton decides at import
+    which functions of its own library run interpreted, and `import flashgen` imported it."""
+    if "--interpret" not in sys.argv:  # called in-process (click's test runner): cannot re-run
+        raise click.UsageError("--interpret: set TRITON_INTERPRET=1 before Python imports flashgen")
+    sys.stdout.flush(), sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "flashgen", *sys.argv[1:]],
+              dict(os.environ, TRITON_INTERPRET="1"))
+
+
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="flashgen")
 def main():
@@ -228,8 +242,8 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
         raise click.UsageError("--plot draws one process's search: leave it out with --gpus above 1")
     if plot_path:
         _pyplot()  # a missing matplotlib is said now, not after the tune
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    if interpret and not _interpreting():
+        _rerun_interpreted()
     specs = []
     for path in paths:
         spec = AttentionSpec.from_yaml(path)

@@ -365,3 +365,16 @@ def test_export_writes_to_the_working_directory_by_default(tmp_path, sound_datab
                                        "triton-interpreter"])
     assert result.exit_code == 0, result.output
     assert (tmp_path / "triton-interpreter.yaml").read_text().startswith("# flashgen tuning results")
+
+
+def test_readme_main_job_runs_in_a_fresh_process(tmp_path):
+    # README's main job, as a new user types it: no TRITON_INTERPRET in the environment, so the
+    # command itself must switch Triton to its interpreter before Triton is imported (setting it
+    # after `import flashgen` left Triton's own library functions compiled: every trial failed).
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=child_pythonpath(ROOT), FLASHGEN_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-m", "flashgen", "tune", "--spec", str(SMALL_SPEC), "--interpret",
+                           "--trials", "1", "--seqlens", "64", "--db", f"sqlite:///{tmp_path / 'r.sqlite'}"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "no config passed" not in proc.stdout and "1.00x" in proc.stdout, proc.stdout[-2000:]
