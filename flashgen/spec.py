@@ -26,6 +26,7 @@ import yaml
 
 from . import masks
 from .errors import SpecError
+from .expr.parse import plain_number, plain_str
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 _DTYPE_ALIASES = {
@@ -170,9 +171,13 @@ def read_yaml(path: str | Path, *, max_bytes: int = MAX_SPEC_BYTES, max_values: 
         raise YamlFileError(str(path), "not valid YAML: " + " ".join(str(err).split())) from None
 
 
+# Every field is stored as a plain int, float, bool or str, never the caller's subclass: a
+# subclass's __repr__ or __format__ could otherwise write code into the generated module, the
+# file names and the database. plain_number reads through the base type (int.__int__).
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(name, "expected an integer", value)
+    value = plain_number(name, value)
     if value < lo or (hi is not None and value > hi):
         rng = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
         raise SpecError(name, f"expected an integer {rng}", value)
@@ -188,9 +193,13 @@ def _check_bool(name: str, value: Any) -> bool:
 def _check_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SpecError(name, "expected a number", value)
+    try:
+        value = float(int.__int__(value)) if isinstance(value, int) else float.__float__(value)
+    except OverflowError:
+        value = math.inf
     if not math.isfinite(value):
         raise SpecError(name, "expected a finite number", value)
-    return float(value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -207,8 +216,8 @@ class TuneSpec:
             raise SpecError("tune.seqlens", "expected a non-empty list of sequence lengths", seqlens)
         checked = tuple(_check_int("tune.seqlens", s, 1, 1 << 20) for s in seqlens)
         object.__setattr__(self, "seqlens", tuple(sorted(set(checked))))
-        _check_int("tune.trials", self.trials, 1, 100_000)
-        _check_int("tune.batch_tokens", self.batch_tokens, 1)
+        object.__setattr__(self, "trials", _check_int("tune.trials", self.trials, 1, 100_000))
+        object.__setattr__(self, "batch_tokens", _check_int("tune.batch_tokens", self.batch_tokens, 1))
 
     @classmethod
     def from_dict(cls, data: Any) -> "TuneSpec":
@@ -279,21 +288,23 @@ class AttentionSpec:
     @_refuse_deep_nesting
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name) or len(self.name) > MAX_NAME_LENGTH:
+        name = plain_str(self.name) if isinstance(self.name, str) else None
+        if name is None or not _NAME_RE.fullmatch(name) or len(name) > MAX_NAME_LENGTH:
             raise SpecError("name", f"expected up to {MAX_NAME_LENGTH} letters, digits, '_', '.' or '-' "
                                     "(starting with a letter or digit)", self.name)
-        dtype = _DTYPE_ALIASES.get(self.dtype) if isinstance(self.dtype, str) else None
+        set_("name", name)
+        dtype = _DTYPE_ALIASES.get(plain_str(self.dtype)) if isinstance(self.dtype, str) else None
         if dtype is None:
             raise SpecError("dtype", "expected one of fp16, bf16, fp32", self.dtype)
         set_("dtype", dtype)
-        _check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        set_("head_dim", _check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM))
         if self.head_dim_v is None:
             set_("head_dim_v", self.head_dim)
-        _check_int("head_dim_v", self.head_dim_v, 1, MAX_HEAD_DIM)
-        _check_int("num_heads", self.num_heads, 1, 65535)
+        set_("head_dim_v", _check_int("head_dim_v", self.head_dim_v, 1, MAX_HEAD_DIM))
+        set_("num_heads", _check_int("num_heads", self.num_heads, 1, 65535))
         if self.num_kv_heads is None:
             set_("num_kv_heads", self.num_heads)
-        _check_int("num_kv_heads", self.num_kv_heads, 1, 65535)
+        set_("num_kv_heads", _check_int("num_kv_heads", self.num_kv_heads, 1, 65535))
         if self.num_heads % self.num_kv_heads:
             raise SpecError(
                 "num_kv_heads",
@@ -317,9 +328,10 @@ class AttentionSpec:
             raise SpecError("dropout_p", "expected a probability in [0, 1)", self.dropout_p)
         set_("dropout_p", p)
         _check_bool("backward", self.backward)
-        if not isinstance(self.target, str) or self.target.lower() not in TARGETS:
+        target = plain_str(self.target).lower() if isinstance(self.target, str) else None
+        if target not in TARGETS:
             raise SpecError("target", "expected one of " + ", ".join(TARGETS), self.target)
-        set_("target", self.target.lower())
+        set_("target", target)
         if isinstance(self.tune, Mapping) or self.tune is None:
             set_("tune", TuneSpec.from_dict(self.tune))
         elif not isinstance(self.tune, TuneSpec):
