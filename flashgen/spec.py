@@ -5,7 +5,8 @@ SpecError that names the field and the value, for example::
 
     spec field 'head_dim': expected an integer from 1 to 256, got 0
 
-``spec.uri`` is a readable, filename-safe id (``gqa-causal_bf16_hd128_h32kv8_causal_train``);
+``spec.uri`` is a readable, filename-safe id (``gqa-causal_bf16_hd128_h32kv8_causal_train``)
+of at most MAX_URI_LENGTH characters (a long one ends in a hash of the rest);
 ``spec.key`` is a hash of the canonical form of the computation (every field but
 ``name``, ``target`` and ``tune``, which do not change what the kernel computes).
 """
@@ -37,6 +38,11 @@ _DTYPE_ALIASES = {
 TARGETS = ("auto", "h100", "h200", "a100", "l40s", "l4", "a10g", "rtx4090", "rtx3090", "cpu")
 MAX_HEAD_DIM = 256
 MAX_NAME_LENGTH = 100  # the name starts spec.uri, which names files: keep it far below 255 bytes
+# spec.uri names cache files, tuner studies and database rows (256 characters at most), and an
+# or-tree of masks grows it without bound: past MAX_URI_LENGTH it keeps a readable prefix and
+# replaces the rest with a hash of the whole, so distinct long ids stay distinct.
+_URI_PREFIX, _URI_HASH = 80, 16
+MAX_URI_LENGTH = _URI_PREFIX + 1 + _URI_HASH
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # used with fullmatch: `$` would accept "foo\n"
 
 # What a spec file may be. Specs are a few hundred bytes; the bounds stop a small hostile
@@ -450,7 +456,7 @@ class AttentionSpec:
         if self.dropout_p:
             parts.append(f"drop{self.dropout_p:g}")
         parts.append("train" if self.backward else "fwd")
-        return "_".join(parts)
+        return _bounded("_".join(parts))
 
     def replace(self, **changes) -> "AttentionSpec":
         return dataclasses.replace(self, **changes)
@@ -460,3 +466,11 @@ def _node_name(node) -> str:
     if node.kind in ("and", "or"):
         return node.kind + "-" + "-".join(_node_name(c) for c in node.children)
     return node.kind
+
+
+def _bounded(uri: str) -> str:
+    """uri, or past MAX_URI_LENGTH its first _URI_PREFIX characters, '-' and _URI_HASH hex digits
+    of the whole uri's hash: as readable as fits, and distinct long ids stay distinct."""
+    if len(uri) <= MAX_URI_LENGTH:
+        return uri
+    return uri[:_URI_PREFIX].rstrip("-_.") + "-" + hashlib.sha256(uri.encode()).hexdigest()[:_URI_HASH]
