@@ -28,6 +28,7 @@ import yaml
 from . import masks
 from .errors import SpecError
 from .expr.parse import plain_number, plain_str
+from .masks.pattern import check_bool
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 _DTYPE_ALIASES = {
@@ -190,12 +191,6 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     return value
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise SpecError(name, "expected true or false", value)
-    return value
-
-
 def _check_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SpecError(name, "expected a number", value)
@@ -317,7 +312,7 @@ class AttentionSpec:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads",
                 self.num_kv_heads,
             )
-        _check_bool("causal", self.causal)
+        check_bool("causal", self.causal)
         if self.mask is not None:
             set_("mask", masks.parse_mask(self.mask))
         if self.score_mod is not None:
@@ -333,7 +328,7 @@ class AttentionSpec:
         if not 0.0 <= p < 1.0:
             raise SpecError("dropout_p", "expected a probability in [0, 1)", self.dropout_p)
         set_("dropout_p", p)
-        _check_bool("backward", self.backward)
+        check_bool("backward", self.backward)
         target = plain_str(self.target).lower() if isinstance(self.target, str) else None
         if target not in TARGETS:
             raise SpecError("target", "expected one of " + ", ".join(TARGETS), self.target)

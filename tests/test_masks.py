@@ -571,3 +571,19 @@ def test_a_30_term_or_tree_keeps_its_uri_and_file_names_bounded(device):
     q, k, v = _qkv(gen, 1, 1, 1, 40, 40, 16, torch.float32, device)
     out, lse = module.forward(q, k, v, tensors={})
     assert_attention_close(out, lse, q, k, v, causal=False, mask=spec.mask)
+
+
+class _LyingCompare(int):
+    """An int that says it is within every range."""
+
+    def __le__(self, other):
+        return True
+
+    __ge__ = __lt__ = __gt__ = __le__
+
+
+def test_pattern_extents_are_range_checked_as_plain_ints():
+    with pytest.raises(SpecError, match=r"mask.sliding_window.left.*expected an integer from -1 to"):
+        AttentionSpec(mask={"sliding_window": {"left": _LyingCompare(10**15), "right": 0}})
+    with pytest.raises(SpecError, match="head_dim"):
+        AttentionSpec(head_dim=_LyingCompare(10**6))
