@@ -292,26 +292,22 @@ def test_bad_values_are_quoted_short():
 _MARK = "__import__('sys').modules.__setitem__('flashgen_pwned', 1)"
 
 
-class _IntCode(int):
-    """An int whose repr, str and format are code: written into a generated module it would run."""
+def _code_in_repr(base):
+    """A subclass of base whose repr, str and format are code: written into a generated module it would run."""
 
-    def __repr__(self):
-        return f"{_MARK} or {int(self)}"
+    class CodeInRepr(base):
+        def __repr__(self):
+            return f"{_MARK} or {base.__repr__(self)}"
 
-    __str__ = __repr__
+        __str__ = __repr__
 
-    def __format__(self, spec):
-        return repr(self)
+        def __format__(self, spec):
+            return repr(self)
+
+    return CodeInRepr
 
 
-class _FloatCode(float):
-    def __repr__(self):
-        return f"{_MARK} or {float(self)}"
-
-    __str__ = __repr__
-
-    def __format__(self, spec):
-        return repr(self)
+_IntCode, _FloatCode = _code_in_repr(int), _code_in_repr(float)
 
 
 class _StrCode(str):
