@@ -5,7 +5,8 @@ SpecError that names the field and the value, for example::
 
     spec field 'head_dim': expected an integer from 1 to 256, got 0
 
-``spec.uri`` is a readable, filename-safe id (``gqa-causal_bf16_hd128_h32kv8_causal_train``);
+``spec.uri`` is a readable, filename-safe id (``gqa-causal_bf16_hd128_h32kv8_causal_train``)
+of at most MAX_URI_LENGTH characters (a long one ends in a hash of the rest);
 ``spec.key`` is a hash of the canonical form of the computation (every field but
 ``name``, ``target`` and ``tune``, which do not change what the kernel computes).
 """
@@ -26,6 +27,8 @@ import yaml
 
 from . import masks
 from .errors import SpecError
+from .expr.parse import plain_number, plain_str
+from .masks.pattern import check_bool
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 _DTYPE_ALIASES = {
@@ -36,6 +39,11 @@ _DTYPE_ALIASES = {
 TARGETS = ("auto", "h100", "h200", "a100", "l40s", "l4", "a10g", "rtx4090", "rtx3090", "cpu")
 MAX_HEAD_DIM = 256
 MAX_NAME_LENGTH = 100  # the name starts spec.uri, which names files: keep it far below 255 bytes
+# spec.uri names cache files, tuner studies and database rows (256 characters at most), and an
+# or-tree of masks grows it without bound: past MAX_URI_LENGTH it keeps a readable prefix and
+# replaces the rest with a hash of the whole, so distinct long ids stay distinct.
+_URI_PREFIX, _URI_HASH = 80, 16
+MAX_URI_LENGTH = _URI_PREFIX + 1 + _URI_HASH
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # used with fullmatch: `$` would accept "foo\n"
 
 # What a spec file may be. Specs are a few hundred bytes; the bounds stop a small hostile
@@ -170,27 +178,29 @@ def read_yaml(path: str | Path, *, max_bytes: int = MAX_SPEC_BYTES, max_values: 
         raise YamlFileError(str(path), "not valid YAML: " + " ".join(str(err).split())) from None
 
 
+# Every field is stored as a plain int, float, bool or str, never the caller's subclass: a
+# subclass's __repr__ or __format__ could otherwise write code into the generated module, the
+# file names and the database. plain_number reads through the base type (int.__int__).
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(name, "expected an integer", value)
+    value = plain_number(name, value)
     if value < lo or (hi is not None and value > hi):
         rng = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
         raise SpecError(name, f"expected an integer {rng}", value)
     return value
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise SpecError(name, "expected true or false", value)
-    return value
-
-
 def _check_float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise SpecError(name, "expected a number", value)
+    try:
+        value = float(int.__int__(value)) if isinstance(value, int) else float.__float__(value)
+    except OverflowError:
+        value = math.inf
     if not math.isfinite(value):
         raise SpecError(name, "expected a finite number", value)
-    return float(value)
+    return value
 
 
 @dataclass(frozen=True)
@@ -207,8 +217,8 @@ class TuneSpec:
             raise SpecError("tune.seqlens", "expected a non-empty list of sequence lengths", seqlens)
         checked = tuple(_check_int("tune.seqlens", s, 1, 1 << 20) for s in seqlens)
         object.__setattr__(self, "seqlens", tuple(sorted(set(checked))))
-        _check_int("tune.trials", self.trials, 1, 100_000)
-        _check_int("tune.batch_tokens", self.batch_tokens, 1)
+        object.__setattr__(self, "trials", _check_int("tune.trials", self.trials, 1, 100_000))
+        object.__setattr__(self, "batch_tokens", _check_int("tune.batch_tokens", self.batch_tokens, 1))
 
     @classmethod
     def from_dict(cls, data: Any) -> "TuneSpec":
@@ -279,28 +289,30 @@ class AttentionSpec:
     @_refuse_deep_nesting
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name) or len(self.name) > MAX_NAME_LENGTH:
+        name = plain_str(self.name) if isinstance(self.name, str) else None
+        if name is None or not _NAME_RE.fullmatch(name) or len(name) > MAX_NAME_LENGTH:
             raise SpecError("name", f"expected up to {MAX_NAME_LENGTH} letters, digits, '_', '.' or '-' "
                                     "(starting with a letter or digit)", self.name)
-        dtype = _DTYPE_ALIASES.get(self.dtype) if isinstance(self.dtype, str) else None
+        set_("name", name)
+        dtype = _DTYPE_ALIASES.get(plain_str(self.dtype)) if isinstance(self.dtype, str) else None
         if dtype is None:
             raise SpecError("dtype", "expected one of fp16, bf16, fp32", self.dtype)
         set_("dtype", dtype)
-        _check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        set_("head_dim", _check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM))
         if self.head_dim_v is None:
             set_("head_dim_v", self.head_dim)
-        _check_int("head_dim_v", self.head_dim_v, 1, MAX_HEAD_DIM)
-        _check_int("num_heads", self.num_heads, 1, 65535)
+        set_("head_dim_v", _check_int("head_dim_v", self.head_dim_v, 1, MAX_HEAD_DIM))
+        set_("num_heads", _check_int("num_heads", self.num_heads, 1, 65535))
         if self.num_kv_heads is None:
             set_("num_kv_heads", self.num_heads)
-        _check_int("num_kv_heads", self.num_kv_heads, 1, 65535)
+        set_("num_kv_heads", _check_int("num_kv_heads", self.num_kv_heads, 1, 65535))
         if self.num_heads % self.num_kv_heads:
             raise SpecError(
                 "num_kv_heads",
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads",
                 self.num_kv_heads,
             )
-        _check_bool("causal", self.causal)
+        check_bool("causal", self.causal)
         if self.mask is not None:
             set_("mask", masks.parse_mask(self.mask))
         if self.score_mod is not None:
@@ -316,10 +328,11 @@ class AttentionSpec:
         if not 0.0 <= p < 1.0:
             raise SpecError("dropout_p", "expected a probability in [0, 1)", self.dropout_p)
         set_("dropout_p", p)
-        _check_bool("backward", self.backward)
-        if not isinstance(self.target, str) or self.target.lower() not in TARGETS:
+        check_bool("backward", self.backward)
+        target = plain_str(self.target).lower() if isinstance(self.target, str) else None
+        if target not in TARGETS:
             raise SpecError("target", "expected one of " + ", ".join(TARGETS), self.target)
-        set_("target", self.target.lower())
+        set_("target", target)
         if isinstance(self.tune, Mapping) or self.tune is None:
             set_("tune", TuneSpec.from_dict(self.tune))
         elif not isinstance(self.tune, TuneSpec):
@@ -438,7 +451,7 @@ class AttentionSpec:
         if self.dropout_p:
             parts.append(f"drop{self.dropout_p:g}")
         parts.append("train" if self.backward else "fwd")
-        return "_".join(parts)
+        return _bounded("_".join(parts))
 
     def replace(self, **changes) -> "AttentionSpec":
         return dataclasses.replace(self, **changes)
@@ -448,3 +461,11 @@ def _node_name(node) -> str:
     if node.kind in ("and", "or"):
         return node.kind + "-" + "-".join(_node_name(c) for c in node.children)
     return node.kind
+
+
+def _bounded(uri: str) -> str:
+    """uri, or past MAX_URI_LENGTH its first _URI_PREFIX characters, '-' and _URI_HASH hex digits
+    of the whole uri's hash: as readable as fits, and distinct long ids stay distinct."""
+    if len(uri) <= MAX_URI_LENGTH:
+        return uri
+    return uri[:_URI_PREFIX].rstrip("-_.") + "-" + hashlib.sha256(uri.encode()).hexdigest()[:_URI_HASH]

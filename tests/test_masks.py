@@ -6,6 +6,7 @@ Every case draws fresh inputs from a new seed, printed on failure.
 """
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -542,3 +543,47 @@ def test_the_deepest_accepted_expressions_render_to_valid_python(shape):
             assert "nested too deeply" in str(err)
             break
     compile(render.render(deepest, SMALL), "deepest.py", "exec")
+
+
+def _or_tree(lo, hi):
+    """A balanced or-tree of hi - lo windows and chunks (each term different)."""
+    if hi - lo == 1:
+        return {"sliding_window": {"left": lo, "right": 0}} if lo % 2 else {"chunked": lo + 2}
+    mid = (lo + hi) // 2
+    return {"or": [_or_tree(lo, mid), _or_tree(mid, hi)]}
+
+
+def test_a_30_term_or_tree_keeps_its_uri_and_file_names_bounded(device):
+    from flashgen.db import EnvInfo
+    from flashgen.db.rows import MAX_TEXT
+    from flashgen.spec import MAX_URI_LENGTH
+    from flashgen.tuner import study_name
+
+    seed, gen = _seeded()
+    spec = AttentionSpec(dtype="fp32", head_dim=16, mask=_or_tree(0, 30))
+    assert len(spec.uri) <= MAX_URI_LENGTH and spec.uri.startswith("attention_fp32_hd16_h1kv1_mask-or-or-")
+    other = spec.replace(backward=True)  # "..._train" instead of "..._fwd": only the hidden tail differs
+    assert other.uri != spec.uri and other.uri[:70] == spec.uri[:70]
+    kernel = flashgen.compile(spec, SMALL)
+    module = kernel.module()
+    assert len(Path(module.__file__).name) < 160 and Path(module.__file__).name.startswith(spec.uri)
+    assert len(study_name(spec, EnvInfo.current(interpret=True), 1024, "fwd")) < MAX_TEXT  # the database's bound
+    q, k, v = _qkv(gen, 1, 1, 1, 40, 40, 16, torch.float32, device)
+    out, lse = module.forward(q, k, v, tensors={})
+    assert_attention_close(out, lse, q, k, v, causal=False, mask=spec.mask)
+
+
+class _LyingCompare(int):
+    """An int that says it is within every range."""
+
+    def __le__(self, other):
+        return True
+
+    __ge__ = __lt__ = __gt__ = __le__
+
+
+def test_pattern_extents_are_range_checked_as_plain_ints():
+    with pytest.raises(SpecError, match=r"mask.sliding_window.left.*expected an integer from -1 to"):
+        AttentionSpec(mask={"sliding_window": {"left": _LyingCompare(10**15), "right": 0}})
+    with pytest.raises(SpecError, match="head_dim"):
+        AttentionSpec(head_dim=_LyingCompare(10**6))

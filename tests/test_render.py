@@ -370,3 +370,51 @@ def test_default_config_per_gpu_family():
     assert default_config(spec.replace(dtype="fp32"), "a100").BLOCK_N == 32
     with pytest.raises(ConfigError, match="unknown"):
         KernelConfig.from_dict({"BLOCK_K": 16})
+
+
+class _IntCode(int):
+    """An int whose repr is code that leaves a file behind when it runs."""
+
+    mark = "flashgen-pwned"
+
+    def __repr__(self):
+        return f"(__import__('pathlib').Path({self.mark!r}).touch() or {int.__repr__(self)})"
+
+    __str__ = __repr__
+
+
+def _import_in_child(path: Path, cwd: Path) -> None:
+    code = f"import importlib.util as u; s = u.spec_from_file_location('m', {str(path)!r}); " \
+           "s.loader.exec_module(u.module_from_spec(s))"
+    subprocess.run([sys.executable, "-c", code], cwd=cwd, check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": child_pythonpath(ROOT)})
+    assert not (cwd / _IntCode.mark).exists(), "importing the generated module ran code from a spec value"
+
+
+def test_numbers_reach_the_generated_module_as_literals_never_through_their_repr(tmp_path):
+    spec = AttentionSpec(head_dim=_IntCode(16), num_heads=_IntCode(2), num_kv_heads=_IntCode(1))
+    config = default_config(spec, target="cpu")
+    source = R.render(spec, config)
+    assert "__import__" not in source and "'head_dim': 16," in source
+    (tmp_path / "m.py").write_text(source)
+    _import_in_child(tmp_path / "m.py", tmp_path)
+    # the literal writer itself: numbers from their base type, other objects refused
+    assert R._literal({"a": _IntCode(3), "b": [(1,), (2, 3)], "c": None}) == "{\n    'a': 3,\n    'b': [(1,), (2, 3)],\n    'c': None,\n}"
+    with pytest.raises(TypeError, match="object"):
+        R._literal({"a": object()})
+
+
+def test_the_cli_generated_file_holds_no_code_from_spec_values(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from flashgen import cli
+
+    # YAML cannot make an int subclass; a spec built in Python (as a plugin or wrapper would) can
+    monkeypatch.setattr(cli.AttentionSpec, "from_yaml",
+                        classmethod(lambda cls, path: cls(head_dim=_IntCode(16), num_heads=_IntCode(2))))
+    (tmp_path / "s.yaml").write_text("head_dim: 16\n")
+    out = tmp_path / "k.py"
+    result = CliRunner().invoke(cli.main, ["generate", "--spec", str(tmp_path / "s.yaml"), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "__import__" not in out.read_text() and "pwned" not in result.output
+    _import_in_child(out, tmp_path)

@@ -286,3 +286,46 @@ def test_bad_values_are_quoted_short():
     with pytest.raises(SpecError) as info:
         AttentionSpec(name="x" * 100_000)
     assert len(str(info.value)) < 400 and "xxx...xxx" in str(info.value)
+
+
+# ----------------------------------------------------------------------------- plain field values
+_MARK = "__import__('sys').modules.__setitem__('flashgen_pwned', 1)"
+
+
+def _code_in_repr(base):
+    """A subclass of base whose repr, str and format are code: written into a generated module it would run."""
+
+    class CodeInRepr(base):
+        def __repr__(self):
+            return f"{_MARK} or {base.__repr__(self)}"
+
+        __str__ = __repr__
+
+        def __format__(self, spec):
+            return repr(self)
+
+    return CodeInRepr
+
+
+_IntCode, _FloatCode = _code_in_repr(int), _code_in_repr(float)
+
+
+class _StrCode(str):
+    def lower(self):
+        return _StrCode(str.lower(self))
+
+
+def test_every_field_is_stored_as_a_plain_value():
+    spec = AttentionSpec(name=_StrCode("x"), dtype=_StrCode("fp16"), head_dim=_IntCode(32), head_dim_v=_IntCode(16),
+                         num_heads=_IntCode(4), num_kv_heads=_IntCode(2), softmax_scale=_FloatCode(0.5),
+                         dropout_p=_IntCode(0), target=_StrCode("CPU"),
+                         tune={"seqlens": [_IntCode(64)], "trials": _IntCode(2), "batch_tokens": _IntCode(128)})
+    for name, want in (("name", str), ("dtype", str), ("head_dim", int), ("head_dim_v", int), ("num_heads", int),
+                       ("num_kv_heads", int), ("softmax_scale", float), ("dropout_p", float), ("target", str)):
+        assert type(getattr(spec, name)) is want, name
+    assert [type(v) for v in (*spec.tune.seqlens, spec.tune.trials, spec.tune.batch_tokens)] == [int, int, int]
+    assert AttentionSpec(softmax_scale=_IntCode(2)).softmax_scale == 2.0
+    text = spec.uri + spec.key + spec.to_yaml() + repr(spec.canonical())
+    assert "__import__" not in text
+    with pytest.raises(SpecError, match="softmax_scale.*finite"):
+        AttentionSpec(softmax_scale=10 ** 400)

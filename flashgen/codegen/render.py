@@ -17,6 +17,7 @@ import jinja2
 
 from .. import __version__
 from ..config import KernelConfig
+from ..expr.to_triton import triton_literal
 from ..runtime import decode, host
 from ..spec import AttentionSpec
 from .cache import cached_source_path, import_path
@@ -86,9 +87,30 @@ def templates_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def _value_source(value) -> str:
+    """A plain value (None, bool, int, float, str, or a list or dict of them) as Python source.
+
+    Written from the base types (``int.__repr__``, ``str.__repr__``), never through the value's
+    own __repr__: what lands in the generated module is data, whatever object was passed in.
+    """
+    if value is None or isinstance(value, bool):
+        return str(bool(value)) if value is not None else "None"
+    if isinstance(value, (int, float)):
+        return triton_literal(value)
+    if isinstance(value, str):
+        return str.__repr__(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_value_source(v) for v in value) + "]"
+    if isinstance(value, tuple):
+        return "(" + "".join(_value_source(v) + ", " for v in value)[:-2] + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_value_source(k)}: {_value_source(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write a {type(value).__name__} into a generated module")
+
+
 def _literal(data: dict) -> str:
     """A dict as Python source, one key a line, in the dict's order."""
-    lines = "".join(f"    {key!r}: {value!r},\n" for key, value in data.items())
+    lines = "".join(f"    {_value_source(key)}: {_value_source(value)},\n" for key, value in data.items())
     return "{\n" + lines + "}"
 
 

@@ -24,7 +24,6 @@ SIZE_VARS = ("seqlen_q", "seqlen_k")
 FUNCTIONS = {"where": 3, "abs": 1, "min": 2, "max": 2, "exp": 1, "tanh": 1}  # name -> number of arguments
 
 COMPARE_OPS = frozenset({"<", "<=", ">", ">=", "==", "!="})
-ARITH_OPS = frozenset({"+", "-", "*", "/", "//", "%"})
 LOGIC_OPS = frozenset({"&", "|"})
 
 # The deepest expression flashgen lowers. The Triton writer (to_triton.py) opens at most three

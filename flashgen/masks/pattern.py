@@ -68,9 +68,10 @@ def path(field, *keys) -> str:
 
 def check_int(field: str, value, lo: int, hi: int = MAX_EXTENT) -> int:
     """value as a plain int in [lo, hi]."""
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    plain = plain_number(field, value) if isinstance(value, int) and not isinstance(value, bool) else None
+    if plain is None or not lo <= plain <= hi:  # compared as a plain int: a subclass's __le__ could lie
         raise SpecError(field, f"expected an integer from {lo} to {hi}", value)
-    return plain_number(field, value)
+    return plain
 
 
 def check_positive_number(field: str, value) -> float | int:
