@@ -445,7 +445,7 @@ def test_eager_step_reads_one_small_tensor_once_and_plans_once(monkeypatch):
     for lengths in ([3, 9], [0, 10], [12, 1]):
         launcher.decode(q, cache, cache, torch.tensor(lengths, dtype=torch.int32), block_table=table, num_splits=2)
     monkeypatch.undo()
-    assert reads == [3, 3, 3] and len(knobs) == 1
+    assert reads == [8, 8, 8] and len(knobs) == 1  # (batch, 4) flags
     assert len(launcher.kernel.launches) == 3
 
 

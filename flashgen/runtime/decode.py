@@ -17,6 +17,7 @@ keys waits before writing the cache. Launch plans (split count, grids, knobs) ar
 
 import torch
 import triton
+import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
 from flashgen.runtime.host import AttentionLauncher, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import padded_head_dim  # standalone: host.py precedes
@@ -73,24 +74,50 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     return block_m, block_n, num_splits, num_warps or 4, num_stages or (3 if head_dim <= 128 else 2)
 
 
+@triton.jit
+def _decode_bounds(seqlens, table, batch_idx, flags, table_stride, width, seqlen_add, capacity, page_size, num_pages,
+                   cache_batch, PAGED: tl.constexpr, BATCH_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per batch element b writes flags[b, 0:4] (see bounds_flags)."""
+    b = tl.program_id(0)
+    length = tl.load(seqlens + b).to(tl.int64) + seqlen_add
+    tl.store(flags + b * 4, (length < 0).to(tl.int32))
+    tl.store(flags + b * 4 + 1, (length > capacity).to(tl.int32))
+    if PAGED:
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, width, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            used = (cols < width) & (cols.to(tl.int64) * page_size < length)
+            entry = tl.load(table + b * table_stride + cols, mask=used, other=0)
+            bad = tl.maximum(bad, ((entry < 0) | (entry >= num_pages)).to(tl.int32))
+        tl.store(flags + b * 4 + 2, tl.max(bad, 0))
+    if BATCH_INDEX:
+        row = tl.load(batch_idx + b)
+        tl.store(flags + b * 4 + 3, ((row < 0) | (row >= cache_batch)).to(tl.int32))
+
+
 def bounds_flags(cache_seqlens, seqlen_add, capacity, block_table, page_size, num_pages, cache_batch_idx,
                  cache_batch):
-    """One small int32 tensor on the device, nonzero where a bound is broken: [lengths < 0,
-    lengths (+ the keys appended) > capacity, a block_table entry those lengths use outside
-    [0, num_pages), cache_batch_idx outside [0, cache_batch)]. No host read: see raise_bounds."""
-    lengths = cache_seqlens.to(torch.int64) + seqlen_add
-    flags = [(lengths < 0).any(), (lengths > capacity).any()]
-    if block_table is not None:
-        used = torch.arange(0, block_table.shape[1] * page_size, page_size, device=block_table.device) < lengths[:, None]
-        flags.append((used & ((block_table < 0) | (block_table >= num_pages))).any())
-    if cache_batch_idx is not None:
-        flags.append(((cache_batch_idx < 0) | (cache_batch_idx >= cache_batch)).any())
-    return torch.stack(flags).to(torch.int32)
+    """A small (batch, 4) int32 tensor on the device, nonzero where a bound is broken: [length
+    < 0, length (+ the keys appended) > capacity, a block_table entry the length uses outside
+    [0, num_pages), cache_batch_idx outside [0, cache_batch)]. One kernel launch (not one torch
+    op per comparison), whatever the block table's size; no host read: see raise_bounds."""
+    batch = cache_seqlens.shape[0]
+    flags = torch.zeros((batch, 4), dtype=torch.int32, device=cache_seqlens.device)
+    if batch:
+        width = block_table.shape[1] if block_table is not None else 1
+        _decode_bounds[(batch,)](
+            cache_seqlens, block_table if block_table is not None else cache_seqlens,
+            cache_batch_idx if cache_batch_idx is not None else cache_seqlens, flags,
+            block_table.stride(0) if block_table is not None else 0, width, seqlen_add, capacity, page_size, num_pages,
+            cache_batch, PAGED=block_table is not None, BATCH_INDEX=cache_batch_idx is not None,
+            BLOCK=min(256, max(16, triton.next_power_of_2(width))))
+    return flags
 
 
 def raise_bounds(flags, cache_seqlens, seqlen_add, capacity, block_table, page_size, num_pages, cache_batch_idx,
                  cache_batch):
-    """The error naming the argument whose bound bounds_flags found broken (flags read on the host)."""
+    """The error naming the argument whose bound bounds_flags found broken (flags: its rows read on the host)."""
+    flags = [any(column) for column in zip(*flags)] or [False] * 4  # rows (batch, 4) -> one flag per bound
     if not any(flags):
         return
     lengths = cache_seqlens.to(torch.int64) + seqlen_add
