@@ -160,7 +160,7 @@ class PendingBoundsCheck:
             self.host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             self.host.copy_(flags, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(flags.device))
         else:
             self.host, self.event = flags, None
 
