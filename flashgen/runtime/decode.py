@@ -140,18 +140,11 @@ def raise_bounds(flags, cache_seqlens, seqlen_add, capacity, block_table, page_s
                      f"{cache_batch_idx[i].item()} at index {i}")
 
 
-def check_cache_bounds(*bounds):
-    """cache_seqlens (+ the keys appended) within [0, capacity], the block_table entries those
-    lengths use within [0, num_pages), cache_batch_idx within the cache's batch; arguments as
-    bounds_flags. One device reduction, one device->host copy (a synchronisation)."""
-    raise_bounds(bounds_flags(*bounds).tolist(), *bounds)
-
-
 class PendingBoundsCheck:
     """bounds_flags copied to the host without blocking, read after the kernels are queued:
     the host waits for the small reduction only, while the GPU already has the decode kernels
     (which clamp every index) to run, so eager calls do not drain the stream between steps.
-    On the CPU (the interpreter) the flags are read at once."""
+    On the CPU (the interpreter) the kernels have already run: nothing is waited for."""
 
     def __init__(self, bounds):
         self.bounds = bounds
@@ -311,7 +304,9 @@ class DecodeLauncher:
         S_new): new keys k, v (B, S_new, H_kv, D), if given, are first written into the cache in
         place at cache_seqlens[b]. cache_batch_idx (B,) int32 picks the cache rows of a
         contiguous cache. num_splits 0 picks the split count from shapes (FA3's heuristic).
-        out, lse: buffers to write into (else allocated)."""
+        out, lse: buffers to write into (else allocated). Bad cache_seqlens, block_table or
+        cache_batch_idx raise ValueError naming the argument; without appended keys the check is
+        read after the (clamping) kernels are queued, so given out/lse may then hold garbage."""
         batch, seqlen_q = self.check_inputs(q, k_cache, v_cache, k, v, block_table, cache_batch_idx)
         spec = self.spec
         paged = block_table is not None
