@@ -12,8 +12,9 @@ against the contiguous one. Every output is checked against SDPA's (or the dense
 before it is timed; each provider's failure is recorded, not fatal.
 
 "flashgen_graph" is the compat call captured in a CUDA graph and replayed, as a serving loop runs
-decode: there the one host synchronisation of an eager call (the bounds check of cache_seqlens
-and block_table) is skipped, so the GPU never waits for the host between steps.
+decode: there the bounds check of cache_seqlens and block_table (in an eager call: one small
+kernel whose flags the host waits for after the decode kernels are queued) is skipped, and no
+host work sits between steps.
 
 Rows: {case, mode, <provider>: {us, TBps} | {error}, ratio_vs_<anchor>: anchor us / flashgen us,
 graph_ratio_vs_<anchor>: the same for flashgen_graph}.

@@ -411,3 +411,56 @@ def test_decode_host_side_is_capturable(monkeypatch):
     assert kernel.launches[0] == kernel.launches[1] and combine.launches[0] == combine.launches[1]
     # the appends landed at each step's lengths, crossing pages: element 0 at 3, 4 (page 3 slot 3, page 1 slot 0)
     assert torch.equal(cache[3, 3], new[0, 0, :, :]) and torch.equal(cache[1, 0], new[0, 1])
+
+
+# ----------------------------------------------------------------------------- the eager host path
+def _recording_launcher():
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    module = flashgen.compile(spec).module()
+    kernel, combine = _Recorder(), _Recorder()
+    return host_decode.DecodeLauncher(attention=module._LAUNCHER, kernel=kernel, combine_kernel=combine)
+
+
+def test_eager_step_reads_one_small_tensor_once_and_plans_once(monkeypatch):
+    # An eager step reads the host once (the fused bounds flags, a handful of ints, whatever the
+    # block table's size), and a repeated shape reuses its launch plan.
+    launcher = _recording_launcher()
+    q = torch.zeros(2, 1, 4, 16, dtype=torch.float16)
+    cache = torch.zeros(7, 4, 2, 16, dtype=torch.float16)
+    table = torch.tensor([[3, 1, 5], [0, 6, 2]], dtype=torch.int32)
+    reads, knobs = [], []
+    tolist, decode_knobs = torch.Tensor.tolist, host_decode.decode_knobs
+
+    def counted(t):
+        reads.append(t.numel())
+        return tolist(t)
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("an eager decode step read a tensor on the host outside the bounds check")
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    for name in ("item", "cpu", "numpy", "__bool__", "__int__", "__index__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    monkeypatch.setattr(host_decode, "decode_knobs", lambda *a, **kw: knobs.append(a) or decode_knobs(*a, **kw))
+    for lengths in ([3, 9], [0, 10], [12, 1]):
+        launcher.decode(q, cache, cache, torch.tensor(lengths, dtype=torch.int32), block_table=table, num_splits=2)
+    monkeypatch.undo()
+    assert reads == [8, 8, 8] and len(knobs) == 1  # (batch, 4) flags
+    assert len(launcher.kernel.launches) == 3
+
+
+def test_bad_bounds_are_checked_after_queueing_unless_the_cache_is_written():
+    # Without appended keys the kernels (which clamp) are queued before the host waits for the
+    # check, and the call still fails naming the argument; with appended keys nothing is
+    # written or launched before the check.
+    launcher = _recording_launcher()
+    q = torch.zeros(2, 1, 4, 16, dtype=torch.float16)
+    cache = torch.zeros(7, 4, 2, 16, dtype=torch.float16)
+    table = torch.tensor([[3, 1, 5], [0, 7, 2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_table: .*\[0, 7\).* got 7 at \[1, 1\]"):
+        launcher.decode(q, cache, cache, torch.tensor([3, 9], dtype=torch.int32), block_table=table)
+    assert len(launcher.kernel.launches) == 1
+    new = torch.ones(2, 1, 2, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"block_table: .* got 7 at \[1, 1\]"):
+        launcher.decode(q, cache, cache, torch.tensor([3, 8], dtype=torch.int32), k=new, v=new, block_table=table)
+    assert len(launcher.kernel.launches) == 1 and not cache.any()

@@ -87,3 +87,24 @@ def test_decode_is_deterministic():
     out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=True)
     from flashgen.verify import compare
     assert compare("out", first[0], out_ref, out_pt).ok, f"seed={seed}"
+
+
+def test_eager_bounds_check_waits_after_queueing_and_names_the_argument():
+    # The eager check on the GPU: flags copied to pinned memory without blocking and waited for
+    # on an event after the decode kernels are queued; a bad table still raises, naming it, and a
+    # good call after it (the same shapes, the cached plan) is right.
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    pages = torch.randn(8, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+    table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4)
+    seqlens = torch.tensor([64, 40], dtype=torch.int32, device="cuda")
+    bad = table.clone()
+    bad[1, 2] = 8
+    with pytest.raises(ValueError, match=r"block_table: .*\[0, 8\).* got 8 at \[1, 2\]"):
+        flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=bad)
+    with pytest.raises(ValueError, match="cache_seqlens: .*capacity 64, got 65 at index 1"):
+        flash_attn_with_kvcache(q, pages, pages, cache_seqlens=torch.tensor(
+            [64, 65], dtype=torch.int32, device="cuda"), block_table=table)
+    out = flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=table)
+    contiguous = pages.view(2, 64, 2, 128)
+    torch.testing.assert_close(out, flash_attn_with_kvcache(q, contiguous, contiguous, cache_seqlens=seqlens),
+                               atol=2e-2, rtol=0)

@@ -149,7 +149,7 @@ def test_host_names_do_not_clash_with_the_kernels(name, spec, config):
     # A standalone module holds both in one namespace: the host must not rebind a kernel global.
     module_names = _top_level_names(ast.parse(R.render(spec, config, standalone=False)))
     host_names = _top_level_names(ast.parse(R.host_source())) | _top_level_names(ast.parse(R.decode_source()))
-    assert module_names & host_names <= {"torch", "triton", "AttentionLauncher", "DecodeLauncher"}, \
+    assert module_names & host_names <= {"torch", "triton", "tl", "AttentionLauncher", "DecodeLauncher"}, \
         module_names & host_names
 
 

@@ -8,15 +8,19 @@ its AttentionLauncher and exposes its decode().
 CUDA graphs: a decode step makes no host decision from tensor contents. The number of splits,
 the grid and every buffer come from shapes (the cache's capacity, never cache_seqlens); the
 kernel reads cache_seqlens on the device. The one host read (the bounds check of
-cache_seqlens, block_table and cache_batch_idx) is skipped while a graph is captured or
-torch.compile traces; the kernel then clamps every index, so nothing is read out of bounds.
+cache_seqlens, block_table and cache_batch_idx: one small device reduction, one copy) is skipped
+while a graph is captured or torch.compile traces; the kernel then clamps every index, so
+nothing is read out of bounds. In eager mode that copy is waited for after the kernels are
+queued (PendingBoundsCheck), so the stream is never drained between steps; a call that appends
+keys waits before writing the cache. Launch plans (split count, grids, knobs) are cached per shape.
 """
 
 import torch
 import triton
+import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
 from flashgen.runtime.host import AttentionLauncher, device_sync_forbidden  # standalone: host.py precedes
-from flashgen.runtime.host import interpreting, padded_head_dim  # standalone: host.py precedes
+from flashgen.runtime.host import padded_head_dim  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
@@ -70,36 +74,94 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     return block_m, block_n, num_splits, num_warps or 4, num_stages or (3 if head_dim <= 128 else 2)
 
 
-def check_cache_bounds(cache_seqlens, seqlen_add, capacity, block_table, page_size, num_pages, cache_batch_idx,
-                       cache_batch):
-    """cache_seqlens (+ the keys appended) within [0, capacity], the block_table entries those
-    lengths use within [0, num_pages), cache_batch_idx within the cache's batch. One device->host copy."""
+@triton.jit
+def _decode_bounds(seqlens, table, batch_idx, flags, table_stride, width, seqlen_add, capacity, page_size, num_pages,
+                   cache_batch, PAGED: tl.constexpr, BATCH_INDEX: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per batch element b writes flags[b, 0:4] (see bounds_flags)."""
+    b = tl.program_id(0)
+    length = tl.load(seqlens + b).to(tl.int64) + seqlen_add
+    tl.store(flags + b * 4, (length < 0).to(tl.int32))
+    tl.store(flags + b * 4 + 1, (length > capacity).to(tl.int32))
+    if PAGED:
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, width, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            used = (cols < width) & (cols.to(tl.int64) * page_size < length)
+            entry = tl.load(table + b * table_stride + cols, mask=used, other=0)
+            bad = tl.maximum(bad, ((entry < 0) | (entry >= num_pages)).to(tl.int32))
+        tl.store(flags + b * 4 + 2, tl.max(bad, 0))
+    if BATCH_INDEX:
+        row = tl.load(batch_idx + b)
+        tl.store(flags + b * 4 + 3, ((row < 0) | (row >= cache_batch)).to(tl.int32))
+
+
+def bounds_flags(cache_seqlens, seqlen_add, capacity, block_table, page_size, num_pages, cache_batch_idx,
+                 cache_batch):
+    """A small (batch, 4) int32 tensor on the device, nonzero where a bound is broken: [length
+    < 0, length (+ the keys appended) > capacity, a block_table entry the length uses outside
+    [0, num_pages), cache_batch_idx outside [0, cache_batch)]. One kernel launch (not one torch
+    op per comparison), whatever the block table's size; no host read: see raise_bounds."""
+    batch = cache_seqlens.shape[0]
+    flags = torch.zeros((batch, 4), dtype=torch.int32, device=cache_seqlens.device)
+    if batch:
+        width = block_table.shape[1] if block_table is not None else 1
+        _decode_bounds[(batch,)](
+            cache_seqlens, block_table if block_table is not None else cache_seqlens,
+            cache_batch_idx if cache_batch_idx is not None else cache_seqlens, flags,
+            block_table.stride(0) if block_table is not None else 0, width, seqlen_add, capacity, page_size, num_pages,
+            cache_batch, PAGED=block_table is not None, BATCH_INDEX=cache_batch_idx is not None,
+            BLOCK=min(256, max(16, triton.next_power_of_2(width))))
+    return flags
+
+
+def raise_bounds(flags, cache_seqlens, seqlen_add, capacity, block_table, page_size, num_pages, cache_batch_idx,
+                 cache_batch):
+    """The error naming the argument whose bound bounds_flags found broken (flags: its rows read on the host)."""
+    flags = [any(column) for column in zip(*flags)] or [False] * 4  # rows (batch, 4) -> one flag per bound
+    if not any(flags):
+        return
     lengths = cache_seqlens.to(torch.int64) + seqlen_add
-    stats = [lengths.min(), lengths.max()]
-    if block_table is not None:
-        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < lengths[:, None]
-        entries = torch.where(used, block_table.to(torch.int64), 0)
-        stats += [entries.min(), entries.max()]
-    if cache_batch_idx is not None:
-        stats += [cache_batch_idx.min().to(torch.int64), cache_batch_idx.max().to(torch.int64)]
-    values = torch.stack(stats).tolist()
-    low, high = values[0], values[1]
     added = f" + {seqlen_add} appended" if seqlen_add else ""
-    if low < 0:
+    if flags[0]:
         i = int(lengths.argmin())
         raise ValueError(f"cache_seqlens: expected lengths >= 0, got {cache_seqlens[i].item()} at index {i}")
-    if high > capacity:
+    if flags[1]:
         i = int(lengths.argmax())
         raise ValueError(f"cache_seqlens: expected lengths{added} within the cache's capacity {capacity}, got "
                          f"{cache_seqlens[i].item()}{added} at index {i}")
-    if block_table is not None and (values[2] < 0 or values[3] >= num_pages):
+    if block_table is not None:
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < lengths[:, None]
         bad = used & ((block_table < 0) | (block_table >= num_pages))
         b, j = (int(x) for x in bad.nonzero()[0])
         raise ValueError(f"block_table: expected page indices in [0, {num_pages}) (the pages of k_cache), got "
                          f"{block_table[b, j].item()} at [{b}, {j}]")
-    if cache_batch_idx is not None and (values[-2] < 0 or values[-1] >= cache_batch):
-        raise ValueError(f"cache_batch_idx: expected indices in [0, {cache_batch}) (the batch of k_cache), got "
-                         f"{values[-2] if values[-2] < 0 else values[-1]}")
+    i = int(((cache_batch_idx < 0) | (cache_batch_idx >= cache_batch)).nonzero()[0])
+    raise ValueError(f"cache_batch_idx: expected indices in [0, {cache_batch}) (the batch of k_cache), got "
+                     f"{cache_batch_idx[i].item()} at index {i}")
+
+
+class PendingBoundsCheck:
+    """bounds_flags copied to the host without blocking, read after the kernels are queued:
+    the host waits for the small reduction only, while the GPU already has the decode kernels
+    (which clamp every index) to run, so eager calls do not drain the stream between steps.
+    On the CPU (the interpreter) the kernels have already run: nothing is waited for."""
+
+    def __init__(self, bounds):
+        self.bounds = bounds
+        flags = bounds_flags(*bounds)
+        if flags.device.type == "cuda":
+            self.host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            self.host.copy_(flags, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(flags.device))
+        else:
+            self.host, self.event = flags, None
+
+    def result(self):
+        """Raise the error naming the argument if a bound is broken."""
+        if self.event is not None:
+            self.event.synchronize()
+        raise_bounds(self.host.tolist(), *self.bounds)
 
 
 def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, capacity):
@@ -127,10 +189,13 @@ class DecodeLauncher:
     combine_kernel: _decode_combine.
     """
 
+    MAX_PLANS = 1024  # shapes x knob overrides a launcher remembers (cleared past this)
+
     def __init__(self, *, attention, kernel, combine_kernel):
         self.attention = attention
         self.spec = attention.spec
         self.kernel, self.combine_kernel = kernel, combine_kernel
+        self.plans = {}  # see plan()
 
     def check_inputs(self, q, k_cache, v_cache, k, v, block_table, cache_batch_idx):
         spec, att = self.spec, self.attention
@@ -150,7 +215,7 @@ class DecodeLauncher:
                 raise ValueError(f"{name}: expected dtype {att.dtype} (spec dtype {spec['dtype']}), got {t.dtype}")
             if t.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
-        if q.device.type == "cpu" and not interpreting():
+        if q.device.type == "cpu" and not self.attention.interpreting():
             raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on "
                              "the CPU)")
         if (k is None) != (v is None):
@@ -207,6 +272,28 @@ class DecodeLauncher:
                              f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)}")
         return cache_seqlens
 
+    def plan(self, batch, seqlen_q, capacity, device, BLOCK_N, num_splits, num_warps, num_stages):
+        """The launch plan of a decode call (knobs, split count, grids), from shapes only: computed
+        once per shape and knob overrides, then a dict lookup."""
+        key = (batch, seqlen_q, capacity, device, BLOCK_N, num_splits, num_warps, num_stages)
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan
+        spec = self.spec
+        group = spec["num_heads"] // spec["num_kv_heads"]
+        block_m, block_n, splits, warps, stages = decode_knobs(
+            spec["head_dim"], seqlen_q * group, batch, spec["num_kv_heads"], capacity, device, BLOCK_N=BLOCK_N,
+            num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+        plan = {"BLOCK_M": block_m, "BLOCK_N": block_n, "splits": splits, "split": splits > 1, "num_warps": warps,
+                "num_stages": stages, "block_dv": padded_head_dim(spec["head_dim_v"]),
+                "grid": (splits, triton.cdiv(seqlen_q * group, block_m), batch * spec["num_kv_heads"]),
+                "combine_grid": (batch * seqlen_q * spec["num_heads"],),
+                "BLOCK_S": max(2, triton.next_power_of_2(splits))}
+        if len(self.plans) >= self.MAX_PLANS:
+            self.plans.clear()
+        self.plans[key] = plan
+        return plan
+
     def decode(self, q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, block_table=None,
                cache_batch_idx=None, softmax_scale=None, tensors=None, out=None, lse=None, BLOCK_N=None, num_splits=0,
                num_warps=None, num_stages=None):
@@ -217,7 +304,9 @@ class DecodeLauncher:
         S_new): new keys k, v (B, S_new, H_kv, D), if given, are first written into the cache in
         place at cache_seqlens[b]. cache_batch_idx (B,) int32 picks the cache rows of a
         contiguous cache. num_splits 0 picks the split count from shapes (FA3's heuristic).
-        out, lse: buffers to write into (else allocated)."""
+        out, lse: buffers to write into (else allocated). Bad cache_seqlens, block_table or
+        cache_batch_idx raise ValueError naming the argument; without appended keys the check is
+        read after the (clamping) kernels are queued, so given out/lse may then hold garbage."""
         batch, seqlen_q = self.check_inputs(q, k_cache, v_cache, k, v, block_table, cache_batch_idx)
         spec = self.spec
         paged = block_table is not None
@@ -226,12 +315,16 @@ class DecodeLauncher:
         cache_seqlens = self.seqlens_arg(cache_seqlens, batch, capacity, q.device)
         seqlen_add = 0 if k is None else k.shape[1]
         named = self.attention.named_tensors(tensors, q.device)
+        pending = None
         if not device_sync_forbidden(q.device):  # else the kernel and append_kv clamp every index
-            check_cache_bounds(cache_seqlens, seqlen_add, capacity, block_table, page_size, k_cache.shape[0],
-                               cache_batch_idx, k_cache.shape[0])
+            pending = PendingBoundsCheck((cache_seqlens, seqlen_add, capacity, block_table, page_size,
+                                          k_cache.shape[0], cache_batch_idx, k_cache.shape[0]))
         if k is not None:
+            if pending is not None:  # the cache is written in place: check before touching it
+                pending.result()
+                pending = None
             append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, capacity)
-        num_heads, num_kv_heads = spec["num_heads"], spec["num_kv_heads"]
+        num_heads = spec["num_heads"]
         dv = spec["head_dim_v"]
         if out is None:
             out = torch.empty((batch, seqlen_q, num_heads, dv), dtype=q.dtype, device=q.device)
@@ -243,15 +336,13 @@ class DecodeLauncher:
         elif tuple(lse.shape) != (batch, num_heads, seqlen_q) or lse.dtype != torch.float32 or not lse.is_contiguous():
             raise ValueError(f"lse: expected a contiguous float32 tensor of shape {(batch, num_heads, seqlen_q)}")
         if batch * seqlen_q == 0:
+            if pending is not None:
+                pending.result()
             return out, lse
-        group = num_heads // num_kv_heads
-        block_m, block_n, splits, warps, stages = decode_knobs(
-            spec["head_dim"], seqlen_q * group, batch, num_kv_heads, capacity, q.device, BLOCK_N=BLOCK_N,
-            num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+        plan = self.plan(batch, seqlen_q, capacity, q.device, BLOCK_N, num_splits, num_warps, num_stages)
+        splits, block_dv = plan["splits"], plan["block_dv"]
         scale = spec["softmax_scale"] if softmax_scale is None else softmax_scale
-        split = splits > 1
-        block_dv = padded_head_dim(dv)
-        if split:
+        if plan["split"]:
             o_part = torch.empty((batch, seqlen_q, num_heads, splits, block_dv), dtype=torch.float32, device=q.device)
             lse_part = torch.empty((batch, seqlen_q, num_heads, splits), dtype=torch.float32, device=q.device)
         else:
@@ -261,16 +352,18 @@ class DecodeLauncher:
         else:
             bt, bt_stride = cache_seqlens, 0  # never read
         cbi = cache_batch_idx if cache_batch_idx is not None else cache_seqlens  # read only when given
-        grid = (splits, triton.cdiv(seqlen_q * group, block_m), batch * num_kv_heads)
-        self.kernel[grid](
+        self.kernel[plan["grid"]](
             q, k_cache, v_cache, out, lse, o_part, lse_part, cache_seqlens, bt, cbi,
             *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse.stride()[:2],
-            bt_stride, k_cache.shape[0], num_kv_heads, k_cache.shape[0], capacity, seqlen_q, seqlen_add, splits,
-            scale, scale * AttentionLauncher.RCP_LN2, *self.attention.tensor_args(named),
-            BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE_SIZE=page_size,
-            BATCH_INDEX=cache_batch_idx is not None, SPLIT=split, num_warps=warps, num_stages=stages)
-        if split:
-            self.combine_kernel[(batch * seqlen_q * num_heads,)](
+            bt_stride, k_cache.shape[0], spec["num_kv_heads"], k_cache.shape[0], capacity, seqlen_q, seqlen_add,
+            splits, scale, scale * AttentionLauncher.RCP_LN2, *self.attention.tensor_args(named),
+            BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], PAGED=paged, PAGE_SIZE=page_size,
+            BATCH_INDEX=cache_batch_idx is not None, SPLIT=plan["split"], num_warps=plan["num_warps"],
+            num_stages=plan["num_stages"])
+        if plan["split"]:
+            self.combine_kernel[plan["combine_grid"]](
                 out, lse, o_part, lse_part, *out.stride(), *lse.stride()[:2], seqlen_q, num_heads, splits,
-                BLOCK_S=max(2, triton.next_power_of_2(splits)))
+                BLOCK_S=plan["BLOCK_S"])
+        if pending is not None:  # the kernels are queued (and clamp): now wait for the small check only
+            pending.result()
         return out, lse
