@@ -30,7 +30,7 @@ def _packed(batch, seqlen, heads=8, kv_heads=2, dim=16):
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
     total = int(cu[-1])
     qkv = [torch.randn(total, h, dim, requires_grad=True) for h in (heads, kv_heads, kv_heads)]
-    return qkv, cu, max(lengths)
+    return [*qkv, cu, max(lengths)]  # q, k, v, cu_seqlens (for q and k), max_seqlen
 
 
 def _check(fn, make, backend):
@@ -69,14 +69,10 @@ def test_attention_bshd_compiles():
 
 
 def test_attention_varlen_compiles():
-    def make(batch, seqlen):
-        qkv, cu, longest = _packed(batch, seqlen)
-        return [*qkv, cu, longest]
-
     def fn(q, k, v, cu, longest):
         return flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
 
-    _check(fn, make, "aot_eager")
+    _check(fn, _packed, "aot_eager")
 
 
 def test_compat_functions_compile():
@@ -85,14 +81,10 @@ def test_compat_functions_compile():
 
     _check(dense, lambda b, s: _dense(b, s, "bshd"), "aot_eager")
 
-    def make(batch, seqlen):
-        qkv, cu, longest = _packed(batch, seqlen)
-        return [*qkv, cu, longest]
-
     def packed(q, k, v, cu, longest):
         return compat.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
 
-    _check(packed, make, "aot_eager")
+    _check(packed, _packed, "aot_eager")
 
 
 def test_sdpa_compiles():
