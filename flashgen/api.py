@@ -17,6 +17,20 @@ _TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "
 LAYOUTS = ("bhsd", "bshd")
 
 
+_UNUSED_SEEDS: dict[torch.device, torch.Tensor] = {}  # device -> the seed tensor passed when dropout is off
+
+
+def _unused_seed(device: torch.device) -> torch.Tensor:
+    """The seed argument of a call without dropout: never read, so one tensor per device serves
+    every call (under torch.compile a fresh one is traced into the graph instead)."""
+    if torch.compiler.is_compiling():
+        return torch.empty(1, device=device, dtype=torch.int64)
+    seed = _UNUSED_SEEDS.get(device)
+    if seed is None:
+        seed = _UNUSED_SEEDS[device] = torch.empty(1, device=device, dtype=torch.int64)
+    return seed
+
+
 class AttentionKernel:
     """A compiled attention spec. Call it as ``kernel(q, k, v)``; it is differentiable.
 
@@ -108,7 +122,7 @@ class AttentionKernel:
         p = self.spec.dropout_p if dropout_p is None else float(dropout_p)
         if p > 0:
             return p, torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
-        return p, torch.empty(1, device=device, dtype=torch.int64)
+        return p, _unused_seed(device)
 
     def __call__(self, q, k, v, *, layout: str = "bhsd", return_lse: bool = False,
                  config: KernelConfig | None = None, dropout_p: float | None = None, deterministic: bool = False,
@@ -173,11 +187,18 @@ def spec_for(q, k, v, *, causal: bool, softmax_scale: float | None, layout: str,
     for name, t in (("q", q), ("v", v)):
         if not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
             raise ValueError(f"{name}: expected a head dim from 1 to {MAX_HEAD_DIM}, got {t.shape[-1]}")
+    return _spec(dtype=_TORCH_DTYPES[q.dtype], head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, mask=mask,
+                 score_mod=score_mod)
+
+
+def _spec(*, dtype, head_dim, head_dim_v, num_heads, num_kv_heads, causal, softmax_scale, dropout_p, mask,
+          score_mod) -> AttentionSpec:
     return AttentionSpec(
         name="attention",
-        dtype=_TORCH_DTYPES[q.dtype],
-        head_dim=q.shape[-1],
-        head_dim_v=v.shape[-1],
+        dtype=dtype,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         causal=causal,
@@ -187,6 +208,153 @@ def spec_for(q, k, v, *, causal: bool, softmax_scale: float | None, layout: str,
         score_mod=score_mod,
         backward=True,
     )
+
+
+# ----------------------------------------------------------------------------- the per-call fast path
+# A call is bound once per plain key (dtype, head dims, heads, layout, causal, scale, dropout, mask,
+# score_mod, config): the spec is built, checked and compiled, and the tuned config looked up, on the
+# first call; every later call with the same key is one dict lookup. Under torch.compile the same
+# key (head dims and heads specialized, batch and sequence lengths left dynamic) is resolved to a
+# kernel id by a function dynamo runs once at trace time and treats as a constant.
+_BOUND: dict[tuple, AttentionKernel] = {}
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _static_int(n, limit: int = 1 << 12) -> int:
+    """n as a Python int. Under torch.compile with dynamic shapes a size is symbolic: a binary
+    search of comparisons specializes it (dynamo guards each), so heads and head dims are
+    constants of the graph while batch and sequence lengths stay dynamic."""
+    if not isinstance(n, torch.SymInt) and not torch.compiler.is_compiling():
+        return n
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if n <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _static_float(x):
+    """A float argument as a constant. Under torch.compile with dynamic shapes a float read from a
+    default or an attribute is symbolic; 0 (no dropout, the common case) is specialized by a guard."""
+    if x is None or not torch.compiler.is_compiling():
+        return x
+    if x == 0:
+        return 0.0
+    return x
+
+
+def _freeze(x):
+    """A pattern dict or list as nested tuples, so a call key holding it is hashable (thawed by _thaw)."""
+    if isinstance(x, dict):
+        return ("{}", tuple((name, _freeze(x[name])) for name in sorted(x)))
+    if isinstance(x, (list, tuple)):
+        return ("[]", tuple(_freeze(item) for item in x))
+    if isinstance(x, _PLAIN):
+        return x
+    raise TypeError(type(x).__name__)
+
+
+def _thaw(x):
+    if isinstance(x, tuple):
+        kind, items = x
+        return {name: _thaw(value) for name, value in items} if kind == "{}" else [_thaw(item) for item in items]
+    return x
+
+
+def _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config):
+    """The plain-valued key of a call, or None when it has none (not tensors, a wrong rank, a mask
+    given as a function or Mask object): such calls take the checked path every time."""
+    if layout not in ("bhsd", "bshd", "thd") or not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        return None
+    ndim = 3 if layout == "thd" else 4
+    if q.dim() != ndim or k.dim() != ndim or v.dim() != ndim:
+        return None
+    if not (isinstance(causal, _PLAIN) and isinstance(softmax_scale, _PLAIN) and isinstance(dropout_p, _PLAIN)
+            and (config is None or isinstance(config, KernelConfig))):
+        return None
+    try:
+        mask, score_mod = _freeze(mask), _freeze(score_mod)
+    except TypeError:
+        return None
+    head_axis = 2 if layout == "bshd" else 1
+    return (_TORCH_DTYPES.get(q.dtype), _static_int(q.shape[-1]), _static_int(v.shape[-1]),
+            _static_int(q.shape[head_axis]), _static_int(k.shape[head_axis]), layout, causal,
+            _static_float(softmax_scale), _static_float(dropout_p), mask, score_mod, config)
+
+
+def _tuned_kernel(spec: AttentionSpec, config: KernelConfig | None) -> AttentionKernel:
+    """The kernel a one-off call binds: the given config, else the stored tuned configs for the
+    spec's key per bucket (the user's database, then the shipped tuning_db/), else the default.
+    Looked up once per bound key; any problem reading results falls back silently."""
+    if config is not None:
+        return compile_spec(spec, config)
+    try:
+        import warnings
+
+        from .loader import lookup
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            configs, source = lookup(spec)
+    except Exception:  # noqa: BLE001 (a call never fails for its tuning results)
+        configs, source = {}, "default"
+    if not configs:
+        return compile_spec(spec)
+    kernel = AttentionKernel(spec, bucket_configs=configs)
+    kernel.config_source = source
+    return kernel
+
+
+def _bind(key, q, k, v, **fields) -> AttentionKernel:
+    # (the spec is built from the call's own arguments: a checked path whose errors name them)
+    """The kernel of a call: a dict lookup on its plain key after the first call of that key."""
+    kernel = _BOUND.get(key) if key is not None else None
+    if kernel is None:
+        config = fields.pop("config")
+        kernel = _tuned_kernel(spec_for(q, k, v, **fields), config)
+        if key is not None:
+            _BOUND[key] = kernel
+    return kernel
+
+
+@torch.compiler.assume_constant_result
+def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p,
+                    mask, score_mod) -> str:
+    """Under torch.compile: the kernel id of a call's key (with the default or tuned config; its
+    largest bucket's, since the sequence length is dynamic). Run once by dynamo at trace time."""
+    key = (dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p, mask,
+           score_mod, None)
+    kernel = _BOUND.get(key)
+    if kernel is None:
+        spec = _spec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, num_heads=num_heads,
+                     num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                     mask=_thaw(mask), score_mod=_thaw(score_mod))
+        kernel = _BOUND[key] = _tuned_kernel(spec, None)
+    if kernel.bucket_configs:
+        return kernel.kernel_id(kernel.bucket_configs[max(kernel.bucket_configs)])
+    return kernel.kernel_id()
+
+
+@torch.compiler.assume_constant_result
+def _traced_tensor_names(*key) -> str:
+    """Under torch.compile: the named tensors a call's spec reads, in call order, comma-joined."""
+    _traced_binding(*key)
+    return ",".join(_BOUND[(*key, None)].spec.tensor_names)
+
+
+def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=None):
+    """A call being traced by torch.compile: the custom op with the id resolved at trace time."""
+    kernel_id = _traced_binding(*key[:-1])
+    names = _traced_tensor_names(*key[:-1])
+    named = [tensors[name] for name in names.split(",")] if names else []
+    p = float(key[8])
+    seed = torch.randint(0, 2**62, (1,), device=q.device, dtype=torch.int64) if p > 0 else _unused_seed(q.device)
+    cu_q, cu_k, max_q, max_k = cu if cu is not None else (None, None, 0, 0)
+    out, lse = ops.attn_fwd(q, k, v, seed, named, kernel_id, layout, p, deterministic, cu_q, cu_k, max_q, max_k)
+    return (out, lse) if return_lse else out
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
@@ -199,11 +367,14 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     ``score_mod`` take anything a spec does (a pattern dict, an expression string,
     flashgen.mask(...), a Python function); the tensors they read are passed by name.
     ``dropout_p`` drops attention probabilities (fused, Philox; the backward regenerates the same mask).
+    Without ``config``, the stored tuned config for the spec is used when there is one.
     """
-    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
-                    mask=mask, score_mod=score_mod)
-    return compile_spec(spec, config)(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic,
-                                 **tensors)
+    key = _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
+    if key is not None and config is None and torch.compiler.is_compiling():
+        return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors)
+    kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
+                   mask=mask, score_mod=score_mod, config=config)
+    return kernel(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic, **tensors)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -215,7 +386,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     q: (total_q, heads, head_dim), k/v: (total_k, kv_heads, head_dim); cu_seqlens_q/k: int32
     (batch + 1) offsets. Causal alignment and masks apply within each sequence. Returns out
     (total_q, heads, head_dim_v) (and LSE (heads, total_q) with return_lse)."""
-    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
-                    mask=mask, score_mod=score_mod)
-    return compile_spec(spec, config).varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        return_lse=return_lse, deterministic=deterministic, **tensors)
+    key = _call_key(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
+    if key is not None and config is None and torch.compiler.is_compiling():
+        return _compiled_call(key, q, k, v, "thd", return_lse, deterministic, tensors,
+                              (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
+                   mask=mask, score_mod=score_mod, config=config)
+    return kernel.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=return_lse,
+                         deterministic=deterministic, **tensors)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import compile_spec, spec_for
+from .api import attention, attention_varlen, spec_for
 
 
 def _variant(causal, window_size, softcap, alibi_slopes):
@@ -46,9 +46,11 @@ def _outputs(out, lse, probs, return_attn_probs):
     return out, lse, probs
 
 
-def _probs(q, k, spec, tensors, layout):
+def _probs(q, k, v, causal, softmax_scale, dropout_p, mask, mods, tensors, layout):
     from .verify import reference_attention
 
+    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
+                    mask=mask, score_mod=mods)
     with torch.no_grad():
         return reference_attention(q, k, k.new_zeros(k.shape[:-1] + (1,)), causal=spec.causal,
                                    softmax_scale=spec.softmax_scale, layout=layout, mask=spec.mask,
@@ -63,10 +65,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     the probabilities (batch, heads, seqlen_q, seqlen_k) are computed densely, for testing, and
     exclude dropout."""
     causal, mask, mods, tensors = _variant(causal, window_size, softcap, alibi_slopes)
-    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="bshd", dropout_p=dropout_p,
-                    mask=mask, score_mod=mods)
-    out, lse = compile_spec(spec)(q, k, v, layout="bshd", return_lse=True, deterministic=deterministic, **tensors)
-    probs = _probs(q, k, spec, tensors, "bshd") if return_attn_probs else None
+    out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="bshd", return_lse=True,
+                         dropout_p=dropout_p, deterministic=deterministic, mask=mask, score_mod=mods, **tensors)
+    probs = None
+    if return_attn_probs:
+        probs = _probs(q, k, v, causal, softmax_scale, dropout_p, mask, mods, tensors, "bshd")
     return _outputs(out, lse, probs, return_attn_probs)
 
 
@@ -79,10 +82,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if block_table is not None:
         raise ValueError("block_table: paged KV caches are not supported by flashgen.compat")
     causal, mask, mods, tensors = _variant(causal, window_size, softcap, alibi_slopes)
-    spec = spec_for(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
-                    mask=mask, score_mod=mods)
-    out, lse = compile_spec(spec).varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                    return_lse=True, deterministic=deterministic, **tensors)
+    out, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                softmax_scale=softmax_scale, dropout_p=dropout_p, return_lse=True,
+                                deterministic=deterministic, mask=mask, score_mod=mods, **tensors)
     return _outputs(out, lse, None, return_attn_probs)
 
 

@@ -79,7 +79,10 @@ def _heads(query, key, value, enable_gqa):
     for name, h in (("key", hk), ("value", hv)):
         if h == 0 or hq % h:
             raise ValueError(f"{name}: with enable_gqa its number of heads must divide query's {hq}, got {h}")
-    return lead, hq, math.lcm(hk, hv)
+    kv_heads = max(hk, hv)  # their least common multiple (math.lcm, written so torch.compile traces it)
+    while kv_heads % hk or kv_heads % hv:
+        kv_heads += max(hk, hv)
+    return lead, hq, kv_heads
 
 
 def _as_bhsd(t, lead, heads):

@@ -91,3 +91,37 @@ def test_compile_is_public_without_shadowing_the_builtin():
 
     assert flashgen.compile is api.compile_spec and not hasattr(api, "compile")
     assert builtins.compile("1", "<x>", "eval")  # the builtin is untouched
+
+
+def test_one_off_call_uses_the_stored_tuned_config(monkeypatch):
+    """flashgen.attention binds the tuned configs per bucket that flashgen.load would use (issue 13: 3),
+    looked up once per key, and runs the nearest bucket's kernel."""
+    from flashgen import api, loader, ops
+    from flashgen.config import KernelConfig
+
+    tuned = KernelConfig(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1)
+    lookups, ids = [], []
+    monkeypatch.setattr(api, "_BOUND", {})
+    monkeypatch.setattr(loader, "lookup", lambda spec, *a, **kw: lookups.append(spec) or ({64: tuned}, "database x"))
+    apply = ops.apply_attention
+    monkeypatch.setattr(ops, "apply_attention", lambda *a, **kw: ids.append(kw["kernel_id"]) or apply(*a, **kw))
+    q = torch.randn(1, 2, 9, 16)
+    flashgen.attention(q, q, q, causal=True)
+    flashgen.attention(q, q, q, causal=True)
+    assert len(lookups) == 1 and ids[0] == ids[1] and '"BLOCK_M":16' in ids[0]
+    kernel = next(iter(api._BOUND.values()))
+    assert kernel.config_source == "database x" and kernel.bucket_configs == {64: tuned}
+
+
+def test_one_off_call_falls_back_silently_when_results_cannot_be_read(monkeypatch, recwarn):
+    from flashgen import api, loader
+
+    def broken(*a, **kw):
+        raise RuntimeError("database is locked")
+
+    monkeypatch.setattr(api, "_BOUND", {})
+    monkeypatch.setattr(loader, "lookup", broken)
+    q = torch.randn(1, 2, 9, 16)
+    out = flashgen.attention(q, q, q, causal=True)
+    assert out.shape == q.shape and not recwarn.list
+    assert next(iter(api._BOUND.values())).config_source == "default"

@@ -143,6 +143,15 @@ class AttentionLauncher:
         self.keep_mask_kernel = keep_mask_kernel
         self.dropout = spec["dropout_p"] > 0
         self.same_seqlen = same_seqlen
+        self.unused = {}  # (dtype, device) -> a one-element tensor for arguments a call never reads
+
+    def unused_arg(self, dtype, device):
+        """A one-element tensor for a kernel argument this call never reads (the seed without
+        dropout, cu_seqlens of a dense batch): allocated once per device, not per call."""
+        t = self.unused.get((dtype, device))
+        if t is None:
+            t = self.unused[(dtype, device)] = torch.empty(1, dtype=dtype, device=device)
+        return t
 
     def interpreting(self):
         """Whether CPU tensors are accepted (tests that only compile replace this)."""
@@ -235,7 +244,7 @@ class AttentionLauncher:
     def seed_arg(self, seed, dropout_p, device):
         """The seed tensor the kernels read (a dummy when dropout is off)."""
         if not dropout_p:
-            return torch.empty(1, dtype=torch.int64, device=device)  # never read
+            return self.unused_arg(torch.int64, device)  # never read
         if not self.dropout:
             raise ValueError(f"dropout_p: this module was generated without dropout (spec dropout_p 0), "
                              f"got {dropout_p!r}")
@@ -251,7 +260,7 @@ class AttentionLauncher:
         if layout != "thd":
             if cu_seqlens_q is not None or cu_seqlens_k is not None:
                 raise ValueError("cu_seqlens_q: packed sequences need layout 'thd' (total_tokens, heads, head_dim)")
-            dummy = torch.empty(1, dtype=torch.int32, device=q.device)
+            dummy = self.unused_arg(torch.int32, q.device)  # never read
             return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], 0, 0, dummy, dummy
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype != torch.int32:

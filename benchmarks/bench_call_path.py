@@ -1,0 +1,146 @@
+"""flashgen.attention as a model calls it (issue 13): small causal calls where host time decides.
+
+Cases: B=1, H=16, S=128 and 512; then S=1024..16384 at 16384 tokens (B = 16384 // S); head dim
+128, causal, bf16. Modes: forward, and forward + backward. Providers: flashgen.attention (the
+default path: bound once, tuned config if stored), SDPA flash, cuDNN, FlexAttention compiled.
+Per provider: host_us (CPU time per call, no sync inside the loop, many calls) and gpu_ms
+(triton's do_bench median). Every provider's output is checked against SDPA's math before it is
+timed; each provider records its own error and the run goes on. Last: a torch.compile
+(fullgraph=True, inductor) forward + backward of a module calling flashgen.attention.
+
+    PYTHONPATH=. python3 benchmarks/bench_call_path.py   # on a GPU
+Writes benchmarks/results/<date>-<gpu>-call-path.json and .md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flashgen  # noqa: E402
+from flashgen.bench import environment  # noqa: E402
+
+ANCHOR = "sdpa_flash"
+HEADS, DIM = 16, 128
+CASES = [(1, 128), (1, 512)] + [(16384 // s, s) for s in (1024, 2048, 4096, 8192, 16384)]
+
+
+def providers():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention)
+    masks = {}
+
+    def sdpa_with(backend):
+        def call(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return call
+
+    def flex_call(q, k, v):
+        key = (q.shape[0], q.shape[2])
+        if key not in masks:
+            masks[key] = create_block_mask(lambda b, h, i, j: j <= i, q.shape[0], None, q.shape[2], q.shape[2])
+        return flex(q, k, v, block_mask=masks[key])
+
+    return {"flashgen": lambda q, k, v: flashgen.attention(q, k, v, causal=True),
+            "sdpa_flash": sdpa_with(SDPBackend.FLASH_ATTENTION), "cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION),
+            "flex": flex_call}
+
+
+def host_us(fn, calls=200):
+    """CPU time per call: no sync inside the loop (the GPU queue absorbs the launches)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def run_case(batch, seqlen, mode, fns):
+    from triton.testing import do_bench
+
+    q, k, v = (torch.randn(batch, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    with torch.no_grad():
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+    row = {"case": f"B={batch} H={HEADS} S={seqlen} hd{DIM} causal bf16", "mode": mode}
+    for name, attn in fns.items():
+        try:
+            err = (attn(q, k, v).float() - ref).abs().max().item()
+            if not err < 0.05:
+                raise AssertionError(f"max |out - SDPA math| = {err:.4f}")
+            if mode == "forward":
+                def step():
+                    with torch.no_grad():
+                        attn(q, k, v)
+            else:
+                def step():
+                    torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+            row[f"{name}_host_us"] = round(host_us(step), 1)
+            row[f"{name}_gpu_ms"] = round(do_bench(step, return_mode="median"), 4)
+        except Exception as exc:  # noqa: BLE001 - one provider's failure is recorded, the run goes on
+            row.setdefault("errors", {})[name] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            traceback.print_exc()
+    anchor = row.get(f"{ANCHOR}_gpu_ms")
+    for name in fns:
+        if anchor and row.get(f"{name}_gpu_ms"):
+            row[f"{name}_ratio_vs_{ANCHOR}"] = round(row[f"{name}_gpu_ms"] / anchor, 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def compile_check():
+    """torch.compile(fullgraph=True) with inductor of a module calling flashgen.attention, fwd + bwd."""
+    try:
+        class Attn(torch.nn.Module):
+            def forward(self, q, k, v):
+                return flashgen.attention(q, k, v, causal=True)
+
+        model = torch.compile(Attn(), fullgraph=True, dynamic=True)
+        q, k, v = (torch.randn(2, HEADS, 256, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        out = model(q, k, v)
+        out.sum().backward()
+        diff = (out - flashgen.attention(q, k, v, causal=True)).abs().max().item()
+        return {"ok": diff == 0.0, "max_diff_vs_eager": diff}
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": False, "error": "".join(traceback.format_exception_only(type(exc), exc)).strip()}
+
+
+def main():
+    fns = providers()
+    rows = [run_case(b, s, mode, fns) for b, s in CASES for mode in ("forward", "fwd+bwd")]
+    env = environment()
+    result = {"environment": env, "anchor": ANCHOR, "rows": rows, "compile_check": compile_check()}
+    gpu = re.sub(r"[^a-z0-9]+", "-", env.get("gpu", "gpu").lower()).strip("-")
+    out = Path(__file__).resolve().parent / "results" / f"{datetime.date.today()}-{gpu}-call-path"
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    names = list(fns)
+    lines = ["| case | mode | " + " | ".join(f"{n} host us / gpu ms" for n in names) + f" | flashgen / {ANCHOR} |",
+             "|---" * (len(names) + 3) + "|"]
+    for r in rows:
+        cells = [f"{r.get(f'{n}_host_us', '-')} / {r.get(f'{n}_gpu_ms', '-')}" for n in names]
+        lines.append(f"| {r['case']} | {r['mode']} | " + " | ".join(cells)
+                     + f" | {r.get(f'flashgen_ratio_vs_{ANCHOR}', '-')} |")
+    lines.append(f"\ncompile check (inductor, fullgraph): {json.dumps(result['compile_check'])}")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

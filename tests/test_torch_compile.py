@@ -1,0 +1,118 @@
+"""torch.compile(fullgraph=True, dynamic=True) of every entry point (issue 13: 2): a module that
+calls it compiles without a graph break, its forward and backward match eager, and a second call
+with another batch size and sequence length does not recompile (error_on_recompile).
+
+fp32 on the CPU through the interpreter; compiled and eager run the same kernels on the same
+inputs, so they agree to the last bit, and we check (dtype fp32, atol 1e-6, rtol 0): any
+difference means a different kernel or different arguments."""
+
+import pytest
+import torch
+import torch._dynamo
+
+import flashgen
+from flashgen import compat
+
+BACKENDS = ["aot_eager", "eager"]
+# (batch, seqlen): the second call must reuse the first's graph. Sizes are chosen apart from the
+# head counts (4, 2; 8 packed) and from 1: dynamo specializes size 1, and sizes equal to a head
+# count on the first trace share its symbol (duck sizing), which flashgen specializes.
+SHAPES = [(3, 17), (5, 33)]
+
+
+def _dense(batch, seqlen, layout="bhsd", heads=4, kv_heads=2, dim=16):
+    shape = (lambda h: (batch, h, seqlen, dim)) if layout == "bhsd" else (lambda h: (batch, seqlen, h, dim))
+    return [torch.randn(shape(h), requires_grad=True) for h in (heads, kv_heads, kv_heads)]
+
+
+def _packed(batch, seqlen, heads=8, kv_heads=2, dim=16):
+    lengths = [seqlen - 3 * i for i in range(batch)]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    total = int(cu[-1])
+    qkv = [torch.randn(total, h, dim, requires_grad=True) for h in (heads, kv_heads, kv_heads)]
+    return [*qkv, cu, max(lengths)]  # q, k, v, cu_seqlens (for q and k), max_seqlen
+
+
+def _check(fn, make, backend):
+    """Compile fn, run it on each shape from make(batch, seqlen) -> args, compare out and grads with eager."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)
+    for i, (batch, seqlen) in enumerate(SHAPES):
+        args = make(batch, seqlen)
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = compiled(*args)
+        grads = torch.autograd.grad(out.sum(), leaves)
+        ref = fn(*args)
+        ref_grads = torch.autograd.grad(ref.sum(), leaves)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_compiles(backend):
+    _check(lambda q, k, v: flashgen.attention(q, k, v, causal=True), _dense, backend)
+
+
+def test_attention_with_pattern_mask_scale_and_named_tensor_compiles():
+    def fn(q, k, v, bias):
+        return flashgen.attention(q, k, v, softmax_scale=0.3, mask={"sliding_window": {"left": 5, "right": 0}},
+                                  score_mod="score + bias[h]", bias=bias)
+
+    _check(fn, lambda b, s: [*_dense(b, s), torch.randn(4, requires_grad=True)], "aot_eager")
+
+
+def test_attention_bshd_compiles():
+    _check(lambda q, k, v: flashgen.attention(q, k, v, causal=True, layout="bshd"),
+           lambda b, s: _dense(b, s, "bshd"), "aot_eager")
+
+
+def test_attention_varlen_compiles():
+    def fn(q, k, v, cu, longest):
+        return flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+
+    _check(fn, _packed, "aot_eager")
+
+
+def test_compat_functions_compile():
+    def dense(q, k, v):
+        return compat.flash_attn_func(q, k, v, causal=True, window_size=(4, -1), softcap=5.0)
+
+    _check(dense, lambda b, s: _dense(b, s, "bshd"), "aot_eager")
+
+    def packed(q, k, v, cu, longest):
+        return compat.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=True)
+
+    _check(packed, _packed, "aot_eager")
+
+
+def test_sdpa_compiles():
+    _check(lambda q, k, v: flashgen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+           _dense, "aot_eager")
+
+
+def test_kernel_object_compiles():
+    kernel = flashgen.compile(flashgen.AttentionSpec(head_dim=16, num_heads=4, num_kv_heads=2, causal=True,
+                                                     dtype="fp32", backward=True))
+    _check(lambda q, k, v: kernel(q, k, v), _dense, "aot_eager")
+
+
+def test_one_off_call_binds_once(monkeypatch):
+    """After the first call of a key, a call builds no spec (the per-call fast path, issue 13: 1)."""
+    from flashgen import api
+
+    monkeypatch.setattr(api, "_BOUND", {})  # keys bound by earlier tests would hide the first bind
+    q, k, v = _dense(1, 9)
+    flashgen.attention(q, k, v, causal=True)
+    built = []
+    original = api.spec_for
+    api.spec_for = lambda *a, **kw: built.append(1) or original(*a, **kw)
+    try:
+        flashgen.attention(*_dense(3, 21), causal=True)
+        assert not built
+        flashgen.attention(q, k, v, causal=False)  # another key: bound once
+        flashgen.attention(q, k, v, causal=False)
+        assert len(built) == 1
+    finally:
+        api.spec_for = original
