@@ -557,7 +557,7 @@ def test_a_30_term_or_tree_keeps_its_uri_and_file_names_bounded(device):
     from flashgen.db import EnvInfo
     from flashgen.db.rows import MAX_TEXT
     from flashgen.spec import MAX_URI_LENGTH
-    from flashgen.tuner import study_name
+    from flashgen.db.store import ResultStore
 
     seed, gen = _seeded()
     spec = AttentionSpec(dtype="fp32", head_dim=16, mask=_or_tree(0, 30))
@@ -567,7 +567,7 @@ def test_a_30_term_or_tree_keeps_its_uri_and_file_names_bounded(device):
     kernel = flashgen.compile(spec, SMALL)
     module = kernel.module()
     assert len(Path(module.__file__).name) < 160 and Path(module.__file__).name.startswith(spec.uri)
-    assert len(study_name(spec, EnvInfo.current(interpret=True), 1024, "fwd")) < MAX_TEXT  # the database's bound
+    assert len(ResultStore.study_name(None, spec, EnvInfo.current(interpret=True), 1024, "fwd")) < MAX_TEXT  # the database's bound
     q, k, v = _qkv(gen, 1, 1, 1, 40, 40, 16, torch.float32, device)
     out, lse = module.forward(q, k, v, tensors={})
     assert_attention_close(out, lse, q, k, v, causal=False, mask=spec.mask)
