@@ -19,6 +19,7 @@ import flashgen
 from flashgen import AttentionSpec, ConfigError, KernelConfig, default_config
 from flashgen.codegen import cache as C
 from flashgen.codegen import render as R
+from flashgen.codegen.plan import plan_for
 from flashgen.runtime import host
 
 from .helpers import child_pythonpath
@@ -98,6 +99,36 @@ def test_goldens_cover_a_mask_a_block_map_and_dropout():
     assert any("def _kv_segments(" in s and "Mask: " in s for s in sources.values())
     assert any("def _block_map_kernel(" in s for s in sources.values())
     assert any("def _keep(" in s for s in sources.values())
+
+
+@pytest.mark.parametrize("name,spec,config", GOLDEN_CASES, ids=GOLDEN_IDS)
+def test_the_plan_hands_templates_expressions_only(name, spec, config):
+    # Statements and loops live in the templates: every text the plan gives them parses as one
+    # Python expression (a statement or several lines would not).
+    plan = plan_for(spec)
+    texts = [plan.visible_code()]
+    if plan.score_ir is not None:
+        texts += [plan.score_code(), plan.score_grad_code()]
+    texts += [t for add in plan.tensor_grad_adds() for t in (add.offset, add.derivative)]
+    if not plan.block_map:
+        for direction in ("kv", "q"):
+            for seg in plan.segments(direction):
+                texts += [seg.lo, seg.hi, seg.full_lo, seg.full_hi] + [code for _, code in seg.searches]
+    for text in texts:
+        ast.parse(text, mode="eval")
+
+
+def test_segments_compute_each_search_once():
+    # Two segments over one id tensor need the same two searches: the first segment brings
+    # them, the second refers to them by name, and the rendered function searches twice.
+    spec = AttentionSpec(head_dim=16, mask={"or": [{"document": {"ids": "doc"}},
+                                                   {"document": {"ids": "doc", "causal": True}}]})
+    segments = plan_for(spec).segments("kv")
+    assert [[name for name, _ in seg.searches] for seg in segments] == [["s0", "s1"], []]
+    assert (segments[1].lo, segments[1].full_lo) == ("s0", "s1")
+    source = R.render(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16), standalone=False)
+    body = source.split("def _kv_segments(")[1].split("\n\n")[0]
+    assert body.count(" = _search(") == 2 and "swap = lo1 < lo0" in body
 
 
 @pytest.mark.parametrize("name,spec,config", GOLDEN_CASES, ids=GOLDEN_IDS)
