@@ -265,6 +265,79 @@ def test_templates_hash_covers_every_partial_of_the_tuned_families(tmp_path, mon
     assert R.templates_hash() == before
 
 
+@pytest.fixture
+def edited_templates(tmp_path, monkeypatch):
+    """A copy of the templates that flashgen renders from, for a test to edit (the caches of
+    the old ones cleared, and cleared again afterwards); edit(name, old, new) edits one."""
+    copy = tmp_path / "templates"
+    shutil.copytree(R.template_dir(), copy)
+    monkeypatch.setattr(R, "template_dir", lambda: copy)
+
+    def edit(name, old, new):
+        text = (copy / name).read_text()
+        assert old in text, (name, old)
+        (copy / name).write_text(text.replace(old, new, 1))
+        R._environment.cache_clear()
+        R.kernel_hash.cache_clear()
+
+    R._environment.cache_clear()
+    R.kernel_hash.cache_clear()
+    yield edit
+    R._environment.cache_clear()
+    R.kernel_hash.cache_clear()
+
+
+KERNEL_SPEC = AttentionSpec(name="timed", dtype="fp16", head_dim=64, num_heads=4, causal=True, backward=True)
+KERNEL_CONFIG = KernelConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def test_timed_source_is_what_each_phase_runs():
+    source = R.render(KERNEL_SPEC, KERNEL_CONFIG, standalone=False)
+    fwd, bwd = R.timed_source(source, "fwd"), R.timed_source(source, "bwd")
+    assert "def _attn_fwd(" in fwd and "def _online_softmax_step(" in fwd and "HEAD_DIM = tl.constexpr(64)" in fwd
+    assert "def _attn_bwd_dkdv(" in bwd and "def _attn_bwd_dq(" in bwd and "def _bwd_preprocess(" in bwd
+    assert "def _attn_bwd_dq(" not in fwd and "def _attn_fwd(" not in bwd
+    for text in (fwd, bwd):  # not the decode kernels, the header, SPEC, CONFIG or any comment
+        assert "_attn_decode" not in text and "_decode_combine" not in text and "#" not in text
+        assert "SPEC = " not in text and "CONFIG = " not in text and "BLOCK_MAP = " not in text
+    with pytest.raises(ValueError, match="phase: expected one of fwd, bwd, got 'decode'"):
+        R.timed_source(source, "decode")
+
+
+def test_kernel_hash_follows_the_kernels_not_the_names_or_tiles():
+    fwd = R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG, "fwd")
+    assert len(fwd) == 16 and fwd != R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG, "bwd")
+    # the spec's name and tune section, and the tile sizes (kernel parameters), are not kernel text
+    renamed = KERNEL_SPEC.replace(name="other", tune={"trials": 3})
+    assert R.kernel_hash(renamed, KERNEL_CONFIG.replace(BLOCK_M=128, num_warps=8), "fwd") == fwd
+    # the loop order picks another forward kernel; another head dim is another constant
+    assert R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG.replace(loop_order="kv_outer"), "fwd") != fwd
+    assert R.kernel_hash(KERNEL_SPEC.replace(head_dim=32), KERNEL_CONFIG, "fwd") != fwd
+
+
+def test_kernel_hash_changes_only_with_the_timed_kernels(edited_templates):
+    def hashes():
+        return R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG, "fwd"), R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG, "bwd")
+
+    fwd, bwd = before = hashes()
+    templates = R.templates_hash()
+    # edits that leave the kernels' code alone: a comment inside a kernel, a blank line, the
+    # decode family, a helper no kernel calls, the header
+    edited_templates("common/tiles.j2", "# K^T as (BLOCK_D, BLOCK_N) and V as (BLOCK_N, BLOCK_DV); padding reads as 0.",
+                     "# the K^T and V tiles\n")
+    edited_templates("decode/split_kv.j2", "@triton.jit", "# decode\n@triton.jit")
+    edited_templates("common/math.j2", "@triton.jit", "@triton.jit\ndef _unused(x):\n    return x + 1\n\n\n@triton.jit")
+    edited_templates("common/header.j2", "-- do not edit.", "-- do not edit (really).")
+    assert R.templates_hash() != templates and hashes() == before
+    # code only the backward runs: the backward's hash only
+    edited_templates("backward/preprocess.j2", "tl.sum(o * do, 1)", "tl.sum(do * o, 1)")
+    after = hashes()
+    assert after[0] == fwd and after[1] != bwd
+    # code both run
+    edited_templates("common/tiles.j2", "    return k, v\n", "    k, v = k, v\n    return k, v\n")
+    assert hashes()[0] != fwd
+
+
 def test_build_module_replaces_render_load():
     assert not hasattr(R, "load")
     module = R.build_module(AttentionSpec(name="built", head_dim=16), KernelConfig(BLOCK_M=16, BLOCK_N=16))
