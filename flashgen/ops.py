@@ -170,14 +170,15 @@ class AttentionFunction(torch.autograd.Function):
     """The same forward and backward for eager calls, without the custom op's dispatch: that
     path flattens every argument through pytree and costs ~0.3 ms of CPU per training step,
     which dominates attention calls of under a millisecond (a sliding window, short documents).
-    Under torch.compile the custom ops above are used instead (apply_attention picks)."""
+    Under torch.compile the custom ops above are used instead (apply_attention picks). The
+    non-tensor arguments travel as one tuple: autograd.Function.apply pays per argument."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seed, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q, max_k,
-                *tensors):
+    def forward(ctx, q, k, v, seed, cu_q, cu_k, call, *tensors):
+        kernel_id, layout, dropout_p, deterministic, max_q, max_k = call
         out, lse = _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, max_q, max_k)
         ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
-        ctx.args = (kernel_id, layout, dropout_p, deterministic, max_q, max_k)
+        ctx.call = call
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -185,20 +186,26 @@ class AttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, seed, cu_q, cu_k, *tensors = ctx.saved_tensors
-        kernel_id, layout, dropout_p, deterministic, max_q, max_k = ctx.args
+        kernel_id, layout, dropout_p, deterministic, max_q, max_k = ctx.call
         dq, dk, dv, tensor_grads = _backward_grads(dout, q, k, v, out, lse, seed, tensors, kernel_id, layout,
-                                                   dropout_p, deterministic, ctx.needs_input_grad[12:], cu_q, cu_k,
+                                                   dropout_p, deterministic, ctx.needs_input_grad[7:], cu_q, cu_k,
                                                    max_q, max_k)
-        return (dq, dk, dv, *([None] * 9), *tensor_grads)
+        return (dq, dk, dv, None, None, None, None, *tensor_grads)
 
 
 def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor, tensors=(), dropout_p: float = 0.0,
                     deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
                     max_seqlen_k: int = 0):
-    """(out, lse) of one differentiable call: the custom op while torch.compile traces, the
-    autograd.Function in eager mode. `tensors` are the spec's named tensors in its order."""
+    """(out, lse) of one differentiable call: the custom op while torch.compile traces; in eager
+    mode the autograd.Function when a gradient can flow (grad mode on and an input requires
+    grad), else the module's forward alone. `tensors` are the spec's named tensors in its order."""
     if torch.compiler.is_compiling():
         return attn_fwd(q, k, v, seed, list(tensors), kernel_id, layout, dropout_p, deterministic, cu_seqlens_q,
                         cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return AttentionFunction.apply(q, k, v, seed, kernel_id, layout, dropout_p, deterministic, cu_seqlens_q,
-                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, *tensors)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (tensors and any(t.requires_grad for t in tensors))):
+        return AttentionFunction.apply(q, k, v, seed, cu_seqlens_q, cu_seqlens_k,
+                                       (kernel_id, layout, dropout_p, deterministic, max_seqlen_q, max_seqlen_k),
+                                       *tensors)
+    return _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k)

@@ -17,7 +17,7 @@ def t(*shape, dtype=torch.float16):
 
 
 @pytest.mark.parametrize("q,k,v,layout,words", [
-    (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), "bsdh", "layout: expected one of"),
+    (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), "bsdh", "layout: expected 'bhsd', 'bshd' or 'thd'"),
     (t(2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), "bhsd", "q: expected a 4-d tensor"),
     (t(1, 2, 8, 16), t(1, 2, 8, 16), [1, 2], "bhsd", "v: expected a torch.Tensor"),
     (t(1, 2, 8, 16, dtype=torch.int32), t(1, 2, 8, 16), t(1, 2, 8, 16), "bhsd", "q: expected dtype"),
