@@ -1,13 +1,14 @@
 """Host time of flashgen's call paths on a machine with no GPU: everything a call does in Python
 before and around its launches (binding the call to a kernel, checks, allocations, autograd,
-Triton's launch path), with kernels compiled for sm90 by tests/sm90_compile.py's driver and the
+Triton's launch path), with H100 default configs compiled for sm90 by tests/sm90_compile.py's driver and the
 compiled kernels' launchers replaced by a no-op (so Triton's own launch path runs in full up to
 the C launcher, which needs a GPU). Issue 13 case: B=1, H=16, S=128, head dim 128, causal, bf16.
 
 Each case is timed with bound launches and call plans (the default) and without them
 (FLASHGEN_BOUND_LAUNCH=0: Triton's launch path and every check on every call), in one process.
-fwd+bwd clears q/k/v's .grad before each step, as a model's q/k/v (activations, not leaves) have
-none: otherwise the CPU's bf16 gradient accumulation (3 adds of 262k elements) dominates.
+fwd+bwd takes torch.autograd.grad of q, k, v (as bench_call_path.py does): .backward() would add
+into their .grad, and the CPU's bf16 adds (3 x 262k elements) would dominate, while a model's
+q, k, v are activations that accumulate nothing.
 
     PYTHONPATH=. python3 benchmarks/call_path_host.py [--repeat 5] [--calls 300] [--profile CASE]
 """
@@ -34,9 +35,24 @@ from triton.runtime import driver  # noqa: E402
 B, H, S, D = 1, 16, 128, 128
 
 
+def keep_freed_memory():
+    """Have glibc keep freed blocks instead of returning them to the OS: otherwise each step's
+    fresh 0.5 MB tensors are new pages, and the few CPU-side fills a step makes (dk.zero_() for
+    packed sequences, a memset on a GPU) cost page faults, not host work."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (32 MiB: its largest value)
+
+
 def mock_launches():
-    """sm90 compiles on the CPU; a compiled kernel's launcher does nothing."""
+    """sm90 compiles on the CPU; a compiled kernel's launcher does nothing; default configs are the
+    H100's (tensor descriptors, warp specialization), as a user there gets them."""
     driver.set_active(sm90_compile.Sm90Driver())
+    import flashgen.config
+
+    flashgen.config.detect_target = lambda: "h100"
 
     def init_handles(self):
         if self.module is None:
@@ -64,17 +80,14 @@ def cases():
         flashgen.attention(q, k, v, causal=True)
 
     def fwd_bwd():
-        q.grad = k.grad = v.grad = None
-        flashgen.attention(q, k, v, causal=True).backward(do)
+        torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do)
 
     def varlen_forward():
         with torch.no_grad():
             flashgen.attention_varlen(*packed, cu, cu, S // 2, S // 2, causal=True)
 
     def varlen_fwd_bwd():
-        for t in packed:
-            t.grad = None
-        flashgen.attention_varlen(*packed, cu, cu, S // 2, S // 2, causal=True).backward(do_packed)
+        torch.autograd.grad(flashgen.attention_varlen(*packed, cu, cu, S // 2, S // 2, causal=True), packed, do_packed)
 
     def compat_forward():
         with torch.no_grad():
@@ -101,6 +114,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--profile", help="cProfile this case (bound launches on) instead of timing")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # a CPU-side fill is a GPU memset there; no OpenMP barriers on a busy machine
+    keep_freed_memory()
     mock_launches()
     from flashgen.runtime import host
     from flashgen.runtime.launch import BoundLaunch

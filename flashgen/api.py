@@ -102,12 +102,10 @@ class AttentionKernel:
                                 named)
 
     def _kernel_id_for(self, config, seqlen):
-        """The kernel id of a call: its config's, the nearest bucket's, or the default's.
-        seqlen: the call's longest sequence, or a function returning it (read only with buckets)."""
+        """The kernel id of a call: its config's, the nearest bucket's, or the default's."""
         if config is not None:
             return self.kernel_id(config)
         if self._bucket_ids:
-            seqlen = seqlen() if callable(seqlen) else seqlen
             return self._bucket_ids[nearest_bucket(seqlen, self._bucket_ids)]
         return self._id
 
@@ -131,8 +129,10 @@ class AttentionKernel:
         ``deterministic=True`` computes dQ with the separate, bitwise-repeatable kernel.
         Tensors the spec's mask or score_mod reads are passed by name (``document_ids=ids``);
         gradients flow into float ones that require grad."""
-        seq = 2 if layout == "bhsd" else 1
-        kernel_id = self._kernel_id_for(config, lambda: max(q.shape[seq], k.shape[seq]) if q.dim() == 4 else q.shape[0])
+        kernel_id = self._id
+        if config is not None or self._bucket_ids:
+            seq = 2 if layout == "bhsd" else 1
+            kernel_id = self._kernel_id_for(config, max(q.shape[seq], k.shape[seq]) if q.dim() == 4 else q.shape[0])
         p, seed = self._seed(dropout_p, q.device)
         out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout=layout, seed=seed,
                                        tensors=self._tensor_list(tensors), dropout_p=p, deterministic=deterministic)

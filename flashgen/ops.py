@@ -81,7 +81,7 @@ def _varlen(cu_q, cu_k, max_q, max_k):
 
 
 def _named(module, tensors):
-    return dict(zip(module.TENSORS, tensors))
+    return dict(zip(module.TENSORS, tensors)) if tensors else None
 
 
 def _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, max_q, max_k):
@@ -95,7 +95,7 @@ def _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dro
     """(dq, dk, dv, [d tensor in its dtype, or None where not wanted or not differentiable])."""
     module = kernel_module(kernel_id)
     names = [n for n, t, w in zip(module.TENSORS, tensors, wanted)
-             if w and t.is_floating_point() and n in module.GRAD_TENSORS]
+             if w and t.is_floating_point() and n in module.GRAD_TENSORS] if tensors else ()
     dq, dk, dv, grads = module.backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
                                         deterministic=deterministic, tensors=_named(module, tensors),
                                         tensor_grads=names, **_varlen(cu_q, cu_k, max_q, max_k))

@@ -109,7 +109,9 @@ class Descriptors:
 
 def tensor_key(t):
     """What a call plan depends on of a tensor argument (None: not given): all but its contents."""
-    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
 
 
 def index_lists(tile_classes):
@@ -404,7 +406,7 @@ class AttentionLauncher:
         if not BoundLaunch.enabled or (self.block_map_kernel is not None and self.tensor_names):
             return None
         try:
-            return (scalars, tuple(map(tensor_key, call_tensors)),
+            return (scalars, *map(tensor_key, call_tensors),
                     tuple((name, tensor_key(t)) for name, t in tensors.items()) if tensors else None,
                     tuple(knobs.items()) if knobs else None,
                     call_tensors[0].is_cpu and self.interpreting())

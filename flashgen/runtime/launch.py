@@ -46,17 +46,12 @@ def env_flag(name, default):
     return default if value is None else value not in ("", "0")
 
 
-def launch_hook_set(hook):
-    """Whether a Triton launch hook is installed: a HookChain with hooks (triton >= 3.5), or any
-    callable where older versions took a plain function."""
-    calls = getattr(hook, "calls", None)
-    return bool(calls) if calls is not None else hook is not None
-
-
 def launch_hooks_set():
-    """Whether knobs.runtime.launch_enter_hook or launch_exit_hook has a hook installed."""
+    """Whether knobs.runtime.launch_enter_hook or launch_exit_hook has a hook installed: a
+    HookChain with hooks in its .calls (triton >= 3.5), or a function where a plain one is set."""
     runtime = triton_knobs.runtime
-    return launch_hook_set(runtime.launch_enter_hook) or launch_hook_set(runtime.launch_exit_hook)
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(exit_, "calls", exit_))
 
 
 class BoundLaunch:
@@ -211,9 +206,12 @@ class BackwardPlan(CallPlan):
         self.rows = self.tiles = None  # with TMA: Descriptors of (q, do) for dK/dV and of (k, v) for dQ
 
     def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k):
-        device = self.device
-        grads = {name: torch.zeros(shape, dtype=torch.float32, device=device) for name, shape in self.grads.items()}
-        dq, dk, dv = (torch.empty(shape, dtype=self.dtype, device=device) for shape in self.shapes)
+        device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
+        grads = {name: torch.zeros(shape, dtype=torch.float32, device=device)
+                 for name, shape in self.grads.items()} if self.grads else None
+        dq = torch.empty(q_shape, dtype=dtype, device=device)
+        dk = torch.empty(k_shape, dtype=dtype, device=device)
+        dv = torch.empty(v_shape, dtype=dtype, device=device)
         if self.dkdv is None:
             dq.zero_(), dk.zero_(), dv.zero_()
             return self.result(dq, dk, dv, grads, tensors)
@@ -223,12 +221,12 @@ class BackwardPlan(CallPlan):
             dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
         delta = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
         self.preprocess(out, do, delta, *self.preprocess_args)
-        extra, grad_args = (), ()
+        extra = grad_args = ()
         if self.named:
             named = self.launcher.tensor_views(tensors)
             extra = self.launcher.tensor_args(named)
-            grad_args = [grads.get(name, named[name]) for name in self.launcher.grad_tensors]
-        dq_acc = torch.zeros(self.shapes[0], dtype=torch.float32, device=device) if self.atomic else dq
+            grad_args = [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors]
+        dq_acc = torch.zeros(q_shape, dtype=torch.float32, device=device) if self.atomic else dq
         rows = (q, do) if self.rows is None else self.rows(q, do)
         self.dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, seed, cu_q, cu_k, *rows, *self.dkdv_head, *extra,
                   *grad_args, *self.dkdv_tail)
@@ -241,4 +239,5 @@ class BackwardPlan(CallPlan):
 
     @staticmethod
     def result(dq, dk, dv, grads, tensors):
-        return dq, dk, dv, {name: g.reshape(tensors[name].shape) for name, g in grads.items()}
+        """(dq, dk, dv, {name: gradient in the named tensor's own shape})."""
+        return dq, dk, dv, {name: g.reshape(tensors[name].shape) for name, g in grads.items()} if grads else {}
