@@ -148,6 +148,56 @@ def compile_check():
         return {"ok": False, "error": "".join(traceback.format_exception_only(type(exc), exc)).strip()}
 
 
+class _AllocOnly(torch.autograd.Function):
+    """An autograd.Function that launches nothing: out/lse and dq/dk/dv allocated, as flashgen's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def diagnose(seqlen=128):
+    """Where a fwd+bwd step's host time goes at B=1, S=seqlen: host us per call (no sync) of the
+    autograd floor (a Python autograd.Function that only allocates), SDPA flash, flashgen, and
+    flashgen's forward and backward module calls alone on the main thread (no autograd)."""
+    q, k, v = (torch.randn(1, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    sdpa = providers()["sdpa_flash"]
+    module = flashgen.compile(spec_for(q, k, v, causal=True, softmax_scale=None, layout="bhsd")).module()
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out, lse = module.forward(qd, kd, vd)
+    rows = {
+        "autograd floor: allocating Function, fwd+bwd": lambda: torch.autograd.grad(_AllocOnly.apply(q, k, v)[0],
+                                                                                   (q, k, v), do),
+        "sdpa_flash fwd+bwd": lambda: torch.autograd.grad(sdpa(q, k, v), (q, k, v), do),
+        "flashgen fwd+bwd": lambda: torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do),
+        "flashgen module.forward alone": lambda: module.forward(qd, kd, vd),
+        "flashgen module.backward alone": lambda: module.backward(do, qd, kd, vd, out, lse),
+    }
+    result = {name: round(host_us(fn), 1) for name, fn in rows.items()}
+    # launches that took Triton's path (not bound) in 10 more flashgen fwd+bwd steps: expected 0
+    original, slow = BoundLaunch.launch, []
+    BoundLaunch.launch = lambda self, args: slow.append(self.kernel.__name__) or original(self, args)
+    try:
+        for _ in range(10):
+            rows["flashgen fwd+bwd"]()
+    finally:
+        BoundLaunch.launch = original
+    result["triton-path launches in 10 fwd+bwd steps"] = sorted(set(slow)) or 0
+    print(json.dumps({"diagnose": f"S={seqlen}", **result}), flush=True)
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", default=",".join(str(s) for _, s in CASES),
@@ -155,6 +205,7 @@ def main():
     parser.add_argument("--providers", default="all", help="comma-separated providers, or all")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                         help="directory for the .json and .md results")
+    parser.add_argument("--diagnose", action="store_true", help="also time the host-time breakdown (diagnose())")
     args = parser.parse_args()
     fns = providers()
     if args.providers != "all":
@@ -163,6 +214,8 @@ def main():
     rows = [run_case(b, s, mode, fns) for b, s in CASES if s in seqlens for mode in ("forward", "fwd+bwd")]
     env = environment()
     result = {"environment": env, "anchor": ANCHOR, "rows": rows, "compile_check": compile_check()}
+    if args.diagnose:
+        result["diagnose"] = {seqlen: diagnose(seqlen) for seqlen in sorted(seqlens) if seqlen <= 512}
     gpu = re.sub(r"[^a-z0-9]+", "-", env.get("gpu", "gpu").lower()).strip("-")
     out = Path(args.out) / f"{datetime.date.today()}-{gpu}-call-path"
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
@@ -174,6 +227,8 @@ def main():
         lines.append(f"| {r['case']} | {r['mode']} | " + " | ".join(cells)
                      + f" | {r.get(f'flashgen_ratio_vs_{ANCHOR}', '-')} |")
     lines.append(f"\ncompile check (inductor, fullgraph): {json.dumps(result['compile_check'])}")
+    for seqlen, times in result.get("diagnose", {}).items():
+        lines.append(f"\nhost us per call at S={seqlen}: " + "; ".join(f"{n} {t}" for n, t in times.items()))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

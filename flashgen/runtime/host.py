@@ -11,6 +11,11 @@ with the kernels' (which all start with an underscore or are upper case).
 Layouts: q, k, v, out and dO are 'bhsd' (batch, heads, seq, dim), 'bshd' (batch, seq, heads,
 dim) or packed 'thd' (total tokens, heads, dim) with cu_seqlens offsets; every kernel takes
 (batch, head, seq, dim) strides, so any strides work and nothing is copied.
+
+Per call: forward() and backward() check a call and work out its launches once per metadata key
+(shapes, strides, dtypes, devices, pointer alignment, scalars; see plan_key) into a call plan
+(launch.py); a later call with the same key only allocates its outputs and launches, through
+bound launches that skip Triton's binder.
 """
 
 import os
@@ -18,7 +23,7 @@ import os
 import torch
 import triton
 
-from .launch import BoundLaunch, ForwardPlan, BackwardPlan  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, rebased, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -80,16 +85,6 @@ def tensor_descriptor(t, layout, rows, cols):
     return TensorDescriptor(t, list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout)), [1, 1, rows, cols])
 
 
-def rebased(descriptor, t):
-    """A copy of a tensor descriptor over t, which has the shape, strides and alignment of the
-    descriptor's own base: the checks TensorDescriptor makes when built stay true, so they are
-    not made again (they cost more than the launch itself)."""
-    copy = object.__new__(type(descriptor))
-    copy.__dict__.update(descriptor.__dict__)
-    copy.base = t
-    return copy
-
-
 class Descriptors:
     """The tensor descriptors of some of a call's tensors, tiled by `blocks` ((rows, cols) each):
     built and checked on the first call, rebased onto each later call's tensors (which a call
@@ -105,13 +100,6 @@ class Descriptors:
             self.templates = tuple(rebased(d, None) for d in made)
             return made
         return tuple(rebased(d, t) for d, t in zip(self.templates, tensors))
-
-
-def tensor_key(t):
-    """What a call plan depends on of a tensor argument (None: not given): all but its contents."""
-    if t is None:
-        return None
-    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
 
 
 def index_lists(tile_classes):

@@ -26,6 +26,17 @@ installed (the hooks read metadata only Triton's path builds), when the kernel i
 JITFunction (the CPU interpreter, test doubles), and when the current device is not the one the
 kernel was bound on.
 
+Below BoundLaunch: the call plans host.py makes (CallPlan, ForwardPlan, BackwardPlan): what one
+call of a metadata key allocates and launches, checked and worked out once by its first call.
+
+Using BoundLaunch elsewhere (the decode launcher, say): build one per (kernel, grid, constexprs)
+and keep it in a dict keyed by what decides the arguments' specialization, e.g.
+
+    launch = plans.get(key)  # key: shapes, strides, dtypes, alignments, scalars of the call
+    if launch is None:
+        launch = plans[key] = BoundLaunch(_kernel, grid, dict(BLOCK=64, num_warps=4))
+    launch(x, y, n, stride)  # the non-constexpr parameters, in signature order
+
 This file imports nothing from flashgen: `flashgen generate` pastes it, then host.py, verbatim
 into standalone modules, so its top-level names must not clash with the kernels' (which start
 with an underscore or are upper case) or host.py's.
@@ -89,7 +100,7 @@ class BoundLaunch:
         active = triton_driver.active
         device = active.get_current_device()
         if device != self.device:
-            return self.kernel[self.grid](*args, **self.constexprs)
+            return self.launch(args)
         if BoundLaunch.verify:
             self.check(args, device)
         grid0, grid1, grid2 = self.grid3
@@ -132,6 +143,23 @@ class BoundLaunch:
             raise AssertionError(f"{getattr(self.kernel, '__name__', self.kernel)}: a bound launch got arguments that "
                                  f"Triton specializes otherwise ({specialization} vs {self.specialization}) or "
                                  "orders otherwise; its caller's key misses something")
+
+
+def tensor_key(t):
+    """What a call plan depends on of a tensor argument (None: not given): all but its contents."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
+
+
+def rebased(descriptor, t):
+    """A copy of a tensor descriptor over t, which has the shape, strides and alignment of the
+    descriptor's own base: the checks TensorDescriptor makes when built stay true, so they are
+    not made again (they cost more than the launch itself)."""
+    copy = object.__new__(type(descriptor))
+    copy.__dict__.update(descriptor.__dict__)
+    copy.base = t
+    return copy
 
 
 class CallPlan:
