@@ -419,3 +419,26 @@ def test_gpu_bound_launches_are_bitwise_tritons(config, layout, monkeypatch):
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], r))
     assert_attention_close(*results[0][:2], q, k, v, causal=True, layout=layout)
+
+
+@pytest.mark.gpu
+def test_gpu_launch_hooks_see_every_launch():
+    """With a launch hook installed, launches take Triton's path, which calls the hook."""
+    q, k, v = (torch.randn(1, 4, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flashgen.attention(q, k, v, causal=True)
+    flashgen.attention(q, k, v, causal=True)  # bound by now
+    seen = []
+
+    def record(metadata):  # a LazyDict of the launch: its name, function, stream
+        seen.append(metadata.get()["name"])
+
+    hook = launch.triton_knobs.runtime.launch_enter_hook
+    if not hasattr(hook, "add"):
+        pytest.skip("this Triton takes launch hooks as a plain function")
+    hook.add(record)
+    try:
+        out = flashgen.attention(q, k, v, causal=True)
+    finally:
+        hook.remove(record)
+    assert seen == ["_attn_fwd"]
+    assert torch.equal(out, flashgen.attention(q, k, v, causal=True))
