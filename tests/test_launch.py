@@ -248,7 +248,7 @@ def test_tensor_descriptors_are_rebased_onto_each_call(monkeypatch):
         do = _inputs(out.shape, seed=seed + 5)
         assert_gradients_close(module.backward(do, q, k, v, out, lse)[:3], q, k, v, do, causal=True)
     (plan,) = [p for p in launcher.plans.values() if hasattr(p, "descriptors")]
-    assert plan.descriptors.templates and all(d.base is None for d in plan.descriptors.templates)
+    assert plan.descriptors.templates and all(fields["base"] is None for _, fields in plan.descriptors.templates)
     assert all(a.block_shape == b.block_shape and a.strides == b.strides for a, b in zip(*seen))
 
 

@@ -23,7 +23,7 @@ import os
 import torch
 import triton
 
-from .launch import BackwardPlan, BoundLaunch, ForwardPlan, rebased, tensor_key  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -87,19 +87,27 @@ def tensor_descriptor(t, layout, rows, cols):
 
 class Descriptors:
     """The tensor descriptors of some of a call's tensors, tiled by `blocks` ((rows, cols) each):
-    built and checked on the first call, rebased onto each later call's tensors (which a call
-    plan guarantees have the same shapes, strides and alignment)."""
+    built and checked on the first call of a call plan, then copied onto each later call's
+    tensors. Those have the first call's shapes, strides, dtype and alignment (the plan's key
+    says so), so the checks TensorDescriptor makes when built hold for the copies and are not
+    made again: they cost more than the launch itself."""
 
     def __init__(self, layout, blocks):
         self.layout, self.blocks = layout, blocks
-        self.templates = None  # the first call's descriptors, holding no tensor
+        self.templates = None  # [(class, fields without the base)] of the first call's descriptors
 
     def __call__(self, *tensors):
         if self.templates is None:
-            made = tuple(tensor_descriptor(t, self.layout, *block) for t, block in zip(tensors, self.blocks))
-            self.templates = tuple(rebased(d, None) for d in made)
+            made = [tensor_descriptor(t, self.layout, *block) for t, block in zip(tensors, self.blocks)]
+            self.templates = [(type(d), {**d.__dict__, "base": None}) for d in made]
             return made
-        return tuple(rebased(d, t) for d, t in zip(self.templates, tensors))
+        made = []
+        for (cls, fields), t in zip(self.templates, tensors):
+            descriptor = object.__new__(cls)
+            descriptor.__dict__ = fields.copy()
+            descriptor.base = t
+            made.append(descriptor)
+        return made
 
 
 def index_lists(tile_classes):

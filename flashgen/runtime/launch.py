@@ -152,16 +152,6 @@ def tensor_key(t):
     return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
 
 
-def rebased(descriptor, t):
-    """A copy of a tensor descriptor over t, which has the shape, strides and alignment of the
-    descriptor's own base: the checks TensorDescriptor makes when built stay true, so they are
-    not made again (they cost more than the launch itself)."""
-    copy = object.__new__(type(descriptor))
-    copy.__dict__.update(descriptor.__dict__)
-    copy.base = t
-    return copy
-
-
 class CallPlan:
     """What one call of a metadata key runs, worked out and checked by its first call
     (AttentionLauncher.forward_plan/backward_plan); what every call of the key shares."""
