@@ -204,6 +204,23 @@ def test_planned_calls_are_bitwise_the_calls_planned_afresh(case, monkeypatch):
     assert_gradients_close(grads, q, k, v, do, causal=True)
 
 
+def test_an_unchanged_call_is_checked_once(monkeypatch):
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, backward=True)
+    module = _module(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1))
+    launcher = module._LAUNCHER
+    launcher.plans.clear()
+    checks = []
+    original = launcher.check_inputs
+    monkeypatch.setattr(launcher, "check_inputs", lambda *a: checks.append(1) or original(*a))
+    q, k, v = (_inputs((1, 2, 20, 16), seed=s) for s in range(3))
+    for _ in range(3):
+        out, lse = module.forward(q, k, v)
+        module.backward(out, q, k, v, out, lse)
+    assert checks == [1, 1]  # the forward's and the backward's first calls
+    module.forward(q, k, v.clone())  # same metadata, other tensor: still planned
+    assert checks == [1, 1]
+
+
 def test_a_stride_or_alignment_change_gets_its_own_plan():
     """One tensor at a time stops being 16-aligned or 16-strided: each call gets a plan of its own
     (Triton specializes on both) and is still right."""
