@@ -130,7 +130,7 @@ def main():
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
         return
     print(f"flashgen host us per call, B={B} H={H} S={S} hd{D} causal bf16 (least of {args.repeat} x {args.calls})")
-    print(f"| case | bound launches | Triton's path (FLASHGEN_BOUND_LAUNCH=0) |\n|---|---|---|")
+    print("| case | bound launches | Triton's path (FLASHGEN_BOUND_LAUNCH=0) |\n|---|---|---|")
     for name, call in table.items():
         times = []
         for enabled in (True, False):
