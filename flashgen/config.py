@@ -1,7 +1,7 @@
-"""KernelConfig: the knobs the tuner searches, and the heuristic default.
+"""KernelConfig: the knobs the tuner searches, and the heuristic defaults.
 
-Only ``loop_order`` changes the rendered source (it is *structural*); every other
-knob is a ``tl.constexpr`` or a launch option of the same kernel.
+``loop_order`` and ``bwd_persistent`` change the rendered source (they are *structural*);
+every other knob is a ``tl.constexpr`` or a launch option of the same kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ LOOP_ORDERS = ("q_outer", "kv_outer")
 DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
 _WARPS = (1, 2, 4, 8, 16)
+PERSISTENT = (0, 1, 2, 3, 4, 8)  # bwd_persistent: dK/dV programs per SM (0: one per key block)
 
 # GPU families by target name; used for the heuristic defaults.
 _ARCH = {
@@ -51,10 +52,18 @@ class KernelConfig:
     bwd_num_stages: int = 2
     dq_strategy: str = "separate"  # or "atomic": dQ added from the dK/dV kernel
     bwd_tma: bool = False  # Q/dO tiles (dK/dV kernel) and K/V tiles (dQ kernel) through tensor descriptors
+    # dK/dV grid: 0 = a program per key block; n = about n programs per SM in all, each walking
+    # key blocks p, p + P, ... in turn (for short walks: narrow bands, short sequences).
+    bwd_persistent: int = 0
 
-    STRUCTURAL = ("loop_order",)
+    STRUCTURAL = ("loop_order", "bwd_persistent")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
-                "bwd_tma")
+                "bwd_tma", "bwd_persistent")
+    # Knobs added after results were stored, with the value that renders the kernels as before
+    # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
+    # hashed before them keep their kernel ids and their rendered text byte for byte, and
+    # from_dict() reads a missing one as that value.
+    LATER_KNOBS = {"bwd_persistent": 0}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -86,6 +95,9 @@ class KernelConfig:
             raise ConfigError(f"config knob 'loop_order': expected one of {LOOP_ORDERS}, got {self.loop_order!r}")
         if self.dq_strategy not in DQ_STRATEGIES:
             raise ConfigError(f"config knob 'dq_strategy': expected one of {DQ_STRATEGIES}, got {self.dq_strategy!r}")
+        if isinstance(self.bwd_persistent, bool) or self.bwd_persistent not in PERSISTENT:
+            raise ConfigError(f"config knob 'bwd_persistent': expected one of {PERSISTENT} (0 = off), "
+                              f"got {self.bwd_persistent!r}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "KernelConfig":
@@ -96,7 +108,9 @@ class KernelConfig:
         return cls(**data)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every knob, less the LATER_KNOBS at their off value."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in self.LATER_KNOBS or v != self.LATER_KNOBS[k]}
 
     def structural(self) -> dict:
         return {k: getattr(self, k) for k in self.STRUCTURAL}
@@ -112,7 +126,8 @@ class KernelConfig:
     def describe_backward(self) -> str:
         return (f"M1={self.BLOCK_M1} N1={self.BLOCK_N1} M2={self.BLOCK_M2} N2={self.BLOCK_N2} "
                 f"warps={self.bwd_num_warps} stages={self.bwd_num_stages} dq={self.dq_strategy}"
-                f"{' tma' if self.bwd_tma else ''}")
+                f"{' tma' if self.bwd_tma else ''}"
+                f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}")
 
 
 def interpreting() -> bool:

@@ -446,7 +446,11 @@ class AttentionLauncher:
         if tma:
             rows = (tensor_descriptor(q, layout, launch["BLOCK_M"], self.block_d),
                     tensor_descriptor(do, layout, launch["BLOCK_M"], self.block_dv))
-        self.dkdv_kernel[(triton.cdiv(seqlen_k, cfg["BLOCK_N1"]), num_kv_heads, batch)](
+        kv_programs = triton.cdiv(seqlen_k, cfg["BLOCK_N1"])
+        if cfg.get("bwd_persistent"):  # about bwd_persistent programs per SM, each walking several key blocks
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+            kv_programs = min(kv_programs, triton.cdiv(cfg["bwd_persistent"] * sms, num_kv_heads * batch))
+        self.dkdv_kernel[(kv_programs, num_kv_heads, batch)](
             q, k, v, do, lse, delta, dk, dv, dq_acc if atomic else dq, seed, cu_q, cu_k, *rows, *qkv_strides,
             *bhsd_strides(dk, layout), *bhsd_strides(dv, layout), *dq_strides, *lse_strides, *sizes, *extra,
             *grad_args, *maps, total_q, total_k, VARLEN=layout == "thd", ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p),
