@@ -307,6 +307,7 @@ def main():
     env = {**environment(), "date": time.strftime("%Y-%m-%d")}
     gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0]
     todo = [(c, s) for c in CASES if c.name in args.cases for s in c.seqlens if not args.quick or (c.name, s) in QUICK]
+    todo.sort(key=lambda cs: cs[1] > 4096)  # the longest last: a run cut short keeps the most cases
     t0 = time.time()
     for line in warm_up([(_warm_case, (c.name, s)) for c, s in todo], 1 if args.dry else args.workers):
         print("warm", line, flush=True)

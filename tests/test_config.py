@@ -3,6 +3,7 @@ reach every path that runs without a tuned result: flashgen.compile / flashgen.a
 call length), flashgen.load's fallback and the tuner's per-bucket baseline."""
 
 import pytest
+import torch
 
 import flashgen
 from flashgen import AttentionSpec, KernelConfig, default_config
@@ -153,3 +154,24 @@ def test_tuner_space_has_the_persistent_grid_within_one_sms_resources():
     assert space.violations(dict(big, bwd_persistent=1)) == []
     assert any("bwd_persistent" in v for v in space.violations(dict(big, bwd_persistent=2)))
     assert {p["bwd_persistent"] for p in space.points()} == {0, 1, 2}
+
+
+# ----------------------------------------------------------------------------- on the GPU: every new default is exact
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields,seqlen,head_dim", [
+    ({"mask": WINDOW(128)}, 4096, 128),  # 64x32 forward
+    ({"mask": WINDOW(256)}, 16384, 128),  # 64x64 with tensor descriptors, TMA backward
+    ({"mask": {"document": {}}}, 4096, 128),
+    ({"mask": {"document": {}}}, 16384, 128),  # 128x128 with descriptors, no warp specialization
+    ({"causal": True}, 1024, 128),
+    ({"causal": True}, 1024, 64),
+], ids=["window-128", "window-256", "documents-4096", "documents-16384", "causal-1024", "causal-1024-hd64"])
+def test_gpu_bucket_defaults_match_reference_bf16(fields, seqlen, head_dim):
+    from .test_masks import _doc_ids, check_variant
+
+    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=8, num_kv_heads=2, backward=True, **fields)
+    tensors = {"document_ids": torch.stack([_doc_ids([100, 700, 1, 699]), _doc_ids([1500])])} \
+        if "mask" in fields and "document" in fields["mask"] else {}
+    config = default_config(spec, seqlen=seqlen)
+    check_variant("cuda", **fields, tensors=tensors, sq=1500, sk=1500, dtype="bf16", heads=(8, 2), d=head_dim,
+                  config=config, dq_strategy=config.dq_strategy, loop_order=config.loop_order)
