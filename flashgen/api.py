@@ -9,7 +9,7 @@ import torch
 
 from . import ops
 from .codegen import render
-from .config import KernelConfig, default_config
+from .config import KernelConfig, default_config, default_configs
 from .runtime import host
 from .space import nearest_bucket
 from .spec import MAX_HEAD_DIM, AttentionSpec
@@ -44,9 +44,9 @@ class AttentionKernel:
                  bucket_configs: dict[int, KernelConfig] | None = None):
         self.spec = spec
         self.config = config if config is not None else default_config(spec)
-        # Tuned configs per power-of-two sequence-length bucket (flashgen.load); a call uses
-        # the nearest bucket's, or self.config when there are none.
-        self.bucket_configs = dict(bucket_configs or {})
+        # Configs per power-of-two sequence-length bucket: the tuned ones (flashgen.load), else,
+        # without a given config, the defaults per bucket; a call uses the nearest bucket's.
+        self.bucket_configs = dict(bucket_configs or ({} if config is not None else default_configs(spec)))
         self.config_source = "given" if config is not None else "default"
         self._ids: dict[KernelConfig, str] = {}
         self._id = self.kernel_id(self.config)

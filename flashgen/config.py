@@ -1,7 +1,7 @@
-"""KernelConfig: the knobs the tuner searches, and the heuristic default.
+"""KernelConfig: the knobs the tuner searches, and the heuristic defaults.
 
-Only ``loop_order`` changes the rendered source (it is *structural*); every other
-knob is a ``tl.constexpr`` or a launch option of the same kernel.
+``loop_order`` and ``bwd_persistent`` change the rendered source (they are *structural*);
+every other knob is a ``tl.constexpr`` or a launch option of the same kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ LOOP_ORDERS = ("q_outer", "kv_outer")
 DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
 _WARPS = (1, 2, 4, 8, 16)
+PERSISTENT = (0, 1, 2, 3, 4, 8)  # bwd_persistent: dK/dV programs per SM (0: one per key block)
 
 # GPU families by target name; used for the heuristic defaults.
 _ARCH = {
@@ -51,10 +52,18 @@ class KernelConfig:
     bwd_num_stages: int = 2
     dq_strategy: str = "separate"  # or "atomic": dQ added from the dK/dV kernel
     bwd_tma: bool = False  # Q/dO tiles (dK/dV kernel) and K/V tiles (dQ kernel) through tensor descriptors
+    # dK/dV grid: 0 = a program per key block; n = about n programs per SM in all, each walking
+    # key blocks p, p + P, ... in turn (for short walks: narrow bands, short sequences).
+    bwd_persistent: int = 0
 
-    STRUCTURAL = ("loop_order",)
+    STRUCTURAL = ("loop_order", "bwd_persistent")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
-                "bwd_tma")
+                "bwd_tma", "bwd_persistent")
+    # Knobs added after results were stored, with the value that renders the kernels as before
+    # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
+    # hashed before them keep their kernel ids and their rendered text byte for byte, and
+    # from_dict() reads a missing one as that value.
+    LATER_KNOBS = {"bwd_persistent": 0}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -86,6 +95,9 @@ class KernelConfig:
             raise ConfigError(f"config knob 'loop_order': expected one of {LOOP_ORDERS}, got {self.loop_order!r}")
         if self.dq_strategy not in DQ_STRATEGIES:
             raise ConfigError(f"config knob 'dq_strategy': expected one of {DQ_STRATEGIES}, got {self.dq_strategy!r}")
+        if isinstance(self.bwd_persistent, bool) or self.bwd_persistent not in PERSISTENT:
+            raise ConfigError(f"config knob 'bwd_persistent': expected one of {PERSISTENT} (0 = off), "
+                              f"got {self.bwd_persistent!r}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "KernelConfig":
@@ -96,7 +108,9 @@ class KernelConfig:
         return cls(**data)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every knob, less the LATER_KNOBS at their off value."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k not in self.LATER_KNOBS or v != self.LATER_KNOBS[k]}
 
     def structural(self) -> dict:
         return {k: getattr(self, k) for k in self.STRUCTURAL}
@@ -112,7 +126,8 @@ class KernelConfig:
     def describe_backward(self) -> str:
         return (f"M1={self.BLOCK_M1} N1={self.BLOCK_N1} M2={self.BLOCK_M2} N2={self.BLOCK_N2} "
                 f"warps={self.bwd_num_warps} stages={self.bwd_num_stages} dq={self.dq_strategy}"
-                f"{' tma' if self.bwd_tma else ''}")
+                f"{' tma' if self.bwd_tma else ''}"
+                f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}")
 
 
 def interpreting() -> bool:
@@ -136,17 +151,88 @@ def detect_target() -> str:
     return {(9, 0): "h100", (8, 0): "a100", (8, 6): "a10g", (8, 9): "l40s"}.get((major, minor), "a100")
 
 
-def default_config(spec: AttentionSpec, target: str | None = None) -> KernelConfig:
-    """A sound untuned config for (head dim, dtype, GPU family), forward and backward."""
+# ----------------------------------------------------------------------------- the heuristic defaults
+# The sequence-length buckets the defaults are given for (powers of two, as flashgen.load's tuned
+# buckets); a call uses the nearest one (space.nearest_bucket). The largest serves torch.compile,
+# which binds one config for every length.
+DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+DEFAULT_SEQLEN = 4096  # what default_config(spec) means without a length: the typical bucket
+
+
+@dataclass(frozen=True)
+class MaskShape:
+    """What the defaults read from a spec's mask, from its pattern parameters alone (no tensors).
+
+    band: the most keys one query row can see where a constant bounds it (a window's width, a
+    chunk, sink tokens + window), else None (it grows with the sequence). causal: no row sees
+    keys past its diagonal. documents: the visible ranges come from a tensor at run time
+    (document ids); their length is unknown until a call. custom: a custom expression.
+    """
+
+    band: int | None = None
+    causal: bool = False
+    documents: bool = False
+    custom: bool = False
+
+    def narrow(self, seqlen: int) -> bool:
+        """A band at most half the sequence: a query block walks a few key blocks, not a triangle."""
+        return self.band is not None and 2 * self.band <= seqlen
+
+
+def mask_shape(spec: AttentionSpec) -> MaskShape:
+    """The MaskShape of the spec's whole mask (causal and mask: and-ed)."""
+    return _node_shape(spec.mask_node)
+
+
+def _node_shape(node) -> MaskShape:
+    if node is None:
+        return MaskShape()
+    p = node.param
+    if node.kind in ("and", "or"):
+        kids = [_node_shape(c) for c in node.children]
+        bands = [k.band for k in kids if k.band is not None]
+        if node.kind == "and":  # the narrowest band bounds what a row sees; any causal child makes it causal
+            band, causal = (min(bands) if bands else None), any(k.causal for k in kids)
+        else:  # a union sees at most the sum of its bands
+            band, causal = (sum(bands) if len(bands) == len(kids) else None), all(k.causal for k in kids)
+        return MaskShape(band, causal, any(k.documents for k in kids), any(k.custom for k in kids))
+    if node.kind == "causal":
+        return MaskShape(causal=True)
+    if node.kind == "sliding_window":
+        bounded = p["left"] >= 0 and p["right"] >= 0
+        return MaskShape(p["left"] + p["right"] + 1 if bounded else None, causal=p["right"] == 0)
+    if node.kind == "chunked":
+        return MaskShape(p["size"], causal=p["causal"])
+    if node.kind == "sink":
+        return MaskShape(p["tokens"] + p["window"] + 1, causal=True)
+    if node.kind == "prefix_lm":  # the prefix block, then causal
+        return MaskShape(causal=True)
+    if node.kind == "document":
+        return MaskShape(causal=p["causal"], documents=True)
+    return MaskShape(custom=True)
+
+
+def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int | None = None) -> KernelConfig:
+    """A sound untuned config for (head dim, dtype, GPU family, mask shape, sequence length),
+    forward and backward. seqlen: the call's length (None: DEFAULT_SEQLEN)."""
     target = target or (spec.target if spec.target != "auto" else detect_target())
     arch = _ARCH.get(target, "sm80")
     d = max(spec.head_dim, spec.head_dim_v)
-    return KernelConfig(**_forward_defaults(spec, arch, d), **_backward_defaults(spec, arch, d))
+    seqlen = DEFAULT_SEQLEN if seqlen is None else seqlen
+    shape = mask_shape(spec)
+    return KernelConfig(**_forward_defaults(spec, arch, d, shape, seqlen),
+                        **_backward_defaults(spec, arch, d, shape, seqlen))
 
 
-def _forward_defaults(spec: AttentionSpec, arch: str, d: int) -> dict:
-    def cfg(m, n, warps, stages):
-        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages)
+def default_configs(spec: AttentionSpec, target: str | None = None) -> dict[int, KernelConfig]:
+    """{bucket: the default config at that length} over DEFAULT_BUCKETS: what a kernel without
+    tuned results runs, per call length (the nearest bucket's)."""
+    return {bucket: default_config(spec, target, bucket) for bucket in DEFAULT_BUCKETS}
+
+
+def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:
+    def cfg(m, n, warps, stages, tma=False):
+        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, tma=tma)
 
     if arch == "interpret":
         # The interpreter runs each program in numpy: fewer, larger tiles are faster.
@@ -156,12 +242,27 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int) -> dict:
             return cfg(64, 32, 4, 2)
         return cfg(32, 32, 4, 1 if d > 128 else 2)
     if arch == "sm90":
-        # From the H100 sweeps in benchmarks/results (bf16, 16k tokens, triton 3.6);
-        # hopper_knobs.md has the TMA / warp-specialization runs.
+        # From the H100 sweeps (bf16, 16 heads, 16k tokens, triton 3.6): hopper_knobs.md for the
+        # TMA / warp-specialization runs; masks/2026-11-22-h100-masked-defaults-sweep.md for the
+        # mask shapes and short sequences (GPU time alone, per case the best of 6-7 tiles).
         if d <= 64:
+            if shape.narrow(seqlen) or (shape.causal and seqlen <= 2048):
+                return cfg(64, 64, 4, 3)  # causal hd64 S=1024: 0.120 ms vs 0.129 for 128x64
             return dict(cfg(128, 64, 8, 3), warp_specialize=not spec.causal)
         if d <= 128:
-            return dict(cfg(128, 128, 8, 3), tma=True, warp_specialize=True)
+            if shape.narrow(seqlen) and shape.band <= 2048:
+                # a band of a few key blocks: small query tiles waste less of the band's edges.
+                # window 128: 64x32 0.116 ms vs 0.169 for 128x128 (S=4096); window 256, 1024,
+                # chunks of 1024: 64x64 with descriptors 0.143 / 0.297 / 0.193 (vs 0.200 / 0.328 / 0.228)
+                return cfg(64, 32, 4, 3) if shape.band <= 192 else cfg(64, 64, 4, 3, tma=True)
+            if shape.documents:
+                # document lengths are known only at run time; by the length: 4 or 16 documents at
+                # S=4096 run best at 64x32 (0.238 / 0.119 ms vs 0.246 / 0.170), 4 documents at
+                # S=16384 at 128x128 with descriptors (0.613 vs 0.738; 16 documents 0.254 vs 0.235)
+                return cfg(64, 32, 4, 3) if seqlen <= 4096 else cfg(128, 128, 8, 3, tma=True)
+            if shape.causal and seqlen <= 2048:
+                return cfg(64, 64, 4, 3, tma=True)  # causal S=1024: 0.186 ms vs 0.221 for 128x128
+            return dict(cfg(128, 128, 8, 3, tma=True), warp_specialize=True)
         return cfg(64, 64, 4, 2)
     if d <= 64:
         return cfg(128, 64, 4, 3)
@@ -170,7 +271,7 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int) -> dict:
     return cfg(64, 32, 4, 1)
 
 
-def _backward_defaults(spec: AttentionSpec, arch: str, d: int) -> dict:
+def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:
     def cfg(m1, n1, m2, n2, warps, stages):
         return dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, bwd_num_warps=warps, bwd_num_stages=stages)
 
@@ -179,8 +280,10 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int) -> dict:
     if spec.dtype == "fp32" or d > 128:
         return cfg(16, 32, 32, 16, 4, 1)
     if arch == "sm90":
-        # Best of the backward sweeps in benchmarks/results at hd 64 and 128, causal or not
-        # (2026-11-22-h100-backward-hopper*.md): 3 stages at hd 64; tensor descriptors pay for
-        # full attention, but lose up to 40% on the short diagonal loops of causal at S=1024.
-        return dict(cfg(64, 64, 64, 64, 4, 3 if d <= 64 else 2), bwd_tma=spec.mask_node is None)
+        # 64x64 tiles everywhere (backward sweeps of 2026-11-22-h100-backward-hopper*.md); 3 stages
+        # at hd 64. Tensor descriptors: full attention and, at hd128, every mask shape of the
+        # masked-defaults sweep (0-14% less GPU time: windows of 128 to 1024, documents, chunks,
+        # prefix-LM, causal S=1024). Atomic dQ (1.4-2.1x slower) and the persistent dK/dV grid
+        # (bwd_persistent, 1.1-1.5x slower) lost in every case of that sweep: tuner knobs only.
+        return dict(cfg(64, 64, 64, 64, 4, 3 if d <= 64 else 2), bwd_tma=spec.mask_node is None or d > 64)
     return cfg(32, 64, 64, 32, 4, 2)

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 from .spec import AttentionSpec
 
 SMEM_LIMITS = {"sm90": 232448, "sm80": 166912, "sm86": 101376, "sm89": 101376}  # bytes per block (opt-in)
+REGISTERS_PER_SM = 65536  # 32-bit registers per SM, sm80 to sm90
 
 
 @dataclass(frozen=True)
@@ -110,10 +111,12 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     bd, bdv = _pad(spec.head_dim), _pad(spec.head_dim_v)
     if device.interpret:
         params = dict(BLOCK_M1=(16, 32), BLOCK_N1=(16, 32), BLOCK_M2=(16, 32), BLOCK_N2=(16, 32),
-                      bwd_num_warps=(4,), bwd_num_stages=(1,), dq_strategy=("separate", "atomic"))
+                      bwd_num_warps=(4,), bwd_num_stages=(1,), dq_strategy=("separate", "atomic"),
+                      bwd_persistent=(0, 1))
     else:
         params = dict(BLOCK_M1=(32, 64), BLOCK_N1=(32, 64, 128), BLOCK_M2=(32, 64, 128), BLOCK_N2=(32, 64),
-                      bwd_num_warps=(4, 8), bwd_num_stages=(1, 2, 3), dq_strategy=("separate", "atomic"))
+                      bwd_num_warps=(4, 8), bwd_num_stages=(1, 2, 3), dq_strategy=("separate", "atomic"),
+                      bwd_persistent=(0, 1, 2))
     if device.hopper:
         params.update(bwd_tma=(False, True))
 
@@ -132,11 +135,19 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     def smem(p):  # streamed Q^T/dO tiles (dK/dV kernel) or K/V tiles (dQ kernel)
         return elem * p["bwd_num_stages"] * max(p["BLOCK_M1"], p["BLOCK_N2"]) * (bd + bdv)
 
+    def resident(p):  # persistent dK/dV programs one SM must hold at once: registers (estimate + 64) and smem
+        n = p.get("bwd_persistent", 0)
+        regs = n * p["bwd_num_warps"] * 32 * min(255, dkdv_regs(p) + 64)
+        return n == 0 or device.interpret or (regs <= REGISTERS_PER_SM and n * smem(p) <= device.smem_bytes)
+
     return SearchSpace("bwd", params, [
         Restriction("dK/dV kernel registers <= 255", lambda p: device.interpret or dkdv_regs(p) <= 255),
         Restriction("dQ kernel registers <= 255", lambda p: device.interpret or dq_regs(p) <= 255),
         Restriction(f"smem = {elem}*bwd_num_stages*max(BLOCK_M1, BLOCK_N2)*{bd + bdv} <= {device.smem_bytes:g}",
                     lambda p: smem(p) <= device.smem_bytes),
+        # A persistent grid pays only if its programs all run at once: n per SM must fit together.
+        Restriction(f"bwd_persistent == 0 or bwd_persistent programs fit one SM (registers <= {REGISTERS_PER_SM}, "
+                    f"smem <= {device.smem_bytes:g})", resident),
     ])
 
 
@@ -146,4 +157,12 @@ def bucket_of(seqlen: int) -> int:
 
 
 def nearest_bucket(seqlen: int, buckets) -> int:
-    return min(buckets, key=lambda b: (abs(math.log2(b) - math.log2(max(1, seqlen))), b))
+    """The bucket nearest to seqlen in log scale (the smaller on a tie). Integer comparisons only,
+    so torch.compile traces it with a symbolic length (each comparison a guard)."""
+    ordered = sorted(buckets)
+    s = seqlen if seqlen > 1 else 1
+    nearest = ordered[0]
+    for lo, hi in zip(ordered, ordered[1:]):
+        if s * s > lo * hi:  # past the geometric mean of lo and hi: nearer to hi
+            nearest = hi
+    return nearest

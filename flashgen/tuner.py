@@ -314,11 +314,12 @@ def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneO
     results = []
     for bucket in buckets:
         work = runner.workload(spec, bucket, spec.tune.batch_tokens)
-        chosen = default_config(spec, target="cpu" if runner.interpret else None)
+        chosen = default_config(spec, target="cpu" if runner.interpret else None, seqlen=bucket)
         for phase in phases:
             result = _tune_phase(spec, runner, store, options, bucket, phase, chosen, work)
             if result.best is not None:
-                chosen = chosen.replace(**{k: result.best.config[k] for k in KernelConfig.phase_knobs(phase)})
+                best = KernelConfig.from_dict(result.best.config)  # stored knobs leave out LATER_KNOBS at off
+                chosen = chosen.replace(**{k: getattr(best, k) for k in KernelConfig.phase_knobs(phase)})
             results.append(result)
     return results
 

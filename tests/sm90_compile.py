@@ -94,6 +94,10 @@ def main() -> int:
                                                     mask={"expr": "(q_idx - kv_idx) % 64 == 0"}), hopper),
         ("documents, FA1 loop order", dict(head_dim=96, num_heads=4, mask={"document": {"ids": "doc"}}),
          KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, loop_order="kv_outer")),
+        # bwd_persistent: the dK/dV kernel's loop over key blocks, with tensor descriptors and atomic dQ
+        ("sliding window, persistent dK/dV", dict(head_dim=128, num_heads=4, mask={"sliding_window": {"left": 256}}),
+         KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, BLOCK_M1=64, BLOCK_N1=64, bwd_num_stages=2,
+                      dq_strategy="atomic", bwd_tma=True, bwd_persistent=2)),
         ("packed sequences, causal, dropout", dict(head_dim=64, num_heads=4, num_kv_heads=2, causal=True,
                                                    dropout_p=0.1, varlen=True),
          KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),

@@ -25,11 +25,11 @@ def test_kernels_compile_for_sm90(tmp_path):
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert len([line for line in lines if line.startswith("ok ")]) == 15, proc.stdout
+    assert len([line for line in lines if line.startswith("ok ")]) == 17, proc.stdout
     # the Q-outer forward with TMA and warp specialization, every backward, the masked specs (a pattern, a
-    # block map, documents) and packed sequences
+    # block map, documents), packed sequences and the persistent dK/dV grid
     for case in ("TMA + warp specialization", "sliding window + softcap", "custom expression (block map)",
-                 "documents, FA1 loop order", "packed sequences"):
+                 "documents, FA1 loop order", "packed sequences", "persistent dK/dV"):
         for phase in ("forward", "backward"):
             assert any(line.startswith("ok ") and case in line and f" {phase}: " in line for line in lines), (case,
                                                                                                            phase)

@@ -568,7 +568,11 @@ class AttentionLauncher:
         tma = cfg["bwd_tma"] and layout != "thd" and all(tma_ready(t) for t in (q, k, v, do))
         if tma:
             plan.rows = Descriptors(layout, ((launch["BLOCK_M"], self.block_d), (launch["BLOCK_M"], self.block_dv)))
-        dkdv_grid = (triton.cdiv(seqlen_k, cfg["BLOCK_N1"]), num_kv_heads, batch)
+        kv_programs = triton.cdiv(seqlen_k, cfg["BLOCK_N1"])
+        if cfg.get("bwd_persistent"):  # about bwd_persistent programs per SM, each walking several key blocks
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+            kv_programs = min(kv_programs, triton.cdiv(cfg["bwd_persistent"] * sms, num_kv_heads * batch))
+        dkdv_grid = (kv_programs, num_kv_heads, batch)
         plan.dkdv = BoundLaunch(self.dkdv_kernel, dkdv_grid, dict(
             VARLEN=layout == "thd", ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p), TENSOR_GRADS=bool(tensor_grads),
             TMA=tma, **launch))

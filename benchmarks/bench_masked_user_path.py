@@ -1,0 +1,332 @@
+"""What a user gets for masked attention and short causal sequences, beside FlexAttention (issue 15).
+
+Per case (bf16, 16 heads, 16384 tokens per batch, TFLOP/s over visible pairs, flashgen.flops):
+- ``default``: the untuned call, ``flashgen.compile(spec)(q, k, v)``: the kernel flashgen.attention
+  binds when no tuned result matches (the per-bucket defaults of flashgen.config.default_configs);
+- ``load``: ``flashgen.load(spec)``, the shipped tuning_db/ (only where it has the spec: else the
+  row says so and is not timed again);
+- ``flex``: FlexAttention compiled (static shapes) with the same mask_mod and block mask
+  (flashgen.bench.flex_mods), in the same process, on the same inputs.
+
+Each provider's output (fwd) or gradients (fwd_bwd) are checked against the dense reference on a
+slice (batch 0, heads 0-1; ../shared/TESTING.md's rule) before it is timed. Times are triton's
+do_bench medians of the eager call, host time included, as a training step pays it; ``gpu_ms``
+beside them is the same call replayed from a CUDA graph (kernels only), so a row whose eager time
+is far above its GPU time is bound by host work, not by the kernels.
+
+Compiles (flashgen's kernels and Flex's) are warmed first in parallel worker processes that fill
+the on-disk caches (Triton's, inductor's); the timed process then loads them.
+
+    PYTHONPATH=. python3 benchmarks/bench_masked_user_path.py [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import flashgen  # noqa: E402
+from flashgen import AttentionSpec  # noqa: E402
+from flashgen.bench import environment, flex_mods  # noqa: E402
+from flashgen.flops import pairs_flops, tflops, visible_count  # noqa: E402
+from flashgen.inputs import named_tensors  # noqa: E402
+from flashgen.timing import time_ms, wall_ms  # noqa: E402
+from flashgen.verify import GRAD_MEAN_FACTOR, compare, reference_attention  # noqa: E402
+
+TOKENS, HEADS, DTYPE = 16384, 16, "bf16"
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
+MODES = ("fwd", "fwd_bwd")
+TARGETS = {"fwd": 1.2, "fwd_bwd": 1.1}  # issue 15: x Flex with the default config; causal S=1024: fwd_bwd 1.05
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    fields: dict = field(hash=False)  # AttentionSpec fields beyond dtype, heads, head dim
+    seqlens: tuple = (4096, 16384)
+    head_dim: int = 128
+    documents: int = 4  # document masks: equal documents per sequence
+
+    def spec(self) -> AttentionSpec:
+        return AttentionSpec(name=self.name, dtype=DTYPE, head_dim=self.head_dim, num_heads=HEADS, backward=True,
+                             **self.fields)
+
+    def target(self, mode: str) -> float:
+        return 1.05 if self.name.startswith("causal") and mode == "fwd_bwd" else TARGETS[mode]
+
+
+CASES = [
+    Case("sliding_window_128", {"mask": {"sliding_window": {"left": 128, "right": 0}}}),
+    Case("sliding_window_256", {"mask": {"sliding_window": {"left": 256, "right": 0}}}),
+    Case("sliding_window_1024", {"mask": {"sliding_window": {"left": 1024, "right": 0}}}),
+    Case("document_4", {"mask": {"document": {}}}, documents=4),
+    Case("document_16", {"mask": {"document": {}}}, documents=16),
+    Case("chunked_1024", {"mask": {"chunked": 1024}}),
+    Case("prefix_lm_512", {"mask": {"prefix_lm": 512}}),
+    Case("causal_hd64", {"causal": True}, (1024,), head_dim=64),
+    Case("causal_hd128", {"causal": True}, (1024,), head_dim=128),
+]
+QUICK = {("sliding_window_256", 4096), ("document_4", 4096), ("chunked_1024", 4096), ("prefix_lm_512", 16384),
+         ("causal_hd64", 1024), ("causal_hd128", 1024)}
+
+
+def dry_run() -> None:
+    """Shake the script out on the CPU (Triton's interpreter): fp16 (the interpreter's bf16 dot is
+    wrong), 2 heads, sequences 1/32 as long. The figures mean nothing."""
+    global TOKENS, HEADS, DTYPE, time_ms, gpu_ms
+    os.environ["TRITON_INTERPRET"] = "1"
+    TOKENS, HEADS, DTYPE = 256, 2, "fp16"
+    CASES[:] = [dataclasses.replace(c, seqlens=tuple(s // 32 for s in c.seqlens)) for c in CASES]
+    time_ms = wall_ms
+    gpu_ms = lambda fn, rep=0: wall_ms(fn)  # noqa: E731
+
+
+# ----------------------------------------------------------------------------- inputs and the reference
+@dataclass
+class Inputs:
+    spec: AttentionSpec
+    batch: int
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    do: torch.Tensor
+    tensors: dict
+    pairs: int
+
+
+def make_inputs(case: Case, seqlen: int, seed: int = 0) -> Inputs:
+    spec = case.spec()
+    batch = max(1, TOKENS // seqlen)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q, k, v, do = (torch.randn(batch, HEADS, seqlen, case.head_dim, device=DEVICE, generator=gen)
+                   .to(spec.torch_dtype) for _ in range(4))
+    tensors = named_tensors(spec, batch, seqlen, documents=case.documents, device=DEVICE)
+    return Inputs(spec, batch, q, k, v, do, tensors,
+                  visible_count(spec, batch, seqlen, seqlen, tensors, device=DEVICE))
+
+
+class SliceReference:
+    """The dense reference for batch 0, heads 0-1 (float32, and in bf16 for the error rule), and
+    the rule applied to a provider's outputs or gradients on that slice."""
+
+    def __init__(self, x: Inputs):
+        self.x = x
+        self.kw = dict(causal=x.spec.causal, mask=x.spec.mask, score_mod=x.spec.score_mod,
+                       tensors={n: t[:1] for n, t in x.tensors.items()})
+        leaves = [t[:1, :2].detach() for t in (x.q, x.k, x.v)]
+        self.do = x.do[:1, :2]
+        self.ref = self._run(leaves, torch.float32)
+        self.pt = self._run(leaves, torch.bfloat16)
+
+    def _run(self, leaves, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in leaves]
+        out, _ = reference_attention(*leaves, compute_dtype=dtype, **self.kw)
+        grads = torch.autograd.grad(out, leaves, self.do.to(dtype))
+        return [out.detach(), *grads]
+
+    def check(self, mode: str, results) -> str | None:
+        """None if the results (out, or dq, dk, dv) pass on the slice, else what failed."""
+        names, offset, factor, mean = (("out",), 0, 2.0, 1.1) if mode == "fwd" else \
+            (("dq", "dk", "dv"), 1, 3.0, GRAD_MEAN_FACTOR)
+        failed = []
+        for i, (name, got) in enumerate(zip(names, results)):
+            r = compare(name, got[:1, :2], self.ref[offset + i], self.pt[offset + i],
+                        factor=factor, mean_factor=mean)
+            if not r.ok:
+                failed.append(str(r))
+        return "; ".join(failed) or None
+
+
+def step(attn, x: Inputs, mode: str):
+    """One call as a user makes it: the forward, or forward and backward through autograd."""
+    if mode == "fwd":
+        return lambda: (attn(x.q, x.k, x.v),)
+    leaves = [t.detach().requires_grad_() for t in (x.q, x.k, x.v)]
+    return lambda: torch.autograd.grad(attn(*leaves), leaves, x.do)
+
+
+def gpu_ms(fn, rep: int = 25) -> float | None:
+    """The call's kernels alone: a CUDA graph of repeated calls (about rep ms), replayed (median ms per call)."""
+    try:
+        import triton.testing
+
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
+    except Exception:  # noqa: BLE001 (a call that cannot be captured has no GPU-only time)
+        return None
+
+
+def providers(x: Inputs, with_load: bool = True):
+    """(source, callable(q, k, v), description): the default, load where it has the spec, Flex."""
+    out = []
+    default = flashgen.compile(x.spec)
+    out.append(("default", lambda q, k, v: default(q, k, v, **x.tensors), str(default.config_for(x.q.shape[2]))))
+    if with_load:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = flashgen.load(x.spec)
+        if loaded.config_source != "default":
+            cfg = loaded.config_for(x.q.shape[2])
+            out.append(("load", lambda q, k, v: loaded(q, k, v, **x.tensors),
+                        f"{cfg} | {cfg.describe_backward()} ({loaded.config_source})"))
+        else:
+            out.append(("load", None, "no tuned result for this spec: load serves the default"))
+    flex = flex_mods(x.spec, x.q, x.k, x.tensors)
+    out.append(("flex", flex, "FlexAttention, compiled, block mask"))
+    return out
+
+
+# ----------------------------------------------------------------------------- parallel compile warm-up
+def _warm(job) -> str:
+    """A worker: run one (case, seqlen) or one callable job once, so its compiles land in the caches."""
+    fn, args = job
+    t0 = time.time()
+    try:
+        fn(*args)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        return f"ok {args} {time.time() - t0:.0f}s"
+    except Exception as exc:  # noqa: BLE001 (reported; the timed process meets the error itself)
+        return f"FAILED {args}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def _warm_case(name: str, seqlen: int) -> None:
+    case = next(c for c in CASES if c.name == name)
+    x = make_inputs(case, seqlen)
+    for _, attn, _ in providers(x):
+        if attn is not None:
+            for mode in MODES:
+                step(attn, x, mode)()
+
+
+def warm_up(jobs, workers: int) -> list[str]:
+    """Run jobs [(picklable fn, args)] in `workers` processes (spawned: each its own CUDA context)."""
+    if workers <= 1 or not jobs:
+        return [_warm(job) for job in jobs]
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # the workers are the parallelism
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        return list(pool.imap_unordered(_warm, jobs))
+
+
+# ----------------------------------------------------------------------------- one case
+def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> list[dict]:
+    x = make_inputs(case, seqlen)
+    ref = SliceReference(x)
+    rows = []
+    provs = providers(x, with_load)
+    for mode in modes:
+        flops = pairs_flops(x.pairs, case.head_dim, mode=mode)
+        measured = {}
+        for source, attn, what in provs:
+            if attn is None:
+                measured[source] = {"config": what}
+                continue
+            fn = step(attn, x, mode)
+            try:
+                err = ref.check(mode, fn())
+                if err:
+                    measured[source] = {"config": what, "error": f"wrong result: {err}"}
+                    continue
+                ms = time_ms(fn)
+                measured[source] = {"config": what, "ms": ms, "tflops": tflops(flops, ms), "gpu_ms": gpu_ms(fn)}
+            except Exception as exc:  # noqa: BLE001 (a provider that cannot run the case is reported)
+                measured[source] = {"config": what, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        flex = measured.get("flex", {})
+        for source in ("default", "load"):
+            ours = measured.get(source)
+            if ours is None:
+                continue
+            row = {"case": case.name, "seqlen": seqlen, "batch": x.batch, "head_dim": case.head_dim, "mode": mode,
+                   "source": source, "visible_fraction": x.pairs / (x.batch * HEADS * seqlen ** 2),
+                   "config": ours["config"], "target": case.target(mode)}
+            if "ms" not in ours and "error" not in ours:
+                row["same_as"] = "default"
+            row["tflops"] = {"flashgen": ours.get("tflops"), "flex": flex.get("tflops")}
+            row["ms"] = {"flashgen": ours.get("ms"), "flex": flex.get("ms")}
+            row["gpu_ms"] = {"flashgen": ours.get("gpu_ms"), "flex": flex.get("gpu_ms")}
+            errors = {p: m["error"] for p, m in (("flashgen", ours), ("flex", flex)) if "error" in m}
+            if errors:
+                row["errors"] = errors
+            if ours.get("tflops") and flex.get("tflops"):
+                row["ratio_vs_flex"] = ours["tflops"] / flex["tflops"]
+                if ours.get("gpu_ms") and flex.get("gpu_ms"):
+                    row["gpu_ratio_vs_flex"] = flex["gpu_ms"] / ours["gpu_ms"]
+            rows.append(row)
+    return rows
+
+
+def markdown(rows, env) -> str:
+    lines = [f"# What a user gets: masked attention and short causal, flashgen vs FlexAttention "
+             f"({env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, {env['date']})", "",
+             f"{DTYPE}, {HEADS} heads, {TOKENS} tokens per batch; TFLOP/s over visible pairs; eager do_bench medians "
+             "(host time included); gpu = the same call replayed from a CUDA graph. default = untuned "
+             "(flashgen.compile / flashgen.attention without a tuned result); load = flashgen.load (shipped "
+             "tuning_db). Target: x Flex (issue 15).", "",
+             "| case | S | mode | source | flashgen | Flex | ratio | target | gpu ms flashgen / Flex | gpu ratio | "
+             "config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t, g = r["tflops"], r["gpu_ms"]
+        cell = lambda v, f="{:.0f}": f.format(v) if v else "-"  # noqa: E731
+        ratio = r.get("ratio_vs_flex")
+        mark = "" if ratio is None else (" ok" if ratio >= r["target"] else " MISS")
+        note = "same as default" if r.get("same_as") else r["config"]
+        if r.get("errors"):
+            note += " ERRORS: " + "; ".join(f"{p}: {e[:120]}" for p, e in r["errors"].items())
+        lines.append(f"| {r['case']} | {r['seqlen']} | {r['mode']} | {r['source']} | {cell(t['flashgen'])} | "
+                     f"{cell(t['flex'])} | {cell(ratio, '{:.2f}')}{mark} | {r['target']} | "
+                     f"{cell(g['flashgen'], '{:.3f}')} / {cell(g['flex'], '{:.3f}')} | "
+                     f"{cell(r.get('gpu_ratio_vs_flex'), '{:.2f}')} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--quick", action="store_true", help="a subset: " + ", ".join(f"{c}@{s}" for c, s in
+                                                                                          sorted(QUICK)))
+    parser.add_argument("--cases", nargs="+", default=[c.name for c in CASES])
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--workers", type=int, default=max(1, min(15, (os.cpu_count() or 2) - 1)))
+    parser.add_argument("--no-load", action="store_true", help="time the default only")
+    parser.add_argument("--dry", action="store_true", help=dry_run.__doc__.split(":")[0])
+    args = parser.parse_args()
+    if args.dry:
+        dry_run()
+    env = {**environment(), "date": time.strftime("%Y-%m-%d")}
+    gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0]
+    todo = [(c, s) for c in CASES if c.name in args.cases for s in c.seqlens if not args.quick or (c.name, s) in QUICK]
+    todo.sort(key=lambda cs: cs[1] > 4096)  # the longest last: a run cut short keeps the most cases
+    t0 = time.time()
+    for line in warm_up([(_warm_case, (c.name, s)) for c, s in todo], 1 if args.dry else args.workers):
+        print("warm", line, flush=True)
+    print(f"warm-up {time.time() - t0:.0f}s", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{env['date']}-{gpu}-masked-user-path"
+    rows = []
+    for case, seqlen in todo:
+        t1 = time.time()
+        rows += run_case(case, seqlen, args.modes, not args.no_load)
+        for r in rows[-len(args.modes) * 2:]:
+            if r["case"] == case.name and r["seqlen"] == seqlen:
+                print(f"{case.name} {seqlen} {r['mode']} {r['source']}: {r['tflops']} ratio "
+                      f"{r.get('ratio_vs_flex', 0):.2f} gpu {r['gpu_ms']} {r.get('errors', '')}", flush=True)
+        print(f"  {time.time() - t1:.0f}s", flush=True)
+        stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # a cut run keeps
+        stem.with_suffix(".md").write_text(markdown(rows, env))
+    print(markdown(rows, env))
+
+
+if __name__ == "__main__":
+    main()

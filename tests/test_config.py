@@ -1,0 +1,177 @@
+"""The heuristic defaults read the mask's shape and the sequence-length bucket (issue 15), and
+reach every path that runs without a tuned result: flashgen.compile / flashgen.attention (per
+call length), flashgen.load's fallback and the tuner's per-bucket baseline."""
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, KernelConfig, default_config
+from flashgen import api, ops, tuner
+from flashgen.config import DEFAULT_BUCKETS, MaskShape, default_configs, mask_shape
+from flashgen.space import DeviceLimits, backward_space
+
+
+def _spec(**fields):
+    fields.setdefault("head_dim", 128)
+    return AttentionSpec(dtype="bf16", num_heads=16, backward=True, target="h100", **fields)
+
+
+WINDOW = lambda left, right=0: {"sliding_window": {"left": left, "right": right}}  # noqa: E731
+
+
+@pytest.mark.parametrize("fields,shape", [
+    ({}, MaskShape()),
+    ({"causal": True}, MaskShape(causal=True)),
+    ({"mask": WINDOW(256)}, MaskShape(257, causal=True)),
+    ({"mask": WINDOW(3, 4)}, MaskShape(8)),
+    ({"mask": WINDOW(-1, 0)}, MaskShape(causal=True)),  # unbounded on the left: no band
+    ({"mask": {"chunked": {"size": 1024, "causal": False}}}, MaskShape(1024)),
+    ({"mask": {"sink": {"tokens": 4, "window": 1024}}}, MaskShape(1029, causal=True)),
+    ({"mask": {"prefix_lm": 512}}, MaskShape(causal=True)),
+    ({"mask": {"document": {}}}, MaskShape(causal=True, documents=True)),
+    ({"causal": True, "mask": {"chunked": 64}}, MaskShape(64, causal=True)),  # and: the narrowest band
+    ({"mask": {"or": [WINDOW(2, 0), WINDOW(0, 2)]}}, MaskShape(6)),  # or: at most the sum, causal only if all are
+    ({"mask": {"or": [WINDOW(2, 0), {"prefix_lm": 3}]}}, MaskShape(causal=True)),  # an unbounded part: no band
+    ({"mask": "(q_idx - kv_idx) % 4 == 0"}, MaskShape(custom=True)),
+])
+def test_mask_shape_reads_the_pattern_parameters(fields, shape):
+    assert mask_shape(_spec(**fields)) == shape
+
+
+def test_defaults_per_bucket_follow_the_mask_shape_on_sm90():
+    def fwd(fields, seqlen):
+        c = default_config(_spec(**fields), seqlen=seqlen)
+        return c.BLOCK_M, c.BLOCK_N, c.num_warps, c.tma, c.warp_specialize
+
+    long = (128, 128, 8, True, True)  # the plain and long-causal default (hopper_knobs.md)
+    # narrow bands: small query tiles (the sweep's best per band width), at every length they are narrow in
+    for s in (4096, 16384):
+        assert fwd({"mask": WINDOW(128)}, s) == (64, 32, 4, False, False)
+        assert fwd({"mask": WINDOW(256)}, s) == fwd({"mask": {"chunked": 1024}}, s) == (64, 64, 4, True, False)
+    assert fwd({"mask": WINDOW(4096)}, 16384) == long  # a wide band is a long triangle's business
+    assert fwd({"mask": WINDOW(1024)}, 1024) == (64, 64, 4, True, False)  # not narrow at 1024, but short causal
+    # documents: by length; short causal: 64x64; plain and long causal keep the old default
+    assert fwd({"mask": {"document": {}}}, 4096) == (64, 32, 4, False, False)
+    assert fwd({"mask": {"document": {}}}, 16384) == (128, 128, 8, True, False)
+    assert fwd({"causal": True}, 1024) == (64, 64, 4, True, False)
+    for s in DEFAULT_BUCKETS:
+        assert fwd({}, s) == long
+        if s >= 4096:
+            assert fwd({"causal": True}, s) == fwd({"mask": {"prefix_lm": 512}}, s) == long
+    hd64 = default_config(_spec(head_dim=64, causal=True), seqlen=1024)
+    assert (hd64.BLOCK_M, hd64.BLOCK_N, hd64.num_warps, hd64.tma) == (64, 64, 4, False)
+
+
+def test_backward_defaults():
+    # hd128: tensor descriptors for every mask shape; hd64 masked keeps pointer loads; neither the
+    # persistent dK/dV grid nor atomic dQ is a default (both lost every case of the sweep)
+    for fields in ({}, {"causal": True}, {"mask": WINDOW(256)}, {"mask": {"document": {}}}):
+        for s in DEFAULT_BUCKETS:
+            c = default_config(_spec(**fields), seqlen=s)
+            assert (c.BLOCK_M1, c.BLOCK_N1, c.bwd_num_stages, c.bwd_tma) == (64, 64, 2, True)
+            assert c.bwd_persistent == 0 and c.dq_strategy == "separate"
+    assert not default_config(_spec(head_dim=64, causal=True)).bwd_tma
+    assert default_config(_spec(head_dim=64)).bwd_tma
+
+
+def test_defaults_elsewhere_do_not_read_the_mask():
+    # fp32, other GPU families and the interpreter have no mask measurements: one config per spec
+    for fields in ({"dtype": "fp32"}, {"target": "a100"}, {"target": "cpu"}):
+        spec = _spec(mask=WINDOW(128)).replace(**fields)
+        plain = _spec().replace(**fields)
+        assert len(set(default_configs(spec).values())) == 1
+        assert default_configs(spec)[4096] == default_configs(plain)[4096]
+
+
+def test_default_configs_cover_the_buckets():
+    spec = _spec(mask={"document": {}})
+    configs = default_configs(spec)
+    assert tuple(configs) == DEFAULT_BUCKETS
+    assert all(configs[b] == default_config(spec, seqlen=b) for b in DEFAULT_BUCKETS)
+    assert default_config(spec) == configs[4096]  # without a length: the typical bucket
+
+
+# ----------------------------------------------------------------------------- where the defaults are used
+def test_compiled_kernel_runs_the_default_of_each_call_length():
+    spec = _spec(mask={"document": {}})
+    kernel = flashgen.compile(spec)
+    assert kernel.bucket_configs == default_configs(spec) and kernel.config_source == "default"
+    for seqlen, bucket in ((100, 1024), (3000, 4096), (5000, 4096), (12000, 16384), (10**6, 65536)):
+        assert kernel.config_for(seqlen) == default_config(spec, seqlen=bucket)
+        assert ops.kernel_spec(kernel._kernel_id_for(None, seqlen))[1] == default_config(spec, seqlen=bucket)
+    # a given config is used at every length
+    given = KernelConfig(BLOCK_M=32)
+    kernel = flashgen.compile(spec, given)
+    assert kernel.bucket_configs == {} and kernel.config_for(3000) == given
+
+
+def test_one_off_call_without_tuned_results_binds_the_bucket_defaults(monkeypatch):
+    monkeypatch.setattr("flashgen.loader.lookup", lambda spec: ({}, "default"))
+    spec = _spec(mask=WINDOW(128))
+    kernel = api._tuned_kernel(spec, None)
+    assert kernel.bucket_configs == default_configs(spec)
+    assert kernel.config_for(16384).BLOCK_N == 32
+
+
+def test_load_without_tuned_results_falls_back_to_the_bucket_defaults(tmp_path):
+    spec = _spec(mask=WINDOW(128), name="not-tuned-anywhere")
+    with pytest.warns(UserWarning, match="no tuned config"):
+        kernel = flashgen.load(spec, db=f"sqlite:///{tmp_path / 'none.sqlite'}")
+    assert kernel.config_source == "default" and kernel.bucket_configs == default_configs(spec)
+
+
+def test_tuner_starts_each_bucket_from_that_buckets_default(monkeypatch, tmp_path):
+    seen = []
+
+    def phase(spec, runner, store, options, bucket, phase, base, work):
+        seen.append((bucket, phase, base))
+        return tuner.BucketResult(bucket, phase, None, None, 0, {})
+
+    class Runner:
+        interpret = False
+
+        def workload(self, spec, bucket, tokens):
+            return None
+
+    monkeypatch.setattr(tuner, "_tune_phase", phase)
+    spec = _spec(mask={"document": {}}, tune={"seqlens": [2048, 16384]})
+    tuner.tune(spec, Runner(), store=None)
+    assert [(b, p) for b, p, _ in seen] == [(2048, "fwd"), (2048, "bwd"), (16384, "fwd"), (16384, "bwd")]
+    assert all(base == default_config(spec, seqlen=b) for b, _, base in seen)
+    assert seen[0][2] != seen[2][2]
+
+
+def test_tuner_space_has_the_persistent_grid_within_one_sms_resources():
+    h100 = DeviceLimits("H100", 232448, hopper=True)
+    space = backward_space(_spec(), h100)
+    assert space.params["bwd_persistent"] == (0, 1, 2)
+    point = dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=2,
+                 dq_strategy="separate", bwd_tma=True)
+    assert space.violations(dict(point, bwd_persistent=2)) == []
+    # two 8-warp programs of 64x128 dK/dV tiles need ~2 x 8 x 32 x 255 registers: more than an SM has
+    big = dict(point, BLOCK_N1=128, BLOCK_M2=128, bwd_num_warps=8, bwd_num_stages=3)
+    assert space.violations(dict(big, bwd_persistent=1)) == []
+    assert any("bwd_persistent" in v for v in space.violations(dict(big, bwd_persistent=2)))
+    assert {p["bwd_persistent"] for p in space.points()} == {0, 1, 2}
+
+
+# ----------------------------------------------------------------------------- on the GPU: every new default is exact
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields,seqlen,head_dim", [
+    ({"mask": WINDOW(128)}, 4096, 128),  # 64x32 forward
+    ({"mask": WINDOW(256)}, 16384, 128),  # 64x64 with tensor descriptors, TMA backward
+    ({"mask": {"document": {}}}, 4096, 128),
+    ({"mask": {"document": {}}}, 16384, 128),  # 128x128 with descriptors, no warp specialization
+    ({"causal": True}, 1024, 128),
+    ({"causal": True}, 1024, 64),
+], ids=["window-128", "window-256", "documents-4096", "documents-16384", "causal-1024", "causal-1024-hd64"])
+def test_gpu_bucket_defaults_match_reference_bf16(fields, seqlen, head_dim):
+    from .test_masks import _doc_ids, check_variant
+
+    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=8, num_kv_heads=2, backward=True, **fields)
+    tensors = {"document_ids": torch.stack([_doc_ids([100, 700, 1, 699]), _doc_ids([1500])])} \
+        if "mask" in fields and "document" in fields["mask"] else {}
+    config = default_config(spec, seqlen=seqlen)
+    check_variant("cuda", **fields, tensors=tensors, sq=1500, sk=1500, dtype="bf16", heads=(8, 2), d=head_dim,
+                  config=config, dq_strategy=config.dq_strategy, loop_order=config.loop_order)
