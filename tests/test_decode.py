@@ -400,13 +400,36 @@ def test_captured_calls_record_for_the_next_eager_call(device, monkeypatch):
 def test_num_splits_heuristic():
     # The grid fills the SMs: no split (B=64, 8 KV heads on 132 SMs).
     assert host_decode.num_splits_heuristic(64 * 8, 132, 64) == 1
-    # One sequence, 8 KV heads: enough splits to fill 132 SMs (FA3's 85% rule picks 15).
-    assert host_decode.num_splits_heuristic(8, 132, 2048) == 15
+    # One sequence, 8 KV heads: the most splits that keep one wave, each program on its own SM
+    # (16 x 8 = 128 programs on 132 SMs; FA3's 85% rule would pick 15).
+    assert host_decode.num_splits_heuristic(8, 132, 2048) == 16
+    # B=8: 64 blocks, two splits fill 128 of 132 SMs.
+    assert host_decode.num_splits_heuristic(64, 132, 128) == 2
+    # 70 blocks: one wave of 70 fills half the SMs, so FA3's wave-efficiency rule decides (5 splits, 2.65 waves).
+    assert host_decode.num_splits_heuristic(70, 132, 128) == 5
     # Never more splits than key blocks.
     assert host_decode.num_splits_heuristic(8, 132, 3) == 3
     # The default reads shapes only (the cache's capacity), never cache_seqlens.
     knobs = host_decode.decode_knobs(128, 4, 1, 8, 131072, torch.device("cpu"))
     assert knobs["num_splits"] == 1  # the interpreter counts as one SM: no split
+
+
+def test_default_tiles_follow_the_page_size_and_the_grid(monkeypatch):
+    # A page number per key (page size below 64) or a grid that fills the SMs: 128-key tiles;
+    # else 64; three stages where they fit in shared memory, else two, else smaller tiles.
+    monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)  # an H100's
+    cuda = torch.device("cuda", 0)
+    knobs = lambda **kw: host_decode.decode_knobs(128, 4, kw.pop("batch", 8), 8, 8192, cuda, **kw)  # noqa: E731
+    assert (knobs()["BLOCK_N"], knobs()["num_stages"], knobs()["num_splits"]) == (64, 3, 2)
+    assert knobs(page_size=16)["BLOCK_N"] == 128 and knobs(page_size=256)["BLOCK_N"] == 64
+    assert (knobs(batch=64)["BLOCK_N"], knobs(batch=64)["num_stages"], knobs(batch=64)["num_splits"]) == (128, 3, 1)
+    fp32 = knobs(batch=64, element_size=4)  # two 128-key stages do not fit: 64-key tiles, three stages
+    assert (fp32["BLOCK_N"], fp32["num_stages"]) == (64, 3)
+    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 101376)  # an sm86's
+    fp32 = knobs(batch=64, element_size=4)
+    assert (fp32["BLOCK_N"], fp32["num_stages"]) == (32, 2)
+    assert knobs(page_prefetch=False)["page_prefetch"] is False and knobs()["page_prefetch"] is True
 
 
 def test_default_split_count_follows_the_capacity(device, monkeypatch):
@@ -529,6 +552,7 @@ def test_repeated_calls_check_and_plan_once_and_read_no_tensor(monkeypatch):
     table = torch.tensor([[3, 1, 5], [0, 6, 2]], dtype=torch.int32)
     prepared = []
     prepare = launcher.prepare
+    host_decode.bounds_record(q.device)  # made once per device (its host view is a numpy array)
 
     def no_sync(*args, **kwargs):
         raise AssertionError("an eager decode step read a tensor on the host")
@@ -542,6 +566,14 @@ def test_repeated_calls_check_and_plan_once_and_read_no_tensor(monkeypatch):
     monkeypatch.undo()
     assert len(prepared) == 2 and len(launcher.kernel.fn.launches) == 4
     assert launcher.kernel.fn.launches[0] == launcher.kernel.fn.launches[2]
+    # every grid has three sizes: the bound launch passes them to the compiled launcher as such
+    launcher.append_kernel = host_decode.BoundKernel(_Recorder())
+    new = torch.ones(2, 1, 2, 16, dtype=torch.float16)
+    launcher.decode(q, cache, cache, torch.tensor([1, 1], dtype=torch.int32), k=new, v=new, block_table=table,
+                    num_splits=2)
+    kernels = (launcher.kernel, launcher.combine_kernel, launcher.append_kernel)
+    assert all(kernel.fn.launches for kernel in kernels)
+    assert all(len(grid) == 3 for kernel in kernels for grid, _, _ in kernel.fn.launches)
     # a bad second call with the same shapes as a good one is still checked
     with pytest.raises(ValueError, match="k_cache: expected dtype"):
         launcher.decode(q, cache.float(), cache, torch.tensor([3, 9], dtype=torch.int32), block_table=table)

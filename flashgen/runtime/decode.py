@@ -50,12 +50,20 @@ CHECKS = ("async", "sync")
 
 # ----------------------------------------------------------------------------- knobs
 def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, max_splits=MAX_SPLITS):
-    """FA3's rule (hopper/heuristics.h): no split when the grid already nearly fills the SMs;
-    else the fewest splits whose wave efficiency (programs / SMs over whole waves) is within
-    85% of the best, never more than the key blocks, the SMs or max_splits."""
+    """How many programs share one (batch element, KV head, row block)'s keys. None when the
+    grid already nearly fills the SMs (FA3's rule). Else, when some split count keeps the grid
+    within one wave and fills at least 85% of the SMs, the largest such count: each program then
+    has an SM to itself, which a memory-bound program needs to keep enough loads in flight (H100,
+    B=1, 8 KV heads, 128K keys: 16 splits ran 190.8 us, FA3's choice of 15 194.2 us, 32 197.1 us).
+    Otherwise FA3's rule (hopper/heuristics.h): the fewest splits whose wave efficiency
+    (programs / SMs over whole waves) is within 85% of the best. Never more than the key blocks,
+    the SMs or max_splits."""
     if total_mblocks >= 0.8 * num_sms:
         return 1
     max_splits = min(max_splits, num_sms, num_n_blocks)
+    one_wave = min(num_sms // max(total_mblocks, 1), max_splits)
+    if one_wave >= 1 and total_mblocks * one_wave >= 0.85 * num_sms:
+        return one_wave
     efficiency = []
     for splits in range(1, max_splits + 1):
         waves = total_mblocks * splits / num_sms
@@ -67,7 +75,7 @@ def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, max_splits=MAX_SP
     return 1
 
 
-SM_COUNTS = {}
+SM_COUNTS, SMEM_LIMITS = {}, {}
 
 
 def sm_count(device):
@@ -79,26 +87,54 @@ def sm_count(device):
     return SM_COUNTS[device]
 
 
+def smem_limit(device):
+    """Shared memory one program may use on the device (bytes); unbounded under the interpreter."""
+    if device.type != "cuda":
+        return float("inf")
+    if device not in SMEM_LIMITS:
+        props = torch.cuda.get_device_properties(device)
+        SMEM_LIMITS[device] = getattr(props, "shared_memory_per_block_optin", 0) or 101376
+    return SMEM_LIMITS[device]
+
+
 def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *, BLOCK_N=None, num_splits=0,
-                 num_warps=None, num_stages=None, page_prefetch=None):
+                 num_warps=None, num_stages=None, page_prefetch=None, page_size=None, element_size=2):
     """The knobs of a decode call, from shapes only: {BLOCK_M, BLOCK_N, num_splits, num_warps,
-    num_stages, page_prefetch}, the given ones checked and the others' defaults filled in."""
+    num_stages, page_prefetch}, the given ones checked and the others' defaults filled in.
+
+    The defaults (H100, bf16, head dim 128, 32 q / 8 KV heads, in us):
+    - BLOCK_N 128 where each key's page is looked up (page_size < 64: fewer, larger tiles
+      amortise the per-key page arithmetic; B=8, 8K keys, page 1: 115.5 vs 126.2 at 64) and
+      where the grid fills the SMs unsplit (B=64, 4K keys: 363.7 vs 384.5), else 64;
+      32 above head dim 128.
+    - num_stages 3 (another K/V tile in flight), 2 where three do not fit in shared memory.
+    - page_prefetch: a paged tile's page numbers read one tile ahead, so no K/V load waits on
+      a block table read; without it Triton's pipeliner does not multi-buffer the K/V loads
+      (page 256, BLOCK_N 64: 108.7 vs 126.6; contiguous 107.7)."""
     block_m = min(max(16, triton.next_power_of_2(packed_rows)), MAX_PACKED_ROWS)
-    block_n = BLOCK_N or (64 if head_dim <= 128 else 32)
-    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {block_n!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0: the heuristic), got {num_splits!r}")
+        raise ValueError(f"num_splits: expected an int >= 0 (0: the tuned count or a heuristic), got {num_splits!r}")
     for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    total_mblocks = batch * num_kv_heads * triton.cdiv(packed_rows, block_m)
+    fills = total_mblocks >= 0.8 * sm_count(device)
+    def staged_bytes(block_n, stages):  # K and V tiles in flight, and room for the rest
+        return stages * block_n * 2 * padded_head_dim(head_dim) * element_size + 8192
+
+    block_n = BLOCK_N
+    if block_n is None:
+        block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills else 64
+        while block_n > 16 and staged_bytes(block_n, 2) > smem_limit(device):
+            block_n //= 2
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {block_n!r}")
     if num_splits == 0:
-        total_mblocks = batch * num_kv_heads * triton.cdiv(packed_rows, block_m)
         num_splits = num_splits_heuristic(total_mblocks, sm_count(device), triton.cdiv(capacity, block_n))
-    # Memory-bound: a third stage keeps another K/V tile in flight (shared memory: 3 x 2 tiles of
-    # 64 x 128 x 2 bytes = 96 KiB at head dim 128; two stages above that).
+    if num_stages is None:
+        num_stages = 3 if staged_bytes(block_n, 3) <= smem_limit(device) else 2
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_splits": min(num_splits, MAX_SPLITS),
-            "num_warps": num_warps or 4, "num_stages": num_stages or (3 if head_dim <= 128 else 2),
+            "num_warps": num_warps or 4, "num_stages": num_stages,
             "page_prefetch": True if page_prefetch is None else bool(page_prefetch)}
 
 
@@ -223,6 +259,7 @@ class BoundKernel:
         self.compiled = {}  # key -> CompiledKernel
 
     def launch(self, key, grid, args, num_warps, num_stages):
+        """Launch fn on grid (three sizes) with args (every parameter, in signature order)."""
         compiled = self.compiled.get(key)
         knobs = getattr(triton, "knobs", None)
         if compiled is None or knobs is None or self.hooked(knobs):
@@ -375,10 +412,11 @@ class DecodeLauncher:
             t = self.lengths[key] = torch.full((batch,), n, dtype=torch.int32, device=device)
         return t
 
-    def plan(self, batch, seqlen_q, capacity, device, knobs):
+    def plan(self, batch, seqlen_q, capacity, device, knobs, page_size=None):
         """The launch plan of a decode call (knobs, split count, grids), from shapes only: the
         tuned knobs of the (batch, capacity) bucket where the call overrides none, else the
-        heuristic defaults with the call's overrides (knobs: {name: value or None})."""
+        heuristic defaults with the call's overrides (knobs: {name: value or None}). page_size:
+        a paged cache's, None for a contiguous one."""
         spec = self.spec
         group = spec["num_heads"] // spec["num_kv_heads"]
         tuned = None
@@ -386,12 +424,12 @@ class DecodeLauncher:
         if self.tuned is not None and untouched:
             tuned = self.tuned(batch, capacity)
         chosen = decode_knobs(spec["head_dim"], seqlen_q * group, batch, spec["num_kv_heads"], capacity, device,
-                              **(tuned or knobs))
+                              page_size=page_size, element_size=self.attention.dtype.itemsize, **(tuned or knobs))
         splits = chosen["num_splits"]
         return dict(chosen, splits=splits, split=splits > 1, tuned=bool(tuned),
                     block_dv=padded_head_dim(spec["head_dim_v"]),
                     grid=(splits, triton.cdiv(seqlen_q * group, chosen["BLOCK_M"]), batch * spec["num_kv_heads"]),
-                    combine_grid=(batch * seqlen_q * spec["num_heads"],),
+                    combine_grid=(batch * seqlen_q * spec["num_heads"], 1, 1),
                     BLOCK_S=max(2, triton.next_power_of_2(splits)))
 
     def prepare(self, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx, softmax_scale, out,
@@ -415,7 +453,7 @@ class DecodeLauncher:
         page_size = k_cache.shape[1] if paged else 1
         capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
         seqlen_add = 0 if k is None else k.shape[1]
-        plan = self.plan(batch, seqlen_q, capacity, q.device, knobs)
+        plan = self.plan(batch, seqlen_q, capacity, q.device, knobs, page_size if paged else None)
         scale = spec["softmax_scale"] if softmax_scale is None else float(softmax_scale)
         out_strides = out.stride() if out is not None else (seqlen_q * num_heads * dv, num_heads * dv, dv, 1)
         write_lse = lse is not None or bool(return_lse)
@@ -439,7 +477,7 @@ class DecodeLauncher:
         return DecodeCall(batch=batch, seqlen_q=seqlen_q, capacity=capacity, plan=plan, out_shape=out_shape,
                           lse_shape=lse_shape, write_lse=write_lse, part_numel=part_numel,
                           kernel_scalars=kernel_scalars, kernel_constexprs=kernel_constexprs,
-                          combine_args=combine_args, append_args=append_args, append_grid=(batch * seqlen_add,),
+                          combine_args=combine_args, append_args=append_args, append_grid=(batch * seqlen_add, 1, 1),
                           record=bounds_record(q.device), device=q.device, check=check)
 
     # ------------------------------------------------------------------ the call
