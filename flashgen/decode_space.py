@@ -26,8 +26,7 @@ from .spec import AttentionSpec
 
 PHASE_PREFIX = "dec"
 MAX_BATCH_BUCKET = 1 << 16
-SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-BLOCKS = (16, 32, 64, 128)
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the split counts searched on a GPU
 
 
 def decode_phase(batch_bucket: int) -> str:
@@ -47,11 +46,11 @@ def phase_batch(phase) -> int | None:
 class DecodeConfig:
     """One point of the decode space; from_dict checks every knob and names the bad one."""
 
-    num_splits: int = 1
-    BLOCK_N: int = 64
+    num_splits: int = 1  # programs sharing one (batch element, KV head)'s keys, merged by the combine kernel
+    BLOCK_N: int = 64  # keys per tile
     num_warps: int = 4
-    num_stages: int = 3
-    page_prefetch: bool = True
+    num_stages: int = 3  # K/V tiles in flight
+    page_prefetch: bool = True  # a paged tile's page numbers read one tile ahead
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "DecodeConfig":
@@ -62,12 +61,14 @@ class DecodeConfig:
         return cls(**dict(data))
 
     def __post_init__(self):
-        checks = {"num_splits": SPLITS, "BLOCK_N": BLOCKS, "num_warps": (1, 2, 4, 8, 16),
-                  "num_stages": (1, 2, 3, 4, 5, 6)}
+        checks = {"num_splits": range(1, 129), "BLOCK_N": (16, 32, 64, 128, 256), "num_warps": (1, 2, 4, 8, 16),
+                  "num_stages": range(1, 7)}
         for name, allowed in checks.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or value not in allowed:
-                raise ConfigError(f"decode config knob '{name}': expected one of {allowed}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
+                shown = f"an int from {allowed.start} to {allowed.stop - 1}" if isinstance(allowed, range) else \
+                    f"one of {allowed}"
+                raise ConfigError(f"decode config knob '{name}': expected {shown}, got {value!r}")
         if not isinstance(self.page_prefetch, bool):
             raise ConfigError(f"decode config knob 'page_prefetch': expected a bool, got {self.page_prefetch!r}")
 
@@ -78,15 +79,18 @@ class DecodeConfig:
         return DecodeConfig.from_dict({**self.to_dict(), **changes})
 
 
-def decode_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
-    """The decode knobs the tuner searches, with the restriction that the K/V tiles in flight fit."""
+def decode_space(spec: AttentionSpec, device: DeviceLimits, default: DecodeConfig | None = None) -> SearchSpace:
+    """The decode knobs the tuner searches, with the restriction that the K/V tiles in flight
+    fit; the default's values are added to the choices (the tuner always measures it)."""
     elem = 4 if spec.dtype == "fp32" else 2
     dims = _pad(spec.head_dim) + _pad(spec.head_dim_v)
     if device.interpret:
         params = dict(num_splits=(1, 2, 3), BLOCK_N=(16, 32), num_warps=(4,), num_stages=(1,), page_prefetch=(True,))
     else:
-        params = dict(num_splits=SPLITS[:12], BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4),
+        params = dict(num_splits=SPLITS, BLOCK_N=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4),
                       page_prefetch=(True, False))
+    if default is not None:
+        params = {n: tuple(sorted(set(c) | {getattr(default, n)})) for n, c in params.items()}
     return SearchSpace("decode", params, [
         Restriction(f"smem = {elem}*num_stages*BLOCK_N*{dims} <= {device.smem_bytes:g}",
                     lambda p: elem * p["num_stages"] * p["BLOCK_N"] * dims <= device.smem_bytes),

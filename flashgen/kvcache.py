@@ -23,7 +23,7 @@ from .config import KernelConfig
 from .runtime.decode import check_bounds
 from .spec import AttentionSpec
 
-__all__ = ["decode", "check_bounds", "decode_launcher", "tuned_decode", "compat_launcher"]
+__all__ = ["decode", "check_bounds", "decode_launcher", "tuned_decode", "compat_launcher", "reload_tuned"]
 
 _LAUNCHERS: dict = {}  # kernel id -> the module's DecodeLauncher, its tuned knobs attached
 _COMPAT: dict = {}  # flash_attn_with_kvcache's plain key -> its DecodeLauncher
@@ -52,6 +52,13 @@ def tuned_decode(spec: AttentionSpec, db: str | None = None):
             if lookup is not None:
                 return lookup, where
     return None, "default"
+
+
+def reload_tuned() -> None:
+    """Forget the tuned decode knobs looked up so far: the next call of each spec reads the
+    results again (a tune that stored results after a spec was first used is seen)."""
+    _LAUNCHERS.clear()
+    _COMPAT.clear()
 
 
 def decode_launcher(kernel: AttentionKernel, config: KernelConfig | None = None):

@@ -50,25 +50,12 @@ def check_bucket(value: Any) -> int:
     return value
 
 
-def check_config(value: Any, field: str = "config") -> KernelConfig:
+def check_config(value: Any, field: str = "config", config_type=KernelConfig):
+    """A config of config_type (KernelConfig, or decode's DecodeConfig), built from a mapping."""
     if not isinstance(value, Mapping):
         raise ResultRowError(field, "expected a mapping of kernel knobs", value)
     try:
-        return KernelConfig.from_dict(dict(value))
-    except ConfigError as err:
-        raise ResultRowError(field, str(err)) from None
-    except TypeError as err:  # a key that is not a string
-        raise ResultRowError(field, f"not a mapping of knob names ({err})", value) from None
-
-
-def check_decode_config(value: Any, field: str = "config"):
-    """A decode config (flashgen.decode_space: num_splits, BLOCK_N, num_warps, num_stages, page_prefetch)."""
-    from ..decode_space import DecodeConfig
-
-    if not isinstance(value, Mapping):
-        raise ResultRowError(field, "expected a mapping of decode knobs", value)
-    try:
-        return DecodeConfig.from_dict(dict(value))
+        return config_type.from_dict(dict(value))
     except ConfigError as err:
         raise ResultRowError(field, str(err)) from None
     except TypeError as err:  # a key that is not a string
@@ -78,14 +65,14 @@ def check_decode_config(value: Any, field: str = "config"):
 def check_best(row: Mapping) -> None:
     """A best-config row: bucket, phase, config, ms, tflops and default_ms. A decode row's phase
     is 'dec<batch bucket>' and its config holds decode knobs (flashgen.decode_space)."""
-    from ..decode_space import phase_batch
+    from ..decode_space import DecodeConfig, phase_batch
 
     check_bucket(row.get("bucket"))
     decode = phase_batch(row.get("phase")) is not None
     if row.get("phase") not in PHASES and not decode:
         raise ResultRowError("phase", "expected one of " + ", ".join(PHASES) + " or dec<batch bucket> ('dec8')",
                              row.get("phase"))
-    (check_decode_config if decode else check_config)(row.get("config"))
+    check_config(row.get("config"), config_type=DecodeConfig if decode else KernelConfig)
     _number("ms", row.get("ms"), positive=True)
     _number("tflops", row.get("tflops"), positive=False)
     if row.get("default_ms") is not None:
