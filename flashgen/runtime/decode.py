@@ -281,9 +281,8 @@ class BoundKernel:
 
     @staticmethod
     def stream():
-        from triton.runtime import driver
-
-        return driver.active.get_current_stream(driver.active.get_current_device())
+        driver = triton.runtime.driver.active
+        return driver.get_current_stream(driver.get_current_device())
 
 
 def _meta(t):
