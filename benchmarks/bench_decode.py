@@ -11,10 +11,11 @@ mask). Then a paged cache (page sizes 1, 16, 256; a shuffled block table) at B=8
 against the contiguous one. Every output is checked against SDPA's (or the dense reference)
 before it is timed; each provider's failure is recorded, not fatal.
 
-"flashgen_graph" is the compat call captured in a CUDA graph and replayed, as a serving loop runs
-decode: there the bounds check of cache_seqlens and block_table (in an eager call: one small
-kernel whose flags the host waits for after the decode kernels are queued) is skipped, and no
-host work sits between steps.
+"flashgen" is what a user calling flash_attn_with_kvcache gets, eager: no host synchronisation
+(the kernels record an out-of-range index in pinned host memory, read by the next call), and
+after the first call of a shape the launches skip Triton's argument binder.
+"flashgen_graph" is the same call captured in a CUDA graph and replayed, as a serving loop may
+run decode: no host work at all between steps.
 
 Rows: {case, mode, <provider>: {us, TBps} | {error}, ratio_vs_<anchor>: anchor us / flashgen us,
 graph_ratio_vs_<anchor>: the same for flashgen_graph}.
@@ -82,8 +83,7 @@ def _flex(q_len, kv):
 
 
 def _graphed(fn):
-    """fn captured in a CUDA graph, as a serving loop runs decode: the host bounds check is
-    skipped there (the kernel clamps), so no synchronisation sits between steps."""
+    """fn captured in a CUDA graph and replayed, as a serving loop may run decode."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -295,7 +295,7 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
         click.echo(f"{spec.uri}: {len(stale)} stored result(s) on {runner.env.gpu} are stale (timed on kernels the "
                    "templates have changed since): not used; this tune stores new ones", err=True)
     phases = 2 if spec.backward else 1
-    total = (trials or spec.tune.trials) * phases * len({b for b in _buckets(spec)})
+    total = (trials or spec.tune.trials) * (phases * len({b for b in _buckets(spec)}) + len(_decode_buckets(spec)))
     history: dict[str, list] = {}
     bar = tqdm(total=total, desc=f"tune {spec.uri}", unit="trial", disable=as_json, dynamic_ncols=True)
     state = {"failures": 0}
@@ -416,7 +416,7 @@ def _print_stored(store, specs, interpret) -> None:
         click.echo(f"\n{spec.uri} on {here.gpu}; results in {store.display_url}")
         for bucket, phases in sorted(store.best_configs(here, spec).items()):
             for phase, row in sorted(phases.items()):
-                knobs = " ".join(f"{k}={v}" for k, v in row["config"].items() if k in KernelConfig.phase_knobs(phase))
+                knobs = _knob_text(row["config"], phase)
                 click.echo(f"{bucket:>7} {phase:5} {row['ms']:>9.4f} {row['tflops']:>8.1f}  {knobs}")
 
 
@@ -424,6 +424,21 @@ def _buckets(spec):
     from .space import bucket_of
 
     return sorted({bucket_of(s) for s in spec.tune.seqlens})
+
+
+def _decode_buckets(spec):
+    from .decode_space import buckets
+
+    decode = spec.tune.decode
+    return buckets(decode.kv_lengths, decode.batches) if decode else []
+
+
+def _knob_text(config, phase) -> str:
+    """A phase's own knobs of a stored config (a decode phase's are all of it)."""
+    from .decode_space import phase_batch
+
+    own = config if phase_batch(phase) is not None else KernelConfig.phase_knobs(phase)
+    return " ".join(f"{k}={v}" for k, v in config.items() if k in own)
 
 
 def _print_tune_table(spec, runner, rows, url, wall):
@@ -441,7 +456,7 @@ def _print_tune_table(spec, runner, rows, url, wall):
                        f"({r['failures']})")
             continue
         speed = f"{r['speedup_over_default']:.2f}x" if r["speedup_over_default"] else "-"
-        knobs = " ".join(f"{k}={v}" for k, v in r["config"].items() if k in KernelConfig.phase_knobs(r["phase"]))
+        knobs = _knob_text(r["config"], r["phase"])
         click.echo(f"{r['bucket']:>7} {r['phase']:5} {r['ms']:>9.4f} {r['tflops']:>8.1f} {speed:>10}  {knobs}")
         if r["kept"]:
             click.echo(f"{'':>44}kept the stored config: {r['kept']['ms']:.4f} ms is faster than this run's")

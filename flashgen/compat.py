@@ -91,7 +91,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, check="async"):
     """flash_attn_with_kvcache: q (batch, seqlen_q, heads, head_dim) over a KV cache.
 
     k_cache, v_cache: (batch_cache, seqlen_cache, kv_heads, head_dim), or paged (num_blocks,
@@ -99,19 +99,28 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_seqlens: int or (batch,) int32, the keys already in the cache. k, v (batch, seqlen_new,
     kv_heads, head_dim): written into the cache in place at cache_seqlens, then attended (each
     element attends to cache_seqlens + seqlen_new keys). cache_batch_idx (batch,) int32: the cache
-    rows of a contiguous cache. num_splits: 0 a heuristic, 1 no split, n that many. Returns out,
-    and (out, softmax_lse (batch, heads, seqlen_q)) with return_softmax_lse. Rotary embedding and
-    cache_leftpad are not supported (apply rotary to q and k before the call)."""
-    from .kvcache import decode
+    rows of a contiguous cache. num_splits: 0 the tuned count or a heuristic, 1 no split, n that
+    many. Returns out, and (out, softmax_lse (batch, heads, seqlen_q)) with return_softmax_lse.
+    Rotary embedding and cache_leftpad are not supported (apply rotary to q and k before the call).
+
+    An index of cache_seqlens, block_table or cache_batch_idx outside the cache is never read or
+    written and raises ValueError naming the argument: without waiting for the GPU, at the next
+    call after the kernels met it (the outputs of that call are meaningless), or at once with
+    check="sync" (flashgen's addition, for debugging; see flashgen.kvcache.decode). The first call
+    with a new combination of dtypes, head counts, head dims and causal/window/softcap/ALiBi
+    builds and compiles its spec; later ones find it with one dict lookup."""
+    from .kvcache import compat_launcher
 
     if rotary_cos is not None or rotary_sin is not None:
         raise ValueError("rotary_cos: in-kernel rotary embedding is not supported by flashgen.compat; apply it to "
                          "q and k before the call")
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad: left-padded caches are not supported by flashgen.compat")
-    causal, mask, mods, tensors = _variant(causal, window_size, softcap, alibi_slopes)
-    spec = spec_for(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, layout="bshd", mask=mask,
-                    score_mod=mods)
-    out, lse = decode(spec, q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
-                      cache_batch_idx=cache_batch_idx, num_splits=int(num_splits), return_lse=True, **tensors)
-    return _outputs(out, lse, None, return_softmax_lse)[:2] if return_softmax_lse else out
+    launcher = compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slopes, softmax_scale)
+    tensors = {"alibi_slopes": alibi_slopes} if alibi_slopes is not None else None
+    out, lse = launcher.decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+                               cache_batch_idx=cache_batch_idx, tensors=tensors, return_lse=return_softmax_lse,
+                               num_splits=int(num_splits), check=check)
+    if not return_softmax_lse:
+        return out
+    return out, torch.where(lse == float("-inf"), float("inf"), lse)  # flash-attn's empty-row LSE

@@ -6,7 +6,12 @@ The spec's mask and score modifier apply as in prefill, with the query rows alig
 of each batch element's keys (causal: query i of Sq sees key j <= seqlen_k - Sq + i, where
 seqlen_k = cache_seqlens[b] + the keys appended this call). The kernels: templates/decode/
 (split-KV with the query heads of a KV group packed into one tile); the host side:
-flashgen/runtime/decode.py.
+flashgen/runtime/decode.py, which also states when an index outside the cache raises.
+
+Tuned decode knobs (``flashgen tune`` of a spec with a ``tune.decode`` section, see
+flashgen/decode_space.py) are read once per spec from the results database, then from the
+shipped tuning_db/, and used by every call that overrides no knob; without them the call
+runs the heuristic defaults.
 """
 
 from __future__ import annotations
@@ -15,7 +20,56 @@ import torch
 
 from .api import AttentionKernel, compile_spec
 from .config import KernelConfig
+from .runtime.decode import check_bounds
 from .spec import AttentionSpec
+
+__all__ = ["decode", "check_bounds", "decode_launcher", "tuned_decode", "compat_launcher", "reload_tuned"]
+
+_LAUNCHERS: dict = {}  # kernel id -> the module's DecodeLauncher, its tuned knobs attached
+_COMPAT: dict = {}  # flash_attn_with_kvcache's plain key -> its DecodeLauncher
+
+
+def tuned_decode(spec: AttentionSpec, db: str | None = None):
+    """(lookup, source): lookup(batch, capacity) gives the tuned decode knobs of the nearest
+    (KV length, batch) bucket stored for this spec on this GPU, or None; source says where they
+    came from ('database', 'tuning_db', or 'default' with lookup None). Decode's kernels do not
+    depend on whether the spec trains, so a spec tuned with either `backward` serves. Never
+    raises for a database problem (the prefill loader's rule, flashgen.loader): the heuristic
+    serves."""
+    from .db import EnvInfo, ResultStore, default_url
+    from .db.layer import shipped_best
+    from .decode_space import tuned_lookup
+
+    env = EnvInfo.current()
+    url = db or default_url()
+    for where, read in (("database", lambda s: ResultStore(url, create=False).matching_best(env, s)),
+                        ("tuning_db", lambda s: shipped_best(s.key, env))):
+        for candidate in (spec, spec.replace(backward=not spec.backward)):
+            try:
+                lookup = tuned_lookup(read(candidate))
+            except Exception:  # noqa: BLE001 (missing, locked or stale results)
+                continue
+            if lookup is not None:
+                return lookup, where
+    return None, "default"
+
+
+def reload_tuned() -> None:
+    """Forget the tuned decode knobs looked up so far: the next call of each spec reads the
+    results again (a tune that stored results after a spec was first used is seen)."""
+    _LAUNCHERS.clear()
+    _COMPAT.clear()
+
+
+def decode_launcher(kernel: AttentionKernel, config: KernelConfig | None = None):
+    """The DecodeLauncher of a kernel's module, with the spec's tuned decode knobs attached (looked up once)."""
+    key = kernel.kernel_id(config)
+    launcher = _LAUNCHERS.get(key)
+    if launcher is None:
+        launcher = kernel.module(config)._DECODE
+        launcher.tuned, launcher.tuned_source = tuned_decode(kernel.spec)
+        _LAUNCHERS[key] = launcher
+    return launcher
 
 
 def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens=None, *,
@@ -23,7 +77,8 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            cache_batch_idx: torch.Tensor | None = None, softmax_scale: float | None = None,
            return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
            num_splits: int = 0, BLOCK_N: int | None = None, num_warps: int | None = None,
-           num_stages: int | None = None, config: KernelConfig | None = None, **tensors):
+           num_stages: int | None = None, page_prefetch: bool | None = None, check: str = "async",
+           config: KernelConfig | None = None, **tensors):
     """Attention of q (batch, seqlen_q, heads, head_dim) over a KV cache, with a spec's mask and score_mod.
 
     spec_or_kernel: an AttentionKernel (flashgen.compile) or anything flashgen.compile takes (an
@@ -33,15 +88,48 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     per element (an int: the same for all; None: the whole cache). k, v (batch, seqlen_new,
     kv_heads, head_dim): new keys and values written into the cache in place at cache_seqlens
     first, then attended. num_splits 0 picks the split count from the shapes (never from
-    cache_seqlens: a call is CUDA-graph capturable). The tensors the spec's mask or score_mod
-    reads are passed by name. out, lse: buffers to write into. Returns out (batch, seqlen_q,
-    heads, head_dim_v) in q's dtype, and with return_lse the log-sum-exp (batch, heads, seqlen_q) float32 (-inf where a row sees no key).
+    cache_seqlens: a call is CUDA-graph capturable): the tuned one where the spec was tuned for
+    decode, else FA3's heuristic. The tensors the spec's mask or score_mod reads are passed by
+    name. out, lse: buffers to write into. Returns out (batch, seqlen_q, heads, head_dim_v) in
+    q's dtype, and with return_lse the log-sum-exp (batch, heads, seqlen_q) float32 (-inf where
+    a row sees no key).
+
+    Bounds: an index of cache_seqlens, block_table or cache_batch_idx outside the cache is never
+    read or written; it raises ValueError naming the argument. check="async" (default): on a GPU
+    without waiting, at the next decode call (or flashgen.kvcache.check_bounds()) after the
+    kernels met it, the outputs of the call that met it being meaningless; check="sync": at once,
+    waiting for the call's kernels (see flashgen/runtime/decode.py).
     """
     kernel = spec_or_kernel if isinstance(spec_or_kernel, AttentionKernel) else compile_spec(
         AttentionSpec.coerce(spec_or_kernel))
-    module = kernel.module(config)
-    out, lse = module.decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
-                             cache_batch_idx=cache_batch_idx, softmax_scale=softmax_scale, tensors=tensors, out=out,
-                             lse=lse, BLOCK_N=BLOCK_N, num_splits=num_splits, num_warps=num_warps,
-                             num_stages=num_stages)
+    out, lse = decode_launcher(kernel, config).decode(
+        q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, cache_batch_idx=cache_batch_idx,
+        softmax_scale=softmax_scale, tensors=tensors, out=out, lse=lse, return_lse=return_lse, BLOCK_N=BLOCK_N,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, page_prefetch=page_prefetch, check=check)
     return (out, lse) if return_lse else out
+
+
+def compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slopes, softmax_scale):
+    """The DecodeLauncher of a flash_attn_with_kvcache call: the spec its arguments describe is
+    built, checked and compiled once per plain key (dtypes, heads, head dims, causal, window,
+    softcap, ALiBi's rank, scale), then found with one dict lookup."""
+    try:
+        key = (q.dtype, q.shape[2], q.shape[3], k_cache.shape[2], k_cache.shape[3], v_cache.shape[3], bool(causal),
+               tuple(window_size) if window_size is not None else None, float(softcap or 0.0),
+               None if alibi_slopes is None else (alibi_slopes.dtype, alibi_slopes.dim()), softmax_scale)
+        launcher = _COMPAT.get(key)
+    except (AttributeError, IndexError, TypeError, ValueError):  # the slow path names the argument
+        key = launcher = None
+    if launcher is None:
+        from .api import spec_for
+        from .compat import _variant
+
+        causal, mask, mods, _ = _variant(causal, window_size, softcap, alibi_slopes)
+        spec = spec_for(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, layout="bshd", mask=mask,
+                        score_mod=mods)
+        launcher = decode_launcher(compile_spec(spec))
+        if key is not None:
+            if len(_COMPAT) >= 256:
+                _COMPAT.clear()
+            _COMPAT[key] = launcher
+    return launcher

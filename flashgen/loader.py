@@ -51,6 +51,8 @@ def _configs(rows: dict[int, dict[str, dict]], base: KernelConfig) -> tuple[dict
     for bucket, phases in rows.items():
         knobs, used = {}, 0
         for phase, row in phases.items():
+            if phase not in ("fwd", "bwd"):  # decode's rows: flashgen.kvcache serves them
+                continue
             try:
                 check_best(dict(row, bucket=bucket, phase=phase))
             except ResultRowError as err:

@@ -203,6 +203,39 @@ def _check_float(name: str, value: Any) -> float:
     return value
 
 
+def _int_list(name: str, values: Any, hi: int) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or not values:
+        raise SpecError(name, "expected a non-empty list of integers", values)
+    return tuple(sorted(set(_check_int(name, v, 1, hi) for v in values)))
+
+
+@dataclass(frozen=True)
+class DecodeTuneSpec:
+    """``tune.decode``: the decode shapes the tuner searches decode's knobs for (the split count,
+    tiles): one study per KV-length bucket and batch bucket (flashgen/decode_space.py)."""
+
+    kv_lengths: tuple[int, ...] = (4096, 32768)
+    batches: tuple[int, ...] = (1, 8, 64)
+    q_len: int = 1  # query rows per call (1: plain decode; more: speculative decoding)
+
+    def __post_init__(self):
+        object.__setattr__(self, "kv_lengths", _int_list("tune.decode.kv_lengths", self.kv_lengths, 1 << 24))
+        object.__setattr__(self, "batches", _int_list("tune.decode.batches", self.batches, 1 << 16))
+        object.__setattr__(self, "q_len", _check_int("tune.decode.q_len", self.q_len, 1, 256))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "DecodeTuneSpec":
+        if not isinstance(data, Mapping):
+            raise SpecError("tune.decode", "expected a mapping with keys " + ", ".join(_fields(cls)), data)
+        unknown = [k for k in data if k not in _fields(cls)]
+        if unknown:
+            raise SpecError(f"tune.decode.{unknown[0]}", "unknown key (known: " + ", ".join(_fields(cls)) + ")")
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict:
+        return {"kv_lengths": list(self.kv_lengths), "batches": list(self.batches), "q_len": self.q_len}
+
+
 @dataclass(frozen=True)
 class TuneSpec:
     """The ``tune:`` section: what the tuner searches for."""
@@ -210,6 +243,7 @@ class TuneSpec:
     seqlens: tuple[int, ...] = (1024, 4096)
     trials: int = 32
     batch_tokens: int = 16384  # batch * seqlen used when timing a bucket
+    decode: DecodeTuneSpec | None = None  # decode's shapes, when the spec also serves decode
 
     def __post_init__(self):
         seqlens = self.seqlens
@@ -219,6 +253,8 @@ class TuneSpec:
         object.__setattr__(self, "seqlens", tuple(sorted(set(checked))))
         object.__setattr__(self, "trials", _check_int("tune.trials", self.trials, 1, 100_000))
         object.__setattr__(self, "batch_tokens", _check_int("tune.batch_tokens", self.batch_tokens, 1))
+        if self.decode is not None and not isinstance(self.decode, DecodeTuneSpec):
+            object.__setattr__(self, "decode", DecodeTuneSpec.from_dict(self.decode))
 
     @classmethod
     def from_dict(cls, data: Any) -> "TuneSpec":
@@ -232,7 +268,10 @@ class TuneSpec:
         return cls(**dict(data))
 
     def to_dict(self) -> dict:
-        return {"seqlens": list(self.seqlens), "trials": self.trials, "batch_tokens": self.batch_tokens}
+        out = {"seqlens": list(self.seqlens), "trials": self.trials, "batch_tokens": self.batch_tokens}
+        if self.decode is not None:
+            out["decode"] = self.decode.to_dict()
+        return out
 
 
 def _fields(cls) -> list[str]:

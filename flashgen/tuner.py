@@ -39,6 +39,7 @@ from . import masks
 from .api import AttentionKernel
 from .config import KernelConfig, default_config
 from .db import EnvInfo, ResultStore, TrialRecord, config_key
+from .decode_space import DecodeConfig, decode_phase, decode_space, phase_batch
 from .failures import (CompilationFailedConfig, FailedConfig, InvalidConfig, RuntimeFailedConfig, TimedOutConfig,
                        WrongResultConfig, launching, stage)
 from .flops import pairs_flops, tflops, visible_count
@@ -79,10 +80,14 @@ class Runner:
         self.env = EnvInfo.current(interpret=self.interpret)
         self.limits = DeviceLimits.current(interpret=self.interpret)
 
+    # Decode's verification shapes (batch, KV length), at the study's query length.
+    decode_verify_shapes: list = []
+    decode_full_verify_shapes: list = []
+
     # The calls a test may override (for example to inject a wrong kernel or a failing stage).
     def build(self, kernel: AttentionKernel, config):
-        """Render the config's module and import it."""
-        return kernel.module(config)
+        """Render the config's module and import it (a decode config runs in the kernel's module)."""
+        return kernel.module(config if isinstance(config, KernelConfig) else None)
 
     def forward(self, kernel: AttentionKernel, config, q, k, v, tensors=None):
         return kernel.forward(q, k, v, config=config, **(tensors or {}))
@@ -101,6 +106,23 @@ class Runner:
     def timing_seqlen(self, bucket: int) -> int:
         return bucket
 
+    def decode(self, kernel: AttentionKernel, config: DecodeConfig, q, k_cache, v_cache, tensors=None):
+        """One decode call over a full contiguous cache with the config's knobs: (out, lse)."""
+        from .kvcache import decode
+
+        return decode(kernel, q, k_cache, v_cache, None, return_lse=True, **config.to_dict(), **(tensors or {}))
+
+    def decode_workload(self, spec: AttentionSpec, kv_bucket: int, batch_bucket: int, q_len: int) -> Workload:
+        """The inputs a decode study times: a full cache of the bucket's length and batch (clipped
+        under the interpreter)."""
+        kv, batch = (min(kv_bucket, 64), min(batch_bucket, 2)) if self.interpret else (kv_bucket, batch_bucket)
+        gen = torch.Generator().manual_seed(random.randrange(2**31))
+        q, k, v, _ = qkv_do(spec, batch, q_len, kv, device=self.device, generator=gen)
+        named = named_tensors(spec, batch, q_len, kv, device=self.device, generator=gen)
+        cache = (k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())  # (batch, kv, heads, dim)
+        return Workload(kv_bucket, batch, kv, (q.transpose(1, 2).contiguous(), *cache), named,
+                        visible_count(spec, batch, q_len, kv, named, device=self.device))
+
     def trial(self, kernel, data: dict, broken: list[str], phase, work: Workload, *,
               timeout_s: float = 60.0) -> TrialRecord:
         """A sampled point from the start: the restrictions it breaks, its config, then evaluate."""
@@ -108,7 +130,7 @@ class Runner:
             if broken:
                 raise InvalidConfig("; ".join(broken))
             with stage(InvalidConfig):
-                config = KernelConfig.from_dict(data)
+                config = _config_type(phase).from_dict(data)
         except FailedConfig as failure:
             return _failed(TrialRecord(work.bucket, phase, data, "ok"), failure)
         return self.evaluate(kernel, config, phase, work, timeout_s=timeout_s)
@@ -121,12 +143,17 @@ class Runner:
         try:
             with stage(CompilationFailedConfig):
                 self.build(kernel, config)
-            rec.margin = self.verify(kernel, config, phase, self.full_verify_shapes if full else self.verify_shapes)
+            decoding = phase_batch(phase) is not None
+            if decoding:
+                rec.margin = self.verify_decode(kernel, config, work, full)
+            else:
+                rec.margin = self.verify(kernel, config, phase, self.full_verify_shapes if full else self.verify_shapes)
             _within(start, timeout_s, "compile and verify")
             with launching():
-                rec.ms = self.time(kernel, config, phase, work)
+                rec.ms = self.time_decode(kernel, config, work) if decoding else self.time(kernel, config, phase, work)
             spec = kernel.spec
-            rec.tflops = tflops(pairs_flops(work.pairs, spec.head_dim, spec.head_dim_v, mode=phase), rec.ms)
+            rec.tflops = tflops(pairs_flops(work.pairs, spec.head_dim, spec.head_dim_v,
+                                            mode="fwd" if decoding else phase), rec.ms)
             _within(start, timeout_s, "the trial")
         except FailedConfig as failure:  # typed: never let one config end the search
             _failed(rec, failure)
@@ -159,8 +186,37 @@ class Runner:
                                             margin=worst)
         return worst
 
+    def verify_decode(self, kernel, config, work: Workload, full: bool = False) -> float:
+        """The error rule for decode: each verification shape's full cache against the dense
+        reference (bottom-right aligned, as decode aligns it); the worst margin."""
+        worst = 0.0
+        spec, q_len = kernel.spec, work.tensors[0].shape[1]
+        for batch, kv in self.decode_full_verify_shapes if full else self.decode_verify_shapes:
+            gen = torch.Generator().manual_seed(random.randrange(2**31))
+            q, k, v, _ = qkv_do(spec, batch, q_len, kv, device=self.device, generator=gen)
+            named = named_tensors(spec, batch, q_len, kv, device=self.device, generator=gen)
+            q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+            with launching():
+                out, lse = self.decode(kernel, config, q, k, v, named)
+            with stage(RuntimeFailedConfig):
+                results = check_attention(out, lse, q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale,
+                                          layout="bshd", mask=spec.mask, score_mod=spec.score_mod, tensors=named)
+            for r in results:
+                worst = max(worst, r.margin)
+                if not r.ok:
+                    raise WrongResultConfig(f"decode at (batch {batch}, q_len {q_len}, KV {kv}): {r}", margin=worst)
+        return worst
+
+    def time_decode(self, kernel, config, work: Workload) -> float:
+        q, k_cache, v_cache = work.tensors
+        return self.clock(lambda: self.decode(kernel, config, q, k_cache, v_cache, work.named))
+
     def time(self, kernel, config, phase, work: Workload) -> float:
         raise NotImplementedError
+
+
+def _config_type(phase: str):
+    return DecodeConfig if phase_batch(phase) is not None else KernelConfig
 
 
 def _within(start: float, timeout_s: float, what: str) -> None:
@@ -179,6 +235,9 @@ def _failed(rec: TrialRecord, failure: FailedConfig) -> TrialRecord:
 class GpuRunner(Runner):
     device = "cuda"
     timing_label = "GPU time: median of CUDA-event timed runs after warm-up, L2 flushed"
+    clock = staticmethod(time_ms)
+    decode_verify_shapes = [(3, 1531), (1, 4097)]
+    decode_full_verify_shapes = [(2, 1), (3, 1531), (1, 4097), (2, 8193)]
 
     def __init__(self):
         super().__init__(verify_shapes=[(2, 257, 257), (1, 129, 300)],
@@ -201,6 +260,9 @@ class InterpretRunner(Runner):
     device = "cpu"
     timing_label = "INTERPRETER WALL TIME - not a timing of any GPU"
     interpret = True
+    clock = staticmethod(wall_ms)
+    decode_verify_shapes = [(2, 37)]
+    decode_full_verify_shapes = [(2, 1), (2, 37), (1, 70)]
 
     def __init__(self):
         from .config import interpreting
@@ -309,24 +371,54 @@ def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneO
     # Optuna's warnings are about failed trials, with their tracebacks: a config's failure is
     # a typed record here, and an interrupt or a database error reaches the caller whole.
     optuna.logging.set_verbosity(optuna.logging.ERROR)
-    phases = options.phases or (("fwd", "bwd") if spec.backward else ("fwd",))
+    phases = options.phases or (("fwd", "bwd") if spec.backward else ("fwd",)) + \
+        (("decode",) if spec.tune.decode else ())
     buckets = sorted({bucket_of(s) for s in spec.tune.seqlens})
     results = []
-    for bucket in buckets:
+    for bucket in buckets if {"fwd", "bwd"} & set(phases) else ():
         work = runner.workload(spec, bucket, spec.tune.batch_tokens)
         chosen = default_config(spec, target="cpu" if runner.interpret else None, seqlen=bucket)
-        for phase in phases:
+        for phase in (p for p in phases if p in ("fwd", "bwd")):
             result = _tune_phase(spec, runner, store, options, bucket, phase, chosen, work)
             if result.best is not None:
                 best = KernelConfig.from_dict(result.best.config)  # stored knobs leave out LATER_KNOBS at off
                 chosen = chosen.replace(**{k: getattr(best, k) for k in KernelConfig.phase_knobs(phase)})
             results.append(result)
+    if "decode" in phases:
+        results += tune_decode(spec, runner, store, options)
     return results
 
 
-def _tune_phase(spec, runner, store, options, bucket, phase, base: KernelConfig, work) -> BucketResult:
-    space = forward_space(spec, runner.limits) if phase == "fwd" else backward_space(spec, runner.limits)
-    kernel = AttentionKernel(spec, base)
+def tune_decode(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneOptions
+                ) -> list[BucketResult]:
+    """Decode's studies (the spec's tune.decode, flashgen/decode_space.py): one per KV-length
+    bucket and batch bucket, stored as phase dec<batch>, each starting from the heuristic's
+    choice at the bucket's shape (flashgen/runtime/decode.py) and measured as prefill's are."""
+    from .decode_space import buckets
+    from .runtime.decode import decode_knobs
+
+    if spec.tune.decode is None:
+        raise ValueError("tune.decode: this spec names no decode shapes to tune")
+    if masks.lower(spec.mask_node, spec.score_mod).same_seqlen:
+        raise ValueError("tune.decode: a document mask indexes one id tensor by query and key; decode does not "
+                         "run it")
+    q_len, results = spec.tune.decode.q_len, []
+    for kv, batch in buckets(spec.tune.decode.kv_lengths, spec.tune.decode.batches):
+        work = runner.decode_workload(spec, kv, batch, q_len)
+        knobs = decode_knobs(spec.head_dim, q_len * spec.gqa_group, work.batch, spec.num_kv_heads, work.seqlen,
+                             torch.device(runner.device, 0) if runner.device == "cuda" else torch.device("cpu"),
+                             element_size=4 if spec.dtype == "fp32" else 2)
+        default = DecodeConfig.from_dict({n: knobs[n] for n in DecodeConfig.__dataclass_fields__})
+        results.append(_tune_phase(spec, runner, store, options, kv, decode_phase(bucket_of(batch)), default, work,
+                                   decode_space(spec, runner.limits, default)))
+    return results
+
+
+def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: SearchSpace | None = None
+                ) -> BucketResult:
+    if space is None:
+        space = forward_space(spec, runner.limits) if phase == "fwd" else backward_space(spec, runner.limits)
+    kernel = AttentionKernel(spec, base if isinstance(base, KernelConfig) else None)
     # A seed of its own per study, so the buckets do not replay one sequence of suggestions.
     seed = options.seed * 1_000_003 + bucket * 2 + (phase == "bwd")
     study = store.open_study(spec, runner.env, bucket, phase, make_sampler(options.sampler, seed, space))
@@ -416,7 +508,7 @@ def _final_choice(runner, kernel, study, space, phase, work, options, base: Kern
     spends no budget), and is then never chosen, in this run or a later one."""
     completed = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
                        key=lambda t: t.value)
-    candidates = [KernelConfig.from_dict(t.user_attrs["record"]["config"]) for t in completed[:2]]
+    candidates = [_config_type(phase).from_dict(t.user_attrs["record"]["config"]) for t in completed[:2]]
     if base not in candidates:
         candidates.append(base)
     finalists, default = [], None

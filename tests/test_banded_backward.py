@@ -54,6 +54,7 @@ def _recording(module):
             return kernel[grid]
 
     launcher.dkdv_kernel = Recorder()
+    launcher.plans.clear()  # call plans keep the kernel they were made with
     return grids
 
 

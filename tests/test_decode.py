@@ -117,23 +117,27 @@ def run_decode(device, *, dtype="fp16", heads=(4, 2), d=32, batch=3, sq=1, lengt
 
 
 # ----------------------------------------------------------------------------- the grid
-@pytest.mark.parametrize("dtype,heads,sq,page_size,num_splits", [
-    ("fp16", (4, 2), 1, None, 1),  # GQA, one query row, no split
-    ("fp16", (4, 1), 1, None, 3),  # MQA, split
-    ("fp32", (4, 2), 1, 3, 1),  # paged, page size 3 (not a power of two)
-    ("fp16", (4, 2), 5, 16, 4),  # several query rows (causal bottom-right), paged, split
-    ("fp16", (2, 2), 3, 1, 2),  # MHA, page size 1
-    ("fp32", (8, 2), 7, None, 5),  # 28 packed rows: two row blocks of 16
-    ("fp16", (4, 2), 2, 64, 2),  # a page larger than the cache's tiles
-], ids=["gqa-sq1", "mqa-split", "fp32-page3", "sq5-page16-split", "mha-page1", "fp32-two-row-blocks",
-        "page64"])
-def test_decode_matches_reference(device, dtype, heads, sq, page_size, num_splits):
+@pytest.mark.parametrize("dtype,heads,sq,page_size,num_splits,prefetch", [
+    ("fp16", (4, 2), 1, None, 1, None),  # GQA, one query row, no split
+    ("fp16", (4, 1), 1, None, 3, None),  # MQA, split
+    ("fp32", (4, 2), 1, 3, 1, True),  # paged, page size 3 (not a power of two): a page per key
+    ("fp32", (4, 2), 2, 3, 2, False),  # the same, page numbers read in the tile's own iteration
+    ("fp16", (4, 2), 5, 16, 4, True),  # several query rows (causal bottom-right), paged, split: a page per tile
+    ("fp16", (4, 2), 5, 16, 3, False),
+    ("fp16", (2, 2), 3, 1, 2, True),  # MHA, page size 1
+    ("fp32", (8, 2), 7, None, 5, None),  # 28 packed rows: two row blocks of 16
+    ("fp16", (4, 2), 2, 64, 2, True),  # a page larger than the cache's tiles
+    ("fp16", (4, 2), 2, 64, 1, False),
+], ids=["gqa-sq1", "mqa-split", "fp32-page3", "fp32-page3-no-prefetch", "sq5-page16-split",
+        "sq5-page16-no-prefetch", "mha-page1", "fp32-two-row-blocks", "page64", "page64-no-prefetch"])
+def test_decode_matches_reference(device, dtype, heads, sq, page_size, num_splits, prefetch):
     # Odd cache lengths per batch element, one of them shorter than the query rows (its first
-    # rows see no key: out 0, LSE -inf).
+    # rows see no key: out 0, LSE -inf). BLOCK_N 16: page sizes 16 and 64 hold whole tiles (one
+    # page number per tile), 1 and 3 do not (one per key).
     lengths = (37, 3 if sq > 3 else 1, 20)
     capacity = 128 if page_size == 64 else 48
     run_decode(device, dtype=dtype, heads=heads, sq=sq, page_size=page_size, num_splits=num_splits, lengths=lengths,
-               capacity=capacity)
+               capacity=capacity, page_prefetch=prefetch)
 
 
 def test_non_causal_and_more_splits_than_blocks(device):
@@ -280,9 +284,101 @@ def test_bad_block_table_and_cache_seqlens_are_errors(device):
             [0, 6], dtype=torch.int32, device=device))
 
 
-def test_unchecked_indices_are_clamped(device, monkeypatch):
-    # Under CUDA-graph capture or torch.compile the host cannot read cache_seqlens or block_table:
-    # the kernel clamps them (lengths to the capacity, pages into the pool) and never reads out of bounds.
+@pytest.fixture
+def deferred():
+    """The CPU's bounds record made to behave as a GPU's: a call does not raise what its own
+    kernels recorded (they run asynchronously there), the next call or check_bounds() does."""
+    record = host_decode.bounds_record(torch.device("cpu"))
+    record.immediate = False
+    yield record
+    record.immediate = True
+    record.words[:] = 0
+
+
+def _guarded(shape, dtype=torch.float16):
+    """A cache of `shape` in the middle of a NaN guard one row (page) deep on either side,
+    filled with random numbers: a read outside it gives NaN, a write outside it overwrites NaN."""
+    whole = torch.full((shape[0] + 2, *shape[1:]), float("nan"), dtype=dtype)
+    cache = whole[1:-1]
+    cache.normal_()
+    return whole, cache
+
+
+def _guard_intact(whole):
+    return bool(whole[0].isnan().all() and whole[-1].isnan().all())
+
+
+@pytest.mark.parametrize("case", ["page-below", "page-above", "length-over", "length-negative", "row-above",
+                                  "append-over"])
+def test_out_of_range_indices_are_never_read_or_written(case, deferred):
+    # Each bad index points one page (row, slot) past the cache, into a NaN guard: a read there
+    # would make the output NaN, a write would overwrite the guard. The call returns finite
+    # outputs, the guard is intact, and the next call raises naming the argument.
+    q = torch.randn(2, 1, 4, 16, dtype=torch.float16)
+    paged = case.startswith("page") or case == "append-over"
+    shape = (6, 4, 2, 16) if paged else (3, 8, 2, 16)
+    whole_k, k_cache = _guarded(shape)
+    whole_v, v_cache = _guarded(shape)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    seqlens = torch.tensor([5, 12 if paged else 8], dtype=torch.int32)
+    good = dict(block_table=table.clone()) if paged else dict(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32))
+    kw = {name: t.clone() for name, t in good.items()}
+    table = kw.get("block_table")
+    new = {}
+    if case == "page-below":
+        table[1, 0] = -1
+    elif case == "page-above":
+        table[1, 2] = 6
+    elif case == "length-over":
+        seqlens[1] = 9
+    elif case == "length-negative":
+        seqlens[0] = -3
+    elif case == "row-above":
+        kw["cache_batch_idx"][1] = 3
+    else:  # 12 + 2 appended keys past the capacity of 12: element 1's keys are not written
+        new = dict(k=torch.ones(2, 2, 2, 16, dtype=torch.float16), v=torch.ones(2, 2, 2, 16, dtype=torch.float16))
+    before = (k_cache.clone(), v_cache.clone())
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, num_splits=2,
+                                       return_softmax_lse=True, **new, **kw)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert _guard_intact(whole_k) and _guard_intact(whole_v)
+    if new:  # element 0's keys landed at 5, 6 of page 1; element 1 (12 + 2 > 12) wrote nothing
+        assert torch.equal(k_cache[1, 1:3], new["k"][0]) and torch.equal(k_cache[3:6], before[0][3:6])
+    argument = {"page-below": "block_table", "page-above": "block_table", "row-above": "cache_batch_idx"}.get(
+        case, "cache_seqlens")
+    with pytest.raises(ValueError, match=f"^{argument}: "):
+        flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, **good)  # a good call reports the bad one
+    flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, **good)  # the record was cleared
+
+
+def test_bounds_errors_name_the_position_and_value(deferred):
+    # The record keeps where the first bad index was and its value, for the message of a later call.
+    q, cache, table = _paged_inputs("cpu")
+    bad = table.clone()
+    bad[1, 1] = 9
+    flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([3, 7], dtype=torch.int32), block_table=bad)
+    with pytest.raises(ValueError, match=r"block_table: expected page indices in \[0, 6\) .*got 9 at \[1, 1\]"):
+        host_decode.check_bounds("cpu")  # the explicit sync point
+    new = torch.zeros(2, 2, 1, 16, dtype=torch.float16)
+    flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=torch.tensor([11, 3], dtype=torch.int32),
+                            block_table=table)
+    with pytest.raises(ValueError, match="cache_seqlens: .*capacity 12, got 11 \\+ 2 appended at index 0"):
+        host_decode.check_bounds("cpu")
+    host_decode.check_bounds("cpu")  # nothing left: no error
+
+
+def test_check_sync_raises_in_the_call_itself(deferred):
+    q, cache, table = _paged_inputs("cpu")
+    seqlens = torch.tensor([3, 13], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens: .*capacity 12, got 13 at index 1"):
+        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=seqlens, block_table=table, check="sync")
+    with pytest.raises(ValueError, match="check: expected one of"):
+        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, block_table=table, check="later")
+
+
+def test_captured_calls_record_for_the_next_eager_call(device, monkeypatch):
+    # Under CUDA-graph capture or torch.compile the host reads nothing: the kernel clamps (lengths
+    # to the capacity, pages into the pool) and records; the next eager call raises.
     monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: True)
     q, cache, table = _paged_inputs(device)
     cache.normal_()
@@ -292,7 +388,10 @@ def test_unchecked_indices_are_clamped(device, monkeypatch):
     out, lse = flash_attn_with_kvcache(q, cache, cache, cache_seqlens=seqlens, block_table=bad, num_splits=2,
                                        return_softmax_lse=True)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    # element 0 is read whole (its length clamped to the capacity, 12)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="^(cache_seqlens|block_table): "):
+        flash_attn_with_kvcache(q[:1], cache, cache, cache_seqlens=12, block_table=table[:1])
+    # element 0 was read whole (its length clamped to the capacity, 12)
     good = flash_attn_with_kvcache(q[:1], cache, cache, cache_seqlens=12, block_table=table[:1])
     assert torch.equal(out[:1], good)
 
@@ -301,13 +400,36 @@ def test_unchecked_indices_are_clamped(device, monkeypatch):
 def test_num_splits_heuristic():
     # The grid fills the SMs: no split (B=64, 8 KV heads on 132 SMs).
     assert host_decode.num_splits_heuristic(64 * 8, 132, 64) == 1
-    # One sequence, 8 KV heads: enough splits to fill 132 SMs (FA3's 85% rule picks 15).
-    assert host_decode.num_splits_heuristic(8, 132, 2048) == 15
+    # One sequence, 8 KV heads: the most splits that keep one wave, each program on its own SM
+    # (16 x 8 = 128 programs on 132 SMs; FA3's 85% rule would pick 15).
+    assert host_decode.num_splits_heuristic(8, 132, 2048) == 16
+    # B=8: 64 blocks, two splits fill 128 of 132 SMs.
+    assert host_decode.num_splits_heuristic(64, 132, 128) == 2
+    # 70 blocks: one wave of 70 fills half the SMs, so FA3's wave-efficiency rule decides (5 splits, 2.65 waves).
+    assert host_decode.num_splits_heuristic(70, 132, 128) == 5
     # Never more splits than key blocks.
     assert host_decode.num_splits_heuristic(8, 132, 3) == 3
     # The default reads shapes only (the cache's capacity), never cache_seqlens.
     knobs = host_decode.decode_knobs(128, 4, 1, 8, 131072, torch.device("cpu"))
-    assert knobs[2] == 1  # the interpreter counts as one SM: no split
+    assert knobs["num_splits"] == 1  # the interpreter counts as one SM: no split
+
+
+def test_default_tiles_follow_the_page_size_and_the_grid(monkeypatch):
+    # A page number per key (page size below 64) or a grid that fills the SMs: 128-key tiles;
+    # else 64; three stages where they fit in shared memory, else two, else smaller tiles.
+    monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)  # an H100's
+    cuda = torch.device("cuda", 0)
+    knobs = lambda **kw: host_decode.decode_knobs(128, 4, kw.pop("batch", 8), 8, 8192, cuda, **kw)  # noqa: E731
+    assert (knobs()["BLOCK_N"], knobs()["num_stages"], knobs()["num_splits"]) == (64, 3, 2)
+    assert knobs(page_size=16)["BLOCK_N"] == 128 and knobs(page_size=256)["BLOCK_N"] == 64
+    assert (knobs(batch=64)["BLOCK_N"], knobs(batch=64)["num_stages"], knobs(batch=64)["num_splits"]) == (128, 3, 1)
+    fp32 = knobs(batch=64, element_size=4)  # two 128-key stages do not fit: 64-key tiles, three stages
+    assert (fp32["BLOCK_N"], fp32["num_stages"]) == (64, 3)
+    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 101376)  # an sm86's
+    fp32 = knobs(batch=64, element_size=4)
+    assert (fp32["BLOCK_N"], fp32["num_stages"]) == (32, 2)
+    assert knobs(page_prefetch=False)["page_prefetch"] is False and knobs()["page_prefetch"] is True
 
 
 def test_default_split_count_follows_the_capacity(device, monkeypatch):
@@ -317,7 +439,7 @@ def test_default_split_count_follows_the_capacity(device, monkeypatch):
     cache = Cache(gen, 1, 1, 16, (70,), 96, torch.float16, device)
     q = torch.randn(1, 1, 2, 16, generator=gen).to(device=device, dtype=torch.float16)
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, causal=True)
-    assert host_decode.decode_knobs(16, 2, 1, 1, 96, torch.device(device), BLOCK_N=16)[2] > 1
+    assert host_decode.decode_knobs(16, 2, 1, 1, 96, torch.device(device), BLOCK_N=16)["num_splits"] > 1
     out = flashgen.decode(spec, q, cache.k_cache, cache.v_cache, cache.cache_seqlens, BLOCK_N=16)
     out_ref, _, out_pt, _ = reference_decode(q, cache, causal=True)
     assert compare("out", out, out_ref, out_pt).ok, f"seed={seed}"
@@ -421,46 +543,80 @@ def _recording_launcher():
     return host_decode.DecodeLauncher(attention=module._LAUNCHER, kernel=kernel, combine_kernel=combine)
 
 
-def test_eager_step_reads_one_small_tensor_once_and_plans_once(monkeypatch):
-    # An eager step reads the host once (the fused bounds flags, a handful of ints, whatever the
-    # block table's size), and a repeated shape reuses its launch plan.
+def test_repeated_calls_check_and_plan_once_and_read_no_tensor(monkeypatch):
+    # An eager step reads no tensor on the host (no synchronisation), and a call with the same
+    # shapes, strides, dtypes and knobs as an earlier one is neither checked nor planned again.
     launcher = _recording_launcher()
     q = torch.zeros(2, 1, 4, 16, dtype=torch.float16)
     cache = torch.zeros(7, 4, 2, 16, dtype=torch.float16)
     table = torch.tensor([[3, 1, 5], [0, 6, 2]], dtype=torch.int32)
-    reads, knobs = [], []
-    tolist, decode_knobs = torch.Tensor.tolist, host_decode.decode_knobs
-
-    def counted(t):
-        reads.append(t.numel())
-        return tolist(t)
+    prepared = []
+    prepare = launcher.prepare
+    host_decode.bounds_record(q.device)  # made once per device (its host view is a numpy array)
 
     def no_sync(*args, **kwargs):
-        raise AssertionError("an eager decode step read a tensor on the host outside the bounds check")
+        raise AssertionError("an eager decode step read a tensor on the host")
 
-    monkeypatch.setattr(torch.Tensor, "tolist", counted)
-    for name in ("item", "cpu", "numpy", "__bool__", "__int__", "__index__", "nonzero"):
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "nonzero"):
         monkeypatch.setattr(torch.Tensor, name, no_sync)
-    monkeypatch.setattr(host_decode, "decode_knobs", lambda *a, **kw: knobs.append(a) or decode_knobs(*a, **kw))
+    monkeypatch.setattr(launcher, "prepare", lambda *a, **kw: prepared.append(a) or prepare(*a, **kw))
     for lengths in ([3, 9], [0, 10], [12, 1]):
         launcher.decode(q, cache, cache, torch.tensor(lengths, dtype=torch.int32), block_table=table, num_splits=2)
+    launcher.decode(q, cache, cache, torch.tensor([1, 1], dtype=torch.int32), block_table=table, num_splits=3)
     monkeypatch.undo()
-    assert reads == [8, 8, 8] and len(knobs) == 1  # (batch, 4) flags
-    assert len(launcher.kernel.launches) == 3
-
-
-def test_bad_bounds_are_checked_after_queueing_unless_the_cache_is_written():
-    # Without appended keys the kernels (which clamp) are queued before the host waits for the
-    # check, and the call still fails naming the argument; with appended keys nothing is
-    # written or launched before the check.
-    launcher = _recording_launcher()
-    q = torch.zeros(2, 1, 4, 16, dtype=torch.float16)
-    cache = torch.zeros(7, 4, 2, 16, dtype=torch.float16)
-    table = torch.tensor([[3, 1, 5], [0, 7, 2]], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"block_table: .*\[0, 7\).* got 7 at \[1, 1\]"):
-        launcher.decode(q, cache, cache, torch.tensor([3, 9], dtype=torch.int32), block_table=table)
-    assert len(launcher.kernel.launches) == 1
+    assert len(prepared) == 2 and len(launcher.kernel.fn.launches) == 4
+    assert launcher.kernel.fn.launches[0] == launcher.kernel.fn.launches[2]
+    # every grid has three sizes: the bound launch passes them to the compiled launcher as such
+    launcher.append_kernel = host_decode.BoundKernel(_Recorder())
     new = torch.ones(2, 1, 2, 16, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"block_table: .* got 7 at \[1, 1\]"):
-        launcher.decode(q, cache, cache, torch.tensor([3, 8], dtype=torch.int32), k=new, v=new, block_table=table)
-    assert len(launcher.kernel.launches) == 1 and not cache.any()
+    launcher.decode(q, cache, cache, torch.tensor([1, 1], dtype=torch.int32), k=new, v=new, block_table=table,
+                    num_splits=2)
+    kernels = (launcher.kernel, launcher.combine_kernel, launcher.append_kernel)
+    assert all(kernel.fn.launches for kernel in kernels)
+    assert all(len(grid) == 3 for kernel in kernels for grid, _, _ in kernel.fn.launches)
+    # a bad second call with the same shapes as a good one is still checked
+    with pytest.raises(ValueError, match="k_cache: expected dtype"):
+        launcher.decode(q, cache.float(), cache, torch.tensor([3, 9], dtype=torch.int32), block_table=table)
+
+
+class _Compiled:
+    """Stands in for a CompiledKernel: records the launches made through its launcher."""
+
+    packed_metadata, function = "metadata", "function"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _Jit:
+    def __init__(self):
+        self.calls, self.compiled = [], _Compiled()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+
+def test_bound_kernel_launches_through_the_compiled_launcher(monkeypatch):
+    # The first launch of a key goes through Triton (compiling); later ones call the compiled
+    # kernel's launcher with the grid, the stream and every argument; a new key, and launch hooks,
+    # go through Triton again.
+    import triton
+
+    monkeypatch.setattr(host_decode.BoundKernel, "stream", staticmethod(lambda: 7))
+    fn = _Jit()
+    bound = host_decode.BoundKernel(fn)
+    bound.launch("a", (2, 1, 3), (1, 2.0, True), 4, 3)
+    bound.launch("a", (5, 1, 3), (4, 2.0, True), 4, 3)
+    assert len(fn.calls) == 1 and fn.calls[0][2] == {"num_warps": 4, "num_stages": 3}
+    assert fn.compiled.runs == [(5, 1, 3, 7, "function", "metadata", None, None, None, 4, 2.0, True)]
+    bound.launch("b", (1, 1, 1), (0, 1.0, False), 4, 3)
+    assert len(fn.calls) == 2
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)  # as triton 3.6 sets one
+    bound.launch("a", (1, 1, 1), (4, 2.0, True), 4, 3)
+    assert len(fn.calls) == 3 and len(fn.compiled.runs) == 1

@@ -14,12 +14,20 @@ from .test_decode import Cache, _seeded, reference_decode, run_decode
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-@pytest.mark.parametrize("heads,d", [((32, 8), 128), ((8, 1), 64), ((6, 6), 80)], ids=["gqa-hd128", "mqa-hd64",
-                                                                                        "mha-hd80"])
-@pytest.mark.parametrize("sq", [1, 4, 16])
-@pytest.mark.parametrize("page_size", [None, 1, 16, 256])
-@pytest.mark.parametrize("num_splits", [0, 1, 7])
+# (dtype, (heads, kv heads), head dim, query rows, page size, num_splits): every value of each
+# dimension at least once, in bf16 mostly (0 splits: the heuristic, which splits here).
+GRID = [
+    ("bf16", (32, 8), 128, 1, None, 0), ("bf16", (32, 8), 128, 1, 1, 0), ("bf16", (32, 8), 128, 1, 16, 0),
+    ("bf16", (32, 8), 128, 1, 256, 0), ("bf16", (32, 8), 128, 16, None, 1), ("bf16", (32, 8), 128, 16, 16, 7),
+    ("bf16", (32, 8), 128, 4, 256, 7), ("bf16", (8, 1), 64, 1, None, 7), ("bf16", (8, 1), 64, 4, 1, 1),
+    ("bf16", (8, 1), 64, 16, 256, 0), ("bf16", (6, 6), 80, 1, 16, 1), ("bf16", (6, 6), 80, 4, None, 0),
+    ("bf16", (6, 6), 80, 16, 1, 7), ("fp16", (32, 8), 128, 1, 16, 0), ("fp16", (8, 1), 64, 16, None, 7),
+    ("fp16", (6, 6), 80, 4, 256, 1),
+]
+
+
+@pytest.mark.parametrize("dtype,heads,d,sq,page_size,num_splits", GRID,
+                         ids=[f"{t}-h{h[0]}x{h[1]}-d{d}-sq{sq}-page{p}-splits{n}" for t, h, d, sq, p, n in GRID])
 def test_decode_grid(dtype, heads, d, sq, page_size, num_splits):
     run_decode("cuda", dtype=dtype, heads=heads, d=d, sq=sq, page_size=page_size, num_splits=num_splits, batch=3,
                lengths=(4097, 3, 1531), capacity=4352, BLOCK_N=None)
@@ -89,22 +97,50 @@ def test_decode_is_deterministic():
     assert compare("out", first[0], out_ref, out_pt).ok, f"seed={seed}"
 
 
-def test_eager_bounds_check_waits_after_queueing_and_names_the_argument():
-    # The eager check on the GPU: flags copied to pinned memory without blocking and waited for
-    # on an event after the decode kernels are queued; a bad table still raises, naming it, and a
-    # good call after it (the same shapes, the cached plan) is right.
+def test_bounds_errors_without_waiting_and_with_check_sync():
+    # The kernels write the first out-of-range index to pinned host memory: the next call raises
+    # naming it (without waiting for the GPU before), check="sync" raises in the call itself, and
+    # a good call after either is right (launched through the bound launcher: the same shapes).
+    from flashgen import kvcache
+
     q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
     pages = torch.randn(8, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
     table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4)
     seqlens = torch.tensor([64, 40], dtype=torch.int32, device="cuda")
+    good = flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=table)
     bad = table.clone()
     bad[1, 2] = 8
+    flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=bad)
+    torch.cuda.synchronize()
     with pytest.raises(ValueError, match=r"block_table: .*\[0, 8\).* got 8 at \[1, 2\]"):
-        flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=bad)
+        flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=table)
     with pytest.raises(ValueError, match="cache_seqlens: .*capacity 64, got 65 at index 1"):
         flash_attn_with_kvcache(q, pages, pages, cache_seqlens=torch.tensor(
-            [64, 65], dtype=torch.int32, device="cuda"), block_table=table)
+            [64, 65], dtype=torch.int32, device="cuda"), block_table=table, check="sync")
+    kvcache.check_bounds()  # nothing left recorded
     out = flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=table)
+    assert torch.equal(out, good)
+    launcher = kvcache.compat_launcher(q, pages, pages, False, (-1, -1), 0.0, None, None)
+    assert launcher.kernel.compiled, "the repeated calls did not launch through the compiled launcher"
     contiguous = pages.view(2, 64, 2, 128)
     torch.testing.assert_close(out, flash_attn_with_kvcache(q, contiguous, contiguous, cache_seqlens=seqlens),
                                atol=2e-2, rtol=0)
+
+
+def test_graph_replays_record_bounds_for_the_next_eager_call():
+    from flashgen import kvcache
+
+    q = torch.randn(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+    pages = torch.randn(8, 16, 2, 128, dtype=torch.bfloat16, device="cuda")
+    table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4)
+    seqlens = torch.tensor([64, 40], dtype=torch.int32, device="cuda")
+    step = lambda: flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=table)  # noqa: E731
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    seqlens[1] = 70  # past the capacity of 64: the replay clamps and records
+    graph.replay()
+    with pytest.raises(ValueError, match="cache_seqlens: .*capacity 64, got 70 at index 1"):
+        kvcache.check_bounds()

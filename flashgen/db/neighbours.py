@@ -45,7 +45,9 @@ def warm_starts(spec_key: str, canonical: Mapping, here: EnvInfo, bucket: int, p
     """The ``knobs`` of the best configs of the ``k`` nearest other specs (rows in the store's
     row format: spec_key, spec, environment, bucket, phase, config) tuned on this GPU model,
     nearest first, without repeats."""
-    knobs = [n for n in knobs if n in KernelConfig.phase_knobs(phase)] or list(knobs)
+    if phase in ("fwd", "bwd"):  # decode's knobs are all its own
+        knobs = [n for n in knobs if n in KernelConfig.phase_knobs(phase)] or list(knobs)
+    knobs = list(knobs)
     ranked = sorted(
         (r for r in rows if r["phase"] == phase and r["spec_key"] != spec_key
          and all(r["environment"].get(f) == getattr(here, f) for f in ("gpu", "capability", "sm_count"))),

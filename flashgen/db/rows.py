@@ -52,11 +52,12 @@ def check_bucket(value: Any) -> int:
     return value
 
 
-def check_config(value: Any, field: str = "config") -> KernelConfig:
+def check_config(value: Any, field: str = "config", config_type=KernelConfig):
+    """A config of config_type (KernelConfig, or decode's DecodeConfig), built from a mapping."""
     if not isinstance(value, Mapping):
         raise ResultRowError(field, "expected a mapping of kernel knobs", value)
     try:
-        return KernelConfig.from_dict(dict(value))
+        return config_type.from_dict(dict(value))
     except ConfigError as err:
         raise ResultRowError(field, str(err)) from None
     except TypeError as err:  # a key that is not a string
@@ -64,11 +65,16 @@ def check_config(value: Any, field: str = "config") -> KernelConfig:
 
 
 def check_best(row: Mapping) -> None:
-    """A best-config row: bucket, phase, config, ms, tflops and default_ms."""
+    """A best-config row: bucket, phase, config, ms, tflops and default_ms. A decode row's phase
+    is 'dec<batch bucket>' and its config holds decode knobs (flashgen.decode_space)."""
+    from ..decode_space import DecodeConfig, phase_batch
+
     check_bucket(row.get("bucket"))
-    if row.get("phase") not in PHASES:
-        raise ResultRowError("phase", "expected one of " + ", ".join(PHASES), row.get("phase"))
-    check_config(row.get("config"))
+    decode = phase_batch(row.get("phase")) is not None
+    if row.get("phase") not in PHASES and not decode:
+        raise ResultRowError("phase", "expected one of " + ", ".join(PHASES) + " or dec<batch bucket> ('dec8')",
+                             row.get("phase"))
+    check_config(row.get("config"), config_type=DecodeConfig if decode else KernelConfig)
     _number("ms", row.get("ms"), positive=True)
     _number("tflops", row.get("tflops"), positive=False)
     if row.get("default_ms") is not None:

@@ -5,14 +5,34 @@ standalone module `flashgen generate` writes pastes it verbatim after host.py (w
 uses: the import below is dropped there). A rendered module builds one DecodeLauncher beside
 its AttentionLauncher and exposes its decode().
 
+Bounds. A cache_seqlens, block_table or cache_batch_idx entry that points outside the cache is
+an error naming the argument, never an out-of-bounds read or write, and costs an eager call no
+synchronisation:
+- The kernels clamp every index they read from those tensors, and the append kernel does not
+  write a new key whose slot lies outside the cache. The first out-of-range index a kernel
+  meets is written to the device's bounds record (BoundsRecord: a few int64 words of pinned
+  host memory the GPU writes directly; nothing is written while the indices are in range).
+- check="async" (the default): a call first reads the record (a host memory read: no device
+  work, no wait). When it holds an error the call synchronises the device, clears the record
+  and raises ValueError naming the argument, the position and the value. On a GPU an error is
+  thus raised by the first decode call (or check_bounds()) after the kernels that met it have
+  run: in a serving loop, the next step. The outputs of the call that met it are meaningless
+  (computed from clamped indices). On the CPU (Triton's interpreter) the kernels have run
+  when the launch returns, so the call itself raises.
+- check="sync" (debugging): the call waits for its own kernels and raises at once.
+- check_bounds(device): an explicit sync point: waits for the device, raises what is recorded.
+- While a CUDA graph is captured or torch.compile traces, the host reads nothing; a graph's
+  replays write the same record, so the next eager call or check_bounds() raises.
+
 CUDA graphs: a decode step makes no host decision from tensor contents. The number of splits,
 the grid and every buffer come from shapes (the cache's capacity, never cache_seqlens); the
-kernel reads cache_seqlens on the device. The one host read (the bounds check of
-cache_seqlens, block_table and cache_batch_idx: one small device reduction, one copy) is skipped
-while a graph is captured or torch.compile traces; the kernel then clamps every index, so
-nothing is read out of bounds. In eager mode that copy is waited for after the kernels are
-queued (PendingBoundsCheck), so the stream is never drained between steps; a call that appends
-keys waits before writing the cache. Launch plans (split count, grids, knobs) are cached per shape.
+kernel reads cache_seqlens on the device.
+
+Host time: everything a call derives from its arguments' shapes, strides, dtypes and devices
+(input checks, the launch plan, the kernels' scalar arguments) is computed once per such
+signature (DecodeLauncher.calls); a repeated call builds one key, allocates its outputs and
+launches. The launches skip Triton's argument binder after a kernel's first launch
+(BoundKernel: a minimal bound launcher, private to decode until flashgen.runtime has a shared one).
 """
 
 import torch
@@ -25,15 +45,25 @@ from flashgen.runtime.host import padded_head_dim  # standalone: host.py precede
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
 MAX_PACKED_ROWS = 64  # the tile's M: (query positions x heads of a group) above this take several row blocks
+CHECKS = ("async", "sync")
 
 
+# ----------------------------------------------------------------------------- knobs
 def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, max_splits=MAX_SPLITS):
-    """FA3's rule (hopper/heuristics.h): no split when the grid already nearly fills the SMs;
-    else the fewest splits whose wave efficiency (programs / SMs over whole waves) is within
-    85% of the best, never more than the key blocks, the SMs or max_splits."""
+    """How many programs share one (batch element, KV head, row block)'s keys. None when the
+    grid already nearly fills the SMs (FA3's rule). Else, when some split count keeps the grid
+    within one wave and fills at least 85% of the SMs, the largest such count: each program then
+    has an SM to itself, which a memory-bound program needs to keep enough loads in flight (H100,
+    B=1, 8 KV heads, 128K keys: 16 splits ran 190.8 us, FA3's choice of 15 194.2 us, 32 197.1 us).
+    Otherwise FA3's rule (hopper/heuristics.h): the fewest splits whose wave efficiency
+    (programs / SMs over whole waves) is within 85% of the best. Never more than the key blocks,
+    the SMs or max_splits."""
     if total_mblocks >= 0.8 * num_sms:
         return 1
     max_splits = min(max_splits, num_sms, num_n_blocks)
+    one_wave = min(num_sms // max(total_mblocks, 1), max_splits)
+    if one_wave >= 1 and total_mblocks * one_wave >= 0.85 * num_sms:
+        return one_wave
     efficiency = []
     for splits in range(1, max_splits + 1):
         waves = total_mblocks * splits / num_sms
@@ -45,7 +75,7 @@ def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, max_splits=MAX_SP
     return 1
 
 
-SM_COUNTS = {}
+SM_COUNTS, SMEM_LIMITS = {}, {}
 
 
 def sm_count(device):
@@ -57,146 +87,237 @@ def sm_count(device):
     return SM_COUNTS[device]
 
 
+def smem_limit(device):
+    """Shared memory one program may use on the device (bytes); unbounded under the interpreter."""
+    if device.type != "cuda":
+        return float("inf")
+    if device not in SMEM_LIMITS:
+        props = torch.cuda.get_device_properties(device)
+        SMEM_LIMITS[device] = getattr(props, "shared_memory_per_block_optin", 0) or 101376
+    return SMEM_LIMITS[device]
+
+
 def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *, BLOCK_N=None, num_splits=0,
-                 num_warps=None, num_stages=None):
-    """(BLOCK_M, BLOCK_N, num_splits, num_warps, num_stages) for a decode call, from shapes only."""
+                 num_warps=None, num_stages=None, page_prefetch=None, page_size=None, element_size=2):
+    """The knobs of a decode call, from shapes only: {BLOCK_M, BLOCK_N, num_splits, num_warps,
+    num_stages, page_prefetch}, the given ones checked and the others' defaults filled in.
+
+    The defaults (H100, bf16, head dim 128, 32 q / 8 KV heads, in us):
+    - BLOCK_N 128 where each key's page is looked up (page_size < 64: fewer, larger tiles
+      amortise the per-key page arithmetic; B=8, 8K keys, page 1: 115.5 vs 126.2 at 64) and
+      where the grid fills the SMs unsplit (B=64, 4K keys: 363.7 vs 384.5), else 64;
+      32 above head dim 128.
+    - num_stages 3 (another K/V tile in flight), 2 where three do not fit in shared memory.
+    - page_prefetch: a paged tile's page numbers read one tile ahead, so no K/V load waits on
+      a block table read; without it Triton's pipeliner does not multi-buffer the K/V loads
+      (page 256, BLOCK_N 64: 108.7 vs 126.6; contiguous 107.7)."""
     block_m = min(max(16, triton.next_power_of_2(packed_rows)), MAX_PACKED_ROWS)
-    block_n = BLOCK_N or (64 if head_dim <= 128 else 32)
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {block_n!r}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0: the heuristic), got {num_splits!r}")
+        raise ValueError(f"num_splits: expected an int >= 0 (0: the tuned count or a heuristic), got {num_splits!r}")
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    total_mblocks = batch * num_kv_heads * triton.cdiv(packed_rows, block_m)
+    fills = total_mblocks >= 0.8 * sm_count(device)
+    def staged_bytes(block_n, stages):  # K and V tiles in flight, and room for the rest
+        return stages * block_n * 2 * padded_head_dim(head_dim) * element_size + 8192
+
+    block_n = BLOCK_N
+    if block_n is None:
+        block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills else 64
+        while block_n > 16 and staged_bytes(block_n, 2) > smem_limit(device):
+            block_n //= 2
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {block_n!r}")
     if num_splits == 0:
-        total_mblocks = batch * num_kv_heads * triton.cdiv(packed_rows, block_m)
         num_splits = num_splits_heuristic(total_mblocks, sm_count(device), triton.cdiv(capacity, block_n))
-    # Memory-bound: a third stage keeps another K/V tile in flight (shared memory: 3 x 2 tiles of
-    # 64 x 128 x 2 bytes = 96 KiB at head dim 128; two stages above that).
-    return block_m, block_n, num_splits, num_warps or 4, num_stages or (3 if head_dim <= 128 else 2)
+    if num_stages is None:
+        num_stages = 3 if staged_bytes(block_n, 3) <= smem_limit(device) else 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_splits": min(num_splits, MAX_SPLITS),
+            "num_warps": num_warps or 4, "num_stages": num_stages,
+            "page_prefetch": True if page_prefetch is None else bool(page_prefetch)}
 
 
+# ----------------------------------------------------------------------------- appending to the cache
 @triton.jit
-def _decode_bounds(seqlens, table, batch_idx, flags, table_stride, width, seqlen_add, capacity, page_size, num_pages,
-                   cache_batch, PAGED: tl.constexpr, BATCH_INDEX: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per batch element b writes flags[b, 0:4] (see bounds_flags)."""
-    b = tl.program_id(0)
-    length = tl.load(seqlens + b).to(tl.int64) + seqlen_add
-    tl.store(flags + b * 4, (length < 0).to(tl.int32))
-    tl.store(flags + b * 4 + 1, (length > capacity).to(tl.int32))
+def _decode_append(K_CACHE, V_CACHE, K, V, SEQLENS, BT, CACHE_BATCH,
+                   stride_cb, stride_cn, stride_ch, stride_cd, stride_wb, stride_wn, stride_wh, stride_wd,
+                   stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd,
+                   stride_btb, seqlen_new, num_kv_heads, capacity, num_pages, cache_batch,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BATCH_INDEX: tl.constexpr):
+    # One new key per program (batch element b, position i): K[b, i] and V[b, i], every KV head,
+    # written at slot SEQLENS[b] + i of the element's cache (page BT[b, slot // PAGE_SIZE] when
+    # paged; row CACHE_BATCH[b] with BATCH_INDEX). Nothing is written where the length, the page
+    # or the row is out of range (the decode kernel that follows records which).
+    b = (tl.program_id(0) // seqlen_new).to(tl.int64)
+    i = tl.program_id(0) % seqlen_new
+    length = tl.load(SEQLENS + b)
+    pos = length + i
+    ok = (length >= 0) & (length + seqlen_new <= capacity)
     if PAGED:
-        bad = tl.zeros([BLOCK], dtype=tl.int32)
-        for start in range(0, width, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            used = (cols < width) & (cols.to(tl.int64) * page_size < length)
-            entry = tl.load(table + b * table_stride + cols, mask=used, other=0)
-            bad = tl.maximum(bad, ((entry < 0) | (entry >= num_pages)).to(tl.int32))
-        tl.store(flags + b * 4 + 2, tl.max(bad, 0))
-    if BATCH_INDEX:
-        row = tl.load(batch_idx + b)
-        tl.store(flags + b * 4 + 3, ((row < 0) | (row >= cache_batch)).to(tl.int32))
-
-
-def bounds_flags(cache_seqlens, seqlen_add, capacity, block_table, page_size, num_pages, cache_batch_idx,
-                 cache_batch):
-    """A small (batch, 4) int32 tensor on the device, nonzero where a bound is broken: [length
-    < 0, length (+ the keys appended) > capacity, a block_table entry the length uses outside
-    [0, num_pages), cache_batch_idx outside [0, cache_batch)]. One kernel launch (not one torch
-    op per comparison), whatever the block table's size; no host read: see raise_bounds."""
-    batch = cache_seqlens.shape[0]
-    flags = torch.zeros((batch, 4), dtype=torch.int32, device=cache_seqlens.device)
-    if batch:
-        width = block_table.shape[1] if block_table is not None else 1
-        _decode_bounds[(batch,)](
-            cache_seqlens, block_table if block_table is not None else cache_seqlens,
-            cache_batch_idx if cache_batch_idx is not None else cache_seqlens, flags,
-            block_table.stride(0) if block_table is not None else 0, width, seqlen_add, capacity, page_size, num_pages,
-            cache_batch, PAGED=block_table is not None, BATCH_INDEX=cache_batch_idx is not None,
-            BLOCK=min(256, max(16, triton.next_power_of_2(width))))
-    return flags
-
-
-def raise_bounds(flags, cache_seqlens, seqlen_add, capacity, block_table, page_size, num_pages, cache_batch_idx,
-                 cache_batch):
-    """The error naming the argument whose bound bounds_flags found broken (flags: its rows read on the host)."""
-    flags = [any(column) for column in zip(*flags)] or [False] * 4  # rows (batch, 4) -> one flag per bound
-    if not any(flags):
-        return
-    lengths = cache_seqlens.to(torch.int64) + seqlen_add
-    added = f" + {seqlen_add} appended" if seqlen_add else ""
-    if flags[0]:
-        i = int(lengths.argmin())
-        raise ValueError(f"cache_seqlens: expected lengths >= 0, got {cache_seqlens[i].item()} at index {i}")
-    if flags[1]:
-        i = int(lengths.argmax())
-        raise ValueError(f"cache_seqlens: expected lengths{added} within the cache's capacity {capacity}, got "
-                         f"{cache_seqlens[i].item()}{added} at index {i}")
-    if block_table is not None:
-        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] * page_size < lengths[:, None]
-        bad = used & ((block_table < 0) | (block_table >= num_pages))
-        b, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"block_table: expected page indices in [0, {num_pages}) (the pages of k_cache), got "
-                         f"{block_table[b, j].item()} at [{b}, {j}]")
-    i = int(((cache_batch_idx < 0) | (cache_batch_idx >= cache_batch)).nonzero()[0])
-    raise ValueError(f"cache_batch_idx: expected indices in [0, {cache_batch}) (the batch of k_cache), got "
-                     f"{cache_batch_idx[i].item()} at index {i}")
-
-
-class PendingBoundsCheck:
-    """bounds_flags copied to the host without blocking, read after the kernels are queued:
-    the host waits for the small reduction only, while the GPU already has the decode kernels
-    (which clamp every index) to run, so eager calls do not drain the stream between steps.
-    On the CPU (the interpreter) the kernels have already run: nothing is waited for."""
-
-    def __init__(self, bounds):
-        self.bounds = bounds
-        flags = bounds_flags(*bounds)
-        if flags.device.type == "cuda":
-            self.host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            self.host.copy_(flags, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(flags.device))
-        else:
-            self.host, self.event = flags, None
-
-    def result(self):
-        """Raise the error naming the argument if a bound is broken."""
-        if self.event is not None:
-            self.event.synchronize()
-        raise_bounds(self.host.tolist(), *self.bounds)
-
-
-def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, capacity):
-    """Write the new keys/values k, v (B, S_new, kv heads, dim) into the cache in place at
-    positions cache_seqlens[b] + i (crossing pages through block_table). Device-side indices
-    only, clamped into the cache (checked on the host where it may read)."""
-    batch, seqlen_new = k.shape[:2]
-    pos = cache_seqlens.to(torch.int64)[:, None] + torch.arange(seqlen_new, device=k.device)[None, :]
-    pos = pos.clamp(0, capacity - 1)
-    if block_table is not None:
-        page_size, num_pages = k_cache.shape[1], k_cache.shape[0]
-        page = block_table.to(torch.int64).gather(1, pos // page_size).clamp(0, num_pages - 1)
-        index = (page, pos % page_size)
+        entry = tl.load(BT + b * stride_btb + pos // PAGE_SIZE, mask=ok, other=0)
+        ok = ok & (entry >= 0) & (entry < num_pages)
+        row = entry.to(tl.int64)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
     else:
-        rows = torch.arange(batch, device=k.device) if cache_batch_idx is None else cache_batch_idx.to(torch.int64)
-        index = (rows.clamp(0, k_cache.shape[0] - 1)[:, None].expand(batch, seqlen_new), pos)
-    k_cache.index_put_(index, k)
-    v_cache.index_put_(index, v)
+        row = b
+        if BATCH_INDEX:
+            row = tl.load(CACHE_BATCH + b).to(tl.int64)
+            ok = ok & (row >= 0) & (row < cache_batch)
+        slot = pos.to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)[None, :]
+    offs_dv = tl.arange(0, BLOCK_DV)[None, :]
+    heads = tl.where(ok, num_kv_heads, 0)  # the heads to write: none where the slot is out of range
+    k_mask = (offs_h < heads) & (offs_d < HEAD_DIM)
+    v_mask = (offs_h < heads) & (offs_dv < HEAD_DIM_V)
+    k = tl.load(K + b * stride_kb + i * stride_kn + offs_h * stride_kh + offs_d * stride_kd, mask=k_mask)
+    v = tl.load(V + b * stride_vb + i * stride_vn + offs_h * stride_vh + offs_dv * stride_vd, mask=v_mask)
+    tl.store(K_CACHE + row * stride_cb + slot * stride_cn + offs_h * stride_ch + offs_d * stride_cd, k, mask=k_mask)
+    tl.store(V_CACHE + row * stride_wb + slot * stride_wn + offs_h * stride_wh + offs_dv * stride_wd, v, mask=v_mask)
+
+
+# ----------------------------------------------------------------------------- bounds
+RECORD_WORDS = 5  # kind (0: nothing recorded), batch element, column, value, limit
+
+
+class BoundsRecord:
+    """Where a device's decode kernels write the first out-of-range index they meet (see the
+    module docstring): words [kind, batch element, column (or the keys appended), value,
+    limit], kind 0 while nothing is recorded. On a GPU the words live in pinned host memory
+    that the kernels write directly (mapped, so reading them needs no copy and no wait); on
+    the CPU in an ordinary tensor."""
+
+    def __init__(self, device):
+        self.device = device
+        if device.type == "cuda":
+            self.tensor = torch.zeros(RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+        else:
+            self.tensor = torch.zeros(RECORD_WORDS, dtype=torch.int64, device=device)
+        self.words = self.tensor.numpy()  # the host's view: reads are memory reads
+        # Whether a call raises what its own kernels recorded before it returns: on the CPU they
+        # have run by then; a GPU's have not (only check="sync" waits for them).
+        self.immediate = device.type != "cuda"
+
+    def raise_recorded(self):
+        """Wait for the device, then raise the recorded error (clearing the record); no-op when empty."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if not self.words[0]:
+            return
+        kind, b, j, value, limit = (int(w) for w in self.words)
+        self.words[:] = 0
+        where = f" (met by a decode kernel on {self.device}; that call's outputs are meaningless)" \
+            if self.device.type == "cuda" else ""
+        if kind == 1:
+            raise ValueError(f"cache_seqlens: expected lengths >= 0, got {value} at index {b}{where}")
+        if kind == 2:
+            added = f" + {j} appended" if j else ""
+            raise ValueError(f"cache_seqlens: expected lengths{added} within the cache's capacity {limit}, got "
+                             f"{value}{added} at index {b}{where}")
+        if kind == 3:
+            raise ValueError(f"block_table: expected page indices in [0, {limit}) (the pages of k_cache), got "
+                             f"{value} at [{b}, {j}]{where}")
+        raise ValueError(f"cache_batch_idx: expected indices in [0, {limit}) (the batch of k_cache), got {value} at "
+                         f"index {b}{where}")
+
+
+RECORDS = {}  # device -> its BoundsRecord
+
+
+def bounds_record(device):
+    record = RECORDS.get(device)
+    if record is None:
+        record = RECORDS[device] = BoundsRecord(device)
+    return record
+
+
+def check_bounds(device=None):
+    """An explicit sync point for the bounds rule: wait for the device's decode kernels and raise
+    the ValueError naming the argument if one met an index outside the cache (the CUDA graphs
+    replayed since included). device: default the current CUDA device."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    bounds_record(device).raise_recorded()
+
+
+# ----------------------------------------------------------------------------- launching
+class BoundKernel:
+    """A @triton.jit kernel whose launches skip Triton's argument binder once a specialization
+    has been compiled: the caller passes every parameter in signature order (constexprs
+    included) and a key that fixes what Triton specializes on (the int arguments' values,
+    the pointers' dtypes and 16-byte alignment, the constexprs, num_warps and num_stages). A
+    new key, the interpreter, and launch hooks take Triton's own path (kernel[grid](...))."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = {}  # key -> CompiledKernel
+
+    def launch(self, key, grid, args, num_warps, num_stages):
+        """Launch fn on grid (three sizes) with args (every parameter, in signature order)."""
+        compiled = self.compiled.get(key)
+        knobs = getattr(triton, "knobs", None)
+        if compiled is None or knobs is None or self.hooked(knobs):
+            compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
+            if hasattr(compiled, "packed_metadata") and knobs is not None:  # compiled (not the interpreter's)
+                if len(self.compiled) >= 256:
+                    self.compiled.clear()
+                self.compiled[key] = compiled
+            return
+        # as JITFunction.run launches (triton 3.6 to 3.9), without hooks
+        compiled.run(grid[0], grid[1], grid[2], self.stream(), compiled.function, compiled.packed_metadata, None,
+                     None, None, *args)
+
+    @staticmethod
+    def hooked(knobs):
+        """Whether a launch hook is set (triton 3.6: a function or None; 3.9: a HookChain)."""
+        hook = knobs.runtime.launch_enter_hook
+        return hook is not None and bool(getattr(hook, "calls", True))
+
+    @staticmethod
+    def stream():
+        driver = triton.runtime.driver.active
+        return driver.get_current_stream(driver.get_current_device())
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+class DecodeCall:
+    """What a decode call derives from its arguments' shapes, strides, dtypes and devices: its
+    checks passed, its launch plan and the kernels' scalar arguments (DecodeLauncher.prepare)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
 
 
 class DecodeLauncher:
-    """Checks a decode call's inputs and launches the split-KV and combine kernels.
+    """Checks a decode call's inputs and launches the append, split-KV and combine kernels.
 
     attention: the module's AttentionLauncher (the spec, the named tensors). kernel: _attn_decode;
-    combine_kernel: _decode_combine.
+    combine_kernel: _decode_combine. tuned: None, or a function (batch, capacity) -> the tuned
+    knobs {num_splits, BLOCK_N, num_warps, num_stages} for that bucket, or None (set by
+    flashgen.kvcache from the results database; used when a call overrides no knob).
     """
 
-    MAX_PLANS = 1024  # shapes x knob overrides a launcher remembers (cleared past this)
+    MAX_CALLS = 1024  # call signatures a launcher remembers (cleared past this)
 
     def __init__(self, *, attention, kernel, combine_kernel):
         self.attention = attention
         self.spec = attention.spec
-        self.kernel, self.combine_kernel = kernel, combine_kernel
-        self.plans = {}  # see plan()
+        self.kernel, self.combine_kernel = BoundKernel(kernel), BoundKernel(combine_kernel)
+        self.append_kernel = BoundKernel(_decode_append)
+        self.tuned = None
+        self.calls = {}  # call key -> DecodeCall
+        self.lengths = {}  # (int, batch, device) -> the int32 tensor of an int cache_seqlens
 
+    # ------------------------------------------------------------------ checks (once per call signature)
     def check_inputs(self, q, k_cache, v_cache, k, v, block_table, cache_batch_idx):
         spec, att = self.spec, self.attention
         if spec["dropout_p"] > 0:
@@ -237,6 +358,9 @@ class DecodeLauncher:
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if t.stride(-1) != 1:
                 raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
+        if batch and k_cache.shape[0] == 0:
+            raise ValueError(f"k_cache: expected at least one {'page' if block_table is not None else 'row'} in "
+                             f"dim 0, got shape {tuple(k_cache.shape)}")
         if block_table is not None:
             if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
                 raise ValueError(f"block_table: expected a 2-d int32 tensor (batch, max_blocks_per_seq), got "
@@ -244,6 +368,9 @@ class DecodeLauncher:
             if block_table.shape[0] != batch or block_table.shape[1] == 0 or block_table.device != q.device:
                 raise ValueError(f"block_table: expected shape ({batch}, >= 1) on {q.device}, got "
                                  f"{tuple(block_table.shape)} on {block_table.device}")
+            if block_table.stride(1) != 1:
+                raise ValueError(f"block_table: expected a contiguous last dim (stride 1), got strides "
+                                 f"{block_table.stride()}")
             page_size = k_cache.shape[1]
             if not 1 <= page_size <= MAX_PAGE_SIZE:
                 raise ValueError(f"page_size: expected k_cache's dim 1 (the page size) in [1, {MAX_PAGE_SIZE}], "
@@ -260,110 +387,166 @@ class DecodeLauncher:
                              "(pass cache_batch_idx to index a larger cache)")
         return batch, seqlen_q
 
-    def seqlens_arg(self, cache_seqlens, batch, capacity, device):
-        """cache_seqlens as an int32 (batch,) tensor: given, from an int, or the whole cache when None."""
+    @staticmethod
+    def check_seqlens(cache_seqlens, batch, device):
         if cache_seqlens is None or isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-            n = capacity if cache_seqlens is None else cache_seqlens
-            return torch.full((batch,), n, dtype=torch.int32, device=device)
+            return
         if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
                 or tuple(cache_seqlens.shape) != (batch,) or cache_seqlens.device != device):
             raise ValueError(f"cache_seqlens: expected an int or an int32 tensor of shape ({batch},) on {device}, "
                              f"got {getattr(cache_seqlens, 'shape', cache_seqlens)!r} "
                              f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)}")
-        return cache_seqlens
 
-    def plan(self, batch, seqlen_q, capacity, device, BLOCK_N, num_splits, num_warps, num_stages):
-        """The launch plan of a decode call (knobs, split count, grids), from shapes only: computed
-        once per shape and knob overrides, then a dict lookup."""
-        key = (batch, seqlen_q, capacity, device, BLOCK_N, num_splits, num_warps, num_stages)
-        plan = self.plans.get(key)
-        if plan is not None:
-            return plan
+    def seqlens_arg(self, cache_seqlens, batch, capacity, device):
+        """cache_seqlens as an int32 (batch,) tensor: given, or from an int (one tensor per value,
+        made once), or the whole cache when None."""
+        if isinstance(cache_seqlens, torch.Tensor):
+            return cache_seqlens
+        n = capacity if cache_seqlens is None else cache_seqlens
+        key = (n, batch, device)
+        t = self.lengths.get(key)
+        if t is None:
+            if len(self.lengths) >= 64:
+                self.lengths.clear()
+            t = self.lengths[key] = torch.full((batch,), n, dtype=torch.int32, device=device)
+        return t
+
+    def plan(self, batch, seqlen_q, capacity, device, knobs, page_size=None):
+        """The launch plan of a decode call (knobs, split count, grids), from shapes only: the
+        tuned knobs of the (batch, capacity) bucket where the call overrides none, else the
+        heuristic defaults with the call's overrides (knobs: {name: value or None}). page_size:
+        a paged cache's, None for a contiguous one."""
         spec = self.spec
         group = spec["num_heads"] // spec["num_kv_heads"]
-        block_m, block_n, splits, warps, stages = decode_knobs(
-            spec["head_dim"], seqlen_q * group, batch, spec["num_kv_heads"], capacity, device, BLOCK_N=BLOCK_N,
-            num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
-        plan = {"BLOCK_M": block_m, "BLOCK_N": block_n, "splits": splits, "split": splits > 1, "num_warps": warps,
-                "num_stages": stages, "block_dv": padded_head_dim(spec["head_dim_v"]),
-                "grid": (splits, triton.cdiv(seqlen_q * group, block_m), batch * spec["num_kv_heads"]),
-                "combine_grid": (batch * seqlen_q * spec["num_heads"],),
-                "BLOCK_S": max(2, triton.next_power_of_2(splits))}
-        if len(self.plans) >= self.MAX_PLANS:
-            self.plans.clear()
-        self.plans[key] = plan
-        return plan
+        tuned = None
+        untouched = knobs.get("num_splits", 0) == 0 and all(v is None for n, v in knobs.items() if n != "num_splits")
+        if self.tuned is not None and untouched:
+            tuned = self.tuned(batch, capacity)
+        chosen = decode_knobs(spec["head_dim"], seqlen_q * group, batch, spec["num_kv_heads"], capacity, device,
+                              page_size=page_size, element_size=self.attention.dtype.itemsize, **(tuned or knobs))
+        splits = chosen["num_splits"]
+        return dict(chosen, splits=splits, split=splits > 1, tuned=bool(tuned),
+                    block_dv=padded_head_dim(spec["head_dim_v"]),
+                    grid=(splits, triton.cdiv(seqlen_q * group, chosen["BLOCK_M"]), batch * spec["num_kv_heads"]),
+                    combine_grid=(batch * seqlen_q * spec["num_heads"], 1, 1),
+                    BLOCK_S=max(2, triton.next_power_of_2(splits)))
 
+    def prepare(self, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx, softmax_scale, out,
+                lse, return_lse, knobs, check):
+        """Every check of a call, and what its launches need that shapes decide (a DecodeCall)."""
+        if check not in CHECKS:
+            raise ValueError(f"check: expected one of {CHECKS}, got {check!r}")
+        batch, seqlen_q = self.check_inputs(q, k_cache, v_cache, k, v, block_table, cache_batch_idx)
+        self.check_seqlens(cache_seqlens, batch, q.device)
+        spec = self.spec
+        num_heads, dv = spec["num_heads"], spec["head_dim_v"]
+        out_shape, lse_shape = (batch, seqlen_q, num_heads, dv), (batch, num_heads, seqlen_q)
+        if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != out_shape
+                                or out.dtype != q.dtype or out.device != q.device):
+            raise ValueError(f"out: expected a {q.dtype} tensor of shape {out_shape} on {q.device}, got "
+                             f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
+        if lse is not None and (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != lse_shape
+                                or lse.dtype != torch.float32 or not lse.is_contiguous() or lse.device != q.device):
+            raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape} on {q.device}")
+        paged = block_table is not None
+        page_size = k_cache.shape[1] if paged else 1
+        capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
+        seqlen_add = 0 if k is None else k.shape[1]
+        plan = self.plan(batch, seqlen_q, capacity, q.device, knobs, page_size if paged else None)
+        scale = spec["softmax_scale"] if softmax_scale is None else float(softmax_scale)
+        out_strides = out.stride() if out is not None else (seqlen_q * num_heads * dv, num_heads * dv, dv, 1)
+        write_lse = lse is not None or bool(return_lse)
+        rows = batch * seqlen_q * num_heads
+        part_numel = rows * plan["splits"] * (plan["block_dv"] + 1) if plan["split"] else 0
+        kernel_scalars = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out_strides, num_heads * seqlen_q,
+                          seqlen_q, block_table.stride(0) if paged else 0, k_cache.shape[0], spec["num_kv_heads"],
+                          k_cache.shape[0], capacity, seqlen_q, seqlen_add, plan["splits"], scale,
+                          scale * AttentionLauncher.RCP_LN2)
+        kernel_constexprs = (plan["BLOCK_M"], plan["BLOCK_N"], paged, page_size, cache_batch_idx is not None,
+                             plan["split"], write_lse, paged and plan["page_prefetch"])
+        combine_args = (*out_strides, num_heads * seqlen_q, seqlen_q, seqlen_q, num_heads, plan["splits"],
+                        plan["BLOCK_S"], write_lse)
+        append_args = None
+        if k is not None:
+            append_args = (*k_cache.stride(), *v_cache.stride(), *k.stride(), *v.stride(),
+                           block_table.stride(0) if paged else 0, seqlen_add, spec["num_kv_heads"], capacity,
+                           k_cache.shape[0], k_cache.shape[0], spec["head_dim"], dv,
+                           triton.next_power_of_2(spec["num_kv_heads"]), padded_head_dim(spec["head_dim"]),
+                           plan["block_dv"], paged, page_size, cache_batch_idx is not None)
+        return DecodeCall(batch=batch, seqlen_q=seqlen_q, capacity=capacity, plan=plan, out_shape=out_shape,
+                          lse_shape=lse_shape, write_lse=write_lse, part_numel=part_numel,
+                          kernel_scalars=kernel_scalars, kernel_constexprs=kernel_constexprs,
+                          combine_args=combine_args, append_args=append_args, append_grid=(batch * seqlen_add, 1, 1),
+                          record=bounds_record(q.device), device=q.device, check=check)
+
+    # ------------------------------------------------------------------ the call
     def decode(self, q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, block_table=None,
-               cache_batch_idx=None, softmax_scale=None, tensors=None, out=None, lse=None, BLOCK_N=None, num_splits=0,
-               num_warps=None, num_stages=None):
-        """Attention of q (B, Sq, H, D) over a KV cache; returns (out (B, Sq, H, Dv), lse (B, H, Sq) float32).
+               cache_batch_idx=None, softmax_scale=None, tensors=None, out=None, lse=None, return_lse=True,
+               BLOCK_N=None, num_splits=0, num_warps=None, num_stages=None, page_prefetch=None, check="async"):
+        """Attention of q (B, Sq, H, D) over a KV cache; returns (out (B, Sq, H, Dv), lse (B, H, Sq)
+        float32, or None when neither lse nor return_lse asks for it).
 
         k_cache, v_cache: (B, S_max, H_kv, D) or, with block_table (B, max_blocks) int32, paged
         (num_pages, page_size, H_kv, D). Batch element b attends to keys [0, cache_seqlens[b] +
         S_new): new keys k, v (B, S_new, H_kv, D), if given, are first written into the cache in
         place at cache_seqlens[b]. cache_batch_idx (B,) int32 picks the cache rows of a
-        contiguous cache. num_splits 0 picks the split count from shapes (FA3's heuristic).
-        out, lse: buffers to write into (else allocated). Bad cache_seqlens, block_table or
-        cache_batch_idx raise ValueError naming the argument; without appended keys the check is
-        read after the (clamping) kernels are queued, so given out/lse may then hold garbage."""
-        batch, seqlen_q = self.check_inputs(q, k_cache, v_cache, k, v, block_table, cache_batch_idx)
-        spec = self.spec
-        paged = block_table is not None
-        page_size = k_cache.shape[1] if paged else 1
-        capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-        cache_seqlens = self.seqlens_arg(cache_seqlens, batch, capacity, q.device)
-        seqlen_add = 0 if k is None else k.shape[1]
-        named = self.attention.named_tensors(tensors, q.device)
-        pending = None
-        if not device_sync_forbidden(q.device):  # else the kernel and append_kv clamp every index
-            pending = PendingBoundsCheck((cache_seqlens, seqlen_add, capacity, block_table, page_size,
-                                          k_cache.shape[0], cache_batch_idx, k_cache.shape[0]))
-        if k is not None:
-            if pending is not None:  # the cache is written in place: check before touching it
-                pending.result()
-                pending = None
-            append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, capacity)
-        num_heads = spec["num_heads"]
-        dv = spec["head_dim_v"]
+        contiguous cache. num_splits 0 picks the split count from shapes (FA3's heuristic, or
+        the tuned one). out, lse: buffers to write into (else allocated). check: "async" or
+        "sync", when an index out of the cache raises (see the module docstring)."""
+        named = tensors or {}
+        try:
+            key = (_meta(q), _meta(k_cache), _meta(v_cache), _meta(k), _meta(v), _meta(block_table),
+                   _meta(cache_batch_idx),
+                   _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens),
+                   tuple((n, _meta(t)) for n, t in named.items()) if named else None, _meta(out), _meta(lse),
+                   bool(return_lse), softmax_scale, BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, check)
+        except (AttributeError, TypeError):  # not tensors: prepare() says which argument
+            key = None
+        call = self.calls.get(key) if key is not None else None
+        if call is None:
+            knobs = {"BLOCK_N": BLOCK_N, "num_splits": num_splits, "num_warps": num_warps, "num_stages": num_stages,
+                     "page_prefetch": page_prefetch}
+            call = self.prepare(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx,
+                                softmax_scale, out, lse, return_lse, knobs, check)
+            named = self.attention.named_tensors(named, q.device)
+            if key is not None:
+                if len(self.calls) >= self.MAX_CALLS:
+                    self.calls.clear()
+                self.calls[key] = call
+        elif named:
+            named = self.attention.named_tensors(named, q.device)
+        record = call.record
+        watch = not device_sync_forbidden(call.device)
+        if watch and record.words[0]:  # an earlier call met an index out of range
+            record.raise_recorded()
+        plan = call.plan
+        seqlens = self.seqlens_arg(cache_seqlens, call.batch, call.capacity, call.device)
         if out is None:
-            out = torch.empty((batch, seqlen_q, num_heads, dv), dtype=q.dtype, device=q.device)
-        elif tuple(out.shape) != (batch, seqlen_q, num_heads, dv) or out.dtype != q.dtype:
-            raise ValueError(f"out: expected shape {(batch, seqlen_q, num_heads, dv)} and dtype {q.dtype}, got "
-                             f"{tuple(out.shape)} {out.dtype}")
-        if lse is None:
-            lse = torch.empty((batch, num_heads, seqlen_q), dtype=torch.float32, device=q.device)
-        elif tuple(lse.shape) != (batch, num_heads, seqlen_q) or lse.dtype != torch.float32 or not lse.is_contiguous():
-            raise ValueError(f"lse: expected a contiguous float32 tensor of shape {(batch, num_heads, seqlen_q)}")
-        if batch * seqlen_q == 0:
-            if pending is not None:
-                pending.result()
+            out = torch.empty(call.out_shape, dtype=q.dtype, device=call.device)
+        if lse is None and call.write_lse:
+            lse = torch.empty(call.lse_shape, dtype=torch.float32, device=call.device)
+        user = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, k, v, out, lse,
+                *(named[n] for n in self.attention.tensor_names))
+        align = 0
+        for i, t in enumerate(user):
+            if t is not None and t.data_ptr() & 15:
+                align |= 1 << i
+        bt = block_table if block_table is not None else seqlens  # never read
+        cbi = cache_batch_idx if cache_batch_idx is not None else seqlens  # read only when given
+        if k is not None and call.append_grid[0]:
+            self.append_kernel.launch((key, align), call.append_grid,
+                                      (k_cache, v_cache, k, v, seqlens, bt, cbi, *call.append_args), 4, 1)
+        if call.batch * call.seqlen_q == 0:
             return out, lse
-        plan = self.plan(batch, seqlen_q, capacity, q.device, BLOCK_N, num_splits, num_warps, num_stages)
-        splits, block_dv = plan["splits"], plan["block_dv"]
-        scale = spec["softmax_scale"] if softmax_scale is None else softmax_scale
+        part = torch.empty(call.part_numel, dtype=torch.float32, device=call.device) if plan["split"] else out
+        lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
+        self.kernel.launch(
+            (key, align), plan["grid"],
+            (q, k_cache, v_cache, out, lse_arg, part, seqlens, bt, cbi, record.tensor, *call.kernel_scalars,
+             *self.attention.tensor_args(named), *call.kernel_constexprs), plan["num_warps"], plan["num_stages"])
         if plan["split"]:
-            o_part = torch.empty((batch, seqlen_q, num_heads, splits, block_dv), dtype=torch.float32, device=q.device)
-            lse_part = torch.empty((batch, seqlen_q, num_heads, splits), dtype=torch.float32, device=q.device)
-        else:
-            o_part = lse_part = lse  # never read
-        if paged:
-            bt, bt_stride = block_table, block_table.stride(0)
-        else:
-            bt, bt_stride = cache_seqlens, 0  # never read
-        cbi = cache_batch_idx if cache_batch_idx is not None else cache_seqlens  # read only when given
-        self.kernel[plan["grid"]](
-            q, k_cache, v_cache, out, lse, o_part, lse_part, cache_seqlens, bt, cbi,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), *lse.stride()[:2],
-            bt_stride, k_cache.shape[0], spec["num_kv_heads"], k_cache.shape[0], capacity, seqlen_q, seqlen_add,
-            splits, scale, scale * AttentionLauncher.RCP_LN2, *self.attention.tensor_args(named),
-            BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], PAGED=paged, PAGE_SIZE=page_size,
-            BATCH_INDEX=cache_batch_idx is not None, SPLIT=plan["split"], num_warps=plan["num_warps"],
-            num_stages=plan["num_stages"])
-        if plan["split"]:
-            self.combine_kernel[plan["combine_grid"]](
-                out, lse, o_part, lse_part, *out.stride(), *lse.stride()[:2], seqlen_q, num_heads, splits,
-                BLOCK_S=plan["BLOCK_S"])
-        if pending is not None:  # the kernels are queued (and clamp): now wait for the small check only
-            pending.result()
+            self.combine_kernel.launch((key, align), plan["combine_grid"], (out, lse_arg, part, *call.combine_args),
+                                       4, 1)
+        if watch and (call.check == "sync" or record.immediate):
+            record.raise_recorded()
         return out, lse

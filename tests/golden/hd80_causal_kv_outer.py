@@ -629,19 +629,60 @@ def _attn_bwd_dq(
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqm
              + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
+# The bounds record's kinds (word 0; 0 while nothing is recorded), as flashgen/runtime/decode.py reads them.
+BOUND_NEGATIVE_LENGTH = tl.constexpr(1)
+BOUND_PAST_CAPACITY = tl.constexpr(2)
+BOUND_PAGE = tl.constexpr(3)
+BOUND_CACHE_ROW = tl.constexpr(4)
+NO_BAD_PAGE = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # the least bad (column << 32 | entry) of none
+
 
 @triton.jit
-def _decode_kv_tile(K, V, BT, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                    stride_kp, stride_vp, seqlen_k, num_pages, BOUNDS: tl.constexpr, PAGED: tl.constexpr,
-                    PAGE_SIZE: tl.constexpr):
+def _record_bound(REC, KIND: tl.constexpr, b, j, value, limit):
+    # One index out of range: the first a launch meets claims the record (word 0 := its kind),
+    # then writes where it is (batch element b, column j), its value and the limit it broke.
+    zero = tl.zeros([], tl.int64)
+    if tl.atomic_cas(REC, zero, zero + KIND) == 0:
+        tl.store(REC + 1, zero + b)
+        tl.store(REC + 2, zero + j)
+        tl.store(REC + 3, zero + value)
+        tl.store(REC + 4, zero + limit)
+
+
+@triton.jit
+def _decode_pages(BT, start_n, offs_n, seqlen_k, num_pages, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The pages of keys start_n + offs_n, clamped into the pool, as int64 (one scalar when the
+    # tile lies in one page, else one per key), and the least (column << 32 | entry) of the
+    # block table entries for keys below seqlen_k that lie outside [0, num_pages).
+    if PAGE_SIZE % BLOCK_N == 0:
+        col = start_n // PAGE_SIZE
+        used = start_n < seqlen_k
+        entry = tl.load(BT + col, mask=used, other=0)
+        out = used & ((entry < 0) | (entry >= num_pages))
+        least = tl.where(out, (col.to(tl.int64) << 32) | (entry.to(tl.int64) & 0xFFFFFFFF), NO_BAD_PAGE)
+    else:
+        col = (start_n + offs_n) // PAGE_SIZE
+        used = start_n + offs_n < seqlen_k
+        entry = tl.load(BT + col, mask=used, other=0)
+        out = used & ((entry < 0) | (entry >= num_pages))
+        least = tl.min(tl.where(out, (col.to(tl.int64) << 32) | (entry.to(tl.int64) & 0xFFFFFFFF), NO_BAD_PAGE), 0)
+    return _clamp(entry, num_pages).to(tl.int64), least
+
+
+@triton.jit
+def _decode_kv_tile(K, V, page, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
+                    stride_kp, stride_vp, seqlen_k, BOUNDS: tl.constexpr, PAGED: tl.constexpr,
+                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     # K^T as (BLOCK_D, BLOCK_N) and V as (BLOCK_N, BLOCK_DV) for keys start_n + offs_n; padding reads 0.
-    # Paged: key j lives in page BT[j // PAGE_SIZE] (clamped into the pool), slot j % PAGE_SIZE.
+    # Paged: key j lives in page `page` (from _decode_pages), slot j % PAGE_SIZE.
     cols = start_n + offs_n
     if PAGED:
-        page = tl.load(BT + cols // PAGE_SIZE, mask=cols < seqlen_k, other=0)
-        page = _clamp(page, num_pages).to(tl.int64)
-        k_rows = page * stride_kp + (cols % PAGE_SIZE) * stride_kn
-        v_rows = page * stride_vp + (cols % PAGE_SIZE) * stride_vn
+        if PAGE_SIZE % BLOCK_N == 0:  # one page: a scalar base, then rows as in a contiguous cache
+            slots = (start_n % PAGE_SIZE + offs_n).to(tl.int64)
+        else:
+            slots = (cols % PAGE_SIZE).to(tl.int64)
+        k_rows = page * stride_kp + slots * stride_kn
+        v_rows = page * stride_vp + slots * stride_vn
     else:
         k_rows = cols.to(tl.int64) * stride_kn
         v_rows = cols.to(tl.int64) * stride_vn
@@ -664,25 +705,42 @@ def _decode_kv_tile(K, V, BT, start_n, offs_n, offs_d, offs_dv, stride_kn, strid
 
 
 @triton.jit
-def _decode_blocks(acc, m_i, l_i, q, K, V, BT, lo, hi, lo2, hi2, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd,
-                   stride_vn, stride_vd, stride_kp, stride_vp, num_pages, off_b, heads, seqlen_q, seqlen_k, sm_scale,
-                   qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, PAGED: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr):
-    # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: a segment's two boundary bands).
-    for j in range(lo, hi + (hi2 - lo2), BLOCK_N):
+def _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, hi, lo2, hi2, rows, offs_n, offs_d, offs_dv, stride_kn,
+                   stride_kd, stride_vn, stride_vd, stride_kp, stride_vp, num_pages, off_b, heads, seqlen_q,
+                   seqlen_k, sm_scale, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PREFETCH: tl.constexpr):
+    # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: a segment's two boundary
+    # bands). bad: the least bad block table key met so far (see _decode_pages). PREFETCH: the
+    # next block's pages are read one iteration ahead, so no K/V load waits on a page read.
+    end = hi + (hi2 - lo2)
+    page = 0
+    if PAGED and PREFETCH:
+        page, page_bad = _decode_pages(BT, tl.where(lo < hi, lo, lo2), offs_n, seqlen_k, num_pages, PAGE_SIZE,
+                                       BLOCK_N)
+        bad = tl.minimum(bad, page_bad)
+    for j in range(lo, end, BLOCK_N):
         start_n = tl.where(j < hi, j, j - hi + lo2)
-        k, v = _decode_kv_tile(K, V, BT, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd,
-                               stride_kp, stride_vp, seqlen_k, num_pages, BOUNDS=MASKED, PAGED=PAGED,
-                               PAGE_SIZE=PAGE_SIZE)
+        tile_page = page
+        if PAGED:
+            if PREFETCH:
+                nj = j + BLOCK_N
+                next_start = tl.where(nj < end, tl.where(nj < hi, nj, nj - hi + lo2), seqlen_k)  # past the loop: none
+                page, page_bad = _decode_pages(BT, next_start, offs_n, seqlen_k, num_pages, PAGE_SIZE, BLOCK_N)
+            else:
+                tile_page, page_bad = _decode_pages(BT, start_n, offs_n, seqlen_k, num_pages, PAGE_SIZE, BLOCK_N)
+            bad = tl.minimum(bad, page_bad)
+        k, v = _decode_kv_tile(K, V, tile_page, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
+                               stride_vd, stride_kp, stride_vp, seqlen_k, BOUNDS=MASKED, PAGED=PAGED,
+                               PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, rows, (start_n + offs_n)[None, :], off_b, heads,
                                              seqlen_q, seqlen_k, sm_scale, qk_scale, 0, 0, 0.0,
                                              MASKED=MASKED, DROPOUT=False)
-    return acc, m_i, l_i
+    return acc, m_i, l_i, bad
 
 
 @triton.jit
 def _attn_decode(
-    Q, K, V, O, LSE, O_PART, LSE_PART, SEQLENS, BT, CACHE_BATCH,
+    Q, K, V, O, LSE, PART, SEQLENS, BT, CACHE_BATCH, REC,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -691,17 +749,22 @@ def _attn_decode(
     stride_btb, num_pages, num_kv_heads, cache_batch, capacity, seqlen_q, seqlen_add, num_splits,
     sm_scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BATCH_INDEX: tl.constexpr, SPLIT: tl.constexpr,
+    BATCH_INDEX: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # Grid (num_splits, packed row blocks, batch * kv heads). seqlen_k = SEQLENS[b] + seqlen_add
-    # (the keys appended this step), clamped to the cache's capacity: nothing is read out of
-    # bounds whatever SEQLENS holds (the host checks it where it may read it). SPLIT: write this
-    # split's fp32 partial O and its LSE for _decode_combine; else O and LSE directly.
+    # (the keys appended this step), clamped into [0, capacity]. SPLIT: write this split's fp32
+    # partial O and its LSE into PART for _decode_combine; else O (and LSE with WRITE_LSE) directly.
     split = tl.program_id(0)
     start_m = tl.program_id(1) * BLOCK_M
     off_b = (tl.program_id(2) // num_kv_heads).to(tl.int64)
     off_hk = (tl.program_id(2) % num_kv_heads).to(tl.int64)
-    seqlen_k = tl.minimum(tl.maximum(tl.load(SEQLENS + off_b) + seqlen_add, 0), capacity)
+    reporter = (split == 0) & (tl.program_id(1) == 0) & (off_hk == 0)  # one program per element records
+    length = tl.load(SEQLENS + off_b)
+    if reporter & (length < 0):
+        _record_bound(REC, BOUND_NEGATIVE_LENGTH, off_b, 0, length, 0)
+    elif reporter & (length + seqlen_add > capacity):
+        _record_bound(REC, BOUND_PAST_CAPACITY, off_b, seqlen_add, length, capacity)
+    seqlen_k = tl.minimum(tl.maximum(length + seqlen_add, 0), capacity)
     if PAGED:
         BT += off_b * stride_btb
         K += off_hk * stride_kh
@@ -709,7 +772,10 @@ def _attn_decode(
     else:
         cache_b = off_b
         if BATCH_INDEX:
-            cache_b = _clamp(tl.load(CACHE_BATCH + off_b), cache_batch).to(tl.int64)
+            row = tl.load(CACHE_BATCH + off_b)
+            if reporter & ((row < 0) | (row >= cache_batch)):
+                _record_bound(REC, BOUND_CACHE_ROW, off_b, 0, row, cache_batch)
+            cache_b = _clamp(row, cache_batch).to(tl.int64)
         K += cache_b * stride_kb + off_hk * stride_kh
         V += cache_b * stride_vb + off_hk * stride_vh
 
@@ -729,6 +795,7 @@ def _attn_decode(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    bad = tl.full([], NO_BAD_PAGE, tl.int64)
     r0 = start_m // GQA_GROUP
     r1 = tl.minimum((start_m + BLOCK_M - 1) // GQA_GROUP, seqlen_q - 1)
     # The keys some packed row sees: the hull of the mask's segments for query rows r0..r1.
@@ -748,39 +815,49 @@ def _attn_decode(
     lo, full_lo, full_hi, hi = _span(seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi, first_unvisited,
                                      split_hi, BLOCK_N, False)
     # whole blocks, every pair visible: no mask arithmetic
-    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, q, K, V, BT, full_lo, full_hi, full_hi, full_hi, rows, offs_n,
-                                   offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb, stride_vb, num_pages,
-                                   off_b, heads, seqlen_q, seqlen_k, sm_scale, qk_scale, BLOCK_N,
-                                   MASKED=False, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
+    acc, m_i, l_i, bad = _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, full_lo, full_hi, full_hi, full_hi, rows,
+                                        offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb,
+                                        stride_vb, num_pages, off_b, heads, seqlen_q, seqlen_k, sm_scale,
+                                        qk_scale, BLOCK_N, MASKED=False, PAGED=PAGED,
+                                        PAGE_SIZE=PAGE_SIZE, PREFETCH=PREFETCH)
     # the boundary blocks below and above them (and the ragged last block), in one loop
-    acc, m_i, l_i = _decode_blocks(acc, m_i, l_i, q, K, V, BT, lo, full_lo, full_hi, hi, rows, offs_n,
-                                   offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb, stride_vb, num_pages,
-                                   off_b, heads, seqlen_q, seqlen_k, sm_scale, qk_scale, BLOCK_N,
-                                   MASKED=True, PAGED=PAGED, PAGE_SIZE=PAGE_SIZE)
+    acc, m_i, l_i, bad = _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, full_lo, full_hi, hi, rows,
+                                        offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb,
+                                        stride_vb, num_pages, off_b, heads, seqlen_q, seqlen_k, sm_scale,
+                                        qk_scale, BLOCK_N, MASKED=True, PAGED=PAGED,
+                                        PAGE_SIZE=PAGE_SIZE, PREFETCH=PREFETCH)
+    if PAGED:
+        if bad != NO_BAD_PAGE:
+            _record_bound(REC, BOUND_PAGE, off_b, bad >> 32, (bad & 0xFFFFFFFF).to(tl.int32), num_pages)
 
     out, lse = _finalize(acc, m_i, l_i)
     o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     if SPLIT:
-        # O_PART is (batch, seqlen_q, heads, num_splits, BLOCK_DV), LSE_PART (batch, seqlen_q, heads,
-        # num_splits), both contiguous
+        # PART holds the partial outputs (batch, seqlen_q, heads, num_splits, BLOCK_DV), then
+        # their LSEs (batch, seqlen_q, heads, num_splits), both contiguous fp32.
         part_row = ((off_b * seqlen_q + qpos) * (num_kv_heads * GQA_GROUP) + head) * num_splits + split
-        part = O_PART + part_row[:, None] * BLOCK_DV
-        tl.store(part + offs_dv[None, :], out, mask=o_mask)
-        tl.store(LSE_PART + part_row, lse, mask=row_ok)
+        tl.store(PART + part_row[:, None] * BLOCK_DV + offs_dv[None, :], out, mask=o_mask)
+        rows_total = (tl.num_programs(2) // num_kv_heads).to(tl.int64) * seqlen_q * num_kv_heads * GQA_GROUP
+        lse_part = PART + rows_total * num_splits * BLOCK_DV
+        tl.store(lse_part + part_row, lse, mask=row_ok)
     else:
         o_ptrs = (O + off_b * stride_ob + qpos[:, None] * stride_om + head[:, None] * stride_oh
                   + offs_dv[None, :] * stride_od)
         tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
-        tl.store(LSE + off_b * stride_lb + head * stride_lh + qpos, lse, mask=row_ok)
+        if WRITE_LSE:
+            tl.store(LSE + off_b * stride_lb + head * stride_lh + qpos, lse, mask=row_ok)
 
 
 @triton.jit
-def _decode_combine(O, LSE, O_PART, LSE_PART, stride_ob, stride_om, stride_oh, stride_od, stride_lb, stride_lh,
-                    seqlen_q, num_heads, num_splits, BLOCK_S: tl.constexpr):
+def _decode_combine(O, LSE, PART, stride_ob, stride_om, stride_oh, stride_od, stride_lb, stride_lh, seqlen_q, num_heads,
+                    num_splits, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
     # One (batch, query position, head) row per program. With the splits' LSEs l_s and partial
     # outputs O_s (each normalised by its own sum): LSE = ln sum_s exp(l_s), O = sum_s exp(l_s - LSE) O_s.
     # Splits that saw no key have l_s = -inf and weigh nothing; a row no split saw gives O = 0, LSE = -inf.
+    # PART: the partial outputs (rows, num_splits, BLOCK_DV), then their LSEs (rows, num_splits).
     row = tl.program_id(0).to(tl.int64)  # (b * seqlen_q + position) * num_heads + head
+    O_PART = PART
+    LSE_PART = PART + tl.num_programs(0).to(tl.int64) * num_splits * BLOCK_DV
     off_h = row % num_heads
     pos = (row // num_heads) % seqlen_q
     off_b = row // (num_heads * seqlen_q)
@@ -800,7 +877,8 @@ def _decode_combine(O, LSE, O_PART, LSE_PART, stride_ob, stride_om, stride_oh, s
     lse = tl.where(empty, float("-inf"), m_safe + tl.log(total_safe))
     tl.store(O + off_b * stride_ob + pos * stride_om + off_h * stride_oh + offs_dv * stride_od,
              out.to(O.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
-    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + pos, lse)
+    if WRITE_LSE:
+        tl.store(LSE + off_b * stride_lb + off_h * stride_lh + pos, lse)
 
 
 from flashgen.runtime.host import AttentionLauncher  # noqa: E402 (the host side: plain Python)
