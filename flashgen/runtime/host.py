@@ -24,7 +24,8 @@ except ImportError:
     TensorDescriptor = None
 
 LAYOUTS = ("bhsd", "bshd", "thd")
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # The kernels read the spec's constants as tl.constexpr module globals; Triton keys its disk
 # cache by their values from 3.5 on (before, two specs with the same kernel text could share
 # one compiled binary).
@@ -63,6 +64,31 @@ def tensor_descriptor(t, layout, rows, cols):
     b, h, s, d = bhsd_strides(t, layout)
     shape = t.shape if layout == "bhsd" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
     return TensorDescriptor(t, list(shape), [b, h, s, d], [1, 1, rows, cols])
+
+
+def transposed_descriptor(t, layout, rows, cols):
+    """A (batch, heads, dim, seq) descriptor of a tensor stored seq-contiguous (FP8's V), one
+    (1, 1, cols, rows) tile per load: the kernel reads a (rows, cols) tile transposed."""
+    b, h, s, d = bhsd_strides(t, layout)
+    shape = t.shape if layout == "bhsd" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
+    return TensorDescriptor(t, [shape[0], shape[1], shape[3], shape[2]], [b, h, d, s], [1, 1, cols, rows])
+
+
+def tma_ready_transposed(t, layout):
+    """tma_ready for a tensor read through transposed_descriptor (its seq dim contiguous)."""
+    if TensorDescriptor is None:
+        return False
+    b, h, s, d = bhsd_strides(t, layout)
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and s == 1 and all(x > 0 and x * size % 16 == 0 for x in (b, h, d))
+
+
+def seq_contiguous(t, seq_dim):
+    """t with its sequence dim contiguous in memory (the layout FP8 MMAs read V in): t itself
+    when it is already so, else one copy."""
+    if t.stride(seq_dim) == 1:
+        return t
+    return t.movedim(seq_dim, -1).contiguous().movedim(-1, seq_dim)
 
 
 def index_lists(tile_classes):
@@ -129,6 +155,11 @@ class AttentionLauncher:
                               f"found {triton.__version__}")
         self.spec, self.config = spec, config
         self.dtype = TORCH_DTYPES[spec["dtype"]]
+        # FP8 Q/K/V (forward only) write a bf16 output, as FlashAttention-3
+        self.fp8 = spec["dtype"].startswith("fp8")
+        self.out_dtype = torch.bfloat16 if self.fp8 else self.dtype
+        if self.fp8 and config["loop_order"] != "q_outer":
+            raise ValueError(f"loop_order: FP8 attention runs the q_outer forward, got {config['loop_order']!r}")
         self.num_heads, self.num_kv_heads = spec["num_heads"], spec["num_kv_heads"]
         self.block_dv = padded_head_dim(spec["head_dim_v"])
         self.block_d = padded_head_dim(spec["head_dim"])
@@ -311,12 +342,39 @@ class AttentionLauncher:
                 lists.stride(0), lists.stride(1), lists.stride(2), lists.stride(3)]
 
     # ------------------------------------------------------------------ forward
+    def descale_args(self, descales, batch, device):
+        """FP8: the q, k, v descale tensors as contiguous float32 (batch, kv_heads) tensors (1 where
+        None) and their strides; each given one must broadcast to (batch, kv_heads)."""
+        shape = (batch, self.num_kv_heads)
+        out = []
+        for name, d in descales:
+            if d is None:
+                d = self.unused.get(("ones", shape, device))
+                if d is None:
+                    d = self.unused[("ones", shape, device)] = torch.ones(shape, dtype=torch.float32, device=device)
+            else:
+                if not isinstance(d, torch.Tensor) or not d.is_floating_point() or d.device != device:
+                    raise ValueError(f"{name}: expected a float tensor on {device} broadcastable to (batch, kv_heads) "
+                                     f"= {shape}, got {getattr(d, 'dtype', type(d).__name__)} "
+                                     f"{tuple(getattr(d, 'shape', ()))}")
+                try:
+                    d = torch.broadcast_to(d, shape)
+                except RuntimeError:
+                    raise ValueError(f"{name}: expected a shape broadcastable to (batch, kv_heads) = {shape}, "
+                                     f"got {tuple(d.shape)}") from None
+                d = d.to(torch.float32).contiguous()
+            out.append(d)
+        return [*out, shape[1], 1]
+
     def forward(self, q, k, v, *, layout="bhsd", out=None, lse=None, softmax_scale=None, dropout_p=0.0, seed=None,
-                tensors=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **knobs):
+                tensors=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                q_descale=None, k_descale=None, v_descale=None, **knobs):
         """Attention forward. q: (B, H, Sq, D) for layout 'bhsd', (B, Sq, H, D) for 'bshd', or packed
         (total_q, H, D) for 'thd' with cu_seqlens_q/k and max_seqlen_q/k; k, v likewise with the KV
         heads. Returns (out, lse): out in q's layout with head dim head_dim_v, lse (B, H, Sq) float32
         (natural log; (H, total_q) for 'thd'). ``tensors`` maps the names in TENSORS to tensors.
+        FP8 specs: q, k, v in the spec's FP8 dtype, q/k/v_descale float32 (batch, kv_heads) factors
+        (None: 1; the values are q_fp8 * q_descale ...), out in bfloat16.
         Knobs override CONFIG. With dropout_p > 0, seed is a one-element int64 tensor; pass the same
         one to backward()."""
         seq_dim, _ = self.check_inputs(q, k, v, layout)
@@ -332,9 +390,14 @@ class AttentionLauncher:
                    "thd": (q.shape[0], num_heads, dv)}[layout]
         lse_shape = (num_heads, q.shape[0]) if layout == "thd" else (batch, num_heads, seqlen_q)
         if out is None:
-            out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
-        elif tuple(out.shape) != o_shape or out.dtype != q.dtype:
-            raise ValueError(f"out: expected shape {o_shape} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+            out = torch.empty(o_shape, dtype=self.out_dtype, device=q.device)
+        elif tuple(out.shape) != o_shape or out.dtype != self.out_dtype:
+            raise ValueError(f"out: expected shape {o_shape} and dtype {self.out_dtype}, got {tuple(out.shape)} "
+                             f"{out.dtype}")
+        descales = (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
+        if not self.fp8 and any(d is not None for _, d in descales):
+            name = next(n for n, d in descales if d is not None)
+            raise ValueError(f"{name}: descale factors are for FP8 specs; this spec's dtype is {self.spec['dtype']}")
         if lse is None:
             lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         elif tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
@@ -348,8 +411,6 @@ class AttentionLauncher:
         scale = self.spec["softmax_scale"] if softmax_scale is None else softmax_scale
         launch = self.launch_knobs(cfg, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
         lse_strides = (0, q.shape[0]) if layout == "thd" else (num_heads * seqlen_q, seqlen_q)
-        strides = (*bhsd_strides(q, layout), *bhsd_strides(k, layout), *bhsd_strides(v, layout),
-                   *bhsd_strides(out, layout), *lse_strides)
         qk_scale = scale * self.RCP_LN2  # exp(x * scale) = exp2(x * qk_scale)
         extra = self.tensor_args(named)
         if self.block_map_kernel is not None:
@@ -359,15 +420,24 @@ class AttentionLauncher:
                 extra += self.map_args(rows_cnt, rows_idx, batch)
             else:
                 extra += self.map_args(cols_cnt, cols_idx, batch)
-        args = (*strides, num_heads, seqlen_q, seqlen_k, scale, qk_scale, float(dropout_p), *extra, total_q, total_k)
+        tail = (total_q, total_k)
+        if self.fp8:
+            v = seq_contiguous(v, seq_dim)
+            tail += tuple(self.descale_args(descales, batch, q.device))
+        strides = (*bhsd_strides(q, layout), *bhsd_strides(k, layout), *bhsd_strides(v, layout),
+                   *bhsd_strides(out, layout), *lse_strides)
+        args = (*strides, num_heads, seqlen_q, seqlen_k, scale, qk_scale, float(dropout_p), *extra, *tail)
         if cfg["loop_order"] == "q_outer":
             grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
-            tma = cfg["tma"] and layout != "thd" and all(tma_ready(t) for t in (q, k, v, out))
+            v_ready = tma_ready_transposed(v, layout) if self.fp8 else tma_ready(v)
+            tma = cfg["tma"] and layout != "thd" and v_ready and all(tma_ready(t) for t in (q, k, out))
             tiles = (q, k, v, out)
             if tma:
                 blocks = ((launch["BLOCK_M"], self.block_d), (launch["BLOCK_N"], self.block_d),
                           (launch["BLOCK_N"], self.block_dv), (launch["BLOCK_M"], self.block_dv))
                 tiles = tuple(tensor_descriptor(t, layout, *block) for t, block in zip(tiles, blocks))
+                if self.fp8:
+                    tiles = (tiles[0], tiles[1], transposed_descriptor(v, layout, *blocks[2]), tiles[3])
             self.forward_kernel[grid](q, k, v, out, lse, seed, cu_q, cu_k, *tiles, *args, VARLEN=layout == "thd",
                                       DROPOUT=bool(dropout_p), TMA=tma, WARP_SPECIALIZE=cfg["warp_specialize"],
                                       **launch)
@@ -388,8 +458,12 @@ class AttentionLauncher:
         """Gradients (dq, dk, dv, {name: d tensor}) of forward() given dO, in the inputs' layout.
 
         tensor_grads names the GRAD_TENSORS to differentiate (float32 results, in each tensor's shape).
+        FP8 specs have no backward (inference only).
         dq_strategy 'separate' (or deterministic=True) runs a Q-outer dQ kernel; 'atomic' adds
         dQ from the dK/dV kernel into a float32 buffer (one pass fewer, not bitwise repeatable)."""
+        if self.fp8:
+            raise ValueError(f"dtype: FP8 attention ({self.spec['dtype']}) is forward-only; gradients need "
+                             "fp16 or bf16 inputs")
         seq_dim, _ = self.check_inputs(q, k, v, layout)
         if do.shape != out.shape or do.dtype != out.dtype or do.device != out.device:
             raise ValueError(f"do: expected shape {tuple(out.shape)} and dtype {out.dtype} (those of out), "
