@@ -435,9 +435,10 @@ class AttentionLauncher:
             if tma:
                 blocks = ((launch["BLOCK_M"], self.block_d), (launch["BLOCK_N"], self.block_d),
                           (launch["BLOCK_N"], self.block_dv), (launch["BLOCK_M"], self.block_dv))
-                tiles = tuple(tensor_descriptor(t, layout, *block) for t, block in zip(tiles, blocks))
+                descriptor = [tensor_descriptor] * 4
                 if self.fp8:
-                    tiles = (tiles[0], tiles[1], transposed_descriptor(v, layout, *blocks[2]), tiles[3])
+                    descriptor[2] = transposed_descriptor  # V seq-contiguous
+                tiles = tuple(make(t, layout, *block) for make, t, block in zip(descriptor, tiles, blocks))
             self.forward_kernel[grid](q, k, v, out, lse, seed, cu_q, cu_k, *tiles, *args, VARLEN=layout == "thd",
                                       DROPOUT=bool(dropout_p), TMA=tma, WARP_SPECIALIZE=cfg["warp_specialize"],
                                       **launch)
