@@ -290,6 +290,10 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
     from .tuner import GpuRunner, InterpretRunner, TuneOptions, tune as run_tune
 
     runner = InterpretRunner() if interpret else GpuRunner()
+    stale = store.stale_best(runner.env, spec)
+    if stale:
+        click.echo(f"{spec.uri}: {len(stale)} stored result(s) on {runner.env.gpu} are stale (timed on kernels the "
+                   "templates have changed since): not used; this tune stores new ones", err=True)
     phases = 2 if spec.backward else 1
     total = (trials or spec.tune.trials) * phases * len({b for b in _buckets(spec)})
     history: dict[str, list] = {}
@@ -522,19 +526,22 @@ def bench(spec_path, seqlens, tokens, out_dir, db_url):
 @_db_option
 @click.option("--json", "as_json", is_flag=True)
 def show(db_url, as_json):
-    """List the tuned configs stored in the database, and the shipped ones that serve this machine.
+    """List the tuned configs stored in the database, and the shipped ones measured on this machine.
 
     Each says whether it serves this machine: an exact match of the environment, or a near
-    match (same GPU model, templates and Triton major.minor; other torch, CUDA or Triton
-    patch release), which flashgen.load uses when no exact match exists.
+    match (same GPU model, kernels and Triton major.minor; other torch, CUDA or Triton
+    patch release), which flashgen.load uses when no exact match exists; or stale (timed on
+    kernels the templates have changed since: not used, re-tune).
     """
     import json
 
     from .db import EnvInfo, ResultStore
+    from .db.env import classify
+    from .db.kernels import row_kernel
     from .db.layer import ResultFileError, layer_dir, read_file
 
     here = EnvInfo.current()
-    rows = [dict(r, source="database", match=here.match(r["environment"]))
+    rows = [dict(r, source="database", match=classify(here, r, row_kernel))
             for r in ResultStore(db_url, create=False).all_best()]
     for path in sorted(layer_dir().glob("*.yaml")):
         try:
@@ -542,8 +549,8 @@ def show(db_url, as_json):
         except ResultFileError as err:
             click.echo(f"skipping {err}", err=True)
             continue
-        rows += [dict(r, source="tuning_db", match=here.match(r["environment"])) for r in shipped
-                 if here.match(r["environment"])]
+        rows += [dict(r, source="tuning_db", match=classify(here, r, row_kernel)) for r in shipped
+                 if here.same_machine(r["environment"])]
     if as_json:
         click.echo(json.dumps(rows, indent=1, default=str))
         return
@@ -554,6 +561,7 @@ def show(db_url, as_json):
         speed = f"{r['default_ms'] / r['ms']:.2f}x" if r["default_ms"] else "-"
         env = r["environment"]
         served = {"exact": "exact match here", "near": f"near match here (tuned with {here.differences(env)})",
+                  "stale": "stale here (timed on kernels the templates have changed since; not used: re-tune)",
                   None: "not for this machine"}[r["match"]]
         click.echo(f"{r['source']}: {r['spec_uri']}  S={r['bucket']} {r['phase']}  {r['ms']:.4f} ms  "
                    f"{r['tflops']:.1f} TFLOP/s  {speed} vs default  on {env['gpu']} (triton {env['triton']}): "

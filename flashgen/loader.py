@@ -2,10 +2,12 @@
 
 Lookup order: the user's database (FLASHGEN_DB or the user data dir), then the shipped
 tuning_db/ layer, then the heuristic default with one warning that names the command to
-tune. In the database and in tuning_db/ a result measured on this GPU model with these
-templates and this Triton major.minor is used (flashgen.db.env): an exact match of the
-whole environment first, else a near match, which the source says ("tuning_db (near
-match: tuned with torch 2.11.0, ...)").
+tune. In the database and in tuning_db/ a result measured on this GPU model and Triton
+major.minor, for the kernels this flashgen renders for its spec and config (its kernel
+hash; flashgen.db.kernels), is used (flashgen.db.env): an exact match of the whole
+environment first, else a near match, which the source says ("tuning_db (near match: tuned
+with torch 2.11.0, ...)"). A result for kernels the templates have since changed is stale:
+never used, and the fallback warning says so.
 
 The lookup never tunes, and a missing, locked, stale or corrupt database never raises: it
 warns once and falls back (`flashgen db check` says what is wrong). A stored result that is
@@ -22,8 +24,9 @@ from .api import AttentionKernel
 from .config import ConfigError, KernelConfig, default_config
 from .db import (DatabaseError, EnvInfo, MissingDatabaseError, ResultRowError, ResultStore, default_url, display_url,
                  hide_password)
-from .db.env import source_label
-from .db.layer import shipped_best
+from .db.env import STALE, classify, pick, source_label
+from .db.kernels import kernels_of
+from .db.layer import shipped_rows
 from .db.rows import check_best
 from .spec import AttentionSpec
 
@@ -80,11 +83,15 @@ def lookup(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None 
     url = db or default_url()
     shown = display_url(url)
     check = f"Run `flashgen db check --db {shown}`."
+    stale = []  # where results for this machine were found stale
     try:
-        rows = ResultStore(url, create=False).matching_best(env, spec)
+        store = ResultStore(url, create=False)
+        rows = store.matching_best(env, spec)
         configs = _usable(rows, base, spec, shown, check)
         if configs:
             return configs, source_label(f"database {shown}", env, rows)
+        if store.stale_best(env, spec):
+            stale.append(f"database {shown}")
     except MissingDatabaseError:
         pass  # nothing tuned here yet: not worth a warning
     except Exception as err:  # missing tables, locked, corrupt, another schema version, no driver...
@@ -98,15 +105,23 @@ def lookup(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None 
                                          f"{err.problem}. The other files still count.")
 
     try:
-        rows = shipped_best(spec.key, env, on_bad_file=skip_file)
+        shipped = shipped_rows(spec.key, on_bad_file=skip_file)
+        rows = pick(env, shipped, kernels_of(spec))
         configs = _usable(rows, base, spec, "tuning_db", "Regenerate the file with `flashgen export`.")
         if configs:
             return configs, source_label("tuning_db", env, rows)
+        if any(classify(env, row, kernels_of(spec)) == STALE for row in shipped):
+            stale.append("tuning_db")
     except Exception as err:  # noqa: BLE001 (a load never fails for its results)
         _warn_once((spec.key, "layer"), f"flashgen: cannot read the shipped tuning_db ({err}); falling back.")
     where = spec_path or "spec.yaml"
-    _warn_once((spec.key, "default"), f"flashgen: no tuned config for {spec.uri} on {env.gpu}; using the heuristic "
-                                      f"default. Tune it with `flashgen tune --spec {where}`.")
+    if stale:
+        why = (f"the tuned configs for {spec.uri} on {env.gpu} in {' and '.join(stale)} are stale (timed on kernels "
+               f"this flashgen renders differently)")
+    else:
+        why = f"no tuned config for {spec.uri} on {env.gpu}"
+    _warn_once((spec.key, "default"), f"flashgen: {why}; using the heuristic default. "
+                                      f"Tune it with `flashgen tune --spec {where}`.")
     return {}, "default"
 
 

@@ -14,6 +14,8 @@ from flashgen.db import EnvInfo, ResultStore, SchemaVersionError, TrialRecord
 from flashgen.db import layer as layer_mod
 from flashgen.loader import lookup
 
+from .test_render import edited_templates  # noqa: F401 (a fixture)
+
 SPEC = AttentionSpec(name="dbspec", dtype="fp16", head_dim=32, num_heads=2, causal=True)
 CFG = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, loop_order="q_outer")
 
@@ -188,8 +190,9 @@ def test_shipped_layer_is_read_below_the_user_database(tmp_path, monkeypatch, fr
     src.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=32), 1.0, 1.0)
     layer = tmp_path / "tuning_db"
     layer_mod.export_rows(src.all_best(), layer / "interp.yaml", env().gpu)
+    kernel = layer_mod.read_file(layer / "interp.yaml")[0]["kernel"]  # the file carries the kernels' hash
+    assert kernel is not None and kernel == src.all_best()[0]["kernel"]
     monkeypatch.setattr(layer_mod, "layer_dir", lambda: layer)
-    monkeypatch.setattr(flashgen.loader, "shipped_best", layer_mod.shipped_best)
     here = env()
     monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
     configs, source = lookup(SPEC, f"sqlite:///{tmp_path / 'empty.sqlite'}")
@@ -334,7 +337,6 @@ def test_one_bad_shipped_file_is_skipped_alone_and_said_once(tmp_path, monkeypat
     _spoil(bad, ("bucket",), 0)
     (good.parent / "c-latin1.yaml").write_bytes("gpu: caf\u00e9\n".encode("latin-1"))
     monkeypatch.setattr(layer_mod, "layer_dir", lambda: good.parent)
-    monkeypatch.setattr(flashgen.loader, "shipped_best", layer_mod.shipped_best)
     here = env()
     monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
     empty = f"sqlite:///{tmp_path / 'none.sqlite'}"
@@ -410,9 +412,9 @@ def test_db_upgrade_creates_missing_tables_and_refuses_other_versions(tmp_path):
         conn.execute(text("DROP TABLE trial_heartbeats"))
     assert store.missing_tables() == ["best_configs", "trial_heartbeats"]
     result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
-    assert result.exit_code == 0 and "at schema version 3" in result.output
+    assert result.exit_code == 0 and "at schema version 4" in result.output
     assert store.missing_tables() == []
-    for version, words in (("99", "newer than this flashgen's 3"), ("0", "no migration from schema version 0")):
+    for version, words in (("99", "newer than this flashgen's 4"), ("0", "no migration from schema version 0")):
         with store.engine.begin() as conn:
             conn.execute(text(f"UPDATE flashgen_meta SET value = '{version}' WHERE key = 'schema_version'"))
         result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
@@ -445,7 +447,7 @@ def _as_machine(monkeypatch, here):
     (dict(torch="2.11.1", cuda="13.0"), "tuning_db"),  # torch is not what the shipped file says: near
     (dict(triton="3.7.0"), "default"),  # another Triton minor compiles other code
     (dict(gpu="NVIDIA H100 PCIe", sm_count=114), "default"),  # another GPU model
-    (dict(templates="0" * 16), "default"),  # other kernels
+    (dict(templates="0" * 16), "tuning_db"),  # other templates, the same kernels: the entries' kernel hashes decide
 ])
 def test_shipped_tuning_db_serves_h100_users(machine, source, monkeypatch, fresh_warnings, tmp_path):
     spec = AttentionSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "specs",
@@ -467,6 +469,125 @@ def test_shipped_tuning_db_serves_h100_users(machine, source, monkeypatch, fresh
         assert not caught
     else:
         assert any("no tuned config" in str(w.message) for w in caught)
+
+
+def test_template_edits_keep_the_shipped_results_until_the_kernels_change(edited_templates, monkeypatch,
+                                                                          fresh_warnings, tmp_path):
+    # tuning_db/ entries store the hash of the kernels they timed: an edit that leaves them alone
+    # keeps serving H100 users; one that changes them is stale, and the fallback says so.
+    spec = AttentionSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "specs",
+                                                "gqa-causal.yaml"))
+    _as_machine(monkeypatch, _h100())
+    none = f"sqlite:///{tmp_path / 'none.sqlite'}"
+    edited_templates("common/tiles.j2", "# K^T as (BLOCK_D, BLOCK_N) and V as (BLOCK_N, BLOCK_DV); padding reads as 0.",
+                     "# the K^T and V tiles\n")
+    edited_templates("decode/combine.j2", "@triton.jit", "# another decode note\n@triton.jit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        configs, source = lookup(spec, none)
+    assert source == "tuning_db" and sorted(configs) == [1024, 4096, 16384]
+    # code both phases run (each loads K/V tiles)
+    edited_templates("common/tiles.j2", "    return k, v\n", "    k, v = k, v\n    return k, v\n")
+    with pytest.warns(flashgen.FlashgenFallbackWarning, match=r"in tuning_db are stale .*flashgen tune --spec"):
+        configs, source = lookup(spec, none)
+    assert (configs, source) == ({}, "default")
+
+
+def _stored_row(kernel, **environment):
+    """One best config of SPEC at S=1024 fwd in this (interpreter) environment, as exported."""
+    return dict(environment=dict(env().as_dict(), **environment), spec_key=SPEC.key, spec_uri=SPEC.uri,
+                spec=SPEC.canonical(), bucket=1024, phase="fwd", config=dict(CFG, BLOCK_M=16), ms=0.5, tflops=1.0,
+                default_ms=None, kernel=kernel)
+
+
+@pytest.mark.parametrize("row", [
+    _stored_row("0123456789abcdef"),  # timed on kernels this flashgen renders differently
+    _stored_row(None, templates="0" * 16),  # from before kernel hashes, with other templates: as always
+], ids=["kernel-hash", "no-kernel-hash"])
+def test_a_stale_result_is_said_never_used_and_replaced(row, tmp_path, monkeypatch, fresh_warnings):
+    from click.testing import CliRunner
+
+    from flashgen.cli import main
+    from flashgen.codegen.render import kernel_hash
+    from flashgen.config import KernelConfig
+
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: tmp_path / "no-layer")
+    store = ResultStore(f"sqlite:///{tmp_path / 'stale.sqlite'}")
+    assert store.import_rows([row]) == 1
+    assert [r["config"]["BLOCK_M"] for r in store.stale_best(here, SPEC)] == [16]
+    with pytest.warns(flashgen.FlashgenFallbackWarning, match=f"in database {store.url} are stale"):
+        assert lookup(SPEC, store.url) == ({}, "default")
+    shown = CliRunner().invoke(main, ["show", "--db", store.url], catch_exceptions=False)
+    assert shown.output.rstrip().endswith("stale here (timed on kernels the templates have changed since; not used: "
+                                          "re-tune)"), shown.output
+    # a new result replaces a stale one in its environment even when slower, then counts as usual
+    fresh = dict(CFG, BLOCK_M=32)
+    assert store.set_best(env(), SPEC, 1024, "fwd", fresh, 2.0, 1.0) is None
+    assert store.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=64), 3.0, 1.0)["ms"] == 2.0
+    configs, source = lookup(SPEC, store.url)
+    assert configs[1024].BLOCK_M == 32 and source == f"database {store.url}"
+    kernels = {r["config"]["BLOCK_M"]: r["kernel"] for r in store.all_best()}
+    assert kernels[32] == kernel_hash(SPEC, KernelConfig.from_dict(fresh), "fwd")
+    # replaced where it was measured; a stale row of other templates stays in its own environment, unused
+    assert [r["environment"]["templates"] for r in store.stale_best(here, SPEC)] == ([] if row["kernel"] else
+                                                                                     ["0" * 16])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="tunes through the interpreter")
+def test_tune_says_a_stored_result_is_stale_and_replaces_it(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from flashgen.cli import main
+
+    path = tmp_path / "spec.yaml"
+    path.write_text("name: stale\ndtype: fp32\nhead_dim: 16\nnum_heads: 2\ncausal: true\n"
+                    "tune: {seqlens: [16], trials: 1}\n")
+    spec = AttentionSpec.from_yaml(path)
+    store = ResultStore(f"sqlite:///{tmp_path / 'tune.sqlite'}")
+    store.import_rows([dict(_stored_row("0123456789abcdef"), spec_key=spec.key, spec_uri=spec.uri,
+                            spec=spec.canonical(), bucket=16)])
+    result = CliRunner().invoke(main, ["tune", str(path), "--interpret", "--db", store.url])
+    assert result.exit_code == 0, result.output
+    assert f"{spec.uri}: 1 stored result(s) on triton-interpreter are stale" in result.stderr
+    assert not store.stale_best(env(), spec) and list(store.best_configs(env(), spec)) == [16]
+
+
+def test_a_result_without_kernel_hash_serves_with_the_same_templates(tmp_path, monkeypatch, fresh_warnings):
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    store = ResultStore(f"sqlite:///{tmp_path / 'old.sqlite'}")
+    store.import_rows([_stored_row(None)])
+    configs, source = lookup(SPEC, store.url)
+    assert configs[1024].BLOCK_M == 16 and source == f"database {store.url}"
+
+
+def test_db_upgrade_from_schema_3_fills_the_kernel_hashes_it_can_tell(url):
+    from alembic import command
+    from click.testing import CliRunner
+    from sqlalchemy import inspect
+
+    from flashgen.cli import main
+    from flashgen.codegen.render import kernel_hash
+    from flashgen.config import KernelConfig
+    from flashgen.db import migrate
+
+    store = ResultStore(url)
+    store.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)  # measured with this flashgen's templates
+    store.set_best(EnvInfo(**dict(env().as_dict(), templates="0" * 16)), SPEC, 64, "fwd", CFG, 1.0, 1.0)
+    with store.engine.begin() as conn:
+        command.downgrade(migrate._config(conn), "0003")
+    assert "kernel" not in {c["name"] for c in inspect(store.engine).get_columns("best_configs")}
+    store.close()
+    with pytest.raises(SchemaVersionError, match=r"schema version 3, .*flashgen db upgrade --db "):
+        ResultStore(url)
+    result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
+    assert result.exit_code == 0 and "upgraded from schema version 3 to 4" in result.output, result.output
+    store = ResultStore(url)
+    kernels = {r["environment"]["templates"]: r["kernel"] for r in store.all_best()}
+    assert kernels == {env().templates: kernel_hash(SPEC, KernelConfig.from_dict(CFG), "fwd"), "0" * 16: None}
+    store.close()
 
 
 def test_exact_match_preferred_then_the_nearest(tmp_path, monkeypatch, fresh_warnings):
@@ -653,7 +774,7 @@ def test_db_upgrade_migrates_schema_1(url, with_trials):
     with pytest.raises(SchemaVersionError, match=r"schema version 1, .*flashgen db upgrade --db "):
         ResultStore(url)
     result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
-    assert result.exit_code == 0 and "upgraded from schema version 1 to 3" in result.output, result.output
+    assert result.exit_code == 0 and "upgraded from schema version 1 to 4" in result.output, result.output
     store = ResultStore(url)
     assert store.best_configs(env(), SPEC) == {64: {"fwd": dict(config=CFG, ms=1.5, tflops=2.0, default_ms=3.0)}}
     assert store.missing_tables() == []  # Optuna's tables too
@@ -667,7 +788,7 @@ def test_db_upgrade_migrates_schema_1(url, with_trials):
     assert [t.ms for t in store.trials(env(), SPEC)] == [1.0]
     store.close()
     result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])  # twice: nothing to do
-    assert result.exit_code == 0 and "at schema version 3" in result.output
+    assert result.exit_code == 0 and "at schema version 4" in result.output
 
 
 def test_warm_starts_rank_the_nearest_specs_on_this_gpu():

@@ -9,7 +9,7 @@ from flashgen.expr.derivative import derivative
 from flashgen.expr.ir import MASK_VARS, SCORE_VARS, Const, Load, Var, depth, kind, reads_var, tensors_of, walk
 from flashgen.expr.parse import parse_expr
 from flashgen.expr.to_torch import evaluate, tensors_at_rank
-from flashgen.expr.to_triton import ExpressionWriter, tensor_params, triton_expr, triton_literal
+from flashgen.expr.to_triton import tensor_params, triton_expr, triton_literal
 
 TILE = {"b": "off_b", "h": "off_h", "q_idx": "rows", "kv_idx": "cols", "score": "score",
         "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}
@@ -34,16 +34,6 @@ def test_triton_text_of_each_construct():
     assert tensor_params("t", 2) == ["t_t", "t_t_s0", "t_t_s1", "t_t_n0", "t_t_n1"]
     assert [triton_literal(x) for x in (True, 7, 0.1, float("inf"), -float("inf"))] == [
         "True", "7", "0.1", 'float("inf")', 'float("-inf")']
-
-
-def test_expression_writer_hoists_each_search_once():
-    from flashgen.expr.ir import Search
-
-    lines = []
-    writer = ExpressionWriter(lines, {"b": "off_b", "r0": "r0"})
-    search = Search("ids", Var("r0"), False)
-    assert writer.expr(search) == "s0" and writer.expr(search) == "s0" and len(lines) == 1
-    assert lines[0].startswith("s0 = _search(t_ids + _clamp(off_b, t_ids_n0) * t_ids_s0, t_ids_s1, t_ids_n1, r0")
 
 
 def test_torch_evaluation_clamps_indices_and_broadcasts_ranks():

@@ -19,6 +19,7 @@ import flashgen
 from flashgen import AttentionSpec, ConfigError, KernelConfig, default_config
 from flashgen.codegen import cache as C
 from flashgen.codegen import render as R
+from flashgen.codegen.plan import plan_for
 from flashgen.runtime import host
 
 from .helpers import child_pythonpath
@@ -98,6 +99,36 @@ def test_goldens_cover_a_mask_a_block_map_and_dropout():
     assert any("def _kv_segments(" in s and "Mask: " in s for s in sources.values())
     assert any("def _block_map_kernel(" in s for s in sources.values())
     assert any("def _keep(" in s for s in sources.values())
+
+
+@pytest.mark.parametrize("name,spec,config", GOLDEN_CASES, ids=GOLDEN_IDS)
+def test_the_plan_hands_templates_expressions_only(name, spec, config):
+    # Statements and loops live in the templates: every text the plan gives them parses as one
+    # Python expression (a statement or several lines would not).
+    plan = plan_for(spec)
+    texts = [plan.visible_code()]
+    if plan.score_ir is not None:
+        texts += [plan.score_code(), plan.score_grad_code()]
+    texts += [t for add in plan.tensor_grad_adds() for t in (add.offset, add.derivative)]
+    if not plan.block_map:
+        for direction in ("kv", "q"):
+            for seg in plan.segments(direction):
+                texts += [seg.lo, seg.hi, seg.full_lo, seg.full_hi] + [code for _, code in seg.searches]
+    for text in texts:
+        ast.parse(text, mode="eval")
+
+
+def test_segments_compute_each_search_once():
+    # Two segments over one id tensor need the same two searches: the first segment brings
+    # them, the second refers to them by name, and the rendered function searches twice.
+    spec = AttentionSpec(head_dim=16, mask={"or": [{"document": {"ids": "doc"}},
+                                                   {"document": {"ids": "doc", "causal": True}}]})
+    segments = plan_for(spec).segments("kv")
+    assert [[name for name, _ in seg.searches] for seg in segments] == [["s0", "s1"], []]
+    assert (segments[1].lo, segments[1].full_lo) == ("s0", "s1")
+    source = R.render(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16), standalone=False)
+    body = source.split("def _kv_segments(")[1].split("\n\n")[0]
+    assert body.count(" = _search(") == 2 and "swap = lo1 < lo0" in body
 
 
 @pytest.mark.parametrize("name,spec,config", GOLDEN_CASES, ids=GOLDEN_IDS)
@@ -232,6 +263,79 @@ def test_templates_hash_covers_every_partial_of_the_tuned_families(tmp_path, mon
     decode.write_text(decode.read_text() + "\n")
     monkeypatch.setattr(R, "host_source", lambda: host.__doc__)
     assert R.templates_hash() == before
+
+
+@pytest.fixture
+def edited_templates(tmp_path, monkeypatch):
+    """A copy of the templates that flashgen renders from, for a test to edit (the caches of
+    the old ones cleared, and cleared again afterwards); edit(name, old, new) edits one."""
+    copy = tmp_path / "templates"
+    shutil.copytree(R.template_dir(), copy)
+    monkeypatch.setattr(R, "template_dir", lambda: copy)
+
+    def edit(name, old, new):
+        text = (copy / name).read_text()
+        assert old in text, (name, old)
+        (copy / name).write_text(text.replace(old, new, 1))
+        R._environment.cache_clear()
+        R.kernel_hash.cache_clear()
+
+    R._environment.cache_clear()
+    R.kernel_hash.cache_clear()
+    yield edit
+    R._environment.cache_clear()
+    R.kernel_hash.cache_clear()
+
+
+KERNEL_SPEC = AttentionSpec(name="timed", dtype="fp16", head_dim=64, num_heads=4, causal=True, backward=True)
+KERNEL_CONFIG = KernelConfig(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def test_timed_source_is_what_each_phase_runs():
+    source = R.render(KERNEL_SPEC, KERNEL_CONFIG, standalone=False)
+    fwd, bwd = R.timed_source(source, "fwd"), R.timed_source(source, "bwd")
+    assert "def _attn_fwd(" in fwd and "def _online_softmax_step(" in fwd and "HEAD_DIM = tl.constexpr(64)" in fwd
+    assert "def _attn_bwd_dkdv(" in bwd and "def _attn_bwd_dq(" in bwd and "def _bwd_preprocess(" in bwd
+    assert "def _attn_bwd_dq(" not in fwd and "def _attn_fwd(" not in bwd
+    for text in (fwd, bwd):  # not the decode kernels, the header, SPEC, CONFIG or any comment
+        assert "_attn_decode" not in text and "_decode_combine" not in text and "#" not in text
+        assert "SPEC = " not in text and "CONFIG = " not in text and "BLOCK_MAP = " not in text
+    with pytest.raises(ValueError, match="phase: expected one of fwd, bwd, got 'decode'"):
+        R.timed_source(source, "decode")
+
+
+def test_kernel_hash_follows_the_kernels_not_the_names_or_tiles():
+    fwd = R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG, "fwd")
+    assert len(fwd) == 16 and fwd != R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG, "bwd")
+    # the spec's name and tune section, and the tile sizes (kernel parameters), are not kernel text
+    renamed = KERNEL_SPEC.replace(name="other", tune={"trials": 3})
+    assert R.kernel_hash(renamed, KERNEL_CONFIG.replace(BLOCK_M=128, num_warps=8), "fwd") == fwd
+    # the loop order picks another forward kernel; another head dim is another constant
+    assert R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG.replace(loop_order="kv_outer"), "fwd") != fwd
+    assert R.kernel_hash(KERNEL_SPEC.replace(head_dim=32), KERNEL_CONFIG, "fwd") != fwd
+
+
+def test_kernel_hash_changes_only_with_the_timed_kernels(edited_templates):
+    def hashes():
+        return R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG, "fwd"), R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG, "bwd")
+
+    fwd, bwd = before = hashes()
+    templates = R.templates_hash()
+    # edits that leave the kernels' code alone: a comment inside a kernel, a blank line, the
+    # decode family, a helper no kernel calls, the header
+    edited_templates("common/tiles.j2", "# K^T as (BLOCK_D, BLOCK_N) and V as (BLOCK_N, BLOCK_DV); padding reads as 0.",
+                     "# the K^T and V tiles\n")
+    edited_templates("decode/split_kv.j2", "@triton.jit", "# decode\n@triton.jit")
+    edited_templates("common/math.j2", "@triton.jit", "@triton.jit\ndef _unused(x):\n    return x + 1\n\n\n@triton.jit")
+    edited_templates("common/header.j2", "-- do not edit.", "-- do not edit (really).")
+    assert R.templates_hash() != templates and hashes() == before
+    # code only the backward runs: the backward's hash only
+    edited_templates("backward/preprocess.j2", "tl.sum(o * do, 1)", "tl.sum(do * o, 1)")
+    after = hashes()
+    assert after[0] == fwd and after[1] != bwd
+    # code both run
+    edited_templates("common/tiles.j2", "    return k, v\n", "    k, v = k, v\n    return k, v\n")
+    assert hashes()[0] != fwd
 
 
 def test_build_module_replaces_render_load():

@@ -8,11 +8,12 @@ stored on it: the spec says what to compute, the plan is how this code generator
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 from .. import masks
 from ..expr.ir import reads_var, tensors_of
-from ..expr.to_triton import ExpressionWriter, tensor_params, tensor_size, tensor_stride, triton_expr
+from ..expr.to_triton import tensor_params, tensor_size, tensor_stride, triton_expr
 
 # What each IR variable is called where the template uses the expression: in a tile of
 # (query rows x key columns) ...
@@ -66,36 +67,60 @@ class KernelPlan:
     def score_grad_code(self) -> str:
         return triton_expr(self.lowered.score_derivative, TILE_NAMES)
 
-    def tensor_grad_code(self, indent: str) -> str:
-        """Statements adding dS * d(mod)/d(element) into each gradient tensor the modifier reads."""
-        lines = []
+    def tensor_grad_adds(self) -> list[TensorGradAdd]:
+        """What dS * d(mod)/d(element) adds into each gradient tensor the modifier reads, one
+        record per place it reads one (common/mask.j2 writes the atomic adds)."""
+        adds = []
         for site in self.lowered.grad_sites:
             offset = " + ".join(f"_clamp({triton_expr(i, TILE_NAMES)}, {tensor_size(site.tensor, d)}) * "
                                 f"{tensor_stride(site.tensor, d)}" for d, i in enumerate(site.index))
-            grad = f"tl.where(visible, ds * ({triton_expr(site.derivative, TILE_NAMES)}), 0.0)"
-            if any(reads_var(i, "q_idx") or reads_var(i, "kv_idx") for i in site.index):
-                # one element per (query, key): add the tile elementwise
-                lines.append(f"tl.atomic_add(g_{site.tensor} + ({offset}) + zero_i, {grad}, sem=\"relaxed\")")
-            else:
-                # one element per tile (e.g. an ALiBi slope): reduce the tile first
-                lines.append(f"tl.atomic_add(g_{site.tensor} + ({offset}), tl.sum(tl.sum({grad}, 1), 0), "
-                             "sem=\"relaxed\")")
-        return ("\n" + indent).join(lines) if lines else "pass"
+            per_pair = any(reads_var(i, "q_idx") or reads_var(i, "kv_idx") for i in site.index)
+            adds.append(TensorGradAdd(site.tensor, offset, triton_expr(site.derivative, TILE_NAMES), per_pair))
+        return adds
 
-    def segments_code(self, direction: str, indent: str) -> str:
-        """Statements computing lo{i}, hi{i}, flo{i}, fhi{i} of each segment (see masks.tree.segments)."""
-        segs = self.kv_segments if direction == "kv" else self.q_segments
-        lines: list[str] = []
-        writer = ExpressionWriter(lines, BLOCK_EDGE_NAMES)
-        for i, seg in enumerate(segs):
-            edges = [writer.expr(x) for x in seg]  # appends the searches they need first
-            lines.append(f"lo{i}, hi{i}, flo{i}, fhi{i} = {', '.join(edges)}")
-        if len(segs) == 2:
-            lines.append("# the two segments in key order")
-            lines.append("swap = lo1 < lo0")
-            for a in ("lo", "hi", "flo", "fhi"):
-                lines.append(f"{a}0, {a}1 = tl.where(swap, {a}1, {a}0), tl.where(swap, {a}0, {a}1)")
-        return ("\n" + indent).join(lines)
+    def segments(self, direction: str) -> list[SegmentEdges]:
+        """The edges of each segment of a block's visible range (see masks.tree.segments) over
+        the block's first and last row (``direction`` "kv": r0, r1) or key ("q": c0, c1), with
+        the binary searches they need (common/segments.j2 writes the assignments)."""
+        searches: dict[str, str] = {}  # search expression -> the name its result is given
+        out = []
+        for seg in (self.kv_segments if direction == "kv" else self.q_segments):
+            new: list[tuple[str, str]] = []
+
+            def hoist(code: str) -> str:  # each distinct search once, named in order: s0, s1, ...
+                if code not in searches:
+                    searches[code] = f"s{len(searches)}"
+                    new.append((searches[code], code))
+                return searches[code]
+
+            edges = [triton_expr(x, BLOCK_EDGE_NAMES, hoist) for x in seg]
+            out.append(SegmentEdges(tuple(new), *edges))
+        return out
+
+
+@dataclass(frozen=True)
+class SegmentEdges:
+    """One segment as Triton expressions: keys (rows) [lo, hi) are seen by some row (key) of
+    the block, [full_lo, full_hi) by every one; ``searches`` are the (name, expression) pairs
+    of the binary searches these edges refer to by name that no earlier segment computed."""
+
+    searches: tuple[tuple[str, str], ...]
+    lo: str
+    hi: str
+    full_lo: str
+    full_hi: str
+
+
+@dataclass(frozen=True)
+class TensorGradAdd:
+    """dL/d(element) += dS * ``derivative`` at the clamped element ``offset`` of gradient
+    buffer ``g_<tensor>``: one element per (query, key) pair when ``per_pair``, else one per
+    tile (e.g. an ALiBi slope: the tile's sum is added once)."""
+
+    tensor: str
+    offset: str
+    derivative: str
+    per_pair: bool
 
 
 @lru_cache(maxsize=512)

@@ -8,7 +8,10 @@ flashgen builds and pasted verbatim into standalone ones (what `flashgen generat
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import io
+import tokenize
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
@@ -64,14 +67,16 @@ def _environment() -> jinja2.Environment:
     )
 
 
-# Kernel families whose configs the tuner stores: a tuned result names the templates hash
-# of these. Decode (templates/decode/) is not tuned yet, so its kernels do not stale them.
+# Kernel families whose configs the tuner stores: a tuned result's environment names the
+# templates hash of these. Decode (templates/decode/) is not tuned yet, so it is left out.
 TUNED_FAMILIES_SKIP = ("decode/",)
 
 
 def templates_hash() -> str:
     """A hash of the templates the tuned kernels are rendered from (every partial of the prefill
-    and backward families and of common/): results tuned with other ones are stale.
+    and backward families and of common/), recorded in each result's environment. A result
+    is matched on its kernel_hash; only one stored without (before schema 4) is matched on
+    this, and is stale when it differs.
 
     Host code (runtime/) is left out on purpose: the tuner times the kernels' GPU time, which the
     templates and the config decide; a change of launch code that alters what a kernel computes
@@ -85,6 +90,83 @@ def templates_hash() -> str:
         h.update(name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+# What each tuned phase times, as the rendered module hands it to its launcher
+# (runtime/host.py AttentionLauncher): the arguments that name the phase's kernels.
+TIMED_KERNELS = {
+    "fwd": ("forward_kernel", "block_map_kernel"),
+    "bwd": ("preprocess_kernel", "dkdv_kernel", "dq_kernel", "block_map_kernel"),
+}
+LAUNCHER = "_LAUNCHER"  # the module global holding the AttentionLauncher
+
+
+def timed_source(source: str, phase: str) -> str:
+    """The part of a rendered module that decides the GPU time of ``phase`` ("fwd" or "bwd"):
+    the @triton.jit functions its kernels reach (them, the helpers they call, and so on), the
+    module constants those read (HEAD_DIM, ...) and the launcher's literal settings
+    (same_seqlen, ...), without comments or blank lines, in name order.
+
+    Left out: the header, SPEC and CONFIG (the config is stored beside its result), the host
+    code, the kernels of other phases, decode and test-only kernels. So a template change
+    that leaves these kernels' code alone (a comment, another family, a moved function) does
+    not change it. Plain text throughout (ast only finds where things are), so it is the same
+    under every Python and Triton version."""
+    if phase not in TIMED_KERNELS:
+        raise ValueError(f"phase: expected one of {', '.join(TIMED_KERNELS)}, got {phase!r}")
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    jit, constants = {}, {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and any(_is_jit(d) for d in node.decorator_list):
+            jit[node.name] = node
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            constants[node.targets[0].id] = node
+    launcher = constants[LAUNCHER].value
+    arguments = {kw.arg: kw.value for kw in launcher.keywords}
+    settings = [f"{name}={ast.literal_eval(value)!r}" for name, value in sorted(arguments.items())
+                if isinstance(value, ast.Constant)]
+    todo = [arguments[name].id for name in TIMED_KERNELS[phase] if name in arguments]
+    reached: dict[str, ast.stmt] = {}
+    while todo:
+        name = todo.pop()
+        if name in reached:
+            continue
+        reached[name] = jit.get(name) or constants[name]
+        todo += [n.id for n in ast.walk(reached[name]) if isinstance(n, ast.Name) and n.id != name
+                 and (n.id in jit or n.id in constants)]
+    pieces = ["\n".join(settings)]
+    for name in sorted(reached):
+        node = reached[name]
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        pieces.append(_without_comments(lines[first - 1:node.end_lineno]))
+    return "\n".join(pieces) + "\n"
+
+
+def _is_jit(decorator) -> bool:
+    """``@triton.jit`` or ``@triton.jit(...)``."""
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return isinstance(target, ast.Attribute) and target.attr == "jit"
+
+
+def _without_comments(lines: list[str]) -> str:
+    """Source lines with comments, trailing spaces and blank lines taken out."""
+    cuts: dict[int, int] = {}
+    for token in tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline):
+        if token.type == tokenize.COMMENT:
+            cuts[token.start[0] - 1] = token.start[1]
+    kept = (line[:cuts.get(i, len(line))].rstrip() for i, line in enumerate(lines))
+    return "\n".join(line for line in kept if line)
+
+
+@lru_cache(maxsize=256)
+def kernel_hash(spec: AttentionSpec, config: KernelConfig, phase: str) -> str:
+    """A hash of the kernels that ``phase`` times for (spec, config) (see timed_source). A
+    tuned result stores it: the result serves as long as this flashgen renders the same
+    kernels for its spec and config, whatever else changed in the templates. Cached: a
+    lookup renders each stored config of the spec once per process."""
+    source = timed_source(render(spec, config, standalone=False), phase)
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
 def _value_source(value) -> str:

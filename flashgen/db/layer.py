@@ -2,8 +2,10 @@
 
 ``flashgen export`` writes one YAML file per GPU (sorted, one result per entry, so it
 diffs well); flashgen reads every file there and uses an entry whose environment serves the
-current one (flashgen.db.env: the same GPU model, templates hash and Triton major.minor; an
-exact match preferred, a near match used and labelled).
+current one (flashgen.db.env: the same GPU model and Triton major.minor, and the kernels
+this flashgen renders for the entry's spec and config, named by the entry's ``kernel`` hash;
+an entry without one, from an older flashgen, needs the same templates hash; an exact
+match preferred, a near match used and labelled).
 ``flashgen import`` loads such a file into a database.
 
 Every entry is checked (flashgen.db.rows) when a file is read: a file with a malformed
@@ -21,6 +23,7 @@ import yaml
 
 from ..spec import YamlFileError, read_yaml
 from .env import EnvInfo, pick
+from .kernels import row_kernel
 from .rows import ResultRowError, check_row
 
 FILE_FORMAT = 1  # the files' own format version, apart from the database schema
@@ -63,7 +66,7 @@ def export_text(rows: list[dict], gpu: str) -> tuple[str, int]:
     doc = {"schema": FILE_FORMAT, "gpu": gpu, "results": [
         {"spec": r["spec_uri"], "spec_key": r["spec_key"], "bucket": r["bucket"], "phase": r["phase"],
          "config": r["config"], "ms": _sig(r["ms"]), "tflops": _sig(r["tflops"]), "default_ms": _sig(r["default_ms"]),
-         "environment": r["environment"], "canonical": r["spec"]} for r in entries]}
+         "kernel": r.get("kernel"), "environment": r["environment"], "canonical": r["spec"]} for r in entries]}
     header = (f"# flashgen tuning results for {gpu}: written by `flashgen export`, loaded read-only\n"
               f"# below each user's database. Regenerate rather than edit.\n")
     return header + yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120), len(entries)
@@ -107,7 +110,7 @@ def read_file(path: Path) -> list[dict]:
             raise ResultFileError(path, f"{where}: expected a mapping with keys {', '.join(_ENTRY_KEYS)}")
         row = dict(environment=e["environment"], spec_key=e["spec_key"], spec_uri=e["spec"], spec=e["canonical"],
                    bucket=e["bucket"], phase=e["phase"], config=e["config"], ms=e["ms"], tflops=e["tflops"],
-                   default_ms=e.get("default_ms"))
+                   default_ms=e.get("default_ms"), kernel=e.get("kernel"))
         try:
             check_row(row)
         except ResultRowError as err:
@@ -116,12 +119,9 @@ def read_file(path: Path) -> list[dict]:
     return rows
 
 
-def shipped_best(spec_key: str, here: EnvInfo,
-                 on_bad_file: Callable[[Path, ResultFileError], None] | None = None) -> dict[int, dict[str, dict]]:
-    """{bucket: {phase: row}} from tuning_db/ for this spec: per bucket and phase the row that
-    serves ``here`` (an exact match preferred, else the nearest near match; flashgen.db.env),
-    each with its 'match'. A file that cannot be read is skipped (and passed to on_bad_file);
-    the others still count."""
+def shipped_rows(spec_key: str, on_bad_file: Callable[[Path, ResultFileError], None] | None = None) -> list[dict]:
+    """Every row of tuning_db/ for this spec, from every file that can be read (a file that
+    cannot is skipped, and passed to on_bad_file)."""
     rows = []
     for path in sorted(layer_dir().glob("*.yaml")):
         try:
@@ -129,4 +129,14 @@ def shipped_best(spec_key: str, here: EnvInfo,
         except ResultFileError as err:
             if on_bad_file is not None:
                 on_bad_file(path, err)
-    return pick(here, rows)
+    return rows
+
+
+def shipped_best(spec_key: str, here: EnvInfo,
+                 on_bad_file: Callable[[Path, ResultFileError], None] | None = None,
+                 current: Callable[[dict], str | None] | None = None) -> dict[int, dict[str, dict]]:
+    """{bucket: {phase: row}} from tuning_db/ for this spec: per bucket and phase the row that
+    serves ``here`` (an exact match preferred, else the nearest near match; flashgen.db.env),
+    each with its 'match'. ``current(row)``: the hash of the kernels this flashgen renders for
+    a row (default: flashgen.db.kernels.row_kernel, from the row's canonical spec)."""
+    return pick(here, shipped_rows(spec_key, on_bad_file), current or row_kernel)

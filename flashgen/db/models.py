@@ -14,7 +14,7 @@ import datetime as dt
 from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 3  # flashgen_meta.schema_version; migrate.REVISIONS maps it to Alembic's
+SCHEMA_VERSION = 4  # flashgen_meta.schema_version; migrate.REVISIONS maps it to Alembic's
 
 
 def _now() -> dt.datetime:
@@ -32,7 +32,7 @@ class Meta(Base):
 
 
 class Environment(Base):
-    """Where a result was measured. A result is reused only in an identical environment."""
+    """Where a result was measured (flashgen.db.env says which environments a result serves)."""
 
     __tablename__ = "environments"
     __table_args__ = (UniqueConstraint("gpu", "capability", "sm_count", "memory_gib", "torch", "triton", "cuda",
@@ -71,6 +71,10 @@ class Best(Base):
     ms: Mapped[float] = mapped_column(Float)
     tflops: Mapped[float] = mapped_column(Float)
     default_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The hash of the kernels this phase timed (flashgen.codegen.render.kernel_hash): the
+    # result serves while flashgen renders the same ones. None: stored before schema 4 and not
+    # filled by its migration; such a result is judged by its environment's templates hash.
+    kernel: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Mapping
 
 from ..config import ConfigError, KernelConfig
@@ -19,6 +20,7 @@ PHASES = ("fwd", "bwd")
 MAX_BUCKET = 1 << 30
 ENVIRONMENT_FIELDS = {"gpu": str, "capability": str, "sm_count": int, "memory_gib": (int, float), "torch": str,
                       "triton": str, "cuda": str, "flashgen": str, "templates": str}
+KERNEL_HASH = re.compile(r"[0-9a-f]{16}")  # flashgen.codegen.render.kernel_hash
 MAX_TEXT = 256  # the longest spec uri / environment string the schema stores
 
 
@@ -74,7 +76,7 @@ def check_best(row: Mapping) -> None:
 
 
 def check_row(row: Mapping) -> None:
-    """A whole exported row: the best config, its environment and its spec."""
+    """A whole exported row: the best config, its environment, its spec and its kernel hash (optional)."""
     check_best(row)
     env = row.get("environment")
     if not isinstance(env, Mapping) or set(env) != set(ENVIRONMENT_FIELDS):
@@ -86,6 +88,8 @@ def check_row(row: Mapping) -> None:
                                  value)
         if kind is str:
             _text(f"environment.{name}", value)
+    if row.get("kernel") is not None and not (isinstance(row["kernel"], str) and KERNEL_HASH.fullmatch(row["kernel"])):
+        raise ResultRowError("kernel", "expected the kernels' hash (16 hex digits) or nothing", row["kernel"])
     _text("spec_key", row.get("spec_key"))
     _text("spec", row.get("spec_uri"))
     if not isinstance(row.get("spec"), Mapping):

@@ -18,7 +18,9 @@ SQLite file it first checks that the file it opened is still there, so a databas
 or replaced while in use is an error, never a write into a file nobody will read.
 
 A best config is replaced only by a faster one measured in the same environment
-(``set_best`` says whether it stored), so a shorter re-tune never overwrites a better result.
+(``set_best`` says whether it stored), so a shorter re-tune never overwrites a better result,
+or by any new one when the stored one is stale: timed on kernels this flashgen no longer
+renders for it (flashgen.db.kernels; each best config stores its kernel hash).
 
 A database at another schema version is refused with the command that upgrades it. Every
 failure to open, read or write the database is a DatabaseError whose one-line message names
@@ -41,7 +43,8 @@ from sqlalchemy.exc import DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..spec import AttentionSpec
-from .env import SPEED_FIELDS, EnvInfo, pick
+from .env import MODEL_FIELDS, STALE, EnvInfo, classify, pick
+from .kernels import current_kernel, kernels_of
 from . import migrate
 from .models import SCHEMA_VERSION, Base, Best, Claim, Environment, Meta, SpecRow
 from .rows import ResultRowError, check_best, check_row
@@ -208,7 +211,7 @@ class ResultStore:
             session.close()
 
     def _upsert(self, session: Session, model, values: dict, keys: tuple[str, ...], update: tuple[str, ...] = (),
-                only_if_lower: str | None = None):
+                only_if_lower: str | None = None, or_where=None):
         dialect = self.engine.dialect.name
         if dialect == "sqlite":
             from sqlalchemy.dialects.sqlite import insert
@@ -220,6 +223,8 @@ class ResultStore:
         if update:
             where = None if only_if_lower is None else \
                 getattr(model, only_if_lower) > getattr(stmt.excluded, only_if_lower)
+            if where is not None and or_where is not None:
+                where = where | or_where
             stmt = stmt.on_conflict_do_update(index_elements=list(keys), set_={k: values[k] for k in update},
                                               where=where)
         else:
@@ -354,22 +359,30 @@ class ResultStore:
     # ------------------------------------------------------------------ writes
     def set_best(self, env: EnvInfo, spec: AttentionSpec, bucket: int, phase: str, config: dict, ms: float,
                  tflops: float, default_ms: float | None = None) -> dict | None:
-        """Store a best config unless the environment already holds a faster one for this spec,
-        bucket and phase. Returns None when stored, else the faster stored row (config, ms,
-        tflops, default_ms), which stays."""
+        """Store a best config, with the hash of the kernels it was timed on, unless the
+        environment already holds a faster one for this spec, bucket and phase that is not
+        stale. Returns None when stored, else the faster stored row (config, ms, tflops,
+        default_ms), which stays."""
         check_best(dict(bucket=bucket, phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms))
+        kernel = current_kernel(spec, config, phase)
         with self._session() as s:
-            return self._set_best(s, env, spec, bucket, phase, config, ms, tflops, default_ms)
+            return self._set_best(s, env, spec, bucket, phase, config, ms, tflops, default_ms, kernel)
 
-    def _set_best(self, s: Session, env: EnvInfo, spec, bucket, phase, config, ms, tflops, default_ms) -> dict | None:
+    def _set_best(self, s: Session, env: EnvInfo, spec, bucket, phase, config, ms, tflops, default_ms,
+                  kernel: str | None) -> dict | None:
         values = dict(environment_id=self._env_id(s, env), spec_id=self._spec_id(s, spec), bucket=bucket,
-                      phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms)
+                      phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms, kernel=kernel)
+        natural = {k: values[k] for k in ("environment_id", "spec_id", "bucket", "phase")}
+        stored = s.execute(select(Best.config, Best.kernel).filter_by(**natural)).one_or_none()
+        stale = None
+        if stored is not None and stored.kernel is not None:
+            now = current_kernel(spec if isinstance(spec, AttentionSpec) else spec.canonical(), stored.config, phase)
+            stale = stored.kernel if now is not None and now != stored.kernel else None
         # One statement, so concurrent writers cannot interleave a read and a write: the row is
-        # replaced only where the new time is lower.
-        self._upsert(s, Best, values, ("environment_id", "spec_id", "bucket", "phase"),
-                     update=("config", "ms", "tflops", "default_ms"), only_if_lower="ms")
-        kept = s.execute(select(Best).filter_by(**{k: values[k] for k in ("environment_id", "spec_id", "bucket",
-                                                                          "phase")})).scalar_one()
+        # replaced where the new time is lower, or where it still holds the stale result read above.
+        self._upsert(s, Best, values, tuple(natural), update=("config", "ms", "tflops", "default_ms", "kernel"),
+                     only_if_lower="ms", or_where=None if stale is None else Best.kernel == stale)
+        kept = s.execute(select(Best).filter_by(**natural)).scalar_one()
         if kept.ms == ms and kept.config == config:
             return None
         return dict(config=kept.config, ms=kept.ms, tflops=kept.tflops, default_ms=kept.default_ms)
@@ -414,8 +427,18 @@ class ResultStore:
 
     def matching_best(self, here: EnvInfo, spec: AttentionSpec) -> dict[int, dict[str, dict]]:
         """{bucket: {phase: row}}: the best configs that serve ``here`` (flashgen.db.env: an
-        exact match preferred, else the nearest near match), each row with its 'match'."""
-        return pick(here, self.all_best(spec_key=spec.key, where={f: getattr(here, f) for f in SPEED_FIELDS}))
+        exact match preferred, else the nearest near match; never a stale one), each row with
+        its 'match'."""
+        return pick(here, self._on_machine(here, spec), kernels_of(spec))
+
+    def stale_best(self, here: EnvInfo, spec: AttentionSpec) -> list[dict]:
+        """The best configs of this spec measured on this machine for kernels this flashgen no
+        longer renders (flashgen.db.env STALE): never used; a new tune replaces them."""
+        return [r for r in self._on_machine(here, spec) if classify(here, r, kernels_of(spec)) == STALE]
+
+    def _on_machine(self, here: EnvInfo, spec: AttentionSpec) -> list[dict]:
+        """The spec's best configs measured on this GPU model (any software)."""
+        return self.all_best(spec_key=spec.key, where={f: getattr(here, f) for f in MODEL_FIELDS})
 
     def all_best(self, *, spec_key: str | None = None, where: dict | None = None) -> list[dict]:
         """Every best config with its environment and spec, for `flashgen show` and export
@@ -430,7 +453,7 @@ class ResultStore:
             q = q.order_by(SpecRow.uri, Best.bucket, Best.phase, Best.id)
             return [dict(environment={c: getattr(e, c) for c in EnvInfo.__dataclass_fields__},
                          spec_key=sp.key, spec_uri=sp.uri, spec=sp.canonical, bucket=b.bucket, phase=b.phase,
-                         config=b.config, ms=b.ms, tflops=b.tflops, default_ms=b.default_ms)
+                         config=b.config, ms=b.ms, tflops=b.tflops, default_ms=b.default_ms, kernel=b.kernel)
                     for b, e, sp in s.execute(q)]
 
     def import_rows(self, rows: list[dict]) -> int:
@@ -449,7 +472,7 @@ class ResultStore:
                 env = EnvInfo(**row["environment"])
                 spec = _SpecShim(row["spec_key"], row["spec_uri"], row["spec"])
                 stored += self._set_best(s, env, spec, row["bucket"], row["phase"], row["config"], row["ms"],
-                                         row["tflops"], row.get("default_ms")) is None
+                                         row["tflops"], row.get("default_ms"), row.get("kernel")) is None
         return stored
 
     def check(self) -> list[str]:

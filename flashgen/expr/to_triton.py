@@ -109,21 +109,3 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
         return f"{TRITON_FUNCTIONS[node.name]}({', '.join(triton_expr(x, names, hoist) for x in node.args)})"
     raise TypeError(node)
 
-
-class ExpressionWriter:
-    """Writes expressions whose binary searches become statements (``s0 = _search(...)``),
-    appended to `lines` once per distinct search, so a search shared by several expressions
-    runs once."""
-
-    def __init__(self, lines: list[str], names: Mapping[str, str]):
-        self.lines, self.names, self.search_names = lines, names, {}
-
-    def hoist(self, code: str) -> str:
-        name = self.search_names.get(code)
-        if name is None:
-            name = self.search_names[code] = f"s{len(self.search_names)}"
-            self.lines.append(f"{name} = {code}")
-        return name
-
-    def expr(self, node) -> str:
-        return triton_expr(node, self.names, self.hoist)
