@@ -1,19 +1,23 @@
 """flashgen.attention as a model calls it (issue 13): small causal calls where host time decides.
 
 Cases: B=1, H=16, S=128 and 512; then S=1024..16384 at 16384 tokens (B = 16384 // S); head dim
-128, causal, bf16. Modes: forward, and forward + backward. Providers: flashgen.attention (the
-default path: bound once, tuned config if stored), SDPA flash, cuDNN, FlexAttention compiled.
-Per provider: host_us (CPU time per call, no sync inside the loop, many calls) and gpu_ms
-(triton's do_bench median). Every provider's output is checked against SDPA's math before it is
+128, causal, bf16. Modes: forward (no grad), and forward + backward. Providers: flashgen.attention
+(the default path: bound once, tuned config if stored, call plans and bound launches), the same
+through Triton's launch path on every call (flashgen_triton_path: FLASHGEN_BOUND_LAUNCH=0) and with
+pointer loads instead of tensor descriptors (flashgen_no_tma), SDPA flash, cuDNN, FlexAttention
+compiled. Per provider: host_us (CPU time per call, no sync inside the loop, many calls; forward
+rows add grad_fwd_host_us, the forward with autograd recording) and gpu_ms (triton's do_bench
+median). Every provider's output is checked against SDPA's math before it is
 timed; each provider records its own error and the run goes on. Last: a torch.compile
 (fullgraph=True, inductor) forward + backward of a module calling flashgen.attention.
 
-    PYTHONPATH=. python3 benchmarks/bench_call_path.py   # on a GPU
-Writes benchmarks/results/<date>-<gpu>-call-path.json and .md.
+    PYTHONPATH=. python3 benchmarks/bench_call_path.py [--seqlens 128,512] [--providers flashgen,sdpa_flash]
+Writes benchmarks/results/<date>-<gpu>-call-path.json and .md (or under --out).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import re
@@ -27,7 +31,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
+from flashgen.api import spec_for  # noqa: E402
 from flashgen.bench import environment  # noqa: E402
+from flashgen.config import default_config  # noqa: E402
+from flashgen.runtime.launch import BoundLaunch  # noqa: E402
 
 ANCHOR = "sdpa_flash"
 HEADS, DIM = 16, 128
@@ -53,7 +60,24 @@ def providers():
             masks[key] = create_block_mask(lambda b, h, i, j: j <= i, q.shape[0], None, q.shape[2], q.shape[2])
         return flex(q, k, v, block_mask=masks[key])
 
+    def triton_path(q, k, v):  # flashgen with every call checked and launched through JITFunction.run
+        BoundLaunch.enabled = False
+        try:
+            return flashgen.attention(q, k, v, causal=True)
+        finally:
+            BoundLaunch.enabled = True
+
+    pointers = {}
+
+    def no_tma(q, k, v):  # flashgen's default config with pointer loads instead of tensor descriptors
+        key = q.shape[1:]
+        if key not in pointers:
+            spec = spec_for(q, k, v, causal=True, softmax_scale=None, layout="bhsd")
+            pointers[key] = default_config(spec).replace(tma=False, bwd_tma=False)
+        return flashgen.attention(q, k, v, causal=True, config=pointers[key])
+
     return {"flashgen": lambda q, k, v: flashgen.attention(q, k, v, causal=True),
+            "flashgen_triton_path": triton_path, "flashgen_no_tma": no_tma,
             "sdpa_flash": sdpa_with(SDPBackend.FLASH_ATTENTION), "cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION),
             "flex": flex_call}
 
@@ -88,6 +112,8 @@ def run_case(batch, seqlen, mode, fns):
                 def step():
                     with torch.no_grad():
                         attn(q, k, v)
+                # the forward of a training step: autograd records it (no backward here)
+                row[f"{name}_grad_fwd_host_us"] = round(host_us(lambda: attn(q, k, v)), 1)
             else:
                 def step():
                     torch.autograd.grad(attn(q, k, v), (q, k, v), do)
@@ -122,13 +148,76 @@ def compile_check():
         return {"ok": False, "error": "".join(traceback.format_exception_only(type(exc), exc)).strip()}
 
 
+class _AllocOnly(torch.autograd.Function):
+    """An autograd.Function that launches nothing: out/lse and dq/dk/dv allocated, as flashgen's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def diagnose(seqlen=128):
+    """Where a fwd+bwd step's host time goes at B=1, S=seqlen: host us per call (no sync) of the
+    autograd floor (a Python autograd.Function that only allocates), SDPA flash, flashgen, and
+    flashgen's forward and backward module calls alone on the main thread (no autograd)."""
+    q, k, v = (torch.randn(1, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    sdpa = providers()["sdpa_flash"]
+    module = flashgen.compile(spec_for(q, k, v, causal=True, softmax_scale=None, layout="bhsd")).module()
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out, lse = module.forward(qd, kd, vd)
+    rows = {
+        "autograd floor: allocating Function, fwd+bwd": lambda: torch.autograd.grad(_AllocOnly.apply(q, k, v)[0],
+                                                                                   (q, k, v), do),
+        "sdpa_flash fwd+bwd": lambda: torch.autograd.grad(sdpa(q, k, v), (q, k, v), do),
+        "flashgen fwd+bwd": lambda: torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do),
+        "flashgen module.forward alone": lambda: module.forward(qd, kd, vd),
+        "flashgen module.backward alone": lambda: module.backward(do, qd, kd, vd, out, lse),
+    }
+    result = {name: round(host_us(fn), 1) for name, fn in rows.items()}
+    # launches that took Triton's path (not bound) in 10 more flashgen fwd+bwd steps: expected 0
+    original, slow = BoundLaunch.launch, []
+    BoundLaunch.launch = lambda self, args: slow.append(self.kernel.__name__) or original(self, args)
+    try:
+        for _ in range(10):
+            rows["flashgen fwd+bwd"]()
+    finally:
+        BoundLaunch.launch = original
+    result["triton-path launches in 10 fwd+bwd steps"] = sorted(set(slow)) or 0
+    print(json.dumps({"diagnose": f"S={seqlen}", **result}), flush=True)
+    return result
+
+
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqlens", default=",".join(str(s) for _, s in CASES),
+                        help="comma-separated sequence lengths among the cases")
+    parser.add_argument("--providers", default="all", help="comma-separated providers, or all")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
+                        help="directory for the .json and .md results")
+    parser.add_argument("--diagnose", action="store_true", help="also time the host-time breakdown (diagnose())")
+    args = parser.parse_args()
     fns = providers()
-    rows = [run_case(b, s, mode, fns) for b, s in CASES for mode in ("forward", "fwd+bwd")]
+    if args.providers != "all":
+        fns = {name: fns[name] for name in args.providers.split(",")}
+    seqlens = {int(s) for s in args.seqlens.split(",")}
+    rows = [run_case(b, s, mode, fns) for b, s in CASES if s in seqlens for mode in ("forward", "fwd+bwd")]
     env = environment()
     result = {"environment": env, "anchor": ANCHOR, "rows": rows, "compile_check": compile_check()}
+    if args.diagnose:
+        result["diagnose"] = {seqlen: diagnose(seqlen) for seqlen in sorted(seqlens) if seqlen <= 512}
     gpu = re.sub(r"[^a-z0-9]+", "-", env.get("gpu", "gpu").lower()).strip("-")
-    out = Path(__file__).resolve().parent / "results" / f"{datetime.date.today()}-{gpu}-call-path"
+    out = Path(args.out) / f"{datetime.date.today()}-{gpu}-call-path"
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     names = list(fns)
     lines = ["| case | mode | " + " | ".join(f"{n} host us / gpu ms" for n in names) + f" | flashgen / {ANCHOR} |",
@@ -138,6 +227,8 @@ def main():
         lines.append(f"| {r['case']} | {r['mode']} | " + " | ".join(cells)
                      + f" | {r.get(f'flashgen_ratio_vs_{ANCHOR}', '-')} |")
     lines.append(f"\ncompile check (inductor, fullgraph): {json.dumps(result['compile_check'])}")
+    for seqlen, times in result.get("diagnose", {}).items():
+        lines.append(f"\nhost us per call at S={seqlen}: " + "; ".join(f"{n} {t}" for n, t in times.items()))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -1,14 +1,23 @@
-"""Host time of one ``flashgen.attention`` call on a machine with no GPU: everything a call
-does in Python before and around the launch (binding the call to a kernel, checks, allocations,
-Triton's binder), with launches compiled once by tests/sm90_compile.py's sm90 driver and then
-returning at once, as benchmarks/launch_overhead.py does. Issue 13 case: B=1, H=16, S=128,
-head dim 128, causal, bf16; forward, and forward + backward through autograd.
+"""Host time of flashgen's call paths on a machine with no GPU: everything a call does in Python
+before and around its launches (binding the call to a kernel, checks, allocations, autograd,
+Triton's launch path), with H100 default configs compiled for sm90 by tests/sm90_compile.py's driver and the
+compiled kernels' launchers replaced by a no-op (so Triton's own launch path runs in full up to
+the C launcher, which needs a GPU). Issue 13 case: B=1, H=16, S=128, head dim 128, causal, bf16.
 
-    PYTHONPATH=. python3 benchmarks/call_path_host.py
+Each case is timed with bound launches and call plans (the default) and without them
+(FLASHGEN_BOUND_LAUNCH=0: Triton's launch path and every check on every call), in one process.
+fwd+bwd takes torch.autograd.grad of q, k, v (as bench_call_path.py does): .backward() would add
+into their .grad, and the CPU's bf16 adds (3 x 262k elements) would dominate, while a model's
+q, k, v are activations that accumulate nothing.
+
+    PYTHONPATH=. python3 benchmarks/call_path_host.py [--repeat 5] [--calls 300] [--profile CASE]
 """
 
 from __future__ import annotations
 
+import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -20,38 +29,115 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 import sm90_compile  # noqa: E402
-import triton.runtime.jit as jit  # noqa: E402
+from triton.compiler.compiler import CompiledKernel  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
-
-def per_call_us(call, n=300):
-    call()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        call()
-    return (time.perf_counter() - t0) / n * 1e6
+B, H, S, D = 1, 16, 128, 128
 
 
-def main():
+def keep_freed_memory():
+    """Have glibc keep freed blocks instead of returning them to the OS: otherwise each step's
+    fresh 0.5 MB tensors are new pages, and the few CPU-side fills a step makes (dk.zero_() for
+    packed sequences, a memset on a GPU) cost page faults, not host work."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD (32 MiB: its largest value)
+
+
+def mock_launches():
+    """sm90 compiles on the CPU; a compiled kernel's launcher does nothing; default configs are the
+    H100's (tensor descriptors, warp specialization), as a user there gets them."""
     driver.set_active(sm90_compile.Sm90Driver())
-    jit.JITFunction.run = sm90_compile._compile_only(jit.JITFunction.run)
-    import flashgen
-    from flashgen.runtime import host
+    import flashgen.config
 
-    host.AttentionLauncher.interpreting = lambda self: True  # accept CPU tensors: nothing is launched
-    q, k, v = (torch.randn(1, 16, 128, 128, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    do = torch.randn(1, 16, 128, 128, dtype=torch.bfloat16)
+    flashgen.config.detect_target = lambda: "h100"
+
+    def init_handles(self):
+        if self.module is None:
+            self.module, self.function, self._run = "mock", 0, lambda *args: None
+
+    CompiledKernel._init_handles = init_handles
+
+
+def cases():
+    import flashgen
+    from flashgen.compat import flash_attn_func
+
+    q, k, v = (torch.randn(B, H, S, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    do = torch.randn(B, H, S, D, dtype=torch.bfloat16)
+    qs, ks, vs = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))  # bshd
+    packed = [t.detach().transpose(1, 2).reshape(B * S, H, D).requires_grad_() for t in (q, k, v)]  # thd
+    do_packed = do.transpose(1, 2).reshape(B * S, H, D)
+    cu = torch.tensor([0, S // 2, S], dtype=torch.int32)
 
     def forward():
         with torch.no_grad():
             flashgen.attention(q, k, v, causal=True)
 
-    def fwd_bwd():
-        flashgen.attention(q, k, v, causal=True).backward(do)
+    def forward_grad():
+        flashgen.attention(q, k, v, causal=True)
 
-    for name, call in (("forward", forward), ("fwd+bwd", fwd_bwd)):
-        print(f"flashgen.attention B=1 H=16 S=128 hd128 causal bf16, {name}: {per_call_us(call):.0f} us per call",
-              flush=True)
+    def fwd_bwd():
+        torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do)
+
+    def varlen_forward():
+        with torch.no_grad():
+            flashgen.attention_varlen(*packed, cu, cu, S // 2, S // 2, causal=True)
+
+    def varlen_fwd_bwd():
+        torch.autograd.grad(flashgen.attention_varlen(*packed, cu, cu, S // 2, S // 2, causal=True), packed, do_packed)
+
+    def compat_forward():
+        with torch.no_grad():
+            flash_attn_func(qs, ks, vs, causal=True)
+
+    return {"forward (no grad)": forward, "forward (grad)": forward_grad, "fwd+bwd": fwd_bwd,
+            "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward}
+
+
+def per_call_us(call, calls, repeat):
+    call()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+    return best
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--profile", help="cProfile this case (bound launches on) instead of timing")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # a CPU-side fill is a GPU memset there; no OpenMP barriers on a busy machine
+    keep_freed_memory()
+    mock_launches()
+    from flashgen.runtime import host
+    from flashgen.runtime.launch import BoundLaunch
+
+    host.AttentionLauncher.interpreting = lambda self: True  # accept CPU tensors: nothing is launched
+    table = cases()
+    if args.profile:
+        call = table[args.profile]
+        call()
+        profile = cProfile.Profile()
+        profile.runcall(lambda: [call() for _ in range(args.calls)])
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        return
+    print(f"flashgen host us per call, B={B} H={H} S={S} hd{D} causal bf16 (least of {args.repeat} x {args.calls})")
+    print("| case | bound launches | Triton's path (FLASHGEN_BOUND_LAUNCH=0) |\n|---|---|---|")
+    for name, call in table.items():
+        times = []
+        for enabled in (True, False):
+            BoundLaunch.enabled = enabled
+            times.append(per_call_us(call, args.calls, args.repeat))
+        BoundLaunch.enabled = True
+        print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

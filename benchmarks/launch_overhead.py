@@ -1,6 +1,7 @@
-"""Host time of one kernel call before the launch itself, on a machine with no GPU: Triton's
-binder (argument specialization), flashgen's checks, allocations and tensor descriptors. Uses
-tests/sm90_compile.py's sm90 driver, whose launches compile once and then return at once.
+"""Host time of one module call (forward, backward) on a machine with no GPU: flashgen's call
+plans and bound launches, and (FLASHGEN_BOUND_LAUNCH=0) Triton's binder with flashgen's checks,
+allocations and tensor descriptors on every call. Kernels compile for sm90 on the CPU and their
+launchers do nothing (benchmarks/call_path_host.py's mock).
 
     PYTHONPATH=. python3 benchmarks/launch_overhead.py
 """
@@ -17,16 +18,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-import sm90_compile  # noqa: E402
-import triton.runtime.jit as jit  # noqa: E402
-from triton.runtime import driver  # noqa: E402
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from call_path_host import keep_freed_memory, mock_launches  # noqa: E402
 
 
 def main():
-    driver.set_active(sm90_compile.Sm90Driver())
-    jit.JITFunction.run = sm90_compile._compile_only(jit.JITFunction.run)
+    keep_freed_memory()
+    mock_launches()
     import flashgen
     from flashgen import AttentionSpec, KernelConfig
+    from flashgen.runtime.launch import BoundLaunch
 
     cases = [("sliding window 256, pointer loads", dict(mask={"sliding_window": {"left": 256}}),
               KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
@@ -41,11 +43,17 @@ def main():
         out, lse = module.forward(q, q, q)
         for phase, call in (("forward", lambda: module.forward(q, q, q)),
                             ("backward", lambda: module.backward(q, q, q, q, out, lse))):
-            call()
-            n, t0 = 300, time.perf_counter()
-            for _ in range(n):
+            times = []
+            for enabled in (True, False):
+                BoundLaunch.enabled = enabled
                 call()
-            print(f"{name}, {phase}: {(time.perf_counter() - t0) / n * 1e6:.0f} us per call", flush=True)
+                n, t0 = 300, time.perf_counter()
+                for _ in range(n):
+                    call()
+                times.append((time.perf_counter() - t0) / n * 1e6)
+            BoundLaunch.enabled = True
+            print(f"{name}, {phase}: {times[0]:.0f} us per call (Triton's path and every check: {times[1]:.0f})",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ import torch
 from . import ops
 from .codegen import render
 from .config import KernelConfig, default_config
+from .runtime import host
 from .space import nearest_bucket
 from .spec import MAX_HEAD_DIM, AttentionSpec
 
 _TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-LAYOUTS = ("bhsd", "bshd")
 
 
 _UNUSED_SEEDS: dict[torch.device, torch.Tensor] = {}  # device -> the seed tensor passed when dropout is off
@@ -51,6 +51,7 @@ class AttentionKernel:
         self._ids: dict[KernelConfig, str] = {}
         self._id = self.kernel_id(self.config)
         self._bucket_ids = {b: self.kernel_id(c) for b, c in self.bucket_configs.items()}
+        self._names = tuple(spec.tensor_names)  # the named tensors a call passes, in kernel order
 
     def config_for(self, seqlen: int) -> KernelConfig:
         """The config a call at this sequence length uses."""
@@ -101,6 +102,7 @@ class AttentionKernel:
                                 named)
 
     def _kernel_id_for(self, config, seqlen):
+        """The kernel id of a call: its config's, the nearest bucket's, or the default's."""
         if config is not None:
             return self.kernel_id(config)
         if self._bucket_ids:
@@ -108,15 +110,11 @@ class AttentionKernel:
         return self._id
 
     def _tensor_list(self, tensors):
-        names = self.spec.tensor_names
-        unknown = sorted(set(tensors) - set(names))
-        if unknown:
-            raise TypeError(f"{unknown[0]}: unexpected keyword (this spec's tensors: {list(names) or 'none'})")
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise TypeError(f"{missing[0]}: this spec's mask or score_mod reads tensor {missing[0]!r}; "
-                            f"pass {missing[0]}=<tensor>")
-        return [tensors[n] for n in names]
+        """The named tensors of a call in the spec's order (the names checked by the host side)."""
+        if not tensors and not self._names:
+            return []
+        host.check_tensor_names(tensors, self._names)
+        return [tensors[n] for n in self._names]
 
     def _seed(self, dropout_p, device):
         p = self.spec.dropout_p if dropout_p is None else float(dropout_p)
@@ -131,8 +129,10 @@ class AttentionKernel:
         ``deterministic=True`` computes dQ with the separate, bitwise-repeatable kernel.
         Tensors the spec's mask or score_mod reads are passed by name (``document_ids=ids``);
         gradients flow into float ones that require grad."""
-        seq = 2 if layout == "bhsd" else 1
-        kernel_id = self._kernel_id_for(config, max(q.shape[seq], k.shape[seq]) if q.dim() == 4 else q.shape[0])
+        kernel_id = self._id
+        if config is not None or self._bucket_ids:
+            seq = 2 if layout == "bhsd" else 1
+            kernel_id = self._kernel_id_for(config, max(q.shape[seq], k.shape[seq]) if q.dim() == 4 else q.shape[0])
         p, seed = self._seed(dropout_p, q.device)
         out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout=layout, seed=seed,
                                        tensors=self._tensor_list(tensors), dropout_p=p, deterministic=deterministic)
@@ -169,15 +169,10 @@ def _compiled(spec: AttentionSpec, config: KernelConfig | None) -> AttentionKern
 
 def spec_for(q, k, v, *, causal: bool, softmax_scale: float | None, layout: str,
              dropout_p: float = 0.0, mask=None, score_mod=None) -> AttentionSpec:
-    """The spec that describes a call on these tensors; errors name the argument."""
-    if layout not in LAYOUTS + ("thd",):
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    ndim = 3 if layout == "thd" else 4
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != ndim:
-            raise ValueError(f"{name}: expected a {ndim}-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
+    """The spec that describes a call on these tensors; errors name the argument. The tensors and
+    layout are checked by the host side (host.check_tensors, the one owner of those checks);
+    here only what building the spec needs: a supported dtype, heads that divide, head dims."""
+    host.check_tensors(q, k, v, layout)
     if q.dtype not in _TORCH_DTYPES:
         raise ValueError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
     head_axis = {"bhsd": 1, "bshd": 2, "thd": 1}[layout]
@@ -320,6 +315,29 @@ def _bind(key, q, k, v, **fields) -> AttentionKernel:
     return kernel
 
 
+def _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config):
+    """(key, kernel) of an eager call by its raw arguments: one tuple and one dict lookup, the
+    whole per-call cost of binding once the key is known (kernel None: not bound yet, or no
+    raw key: under torch.compile, or arguments that are not plain values; key None then).
+    The raw keys live in _BOUND beside _call_key's (their dtype is a torch.dtype, not a name)."""
+    if torch.compiler.is_compiling():
+        return None, None
+    try:
+        head = 2 if layout == "bshd" else 1
+        key = (q.dtype, q.shape[-1], v.shape[-1], q.shape[head], k.shape[head], layout, causal, softmax_scale,
+               dropout_p, mask, score_mod, config)
+        return key, _BOUND.get(key)
+    except (AttributeError, IndexError, TypeError):  # not tensors, too few dims, an unhashable mask
+        return None, None
+
+
+def _remember(key, kernel):
+    """Bind an eager call's raw key, when all of it is plain values (a mask given as a function or
+    Mask object is built afresh per call, as it may differ)."""
+    if key is not None and all(isinstance(part, _PLAIN) for part in key[5:11]):
+        _BOUND[key] = kernel
+
+
 @torch.compiler.assume_constant_result
 def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p,
                     mask, score_mod) -> str:
@@ -369,11 +387,14 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     ``dropout_p`` drops attention probabilities (fused, Philox; the backward regenerates the same mask).
     Without ``config``, the stored tuned config for the spec is used when there is one.
     """
-    key = _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
-    if key is not None and config is None and torch.compiler.is_compiling():
-        return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors)
-    kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
-                   mask=mask, score_mod=score_mod, config=config)
+    eager_key, kernel = _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
+    if kernel is None:
+        key = _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
+        if key is not None and config is None and torch.compiler.is_compiling():
+            return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors)
+        kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
+                       mask=mask, score_mod=score_mod, config=config)
+        _remember(eager_key, kernel)
     return kernel(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic, **tensors)
 
 
@@ -386,11 +407,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     q: (total_q, heads, head_dim), k/v: (total_k, kv_heads, head_dim); cu_seqlens_q/k: int32
     (batch + 1) offsets. Causal alignment and masks apply within each sequence. Returns out
     (total_q, heads, head_dim_v) (and LSE (heads, total_q) with return_lse)."""
-    key = _call_key(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
-    if key is not None and config is None and torch.compiler.is_compiling():
-        return _compiled_call(key, q, k, v, "thd", return_lse, deterministic, tensors,
-                              (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-    kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
-                   mask=mask, score_mod=score_mod, config=config)
+    eager_key, kernel = _eager_binding(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
+    if kernel is None:
+        key = _call_key(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
+        if key is not None and config is None and torch.compiler.is_compiling():
+            return _compiled_call(key, q, k, v, "thd", return_lse, deterministic, tensors,
+                                  (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
+                       mask=mask, score_mod=score_mod, config=config)
+        _remember(eager_key, kernel)
     return kernel.varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=return_lse,
                          deterministic=deterministic, **tensors)

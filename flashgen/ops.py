@@ -81,21 +81,19 @@ def _varlen(cu_q, cu_k, max_q, max_k):
 
 
 def _named(module, tensors):
-    return dict(zip(module.TENSORS, tensors))
+    return dict(zip(module.TENSORS, tensors)) if tensors else None
 
 
-def _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, max_q, max_k):
-    module = kernel_module(kernel_id)
+def _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_q, cu_k, max_q, max_k):
     return module.forward(q, k, v, layout=layout, dropout_p=dropout_p, seed=seed, tensors=_named(module, tensors),
                           **_varlen(cu_q, cu_k, max_q, max_k))
 
 
-def _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dropout_p, deterministic, wanted,
+def _backward_grads(do, q, k, v, out, lse, seed, tensors, module, layout, dropout_p, deterministic, wanted,
                     cu_q, cu_k, max_q, max_k):
     """(dq, dk, dv, [d tensor in its dtype, or None where not wanted or not differentiable])."""
-    module = kernel_module(kernel_id)
     names = [n for n, t, w in zip(module.TENSORS, tensors, wanted)
-             if w and t.is_floating_point() and n in module.GRAD_TENSORS]
+             if w and t.is_floating_point() and n in module.GRAD_TENSORS] if tensors else ()
     dq, dk, dv, grads = module.backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
                                         deterministic=deterministic, tensors=_named(module, tensors),
                                         tensor_grads=names, **_varlen(cu_q, cu_k, max_q, max_k))
@@ -107,7 +105,7 @@ def _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dro
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, tensors: list[torch.Tensor],
              kernel_id: str, layout: str, dropout_p: float, deterministic: bool, cu_q: torch.Tensor | None,
              cu_k: torch.Tensor | None, max_q: int, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, max_q, max_k)
+    return _forward(q, k, v, seed, tensors, kernel_module(kernel_id), layout, dropout_p, cu_q, cu_k, max_q, max_k)
 
 
 @attn_fwd.register_fake
@@ -131,9 +129,10 @@ def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              cu_k: torch.Tensor | None, max_q: int, max_k: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """grad_mask: bit i set = differentiate tensors[i] (a float tensor the score_mod reads)."""
-    dq, dk, dv, grads = _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dropout_p,
-                                        deterministic, [bool(grad_mask >> i & 1) for i in range(len(tensors))],
-                                        cu_q, cu_k, max_q, max_k)
+    dq, dk, dv, grads = _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_module(kernel_id), layout,
+                                        dropout_p, deterministic,
+                                        [bool(grad_mask >> i & 1) for i in range(len(tensors))], cu_q, cu_k, max_q,
+                                        max_k)
     return dq, dk, dv, [t.new_empty(0) if g is None else g for g, t in zip(grads, tensors)]
 
 
@@ -170,14 +169,16 @@ class AttentionFunction(torch.autograd.Function):
     """The same forward and backward for eager calls, without the custom op's dispatch: that
     path flattens every argument through pytree and costs ~0.3 ms of CPU per training step,
     which dominates attention calls of under a millisecond (a sliding window, short documents).
-    Under torch.compile the custom ops above are used instead (apply_attention picks)."""
+    Under torch.compile the custom ops above are used instead (apply_attention picks). The
+    non-tensor arguments travel as one tuple (the module first): autograd.Function.apply pays per
+    argument."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seed, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q, max_k,
-                *tensors):
-        out, lse = _forward(q, k, v, seed, tensors, kernel_id, layout, dropout_p, cu_q, cu_k, max_q, max_k)
+    def forward(ctx, q, k, v, seed, cu_q, cu_k, call, *tensors):
+        module, layout, dropout_p, deterministic, max_q, max_k = call
+        out, lse = _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_q, cu_k, max_q, max_k)
         ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
-        ctx.args = (kernel_id, layout, dropout_p, deterministic, max_q, max_k)
+        ctx.call = call
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -185,20 +186,26 @@ class AttentionFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, seed, cu_q, cu_k, *tensors = ctx.saved_tensors
-        kernel_id, layout, dropout_p, deterministic, max_q, max_k = ctx.args
-        dq, dk, dv, tensor_grads = _backward_grads(dout, q, k, v, out, lse, seed, tensors, kernel_id, layout,
-                                                   dropout_p, deterministic, ctx.needs_input_grad[12:], cu_q, cu_k,
+        module, layout, dropout_p, deterministic, max_q, max_k = ctx.call
+        dq, dk, dv, tensor_grads = _backward_grads(dout, q, k, v, out, lse, seed, tensors, module, layout,
+                                                   dropout_p, deterministic, ctx.needs_input_grad[7:], cu_q, cu_k,
                                                    max_q, max_k)
-        return (dq, dk, dv, *([None] * 9), *tensor_grads)
+        return (dq, dk, dv, None, None, None, None, *tensor_grads)
 
 
 def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor, tensors=(), dropout_p: float = 0.0,
                     deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
                     max_seqlen_k: int = 0):
-    """(out, lse) of one differentiable call: the custom op while torch.compile traces, the
-    autograd.Function in eager mode. `tensors` are the spec's named tensors in its order."""
+    """(out, lse) of one differentiable call: the custom op while torch.compile traces; in eager
+    mode the autograd.Function when a gradient can flow (grad mode on and an input requires
+    grad), else the module's forward alone. `tensors` are the spec's named tensors in its order."""
     if torch.compiler.is_compiling():
         return attn_fwd(q, k, v, seed, list(tensors), kernel_id, layout, dropout_p, deterministic, cu_seqlens_q,
                         cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return AttentionFunction.apply(q, k, v, seed, kernel_id, layout, dropout_p, deterministic, cu_seqlens_q,
-                                   cu_seqlens_k, max_seqlen_q, max_seqlen_k, *tensors)
+    module = kernel_module(kernel_id)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (tensors and any(t.requires_grad for t in tensors))):
+        return AttentionFunction.apply(q, k, v, seed, cu_seqlens_q, cu_seqlens_k,
+                                       (module, layout, dropout_p, deterministic, max_seqlen_q, max_seqlen_k), *tensors)
+    return _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k)

@@ -17,7 +17,7 @@ def t(*shape, dtype=torch.float16):
 
 
 @pytest.mark.parametrize("q,k,v,layout,words", [
-    (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), "bsdh", "layout: expected one of"),
+    (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), "bsdh", "layout: expected 'bhsd', 'bshd' or 'thd'"),
     (t(2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16), "bhsd", "q: expected a 4-d tensor"),
     (t(1, 2, 8, 16), t(1, 2, 8, 16), [1, 2], "bhsd", "v: expected a torch.Tensor"),
     (t(1, 2, 8, 16, dtype=torch.int32), t(1, 2, 8, 16), t(1, 2, 8, 16), "bhsd", "q: expected dtype"),
@@ -125,3 +125,24 @@ def test_one_off_call_falls_back_silently_when_results_cannot_be_read(monkeypatc
     out = flashgen.attention(q, q, q, causal=True)
     assert out.shape == q.shape and not recwarn.list
     assert next(iter(api._BOUND.values())).config_source == "default"
+
+
+def test_a_bound_call_is_one_lookup_and_function_masks_are_not_kept(monkeypatch):
+    """After its first call, an eager call is found by its raw arguments (no _call_key, no spec);
+    masks given as functions are not kept as keys (each would be a new key)."""
+    from flashgen import api
+
+    monkeypatch.setattr(api, "_BOUND", {})
+    q = t(1, 2, 9, 16)
+    flashgen.attention(q, q, q, causal=True, mask={"sliding_window": {"left": 4}})  # a dict: no raw key
+    flashgen.attention(q, q, q, causal=True)
+    keys = []
+    original = api._call_key
+    monkeypatch.setattr(api, "_call_key", lambda *a: keys.append(1) or original(*a))
+    flashgen.attention(q, q, q, causal=True)
+    assert not keys
+    flashgen.attention(q, q, q, causal=True, mask={"sliding_window": {"left": 4}})
+    assert keys == [1]  # a pattern dict is frozen by _call_key, then found
+    before = len(api._BOUND)
+    flashgen.attention(q, q, q, mask=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+    assert len(api._BOUND) == before

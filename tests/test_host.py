@@ -190,14 +190,20 @@ def test_varlen_offsets_are_checked_unless_the_host_cannot_read_them(monkeypatch
     launcher = _launcher(SPEC, CONFIG)
     q, k = torch.empty(12, 4, 24, dtype=torch.float16), torch.empty(12, 2, 24, dtype=torch.float16)
     good, bad = torch.tensor([0, 5, 12], dtype=torch.int32), torch.tensor([0, 5, 40], dtype=torch.int32)
-    assert launcher.varlen_args(good, good, 7, 7, "thd", q, k, 0)[:5] == (2, 7, 7, 12, 12)
+    assert launcher.varlen_args(good, good, 7, 7, "thd", q, k, 0) == (2, 7, 7, 12, 12)
+    launcher.check_offsets(good, good, 12, 12, 7, 7)
     with pytest.raises(ValueError, match="cu_seqlens_k: expected offsets within the 12 tokens of k, got last offset 40"):
-        launcher.varlen_args(good, bad, 7, 35, "thd", q, k, 0)
+        launcher.check_offsets(good, bad, 12, 12, 7, 35)
+    # A planned call checks the offsets' values on every call, not only on its first.
+    kw = dict(layout="thd", cu_seqlens_q=good, max_seqlen_q=7, max_seqlen_k=35)
+    launcher.forward(q, k, k.new_empty(12, 2, 40), cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32), **kw)
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected offsets within the 12 tokens of k"):
+        launcher.forward(q, k, k.new_empty(12, 2, 40), cu_seqlens_k=bad, **kw)
     # Under torch.compile (or CUDA graph capture) the offsets are not read: the kernels clamp them.
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert launcher.varlen_args(good, bad, 7, 35, "thd", q, k, 0)[:5] == (2, 7, 35, 12, 12)
+    launcher.check_offsets(good, bad, 12, 12, 7, 35)
     dense = launcher.varlen_args(None, None, None, None, "bhsd", *_qkv()[:2], 2)
-    assert dense[:5] == (2, 37, 53, 0, 0)  # dense: the totals are not used (0: no extra specialization)
+    assert dense == (2, 37, 53, 0, 0)  # dense: the totals are not used (0: no extra specialization)
 
 
 # ---------------------------------------------------------------------------------------------- launches

@@ -21,7 +21,7 @@ import jinja2
 from .. import __version__
 from ..config import KernelConfig
 from ..expr.to_triton import triton_literal
-from ..runtime import decode, host
+from ..runtime import decode, host, launch
 from ..spec import AttentionSpec
 from .cache import cached_source_path, import_path
 from .plan import plan_for
@@ -39,20 +39,25 @@ def template_dir() -> Path:
     raise FileNotFoundError(f"flashgen templates not found next to {package}; the installation is incomplete")
 
 
-def host_source() -> str:
-    """The host module's source, as pasted into standalone modules."""
-    return Path(host.__file__).read_text()
-
-
-# The line of flashgen/runtime/decode.py that imports host.py's names: a standalone module has
-# pasted host.py just before, so it drops that line.
+# The lines of host.py that import launch.py's names and of decode.py that import host.py's: a
+# standalone module has pasted the imported file just before, so it drops them.
+LAUNCH_IMPORT_MARK = "# standalone: launch.py precedes"
 HOST_IMPORT_MARK = "# standalone: host.py precedes"
+
+
+def _pasted(path: str, mark: str) -> str:
+    lines = Path(path).read_text().splitlines(keepends=True)
+    return "".join(line for line in lines if mark not in line)
+
+
+def host_source() -> str:
+    """The host side's source, as pasted into standalone modules: launch.py, then host.py."""
+    return Path(launch.__file__).read_text() + "\n\n" + _pasted(host.__file__, LAUNCH_IMPORT_MARK)
 
 
 def decode_source() -> str:
     """The decode host module's source, as pasted into standalone modules (after host.py)."""
-    lines = Path(decode.__file__).read_text().splitlines(keepends=True)
-    return "".join(line for line in lines if HOST_IMPORT_MARK not in line)
+    return _pasted(decode.__file__, HOST_IMPORT_MARK)
 
 
 @lru_cache(maxsize=1)

@@ -11,12 +11,19 @@ with the kernels' (which all start with an underscore or are upper case).
 Layouts: q, k, v, out and dO are 'bhsd' (batch, heads, seq, dim), 'bshd' (batch, seq, heads,
 dim) or packed 'thd' (total tokens, heads, dim) with cu_seqlens offsets; every kernel takes
 (batch, head, seq, dim) strides, so any strides work and nothing is copied.
+
+Per call: forward() and backward() check a call and work out its launches once per metadata key
+(shapes, strides, dtypes, devices, pointer alignment, scalars; see plan_key) into a call plan
+(launch.py); a later call with the same key only allocates its outputs and launches, through
+bound launches that skip Triton's binder.
 """
 
 import os
 
 import torch
 import triton
+
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -26,6 +33,7 @@ except ImportError:
 LAYOUTS = ("bhsd", "bshd", "thd")
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
                 "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+SEQ_DIMS = {"bhsd": 2, "bshd": 1, "thd": 0}  # the sequence dim of q, k, v in each layout
 # The kernels read the spec's constants as tl.constexpr module globals; Triton keys its disk
 # cache by their values from 3.5 on (before, two specs with the same kernel text could share
 # one compiled binary).
@@ -44,43 +52,53 @@ def padded_head_dim(head_dim):
 
 def bhsd_strides(t, layout):
     """(batch, head, seq, dim) strides whatever the memory layout; packed 'thd' has no batch stride."""
-    s = t.stride()
+    return bhsd_order(t.stride(), layout)
+
+
+def bhsd_order(s, layout):
+    """Strides (or sizes) in layout order -> (batch, head, seq, dim) order ('thd': batch 0)."""
     if layout == "thd":
         return (0, s[1], s[0], s[2])
     return (s[0], s[1], s[2], s[3]) if layout == "bhsd" else (s[0], s[2], s[1], s[3])
 
 
+def contiguous_strides(shape):
+    """The strides torch.empty(shape) has."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def tma_strides_ok(strides, element_size):
+    """Whether the copy engine can walk these strides: 16-byte multiples, a contiguous last dim."""
+    return (TensorDescriptor is not None and strides[-1] == 1
+            and all(s > 0 and s * element_size % 16 == 0 for s in strides[:-1]))
+
+
 def tma_ready(t):
     """Whether the copy engine can read t: a 16-byte aligned base and strides, a contiguous last dim."""
-    if TensorDescriptor is None:
-        return False
-    size = t.element_size()
-    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
-            and all(s > 0 and s * size % 16 == 0 for s in t.stride()[:-1]))
+    return tma_strides_ok(t.stride(), t.element_size()) and t.data_ptr() % 16 == 0
 
 
 def tensor_descriptor(t, layout, rows, cols):
     """A (batch, heads, seq, dim) descriptor of t, one (1, 1, rows, cols) tile per load."""
-    b, h, s, d = bhsd_strides(t, layout)
-    shape = t.shape if layout == "bhsd" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
-    return TensorDescriptor(t, list(shape), [b, h, s, d], [1, 1, rows, cols])
+    return TensorDescriptor(t, list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout)), [1, 1, rows, cols])
 
 
 def transposed_descriptor(t, layout, rows, cols):
     """A (batch, heads, dim, seq) descriptor of a tensor stored seq-contiguous (FP8's V), one
     (1, 1, cols, rows) tile per load: the kernel reads a (rows, cols) tile transposed."""
-    b, h, s, d = bhsd_strides(t, layout)
-    shape = t.shape if layout == "bhsd" else (t.shape[0], t.shape[2], t.shape[1], t.shape[3])
-    return TensorDescriptor(t, [shape[0], shape[1], shape[3], shape[2]], [b, h, d, s], [1, 1, cols, rows])
+    b, h, s, d = bhsd_order(t.shape, layout)
+    sb, sh, ss, sd = bhsd_strides(t, layout)
+    return TensorDescriptor(t, [b, h, d, s], [sb, sh, sd, ss], [1, 1, cols, rows])
 
 
 def tma_ready_transposed(t, layout):
     """tma_ready for a tensor read through transposed_descriptor (its seq dim contiguous)."""
-    if TensorDescriptor is None:
-        return False
-    b, h, s, d = bhsd_strides(t, layout)
-    size = t.element_size()
-    return t.data_ptr() % 16 == 0 and s == 1 and all(x > 0 and x * size % 16 == 0 for x in (b, h, d))
+    sb, sh, ss, sd = bhsd_strides(t, layout)
+    return tma_strides_ok((sb, sh, sd, ss), t.element_size()) and t.data_ptr() % 16 == 0
 
 
 def seq_contiguous(t, seq_dim):
@@ -89,6 +107,32 @@ def seq_contiguous(t, seq_dim):
     if t.stride(seq_dim) == 1:
         return t
     return t.movedim(seq_dim, -1).contiguous().movedim(-1, seq_dim)
+
+
+class Descriptors:
+    """The tensor descriptors of some of a call's tensors, tiled by `blocks` ((rows, cols) each):
+    built and checked on the first call of a call plan, then copied onto each later call's
+    tensors. Those have the first call's shapes, strides, dtype and alignment (the plan's key
+    says so), so the checks TensorDescriptor makes when built hold for the copies and are not
+    made again: they cost more than the launch itself."""
+
+    def __init__(self, layout, blocks, makers=None):
+        self.layout, self.blocks = layout, blocks
+        self.makers = makers or [tensor_descriptor] * len(blocks)  # transposed_descriptor for FP8's V
+        self.templates = None  # [(class, fields without the base)] of the first call's descriptors
+
+    def __call__(self, *tensors):
+        if self.templates is None:
+            made = [make(t, self.layout, *block) for make, t, block in zip(self.makers, tensors, self.blocks)]
+            self.templates = [(type(d), {**d.__dict__, "base": None}) for d in made]
+            return made
+        made = []
+        for (cls, fields), t in zip(self.templates, tensors):
+            descriptor = object.__new__(cls)
+            descriptor.__dict__ = fields.copy()
+            descriptor.base = t
+            made.append(descriptor)
+        return made
 
 
 def index_lists(tile_classes):
@@ -129,6 +173,33 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
             i = int(lengths.argmax())
             raise ValueError(f"{max_name}: expected at least the longest sequence ({longest} tokens, "
                              f"{name}[{i + 1}] - {name}[{i}]), got {max_len}")
+
+
+def check_tensors(q, k, v, layout):
+    """q, k, v are tensors with data of the rank the layout has. The one place these are checked:
+    the launcher checks them against its spec next; flashgen.api calls this before it reads
+    the shapes that build a spec."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected 'bhsd', 'bshd' or 'thd' (varlen), got {layout!r}")
+    ndim = 3 if layout == "thd" else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device.type == "meta":
+            raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
+        if t.dim() != ndim:
+            raise ValueError(f"{name}: expected a {ndim}-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
+
+
+def check_tensor_names(tensors, names):
+    """The named tensors a call passes are exactly the spec's `names` (the one place this is
+    checked: the launcher and flashgen.api's call path both use it)."""
+    unknown = sorted(set(tensors) - set(names))
+    if unknown:
+        raise TypeError(f"{unknown[0]}: not a tensor of this spec (its tensors: {list(names) or 'none'})")
+    for name in names:
+        if name not in tensors:
+            raise TypeError(f"{name}: this spec's mask or score_mod reads tensor {name!r}; pass {name}=<tensor>")
 
 
 class AttentionLauncher:
@@ -175,6 +246,7 @@ class AttentionLauncher:
         self.dropout = spec["dropout_p"] > 0
         self.same_seqlen = same_seqlen
         self.unused = {}  # (dtype, device) -> a one-element tensor for arguments a call never reads
+        self.plans = {}  # call metadata -> ForwardPlan / BackwardPlan (see plan_key)
 
     def unused_arg(self, dtype, device):
         """A one-element tensor for a kernel argument this call never reads (the seed without
@@ -191,16 +263,8 @@ class AttentionLauncher:
     # ------------------------------------------------------------------ input checks
     def check_inputs(self, q, k, v, layout):
         """(seq dim, head dim) of the layout, after checking q, k, v against the spec."""
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout: expected 'bhsd', 'bshd' or 'thd' (varlen), got {layout!r}")
-        ndim = 3 if layout == "thd" else 4
+        check_tensors(q, k, v, layout)
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-            if t.device.type == "meta":
-                raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
-            if t.dim() != ndim:
-                raise ValueError(f"{name}: expected a {ndim}-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
             if t.dtype != self.dtype:
                 raise ValueError(f"{name}: expected dtype {self.dtype} (spec dtype {self.spec['dtype']}), got {t.dtype}")
             if t.device != q.device:
@@ -228,14 +292,10 @@ class AttentionLauncher:
         """The named tensors, each viewed with the rank the expressions index it with
         (missing leading dimensions broadcast: document ids (S,) serve every batch element)."""
         tensors = dict(tensors or {})
-        unknown = sorted(set(tensors) - set(self.tensor_names))
-        if unknown:
-            raise TypeError(f"{unknown[0]}: not a tensor of this spec (its tensors: {self.tensor_names or 'none'})")
+        check_tensor_names(tensors, self.tensor_names)
         out = {}
         for name, rank in self.tensor_ranks.items():
-            t = tensors.get(name)
-            if t is None:
-                raise TypeError(f"{name}: this spec's mask or score_mod reads tensor {name!r}; pass {name}=<tensor>")
+            t = tensors[name]
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
             if t.device.type == "meta":
@@ -247,8 +307,16 @@ class AttentionLauncher:
             if t.dim() > rank or t.numel() == 0:
                 raise ValueError(f"{name}: expected a non-empty tensor of at most {rank} dimensions (indexed with "
                                  f"{rank}), got shape {tuple(t.shape)}")
-            out[name] = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
-        return out
+            out[name] = t
+        return self.tensor_views(out)
+
+    def tensor_views(self, tensors):
+        """The named tensors viewed with the rank the expressions index them with."""
+        views = {}
+        for name, rank in self.tensor_ranks.items():
+            t = tensors[name]
+            views[name] = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
+        return views
 
     def tensor_args(self, tensors):
         """The kernels' arguments for the named tensors: each tensor, its strides, its shape."""
@@ -285,14 +353,26 @@ class AttentionLauncher:
             raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
         return seed
 
+    def plan_seed(self, seed, dropout_p, device):
+        """The seed argument a call plan passes on every call: the unused one without dropout; None
+        with dropout (each call's own seed, whose metadata is checked here)."""
+        checked = self.seed_arg(seed, dropout_p, device)
+        return None if dropout_p else checked
+
+    def check_offsets(self, cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
+        """Check packed-sequence offsets (every call: their values differ per call) unless the host
+        may not read the device now; the kernels clamp them into range anyway (_seq_bounds)."""
+        if not device_sync_forbidden(cu_seqlens_q.device):
+            check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+
     def varlen_args(self, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim):
-        """(batch, seqlen_q, seqlen_k, total_q, total_k, cu_q, cu_k): the packed sequences' bounds
-        (totals: the tokens of q and k, which the kernels clamp offsets into), or the dense shape."""
+        """(batch, seqlen_q, seqlen_k, total_q, total_k): the packed sequences' bounds (totals: the
+        tokens of q and k, which the kernels clamp offsets into), or the dense shape. The offsets'
+        values are checked by the call plan, on every call."""
         if layout != "thd":
             if cu_seqlens_q is not None or cu_seqlens_k is not None:
                 raise ValueError("cu_seqlens_q: packed sequences need layout 'thd' (total_tokens, heads, head_dim)")
-            dummy = self.unused_arg(torch.int32, q.device)  # never read
-            return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], 0, 0, dummy, dummy
+            return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], 0, 0
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype != torch.int32:
                 raise ValueError(f"{name}: expected a 1-d int32 tensor of batch + 1 offsets, got "
@@ -308,11 +388,7 @@ class AttentionLauncher:
         if self.block_map_kernel is not None or self.same_seqlen:
             raise ValueError("layout: packed sequences ('thd') are not supported with this mask "
                              "(block maps and document masks are per dense batch); use a dense batch")
-        total_q, total_k = q.shape[0], k.shape[0]
-        if not device_sync_forbidden(q.device):  # else the kernels clamp the offsets into range (_seq_bounds)
-            check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
-        return (cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, total_q, total_k, cu_seqlens_q.contiguous(),
-                cu_seqlens_k.contiguous())
+        return cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0]
 
     # ------------------------------------------------------------------ block map (custom masks)
     def block_map(self, batch, seqlen_q, seqlen_k, block_m, block_n, device, tensors=None):
@@ -341,10 +417,48 @@ class AttentionLauncher:
         return [counts, lists, counts.stride(0), counts.stride(1), counts.stride(2),
                 lists.stride(0), lists.stride(1), lists.stride(2), lists.stride(3)]
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ call plans
+    # A call's checks and launch arguments depend only on its tensors' metadata (shapes, strides,
+    # dtypes, devices, pointer alignment) and its scalar arguments, never on tensor contents
+    # (bar packed-sequence offsets, checked on every call). The first call of a metadata key
+    # checks everything and makes a plan; later calls of that key run the plan: allocate the
+    # outputs and launch through bound launches (launch.py), with nothing checked again.
+    MAX_PLANS = 512  # plans kept per module (a packed-sequence loop makes one per length); then forgotten
+
+    def plan_key(self, scalars, call_tensors, tensors, knobs):
+        """The key of a call's plan: its scalars and every tensor's metadata. None (a plan made
+        afresh for that call alone) when bound launches are off, when the mask's block map reads
+        tensors (it differs per call), or when an argument is not a tensor (the checks name it)."""
+        if not BoundLaunch.enabled or (self.block_map_kernel is not None and self.tensor_names):
+            return None
+        try:
+            return (scalars, *map(tensor_key, call_tensors),
+                    tuple((name, tensor_key(t)) for name, t in tensors.items()) if tensors else None,
+                    tuple(knobs.items()) if knobs else None,
+                    call_tensors[0].is_cpu and self.interpreting())
+        except AttributeError:
+            return None
+
+    def cached_plan(self, key):
+        try:
+            return self.plans.get(key)
+        except TypeError:  # an unhashable knob value: planned afresh each call
+            return None
+
+    def remember(self, key, plan):
+        if key is None:
+            return
+        if len(self.plans) >= self.MAX_PLANS:
+            self.plans.clear()
+        try:
+            self.plans[key] = plan
+        except TypeError:
+            pass
+
+    # ------------------------------------------------------------------ FP8
     def descale_args(self, descales, batch, device):
         """FP8: the q, k, v descale tensors as contiguous float32 (batch, kv_heads) tensors (1 where
-        None) and their strides; each given one must broadcast to (batch, kv_heads)."""
+        None) and their two strides; each given one must broadcast to (batch, kv_heads)."""
         shape = (batch, self.num_kv_heads)
         out = []
         for name, d in descales:
@@ -364,8 +478,27 @@ class AttentionLauncher:
                                      f"got {tuple(d.shape)}") from None
                 d = d.to(torch.float32).contiguous()
             out.append(d)
-        return [*out, shape[1], 1]
+        return (*out, shape[1], 1)
 
+    def fp8_inputs(self, q, k, v, layout, cu_seqlens_q, descales):
+        """FP8 calls: V seq-contiguous (the operand layout of the FP8 MMA; a copy when it is not) and
+        the descale arguments. Other specs: refuse descales."""
+        if not self.fp8:
+            for name, d in descales:
+                if d is not None:
+                    raise ValueError(f"{name}: descale factors are for FP8 specs; this spec's dtype is "
+                                     f"{self.spec['dtype']}")
+            return v, ()
+        self.check_inputs(q, k, v, layout)
+        if layout == "thd":
+            if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
+                raise ValueError("cu_seqlens_q: expected a 1-d int32 tensor of batch + 1 offsets")
+            batch = cu_seqlens_q.numel() - 1
+        else:
+            batch = q.shape[0]
+        return seq_contiguous(v, SEQ_DIMS[layout]), self.descale_args(descales, batch, q.device)
+
+    # ------------------------------------------------------------------ forward
     def forward(self, q, k, v, *, layout="bhsd", out=None, lse=None, softmax_scale=None, dropout_p=0.0, seed=None,
                 tensors=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                 q_descale=None, k_descale=None, v_descale=None, **knobs):
@@ -373,13 +506,27 @@ class AttentionLauncher:
         (total_q, H, D) for 'thd' with cu_seqlens_q/k and max_seqlen_q/k; k, v likewise with the KV
         heads. Returns (out, lse): out in q's layout with head dim head_dim_v, lse (B, H, Sq) float32
         (natural log; (H, total_q) for 'thd'). ``tensors`` maps the names in TENSORS to tensors.
-        FP8 specs: q, k, v in the spec's FP8 dtype, q/k/v_descale float32 (batch, kv_heads) factors
-        (None: 1; the values are q_fp8 * q_descale ...), out in bfloat16.
         Knobs override CONFIG. With dropout_p > 0, seed is a one-element int64 tensor; pass the same
-        one to backward()."""
+        one to backward(). FP8 specs: q, k, v in the spec's FP8 dtype; q/k/v_descale float32 factors
+        broadcastable to (batch, kv_heads) (None: 1): the values are q * q_descale, ...; out is bf16."""
+        v, fp8_args = self.fp8_inputs(q, k, v, layout, cu_seqlens_q, (("q_descale", q_descale),
+                                                                      ("k_descale", k_descale),
+                                                                      ("v_descale", v_descale)))
+        key = self.plan_key(("fwd", layout, softmax_scale, dropout_p, max_seqlen_q, max_seqlen_k),
+                            (q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, *fp8_args[:3]), tensors, knobs)
+        plan = self.cached_plan(key)
+        if plan is None:
+            plan = self.forward_plan(q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
+                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs)
+            self.remember(key, plan)
+        return plan(q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args)
+
+    def forward_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs):
+        """Check a forward call and work out its launch: a ForwardPlan."""
         seq_dim, _ = self.check_inputs(q, k, v, layout)
         cfg = self.knobs(knobs)
-        batch, seqlen_q, seqlen_k, total_q, total_k, cu_q, cu_k = self.varlen_args(
+        batch, seqlen_q, seqlen_k, total_q, total_k = self.varlen_args(
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim)
         if self.same_seqlen and seqlen_q != seqlen_k:
             raise ValueError(f"k: a document mask needs seqlen_k == seqlen_q ({seqlen_q}), got {seqlen_k}")
@@ -389,159 +536,144 @@ class AttentionLauncher:
         o_shape = {"bhsd": (batch, num_heads, seqlen_q, dv), "bshd": (batch, seqlen_q, num_heads, dv),
                    "thd": (q.shape[0], num_heads, dv)}[layout]
         lse_shape = (num_heads, q.shape[0]) if layout == "thd" else (batch, num_heads, seqlen_q)
-        if out is None:
-            out = torch.empty(o_shape, dtype=self.out_dtype, device=q.device)
-        elif tuple(out.shape) != o_shape or out.dtype != self.out_dtype:
+        if out is not None and (tuple(out.shape) != o_shape or out.dtype != self.out_dtype):
             raise ValueError(f"out: expected shape {o_shape} and dtype {self.out_dtype}, got {tuple(out.shape)} "
                              f"{out.dtype}")
-        descales = (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale))
-        if not self.fp8 and any(d is not None for _, d in descales):
-            name = next(n for n, d in descales if d is not None)
-            raise ValueError(f"{name}: descale factors are for FP8 specs; this spec's dtype is {self.spec['dtype']}")
-        if lse is None:
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        elif tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous():
+        if lse is not None and (tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous()):
             raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape}")
-        seed = self.seed_arg(seed, dropout_p, q.device)
+        plan = ForwardPlan(self, layout, q, o_shape, lse_shape, seed=self.plan_seed(seed, dropout_p, q.device),
+                           offsets=(total_q, total_k, max_seqlen_q, max_seqlen_k) if layout == "thd" else None)
         if batch * num_heads * seqlen_q == 0:
-            return out, lse
+            return plan
         if layout == "thd" and seqlen_k == 0:
-            out.zero_(), lse.fill_(float("-inf"))
-            return out, lse
+            plan.zero_fill = True
+            return plan
         scale = self.spec["softmax_scale"] if softmax_scale is None else softmax_scale
         launch = self.launch_knobs(cfg, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
         lse_strides = (0, q.shape[0]) if layout == "thd" else (num_heads * seqlen_q, seqlen_q)
+        o_strides = contiguous_strides(o_shape) if out is None else out.stride()
+        strides = (*bhsd_strides(q, layout), *bhsd_strides(k, layout), *bhsd_strides(v, layout),
+                   *bhsd_order(o_strides, layout), *lse_strides)
         qk_scale = scale * self.RCP_LN2  # exp(x * scale) = exp2(x * qk_scale)
-        extra = self.tensor_args(named)
+        plan.head = (*strides, num_heads, seqlen_q, seqlen_k, scale, qk_scale, float(dropout_p))
+        maps = []
         if self.block_map_kernel is not None:
             rows_cnt, rows_idx, cols_cnt, cols_idx = self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M"],
                                                                     cfg["BLOCK_N"], q.device, named)
             if cfg["loop_order"] == "q_outer":
-                extra += self.map_args(rows_cnt, rows_idx, batch)
+                maps = self.map_args(rows_cnt, rows_idx, batch)
             else:
-                extra += self.map_args(cols_cnt, cols_idx, batch)
-        tail = (total_q, total_k)
-        if self.fp8:
-            v = seq_contiguous(v, seq_dim)
-            tail += tuple(self.descale_args(descales, batch, q.device))
-        strides = (*bhsd_strides(q, layout), *bhsd_strides(k, layout), *bhsd_strides(v, layout),
-                   *bhsd_strides(out, layout), *lse_strides)
-        args = (*strides, num_heads, seqlen_q, seqlen_k, scale, qk_scale, float(dropout_p), *extra, *tail)
+                maps = self.map_args(cols_cnt, cols_idx, batch)
+        plan.tail = (*maps, total_q, total_k)
+        flags = dict(VARLEN=layout == "thd", DROPOUT=bool(dropout_p))
         if cfg["loop_order"] == "q_outer":
             grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
+            out_size = torch.empty((), dtype=self.out_dtype).element_size()
+            out_ready = tma_ready(out) if out is not None else tma_strides_ok(o_strides, out_size)
             v_ready = tma_ready_transposed(v, layout) if self.fp8 else tma_ready(v)
-            tma = cfg["tma"] and layout != "thd" and v_ready and all(tma_ready(t) for t in (q, k, out))
-            tiles = (q, k, v, out)
+            tma = cfg["tma"] and layout != "thd" and tma_ready(q) and tma_ready(k) and v_ready and out_ready
             if tma:
-                blocks = ((launch["BLOCK_M"], self.block_d), (launch["BLOCK_N"], self.block_d),
-                          (launch["BLOCK_N"], self.block_dv), (launch["BLOCK_M"], self.block_dv))
-                descriptor = [tensor_descriptor] * 4
-                if self.fp8:
-                    descriptor[2] = transposed_descriptor  # V seq-contiguous
-                tiles = tuple(make(t, layout, *block) for make, t, block in zip(descriptor, tiles, blocks))
-            self.forward_kernel[grid](q, k, v, out, lse, seed, cu_q, cu_k, *tiles, *args, VARLEN=layout == "thd",
-                                      DROPOUT=bool(dropout_p), TMA=tma, WARP_SPECIALIZE=cfg["warp_specialize"],
-                                      **launch)
+                v_descriptor = transposed_descriptor if self.fp8 else tensor_descriptor  # FP8: V seq-contiguous
+                plan.descriptors = Descriptors(layout, ((launch["BLOCK_M"], self.block_d),
+                                                        (launch["BLOCK_N"], self.block_d),
+                                                        (launch["BLOCK_N"], self.block_dv),
+                                                        (launch["BLOCK_M"], self.block_dv)),
+                                               [tensor_descriptor, tensor_descriptor, v_descriptor, tensor_descriptor])
+            plan.launch = BoundLaunch(self.forward_kernel, grid, dict(
+                flags, TMA=tma, WARP_SPECIALIZE=cfg["warp_specialize"], **launch))
         else:
             rows = q.shape[0] if layout == "thd" else batch * seqlen_q
-            acc = torch.zeros((num_heads * rows, self.block_dv), dtype=torch.float32, device=q.device)
-            m = torch.full((num_heads * rows,), float("-inf"), dtype=torch.float32, device=q.device)
-            l = torch.zeros((num_heads * rows,), dtype=torch.float32, device=q.device)  # noqa: E741
-            grid = (num_heads, batch)
-            self.forward_kernel[grid](q, k, v, out, lse, seed, cu_q, cu_k, acc, m, l, *args, VARLEN=layout == "thd",
-                                      DROPOUT=bool(dropout_p), **launch)
-        return out, lse
+            plan.buffers = (num_heads * rows, self.block_dv)
+            plan.launch = BoundLaunch(self.forward_kernel, (num_heads, batch), dict(flags, **launch))
+        return plan
 
     # ------------------------------------------------------------------ backward
     def backward(self, do, q, k, v, out, lse, *, layout="bhsd", softmax_scale=None, dropout_p=0.0, seed=None,
                  deterministic=False, tensors=None, tensor_grads=(), cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, **knobs):
-        """Gradients (dq, dk, dv, {name: d tensor}) of forward() given dO, in the inputs' layout.
+        """Gradients (dq, dk, dv, {name: d tensor}) of forward() given dO, in the inputs' layout
+        (not for FP8 specs: they are forward-only).
 
         tensor_grads names the GRAD_TENSORS to differentiate (float32 results, in each tensor's shape).
-        FP8 specs have no backward (inference only).
         dq_strategy 'separate' (or deterministic=True) runs a Q-outer dQ kernel; 'atomic' adds
         dQ from the dK/dV kernel into a float32 buffer (one pass fewer, not bitwise repeatable)."""
         if self.fp8:
             raise ValueError(f"dtype: FP8 attention ({self.spec['dtype']}) is forward-only; gradients need "
                              "fp16 or bf16 inputs")
+        key = self.plan_key(("bwd", layout, softmax_scale, dropout_p, bool(deterministic), tuple(tensor_grads),
+                             max_seqlen_q, max_seqlen_k),
+                            (q, k, v, do, out, lse, seed, cu_seqlens_q, cu_seqlens_k), tensors, knobs)
+        plan = self.cached_plan(key)
+        if plan is None:
+            plan = self.backward_plan(do, q, k, v, out, lse, layout, softmax_scale, dropout_p, seed, deterministic,
+                                      tensors, tensor_grads, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      knobs)
+            self.remember(key, plan)
+        return plan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k)
+
+    def backward_plan(self, do, q, k, v, out, lse, layout, softmax_scale, dropout_p, seed, deterministic, tensors,
+                      tensor_grads, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs):
+        """Check a backward call and work out its launches: a BackwardPlan."""
         seq_dim, _ = self.check_inputs(q, k, v, layout)
         if do.shape != out.shape or do.dtype != out.dtype or do.device != out.device:
             raise ValueError(f"do: expected shape {tuple(out.shape)} and dtype {out.dtype} (those of out), "
                              f"got {tuple(do.shape)} {do.dtype}")
         cfg = self.knobs(knobs)
-        batch, seqlen_q, seqlen_k, total_q, total_k, cu_q, cu_k = self.varlen_args(
+        batch, seqlen_q, seqlen_k, total_q, total_k = self.varlen_args(
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim)
         named = self.named_tensors(tensors, q.device)
         for name in tensor_grads:
             if name not in self.grad_tensors:
                 raise ValueError(f"tensor_grads: {name!r} is not a float tensor read by the score_mod "
                                  f"({self.grad_tensors})")
-        grads = {name: torch.zeros(named[name].shape, dtype=torch.float32, device=q.device) for name in tensor_grads}
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        seed = self.seed_arg(seed, dropout_p, q.device)
-
-        def result():
-            shaped = {name: g.reshape(tensors[name].shape) for name, g in grads.items()}
-            return dq, dk, dv, shaped
-
+        plan = BackwardPlan(self, layout, q, k, v, lse, seed=self.plan_seed(seed, dropout_p, q.device),
+                            offsets=(total_q, total_k, max_seqlen_q, max_seqlen_k) if layout == "thd" else None,
+                            grads={name: named[name].shape for name in tensor_grads})
         if batch * num_heads * seqlen_q == 0 or seqlen_k == 0:
-            dq.zero_(), dk.zero_(), dv.zero_()
-            return result()
-        if layout == "thd":
-            dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
+            return plan
         scale = self.spec["softmax_scale"] if softmax_scale is None else softmax_scale
         qk_scale = scale * self.RCP_LN2
-        delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
         pre = self.launch_knobs(cfg, "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
         pre_batch, pre_seq = (1, q.shape[0]) if layout == "thd" else (batch, seqlen_q)
-        self.preprocess_kernel[(triton.cdiv(pre_seq, pre["BLOCK_M"]), num_heads, pre_batch)](
-            out, do, delta, *bhsd_strides(out, layout), *bhsd_strides(do, layout), num_heads, pre_seq,
-            BLOCK_M=pre["BLOCK_M"])
-        atomic = cfg["dq_strategy"] == "atomic" and not deterministic
-        # dQ target: the float32 accumulation buffer (atomic) or dq itself (written once).
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if atomic else None
-        dq_strides = bhsd_strides(dq_acc if atomic else dq, layout)
+        plan.preprocess = BoundLaunch(self.preprocess_kernel, (triton.cdiv(pre_seq, pre["BLOCK_M"]), num_heads,
+                                                               pre_batch), dict(BLOCK_M=pre["BLOCK_M"]))
+        plan.preprocess_args = (*bhsd_strides(out, layout), *bhsd_strides(do, layout), num_heads, pre_seq)
+        plan.atomic = atomic = cfg["dq_strategy"] == "atomic" and not deterministic
+        # dQ target: the float32 accumulation buffer (atomic) or dq itself (written once); dq,
+        # dk, dv and the buffer are allocated contiguous.
+        dq_strides, dk_strides, dv_strides = (bhsd_order(contiguous_strides(t.shape), layout) for t in (q, k, v))
         qkv_strides = (*bhsd_strides(q, layout), *bhsd_strides(k, layout), *bhsd_strides(v, layout),
                        *bhsd_strides(do, layout))
         lse_strides = (0, q.shape[0]) if layout == "thd" else (num_heads * seqlen_q, seqlen_q)
         sizes = (num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p))
-        extra = self.tensor_args(named)
-        grad_args = [grads.get(name, named[name]) for name in self.grad_tensors]
         launch = self.launch_knobs(cfg, "BLOCK_M1", "BLOCK_N1", "bwd_num_warps", "bwd_num_stages")
         maps = []
         if self.block_map_kernel is not None:
             maps = self.map_args(*self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M1"], cfg["BLOCK_N1"], q.device,
                                                  named)[2:], batch)
         tma = cfg["bwd_tma"] and layout != "thd" and all(tma_ready(t) for t in (q, k, v, do))
-        rows = (q, do)
         if tma:
-            rows = (tensor_descriptor(q, layout, launch["BLOCK_M"], self.block_d),
-                    tensor_descriptor(do, layout, launch["BLOCK_M"], self.block_dv))
-        self.dkdv_kernel[(triton.cdiv(seqlen_k, cfg["BLOCK_N1"]), num_kv_heads, batch)](
-            q, k, v, do, lse, delta, dk, dv, dq_acc if atomic else dq, seed, cu_q, cu_k, *rows, *qkv_strides,
-            *bhsd_strides(dk, layout), *bhsd_strides(dv, layout), *dq_strides, *lse_strides, *sizes, *extra,
-            *grad_args, *maps, total_q, total_k, VARLEN=layout == "thd", ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p),
-            TENSOR_GRADS=bool(grads), TMA=tma, **launch)
-        if atomic:
-            dq.copy_(dq_acc)
-        else:
+            plan.rows = Descriptors(layout, ((launch["BLOCK_M"], self.block_d), (launch["BLOCK_M"], self.block_dv)))
+        dkdv_grid = (triton.cdiv(seqlen_k, cfg["BLOCK_N1"]), num_kv_heads, batch)
+        plan.dkdv = BoundLaunch(self.dkdv_kernel, dkdv_grid, dict(
+            VARLEN=layout == "thd", ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p), TENSOR_GRADS=bool(tensor_grads),
+            TMA=tma, **launch))
+        plan.dkdv_head = (*qkv_strides, *dk_strides, *dv_strides, *dq_strides, *lse_strides, *sizes)
+        plan.dkdv_tail = (*maps, total_q, total_k)
+        if not atomic:
             launch = self.launch_knobs(cfg, "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
             if self.block_map_kernel is not None:
                 maps = self.map_args(*self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M2"], cfg["BLOCK_N2"],
                                                      q.device, named)[:2], batch)
-            tiles = (k, v)
             if tma:
-                tiles = (tensor_descriptor(k, layout, launch["BLOCK_N"], self.block_d),
-                         tensor_descriptor(v, layout, launch["BLOCK_N"], self.block_dv))
-            self.dq_kernel[(triton.cdiv(seqlen_q, cfg["BLOCK_M2"]), num_heads, batch)](
-                q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *qkv_strides, *dq_strides, *lse_strides,
-                *sizes, *extra, *maps, total_q, total_k, VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TMA=tma,
-                **launch)
-        return result()
+                plan.tiles = Descriptors(layout, ((launch["BLOCK_N"], self.block_d),
+                                                  (launch["BLOCK_N"], self.block_dv)))
+            plan.dq = BoundLaunch(self.dq_kernel, (triton.cdiv(seqlen_q, cfg["BLOCK_M2"]), num_heads, batch), dict(
+                VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TMA=tma, **launch))
+            plan.dq_head = (*qkv_strides, *dq_strides, *lse_strides, *sizes)
+            plan.dq_tail = (*maps, total_q, total_k)
+        return plan
 
     # ------------------------------------------------------------------ dropout (tests)
     def dropout_keep_mask(self, batch, seqlen_q, seqlen_k, seed, dropout_p):

@@ -1,0 +1,261 @@
+"""Bound kernel launches: Triton's launch path once per specialization, then its launcher directly.
+
+``kernel[grid](*args, **constexprs)`` runs Triton's JITFunction.run on every call: the binder
+specializes each argument (38 calls of native_specialize_impl for the forward kernel), the cache
+key is computed and looked up, the launch metadata is built, and only then does the compiled
+kernel's launcher run. For a small attention call that is most of the host time, and on a slow
+host it is longer than the kernel itself. A ``BoundLaunch`` stands for one kernel launched with
+one grid and one set of constexprs and launch options: its first call takes Triton's path and
+keeps the compiled kernel it returns; every later call hands the arguments straight to that
+kernel's launcher, ``CompiledKernel.run(grid0, grid1, grid2, stream, function, packed_metadata,
+launch_metadata, enter_hook, exit_hook, *args)``, exactly as JITFunction.run ends (triton 3.5 to
+3.9).
+
+The caller's promise: every call of one BoundLaunch passes arguments that Triton specializes the
+way it specialized the first call's (tensor dtypes and 16-byte alignment of their pointers;
+integers equal to 1, divisible by 16, or past 32 bits; tensor descriptors' dtype and block
+shape). The simplest way to keep it is to key BoundLaunch objects by everything those depend on:
+host.py keys them by the shapes, strides, dtypes, devices and pointer alignment of every tensor of
+a call and its scalar arguments, so each integer argument is the same on every call of one key.
+``FLASHGEN_VERIFY_LAUNCH=1`` checks the promise: every direct launch re-runs Triton's binder and
+raises if the specialization or the argument list differs from the first call's (for tests).
+
+The normal path is taken instead (and is always correct) when bound launches are off
+(``FLASHGEN_BOUND_LAUNCH=0`` or ``BoundLaunch.enabled = False``), when a Triton launch hook is
+installed (the hooks read metadata only Triton's path builds), when the kernel is not a compiled
+JITFunction (the CPU interpreter, test doubles), and when the current device is not the one the
+kernel was bound on.
+
+Below BoundLaunch: the call plans host.py makes (CallPlan, ForwardPlan, BackwardPlan): what one
+call of a metadata key allocates and launches, checked and worked out once by its first call.
+
+Using BoundLaunch elsewhere (the decode launcher, say): build one per (kernel, grid, constexprs)
+and keep it in a dict keyed by what decides the arguments' specialization, e.g.
+
+    launch = plans.get(key)  # key: shapes, strides, dtypes, alignments, scalars of the call
+    if launch is None:
+        launch = plans[key] = BoundLaunch(_kernel, grid, dict(BLOCK=64, num_warps=4))
+    launch(x, y, n, stride)  # the non-constexpr parameters, in signature order
+
+This file imports nothing from flashgen: `flashgen generate` pastes it, then host.py, verbatim
+into standalone modules, so its top-level names must not clash with the kernels' (which start
+with an underscore or are upper case) or host.py's.
+"""
+
+import os
+
+import torch
+import triton
+
+triton_knobs = triton.knobs  # knobs.runtime holds the launch hooks
+triton_driver = triton.runtime.driver  # .active: the driver in use (tests may swap it)
+
+
+def env_flag(name, default):
+    """An on/off environment variable: unset -> default, '' or '0' -> off, anything else -> on."""
+    value = os.environ.get(name)
+    return default if value is None else value not in ("", "0")
+
+
+def launch_hooks_set():
+    """Whether knobs.runtime.launch_enter_hook or launch_exit_hook has a hook installed: a
+    HookChain with hooks in its .calls (triton >= 3.5), or a function where a plain one is set."""
+    runtime = triton_knobs.runtime
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(exit_, "calls", exit_))
+
+
+class BoundLaunch:
+    """``kernel[grid](*args, **constexprs)``, bound to Triton's compiled kernel after its first call.
+
+    kernel: a @triton.jit function (anything launched as kernel[grid](...) works, on the normal
+    path). grid: up to three ints. constexprs: the kernel's tl.constexpr parameters by name, and
+    launch options (num_warps, num_stages, ...). Call the BoundLaunch with the kernel's other
+    parameters, positionally and in signature order; it returns what the launch returned (the
+    CompiledKernel on a GPU). See the module docstring for the promise its caller keeps.
+
+    Thread safety: two threads that make the first call together both take Triton's path and bind
+    the same compiled kernel; later calls only read.
+    """
+
+    __slots__ = ("kernel", "grid", "grid3", "constexprs", "compiled", "device", "tail", "specialization")
+
+    enabled = env_flag("FLASHGEN_BOUND_LAUNCH", True)  # False: always Triton's path
+    verify = env_flag("FLASHGEN_VERIFY_LAUNCH", False)  # True: check each direct launch against the binder
+
+    def __init__(self, kernel, grid, constexprs):
+        self.kernel = kernel
+        self.grid = tuple(grid)
+        self.grid3 = (*grid, 1, 1)[:3]  # as the launcher takes it
+        self.constexprs = dict(constexprs)
+        self.compiled = None  # the CompiledKernel, once bound
+        self.device = None  # the device it was bound on
+        self.tail = ()  # the parameters after the positional ones (constexprs, defaults), in signature order
+        self.specialization = None  # Triton's specialization of the first call (kept when verifying)
+
+    def __call__(self, *args):
+        compiled = self.compiled
+        if compiled is None or not BoundLaunch.enabled or launch_hooks_set():
+            return self.launch(args)
+        active = triton_driver.active
+        device = active.get_current_device()
+        if device != self.device:
+            return self.launch(args)
+        if BoundLaunch.verify:
+            self.check(args, device)
+        grid0, grid1, grid2 = self.grid3
+        compiled.run(grid0, grid1, grid2, active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *self.tail)
+        return compiled
+
+    def launch(self, args):
+        """Triton's own path; binds the compiled kernel it returns on the first call."""
+        result = self.kernel[self.grid](*args, **self.constexprs)
+        if (self.compiled is None and BoundLaunch.enabled and hasattr(result, "packed_metadata")
+                and hasattr(self.kernel, "device_caches")):
+            self.bind(result, args)
+        return result
+
+    def bind(self, compiled, args):
+        params = self.kernel.signature.parameters
+        names = list(params)[len(args):]
+        self.tail = tuple(self.constexprs[name] if name in self.constexprs else params[name].default
+                          for name in names)
+        self.device = triton_driver.active.get_current_device()
+        if BoundLaunch.verify:
+            self.specialization = self.binding(args, self.device)[1]
+        self.compiled = compiled
+
+    def binding(self, args, device):
+        """(every argument in signature order, Triton's specialization of them), from Triton's binder."""
+        binder = self.kernel.device_caches[device][-1]
+        bound, specialization, _ = binder(*args, **self.constexprs)
+        return tuple(bound.values()), specialization
+
+    def check(self, args, device):
+        """Raise unless Triton would launch these arguments as bound (FLASHGEN_VERIFY_LAUNCH=1)."""
+        values, specialization = self.binding(args, device)
+        ours = (*args, *self.tail)
+        if self.specialization is None:  # bound before verification was turned on
+            self.specialization = specialization
+        same_args = len(values) == len(ours) and all(a is b for a, b in zip(values, ours))
+        if specialization != self.specialization or not same_args:
+            raise AssertionError(f"{getattr(self.kernel, '__name__', self.kernel)}: a bound launch got arguments that "
+                                 f"Triton specializes otherwise ({specialization} vs {self.specialization}) or "
+                                 "orders otherwise; its caller's key misses something")
+
+
+def tensor_key(t):
+    """What a call plan depends on of a tensor argument (None: not given): all but its contents."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
+
+
+class CallPlan:
+    """What one call of a metadata key runs, worked out and checked by its first call
+    (AttentionLauncher.forward_plan/backward_plan); what every call of the key shares."""
+
+    def __init__(self, launcher, layout, device, *, seed, offsets):
+        self.launcher, self.layout, self.device = launcher, layout, device
+        self.seed = seed  # the seed tensor the kernels get when dropout is off (never read), else None
+        self.offsets = offsets  # packed sequences: (total_q, total_k, max_seqlen_q, max_seqlen_k)
+        self.no_offsets = launcher.unused_arg(torch.int32, device)  # never read by dense calls
+        self.named = bool(launcher.tensor_names)
+
+    def seed_arg(self, seed):
+        return seed if self.seed is None else self.seed
+
+    def offset_args(self, cu_seqlens_q, cu_seqlens_k):
+        """The kernels' cu_seqlens arguments; packed offsets are checked on every call."""
+        if self.offsets is None:
+            return self.no_offsets, self.no_offsets
+        self.launcher.check_offsets(cu_seqlens_q, cu_seqlens_k, *self.offsets)
+        return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+
+
+class ForwardPlan(CallPlan):
+    """A forward call: out and lse allocated, one launch (none when there is nothing to compute)."""
+
+    def __init__(self, launcher, layout, q, o_shape, lse_shape, *, seed, offsets):
+        super().__init__(launcher, layout, q.device, seed=seed, offsets=offsets)
+        self.dtype, self.o_shape, self.lse_shape = launcher.out_dtype, o_shape, lse_shape
+        self.zero_fill = False  # packed sequences without keys: out 0, lse -inf
+        self.launch = None  # a BoundLaunch of the forward kernel
+        self.head = self.tail = ()  # the kernel's arguments before and after the named tensors'
+        self.descriptors = None  # Q-outer with TMA: Descriptors of q, k, v, out
+        self.buffers = None  # KV-outer: the (rows, BLOCK_DV) shape of its float32 accumulator
+
+    def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=()):
+        if out is None:
+            out = torch.empty(self.o_shape, dtype=self.dtype, device=self.device)
+        if lse is None:
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        if self.launch is None:
+            if self.zero_fill:
+                out.zero_(), lse.fill_(float("-inf"))
+            return out, lse
+        cu_q, cu_k = self.offset_args(cu_seqlens_q, cu_seqlens_k)
+        seed = self.seed_arg(seed)
+        extra = self.launcher.tensor_args(self.launcher.tensor_views(tensors)) if self.named else ()
+        if self.buffers is not None:  # KV-outer: O, m and l round-trip through memory
+            rows, block_dv = self.buffers
+            acc = torch.zeros((rows, block_dv), dtype=torch.float32, device=self.device)
+            m = torch.full((rows,), float("-inf"), dtype=torch.float32, device=self.device)
+            l = torch.zeros((rows,), dtype=torch.float32, device=self.device)  # noqa: E741
+            self.launch(q, k, v, out, lse, seed, cu_q, cu_k, acc, m, l, *self.head, *extra, *self.tail)
+        else:
+            tiles = (q, k, v, out) if self.descriptors is None else self.descriptors(q, k, v, out)
+            self.launch(q, k, v, out, lse, seed, cu_q, cu_k, *tiles, *self.head, *extra, *self.tail, *fp8_args)
+        return out, lse
+
+
+class BackwardPlan(CallPlan):
+    """A backward call: dq, dk, dv allocated; the preprocess, dK/dV and dQ launches (none when there
+    is nothing to compute: zero gradients)."""
+
+    def __init__(self, launcher, layout, q, k, v, lse, *, seed, offsets, grads):
+        super().__init__(launcher, layout, q.device, seed=seed, offsets=offsets)
+        self.dtype, self.shapes, self.lse_shape = q.dtype, (q.shape, k.shape, v.shape), lse.shape
+        self.grads = grads  # {name: shape} of the named tensors differentiated (float32 buffers)
+        self.preprocess = self.dkdv = self.dq = None  # BoundLaunch of each kernel (dq: None when atomic)
+        self.preprocess_args = self.dkdv_head = self.dkdv_tail = self.dq_head = self.dq_tail = ()
+        self.atomic = False  # dQ accumulated by the dK/dV kernel into a float32 buffer
+        self.rows = self.tiles = None  # with TMA: Descriptors of (q, do) for dK/dV and of (k, v) for dQ
+
+    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k):
+        device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
+        grads = {name: torch.zeros(shape, dtype=torch.float32, device=device)
+                 for name, shape in self.grads.items()} if self.grads else None
+        dq = torch.empty(q_shape, dtype=dtype, device=device)
+        dk = torch.empty(k_shape, dtype=dtype, device=device)
+        dv = torch.empty(v_shape, dtype=dtype, device=device)
+        if self.dkdv is None:
+            dq.zero_(), dk.zero_(), dv.zero_()
+            return self.result(dq, dk, dv, grads, tensors)
+        cu_q, cu_k = self.offset_args(cu_seqlens_q, cu_seqlens_k)
+        seed = self.seed_arg(seed)
+        if self.layout == "thd":
+            dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
+        delta = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        self.preprocess(out, do, delta, *self.preprocess_args)
+        extra = grad_args = ()
+        if self.named:
+            named = self.launcher.tensor_views(tensors)
+            extra = self.launcher.tensor_args(named)
+            grad_args = [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors]
+        dq_acc = torch.zeros(q_shape, dtype=torch.float32, device=device) if self.atomic else dq
+        rows = (q, do) if self.rows is None else self.rows(q, do)
+        self.dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, seed, cu_q, cu_k, *rows, *self.dkdv_head, *extra,
+                  *grad_args, *self.dkdv_tail)
+        if self.atomic:
+            dq.copy_(dq_acc)
+        else:
+            tiles = (k, v) if self.tiles is None else self.tiles(k, v)
+            self.dq(q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra, *self.dq_tail)
+        return self.result(dq, dk, dv, grads, tensors)
+
+    @staticmethod
+    def result(dq, dk, dv, grads, tensors):
+        """(dq, dk, dv, {name: gradient in the named tensor's own shape})."""
+        return dq, dk, dv, {name: g.reshape(tensors[name].shape) for name, g in grads.items()} if grads else {}

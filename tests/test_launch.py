@@ -1,0 +1,461 @@
+"""The per-call fast path (issue 13 item 1): call plans (a call's checks once per metadata key,
+flashgen/runtime/host.py) and bound launches (Triton's launcher called directly after the first
+launch, flashgen/runtime/launch.py).
+
+Four levels: BoundLaunch's own logic against a stand-in kernel (which path each call takes, the
+argument order, hooks, devices, the verification mode); planned calls through the interpreter
+(bitwise the same as calls planned afresh, new plans when a stride or an alignment changes, bad
+calls after good ones still named); the real Triton launch path on the CPU (kernels compiled for
+sm90 in a child process: a bound launch hands CompiledKernel.run the same arguments as
+JITFunction.run); and the GPU (bound and normal launches bitwise equal, Triton's binder agreeing
+with every bound launch)."""
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, KernelConfig, ops
+from flashgen.runtime import launch
+from flashgen.runtime.launch import BoundLaunch
+from flashgen.verify import assert_attention_close, assert_gradients_close
+
+from .helpers import child_pythonpath
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------------------------------------- BoundLaunch
+class FakeCompiled:
+    """Stands in for a CompiledKernel: .run records the launcher's arguments."""
+    packed_metadata, function = "packed", 7
+
+    def __init__(self):
+        self.launches = []
+
+    @property
+    def run(self):
+        return lambda *args: self.launches.append(args)
+
+
+def fake_kernel_fn(X, n, scale, BLOCK, FLAG=True):  # noqa: N803 (kernel names)
+    pass
+
+
+class FakeKernel:
+    """Stands in for a JITFunction: kernel[grid](...) records Triton's path and returns the compiled
+    kernel; its binder specializes ints by == 1 and % 16, as Triton's does."""
+
+    def __init__(self):
+        self.signature = inspect.signature(fake_kernel_fn)
+        self.compiled, self.normal = FakeCompiled(), []
+        self.device_caches = {0: (None, None, None, None, self.binder), 1: (None, None, None, None, self.binder)}
+        self.__name__ = "fake_kernel_fn"
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.normal.append((grid, args, kwargs))
+            return self.compiled
+        return launch_
+
+    def binder(self, *args, **kwargs):
+        bound = self.signature.bind(*args, **{k: v for k, v in kwargs.items() if k in self.signature.parameters})
+        bound.apply_defaults()
+        spec = [("i32", a == 1, a % 16 == 0) if isinstance(a, int) else (type(a).__name__,)
+                for a in bound.arguments.values()]
+        return bound.arguments, spec, kwargs
+
+
+class FakeDriver:
+    device = 0
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device):
+        return 1000 + device
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    driver = FakeDriver()
+    monkeypatch.setattr(launch, "triton_driver", type("Config", (), {"active": driver})())
+    return driver
+
+
+def test_bound_launch_calls_the_compiled_kernel_after_the_first_launch(fake_driver):
+    kernel = FakeKernel()
+    bound = BoundLaunch(kernel, (3, 2), dict(BLOCK=64, num_warps=4))
+    x = torch.empty(4)
+    assert bound(x, 32, 0.5) is kernel.compiled and len(kernel.normal) == 1  # Triton's path, then bound
+    assert kernel.normal[0] == ((3, 2), (x, 32, 0.5), {"BLOCK": 64, "num_warps": 4})
+    bound(x, 32, 0.5)
+    assert len(kernel.normal) == 1
+    # grid padded to 3, the stream of the current device, no metadata or hooks, then every parameter
+    # in signature order: the positional ones, the constexprs, the defaults of those not given
+    assert kernel.compiled.launches == [(3, 2, 1, 1000, 7, "packed", None, None, None, x, 32, 0.5, 64, True)]
+
+
+def test_bound_launch_takes_tritons_path_when_it_must(fake_driver, monkeypatch):
+    kernel = FakeKernel()
+    bound = BoundLaunch(kernel, (1,), dict(BLOCK=16))
+    bound(None, 16, 1.0)
+    bound(None, 16, 1.0)
+    assert len(kernel.normal) == 1 and len(kernel.compiled.launches) == 1
+    # a launch hook is installed: the hooks read metadata only Triton's path builds
+    runtime = launch.triton_knobs.runtime
+    hook = runtime.launch_enter_hook
+    if hasattr(hook, "add"):
+        monkeypatch.setattr(hook, "calls", [lambda metadata: None])
+    else:  # a plain function slot (older Triton)
+        monkeypatch.setattr(runtime, "launch_enter_hook", lambda metadata: None)
+    assert launch.launch_hooks_set()
+    bound(None, 16, 1.0)
+    assert len(kernel.normal) == 2
+    monkeypatch.undo()
+    monkeypatch.setattr(launch, "triton_driver", type("Config", (), {"active": fake_driver})())
+    assert not launch.launch_hooks_set()
+    # another current device than the one it was bound on
+    fake_driver.device = 1
+    bound(None, 16, 1.0)
+    assert len(kernel.normal) == 3 and len(kernel.compiled.launches) == 1
+    fake_driver.device = 0
+    # bound launches turned off
+    monkeypatch.setattr(BoundLaunch, "enabled", False)
+    bound(None, 16, 1.0)
+    assert len(kernel.normal) == 4 and len(kernel.compiled.launches) == 1
+
+
+def test_kernels_that_return_no_compiled_kernel_always_take_their_own_path(fake_driver):
+    # the interpreter's kernels (and test doubles) return None: nothing to bind
+    calls = []
+
+    class Interpreted:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(args)
+
+    bound = BoundLaunch(Interpreted(), (1, 1, 1), {})
+    bound(1, 2)
+    bound(1, 2)
+    assert calls == [(1, 2), (1, 2)] and bound.compiled is None
+
+
+def test_verification_catches_a_key_that_misses_a_specialization(fake_driver, monkeypatch):
+    monkeypatch.setattr(BoundLaunch, "verify", True)
+    kernel = FakeKernel()
+    bound = BoundLaunch(kernel, (1,), dict(BLOCK=16))
+    bound(None, 32, 1.0)
+    bound(None, 48, 2.0)  # 48 is still divisible by 16; floats are not specialized: fine
+    with pytest.raises(AssertionError, match="fake_kernel_fn: a bound launch got arguments that Triton specializes"):
+        bound(None, 40, 1.0)  # 40 % 16 != 0: a caller whose key missed the stride
+    assert len(kernel.compiled.launches) == 1
+
+
+# ---------------------------------------------------------------------------------------------- call plans
+def _inputs(shape, dtype=torch.float16, *, offset=0, pad=0, seed=0):
+    """A tensor of `shape` whose storage starts `offset` elements in and whose last dim is padded
+    by `pad` (so its strides are not the contiguous ones)."""
+    gen = torch.Generator().manual_seed(seed)
+    *lead, d = shape
+    full = torch.randn(offset + torch.Size(lead).numel() * (d + pad), generator=gen).to(dtype)
+    return full[offset:].view(*lead, d + pad)[..., :d]
+
+
+CASES = {
+    "contiguous": dict(),
+    "padded head dim (strides not divisible by 16)": dict(pad=8),
+    "misaligned base (2-byte offset)": dict(offset=1),
+    "both": dict(offset=3, pad=5),
+}
+
+
+def _module(spec, config=None):
+    return flashgen.compile(spec, config).module()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_planned_calls_are_bitwise_the_calls_planned_afresh(case, monkeypatch):
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=True)
+    module = _module(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, BLOCK_M1=16, BLOCK_N1=16,
+                                        BLOCK_M2=16, BLOCK_N2=16))
+    q = _inputs((2, 4, 21, 16), seed=1, **CASES[case])
+    k, v = (_inputs((2, 2, 37, 16), seed=s, **CASES[case]) for s in (2, 3))
+    do = _inputs((2, 4, 21, 16), seed=4)
+    plans = module._LAUNCHER.plans
+    plans.clear()
+    first = module.forward(q, k, v)
+    again = module.forward(q, k, v)  # the cached plan
+    assert len(plans) == 1
+    grads = module.backward(do, q, k, v, *again)[:3]
+    grads_again = module.backward(do, q, k, v, *again)[:3]
+    assert len(plans) == 2
+    monkeypatch.setattr(BoundLaunch, "enabled", False)  # every call checked and planned afresh
+    fresh = module.forward(q, k, v)
+    fresh_grads = module.backward(do, q, k, v, *fresh)[:3]
+    assert len(plans) == 2
+    for a, b, c in zip((*first, *grads), (*again, *grads_again), (*fresh, *fresh_grads)):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    assert_attention_close(*again, q, k, v, causal=True)
+    assert_gradients_close(grads, q, k, v, do, causal=True)
+
+
+def test_an_unchanged_call_is_checked_once(monkeypatch):
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, backward=True)
+    module = _module(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1))
+    launcher = module._LAUNCHER
+    launcher.plans.clear()
+    checks = []
+    original = launcher.check_inputs
+    monkeypatch.setattr(launcher, "check_inputs", lambda *a: checks.append(1) or original(*a))
+    q, k, v = (_inputs((1, 2, 20, 16), seed=s) for s in range(3))
+    for _ in range(3):
+        out, lse = module.forward(q, k, v)
+        module.backward(out, q, k, v, out, lse)
+    assert checks == [1, 1]  # the forward's and the backward's first calls
+    module.forward(q, k, v.clone())  # same metadata, other tensor: still planned
+    assert checks == [1, 1]
+
+
+def test_a_stride_or_alignment_change_gets_its_own_plan():
+    """One tensor at a time stops being 16-aligned or 16-strided: each call gets a plan of its own
+    (Triton specializes on both) and is still right."""
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, causal=True)
+    module = _module(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1))
+    plans = module._LAUNCHER.plans
+    plans.clear()
+    base = [_inputs((1, 2, 33, 16), seed=s) for s in range(3)]
+    variants = [base, [_inputs((1, 2, 33, 16), seed=0, pad=8), *base[1:]],
+                [base[0], _inputs((1, 2, 33, 16), seed=1, offset=1), base[2]],
+                [*base[:2], _inputs((1, 2, 33, 16), seed=2, offset=2, pad=1)]]
+    for i, (q, k, v) in enumerate(variants):
+        out, lse = module.forward(q, k, v)
+        assert len(plans) == i + 1
+        assert_attention_close(out, lse, q, k, v, causal=True)
+
+
+def test_tensor_descriptors_are_rebased_onto_each_call(monkeypatch):
+    """With TMA the plan keeps descriptors of the first call's metadata and no tensor; each call's
+    descriptors point at that call's tensors."""
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, causal=True, backward=True)
+    module = _module(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, tma=True, bwd_tma=True,
+                                        BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16))
+    launcher = module._LAUNCHER
+    launcher.plans.clear()
+    seen = []
+    original = launcher.forward_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen.append(args[8:12])
+                return original[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(launcher, "forward_kernel", Spy())
+    for seed in (0, 10):
+        q, k, v = (_inputs((1, 2, 40, 16), seed=seed + s) for s in range(3))
+        out, lse = module.forward(q, k, v)
+        assert_attention_close(out, lse, q, k, v, causal=True)
+        assert all(d.base is t for d, t in zip(seen[-1], (q, k, v, out)))
+        do = _inputs(out.shape, seed=seed + 5)
+        assert_gradients_close(module.backward(do, q, k, v, out, lse)[:3], q, k, v, do, causal=True)
+    (plan,) = [p for p in launcher.plans.values() if hasattr(p, "descriptors")]
+    assert plan.descriptors.templates and all(fields["base"] is None for _, fields in plan.descriptors.templates)
+    assert all(a.block_shape == b.block_shape and a.strides == b.strides for a, b in zip(*seen))
+
+
+def test_a_bad_call_after_a_good_one_still_names_the_argument():
+    q, k, v = (_inputs((1, 2, 9, 16), seed=s) for s in range(3))
+    flashgen.attention(q, k, v, causal=True)
+    flashgen.attention(q, k, v, causal=True)
+    with pytest.raises(ValueError, match="k: expected dtype torch.float16"):
+        flashgen.attention(q, k.float(), v, causal=True)
+    with pytest.raises(ValueError, match=r"v: expected seqlen 9 \(the seqlen of k\), got 8"):
+        flashgen.attention(q, k, v[:, :, :8], causal=True)
+    with pytest.raises(ValueError, match=r"q: expected a 4-d tensor"):
+        flashgen.attention(q[0], k, v, causal=True)
+    with pytest.raises(TypeError, match="v: expected a torch.Tensor, got list"):
+        flashgen.attention(q, k, [1], causal=True)
+    module = _module(AttentionSpec(dtype="fp16", head_dim=16, num_heads=2))
+    module.forward(q, k, v)
+    with pytest.raises(ValueError, match=r"k: expected \(batch, heads, head_dim\) = \(1, 2, 16\)"):
+        module.forward(q, k[:, :1], v)
+    out, lse = module.forward(q, k, v)
+    with pytest.raises(ValueError, match=r"do: expected shape \(1, 2, 9, 16\)"):
+        module.backward(out[:, :1], q, k, v, out, lse)
+
+
+def test_calls_that_cannot_need_a_gradient_skip_the_autograd_function(monkeypatch):
+    applied = []
+    original = ops.AttentionFunction.apply
+    monkeypatch.setattr(ops.AttentionFunction, "apply", lambda *a: applied.append(1) or original(*a))
+    q, k, v = (_inputs((1, 2, 9, 16), seed=s) for s in range(3))
+    plain = flashgen.attention(q, k, v, causal=True)
+    assert not applied and not plain.requires_grad
+    q.requires_grad_()
+    with torch.no_grad():
+        assert torch.equal(flashgen.attention(q, k, v, causal=True), plain) and not applied
+    out = flashgen.attention(q, k, v, causal=True)
+    assert applied == [1] and out.requires_grad and torch.equal(out.detach(), plain)
+
+
+# ---------------------------------------------------------------------------------------------- Triton's own path, on the CPU
+SM90_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import sm90_compile  # noqa: E402
+import torch  # noqa: E402
+import triton.runtime.jit as jit  # noqa: E402
+from triton.compiler.compiler import CompiledKernel  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+driver.set_active(sm90_compile.Sm90Driver())
+runs, triton_paths = [], []
+
+
+def init_handles(self):  # no GPU: the launcher records what it would launch
+    if self.module is None:
+        self.module, self.function = "sm90", 1
+        self._run = lambda *args, kernel=self: runs.append((kernel, args))
+
+
+CompiledKernel._init_handles = init_handles
+run = jit.JITFunction.run
+jit.JITFunction.run = lambda self, *a, **kw: triton_paths.append(self.__name__) or run(self, *a, **kw)
+
+import flashgen  # noqa: E402
+from flashgen import AttentionSpec, KernelConfig  # noqa: E402
+from flashgen.runtime.launch import BoundLaunch  # noqa: E402
+
+BoundLaunch.verify = True  # every bound launch also asks Triton's binder
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and (a.shape, a.stride(), a.dtype) == (b.shape, b.stride(), b.dtype)
+    if hasattr(a, "block_shape"):  # a tensor descriptor
+        return (same(a.base, b.base) and list(a.shape) == list(b.shape) and list(a.strides) == list(b.strides)
+                and list(a.block_shape) == list(b.block_shape))
+    return type(a) is type(b) and a == b
+
+
+def compare(name, normal, bound):
+    assert len(normal) == len(bound) > 0, (name, len(normal), len(bound))
+    for (kernel, n), (kernel_b, b) in zip(normal, bound):
+        assert kernel is kernel_b, name
+        assert n[:6] == b[:6], (name, n[:6], b[:6])  # grid, stream, function, packed metadata
+        assert b[6:9] == (None, None, None), name  # no launch metadata, no hooks
+        assert len(n) == len(b) and all(same(x, y) for x, y in zip(n[9:], b[9:])), name
+    print(f"ok {name}: {len(bound)} launches, {len(bound[0][1]) - 9} arguments each")
+
+
+spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
+tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32)
+q, k, v = (torch.randn(2, h, 200, 64, dtype=torch.bfloat16) for h in (4, 2, 2))
+cu = torch.tensor([0, 150, 400], dtype=torch.int32)
+packed = [t.transpose(1, 2).reshape(400, t.shape[1], 64) for t in (q, k, v)]
+modules = {}
+for name, config in (("pointer loads", KernelConfig(**tiles)),
+                     ("tensor descriptors", KernelConfig(**tiles, tma=True, bwd_tma=True))):
+    module = modules[name] = flashgen.compile(spec, config).module()
+    module._LAUNCHER.interpreting = lambda: True  # accept CPU tensors: nothing runs
+    calls = {"forward": lambda: module.forward(q, k, v),
+             "backward": lambda: module.backward(q, q, k, v, q, torch.zeros(2, 4, 200)),
+             "packed forward": lambda: module.forward(*packed, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                      max_seqlen_q=250, max_seqlen_k=250)}
+    for phase, call in calls.items():
+        runs.clear(), triton_paths.clear()
+        call()
+        normal = list(runs)
+        runs.clear(), triton_paths.clear()
+        call()
+        assert not triton_paths, triton_paths  # the second call never entered JITFunction.run
+        compare(f"{name} {phase}", normal, list(runs))
+# A misaligned q: a new plan, Triton's path, another binary (Q's alignment is specialized).
+module = modules["pointer loads"]
+module.forward(q, k, v)
+aligned = runs[-1][0]
+runs.clear(), triton_paths.clear()
+shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
+module.forward(shifted, k, v)
+assert triton_paths == ["_attn_fwd"] and runs[-1][0] is not aligned, "a misaligned q must not share a binary"
+print("ok misaligned q: its own plan and binary")
+"""
+
+
+def test_bound_launches_pass_what_tritons_path_passes(tmp_path):
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(ROOT), FLASHGEN_CACHE_DIR=str(tmp_path / "flashgen"),
+               TRITON_DEFAULT_FP_FUSION="1")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", SM90_CHILD, str(ROOT / "tests")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    if "sm90_compile" in proc.stderr and "unsupported triton" in proc.stdout:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    for name in ("pointer loads", "tensor descriptors"):
+        for phase in ("forward", "backward", "packed forward"):
+            assert any(line.startswith(f"ok {name} {phase}:") for line in lines), (name, phase, proc.stdout)
+    assert "ok misaligned q: its own plan and binary" in lines
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    dict(),
+    dict(tma=True, bwd_tma=True),
+    dict(dq_strategy="atomic"),
+    dict(loop_order="kv_outer"),
+], ids=["default-tiles", "tma", "atomic-dq", "kv-outer"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_gpu_bound_launches_are_bitwise_tritons(config, layout, monkeypatch):
+    monkeypatch.setattr(BoundLaunch, "verify", True)
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True, backward=True)
+    kernel = flashgen.compile(spec, KernelConfig(**config))
+    shapes = {"bhsd": [(2, h, 300, 128) for h in (8, 2, 2)], "bshd": [(2, 300, h, 128) for h in (8, 2, 2)]}[layout]
+    q, k, v = (torch.randn(s, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes)
+    do = torch.randn(shapes[0], device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out, lse = kernel(q, k, v, layout=layout, return_lse=True, deterministic=config.get("dq_strategy") is None)
+        return (out, lse, *torch.autograd.grad(out, (q, k, v), do))
+
+    results = [step() for _ in range(3)]  # Triton's path, then bound twice
+    launches = [getattr(plan, name) for plan in kernel.module()._LAUNCHER.plans.values()
+                for name in ("launch", "preprocess", "dkdv", "dq") if getattr(plan, name, None) is not None]
+    assert len(launches) >= 3 and all(b.compiled is not None for b in launches)  # every launch was bound
+    monkeypatch.setattr(BoundLaunch, "enabled", False)
+    results.append(step())
+    if config.get("dq_strategy") == "atomic":  # atomics: not bitwise repeatable, compare to the reference
+        results = [r[:2] for r in results]
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], r))
+    assert_attention_close(*results[0][:2], q, k, v, causal=True, layout=layout)
+
+
+@pytest.mark.gpu
+def test_gpu_launch_hooks_see_every_launch():
+    """With a launch hook installed, launches take Triton's path, which calls the hook."""
+    q, k, v = (torch.randn(1, 4, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flashgen.attention(q, k, v, causal=True)
+    flashgen.attention(q, k, v, causal=True)  # bound by now
+    seen = []
+
+    def record(metadata):  # a LazyDict of the launch: its name, function, stream
+        seen.append(metadata.get()["name"])
+
+    hook = launch.triton_knobs.runtime.launch_enter_hook
+    if not hasattr(hook, "add"):
+        pytest.skip("this Triton takes launch hooks as a plain function")
+    hook.add(record)
+    try:
+        out = flashgen.attention(q, k, v, causal=True)
+    finally:
+        hook.remove(record)
+    assert seen == ["_attn_fwd"]
+    assert torch.equal(out, flashgen.attention(q, k, v, causal=True))
