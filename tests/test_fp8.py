@@ -150,3 +150,39 @@ def test_fp8_forward_gpu_default_config(head_dim, causal):
     q, k, v, qd, kd, vd = quantized_inputs(2, 8, 2, 1000, 1000, head_dim, device="cuda", outliers=True)
     out, lse = module.forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
     assert_attention_close(out, lse, q, k, v, causal=causal, descales=(qd, kd, vd))
+
+
+# ----------------------------------------------------------------------------- entry points
+def test_attention_and_compat_take_fp8_with_descales(device):
+    q, k, v, qd, kd, vd = quantized_inputs(2, 4, 2, 48, 48, 32, device=device)
+    spec = AttentionSpec(name="attention", dtype="fp8_e4m3", head_dim=32, num_heads=4, num_kv_heads=2, causal=True)
+    out, lse = flashgen.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
+    assert out.dtype == torch.bfloat16
+    assert_attention_close(out, lse, q, k, v, causal=True, descales=(qd, kd, vd))
+    direct, _ = flashgen.compile(spec).module().forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out, direct)
+    from flashgen.compat import flash_attn_func
+
+    bshd = [t.transpose(1, 2) for t in (q, k, v)]
+    out2 = flash_attn_func(*bshd, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out2.transpose(1, 2), out)
+
+
+def test_fp8_attention_refuses_gradients_and_stray_descales(device):
+    q, k, v, qd, kd, vd = quantized_inputs(1, 2, 2, 16, 16, 32, device=device)
+    with pytest.raises(ValueError, match="q: FP8 attention is forward-only"):
+        flashgen.attention(q.requires_grad_(), k, v)
+    x = torch.randn(1, 2, 16, 32, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="k_descale: descale factors are for FP8"):
+        flashgen.attention(x, x, x, k_descale=kd)
+
+
+def test_fp8_attention_compiles_fullgraph():
+    q, k, v, qd, kd, vd = quantized_inputs(1, 2, 2, 24, 24, 32)
+
+    def fn(q, k, v, qd, kd, vd):
+        return flashgen.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    eager = fn(q, k, v, qd, kd, vd)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, qd, kd, vd)
+    assert torch.equal(compiled, eager)
