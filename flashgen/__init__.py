@@ -10,9 +10,10 @@ from .masks import Mask, ScoreMod, mask, score_mod  # noqa: E402
 from .loader import FlashgenFallbackWarning, load  # noqa: E402
 from .sdpa import scaled_dot_product_attention  # noqa: E402
 from .kvcache import decode  # noqa: E402
+from .quant import dequantize_fp8, quantize_fp8  # noqa: E402
 
 __all__ = [
     "AttentionSpec", "SpecError", "TuneSpec", "KernelConfig", "ConfigError", "default_config",
     "AttentionKernel", "attention", "attention_varlen", "compile", "mask", "score_mod", "Mask", "ScoreMod", "load", "FlashgenFallbackWarning", "__version__",
-    "scaled_dot_product_attention", "decode",
+    "scaled_dot_product_attention", "decode", "quantize_fp8", "dequantize_fp8",
 ]

@@ -14,7 +14,8 @@ from .runtime import host
 from .space import nearest_bucket
 from .spec import MAX_HEAD_DIM, AttentionSpec
 
-_TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+                 torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
 
 
 _UNUSED_SEEDS: dict[torch.device, torch.Tensor] = {}  # device -> the seed tensor passed when dropout is off
@@ -124,15 +125,20 @@ class AttentionKernel:
 
     def __call__(self, q, k, v, *, layout: str = "bhsd", return_lse: bool = False,
                  config: KernelConfig | None = None, dropout_p: float | None = None, deterministic: bool = False,
-                 **tensors):
+                 q_descale=None, k_descale=None, v_descale=None, **tensors):
         """Differentiable attention. ``dropout_p`` defaults to the spec's (pass 0.0 in eval);
         ``deterministic=True`` computes dQ with the separate, bitwise-repeatable kernel.
         Tensors the spec's mask or score_mod reads are passed by name (``document_ids=ids``);
-        gradients flow into float ones that require grad."""
+        gradients flow into float ones that require grad. FP8 specs take float32 descale factors
+        per (batch, KV head) (q * q_descale is the value meant) and return bf16; no gradient."""
         kernel_id = self._id
         if config is not None or self._bucket_ids:
             seq = 2 if layout == "bhsd" else 1
             kernel_id = self._kernel_id_for(config, max(q.shape[seq], k.shape[seq]) if q.dim() == 4 else q.shape[0])
+        if self.spec.fp8 or q_descale is not None or k_descale is not None or v_descale is not None:
+            out, lse = ops.apply_fp8_attention(q, k, v, (q_descale, k_descale, v_descale), kernel_id=kernel_id,
+                                               layout=layout, tensors=self._tensor_list(tensors))
+            return (out, lse) if return_lse else out
         p, seed = self._seed(dropout_p, q.device)
         out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout=layout, seed=seed,
                                        tensors=self._tensor_list(tensors), dropout_p=p, deterministic=deterministic)
@@ -201,7 +207,7 @@ def _spec(*, dtype, head_dim, head_dim_v, num_heads, num_kv_heads, causal, softm
         dropout_p=dropout_p,
         mask=mask,
         score_mod=score_mod,
-        backward=True,
+        backward=dtype not in ("fp8_e4m3", "fp8_e5m2"),  # FP8 is forward-only
     )
 
 
@@ -363,11 +369,14 @@ def _traced_tensor_names(*key) -> str:
     return ",".join(_BOUND[(*key, None)].spec.tensor_names)
 
 
-def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=None):
+def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=None, descales=(None,) * 3):
     """A call being traced by torch.compile: the custom op with the id resolved at trace time."""
     kernel_id = _traced_binding(*key[:-1])
     names = _traced_tensor_names(*key[:-1])
     named = [tensors[name] for name in names.split(",")] if names else []
+    if key[0] in ("fp8_e4m3", "fp8_e5m2") or any(d is not None for d in descales):
+        out, lse = ops.attn_fwd_fp8(q, k, v, *descales, named, kernel_id, layout)
+        return (out, lse) if return_lse else out
     p = float(key[8])
     seed = torch.randint(0, 2**62, (1,), device=q.device, dtype=torch.int64) if p > 0 else _unused_seed(q.device)
     cu_q, cu_k, max_q, max_k = cu if cu is not None else (None, None, 0, 0)
@@ -377,7 +386,8 @@ def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, layout: str = "bhsd",
               return_lse: bool = False, config: KernelConfig | None = None, dropout_p: float = 0.0,
-              deterministic: bool = False, mask=None, score_mod=None, **tensors):
+              deterministic: bool = False, mask=None, score_mod=None, q_descale=None, k_descale=None,
+              v_descale=None, **tensors):
     """One-off attention: softmax(score_mod(q k^T * softmax_scale) masked) v, differentiable.
 
     Shapes as in AttentionKernel. ``causal`` masks bottom-right aligned (flash-attn's
@@ -386,16 +396,21 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     flashgen.mask(...), a Python function); the tensors they read are passed by name.
     ``dropout_p`` drops attention probabilities (fused, Philox; the backward regenerates the same mask).
     Without ``config``, the stored tuned config for the spec is used when there is one.
+    FP8 (q, k, v in torch.float8_e4m3fn or float8_e5m2): ``q_descale``, ``k_descale``,
+    ``v_descale`` are float32 factors per (batch, KV head), as FlashAttention-3's (q * q_descale
+    is the value meant; None: 1; see flashgen.quantize_fp8); the output is bf16; forward only.
     """
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     eager_key, kernel = _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
     if kernel is None:
         key = _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
         if key is not None and config is None and torch.compiler.is_compiling():
-            return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors)
+            return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors,
+                                  descales=tuple(descales.values()))
         kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
                        mask=mask, score_mod=score_mod, config=config)
         _remember(eager_key, kernel)
-    return kernel(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic, **tensors)
+    return kernel(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic, **descales, **tensors)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,

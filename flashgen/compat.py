@@ -58,15 +58,20 @@ def _probs(q, k, v, causal, softmax_scale, dropout_p, mask, mods, tensors, layou
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, q_descale=None, k_descale=None,
+                    v_descale=None):
     """flash_attn_func: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, kv_heads, head_dim).
+    FP8 q, k, v take FlashAttention-3's q/k/v_descale (float32, (batch, kv_heads)); out is bf16.
 
     With return_attn_probs, returns (out, softmax_lse (batch, heads, seqlen_q), probabilities);
     the probabilities (batch, heads, seqlen_q, seqlen_k) are computed densely, for testing, and
     exclude dropout."""
     causal, mask, mods, tensors = _variant(causal, window_size, softcap, alibi_slopes)
+    descales = {name: d for name, d in (("q_descale", q_descale), ("k_descale", k_descale),
+                                        ("v_descale", v_descale)) if d is not None}
     out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, layout="bshd", return_lse=True,
-                         dropout_p=dropout_p, deterministic=deterministic, mask=mask, score_mod=mods, **tensors)
+                         dropout_p=dropout_p, deterministic=deterministic, mask=mask, score_mod=mods, **descales,
+                         **tensors)
     probs = None
     if return_attn_probs:
         probs = _probs(q, k, v, causal, softmax_scale, dropout_p, mask, mods, tensors, "bshd")

@@ -193,6 +193,37 @@ class AttentionFunction(torch.autograd.Function):
         return (dq, dk, dv, None, None, None, None, *tensor_grads)
 
 
+# ----------------------------------------------------------------------------- FP8 (forward only)
+@torch.library.custom_op("flashgen::attn_fwd_fp8", mutates_args=())
+def attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor | None,
+                 k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, tensors: list[torch.Tensor],
+                 kernel_id: str, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    module = kernel_module(kernel_id)
+    return module.forward(q, k, v, layout=layout, tensors=_named(module, tensors), q_descale=q_descale,
+                          k_descale=k_descale, v_descale=v_descale)
+
+
+@attn_fwd_fp8.register_fake
+def _attn_fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, tensors, kernel_id, layout):
+    out, lse = _attn_fwd_fake(q, k, v, None, tensors, kernel_id, layout, 0.0, False, None, None, 0, 0)
+    return out.to(torch.bfloat16), lse
+
+
+def apply_fp8_attention(q, k, v, descales, *, kernel_id: str, layout: str, tensors=()):
+    """(out, lse) of an FP8 call (forward only: FP8 inputs carry no gradient here)."""
+    if torch.compiler.is_compiling():
+        return attn_fwd_fp8(q, k, v, *descales, list(tensors), kernel_id, layout)
+    if torch.is_grad_enabled():
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if getattr(t, "requires_grad", False):
+                raise ValueError(f"{name}: FP8 attention is forward-only; it cannot differentiate a tensor that "
+                                 "requires grad (use bf16 or fp16 for training)")
+    module = kernel_module(kernel_id)
+    q_descale, k_descale, v_descale = descales
+    return module.forward(q, k, v, layout=layout, tensors=_named(module, tensors), q_descale=q_descale,
+                          k_descale=k_descale, v_descale=v_descale)
+
+
 def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor, tensors=(), dropout_p: float = 0.0,
                     deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
                     max_seqlen_k: int = 0):

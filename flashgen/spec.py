@@ -30,11 +30,15 @@ from .errors import SpecError
 from .expr.parse import plain_number, plain_str
 from .masks.pattern import check_bool
 
-DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
+          "fp8_e5m2": "float8_e5m2"}
+FP8_DTYPES = ("fp8_e4m3", "fp8_e5m2")  # Q/K/V in FP8 with fp32 descales; forward only, output in bf16
 _DTYPE_ALIASES = {
     "fp16": "fp16", "float16": "fp16", "half": "fp16",
     "bf16": "bf16", "bfloat16": "bf16",
     "fp32": "fp32", "float32": "fp32", "float": "fp32",
+    "fp8_e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
 }
 TARGETS = ("auto", "h100", "h200", "a100", "l40s", "l4", "a10g", "rtx4090", "rtx3090", "cpu")
 MAX_HEAD_DIM = 256
@@ -335,7 +339,7 @@ class AttentionSpec:
         set_("name", name)
         dtype = _DTYPE_ALIASES.get(plain_str(self.dtype)) if isinstance(self.dtype, str) else None
         if dtype is None:
-            raise SpecError("dtype", "expected one of fp16, bf16, fp32", self.dtype)
+            raise SpecError("dtype", "expected one of fp16, bf16, fp32, fp8_e4m3, fp8_e5m2", self.dtype)
         set_("dtype", dtype)
         set_("head_dim", _check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM))
         if self.head_dim_v is None:
@@ -368,6 +372,12 @@ class AttentionSpec:
             raise SpecError("dropout_p", "expected a probability in [0, 1)", self.dropout_p)
         set_("dropout_p", p)
         check_bool("backward", self.backward)
+        if dtype in FP8_DTYPES:
+            if self.backward:
+                raise SpecError("backward", f"dtype {dtype} is forward-only (FP8 inference, as FlashAttention-3); "
+                                            "set backward: false", self.backward)
+            if p > 0:
+                raise SpecError("dropout_p", f"dtype {dtype} is for inference: expected 0", self.dropout_p)
         target = plain_str(self.target).lower() if isinstance(self.target, str) else None
         if target not in TARGETS:
             raise SpecError("target", "expected one of " + ", ".join(TARGETS), self.target)
@@ -428,6 +438,11 @@ class AttentionSpec:
     @property
     def gqa_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def fp8(self) -> bool:
+        """Q, K and V in FP8 (with fp32 descale factors); the output is bf16."""
+        return self.dtype in FP8_DTYPES
 
     @property
     def torch_dtype(self):

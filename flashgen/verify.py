@@ -31,13 +31,21 @@ FP32_RTOL = 1e-5
 # kernel-dtype reference's with the max error well inside its bound; a different fp32
 # summation order (atomic dQ) moves it by more than 10% too.
 GRAD_MEAN_FACTOR = 3.0
+# FP8 (FlashAttention-3's rule): the max error at most 2x the same-precision reference's (FP8
+# inputs, FP8 P, bf16 output); the mean at most 2x too: the kernels round P after the running
+# max of each key block, the reference after the row's final max, and on inputs with outlier
+# channels that alone moves the mean error by 1.2-1.4x (measured on the interpreter).
+FP8_MEAN_FACTOR = 2.0
+FP8_P_SCALE = 256.0  # the FP8 kernels' P_SCALE: P * 256 is rounded to FP8
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 ATOL_FLOOR = 1e-5
 
 
 def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                         layout: str = "bhsd", compute_dtype: torch.dtype = torch.float32,
                         dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                        mask=None, score_mod=None, tensors=None, return_probs: bool = False):
+                        mask=None, score_mod=None, tensors=None, return_probs: bool = False,
+                        p_dtype: torch.dtype | None = None, qk=None, pv=None):
     """Dense attention in plain PyTorch, computed in ``compute_dtype``.
 
     Matmuls run in compute_dtype; the softmax in float32 (float64 for float64) and is
@@ -48,6 +56,10 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     from the same definitions the kernels are generated from; ``tensors`` maps their names.
     Differentiable: gradients of the reference are the reference gradients (tensors included).
     With ``return_probs`` it returns the (B, H, Sq, Sk) softmax probabilities instead.
+    ``p_dtype`` (an FP8 dtype): P is taken as the FP8 kernels take it, exp(s - rowmax) scaled
+    by 256, rounded to p_dtype, multiplied by V and divided by 256 and the unrounded row sum.
+    ``qk`` (B, H, Sq, Sk): the products q k^T when computed elsewhere (FP8 tensor cores);
+    ``pv(p8)``: the product of the rounded P with V likewise.
     """
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -57,7 +69,7 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     soft_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
-    scores = (q @ k.transpose(-1, -2)).to(soft_dtype) * scale
+    scores = (q @ k.transpose(-1, -2) if qk is None else qk).to(soft_dtype) * scale
     seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     env = _index_env(q.shape[0], q.shape[1], seqlen_q, seqlen_k, q.device)
     pred = masks.predicate(masks.parse_mask(mask)) if mask is not None else None
@@ -80,6 +92,13 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
         return probs
     if dropout_mask is not None:
         probs = probs * dropout_mask.to(probs.dtype) / (1.0 - dropout_p)
+    if p_dtype is not None:
+        rowmax = scores.amax(dim=-1, keepdim=True)
+        p = torch.exp(scores - torch.where(torch.isinf(rowmax), 0.0, rowmax))
+        total = p.sum(-1, keepdim=True)
+        p8 = (p * FP8_P_SCALE).to(p_dtype)
+        out = (p8.to(compute_dtype) @ v if pv is None else pv(p8)) / (FP8_P_SCALE * torch.where(total == 0, 1.0, total))
+        return (out.transpose(1, 2) if layout == "bshd" else out), lse
     out = probs.to(compute_dtype) @ v
     if layout == "bshd":
         out = out.transpose(1, 2)
@@ -161,14 +180,73 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | 
     return CheckResult(name, ok, max_err, bound, f"mean|err|={mean_err:.3g} mean bound={mean_bound:.3g}")
 
 
+def dequantized(x, descale, layout="bhsd"):
+    """FP8 x (bhsd or bshd) times its (batch, kv heads) descale (None: 1), in float32; query heads
+    take the factor of their KV group."""
+    x32 = x.float()
+    if descale is None:
+        return x32
+    head = 1 if layout == "bhsd" else 2
+    d = descale.float().expand(x.shape[0], -1).repeat_interleave(x.shape[head] // descale.shape[-1], dim=1)
+    return x32 * (d[:, :, None, None] if layout == "bhsd" else d[:, None, :, None])
+
+
+def fp8_matmul(a, b):
+    """a @ b^T for FP8 (B, H, M, K) a and (B, H', N, K) b (H a multiple of H': GQA) on the tensor
+    cores (torch._scaled_mm, float32 out), as an FP8 kernel multiplies: Hopper accumulates FP8
+    products with fewer bits than float32, which an exact reference would not show."""
+    group = a.shape[1] // b.shape[1]
+    pad = lambda n: -n % 16  # noqa: E731 (_scaled_mm takes multiples of 16)
+    m, n, kk = a.shape[2], b.shape[2], a.shape[3]
+    a = torch.nn.functional.pad(a.view(torch.uint8), (0, pad(kk), 0, pad(m))).view(a.dtype)
+    b = torch.nn.functional.pad(b.view(torch.uint8), (0, pad(kk), 0, pad(n))).view(b.dtype)
+    one = torch.ones((), device=a.device)
+    out = torch.empty(a.shape[0], a.shape[1], m, n, device=a.device)
+    for i in range(a.shape[0]):
+        for h in range(a.shape[1]):
+            prod = torch._scaled_mm(a[i, h].contiguous(), b[i, h // group].contiguous().t(), one, one,
+                                    out_dtype=torch.float32)
+            out[i, h] = prod[:m, :n]
+    return out
+
+
+def _per_head(descale, heads, like):
+    """(B, H_kv) factors as (B, H, 1, 1) for H query heads."""
+    return descale.float().repeat_interleave(heads // descale.shape[-1], dim=1)[:, :, None, None].to(like)
+
+
 def check_attention(out, lse, q, k, v, *, causal: bool, softmax_scale: float | None = None,
                     layout: str = "bhsd", factor: float = 2.0, mask=None, score_mod=None,
-                    tensors=None) -> list[CheckResult]:
-    """Check a kernel's (out, lse) against the reference; returns one result per tensor."""
+                    tensors=None, descales=(None, None, None)) -> list[CheckResult]:
+    """Check a kernel's (out, lse) against the reference; returns one result per tensor.
+
+    FP8 inputs (FlashAttention-3's rule): the reference runs in float32 on the dequantized
+    inputs (``descales``: q, k, v factors per (batch, KV head)), the same-precision one takes P
+    in FP8 as the kernels do and rounds its output to the kernel's bf16."""
     low_precision = q.dtype in (torch.float16, torch.bfloat16)
     kw = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, mask=mask, score_mod=score_mod,
               tensors=tensors)
-    if low_precision:
+    if q.dtype in FP8_DTYPES:
+        fp8, raw = v.dtype, (q, k, v)
+        q, k, v = (dequantized(t, d, layout) for t, d in zip((q, k, v), descales))
+        # float64: with outlier channels the scores reach the hundreds, where a float32
+        # reference's own rounding is no longer small beside the kernel's error
+        out_ref, lse_ref = reference_attention(q.double(), k.double(), v.double(), compute_dtype=torch.float64,
+                                               **kw)
+        products = {}
+        if q.is_cuda:  # the same precision includes the FP8 tensor cores' accumulation
+            q8, k8, v8 = (t.transpose(1, 2) if layout == "bshd" else t for t in raw)
+            ones = torch.ones(q8.shape[0], k8.shape[1], device=q.device)
+            qd, kd, vd = (ones if d is None else d for d in descales)
+            heads = q8.shape[1]
+            products["qk"] = fp8_matmul(q8, k8) * _per_head(qd * kd, heads, torch.float32)
+            v8t = v8.transpose(-1, -2).contiguous()
+            products["pv"] = lambda p8: fp8_matmul(p8, v8t) * _per_head(vd, heads, torch.float32)
+        out_pt, lse_pt = reference_attention(q, k, v, compute_dtype=torch.float32, p_dtype=fp8, **products, **kw)
+        out_pt = out_pt.to(out.dtype)
+        return [compare("out", out, out_ref, out_pt, factor=factor, mean_factor=FP8_MEAN_FACTOR),
+                compare("lse", lse, lse_ref, lse_pt, factor=factor, mean_factor=FP8_MEAN_FACTOR)]
+    elif low_precision:
         out_ref, lse_ref = reference_attention(q, k, v, compute_dtype=torch.float32, **kw)
         out_pt, lse_pt = reference_attention(q, k, v, compute_dtype=q.dtype, **kw)
     else:

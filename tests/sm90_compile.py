@@ -130,6 +130,29 @@ def main() -> int:
                 print(f"FAILED {name} {phase}: {type(err).__name__}: {str(err)[:4000]}")
                 continue
             print(f"ok {name} {phase}: " + "; ".join(COMPILED))
+    fp8_cases = [
+        ("fp8 e4m3 gqa causal, TMA + warp specialization", dict(dtype="fp8_e4m3", head_dim=128, num_heads=8,
+                                                                 num_kv_heads=2, causal=True), hopper),
+        ("fp8 e5m2 sliding window + softcap, pointer loads",
+         dict(dtype="fp8_e5m2", head_dim=64, num_heads=4, mask={"sliding_window": {"left": 256}},
+              score_mod={"softcap": 30.0}), KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
+    ]
+    for name, fields, config in fp8_cases:  # forward only
+        CASE[0] = name
+        spec = AttentionSpec(**fields)
+        module = flashgen.compile(spec, config).module()
+        module._LAUNCHER.interpreting = lambda: True
+        h, hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        q = torch.randn(2, h, 300, d).to(spec.torch_dtype)
+        k = torch.randn(2, hk, 300, d).to(spec.torch_dtype)
+        COMPILED.clear()
+        try:
+            module.forward(q, k, k, k_descale=torch.ones(2, hk))
+        except Exception as err:  # noqa: BLE001 - report every case, then fail
+            failed += 1
+            print(f"FAILED {name} forward: {type(err).__name__}: {str(err)[:4000]}")
+            continue
+        print(f"ok {name} forward: " + "; ".join(COMPILED))
     shared = [kernel for (case, kernel), digest in BINARIES.items()
               if case == "hd64, pointer loads" and BINARIES.get(("hd128, pointer loads", kernel)) == digest]
     if shared or not BINARIES:

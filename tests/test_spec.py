@@ -69,7 +69,7 @@ def test_round_trip_through_yaml(tmp_path):
 
 
 @pytest.mark.parametrize("field,value,words", [
-    ("dtype", "fp13", "expected one of fp16, bf16, fp32, got 'fp13'"),
+    ("dtype", "fp13", "expected one of fp16, bf16, fp32, fp8_e4m3, fp8_e5m2, got 'fp13'"),
     ("head_dim", 0, "from 1 to 256, got 0"),
     ("head_dim", 257, "from 1 to 256, got 257"),
     ("head_dim", "128", "expected an integer, got '128'"),

@@ -31,7 +31,9 @@ except ImportError:
     TensorDescriptor = None
 
 LAYOUTS = ("bhsd", "bshd", "thd")
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+SEQ_DIMS = {"bhsd": 2, "bshd": 1, "thd": 0}  # the sequence dim of q, k, v in each layout
 # The kernels read the spec's constants as tl.constexpr module globals; Triton keys its disk
 # cache by their values from 3.5 on (before, two specs with the same kernel text could share
 # one compiled binary).
@@ -85,6 +87,28 @@ def tensor_descriptor(t, layout, rows, cols):
     return TensorDescriptor(t, list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout)), [1, 1, rows, cols])
 
 
+def transposed_descriptor(t, layout, rows, cols):
+    """A (batch, heads, dim, seq) descriptor of a tensor stored seq-contiguous (FP8's V), one
+    (1, 1, cols, rows) tile per load: the kernel reads a (rows, cols) tile transposed."""
+    b, h, s, d = bhsd_order(t.shape, layout)
+    sb, sh, ss, sd = bhsd_strides(t, layout)
+    return TensorDescriptor(t, [b, h, d, s], [sb, sh, sd, ss], [1, 1, cols, rows])
+
+
+def tma_ready_transposed(t, layout):
+    """tma_ready for a tensor read through transposed_descriptor (its seq dim contiguous)."""
+    sb, sh, ss, sd = bhsd_strides(t, layout)
+    return tma_strides_ok((sb, sh, sd, ss), t.element_size()) and t.data_ptr() % 16 == 0
+
+
+def seq_contiguous(t, seq_dim):
+    """t with its sequence dim contiguous in memory (the layout FP8 MMAs read V in): t itself
+    when it is already so, else one copy."""
+    if t.stride(seq_dim) == 1:
+        return t
+    return t.movedim(seq_dim, -1).contiguous().movedim(-1, seq_dim)
+
+
 class Descriptors:
     """The tensor descriptors of some of a call's tensors, tiled by `blocks` ((rows, cols) each):
     built and checked on the first call of a call plan, then copied onto each later call's
@@ -92,13 +116,14 @@ class Descriptors:
     says so), so the checks TensorDescriptor makes when built hold for the copies and are not
     made again: they cost more than the launch itself."""
 
-    def __init__(self, layout, blocks):
+    def __init__(self, layout, blocks, makers=None):
         self.layout, self.blocks = layout, blocks
+        self.makers = makers or [tensor_descriptor] * len(blocks)  # transposed_descriptor for FP8's V
         self.templates = None  # [(class, fields without the base)] of the first call's descriptors
 
     def __call__(self, *tensors):
         if self.templates is None:
-            made = [tensor_descriptor(t, self.layout, *block) for t, block in zip(tensors, self.blocks)]
+            made = [make(t, self.layout, *block) for make, t, block in zip(self.makers, tensors, self.blocks)]
             self.templates = [(type(d), {**d.__dict__, "base": None}) for d in made]
             return made
         made = []
@@ -201,6 +226,11 @@ class AttentionLauncher:
                               f"found {triton.__version__}")
         self.spec, self.config = spec, config
         self.dtype = TORCH_DTYPES[spec["dtype"]]
+        # FP8 Q/K/V (forward only) write a bf16 output, as FlashAttention-3
+        self.fp8 = spec["dtype"].startswith("fp8")
+        self.out_dtype = torch.bfloat16 if self.fp8 else self.dtype
+        if self.fp8 and config["loop_order"] != "q_outer":
+            raise ValueError(f"loop_order: FP8 attention runs the q_outer forward, got {config['loop_order']!r}")
         self.num_heads, self.num_kv_heads = spec["num_heads"], spec["num_kv_heads"]
         self.block_dv = padded_head_dim(spec["head_dim_v"])
         self.block_d = padded_head_dim(spec["head_dim"])
@@ -425,23 +455,71 @@ class AttentionLauncher:
         except TypeError:
             pass
 
+    # ------------------------------------------------------------------ FP8
+    def descale_args(self, descales, batch, device):
+        """FP8: the q, k, v descale tensors as contiguous float32 (batch, kv_heads) tensors (1 where
+        None) and their two strides; each given one must broadcast to (batch, kv_heads)."""
+        shape = (batch, self.num_kv_heads)
+        out = []
+        for name, d in descales:
+            if d is None:
+                d = self.unused.get(("ones", shape, device))
+                if d is None:
+                    d = self.unused[("ones", shape, device)] = torch.ones(shape, dtype=torch.float32, device=device)
+            else:
+                if not isinstance(d, torch.Tensor) or not d.is_floating_point() or d.device != device:
+                    raise ValueError(f"{name}: expected a float tensor on {device} broadcastable to (batch, kv_heads) "
+                                     f"= {shape}, got {getattr(d, 'dtype', type(d).__name__)} "
+                                     f"{tuple(getattr(d, 'shape', ()))}")
+                try:
+                    d = torch.broadcast_to(d, shape)
+                except RuntimeError:
+                    raise ValueError(f"{name}: expected a shape broadcastable to (batch, kv_heads) = {shape}, "
+                                     f"got {tuple(d.shape)}") from None
+                d = d.to(torch.float32).contiguous()
+            out.append(d)
+        return (*out, shape[1], 1)
+
+    def fp8_inputs(self, q, k, v, layout, cu_seqlens_q, descales):
+        """FP8 calls: V seq-contiguous (the operand layout of the FP8 MMA; a copy when it is not) and
+        the descale arguments. Other specs: refuse descales."""
+        if not self.fp8:
+            for name, d in descales:
+                if d is not None:
+                    raise ValueError(f"{name}: descale factors are for FP8 specs; this spec's dtype is "
+                                     f"{self.spec['dtype']}")
+            return v, ()
+        self.check_inputs(q, k, v, layout)
+        if layout == "thd":
+            if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
+                raise ValueError("cu_seqlens_q: expected a 1-d int32 tensor of batch + 1 offsets")
+            batch = cu_seqlens_q.numel() - 1
+        else:
+            batch = q.shape[0]
+        return seq_contiguous(v, SEQ_DIMS[layout]), self.descale_args(descales, batch, q.device)
+
     # ------------------------------------------------------------------ forward
     def forward(self, q, k, v, *, layout="bhsd", out=None, lse=None, softmax_scale=None, dropout_p=0.0, seed=None,
-                tensors=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, **knobs):
+                tensors=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                q_descale=None, k_descale=None, v_descale=None, **knobs):
         """Attention forward. q: (B, H, Sq, D) for layout 'bhsd', (B, Sq, H, D) for 'bshd', or packed
         (total_q, H, D) for 'thd' with cu_seqlens_q/k and max_seqlen_q/k; k, v likewise with the KV
         heads. Returns (out, lse): out in q's layout with head dim head_dim_v, lse (B, H, Sq) float32
         (natural log; (H, total_q) for 'thd'). ``tensors`` maps the names in TENSORS to tensors.
         Knobs override CONFIG. With dropout_p > 0, seed is a one-element int64 tensor; pass the same
-        one to backward()."""
+        one to backward(). FP8 specs: q, k, v in the spec's FP8 dtype; q/k/v_descale float32 factors
+        broadcastable to (batch, kv_heads) (None: 1): the values are q * q_descale, ...; out is bf16."""
+        v, fp8_args = self.fp8_inputs(q, k, v, layout, cu_seqlens_q, (("q_descale", q_descale),
+                                                                      ("k_descale", k_descale),
+                                                                      ("v_descale", v_descale)))
         key = self.plan_key(("fwd", layout, softmax_scale, dropout_p, max_seqlen_q, max_seqlen_k),
-                            (q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k), tensors, knobs)
+                            (q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, *fp8_args[:3]), tensors, knobs)
         plan = self.cached_plan(key)
         if plan is None:
             plan = self.forward_plan(q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs)
             self.remember(key, plan)
-        return plan(q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k)
+        return plan(q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args)
 
     def forward_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs):
@@ -458,8 +536,9 @@ class AttentionLauncher:
         o_shape = {"bhsd": (batch, num_heads, seqlen_q, dv), "bshd": (batch, seqlen_q, num_heads, dv),
                    "thd": (q.shape[0], num_heads, dv)}[layout]
         lse_shape = (num_heads, q.shape[0]) if layout == "thd" else (batch, num_heads, seqlen_q)
-        if out is not None and (tuple(out.shape) != o_shape or out.dtype != q.dtype):
-            raise ValueError(f"out: expected shape {o_shape} and dtype {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+        if out is not None and (tuple(out.shape) != o_shape or out.dtype != self.out_dtype):
+            raise ValueError(f"out: expected shape {o_shape} and dtype {self.out_dtype}, got {tuple(out.shape)} "
+                             f"{out.dtype}")
         if lse is not None and (tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous()):
             raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape}")
         plan = ForwardPlan(self, layout, q, o_shape, lse_shape, seed=self.plan_seed(seed, dropout_p, q.device),
@@ -489,13 +568,17 @@ class AttentionLauncher:
         flags = dict(VARLEN=layout == "thd", DROPOUT=bool(dropout_p))
         if cfg["loop_order"] == "q_outer":
             grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
-            out_ready = tma_ready(out) if out is not None else tma_strides_ok(o_strides, q.element_size())
-            tma = cfg["tma"] and layout != "thd" and all(tma_ready(t) for t in (q, k, v)) and out_ready
+            out_size = torch.empty((), dtype=self.out_dtype).element_size()
+            out_ready = tma_ready(out) if out is not None else tma_strides_ok(o_strides, out_size)
+            v_ready = tma_ready_transposed(v, layout) if self.fp8 else tma_ready(v)
+            tma = cfg["tma"] and layout != "thd" and tma_ready(q) and tma_ready(k) and v_ready and out_ready
             if tma:
+                v_descriptor = transposed_descriptor if self.fp8 else tensor_descriptor  # FP8: V seq-contiguous
                 plan.descriptors = Descriptors(layout, ((launch["BLOCK_M"], self.block_d),
                                                         (launch["BLOCK_N"], self.block_d),
                                                         (launch["BLOCK_N"], self.block_dv),
-                                                        (launch["BLOCK_M"], self.block_dv)))
+                                                        (launch["BLOCK_M"], self.block_dv)),
+                                               [tensor_descriptor, tensor_descriptor, v_descriptor, tensor_descriptor])
             plan.launch = BoundLaunch(self.forward_kernel, grid, dict(
                 flags, TMA=tma, WARP_SPECIALIZE=cfg["warp_specialize"], **launch))
         else:
@@ -508,11 +591,15 @@ class AttentionLauncher:
     def backward(self, do, q, k, v, out, lse, *, layout="bhsd", softmax_scale=None, dropout_p=0.0, seed=None,
                  deterministic=False, tensors=None, tensor_grads=(), cu_seqlens_q=None, cu_seqlens_k=None,
                  max_seqlen_q=None, max_seqlen_k=None, **knobs):
-        """Gradients (dq, dk, dv, {name: d tensor}) of forward() given dO, in the inputs' layout.
+        """Gradients (dq, dk, dv, {name: d tensor}) of forward() given dO, in the inputs' layout
+        (not for FP8 specs: they are forward-only).
 
         tensor_grads names the GRAD_TENSORS to differentiate (float32 results, in each tensor's shape).
         dq_strategy 'separate' (or deterministic=True) runs a Q-outer dQ kernel; 'atomic' adds
         dQ from the dK/dV kernel into a float32 buffer (one pass fewer, not bitwise repeatable)."""
+        if self.fp8:
+            raise ValueError(f"dtype: FP8 attention ({self.spec['dtype']}) is forward-only; gradients need "
+                             "fp16 or bf16 inputs")
         key = self.plan_key(("bwd", layout, softmax_scale, dropout_p, bool(deterministic), tuple(tensor_grads),
                              max_seqlen_q, max_seqlen_k),
                             (q, k, v, do, out, lse, seed, cu_seqlens_q, cu_seqlens_k), tensors, knobs)

@@ -179,14 +179,14 @@ class ForwardPlan(CallPlan):
 
     def __init__(self, launcher, layout, q, o_shape, lse_shape, *, seed, offsets):
         super().__init__(launcher, layout, q.device, seed=seed, offsets=offsets)
-        self.dtype, self.o_shape, self.lse_shape = q.dtype, o_shape, lse_shape
+        self.dtype, self.o_shape, self.lse_shape = launcher.out_dtype, o_shape, lse_shape
         self.zero_fill = False  # packed sequences without keys: out 0, lse -inf
         self.launch = None  # a BoundLaunch of the forward kernel
         self.head = self.tail = ()  # the kernel's arguments before and after the named tensors'
         self.descriptors = None  # Q-outer with TMA: Descriptors of q, k, v, out
         self.buffers = None  # KV-outer: the (rows, BLOCK_DV) shape of its float32 accumulator
 
-    def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k):
+    def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=()):
         if out is None:
             out = torch.empty(self.o_shape, dtype=self.dtype, device=self.device)
         if lse is None:
@@ -206,7 +206,7 @@ class ForwardPlan(CallPlan):
             self.launch(q, k, v, out, lse, seed, cu_q, cu_k, acc, m, l, *self.head, *extra, *self.tail)
         else:
             tiles = (q, k, v, out) if self.descriptors is None else self.descriptors(q, k, v, out)
-            self.launch(q, k, v, out, lse, seed, cu_q, cu_k, *tiles, *self.head, *extra, *self.tail)
+            self.launch(q, k, v, out, lse, seed, cu_q, cu_k, *tiles, *self.head, *extra, *self.tail, *fp8_args)
         return out, lse
 
 

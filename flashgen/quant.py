@@ -1,0 +1,81 @@
+"""FP8 quantization for FP8 attention: ``flashgen.quantize_fp8`` and its inverse.
+
+An FP8 attention call takes Q, K and V in FP8 with float32 *descale* factors, as
+FlashAttention-3: the value a kernel uses is ``x_fp8 * descale``. One factor per (batch, KV
+head) is what the kernels read (``q_descale``, ``k_descale``, ``v_descale``, each (batch,
+kv_heads)); for Q that factor is shared by the query heads of one KV group.
+
+``block`` also quantizes per block of tokens along the sequence (scales (batch, groups,
+blocks)): finer scales keep more precision where a few tokens carry outliers, for storage
+(an FP8 KV cache written page by page) and for checking how much the per-head scale loses;
+the attention kernels read per-head factors, so pass ``block=None`` for their inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_LAYOUT_DIMS = {"bhsd": (1, 2), "bshd": (2, 1)}  # (head dim, seq dim) of each layout
+
+
+def _fp8_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in FP8_TORCH.values():
+        return dtype
+    if dtype in FP8_TORCH:
+        return FP8_TORCH[dtype]
+    raise ValueError(f"dtype: expected 'fp8_e4m3' or 'fp8_e5m2' (or the torch float8 dtype), got {dtype!r}")
+
+
+def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", group: int = 1,
+                 block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in FP8, float32 descale factors) with x ~= x_fp8 * descale.
+
+    x: (batch, heads, seq, dim) for layout 'bhsd', (batch, seq, heads, dim) for 'bshd'.
+    group: heads that share one factor (a query tensor's GQA group, so its factors line up
+    with the KV heads: pass num_heads // num_kv_heads). Factors: (batch, heads // group), or
+    with ``block`` (batch, heads // group, ceil(seq / block)), one per block of tokens. Each
+    factor maps its slice's largest magnitude to the FP8 type's largest finite value; an all-zero
+    slice gets factor 1.
+    """
+    fp8 = _fp8_dtype(dtype)
+    if layout not in _LAYOUT_DIMS:
+        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"x: expected a 4-d float tensor in layout {layout!r}, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    head_dim, seq_dim = _LAYOUT_DIMS[layout]
+    heads, seqlen = x.shape[head_dim], x.shape[seq_dim]
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or heads % group:
+        raise ValueError(f"group: expected a positive divisor of the {heads} heads, got {group!r}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"block: expected a positive number of tokens or None, got {block!r}")
+    xb = x.float().movedim(head_dim, 1).movedim(seq_dim if seq_dim > head_dim else seq_dim + 1, 2)  # bhsd
+    batch = xb.shape[0]
+    nblocks = 1 if block is None else -(-seqlen // block)
+    size = seqlen if block is None else block
+    padded = torch.nn.functional.pad(xb, (0, 0, 0, nblocks * size - seqlen))
+    tiles = padded.reshape(batch, heads // group, group, nblocks, size, xb.shape[-1])
+    amax = tiles.abs().amax(dim=(2, 4, 5))  # (batch, groups, blocks)
+    descale = torch.where(amax > 0, amax / torch.finfo(fp8).max, torch.ones_like(amax))
+    scaled = tiles / descale[:, :, None, :, None, None]
+    xq = scaled.reshape(padded.shape)[:, :, :seqlen].to(fp8)
+    xq = xq.movedim(2, seq_dim if seq_dim > head_dim else seq_dim + 1).movedim(1, head_dim)
+    return xq.contiguous(), (descale[..., 0] if block is None else descale).contiguous()
+
+
+def dequantize_fp8(xq: torch.Tensor, descale: torch.Tensor, *, layout: str = "bhsd", group: int = 1,
+                   block: int | None = None) -> torch.Tensor:
+    """The float32 values quantize_fp8's (xq, descale) stand for: xq * descale, broadcast back."""
+    if layout not in _LAYOUT_DIMS:
+        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    head_dim, seq_dim = _LAYOUT_DIMS[layout]
+    x = xq.float().movedim(head_dim, 1).movedim(seq_dim if seq_dim > head_dim else seq_dim + 1, 2)
+    scale = descale if block is not None else descale[..., None]
+    scale = scale.repeat_interleave(group, dim=1)
+    if block is not None:
+        scale = scale.repeat_interleave(block, dim=2)[:, :, :x.shape[2]]
+    else:
+        scale = scale.expand(-1, -1, x.shape[2])
+    x = x * scale[..., None]
+    return x.movedim(2, seq_dim if seq_dim > head_dim else seq_dim + 1).movedim(1, head_dim)

@@ -1,0 +1,188 @@
+"""FP8 attention (issue 17): the spec, the quantization helpers, and the FP8 forward kernels
+against FlashAttention-3's accuracy rule, on the CPU interpreter (fp8 dots run there in fp32)
+and, marked gpu, on the GPU (sm89+)."""
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, KernelConfig, SpecError
+from flashgen.verify import assert_attention_close, check_attention, dequantized
+
+SMALL = KernelConfig(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+
+
+def quantized_inputs(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, *, dtype="fp8_e4m3", device="cpu",
+                     outliers=False, seed=0):
+    """FP8 q, k, v (bhsd) and their (batch, kv heads) descales from random float32 values; with
+    ``outliers`` a few channels of each are 20x larger (what per-tensor scales handle worst)."""
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(batch, h, s, head_dim, generator=gen) for h, s in
+          ((heads, seqlen_q), (kv_heads, seqlen_k), (kv_heads, seqlen_k))]
+    if outliers:
+        for x in xs:
+            x[..., ::17] *= 20.0
+    group = heads // kv_heads
+    (q, qd), (k, kd), (v, vd) = (flashgen.quantize_fp8(x, dtype=dtype, group=g) for x, g in
+                                 zip(xs, (group, 1, 1)))
+    return [t.to(device) for t in (q, k, v, qd, kd, vd)]
+
+
+# ----------------------------------------------------------------------------- spec
+@pytest.mark.parametrize("alias,dtype", [("fp8_e4m3", "fp8_e4m3"), ("e4m3", "fp8_e4m3"),
+                                         ("float8_e4m3fn", "fp8_e4m3"), ("e5m2", "fp8_e5m2")])
+def test_spec_accepts_fp8_dtypes(alias, dtype):
+    spec = AttentionSpec(name="f", dtype=alias, head_dim=128, num_heads=4)
+    assert spec.dtype == dtype and spec.fp8
+
+
+def test_fp8_spec_refuses_backward_and_dropout():
+    with pytest.raises(SpecError, match="backward.*forward-only"):
+        AttentionSpec(name="f", dtype="fp8_e4m3", head_dim=64, num_heads=2, backward=True)
+    with pytest.raises(SpecError, match="dropout_p"):
+        AttentionSpec(name="f", dtype="fp8_e4m3", head_dim=64, num_heads=2, dropout_p=0.1)
+
+
+# ----------------------------------------------------------------------------- quantization helpers
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("block", [None, 16])
+def test_quantize_roundtrip(layout, block):
+    x = torch.randn(2, 4, 37, 24) * 3
+    x[0, 1, 5] = 0.0
+    if layout == "bshd":
+        x = x.transpose(1, 2).contiguous()
+    xq, scale = flashgen.quantize_fp8(x, layout=layout, group=2, block=block)
+    assert xq.dtype == torch.float8_e4m3fn and xq.shape == x.shape
+    assert scale.shape == ((2, 2) if block is None else (2, 2, 3)) and scale.dtype == torch.float32
+    back = flashgen.dequantize_fp8(xq, scale, layout=layout, group=2, block=block)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4, and the largest magnitude maps to 448
+    assert torch.allclose(back, x, rtol=2 ** -4, atol=float(scale.max()) * 2 ** -9)
+    assert float(xq.float().abs().max()) == 448.0
+
+
+def test_quantize_errors_name_the_argument():
+    x = torch.randn(1, 4, 8, 16)
+    with pytest.raises(ValueError, match="group"):
+        flashgen.quantize_fp8(x, group=3)
+    with pytest.raises(ValueError, match="dtype"):
+        flashgen.quantize_fp8(x, dtype="int8")
+    with pytest.raises(ValueError, match="block"):
+        flashgen.quantize_fp8(x, block=0)
+    with pytest.raises(ValueError, match="layout"):
+        flashgen.quantize_fp8(x, layout="thd")
+
+
+# ----------------------------------------------------------------------------- the kernels
+CASES = [
+    ("e4m3 gqa", dict(dtype="fp8_e4m3", num_heads=4, num_kv_heads=2), {}),
+    ("e4m3 causal", dict(dtype="fp8_e4m3", num_heads=2, causal=True), {}),
+    ("e5m2 mha", dict(dtype="fp8_e5m2", num_heads=2), {}),
+    ("e4m3 sliding window + softcap", dict(dtype="fp8_e4m3", num_heads=2, mask={"sliding_window": {"left": 20}},
+                                            score_mod={"softcap": 20.0}), {}),
+    ("e4m3 outlier channels", dict(dtype="fp8_e4m3", num_heads=2, causal=True), dict(outliers=True)),
+]
+
+
+@pytest.mark.parametrize("name,fields,extra", CASES, ids=[c[0] for c in CASES])
+def test_fp8_forward_meets_fa3_rule(name, fields, extra, device):
+    spec = AttentionSpec(name="f8", head_dim=64, **fields)
+    config = SMALL if device == "cpu" else None
+    module = flashgen.compile(spec, config).module()
+    q, k, v, qd, kd, vd = quantized_inputs(2, spec.num_heads, spec.num_kv_heads, 77, 93, 64, dtype=spec.dtype,
+                                           device=device, **extra)
+    out, lse = module.forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, spec.num_heads, 77, 64)
+    assert_attention_close(out, lse, q, k, v, causal=spec.causal, mask=fields.get("mask"),
+                           score_mod=fields.get("score_mod"), descales=(qd, kd, vd))
+
+
+def test_fp8_v_in_either_layout_gives_the_same_output(device):
+    spec = AttentionSpec(name="f8", dtype="fp8_e4m3", head_dim=32, num_heads=2, causal=True)
+    module = flashgen.compile(spec, SMALL if device == "cpu" else None).module()
+    q, k, v, qd, kd, vd = quantized_inputs(1, 2, 2, 40, 40, 32, device=device)
+    v_t = v.transpose(2, 3).contiguous().transpose(2, 3)  # seq-contiguous: read without a copy
+    a, _ = module.forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    b, _ = module.forward(q, k, v_t, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(a, b)
+
+
+def test_fp8_descales_scale_the_result(device):
+    """Doubling q's descale is the same as doubling the softmax scale; v's scales the output."""
+    spec = AttentionSpec(name="f8", dtype="fp8_e4m3", head_dim=32, num_heads=2)
+    module = flashgen.compile(spec, SMALL if device == "cpu" else None).module()
+    q, k, v, qd, kd, vd = quantized_inputs(1, 2, 2, 33, 33, 32, device=device)
+    base, _ = module.forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    twice_v, _ = module.forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd * 2)
+    assert torch.allclose(twice_v.float(), 2 * base.float(), rtol=1e-2, atol=1e-3)
+    sharper, lse = module.forward(q, k, v, q_descale=qd * 2, k_descale=kd, v_descale=vd)
+    results = check_attention(sharper, lse, q, k, v, causal=False, descales=(qd * 2, kd, vd))
+    assert all(r.ok for r in results), results
+    assert not torch.equal(sharper, base)
+
+
+def test_fp8_bad_input_is_refused(device):
+    spec = AttentionSpec(name="f8", dtype="fp8_e4m3", head_dim=32, num_heads=2)
+    module = flashgen.compile(spec, SMALL if device == "cpu" else None).module()
+    q, k, v, qd, kd, vd = quantized_inputs(1, 2, 2, 16, 16, 32, device=device)
+    with pytest.raises(ValueError, match="k_descale"):
+        module.forward(q, k, v, k_descale=torch.ones(3, 5, device=device))
+    with pytest.raises(ValueError, match="q: expected dtype"):
+        module.forward(q.float(), k, v)
+    with pytest.raises(ValueError, match="forward-only"):
+        module.backward(q, q, k, v, q, torch.zeros(1, 2, 16, device=device))
+    bf16 = flashgen.compile(AttentionSpec(name="b", dtype="fp16", head_dim=32, num_heads=2), SMALL).module()
+    x = torch.randn(1, 2, 16, 32, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="q_descale: descale factors are for FP8"):
+        bf16.forward(x, x, x, q_descale=qd)
+
+
+def test_dequantized_matches_helper():
+    q, k, v, qd, kd, vd = quantized_inputs(2, 4, 2, 8, 8, 16)
+    assert torch.equal(dequantized(q, qd), flashgen.dequantize_fp8(q, qd, group=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_forward_gpu_default_config(head_dim, causal):
+    spec = AttentionSpec(name="f8", dtype="fp8_e4m3", head_dim=head_dim, num_heads=8, num_kv_heads=2, causal=causal)
+    module = flashgen.compile(spec).module()
+    q, k, v, qd, kd, vd = quantized_inputs(2, 8, 2, 1000, 1000, head_dim, device="cuda", outliers=True)
+    out, lse = module.forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert_attention_close(out, lse, q, k, v, causal=causal, descales=(qd, kd, vd))
+
+
+# ----------------------------------------------------------------------------- entry points
+def test_attention_and_compat_take_fp8_with_descales(device):
+    q, k, v, qd, kd, vd = quantized_inputs(2, 4, 2, 48, 48, 32, device=device)
+    spec = AttentionSpec(name="attention", dtype="fp8_e4m3", head_dim=32, num_heads=4, num_kv_heads=2, causal=True)
+    out, lse = flashgen.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd, return_lse=True)
+    assert out.dtype == torch.bfloat16
+    assert_attention_close(out, lse, q, k, v, causal=True, descales=(qd, kd, vd))
+    direct, _ = flashgen.compile(spec).module().forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out, direct)
+    from flashgen.compat import flash_attn_func
+
+    bshd = [t.transpose(1, 2) for t in (q, k, v)]
+    out2 = flash_attn_func(*bshd, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(out2.transpose(1, 2), out)
+
+
+def test_fp8_attention_refuses_gradients_and_stray_descales(device):
+    q, k, v, qd, kd, vd = quantized_inputs(1, 2, 2, 16, 16, 32, device=device)
+    with pytest.raises(ValueError, match="q: FP8 attention is forward-only"):
+        flashgen.attention(q.requires_grad_(), k, v)
+    x = torch.randn(1, 2, 16, 32, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="k_descale: descale factors are for FP8"):
+        flashgen.attention(x, x, x, k_descale=kd)
+
+
+def test_fp8_attention_compiles_fullgraph():
+    q, k, v, qd, kd, vd = quantized_inputs(1, 2, 2, 24, 24, 32)
+
+    def fn(q, k, v, qd, kd, vd):
+        return flashgen.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+
+    eager = fn(q, k, v, qd, kd, vd)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, qd, kd, vd)
+    assert torch.equal(compiled, eager)
