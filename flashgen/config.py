@@ -263,6 +263,10 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
             if shape.causal and seqlen <= 2048:
                 return cfg(64, 64, 4, 3, tma=True)  # causal S=1024: 0.186 ms vs 0.221 for 128x128
             return dict(cfg(128, 128, 8, 3, tma=True), warp_specialize=True)
+        if spec.fp8:
+            # FP8 hd256 (H100, 16k tokens, triton 3.6): 128x64 with descriptors and warp
+            # specialization 0.89-0.90 PFLOP/s vs 0.71-0.77 for 64x64 (benchmarks/NOTES.md)
+            return dict(cfg(128, 64, 8, 3, tma=True), warp_specialize=True)
         return cfg(64, 64, 4, 2)
     if d <= 64:
         return cfg(128, 64, 4, 3)

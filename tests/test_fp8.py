@@ -2,6 +2,8 @@
 against FlashAttention-3's accuracy rule, on the CPU interpreter (fp8 dots run there in fp32)
 and, marked gpu, on the GPU (sm89+)."""
 
+import os
+
 import pytest
 import torch
 
@@ -186,3 +188,22 @@ def test_fp8_attention_compiles_fullgraph():
     eager = fn(q, k, v, qd, kd, vd)
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, qd, kd, vd)
     assert torch.equal(compiled, eager)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="tunes under the CPU interpreter")
+def test_tuner_verifies_and_stores_an_fp8_spec(tmp_path):
+    """Each FP8 candidate is checked by FA3's rule before it is timed; only the Q-outer forward is
+    searched."""
+    from flashgen.db import EnvInfo, ResultStore
+    from flashgen.space import DeviceLimits, forward_space
+    from flashgen.tuner import InterpretRunner, TuneOptions, tune
+
+    store = ResultStore(f"sqlite:///{tmp_path / 'results.sqlite'}")
+    spec = AttentionSpec(name="f8", dtype="fp8_e4m3", head_dim=16, num_heads=2, causal=True,
+                         tune={"seqlens": [32], "trials": 2})
+    (result,) = tune(spec, InterpretRunner(), store, TuneOptions(trials=2))
+    assert result.phase == "fwd" and result.best is not None
+    trials = store.trials(EnvInfo.current(interpret=True), spec)
+    assert trials and all(t.status == "ok" for t in trials), [t.error for t in trials]
+    space = forward_space(spec, DeviceLimits("H100", 232448, hopper=True))
+    assert space.params["loop_order"] == ("q_outer",) and 256 in space.params["BLOCK_N"]
