@@ -28,7 +28,7 @@ def _fp8_dtype(dtype) -> torch.dtype:
 
 
 def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", group: int = 1,
-                 block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 block: int | None = None, seq_contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in FP8, float32 descale factors) with x ~= x_fp8 * descale.
 
     x: (batch, heads, seq, dim) for layout 'bhsd', (batch, seq, heads, dim) for 'bshd'.
@@ -36,7 +36,9 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
     with the KV heads: pass num_heads // num_kv_heads). Factors: (batch, heads // group), or
     with ``block`` (batch, heads // group, ceil(seq / block)), one per block of tokens. Each
     factor maps its slice's largest magnitude to the FP8 type's largest finite value; an all-zero
-    slice gets factor 1.
+    slice gets factor 1. ``seq_contiguous``: store the result with its sequence dim contiguous
+    (same shape): the layout the FP8 kernels read V in, so a V quantized once this way is not
+    copied on every call (quantize V, or a V cache, with it).
     """
     fp8 = _fp8_dtype(dtype)
     if layout not in _LAYOUT_DIMS:
@@ -61,7 +63,8 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
     scaled = tiles / descale[:, :, None, :, None, None]
     xq = scaled.reshape(padded.shape)[:, :, :seqlen].to(fp8)
     xq = xq.movedim(2, seq_dim if seq_dim > head_dim else seq_dim + 1).movedim(1, head_dim)
-    return xq.contiguous(), (descale[..., 0] if block is None else descale).contiguous()
+    xq = xq.movedim(seq_dim, -1).contiguous().movedim(-1, seq_dim) if seq_contiguous else xq.contiguous()
+    return xq, (descale[..., 0] if block is None else descale).contiguous()
 
 
 def dequantize_fp8(xq: torch.Tensor, descale: torch.Tensor, *, layout: str = "bhsd", group: int = 1,

@@ -244,9 +244,11 @@ def check_attention(out, lse, q, k, v, *, causal: bool, softmax_scale: float | N
             products["pv"] = lambda p8: fp8_matmul(p8, v8t) * _per_head(vd, heads, torch.float32)
         out_pt, lse_pt = reference_attention(q, k, v, compute_dtype=torch.float32, p_dtype=fp8, **products, **kw)
         out_pt = out_pt.to(out.dtype)
+        # The LSE takes no FP8 rounding of P: its error is the q.k accumulation's (the tensor cores'
+        # order differs from cuBLAS's), held to 3x as gradients are, floored at float32 noise.
         return [compare("out", out, out_ref, out_pt, factor=factor, mean_factor=FP8_MEAN_FACTOR),
-                # the LSE takes no FP8 rounding: its reference error is float32 noise alone, floored
-                compare("lse", lse, lse_ref, lse_pt, factor=factor, mean_factor=FP8_MEAN_FACTOR, pt_floor=ATOL_FLOOR)]
+                compare("lse", lse, lse_ref, lse_pt, factor=max(factor, 3.0), mean_factor=FP8_MEAN_FACTOR,
+                        pt_floor=ATOL_FLOOR)]
     elif low_precision:
         out_ref, lse_ref = reference_attention(q, k, v, compute_dtype=torch.float32, **kw)
         out_pt, lse_pt = reference_attention(q, k, v, compute_dtype=q.dtype, **kw)

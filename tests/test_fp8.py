@@ -60,6 +60,9 @@ def test_quantize_roundtrip(layout, block):
     # e4m3 keeps 3 mantissa bits: relative error <= 2^-4, and the largest magnitude maps to 448
     assert torch.allclose(back, x, rtol=2 ** -4, atol=float(scale.max()) * 2 ** -9)
     assert float(xq.float().abs().max()) == 448.0
+    xt, scale_t = flashgen.quantize_fp8(x, layout=layout, group=2, block=block, seq_contiguous=True)
+    assert torch.equal(xt.float(), xq.float()) and torch.equal(scale_t, scale)
+    assert xt.stride(2 if layout == "bhsd" else 1) == 1
 
 
 def test_quantize_errors_name_the_argument():

@@ -489,7 +489,8 @@ class AttentionLauncher:
                     raise ValueError(f"{name}: descale factors are for FP8 specs; this spec's dtype is "
                                      f"{self.spec['dtype']}")
             return v, ()
-        self.check_inputs(q, k, v, layout)
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or q.dim() != (3 if layout == "thd" else 4):
+            self.check_inputs(q, k, v, layout)  # raises, naming the argument
         if layout == "thd":
             if not isinstance(cu_seqlens_q, torch.Tensor) or cu_seqlens_q.dim() != 1:
                 raise ValueError("cu_seqlens_q: expected a 1-d int32 tensor of batch + 1 offsets")
