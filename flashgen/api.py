@@ -348,7 +348,8 @@ def _remember(key, kernel):
 def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p,
                     mask, score_mod) -> str:
     """Under torch.compile: the kernel id of a call's key (with the default or tuned config; its
-    largest bucket's, since the sequence length is dynamic). Run once by dynamo at trace time."""
+    buckets when it has several: the ops pick the call's nearest bucket, the length being dynamic
+    here). Run once by dynamo at trace time."""
     key = (dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p, mask,
            score_mod, None)
     kernel = _BOUND.get(key)
@@ -357,8 +358,8 @@ def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout
                      num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
                      mask=_thaw(mask), score_mod=_thaw(score_mod))
         kernel = _BOUND[key] = _tuned_kernel(spec, None)
-    if kernel.bucket_configs:
-        return kernel.kernel_id(kernel.bucket_configs[max(kernel.bucket_configs)])
+    if kernel.bucket_configs:  # the config follows the call's (symbolic here) length: the ops pick per call
+        return ops.bucketed_id(kernel.spec, kernel.bucket_configs)
     return kernel.kernel_id()
 
 

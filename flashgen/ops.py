@@ -25,6 +25,7 @@ import torch
 from . import masks
 from .codegen import render
 from .config import KernelConfig
+from .space import nearest_bucket
 from .spec import AttentionSpec
 
 
@@ -34,9 +35,43 @@ def kernel_id(spec: AttentionSpec, config: KernelConfig) -> str:
     return json.dumps({"spec": spec.to_dict(), "config": config.to_dict()}, sort_keys=True, separators=(",", ":"))
 
 
+def bucketed_id(spec: AttentionSpec, configs: dict[int, KernelConfig]) -> str:
+    """The id of a kernel whose config follows the call's sequence length ({bucket: config}, the
+    nearest bucket's per call): what torch.compile traces, where the length is symbolic. The ops
+    resolve it to a plain id on each call (``resolve``)."""
+    return json.dumps({"spec": spec.to_dict(), "buckets": {str(b): c.to_dict() for b, c in sorted(configs.items())}},
+                      sort_keys=True, separators=(",", ":"))
+
+
+@lru_cache(maxsize=256)
+def _bucket_ids(kid: str) -> dict[int, str] | None:
+    """{bucket: plain id} of a bucketed id; None for a plain one."""
+    data = json.loads(kid)
+    if "buckets" not in data:
+        return None
+    spec = AttentionSpec.from_dict(data["spec"])
+    return {int(b): kernel_id(spec, KernelConfig.from_dict(c)) for b, c in data["buckets"].items()}
+
+
+def resolve(kernel_id: str, q, k, layout: str, max_q: int, max_k: int) -> str:
+    """The plain id a call runs: the id itself, or a bucketed id's nearest bucket at the call's length."""
+    table = _bucket_ids(kernel_id)
+    if table is None:
+        return kernel_id
+    if layout == "thd":
+        seqlen = max(max_q, max_k)
+    else:
+        seq = 2 if layout == "bhsd" else 1
+        seqlen = max(q.shape[seq], k.shape[seq])
+    return table[nearest_bucket(seqlen, table)]
+
+
 @lru_cache(maxsize=256)
 def kernel_spec(kernel_id: str) -> tuple[AttentionSpec, KernelConfig]:
-    """The (spec, config) an id names."""
+    """The (spec, config) an id names (a bucketed id: its first bucket's config)."""
+    table = _bucket_ids(kernel_id)
+    if table is not None:
+        return kernel_spec(table[min(table)])
     data = json.loads(kernel_id)
     return AttentionSpec.from_dict(data["spec"]), KernelConfig.from_dict(data["config"])
 
@@ -105,7 +140,8 @@ def _backward_grads(do, q, k, v, out, lse, seed, tensors, module, layout, dropou
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, tensors: list[torch.Tensor],
              kernel_id: str, layout: str, dropout_p: float, deterministic: bool, cu_q: torch.Tensor | None,
              cu_k: torch.Tensor | None, max_q: int, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, seed, tensors, kernel_module(kernel_id), layout, dropout_p, cu_q, cu_k, max_q, max_k)
+    return _forward(q, k, v, seed, tensors, kernel_module(resolve(kernel_id, q, k, layout, max_q, max_k)), layout,
+                    dropout_p, cu_q, cu_k, max_q, max_k)
 
 
 @attn_fwd.register_fake
@@ -129,7 +165,8 @@ def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              cu_k: torch.Tensor | None, max_q: int, max_k: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """grad_mask: bit i set = differentiate tensors[i] (a float tensor the score_mod reads)."""
-    dq, dk, dv, grads = _backward_grads(do, q, k, v, out, lse, seed, tensors, kernel_module(kernel_id), layout,
+    module = kernel_module(resolve(kernel_id, q, k, layout, max_q, max_k))
+    dq, dk, dv, grads = _backward_grads(do, q, k, v, out, lse, seed, tensors, module, layout,
                                         dropout_p, deterministic,
                                         [bool(grad_mask >> i & 1) for i in range(len(tensors))], cu_q, cu_k, max_q,
                                         max_k)
@@ -198,7 +235,7 @@ class AttentionFunction(torch.autograd.Function):
 def attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor | None,
                  k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, tensors: list[torch.Tensor],
                  kernel_id: str, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    module = kernel_module(kernel_id)
+    module = kernel_module(resolve(kernel_id, q, k, layout, 0, 0))
     return module.forward(q, k, v, layout=layout, tensors=_named(module, tensors), q_descale=q_descale,
                           k_descale=k_descale, v_descale=v_descale)
 

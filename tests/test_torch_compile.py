@@ -11,7 +11,7 @@ import torch
 import torch._dynamo
 
 import flashgen
-from flashgen import compat
+from flashgen import AttentionSpec, KernelConfig, compat
 
 BACKENDS = ["aot_eager", "eager"]
 # (batch, seqlen): the second call must reuse the first's graph. Sizes are chosen apart from the
@@ -116,3 +116,23 @@ def test_one_off_call_binds_once(monkeypatch):
         assert len(built) == 1
     finally:
         api.spec_for = original
+
+
+def test_compiled_call_runs_the_config_of_its_length_bucket():
+    """Under torch.compile the length is symbolic: the op resolves the nearest bucket's config on
+    each call, so compiled and eager calls run the same kernel (bitwise equal) at any length."""
+    from flashgen import ops
+
+    spec = AttentionSpec(name="attention", dtype="fp32", head_dim=16, num_heads=2, causal=True)
+    small = KernelConfig(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    large = KernelConfig(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    kid = ops.bucketed_id(spec, {16: small, 64: large})
+    q = torch.randn(1, 2, 20, 16)
+    assert ops.resolve(kid, q, q, "bhsd", 0, 0) == ops.kernel_id(spec, small)
+    q = torch.randn(1, 2, 60, 16)
+    assert ops.resolve(kid, q, q, "bhsd", 0, 0) == ops.kernel_id(spec, large)
+    assert ops.kernel_spec(kid) == (spec, small)
+    seed = torch.empty(1, dtype=torch.int64)
+    out, _ = ops.attn_fwd(q, q, q, seed, [], kid, "bhsd", 0.0, False, None, None, 0, 0)
+    ref, _ = flashgen.compile(spec, large).module().forward(q, q, q)
+    assert torch.equal(out, ref)
