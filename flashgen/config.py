@@ -155,7 +155,8 @@ def detect_target() -> str:
 # The sequence-length buckets the defaults are given for (powers of two, as flashgen.load's tuned
 # buckets); a call uses the nearest one (space.nearest_bucket). The largest serves torch.compile,
 # which binds one config for every length.
-DEFAULT_BUCKETS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+DEFAULT_BUCKETS = (256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # 256: calls of up to 512 tokens
+SMALL_CALL = 512  # up to this length a call is host-bound: no tensor descriptors (their setup costs more host time)
 DEFAULT_SEQLEN = 4096  # what default_config(spec) means without a length: the typical bucket
 
 
@@ -220,8 +221,14 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
     d = max(spec.head_dim, spec.head_dim_v)
     seqlen = DEFAULT_SEQLEN if seqlen is None else seqlen
     shape = mask_shape(spec)
-    return KernelConfig(**_forward_defaults(spec, arch, d, shape, seqlen),
-                        **_backward_defaults(spec, arch, d, shape, seqlen))
+    forward, backward = _forward_defaults(spec, arch, d, shape, seqlen), _backward_defaults(spec, arch, d, shape, seqlen)
+    if seqlen <= SMALL_CALL:
+        # A call this short is host-bound: building tensor descriptors costs more host time than the
+        # copy engine saves (H100, B=1 H=16 S=128 hd128 causal: forward 68 vs 41 us of host per call,
+        # do_bench 0.020 vs 0.013 ms; benchmarks/results/2026-11-22-h100-call-path.md).
+        forward["tma"] = False
+        backward["bwd_tma"] = False
+    return KernelConfig(**forward, **backward)
 
 
 def default_configs(spec: AttentionSpec, target: str | None = None) -> dict[int, KernelConfig]:

@@ -8,7 +8,7 @@ import torch
 import flashgen
 from flashgen import AttentionSpec, KernelConfig, default_config
 from flashgen import api, ops, tuner
-from flashgen.config import DEFAULT_BUCKETS, MaskShape, default_configs, mask_shape
+from flashgen.config import DEFAULT_BUCKETS, SMALL_CALL, MaskShape, default_configs, mask_shape
 from flashgen.space import DeviceLimits, backward_space
 
 
@@ -56,6 +56,9 @@ def test_defaults_per_bucket_follow_the_mask_shape_on_sm90():
     assert fwd({"mask": {"document": {}}}, 16384) == (128, 128, 8, True, False)
     assert fwd({"causal": True}, 1024) == (64, 64, 4, True, False)
     for s in DEFAULT_BUCKETS:
+        if s <= SMALL_CALL:  # host-bound calls: no descriptors
+            assert fwd({}, s) == (*long[:3], False, True)
+            continue
         assert fwd({}, s) == long
         if s >= 4096:
             assert fwd({"causal": True}, s) == fwd({"mask": {"prefix_lm": 512}}, s) == long
@@ -69,7 +72,7 @@ def test_backward_defaults():
     for fields in ({}, {"causal": True}, {"mask": WINDOW(256)}, {"mask": {"document": {}}}):
         for s in DEFAULT_BUCKETS:
             c = default_config(_spec(**fields), seqlen=s)
-            assert (c.BLOCK_M1, c.BLOCK_N1, c.bwd_num_stages, c.bwd_tma) == (64, 64, 2, True)
+            assert (c.BLOCK_M1, c.BLOCK_N1, c.bwd_num_stages, c.bwd_tma) == (64, 64, 2, s > SMALL_CALL)
             assert c.bwd_persistent == 0 and c.dq_strategy == "separate"
     assert not default_config(_spec(head_dim=64, causal=True)).bwd_tma
     assert default_config(_spec(head_dim=64)).bwd_tma
@@ -97,7 +100,7 @@ def test_compiled_kernel_runs_the_default_of_each_call_length():
     spec = _spec(mask={"document": {}})
     kernel = flashgen.compile(spec)
     assert kernel.bucket_configs == default_configs(spec) and kernel.config_source == "default"
-    for seqlen, bucket in ((100, 1024), (3000, 4096), (5000, 4096), (12000, 16384), (10**6, 65536)):
+    for seqlen, bucket in ((100, 256), (600, 1024), (3000, 4096), (5000, 4096), (12000, 16384), (10**6, 65536)):
         assert kernel.config_for(seqlen) == default_config(spec, seqlen=bucket)
         assert ops.kernel_spec(kernel._kernel_id_for(None, seqlen))[1] == default_config(spec, seqlen=bucket)
     # a given config is used at every length
