@@ -12,10 +12,9 @@ from .codegen import render
 from .config import KernelConfig, default_config, default_configs
 from .runtime import host
 from .space import nearest_bucket
-from .spec import MAX_HEAD_DIM, AttentionSpec
+from .spec import DTYPES, FP8_DTYPES, MAX_HEAD_DIM, AttentionSpec
 
-_TORCH_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-                 torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+_TORCH_DTYPES = {getattr(torch, name): dtype for dtype, name in DTYPES.items()}  # torch dtype -> spec dtype
 
 
 _UNUSED_SEEDS: dict[torch.device, torch.Tensor] = {}  # device -> the seed tensor passed when dropout is off
@@ -207,7 +206,7 @@ def _spec(*, dtype, head_dim, head_dim_v, num_heads, num_kv_heads, causal, softm
         dropout_p=dropout_p,
         mask=mask,
         score_mod=score_mod,
-        backward=dtype not in ("fp8_e4m3", "fp8_e5m2"),  # FP8 is forward-only
+        backward=dtype not in FP8_DTYPES,  # FP8 is forward-only
     )
 
 
@@ -375,7 +374,7 @@ def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=
     kernel_id = _traced_binding(*key[:-1])
     names = _traced_tensor_names(*key[:-1])
     named = [tensors[name] for name in names.split(",")] if names else []
-    if key[0] in ("fp8_e4m3", "fp8_e5m2") or any(d is not None for d in descales):
+    if key[0] in FP8_DTYPES or any(d is not None for d in descales):
         out, lse = ops.attn_fwd_fp8(q, k, v, *descales, named, kernel_id, layout)
         return (out, lse) if return_lse else out
     p = float(key[8])

@@ -235,7 +235,12 @@ class AttentionFunction(torch.autograd.Function):
 def attn_fwd_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_descale: torch.Tensor | None,
                  k_descale: torch.Tensor | None, v_descale: torch.Tensor | None, tensors: list[torch.Tensor],
                  kernel_id: str, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    module = kernel_module(resolve(kernel_id, q, k, layout, 0, 0))
+    return _forward_fp8(q, k, v, (q_descale, k_descale, v_descale), tensors,
+                        kernel_module(resolve(kernel_id, q, k, layout, 0, 0)), layout)
+
+
+def _forward_fp8(q, k, v, descales, tensors, module, layout):
+    q_descale, k_descale, v_descale = descales
     return module.forward(q, k, v, layout=layout, tensors=_named(module, tensors), q_descale=q_descale,
                           k_descale=k_descale, v_descale=v_descale)
 
@@ -255,10 +260,7 @@ def apply_fp8_attention(q, k, v, descales, *, kernel_id: str, layout: str, tenso
             if getattr(t, "requires_grad", False):
                 raise ValueError(f"{name}: FP8 attention is forward-only; it cannot differentiate a tensor that "
                                  "requires grad (use bf16 or fp16 for training)")
-    module = kernel_module(kernel_id)
-    q_descale, k_descale, v_descale = descales
-    return module.forward(q, k, v, layout=layout, tensors=_named(module, tensors), q_descale=q_descale,
-                          k_descale=k_descale, v_descale=v_descale)
+    return _forward_fp8(q, k, v, descales, tensors, kernel_module(kernel_id), layout)
 
 
 def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor, tensors=(), dropout_p: float = 0.0,

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import torch
 
-FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+from .spec import DTYPES, FP8_DTYPES
+
+FP8_TORCH = {name: getattr(torch, DTYPES[name]) for name in FP8_DTYPES}
 _LAYOUT_DIMS = {"bhsd": (1, 2), "bshd": (2, 1)}  # (head dim, seq dim) of each layout
 
 

@@ -22,6 +22,7 @@ import torch
 
 from . import masks
 from .expr.to_torch import evaluate, tensors_at_rank
+from .spec import DTYPES, FP8_DTYPES
 
 FP32_RTOL = 1e-5
 # TESTING.md's "3x for gradients" loosens the max rule; the mean rule's 1.1x is loosened to
@@ -37,7 +38,7 @@ GRAD_MEAN_FACTOR = 3.0
 # channels that alone moves the mean error by 1.2-1.4x (measured on the interpreter).
 FP8_MEAN_FACTOR = 2.0
 FP8_P_SCALE = 256.0  # the FP8 kernels' P_SCALE: P * 256 is rounded to FP8
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8_TORCH = tuple(getattr(torch, DTYPES[name]) for name in FP8_DTYPES)  # the torch dtypes of FP8 specs
 ATOL_FLOOR = 1e-5
 
 
@@ -183,12 +184,10 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | 
 def dequantized(x, descale, layout="bhsd"):
     """FP8 x (bhsd or bshd) times its (batch, kv heads) descale (None: 1), in float32; query heads
     take the factor of their KV group."""
-    x32 = x.float()
     if descale is None:
-        return x32
-    head = 1 if layout == "bhsd" else 2
-    d = descale.float().expand(x.shape[0], -1).repeat_interleave(x.shape[head] // descale.shape[-1], dim=1)
-    return x32 * (d[:, :, None, None] if layout == "bhsd" else d[:, None, :, None])
+        return x.float()
+    d = _per_head(descale.expand(x.shape[0], -1), x.shape[1 if layout == "bhsd" else 2], torch.float32)
+    return x.float() * (d if layout == "bhsd" else d.transpose(1, 2))
 
 
 def fp8_matmul(a, b):
@@ -226,7 +225,7 @@ def check_attention(out, lse, q, k, v, *, causal: bool, softmax_scale: float | N
     low_precision = q.dtype in (torch.float16, torch.bfloat16)
     kw = dict(causal=causal, softmax_scale=softmax_scale, layout=layout, mask=mask, score_mod=score_mod,
               tensors=tensors)
-    if q.dtype in FP8_DTYPES:
+    if q.dtype in _FP8_TORCH:
         fp8, raw = v.dtype, (q, k, v)
         q, k, v = (dequantized(t, d, layout) for t, d in zip((q, k, v), descales))
         # float64: with outlier channels the scores reach the hundreds, where a float32
