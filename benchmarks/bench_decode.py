@@ -22,7 +22,17 @@ graph_ratio_vs_<anchor>: the same for flashgen_graph}.
 TBps = the cache bytes the call must read (K and V of every batch element) / time. Writes
 <date>-<gpu>-decode.json and .md into --out.
 
+--fp8 (issue 17): the FP8 KV cache. Rows B=8 KV8192, B=64 KV4096, B=1 KV131072 and paged-16
+(B=8 KV8192): "flashgen" is the bf16 cache as above, "flashgen_fp8" the same keys and values
+quantized to float8_e4m3fn (flashgen.quantize_fp8: per (batch, KV head) descales, flash-attn 3's
+k_descale / v_descale) through flash_attn_with_kvcache with bf16 queries, checked against SDPA
+on the dequantized cache. TBps counts each provider's own cache bytes (FP8: 1 byte per element),
+ratio_vs_bf16 = flashgen (bf16 cache) us / flashgen_fp8 us, tbps_ratio_vs_bf16 = FP8 TB/s / bf16
+TB/s (the issue's "Done when": >= 1), ratio_vs_<anchor> = anchor us / flashgen_fp8 us (the
+anchors read the bf16 cache: they have no FP8-cache decode). Writes <date>-<gpu>-decode-fp8.*.
+
     PYTHONPATH=. python3 benchmarks/bench_decode.py --out benchmarks/results/
+    PYTHONPATH=. python3 benchmarks/bench_decode.py --fp8 --out benchmarks/results/
     PYTHONPATH=. TRITON_INTERPRET=1 python3 benchmarks/bench_decode.py --smoke --out /tmp/x   # CPU, tiny
 """
 
@@ -48,11 +58,15 @@ from flashgen.timing import time_ms, wall_ms  # noqa: E402
 # (batch, q_len, KV length)
 CASES = [(8, 1, 8192), (64, 1, 4096), (1, 1, 131072), (8, 16, 8192)]
 PAGED = {"batch": 8, "q_len": 1, "kv": 8192, "page_sizes": (1, 16, 256)}
+FP8_CASES = [(8, 1, 8192), (64, 1, 4096), (1, 1, 131072)]
+FP8_PAGED = {"batch": 8, "q_len": 1, "kv": 8192, "page_sizes": (16,)}
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 ANCHORS = ("sdpa_flash", "sdpa_cudnn", "flex")
 # The smoke run: the same code on the CPU interpreter at toy sizes (fp16: the interpreter's bf16 dot is wrong).
 SMOKE_CASES = [(2, 1, 40), (1, 3, 33)]
 SMOKE_PAGED = {"batch": 2, "q_len": 1, "kv": 40, "page_sizes": (1, 16)}
+SMOKE_FP8_CASES = [(2, 1, 40)]
+SMOKE_FP8_PAGED = {"batch": 2, "q_len": 1, "kv": 40, "page_sizes": (16,)}
 SMOKE_HEADS = (4, 2, 16)
 TOLERANCE = 3e-2  # max |out - check| for bf16/fp16 outputs of O(1)
 
@@ -120,7 +134,21 @@ def _ratios(row, flashgen_key, anchors, prefix=""):
         row[f"{prefix}ratio_vs_fastest"] = min(timed.values()) / ours
 
 
-def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, smoke, timer):
+def _fp8_cache(k_cache, v_cache):
+    """The bf16 cache in float8_e4m3fn with per (batch, KV head) descales, and SDPA's check on its dequantized values."""
+    k8, k_descale = flashgen.quantize_fp8(k_cache, layout="bshd")
+    v8, v_descale = flashgen.quantize_fp8(v_cache, layout="bshd")
+    deq = lambda x, d: (x.float() * d[:, None, :, None]).to(k_cache.dtype).transpose(1, 2)  # noqa: E731
+    return k8, v8, k_descale, v_descale, deq(k8, k_descale), deq(v8, v_descale)
+
+
+def _fp8_ratios(row):
+    bf16, fp8 = (row.get("flashgen") or {}), (row.get("flashgen_fp8") or {})
+    row["ratio_vs_bf16"] = bf16["us"] / fp8["us"] if "us" in bf16 and "us" in fp8 else None
+    row["tbps_ratio_vs_bf16"] = fp8["TBps"] / bf16["TBps"] if "us" in bf16 and "us" in fp8 else None
+
+
+def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, smoke, timer, fp8=False):
     gen = torch.Generator().manual_seed(0)
     randn = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
     q = randn(batch, q_len, heads, head_dim)
@@ -138,8 +166,16 @@ def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, sm
     m = lambda name, fn, graph=False: _measure(row, name, fn, check, bytes_read, timer, graph)  # noqa: E731
     compat = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)  # noqa: E731
     m("flashgen", compat)
-    m("flashgen_native", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens))
-    if not smoke:
+    if fp8:  # the same cache in FP8: flashgen's FP8 path against its own check, its own bytes
+        k8, v8, k_descale, v_descale, kd, vd = _fp8_cache(k_cache, v_cache)
+        fp8_check = _sdpa(None if smoke else torch.nn.attention.SDPBackend.FLASH_ATTENTION)(qh, kd, vd)
+        _measure(row, "flashgen_fp8", lambda: flash_attn_with_kvcache(
+            q, k8, v8, cache_seqlens=seqlens, causal=True, k_descale=k_descale, v_descale=v_descale),
+            fp8_check.transpose(1, 2).float(), bytes_read // k_cache.element_size(), timer)
+        _fp8_ratios(row)
+    else:
+        m("flashgen_native", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens))
+    if not smoke and not fp8:
         m("flashgen_graph", compat, graph=True)
     if smoke:
         m("sdpa_math", lambda: _sdpa(None)(qh, kh, vh).transpose(1, 2))
@@ -152,30 +188,45 @@ def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, sm
             m("flex", lambda: flex(qh, kh, vh).transpose(1, 2))
         except Exception as exc:
             row["flex"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
-    _ratios(row, "flashgen", ("sdpa_math",) if smoke else ANCHORS)
-    if not smoke:
+    _ratios(row, "flashgen_fp8" if fp8 else "flashgen", ("sdpa_math",) if smoke else ANCHORS)
+    if not smoke and not fp8:
         _ratios(row, "flashgen_graph", ANCHORS, prefix="graph_")
     return row, (q, k_cache, v_cache, seqlens, check, bytes_read)
 
 
-def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke):
+def _paged(cache, table, page_size):
+    """A contiguous cache (batch, kv, heads, dim) in pages (pages, page_size, heads, dim) at the block table's pages."""
+    batch, kv = cache.shape[:2]
+    pages = torch.zeros((table.numel(), page_size, *cache.shape[2:]), dtype=torch.float32, device=cache.device)
+    j = torch.arange(kv, device=cache.device)
+    for b in range(batch):
+        pages[table[b, j // page_size].long(), j % page_size] = cache[b].float()
+    return pages.to(cache.dtype)
+
+
+def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke, fp8=False):
     """The contiguous case's inputs in a paged cache (shuffled pages) against the contiguous call."""
     q, k_cache, v_cache, seqlens, check, bytes_read = inputs
     batch, kv = k_cache.shape[:2]
     per_seq = -(-kv // page_size)
     gen = torch.Generator().manual_seed(1)
     table = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq).to(torch.int32).to(q.device)
-    shape = (batch * per_seq, page_size, *k_cache.shape[2:])
-    k_pages = torch.zeros(shape, dtype=k_cache.dtype, device=q.device)
-    v_pages = torch.zeros(shape, dtype=v_cache.dtype, device=q.device)
-    j = torch.arange(kv, device=q.device)
-    for b in range(batch):
-        k_pages[table[b, j // page_size].long(), j % page_size] = k_cache[b]
-        v_pages[table[b, j // page_size].long(), j % page_size] = v_cache[b]
+    k_pages, v_pages = _paged(k_cache, table, page_size), _paged(v_cache, table, page_size)
     row = {"case": contiguous_row["case"], "mode": f"paged-{page_size}", "page_size": page_size}
+    if fp8:
+        k8, v8, k_descale, v_descale, kd, vd = _fp8_cache(k_cache, v_cache)
+        k8, v8 = _paged(k8, table, page_size), _paged(v8, table, page_size)
+        fp8_check = _sdpa(None if smoke else torch.nn.attention.SDPBackend.FLASH_ATTENTION)(
+            q.transpose(1, 2), kd, vd).transpose(1, 2).float()
+        _measure(row, "flashgen_fp8", lambda: flash_attn_with_kvcache(
+            q, k8, v8, cache_seqlens=seqlens, block_table=table, causal=True, k_descale=k_descale,
+            v_descale=v_descale), fp8_check, bytes_read // k_cache.element_size(), timer)
     paged = lambda: flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,  # noqa: E731
                                             block_table=table, causal=True)
     _measure(row, "flashgen", paged, check, bytes_read, timer)
+    if fp8:
+        _fp8_ratios(row)
+        return row
     if not smoke:
         _measure(row, "flashgen_graph", paged, check, bytes_read, timer, graph=True)
         contiguous, ours = (contiguous_row.get("flashgen_graph") or {}).get("us"), row["flashgen_graph"].get("us")
@@ -188,12 +239,15 @@ def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke):
 
 
 def markdown(rows, env):
-    providers = ["flashgen", "flashgen_native", "flashgen_graph", *ANCHORS, "sdpa_math"]
+    providers = ["flashgen", "flashgen_fp8", "flashgen_native", "flashgen_graph", *ANCHORS, "sdpa_math"]
     providers = [p for p in providers if any(p in r for r in rows)]
-    ratios = sorted({key for r in rows for key in r if key.startswith("ratio_vs_")})
+    ratios = sorted({key for r in rows for key in r if key.startswith(("ratio_vs_", "tbps_ratio_vs_"))})
     lines = [f"GPU: {env.get('gpu', 'none (CPU interpreter)')} | torch {env['torch']} | triton {env['triton']} | "
              f"flashgen {env['flashgen']} | {time.strftime('%Y-%m-%d')}", "",
-             "Each cell: microseconds (cache TB/s). Ratios: anchor time / flashgen time (> 1: flashgen faster).", "",
+             "Each cell: microseconds (cache TB/s). Ratios: anchor time / flashgen time (> 1: flashgen faster)"
+             + ("; with an FP8 cache: anchor (bf16 cache) / flashgen_fp8, ratio_vs_bf16 = flashgen (bf16 cache) / "
+                "flashgen_fp8, tbps_ratio_vs_bf16 = FP8 cache TB/s (1 byte per element) / bf16 cache TB/s."
+                if any("flashgen_fp8" in r for r in rows) else "."), "",
              "| case | mode | " + " | ".join(providers) + " | " + " | ".join(ratios) + " |",
              "|---" * (2 + len(providers) + len(ratios)) + "|"]
 
@@ -217,16 +271,23 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU interpreter (TRITON_INTERPRET=1)")
+    ap.add_argument("--fp8", action="store_true", help="the FP8 KV cache against the bf16 one (issue 17)")
     args = ap.parse_args(argv)
     env = environment()
-    if args.smoke:
+    if args.smoke and args.fp8:
+        cases, paged, (heads, kv_heads, head_dim) = SMOKE_FP8_CASES, SMOKE_FP8_PAGED, SMOKE_HEADS
+        dtype, device, timer = torch.float16, "cuda" if torch.cuda.is_available() else "cpu", wall_ms
+    elif args.fp8:
+        cases, paged, (heads, kv_heads, head_dim) = FP8_CASES, FP8_PAGED, (HEADS, KV_HEADS, HEAD_DIM)
+        dtype, device, timer = torch.bfloat16, "cuda", time_ms
+    elif args.smoke:
         cases, paged, (heads, kv_heads, head_dim) = SMOKE_CASES, SMOKE_PAGED, SMOKE_HEADS
         dtype, device, timer = torch.float16, "cuda" if torch.cuda.is_available() else "cpu", wall_ms
     else:
         cases, paged, (heads, kv_heads, head_dim) = CASES, PAGED, (HEADS, KV_HEADS, HEAD_DIM)
         dtype, device, timer = torch.bfloat16, "cuda", time_ms
     kw = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device, smoke=args.smoke,
-              timer=timer)
+              timer=timer, fp8=args.fp8)
     rows, paged_inputs = [], None
     for batch, q_len, kv in cases:
         t0 = time.time()
@@ -240,9 +301,9 @@ def main(argv=None):
         rows.append(row)
         paged_inputs = (row, inputs)
     for page_size in paged["page_sizes"]:
-        rows.append(bench_paged(page_size, *paged_inputs, timer=timer, smoke=args.smoke))
+        rows.append(bench_paged(page_size, *paged_inputs, timer=timer, smoke=args.smoke, fp8=args.fp8))
     gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0] if env.get("gpu") else "cpu"
-    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-decode{'-smoke' if args.smoke else ''}"
+    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-decode{'-fp8' if args.fp8 else ''}{'-smoke' if args.smoke else ''}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))

@@ -54,6 +54,11 @@ def cases():
         pages = torch.empty(batch * per_seq, page, kv_heads, dim, dtype=dtype)
         out[f"paged-{page} compat"] = (lambda p=pages, t=table: flash_attn_with_kvcache(
             q, p, p, cache_seqlens=seqlens, block_table=t, causal=True))
+    # an FP8 cache with flash-attn 3's descales (issue 17)
+    fp8 = torch.empty(batch, kv, kv_heads, dim, dtype=torch.float8_e4m3fn)
+    scale = torch.ones(batch, kv_heads)
+    out["B=8 q1 KV8192 fp8 compat"] = lambda: flash_attn_with_kvcache(q, fp8, fp8, cache_seqlens=seqlens, causal=True,
+                                                                       k_descale=scale, v_descale=scale)
     return out
 
 
@@ -65,7 +70,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     driver.set_active(sm90_compile.Sm90Driver())
     jit.JITFunction.run = sm90_compile._compile_only(jit.JITFunction.run)
-    # The bound launches (flashgen/runtime/decode.py, BoundKernel) call the compiled kernel's
+    # The bound launches (flashgen/runtime/launch.py's BoundLaunch) call the compiled kernel's
     # launcher: here a no-op, so what is timed is flashgen's host work up to the launcher's call.
     from triton.compiler.compiler import CompiledKernel
     CompiledKernel.run = property(lambda self: (lambda *args: None))

@@ -96,7 +96,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, check="async"):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, q_descale=None,
+                            k_descale=None, v_descale=None, check="async"):
     """flash_attn_with_kvcache: q (batch, seqlen_q, heads, head_dim) over a KV cache.
 
     k_cache, v_cache: (batch_cache, seqlen_cache, kv_heads, head_dim), or paged (num_blocks,
@@ -107,6 +108,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rows of a contiguous cache. num_splits: 0 the tuned count or a heuristic, 1 no split, n that
     many. Returns out, and (out, softmax_lse (batch, heads, seqlen_q)) with return_softmax_lse.
     Rotary embedding and cache_leftpad are not supported (apply rotary to q and k before the call).
+
+    FP8 cache (flash-attn 3's names and shapes): k_cache and v_cache in float8_e4m3fn or
+    float8_e5m2 with k_descale, v_descale float32 (batch, kv_heads) (1.0 where not given), q in
+    bf16 or fp16 (the output's dtype), or q in FP8 too with q_descale (the output then bf16). The
+    cache holds x / descale; attention runs over x_fp8 * descale. New k, v come in q's dtype (bf16
+    or fp16) and are quantized into the cache on write with k_descale / v_descale, as vLLM writes
+    its FP8 cache; FP8 k, v are refused. Needs sm89+ (Ada, Hopper).
 
     An index of cache_seqlens, block_table or cache_batch_idx outside the cache is never read or
     written and raises ValueError naming the argument: without waiting for the GPU, at the next
@@ -125,7 +133,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     tensors = {"alibi_slopes": alibi_slopes} if alibi_slopes is not None else None
     out, lse = launcher.decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
                                cache_batch_idx=cache_batch_idx, tensors=tensors, return_lse=return_softmax_lse,
-                               num_splits=int(num_splits), check=check)
+                               num_splits=int(num_splits), check=check, q_descale=q_descale, k_descale=k_descale,
+                               v_descale=v_descale)
     if not return_softmax_lse:
         return out
     return out, torch.where(lse == float("-inf"), float("inf"), lse)  # flash-attn's empty-row LSE

@@ -12,6 +12,13 @@ Tuned decode knobs (``flashgen tune`` of a spec with a ``tune.decode`` section, 
 flashgen/decode_space.py) are read once per spec from the results database, then from the
 shipped tuning_db/, and used by every call that overrides no knob; without them the call
 runs the heuristic defaults.
+
+FP8 KV cache: k_cache and v_cache in float8_e4m3fn or float8_e5m2 with float32 k_descale /
+v_descale (batch, kv_heads) (flash-attn 3's names and shapes; a missing one is 1.0); q stays in
+the spec's dtype (or is FP8 too, with q_descale). The kernels read half the bytes of a bf16
+cache and compute attention over the dequantized cache (x_fp8 * descale). New keys and values
+k, v come in the spec's dtype and are quantized on write (x / descale, saturated, rounded to
+nearest even), as serving frameworks (vLLM's reshape_and_cache) do.
 """
 
 from __future__ import annotations
@@ -78,7 +85,8 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
            num_splits: int = 0, BLOCK_N: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, page_prefetch: bool | None = None, check: str = "async",
-           config: KernelConfig | None = None, **tensors):
+           config: KernelConfig | None = None, q_descale: torch.Tensor | None = None,
+           k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None, **tensors):
     """Attention of q (batch, seqlen_q, heads, head_dim) over a KV cache, with a spec's mask and score_mod.
 
     spec_or_kernel: an AttentionKernel (flashgen.compile) or anything flashgen.compile takes (an
@@ -91,7 +99,7 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cache_seqlens: a call is CUDA-graph capturable): the tuned one where the spec was tuned for
     decode, else FA3's heuristic. The tensors the spec's mask or score_mod reads are passed by
     name. out, lse: buffers to write into. Returns out (batch, seqlen_q, heads, head_dim_v) in
-    q's dtype, and with return_lse the log-sum-exp (batch, heads, seqlen_q) float32 (-inf where
+    the spec's dtype, and with return_lse the log-sum-exp (batch, heads, seqlen_q) float32 (-inf where
     a row sees no key).
 
     Bounds: an index of cache_seqlens, block_table or cache_batch_idx outside the cache is never
@@ -99,20 +107,27 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     without waiting, at the next decode call (or flashgen.kvcache.check_bounds()) after the
     kernels met it, the outputs of the call that met it being meaningless; check="sync": at once,
     waiting for the call's kernels (see flashgen/runtime/decode.py).
+
+    FP8 (see the module docstring): k_cache and v_cache (one dtype) may be float8_e4m3fn or
+    float8_e5m2, q too; q_descale, k_descale, v_descale: float32 (batch, kv_heads), each only for
+    an FP8 tensor (else ValueError naming it); k, v stay in the spec's dtype. Needs sm89+ on a GPU.
     """
     kernel = spec_or_kernel if isinstance(spec_or_kernel, AttentionKernel) else compile_spec(
         AttentionSpec.coerce(spec_or_kernel))
     out, lse = decode_launcher(kernel, config).decode(
         q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, cache_batch_idx=cache_batch_idx,
         softmax_scale=softmax_scale, tensors=tensors, out=out, lse=lse, return_lse=return_lse, BLOCK_N=BLOCK_N,
-        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, page_prefetch=page_prefetch, check=check)
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, page_prefetch=page_prefetch, check=check,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     return (out, lse) if return_lse else out
 
 
 def compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slopes, softmax_scale):
     """The DecodeLauncher of a flash_attn_with_kvcache call: the spec its arguments describe is
     built, checked and compiled once per plain key (dtypes, heads, head dims, causal, window,
-    softcap, ALiBi's rank, scale), then found with one dict lookup."""
+    softcap, ALiBi's rank, scale), then found with one dict lookup. An FP8 q (flash-attn 3's
+    all-FP8 call) computes and outputs in bf16, as flash-attn 3 does; an FP8 cache does not
+    change the spec (its kernels read any cache dtype)."""
     try:
         key = (q.dtype, q.shape[2], q.shape[3], k_cache.shape[2], k_cache.shape[3], v_cache.shape[3], bool(causal),
                tuple(window_size) if window_size is not None else None, float(softcap or 0.0),
@@ -125,6 +140,8 @@ def compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slo
         from .compat import _variant
 
         causal, mask, mods, _ = _variant(causal, window_size, softcap, alibi_slopes)
+        if isinstance(q, torch.Tensor) and q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            q = q.new_empty(q.shape, dtype=torch.bfloat16)  # the spec's dtype: bf16, flash-attn 3's output
         spec = spec_for(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, layout="bshd", mask=mask,
                         score_mod=mods)
         launcher = decode_launcher(compile_spec(spec))

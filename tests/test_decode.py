@@ -7,6 +7,7 @@ a kernel that reads a key it should not produces NaN and fails. Outputs are pois
 before the call, so an element the kernels never write fails too.
 """
 
+import inspect
 import random
 
 import pytest
@@ -564,16 +565,16 @@ def test_repeated_calls_check_and_plan_once_and_read_no_tensor(monkeypatch):
         launcher.decode(q, cache, cache, torch.tensor(lengths, dtype=torch.int32), block_table=table, num_splits=2)
     launcher.decode(q, cache, cache, torch.tensor([1, 1], dtype=torch.int32), block_table=table, num_splits=3)
     monkeypatch.undo()
-    assert len(prepared) == 2 and len(launcher.kernel.fn.launches) == 4
-    assert launcher.kernel.fn.launches[0] == launcher.kernel.fn.launches[2]
+    assert len(prepared) == 2 and len(launcher.kernel.launches) == 4
+    assert launcher.kernel.launches[0] == launcher.kernel.launches[2]
     # every grid has three sizes: the bound launch passes them to the compiled launcher as such
-    launcher.append_kernel = host_decode.BoundKernel(_Recorder())
+    launcher.append_kernel = _Recorder()
     new = torch.ones(2, 1, 2, 16, dtype=torch.float16)
     launcher.decode(q, cache, cache, torch.tensor([1, 1], dtype=torch.int32), k=new, v=new, block_table=table,
                     num_splits=2)
     kernels = (launcher.kernel, launcher.combine_kernel, launcher.append_kernel)
-    assert all(kernel.fn.launches for kernel in kernels)
-    assert all(len(grid) == 3 for kernel in kernels for grid, _, _ in kernel.fn.launches)
+    assert all(kernel.launches for kernel in kernels)
+    assert all(len(grid) == 3 for kernel in kernels for grid, _, _ in kernel.launches)
     # a bad second call with the same shapes as a good one is still checked
     with pytest.raises(ValueError, match="k_cache: expected dtype"):
         launcher.decode(q, cache.float(), cache, torch.tensor([3, 9], dtype=torch.int32), block_table=table)
@@ -592,8 +593,11 @@ class _Compiled:
 
 
 class _Jit:
-    def __init__(self):
+    """Stands in for a compiled JITFunction (what BoundLaunch binds): Triton's path recorded."""
+
+    def __init__(self, real):
         self.calls, self.compiled = [], _Compiled()
+        self.signature, self.device_caches = inspect.signature(getattr(real, "fn", real)), {0: ()}
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -602,21 +606,34 @@ class _Jit:
         return launch
 
 
-def test_bound_kernel_launches_through_the_compiled_launcher(monkeypatch):
-    # The first launch of a key goes through Triton (compiling); later ones call the compiled
-    # kernel's launcher with the grid, the stream and every argument; a new key, and launch hooks,
-    # go through Triton again.
-    import triton
+def test_launches_are_bound_after_the_first(monkeypatch):
+    # Decode launches through flashgen.runtime.launch's BoundLaunch: the first call of a signature
+    # (and of a pointer alignment) takes Triton's path; later ones call the compiled kernel's
+    # launcher with the grid, the stream, the arguments and the constexprs in signature order.
+    from flashgen.runtime import launch
 
-    monkeypatch.setattr(host_decode.BoundKernel, "stream", staticmethod(lambda: 7))
-    fn = _Jit()
-    bound = host_decode.BoundKernel(fn)
-    bound.launch("a", (2, 1, 3), (1, 2.0, True), 4, 3)
-    bound.launch("a", (5, 1, 3), (4, 2.0, True), 4, 3)
-    assert len(fn.calls) == 1 and fn.calls[0][2] == {"num_warps": 4, "num_stages": 3}
-    assert fn.compiled.runs == [(5, 1, 3, 7, "function", "metadata", None, None, None, 4, 2.0, True)]
-    bound.launch("b", (1, 1, 1), (0, 1.0, False), 4, 3)
-    assert len(fn.calls) == 2
-    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)  # as triton 3.6 sets one
-    bound.launch("a", (1, 1, 1), (4, 2.0, True), 4, 3)
-    assert len(fn.calls) == 3 and len(fn.compiled.runs) == 1
+    driver = type("Driver", (), {"get_current_device": lambda self: 0,
+                                 "get_current_stream": lambda self, device: 7})()
+    monkeypatch.setattr(launch, "triton_driver", type("Config", (), {"active": driver})())
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    module = flashgen.compile(spec).module()
+    kernel, combine = _Jit(module._attn_decode), _Jit(module._decode_combine)
+    launcher = host_decode.DecodeLauncher(attention=module._LAUNCHER, kernel=kernel, combine_kernel=combine)
+    launcher.append_kernel = append = _Jit(host_decode._decode_append)
+    q = torch.zeros(2, 1, 4, 16, dtype=torch.float16)
+    cache = torch.zeros(2, 8, 2, 16, dtype=torch.float16)
+    new = torch.ones(2, 1, 2, 16, dtype=torch.float16)
+    for _ in range(3):
+        launcher.decode(q, cache, cache, torch.tensor([3, 4], dtype=torch.int32), k=new, v=new, num_splits=2)
+    for jit in (kernel, combine, append):
+        assert len(jit.calls) == 1 and len(jit.compiled.runs) == 2
+        grid, args, constexprs = jit.calls[0]
+        run = jit.compiled.runs[0]
+        assert run[:9] == (*grid, *(1,) * (3 - len(grid)), 7, "function", "metadata", None, None, None)
+        names = list(jit.signature.parameters)[len(args):]
+        assert len(run) == 9 + len(args) + len(names) and list(constexprs) == names + ["num_warps", "num_stages"]
+        assert run[9 + len(args):] == tuple(constexprs[n] for n in names)
+    # a q whose pointer is not 16-byte aligned: Triton specializes otherwise, so its path again
+    unaligned = torch.zeros(2 * 64 + 1, dtype=torch.float16)[1:].view(2, 1, 4, 16)
+    launcher.decode(unaligned, cache, cache, torch.tensor([3, 4], dtype=torch.int32), num_splits=2)
+    assert len(kernel.calls) == 2 and len(append.calls) == 1

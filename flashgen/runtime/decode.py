@@ -31,8 +31,18 @@ kernel reads cache_seqlens on the device.
 Host time: everything a call derives from its arguments' shapes, strides, dtypes and devices
 (input checks, the launch plan, the kernels' scalar arguments) is computed once per such
 signature (DecodeLauncher.calls); a repeated call builds one key, allocates its outputs and
-launches. The launches skip Triton's argument binder after a kernel's first launch
-(BoundKernel: a minimal bound launcher, private to decode until flashgen.runtime has a shared one).
+launches. The launches skip Triton's argument binder after a kernel's first launch: each
+DecodeCall keeps the BoundLaunch objects (flashgen/runtime/launch.py) of its append, split-KV and
+combine launches per alignment of its tensors' pointers (what Triton specializes on besides the
+metadata the call key holds).
+
+FP8 (float8_e4m3fn or float8_e5m2): the cache, and optionally q, may be FP8 with float32
+descales (batch, KV heads), flash-attn 3's q_descale / k_descale / v_descale (a missing one is
+1.0). The decode kernel loads FP8 tiles and converts them in registers; the output has the
+spec's dtype. New keys and values (k, v) always come in the spec's dtype, as a model produces
+them; with an FP8 cache the append kernel quantizes them on write, x / descale rounded to
+nearest even and saturated to the FP8 range (what vLLM's reshape_and_cache does with its
+k_scale / v_scale). FP8 needs sm89+ on a GPU.
 """
 
 import torch
@@ -41,11 +51,14 @@ import triton.language as tl  # the same module as the kernels' tl in a standalo
 
 from flashgen.runtime.host import AttentionLauncher, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import padded_head_dim  # standalone: host.py precedes
+from flashgen.runtime.launch import BoundLaunch  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
 MAX_PACKED_ROWS = 64  # the tile's M: (query positions x heads of a group) above this take several row blocks
 CHECKS = ("async", "sync")
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper convert FP8 in hardware
 
 
 # ----------------------------------------------------------------------------- knobs
@@ -139,17 +152,48 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
 
 
 # ----------------------------------------------------------------------------- appending to the cache
+def fp8_rounding(dtype):
+    """The constants _quantize_fp8 rounds float32 to an FP8 dtype with: (mantissa bits float32
+    drops, smallest normal, the fp32 magic number whose add and subtract rounds a subnormal to the
+    FP8 spacing, largest finite value)."""
+    info = torch.finfo(dtype)
+    mantissa = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype]
+    min_normal = info.smallest_normal
+    return 23 - mantissa, min_normal, min_normal * 2.0 ** (23 - mantissa), info.max
+
+
 @triton.jit
-def _decode_append(K_CACHE, V_CACHE, K, V, SEQLENS, BT, CACHE_BATCH,
+def _quantize_fp8(x, descale, dtype: tl.constexpr, BY_HAND: tl.constexpr, DROP: tl.constexpr,
+                  MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr, FP8_MAX: tl.constexpr):
+    # x / descale in FP8: saturated to +-FP8_MAX, rounded to nearest even. BY_HAND (the
+    # interpreter, whose fp32 -> fp8 cast is wrong where rounding carries into the exponent and
+    # truncates subnormals): normals drop DROP mantissa bits with half-to-even, subnormals round
+    # by an fp32 add of MAGIC; the value is then exact in FP8 and the cast keeps it.
+    y = tl.minimum(tl.maximum(x.to(tl.float32) / descale, -FP8_MAX), FP8_MAX)
+    if BY_HAND:
+        a = tl.abs(y)
+        bits = a.to(tl.int32, bitcast=True)
+        bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & (-(1 << DROP))
+        a = tl.where(a < MIN_NORMAL, (a + MAGIC) - MAGIC, bits.to(tl.float32, bitcast=True))
+        y = tl.where(y.to(tl.int32, bitcast=True) < 0, -a, a)  # the sign bit: -0.0 stays -0.0
+    return y.to(dtype)
+
+
+@triton.jit
+def _decode_append(K_CACHE, V_CACHE, K, V, SEQLENS, BT, CACHE_BATCH, K_DESCALE, V_DESCALE,
                    stride_cb, stride_cn, stride_ch, stride_cd, stride_wb, stride_wn, stride_wh, stride_wd,
                    stride_kb, stride_kn, stride_kh, stride_kd, stride_vb, stride_vn, stride_vh, stride_vd,
-                   stride_btb, seqlen_new, num_kv_heads, capacity, num_pages, cache_batch,
+                   stride_btb, stride_ksb, stride_ksh, stride_vsb, stride_vsh, seqlen_new, num_kv_heads, capacity,
+                   num_pages, cache_batch,
                    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BATCH_INDEX: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, BATCH_INDEX: tl.constexpr,
+                   QUANTIZE: tl.constexpr, BY_HAND: tl.constexpr, DROP: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                   MAGIC: tl.constexpr, FP8_MAX: tl.constexpr):
     # One new key per program (batch element b, position i): K[b, i] and V[b, i], every KV head,
     # written at slot SEQLENS[b] + i of the element's cache (page BT[b, slot // PAGE_SIZE] when
     # paged; row CACHE_BATCH[b] with BATCH_INDEX). Nothing is written where the length, the page
-    # or the row is out of range (the decode kernel that follows records which).
+    # or the row is out of range (the decode kernel that follows records which). QUANTIZE (an FP8
+    # cache): each head's key and value are stored as x / descale[b, head] in FP8.
     b = (tl.program_id(0) // seqlen_new).to(tl.int64)
     i = tl.program_id(0) % seqlen_new
     length = tl.load(SEQLENS + b)
@@ -174,6 +218,11 @@ def _decode_append(K_CACHE, V_CACHE, K, V, SEQLENS, BT, CACHE_BATCH,
     v_mask = (offs_h < heads) & (offs_dv < HEAD_DIM_V)
     k = tl.load(K + b * stride_kb + i * stride_kn + offs_h * stride_kh + offs_d * stride_kd, mask=k_mask)
     v = tl.load(V + b * stride_vb + i * stride_vn + offs_h * stride_vh + offs_dv * stride_vd, mask=v_mask)
+    if QUANTIZE:
+        kd = tl.load(K_DESCALE + b * stride_ksb + offs_h * stride_ksh, mask=offs_h < heads, other=1.0)
+        vd = tl.load(V_DESCALE + b * stride_vsb + offs_h * stride_vsh, mask=offs_h < heads, other=1.0)
+        k = _quantize_fp8(k, kd, K_CACHE.dtype.element_ty, BY_HAND, DROP, MIN_NORMAL, MAGIC, FP8_MAX)
+        v = _quantize_fp8(v, vd, V_CACHE.dtype.element_ty, BY_HAND, DROP, MIN_NORMAL, MAGIC, FP8_MAX)
     tl.store(K_CACHE + row * stride_cb + slot * stride_cn + offs_h * stride_ch + offs_d * stride_cd, k, mask=k_mask)
     tl.store(V_CACHE + row * stride_wb + slot * stride_wn + offs_h * stride_wh + offs_dv * stride_wd, v, mask=v_mask)
 
@@ -247,44 +296,6 @@ def check_bounds(device=None):
 
 
 # ----------------------------------------------------------------------------- launching
-class BoundKernel:
-    """A @triton.jit kernel whose launches skip Triton's argument binder once a specialization
-    has been compiled: the caller passes every parameter in signature order (constexprs
-    included) and a key that fixes what Triton specializes on (the int arguments' values,
-    the pointers' dtypes and 16-byte alignment, the constexprs, num_warps and num_stages). A
-    new key, the interpreter, and launch hooks take Triton's own path (kernel[grid](...))."""
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.compiled = {}  # key -> CompiledKernel
-
-    def launch(self, key, grid, args, num_warps, num_stages):
-        """Launch fn on grid (three sizes) with args (every parameter, in signature order)."""
-        compiled = self.compiled.get(key)
-        knobs = getattr(triton, "knobs", None)
-        if compiled is None or knobs is None or self.hooked(knobs):
-            compiled = self.fn[grid](*args, num_warps=num_warps, num_stages=num_stages)
-            if hasattr(compiled, "packed_metadata") and knobs is not None:  # compiled (not the interpreter's)
-                if len(self.compiled) >= 256:
-                    self.compiled.clear()
-                self.compiled[key] = compiled
-            return
-        # as JITFunction.run launches (triton 3.6 to 3.9), without hooks
-        compiled.run(grid[0], grid[1], grid[2], self.stream(), compiled.function, compiled.packed_metadata, None,
-                     None, None, *args)
-
-    @staticmethod
-    def hooked(knobs):
-        """Whether a launch hook is set (triton 3.6: a function or None; 3.9: a HookChain)."""
-        hook = knobs.runtime.launch_enter_hook
-        return hook is not None and bool(getattr(hook, "calls", True))
-
-    @staticmethod
-    def stream():
-        driver = triton.runtime.driver.active
-        return driver.get_current_stream(driver.get_current_device())
-
-
 def _meta(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
@@ -311,11 +322,11 @@ class DecodeLauncher:
     def __init__(self, *, attention, kernel, combine_kernel):
         self.attention = attention
         self.spec = attention.spec
-        self.kernel, self.combine_kernel = BoundKernel(kernel), BoundKernel(combine_kernel)
-        self.append_kernel = BoundKernel(_decode_append)
+        self.kernel, self.combine_kernel, self.append_kernel = kernel, combine_kernel, _decode_append
         self.tuned = None
         self.calls = {}  # call key -> DecodeCall
         self.lengths = {}  # (int, batch, device) -> the int32 tensor of an int cache_seqlens
+        self.ones = {}  # (batch, kv heads, device) -> the descale of 1.0 a call without one reads
 
     # ------------------------------------------------------------------ checks (once per call signature)
     def check_inputs(self, q, k_cache, v_cache, k, v, block_table, cache_batch_idx):
@@ -332,8 +343,13 @@ class DecodeLauncher:
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
             if t.dim() != 4:
                 raise ValueError(f"{name}: expected a 4-d tensor, got shape {tuple(t.shape)}")
-            if t.dtype != att.dtype:
-                raise ValueError(f"{name}: expected dtype {att.dtype} (spec dtype {spec['dtype']}), got {t.dtype}")
+            if name == "v_cache" and t.dtype != k_cache.dtype:
+                raise ValueError(f"v_cache: expected dtype {k_cache.dtype} (that of k_cache), got {t.dtype}")
+            if t.dtype != att.dtype and not (name in ("q", "k_cache", "v_cache") and t.dtype in FP8_TYPES):
+                fp8 = " or float8_e4m3fn / float8_e5m2" if name in ("q", "k_cache") else \
+                    " (new keys and values come in the spec's dtype; an FP8 cache quantizes them on write)" \
+                    if name in ("k", "v") else ""
+                raise ValueError(f"{name}: expected dtype {att.dtype} (spec dtype {spec['dtype']}){fp8}, got {t.dtype}")
             if t.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
         if q.device.type == "cpu" and not self.attention.interpreting():
@@ -387,6 +403,46 @@ class DecodeLauncher:
                              "(pass cache_batch_idx to index a larger cache)")
         return batch, seqlen_q
 
+    def check_fp8(self, q, k_cache, descales, batch):
+        """The FP8 inputs' descales (name -> tensor or None), each given only for an FP8 tensor,
+        float32 (batch, kv heads) on q's device; FP8 on a GPU needs sm89+. Returns whether the
+        kernels read descales (anything in FP8)."""
+        fp8 = {"q_descale": q.dtype in FP8_TYPES, "k_descale": k_cache.dtype in FP8_TYPES,
+               "v_descale": k_cache.dtype in FP8_TYPES}
+        shape = (batch, self.spec["num_kv_heads"])
+        for name, d in descales.items():
+            if d is None:
+                continue
+            owner = "q" if name == "q_descale" else name[0] + "_cache"
+            if not fp8[name]:
+                raise ValueError(f"{name}: descales apply to an FP8 {owner}; {owner} is "
+                                 f"{(q if owner == 'q' else k_cache).dtype} (pass {name}=None)")
+            if (not isinstance(d, torch.Tensor) or d.dtype != torch.float32 or tuple(d.shape) != shape
+                    or d.device != q.device):
+                raise ValueError(f"{name}: expected a float32 tensor of shape (batch, kv_heads) = {shape} on "
+                                 f"{q.device}, got {tuple(getattr(d, 'shape', ()))} "
+                                 f"{getattr(d, 'dtype', type(d).__name__)} on {getattr(d, 'device', None)}")
+        if not any(fp8.values()):
+            return False
+        if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < FP8_MIN_CAPABILITY:
+            name = "k_cache" if fp8["k_descale"] else "q"
+            raise ValueError(f"{name}: FP8 ({k_cache.dtype if name == 'k_cache' else q.dtype}) needs a GPU of "
+                             f"compute capability 8.9 or later; {q.device} is "
+                             f"{'.'.join(map(str, torch.cuda.get_device_capability(q.device)))}")
+        return True
+
+    def descale_arg(self, descale, batch, device):
+        """A descale as the kernels read it: given, or 1.0 for every (batch, KV head) (made once)."""
+        if descale is not None:
+            return descale
+        key = (batch, self.spec["num_kv_heads"], device)
+        t = self.ones.get(key)
+        if t is None:
+            if len(self.ones) >= 64:
+                self.ones.clear()
+            t = self.ones[key] = torch.ones(key[:2], dtype=torch.float32, device=device)
+        return t
+
     @staticmethod
     def check_seqlens(cache_seqlens, batch, device):
         if cache_seqlens is None or isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
@@ -411,11 +467,12 @@ class DecodeLauncher:
             t = self.lengths[key] = torch.full((batch,), n, dtype=torch.int32, device=device)
         return t
 
-    def plan(self, batch, seqlen_q, capacity, device, knobs, page_size=None):
+    def plan(self, batch, seqlen_q, capacity, device, knobs, page_size=None, element_size=None):
         """The launch plan of a decode call (knobs, split count, grids), from shapes only: the
         tuned knobs of the (batch, capacity) bucket where the call overrides none, else the
         heuristic defaults with the call's overrides (knobs: {name: value or None}). page_size:
-        a paged cache's, None for a contiguous one."""
+        a paged cache's, None for a contiguous one. element_size: the cache's bytes per element
+        (default the spec dtype's)."""
         spec = self.spec
         group = spec["num_heads"] // spec["num_kv_heads"]
         tuned = None
@@ -423,7 +480,8 @@ class DecodeLauncher:
         if self.tuned is not None and untouched:
             tuned = self.tuned(batch, capacity)
         chosen = decode_knobs(spec["head_dim"], seqlen_q * group, batch, spec["num_kv_heads"], capacity, device,
-                              page_size=page_size, element_size=self.attention.dtype.itemsize, **(tuned or knobs))
+                              page_size=page_size,
+                              element_size=element_size or self.attention.dtype.itemsize, **(tuned or knobs))
         splits = chosen["num_splits"]
         return dict(chosen, splits=splits, split=splits > 1, tuned=bool(tuned),
                     block_dv=padded_head_dim(spec["head_dim_v"]),
@@ -432,18 +490,21 @@ class DecodeLauncher:
                     BLOCK_S=max(2, triton.next_power_of_2(splits)))
 
     def prepare(self, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx, softmax_scale, out,
-                lse, return_lse, knobs, check):
-        """Every check of a call, and what its launches need that shapes decide (a DecodeCall)."""
+                lse, return_lse, knobs, check, descales):
+        """Every check of a call, and what its launches need that shapes decide (a DecodeCall).
+        descales: {q_descale, k_descale, v_descale: tensor or None}."""
         if check not in CHECKS:
             raise ValueError(f"check: expected one of {CHECKS}, got {check!r}")
         batch, seqlen_q = self.check_inputs(q, k_cache, v_cache, k, v, block_table, cache_batch_idx)
         self.check_seqlens(cache_seqlens, batch, q.device)
+        descale = self.check_fp8(q, k_cache, descales, batch)
         spec = self.spec
         num_heads, dv = spec["num_heads"], spec["head_dim_v"]
+        out_dtype = self.attention.dtype
         out_shape, lse_shape = (batch, seqlen_q, num_heads, dv), (batch, num_heads, seqlen_q)
         if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != out_shape
-                                or out.dtype != q.dtype or out.device != q.device):
-            raise ValueError(f"out: expected a {q.dtype} tensor of shape {out_shape} on {q.device}, got "
+                                or out.dtype != out_dtype or out.device != q.device):
+            raise ValueError(f"out: expected a {out_dtype} tensor of shape {out_shape} on {q.device}, got "
                              f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
         if lse is not None and (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != lse_shape
                                 or lse.dtype != torch.float32 or not lse.is_contiguous() or lse.device != q.device):
@@ -452,37 +513,59 @@ class DecodeLauncher:
         page_size = k_cache.shape[1] if paged else 1
         capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
         seqlen_add = 0 if k is None else k.shape[1]
-        plan = self.plan(batch, seqlen_q, capacity, q.device, knobs, page_size if paged else None)
+        plan = self.plan(batch, seqlen_q, capacity, q.device, knobs, page_size if paged else None,
+                         k_cache.dtype.itemsize)
         scale = spec["softmax_scale"] if softmax_scale is None else float(softmax_scale)
         out_strides = out.stride() if out is not None else (seqlen_q * num_heads * dv, num_heads * dv, dv, 1)
         write_lse = lse is not None or bool(return_lse)
         rows = batch * seqlen_q * num_heads
         part_numel = rows * plan["splits"] * (plan["block_dv"] + 1) if plan["split"] else 0
+        ones = self.descale_arg(None, batch, q.device) if descale else None
+        descale_strides = [(d if d is not None else ones).stride() if descale else (0, 0)
+                           for d in descales.values()]
         kernel_scalars = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out_strides, num_heads * seqlen_q,
                           seqlen_q, block_table.stride(0) if paged else 0, k_cache.shape[0], spec["num_kv_heads"],
-                          k_cache.shape[0], capacity, seqlen_q, seqlen_add, plan["splits"], scale,
-                          scale * AttentionLauncher.RCP_LN2)
-        kernel_constexprs = (plan["BLOCK_M"], plan["BLOCK_N"], paged, page_size, cache_batch_idx is not None,
-                             plan["split"], write_lse, paged and plan["page_prefetch"])
-        combine_args = (*out_strides, num_heads * seqlen_q, seqlen_q, seqlen_q, num_heads, plan["splits"],
-                        plan["BLOCK_S"], write_lse)
-        append_args = None
+                          k_cache.shape[0], capacity, seqlen_q, seqlen_add, plan["splits"],
+                          *(x for st in descale_strides for x in st), scale, scale * AttentionLauncher.RCP_LN2)
+        kernel_constexprs = dict(BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], PAGED=paged, PAGE_SIZE=page_size,
+                                 BATCH_INDEX=cache_batch_idx is not None, SPLIT=plan["split"], WRITE_LSE=write_lse,
+                                 PREFETCH=paged and plan["page_prefetch"], DESCALE=descale,
+                                 num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        combine_args = (*out_strides, num_heads * seqlen_q, seqlen_q, seqlen_q, num_heads, plan["splits"])
+        combine_constexprs = dict(BLOCK_S=plan["BLOCK_S"], WRITE_LSE=write_lse, num_warps=4, num_stages=1)
+        append_args = append_constexprs = None
         if k is not None:
+            quantize = k_cache.dtype in FP8_TYPES
             append_args = (*k_cache.stride(), *v_cache.stride(), *k.stride(), *v.stride(),
-                           block_table.stride(0) if paged else 0, seqlen_add, spec["num_kv_heads"], capacity,
-                           k_cache.shape[0], k_cache.shape[0], spec["head_dim"], dv,
-                           triton.next_power_of_2(spec["num_kv_heads"]), padded_head_dim(spec["head_dim"]),
-                           plan["block_dv"], paged, page_size, cache_batch_idx is not None)
+                           block_table.stride(0) if paged else 0, *descale_strides[1], *descale_strides[2],
+                           seqlen_add, spec["num_kv_heads"], capacity, k_cache.shape[0], k_cache.shape[0])
+            drop, min_normal, magic, fp8_max = fp8_rounding(k_cache.dtype) if quantize else (0, 0.0, 0.0, 0.0)
+            append_constexprs = dict(
+                HEAD_DIM=spec["head_dim"], HEAD_DIM_V=dv, BLOCK_H=triton.next_power_of_2(spec["num_kv_heads"]),
+                BLOCK_D=padded_head_dim(spec["head_dim"]), BLOCK_DV=plan["block_dv"], PAGED=paged,
+                PAGE_SIZE=page_size, BATCH_INDEX=cache_batch_idx is not None, QUANTIZE=quantize,
+                BY_HAND=quantize and q.device.type == "cpu", DROP=drop, MIN_NORMAL=min_normal, MAGIC=magic,
+                FP8_MAX=fp8_max, num_warps=4, num_stages=1)
         return DecodeCall(batch=batch, seqlen_q=seqlen_q, capacity=capacity, plan=plan, out_shape=out_shape,
-                          lse_shape=lse_shape, write_lse=write_lse, part_numel=part_numel,
+                          out_dtype=out_dtype, lse_shape=lse_shape, write_lse=write_lse, part_numel=part_numel,
                           kernel_scalars=kernel_scalars, kernel_constexprs=kernel_constexprs,
-                          combine_args=combine_args, append_args=append_args, append_grid=(batch * seqlen_add, 1, 1),
-                          record=bounds_record(q.device), device=q.device, check=check)
+                          combine_args=combine_args, combine_constexprs=combine_constexprs, append_args=append_args,
+                          append_constexprs=append_constexprs, append_grid=(batch * seqlen_add, 1, 1),
+                          descale=descale, record=bounds_record(q.device), device=q.device, check=check, bound={})
+
+    def bind(self, call):
+        """The BoundLaunch objects of a call's (append, split-KV, combine) kernels; None where it has none."""
+        append = BoundLaunch(self.append_kernel, call.append_grid, call.append_constexprs) \
+            if call.append_args is not None and call.append_grid[0] else None
+        combine = BoundLaunch(self.combine_kernel, call.plan["combine_grid"], call.combine_constexprs) \
+            if call.plan["split"] else None
+        return append, BoundLaunch(self.kernel, call.plan["grid"], call.kernel_constexprs), combine
 
     # ------------------------------------------------------------------ the call
     def decode(self, q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, block_table=None,
                cache_batch_idx=None, softmax_scale=None, tensors=None, out=None, lse=None, return_lse=True,
-               BLOCK_N=None, num_splits=0, num_warps=None, num_stages=None, page_prefetch=None, check="async"):
+               BLOCK_N=None, num_splits=0, num_warps=None, num_stages=None, page_prefetch=None, check="async",
+               q_descale=None, k_descale=None, v_descale=None):
         """Attention of q (B, Sq, H, D) over a KV cache; returns (out (B, Sq, H, Dv), lse (B, H, Sq)
         float32, or None when neither lse nor return_lse asks for it).
 
@@ -492,14 +575,17 @@ class DecodeLauncher:
         place at cache_seqlens[b]. cache_batch_idx (B,) int32 picks the cache rows of a
         contiguous cache. num_splits 0 picks the split count from shapes (FA3's heuristic, or
         the tuned one). out, lse: buffers to write into (else allocated). check: "async" or
-        "sync", when an index out of the cache raises (see the module docstring)."""
+        "sync", when an index out of the cache raises (see the module docstring). FP8: k_cache
+        and v_cache (and q) may be float8 with q/k/v_descale float32 (B, H_kv), 1.0 where not
+        given; out keeps the spec's dtype; k, v stay in it and are quantized on write."""
         named = tensors or {}
         try:
             key = (_meta(q), _meta(k_cache), _meta(v_cache), _meta(k), _meta(v), _meta(block_table),
                    _meta(cache_batch_idx),
                    _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens),
                    tuple((n, _meta(t)) for n, t in named.items()) if named else None, _meta(out), _meta(lse),
-                   bool(return_lse), softmax_scale, BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, check)
+                   bool(return_lse), softmax_scale, BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, check,
+                   _meta(q_descale), _meta(k_descale), _meta(v_descale))
         except (AttributeError, TypeError):  # not tensors: prepare() says which argument
             key = None
         call = self.calls.get(key) if key is not None else None
@@ -507,7 +593,8 @@ class DecodeLauncher:
             knobs = {"BLOCK_N": BLOCK_N, "num_splits": num_splits, "num_warps": num_warps, "num_stages": num_stages,
                      "page_prefetch": page_prefetch}
             call = self.prepare(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx,
-                                softmax_scale, out, lse, return_lse, knobs, check)
+                                softmax_scale, out, lse, return_lse, knobs, check,
+                                {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
             named = self.attention.named_tensors(named, q.device)
             if key is not None:
                 if len(self.calls) >= self.MAX_CALLS:
@@ -519,34 +606,38 @@ class DecodeLauncher:
         watch = not device_sync_forbidden(call.device)
         if watch and record.words[0]:  # an earlier call met an index out of range
             record.raise_recorded()
-        plan = call.plan
         seqlens = self.seqlens_arg(cache_seqlens, call.batch, call.capacity, call.device)
         if out is None:
-            out = torch.empty(call.out_shape, dtype=q.dtype, device=call.device)
+            out = torch.empty(call.out_shape, dtype=call.out_dtype, device=call.device)
         if lse is None and call.write_lse:
             lse = torch.empty(call.lse_shape, dtype=torch.float32, device=call.device)
-        user = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, k, v, out, lse,
-                *(named[n] for n in self.attention.tensor_names))
+        if call.descale:
+            q_descale, k_descale, v_descale = (self.descale_arg(d, call.batch, call.device)
+                                               for d in (q_descale, k_descale, v_descale))
+        else:
+            q_descale = k_descale = v_descale = seqlens  # never read
+        user = (q, k_cache, v_cache, seqlens, block_table, cache_batch_idx, k, v, out, lse, q_descale, k_descale,
+                v_descale, *(named[n] for n in self.attention.tensor_names))
         align = 0
         for i, t in enumerate(user):
             if t is not None and t.data_ptr() & 15:
                 align |= 1 << i
+        launches = call.bound.get(align)
+        if launches is None:
+            launches = call.bound[align] = self.bind(call)
+        append, kernel, combine = launches
         bt = block_table if block_table is not None else seqlens  # never read
         cbi = cache_batch_idx if cache_batch_idx is not None else seqlens  # read only when given
-        if k is not None and call.append_grid[0]:
-            self.append_kernel.launch((key, align), call.append_grid,
-                                      (k_cache, v_cache, k, v, seqlens, bt, cbi, *call.append_args), 4, 1)
+        if append is not None:
+            append(k_cache, v_cache, k, v, seqlens, bt, cbi, k_descale, v_descale, *call.append_args)
         if call.batch * call.seqlen_q == 0:
             return out, lse
-        part = torch.empty(call.part_numel, dtype=torch.float32, device=call.device) if plan["split"] else out
+        part = torch.empty(call.part_numel, dtype=torch.float32, device=call.device) if combine else out
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
-        self.kernel.launch(
-            (key, align), plan["grid"],
-            (q, k_cache, v_cache, out, lse_arg, part, seqlens, bt, cbi, record.tensor, *call.kernel_scalars,
-             *self.attention.tensor_args(named), *call.kernel_constexprs), plan["num_warps"], plan["num_stages"])
-        if plan["split"]:
-            self.combine_kernel.launch((key, align), plan["combine_grid"], (out, lse_arg, part, *call.combine_args),
-                                       4, 1)
+        kernel(q, k_cache, v_cache, out, lse_arg, part, seqlens, bt, cbi, record.tensor, q_descale, k_descale,
+               v_descale, *call.kernel_scalars, *self.attention.tensor_args(named))
+        if combine is not None:
+            combine(out, lse_arg, part, *call.combine_args)
         if watch and (call.check == "sync" or record.immediate):
             record.raise_recorded()
         return out, lse

@@ -743,6 +743,8 @@ def _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, hi, lo2, hi2, rows, offs
         k, v = _decode_kv_tile(K, V, tile_page, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
                                stride_vd, stride_kp, stride_vp, seqlen_k, BOUNDS=MASKED, PAGED=PAGED,
                                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
+        k = k.to(q.dtype)  # an FP8 cache's tile, exact in q's dtype (no-op for a cache in q's dtype)
+        v = v.to(q.dtype)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, rows, (start_n + offs_n)[None, :], off_b, heads,
                                              seqlen_q, seqlen_k, sm_scale, qk_scale, 0, 0, 0.0,
                                              MASKED=MASKED, DROPOUT=False)
@@ -751,20 +753,24 @@ def _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, hi, lo2, hi2, rows, offs
 
 @triton.jit
 def _attn_decode(
-    Q, K, V, O, LSE, PART, SEQLENS, BT, CACHE_BATCH, REC,
+    Q, K, V, O, LSE, PART, SEQLENS, BT, CACHE_BATCH, REC, Q_DESCALE, K_DESCALE, V_DESCALE,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
     stride_ob, stride_om, stride_oh, stride_od,
     stride_lb, stride_lh,
     stride_btb, num_pages, num_kv_heads, cache_batch, capacity, seqlen_q, seqlen_add, num_splits,
+    stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
     sm_scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BATCH_INDEX: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr, PREFETCH: tl.constexpr,
+    DESCALE: tl.constexpr,
 ):
     # Grid (num_splits, packed row blocks, batch * kv heads). seqlen_k = SEQLENS[b] + seqlen_add
     # (the keys appended this step), clamped into [0, capacity]. SPLIT: write this split's fp32
     # partial O and its LSE into PART for _decode_combine; else O (and LSE with WRITE_LSE) directly.
+    # DESCALE: FP8 inputs' float32 descales, (batch, KV head) each: score = q.k * (qd * kd) *
+    # sm_scale, out = (P V_fp8) * vd.
     split = tl.program_id(0)
     start_m = tl.program_id(1) * BLOCK_M
     off_b = (tl.program_id(2) // num_kv_heads).to(tl.int64)
@@ -801,7 +807,12 @@ def _attn_decode(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_ptrs = Q + off_b * stride_qb + qpos[:, None] * stride_qm + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0).to(O.dtype.element_ty)
+    if DESCALE:
+        qk_descale = (tl.load(Q_DESCALE + off_b * stride_qsb + off_hk * stride_qsh)
+                      * tl.load(K_DESCALE + off_b * stride_ksb + off_hk * stride_ksh))
+        sm_scale = sm_scale * qk_descale
+        qk_scale = qk_scale * qk_descale
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -842,6 +853,8 @@ def _attn_decode(
             _record_bound(REC, BOUND_PAGE, off_b, bad >> 32, (bad & 0xFFFFFFFF).to(tl.int32), num_pages)
 
     out, lse = _finalize(acc, m_i, l_i)
+    if DESCALE:
+        out = out * tl.load(V_DESCALE + off_b * stride_vsb + off_hk * stride_vsh)
     o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     if SPLIT:
         # PART holds the partial outputs (batch, seqlen_q, heads, num_splits, BLOCK_DV), then
