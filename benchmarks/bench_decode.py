@@ -238,6 +238,53 @@ def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke, fp8=False):
     return row
 
 
+# --variants: knob variants of the rows closest to an anchor (issue 14's B=64 KV4096 at 0.995x
+# Flex), and of the FP8 cache (whose tiles hold half the bytes: larger tiles or more stages may
+# pay), each timed through flashgen.decode with explicit knobs beside the default in one process.
+VARIANT_CASES = {
+    "bf16 B=64 KV4096": (64, 4096, False, [dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=32, num_stages=4),
+                                          dict(BLOCK_N=128, num_stages=2), dict(BLOCK_N=128, num_warps=8),
+                                          dict(BLOCK_N=64, num_splits=2), dict(BLOCK_N=128, num_splits=3)]),
+    "fp8 B=8 KV8192": (8, 8192, True, [dict(BLOCK_N=128, num_stages=4), dict(BLOCK_N=256, num_stages=3)]),
+    "fp8 B=64 KV4096": (64, 4096, True, [dict(BLOCK_N=256, num_stages=3), dict(BLOCK_N=128, num_stages=4)]),
+}
+
+
+def variants(timer, device="cuda"):
+    """Rows {case, knobs, us, TBps} for VARIANT_CASES (default knobs first), plus Flex and cuDNN on the bf16 rows."""
+    rows = []
+    spec = AttentionSpec(name="decode", dtype="bf16", head_dim=HEAD_DIM, num_heads=HEADS, num_kv_heads=KV_HEADS,
+                         causal=True, backward=False)
+    kernel = flashgen.compile(spec)
+    for name, (batch, kv, fp8, knob_sets) in VARIANT_CASES.items():
+        gen = torch.Generator().manual_seed(0)
+        randn = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)  # noqa
+        q, k_cache, v_cache = (randn(batch, 1, HEADS, HEAD_DIM), randn(batch, kv, KV_HEADS, HEAD_DIM),
+                               randn(batch, kv, KV_HEADS, HEAD_DIM))
+        seqlens = torch.full((batch,), kv, dtype=torch.int32, device=device)
+        qh, kh, vh = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        scales = {}
+        if fp8:
+            k_cache, v_cache, kd, vd, kh, vh = _fp8_cache(k_cache, v_cache)
+            scales = dict(k_descale=kd, v_descale=vd)
+        check = _sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)(qh, kh, vh).transpose(1, 2).float()
+        nbytes = 2 * batch * kv * KV_HEADS * HEAD_DIM * k_cache.element_size()
+        for knobs in [{}, *knob_sets]:
+            row = {"case": name, "knobs": knobs or "default"}
+            _measure(row, "flashgen", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens, **scales, **knobs),
+                     check, nbytes, timer)
+            rows.append(row)
+        if not fp8:
+            backends = torch.nn.attention.SDPBackend
+            row = {"case": name, "knobs": "anchors"}
+            _measure(row, "sdpa_cudnn", lambda: _sdpa(backends.CUDNN_ATTENTION)(qh, kh, vh).transpose(1, 2), check,
+                     nbytes, timer)
+            flex = _flex(1, kv)
+            _measure(row, "flex", lambda: flex(qh, kh, vh).transpose(1, 2), check, nbytes, timer)
+            rows.append(row)
+    return rows
+
+
 def markdown(rows, env):
     providers = ["flashgen", "flashgen_fp8", "flashgen_native", "flashgen_graph", *ANCHORS, "sdpa_math"]
     providers = [p for p in providers if any(p in r for r in rows)]
@@ -272,6 +319,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU interpreter (TRITON_INTERPRET=1)")
     ap.add_argument("--fp8", action="store_true", help="the FP8 KV cache against the bf16 one (issue 17)")
+    ap.add_argument("--variants", action="store_true", help="knob variants of B=64 KV4096 and the FP8 cache (GPU)")
     args = ap.parse_args(argv)
     env = environment()
     if args.smoke and args.fp8:
@@ -309,7 +357,15 @@ def main(argv=None):
     (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
     table = markdown(rows, env)
     (out / f"{stem}.md").write_text(table)
-    print(table)
+    print(table, flush=True)
+    if args.variants:  # after the table, in the same process
+        found = variants(time_ms)
+        for r in found:
+            cells = "  ".join(f"{p} {r[p]['us']:.1f} us ({r[p]['TBps']:.2f} TB/s)" if "us" in r[p] else
+                              f"{p} {r[p]['error']}" for p in ("flashgen", "sdpa_cudnn", "flex") if p in r)
+            print(f"{r['case']:<18} {str(r['knobs']):<48} {cells}", flush=True)
+        (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-variants.json").write_text(
+            json.dumps({"environment": env, "rows": found}, indent=1))
     return rows
 
 

@@ -121,7 +121,8 @@ def test_bounds_errors_without_waiting_and_with_check_sync():
     out = flash_attn_with_kvcache(q, pages, pages, cache_seqlens=seqlens, block_table=table)
     assert torch.equal(out, good)
     launcher = kvcache.compat_launcher(q, pages, pages, False, (-1, -1), 0.0, None, None)
-    assert launcher.kernel.compiled, "the repeated calls did not launch through the compiled launcher"
+    bound = [kernel.compiled for call in launcher.calls.values() for _, kernel, _ in call.bound.values()]
+    assert bound and all(bound), "the repeated calls did not launch through the compiled launcher"
     contiguous = pages.view(2, 64, 2, 128)
     torch.testing.assert_close(out, flash_attn_with_kvcache(q, contiguous, contiguous, cache_seqlens=seqlens),
                                atol=2e-2, rtol=0)

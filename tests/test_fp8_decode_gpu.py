@@ -1,0 +1,81 @@
+"""Decode over an FP8 KV cache on the GPU (issue 17): tests/test_fp8_decode.py's checks at real
+sizes with bf16 queries, the GPU's own fp32 -> FP8 conversion in the append (bit for bit torch's
+cast), FP8 queries through flash_attn_with_kvcache, and a CUDA-graph replay.
+Run with `python3 -m pytest -m gpu tests/test_fp8_decode_gpu.py`."""
+
+import pytest
+import torch
+
+from flashgen.compat import flash_attn_with_kvcache
+from flashgen.verify import compare
+
+from .test_decode import _seeded, reference_decode
+from .test_fp8_decode import Fp8Cache, quantize, run_fp8_decode
+
+pytestmark = pytest.mark.gpu
+
+# (fp8, (heads, kv heads), head dim, query rows, page size, num_splits; 0: the heuristic)
+GRID = [
+    ("e4m3", (32, 8), 128, 1, None, 0), ("e4m3", (32, 8), 128, 1, 1, 0), ("e4m3", (32, 8), 128, 1, 16, 7),
+    ("e4m3", (32, 8), 128, 4, 256, 0), ("e5m2", (32, 8), 128, 1, None, 7), ("e5m2", (8, 1), 64, 16, 16, 0),
+    ("e4m3", (8, 1), 64, 1, None, 1), ("e4m3", (6, 6), 80, 4, 16, 0),
+]
+
+
+@pytest.mark.parametrize("fp8,heads,d,sq,page_size,num_splits", GRID,
+                         ids=[f"{f}-h{h[0]}x{h[1]}-d{d}-sq{sq}-page{p}-splits{n}" for f, h, d, sq, p, n in GRID])
+def test_fp8_decode_grid(fp8, heads, d, sq, page_size, num_splits):
+    run_fp8_decode("cuda", fp8=fp8, dtype="bf16", heads=heads, d=d, sq=sq, page_size=page_size,
+                   num_splits=num_splits, batch=3, lengths=(4097, 3, 1531), capacity=4352, BLOCK_N=None)
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+def test_fp8_append_gpu(fp8):
+    # The GPU's conversion in the append kernel: bit for bit torch's (saturated, nearest even).
+    cache, _, _ = run_fp8_decode("cuda", fp8=fp8, dtype="bf16", heads=(32, 8), d=128, sq=3, appended=3,
+                                 page_size=16, lengths=(1000, 17, 3), capacity=1024, num_splits=0, BLOCK_N=None)
+    dtype = cache.k_cache.dtype
+    for b, n in enumerate(cache.lengths):
+        j = torch.arange(n - 3, n, device="cuda")
+        pages = cache.block_table[b].long()[j // 16]
+        want_k = quantize(cache.new_k[b], cache.k_descale[b][:, None], dtype)
+        want_v = quantize(cache.new_v[b], cache.v_descale[b][:, None], dtype)
+        assert torch.equal(cache.k_cache[pages, j % 16].view(torch.uint8), want_k.view(torch.uint8))
+        assert torch.equal(cache.v_cache[pages, j % 16].view(torch.uint8), want_v.view(torch.uint8))
+
+
+def test_fp8_queries_compat_gpu():
+    # flash-attn 3's all-FP8 call: q in FP8 with q_descale, bf16 out, over the dequantized inputs.
+    seed, gen = _seeded()
+    cache = Fp8Cache(gen, torch.float8_e4m3fn, 4, 8, 128, (4097, 3, 1531, 800), 4352, torch.bfloat16, "cuda")
+    q = torch.randn(4, 2, 32, 128, generator=gen)
+    q8, q_descale = quantize(q, 0.01, torch.float8_e4m3fn).cuda(), torch.full((4, 8), 0.01, device="cuda")
+    out = flash_attn_with_kvcache(q8, cache.k_cache, cache.v_cache, cache_seqlens=cache.cache_seqlens, causal=True,
+                                  q_descale=q_descale, k_descale=cache.k_descale, v_descale=cache.v_descale)
+    assert out.dtype == torch.bfloat16
+    q_deq = (q8.float() * 0.01).to(torch.bfloat16)  # exact: FP8 x 2^-k-ish scale, rounded once in both
+    out_ref, _, out_pt, _ = reference_decode(q_deq, cache, causal=True)
+    result = compare("out", out, out_ref, out_pt)
+    assert result.ok, f"seed={seed}: {result}"
+
+
+def test_fp8_cuda_graph_replay():
+    # Captured once with an FP8 cache and appends, replayed with new cache_seqlens.
+    seed, gen = _seeded()
+    cache = Fp8Cache(gen, torch.float8_e4m3fn, 2, 8, 128, (600, 300), 1024, torch.bfloat16, "cuda", page_size=16)
+    q = torch.randn(2, 1, 32, 128, generator=gen).to("cuda", torch.bfloat16)
+    lengths = cache.cache_seqlens.clone()
+    step = lambda: flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=lengths,  # noqa: E731
+                                           block_table=cache.block_table, causal=True, k_descale=cache.k_descale,
+                                           v_descale=cache.v_descale)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    lengths.copy_(torch.tensor([450, 17], dtype=torch.int32))
+    graph.replay()
+    eager = flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=lengths,
+                                    block_table=cache.block_table, causal=True, k_descale=cache.k_descale,
+                                    v_descale=cache.v_descale)
+    assert torch.equal(out, eager), f"seed={seed}"
