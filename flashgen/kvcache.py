@@ -28,7 +28,7 @@ import torch
 from .api import AttentionKernel, compile_spec
 from .config import KernelConfig
 from .runtime.decode import check_bounds
-from .spec import AttentionSpec
+from .spec import FP8_DTYPES, AttentionSpec
 
 __all__ = ["decode", "check_bounds", "decode_launcher", "tuned_decode", "compat_launcher", "reload_tuned"]
 
@@ -114,6 +114,9 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     kernel = spec_or_kernel if isinstance(spec_or_kernel, AttentionKernel) else compile_spec(
         AttentionSpec.coerce(spec_or_kernel))
+    if kernel.spec.dtype in FP8_DTYPES:
+        raise ValueError(f"spec_or_kernel: decode computes in the spec's dtype, bf16, fp16 or fp32, got "
+                         f"{kernel.spec.dtype!r}; pass the FP8 cache (and q) with descales to a bf16 spec")
     out, lse = decode_launcher(kernel, config).decode(
         q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, cache_batch_idx=cache_batch_idx,
         softmax_scale=softmax_scale, tensors=tensors, out=out, lse=lse, return_lse=return_lse, BLOCK_N=BLOCK_N,

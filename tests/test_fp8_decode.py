@@ -300,3 +300,11 @@ def test_bench_decode_fp8_smoke(tmp_path):
     assert rows[0]["ratio_vs_sdpa_math"] == rows[0]["sdpa_math"]["us"] / rows[0]["flashgen_fp8"]["us"]
     written = json.loads(next(tmp_path.glob("*-decode-fp8-smoke.json")).read_text())
     assert written["rows"] == json.loads(json.dumps(rows))
+
+
+def test_fp8_specs_are_refused():
+    # FP8 is a cache (and query) format here; the spec names the dtype decode computes and outputs in.
+    spec = AttentionSpec(dtype="fp8_e4m3", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    q, cache, _ = _inputs("cpu")
+    with pytest.raises(ValueError, match="spec_or_kernel: decode computes in the spec's dtype.*got 'fp8_e4m3'"):
+        flashgen.decode(spec, q.to(torch.float8_e4m3fn), cache, cache, 3)
