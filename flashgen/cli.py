@@ -228,9 +228,11 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
 @click.option("--shipped", is_flag=True,
               help="With --recheck: recheck the shipped tuning_db/ file of this GPU (every spec in it, or the "
                    "specs named) and rewrite that file.")
+@click.option("--jobs", type=click.IntRange(1), default=None,
+              help="With --recheck: configs compiled and verified at once, in threads (default: up to 8).")
 @click.pass_context
 def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, db_url, gpus, heartbeat_s, resume,
-         plot_path, interpret, as_json, recheck, shipped):
+         plot_path, interpret, as_json, recheck, shipped, jobs):
     """Tune specs on this machine's GPUs and store the best config per sequence-length bucket.
 
     One Optuna study per spec, bucket and phase, kept in the database: a study that an
@@ -243,8 +245,8 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
     import json
 
     paths = list(spec_args) + list(spec_opts)
-    if shipped and not recheck:
-        raise click.UsageError("--shipped rewrites tuning_db/ after a recheck: pass --recheck with it")
+    if (shipped or jobs) and not recheck:
+        raise click.UsageError(f"{'--shipped' if shipped else '--jobs'} goes with a recheck: pass --recheck with it")
     if recheck and (gpus > 1 or plot_path or trials or seqlens):
         used = [o for o, v in (("--gpus", gpus > 1), ("--plot", plot_path), ("--trials", trials),
                                ("--seqlens", seqlens)) if v]
@@ -277,7 +279,7 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
         raise click.UsageError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
     url = db_url or default_url()
     if recheck:
-        _recheck(specs, url, shipped, interpret, timeout_s, as_json)
+        _recheck(specs, url, shipped, interpret, timeout_s, as_json, jobs)
         return
     store = ResultStore(url, heartbeat_s=heartbeat_s)  # opened for writing before any trial runs
     if gpus > 1:
@@ -374,7 +376,7 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
                 environment=runner.env.as_dict(), results=rows)
 
 
-def _recheck(specs, url, shipped, interpret, timeout_s, as_json) -> None:
+def _recheck(specs, url, shipped, interpret, timeout_s, as_json, jobs) -> None:
     """`flashgen tune --recheck`: flashgen.tuner.recheck per spec, in the database, or (with
     --shipped) in a scratch database loaded from this GPU's tuning_db/ file, which is then
     rewritten with export's writer."""
@@ -393,7 +395,7 @@ def _recheck(specs, url, shipped, interpret, timeout_s, as_json) -> None:
     def run(store, spec):
         if not as_json:
             click.echo(f"recheck {spec.uri} on {runner.env.gpu} ({runner.timing_label})", err=True)
-        results = recheck(spec, runner, store, options)
+        results = recheck(spec, runner, store, options, jobs=jobs)
         doc = dict(spec=spec.uri, results=[_recheck_row(r) for r in results])
         docs.append(doc)
         if not as_json:
@@ -696,7 +698,7 @@ def _default_note(row: dict, target: str) -> str:
     """What `flashgen show` says of the default a served-looking row was measured against."""
     from .db.kernels import OTHER_DEFAULT, SAME_DEFAULT, UNKNOWN_DEFAULT, default_status
 
-    recheck = f"`flashgen tune --recheck --spec <{row['spec_uri']}.yaml>`"
+    recheck = "`flashgen tune --recheck --spec <its spec file>`"
     return {SAME_DEFAULT: "; measured against this flashgen's default",
             OTHER_DEFAULT: f"; measured against an older default: not used (this bucket runs today's default); "
                            f"re-check with {recheck}",

@@ -566,28 +566,37 @@ def test_a_result_without_kernel_hash_serves_with_the_same_templates(tmp_path, m
     assert configs[1024].BLOCK_M == 16 and source == f"database {store.url}"
 
 
-def test_db_upgrade_from_schema_3_fills_the_kernel_hashes_it_can_tell(url):
+def _downgraded_then_upgraded(store, version: int, column: str):
+    """Take a database back to schema ``version`` (which lacks best_configs.``column``), check it
+    is refused, upgrade it with `flashgen db upgrade`; the store reopened."""
     from alembic import command
     from click.testing import CliRunner
     from sqlalchemy import inspect
 
     from flashgen.cli import main
+    from flashgen.db import SCHEMA_VERSION, migrate
+
+    url = store.url
+    with store.engine.begin() as conn:
+        command.downgrade(migrate._config(conn), migrate.REVISIONS[version])
+    assert column not in {c["name"] for c in inspect(store.engine).get_columns("best_configs")}
+    store.close()
+    with pytest.raises(SchemaVersionError, match=rf"schema version {version}, .*flashgen db upgrade --db "):
+        ResultStore(url)
+    result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
+    assert result.exit_code == 0, result.output
+    assert f"upgraded from schema version {version} to {SCHEMA_VERSION}" in result.output, result.output
+    return ResultStore(url)
+
+
+def test_db_upgrade_from_schema_3_fills_the_kernel_hashes_it_can_tell(url):
     from flashgen.codegen.render import kernel_hash
     from flashgen.config import KernelConfig
-    from flashgen.db import migrate
 
     store = ResultStore(url)
     store.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)  # measured with this flashgen's templates
     store.set_best(EnvInfo(**dict(env().as_dict(), templates="0" * 16)), SPEC, 64, "fwd", CFG, 1.0, 1.0)
-    with store.engine.begin() as conn:
-        command.downgrade(migrate._config(conn), "0003")
-    assert "kernel" not in {c["name"] for c in inspect(store.engine).get_columns("best_configs")}
-    store.close()
-    with pytest.raises(SchemaVersionError, match=r"schema version 3, .*flashgen db upgrade --db "):
-        ResultStore(url)
-    result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
-    assert result.exit_code == 0 and "upgraded from schema version 3 to 5" in result.output, result.output
-    store = ResultStore(url)
+    store = _downgraded_then_upgraded(store, 3, "kernel")
     kernels = {r["environment"]["templates"]: r["kernel"] for r in store.all_best()}
     assert kernels == {env().templates: kernel_hash(SPEC, KernelConfig.from_dict(CFG), "fwd"), "0" * 16: None}
     store.close()
@@ -825,25 +834,10 @@ def _default_of(bucket=1024, phase="fwd"):
 
 
 def test_db_upgrade_from_schema_4_keeps_every_result_with_an_unknown_default(url, fresh_warnings, monkeypatch):
-    from alembic import command
-    from click.testing import CliRunner
-    from sqlalchemy import inspect
-
-    from flashgen.cli import main
-    from flashgen.db import migrate
-
     _as_machine(monkeypatch, env())
     store = ResultStore(url)
     store.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=16), 1.0, 1.0, 2.0)
-    with store.engine.begin() as conn:
-        command.downgrade(migrate._config(conn), "0004")
-    assert "default_kernel" not in {c["name"] for c in inspect(store.engine).get_columns("best_configs")}
-    store.close()
-    with pytest.raises(SchemaVersionError, match=r"schema version 4, .*flashgen db upgrade --db "):
-        ResultStore(url)
-    result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
-    assert result.exit_code == 0 and "upgraded from schema version 4 to 5" in result.output, result.output
-    store = ResultStore(url)
+    store = _downgraded_then_upgraded(store, 4, "default_kernel")
     (row,) = store.all_best()
     assert row["default_kernel"] is None and row["ms"] == 1.0 and row["default_ms"] == 2.0
     with warnings.catch_warnings():

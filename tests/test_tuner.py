@@ -729,6 +729,7 @@ def test_cli_recheck_prints_its_table_and_refreshes_the_shipped_file(tmp_path, m
 
 @pytest.mark.parametrize("args, code, words", [
     (["--shipped"], 2, "pass --recheck with it"),
+    (["--jobs", "2", "x.yaml"], 2, "--jobs goes with a recheck"),
     (["--recheck", "--gpus", "2", "x.yaml"], 2, "leave out --gpus"),
     (["--recheck", "--trials", "3", "x.yaml"], 2, "leave out --trials"),
     (["--recheck"], 2, "no spec"),
