@@ -240,6 +240,9 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
     --db) goes on, its finished trials counted and not run again, and every worker claims a
     config before measuring it, so none is measured twice. A stored result is replaced only
     by a faster one.
+
+    With --recheck nothing is tuned: the stored results are timed against today's defaults
+    (--shipped: this GPU's tuning_db/ file, rewritten).
     """
     import dataclasses
     import json

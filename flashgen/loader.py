@@ -49,7 +49,7 @@ _warned: set[tuple] = set()
 def _warn_once(key: tuple, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, FlashgenFallbackWarning, stacklevel=3)
+        warnings.warn(message, FlashgenFallbackWarning, stacklevel=4)  # past tuned and lookup: the caller of load
 
 
 def _target(spec: AttentionSpec, env: EnvInfo) -> str:
@@ -149,7 +149,7 @@ def tuned(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None =
               f"default for them has changed since, and may be faster)")
     if configs:
         if older:
-            _warn_once((spec.key, "older"), f"flashgen: {behind}; running this flashgen's default for them. "
+            _warn_once((spec.key, "older"), f"flashgen: {behind}; not used. "
                                             f"Re-check them with `{recheck_command(spec, spec_path)}`.")
         return configs, source
     if older:

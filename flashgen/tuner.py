@@ -15,7 +15,11 @@ written when the trial ends: a crashed run loses nothing, and a later or concurr
 the same spec in the same environment goes on with the study it finds; a config another
 run already measured in that study is not measured again. Before a best config is stored it is
 verified on the full grid and timed again beside the runner-up; it replaces a stored result
-only when it is faster (ResultStore.set_best), and the result says which one stays.
+only when it is faster (ResultStore.set_best), and the result says which one stays. The
+stored result is the fastest of that final round, in which the bucket's default is always
+timed (so it is the default itself when nothing beats it), and it records which default it
+beat (flashgen.db.kernels.default_kernel): flashgen.load serves it only while that is still
+the default. ``recheck`` re-measures stored results against today's default.
 
 Inputs, FLOP counts and timing come from inputs.py, flops.py and timing.py, which the
 benchmarks share: the tuner imports nothing from bench.py.
