@@ -166,12 +166,12 @@ def _tuned_config(spec, spec_path, db_url, seqlen) -> KernelConfig:
     tuned bucket); an error that names the command to tune when nothing is stored."""
     import warnings
 
-    from .loader import lookup
+    from .loader import tuned
     from .space import nearest_bucket
 
     with warnings.catch_warnings():  # the fallback warning: here a missing result is an error
         warnings.simplefilter("ignore")
-        configs, source = lookup(spec, db_url, spec_path=spec_path)
+        configs, source = tuned(spec, db_url, spec_path=spec_path)
     if not configs:
         raise click.ClickException(f"no tuned config for {spec.uri} on this machine in "
                                    f"{display_url(db_url or default_url())} or tuning_db: "
@@ -221,9 +221,18 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
 @click.option("--interpret", is_flag=True, help="Run through Triton's CPU interpreter at tiny shapes (NOT a timing).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the results as JSON (one object; a list of them for several specs).")
+@click.option("--recheck", is_flag=True,
+              help="Tune nothing: time each stored best config of the specs on this GPU (stale ones too, with "
+                   "today's kernels) beside today's default for its bucket and phase, keep the faster, and record "
+                   "the default it was compared with.")
+@click.option("--shipped", is_flag=True,
+              help="With --recheck: recheck the shipped tuning_db/ file of this GPU (every spec in it, or the "
+                   "specs named) and rewrite that file.")
+@click.option("--jobs", type=click.IntRange(1), default=None,
+              help="With --recheck: configs compiled and verified at once, in threads (default: up to 8).")
 @click.pass_context
 def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, db_url, gpus, heartbeat_s, resume,
-         plot_path, interpret, as_json):
+         plot_path, interpret, as_json, recheck, shipped, jobs):
     """Tune specs on this machine's GPUs and store the best config per sequence-length bucket.
 
     One Optuna study per spec, bucket and phase, kept in the database: a study that an
@@ -231,12 +240,21 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
     --db) goes on, its finished trials counted and not run again, and every worker claims a
     config before measuring it, so none is measured twice. A stored result is replaced only
     by a faster one.
+
+    With --recheck nothing is tuned: the stored results are timed against today's defaults
+    (--shipped: this GPU's tuning_db/ file, rewritten).
     """
     import dataclasses
     import json
 
     paths = list(spec_args) + list(spec_opts)
-    if not paths:
+    if (shipped or jobs) and not recheck:
+        raise click.UsageError(f"{'--shipped' if shipped else '--jobs'} goes with a recheck: pass --recheck with it")
+    if recheck and (gpus > 1 or plot_path or trials or seqlens):
+        used = [o for o, v in (("--gpus", gpus > 1), ("--plot", plot_path), ("--trials", trials),
+                               ("--seqlens", seqlens)) if v]
+        raise click.UsageError(f"--recheck times the stored configs in one process: leave out {', '.join(used)}")
+    if not paths and not shipped:
         raise click.UsageError("no spec: name one or more spec files (`flashgen tune examples/specs/*.yaml`)")
     if plot_path and gpus > 1:
         raise click.UsageError("--plot draws one process's search: leave it out with --gpus above 1")
@@ -263,6 +281,9 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
     if not interpret and gpus > torch.cuda.device_count():
         raise click.UsageError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
     url = db_url or default_url()
+    if recheck:
+        _recheck(specs, url, shipped, interpret, timeout_s, as_json, jobs)
+        return
     store = ResultStore(url, heartbeat_s=heartbeat_s)  # opened for writing before any trial runs
     if gpus > 1:
         forwarded = dict(trials=trials, seqlens=",".join(map(str, seqlens)) if seqlens else None, timeout=timeout_s,
@@ -356,6 +377,97 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
         click.echo(f"wrote {plot_path}")
     return dict(spec=spec.uri, db=store.display_url, timing=runner.timing_label, wall_s=wall,
                 environment=runner.env.as_dict(), results=rows)
+
+
+def _recheck(specs, url, shipped, interpret, timeout_s, as_json, jobs) -> None:
+    """`flashgen tune --recheck`: flashgen.tuner.recheck per spec, in the database, or (with
+    --shipped) in a scratch database loaded from this GPU's tuning_db/ file, which is then
+    rewritten with export's writer."""
+    import json
+    import tempfile
+
+    from .db import ResultStore
+    from .db.kernels import _spec
+    from .db.layer import export_text, gpu_slug, layer_dir, read_file
+    from .tuner import GpuRunner, InterpretRunner, TuneOptions, recheck
+
+    runner = InterpretRunner() if interpret else GpuRunner()
+    options = TuneOptions(timeout_s=timeout_s)
+    docs = []
+
+    def run(store, spec):
+        if not as_json:
+            click.echo(f"recheck {spec.uri} on {runner.env.gpu} ({runner.timing_label})", err=True)
+        results = recheck(spec, runner, store, options, jobs=jobs)
+        doc = dict(spec=spec.uri, results=[_recheck_row(r) for r in results])
+        docs.append(doc)
+        if not as_json:
+            _print_recheck(doc)
+        return results
+
+    if not shipped:
+        store = ResultStore(url)
+        for spec in specs:
+            run(store, spec)
+    else:
+        path = layer_dir() / f"{gpu_slug(runner.env.gpu)}.yaml"
+        if not path.exists():
+            raise click.ClickException(f"no shipped tuning results for {runner.env.gpu}: {path} does not exist")
+        rows = read_file(path)
+        here = [r for r in rows if runner.env.same_machine(r["environment"])]
+        named = {s.key for s in specs}
+        found = {r["spec_key"]: r["spec"] for r in here if not named or r["spec_key"] in named}
+        missing = sorted(s.uri for s in specs if s.key not in found)
+        if missing:
+            raise click.ClickException(f"{path} holds no result for {', '.join(missing)} on {runner.env.gpu}")
+        with tempfile.TemporaryDirectory() as tmp:
+            store = ResultStore(f"sqlite:///{Path(tmp) / 'recheck.sqlite'}")
+            store.import_rows(rows)
+            replaced = set()
+            for key, canonical in found.items():
+                spec = next((s for s in specs if s.key == key), None) or \
+                    _spec(json.dumps(canonical, sort_keys=True))
+                replaced |= {(key, r.bucket, r.phase) for r in run(store, spec) if r.kept != "nothing"}
+            now = runner.env.as_dict()
+            # a rechecked bucket and phase keeps only the row measured now (other environments'
+            # rows of this machine would compete with it in flashgen.load's ranking)
+            out = [r for r in store.all_best() if r["environment"] == now
+                   or (r["spec_key"], r["bucket"], r["phase"]) not in replaced
+                   or not runner.env.same_machine(r["environment"])]
+            text, n = export_text(out, runner.env.gpu)
+            store.close()
+        _write_file(path, text)
+        if not as_json:
+            click.echo(f"wrote {n} results for {runner.env.gpu} to {path}")
+    if as_json:
+        click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
+
+
+def _recheck_row(r) -> dict:
+    def ms(rec):
+        return rec.ms if rec is not None and rec.status == "ok" else None
+
+    def failed(rec):
+        return None if rec is None or rec.status == "ok" else f"{rec.status}: {rec.error}"
+
+    return dict(bucket=r.bucket, phase=r.phase, was=r.why, stored_ms_before=r.stored_ms, stored_ms=ms(r.stored),
+                default_ms=ms(r.default), kept=r.kept, stored_failure=failed(r.stored),
+                default_failure=failed(r.default))
+
+
+def _print_recheck(doc: dict) -> None:
+    if not doc["results"]:
+        click.echo(f"{doc['spec']}: no stored result on this GPU to recheck")
+        return
+    click.echo(f"{doc['spec']}")
+    click.echo(f"{'bucket':>7} {'phase':5} {'was':15} {'stored ms':>10} {'now ms':>9} {'default ms':>10}  kept")
+    for r in doc["results"]:
+        def cell(x, width):
+            return f"{x:>{width}.4f}" if x is not None else f"{'-':>{width}}"
+
+        note = "".join(f"  ({w})" for w in (r["stored_failure"], r["default_failure"]) if w)
+        click.echo(f"{r['bucket']:>7} {r['phase']:5} {r['was']:15} {cell(r['stored_ms_before'], 10)} "
+                   f"{cell(r['stored_ms'], 9)} {cell(r['default_ms'], 10)}  {r['kept']}{note}")
 
 
 def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: bool, environ=None):
@@ -552,7 +664,7 @@ def show(db_url, as_json):
 
     from .db import EnvInfo, ResultStore
     from .db.env import classify
-    from .db.kernels import row_kernel
+    from .db.kernels import row_kernel, target_of
     from .db.layer import ResultFileError, layer_dir, read_file
 
     here = EnvInfo.current()
@@ -578,9 +690,24 @@ def show(db_url, as_json):
         served = {"exact": "exact match here", "near": f"near match here (tuned with {here.differences(env)})",
                   "stale": "stale here (timed on kernels the templates have changed since; not used: re-tune)",
                   None: "not for this machine"}[r["match"]]
+        if r["match"] in ("exact", "near"):
+            served += _default_note(r, target_of(here))
         click.echo(f"{r['source']}: {r['spec_uri']}  S={r['bucket']} {r['phase']}  {r['ms']:.4f} ms  "
                    f"{r['tflops']:.1f} TFLOP/s  {speed} vs default  on {env['gpu']} (triton {env['triton']}): "
                    f"{served}")
+
+
+def _default_note(row: dict, target: str) -> str:
+    """What `flashgen show` says of the default a served-looking row was measured against."""
+    from .db.kernels import OTHER_DEFAULT, SAME_DEFAULT, UNKNOWN_DEFAULT, default_status
+
+    recheck = "`flashgen tune --recheck --spec <its spec file>`"
+    return {SAME_DEFAULT: "; measured against this flashgen's default",
+            OTHER_DEFAULT: f"; measured against an older default: not used (this bucket runs today's default); "
+                           f"re-check with {recheck}",
+            UNKNOWN_DEFAULT: f"; the default it beat is unknown (stored before flashgen recorded it): used; "
+                             f"re-check with {recheck}",
+            None: ""}[default_status(row["spec"], row, target)]
 
 
 @main.command("export")

@@ -7,7 +7,15 @@ major.minor, for the kernels this flashgen renders for its spec and config (its 
 hash; flashgen.db.kernels), is used (flashgen.db.env): an exact match of the whole
 environment first, else a near match, which the source says ("tuning_db (near match: tuned
 with torch 2.11.0, ...)"). A result for kernels the templates have since changed is stale:
-never used, and the fallback warning says so.
+never used, and the fallback warning says so. A result measured against another default
+than this flashgen's for its bucket and phase (flashgen.db.kernels.default_status: the
+defaults move with the code) is not used either: that phase runs the bucket's default, and
+one warning says so and names `flashgen tune --recheck`. A result that records no default
+(stored before schema 5) is used (ARCHITECTURE.md says why).
+
+Tuned knobs are merged onto the default of their own bucket (default_config at the bucket's
+length), and buckets with no tuned result run their own default (default_configs): a tuned
+result only ever replaces the default it was measured against.
 
 The lookup never tunes, and a missing, locked, stale or corrupt database never raises: it
 warns once and falls back (`flashgen db check` says what is wrong). A stored result that is
@@ -21,11 +29,11 @@ import warnings
 from pathlib import Path
 
 from .api import AttentionKernel
-from .config import ConfigError, KernelConfig, default_config
+from .config import ConfigError, KernelConfig, default_config, default_configs
 from .db import (DatabaseError, EnvInfo, MissingDatabaseError, ResultRowError, ResultStore, default_url, display_url,
                  hide_password)
 from .db.env import STALE, classify, pick, source_label
-from .db.kernels import kernels_of
+from .db.kernels import OTHER_DEFAULT, default_status, kernels_of, target_of
 from .db.layer import shipped_rows
 from .db.rows import check_best
 from .spec import AttentionSpec
@@ -41,13 +49,23 @@ _warned: set[tuple] = set()
 def _warn_once(key: tuple, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, FlashgenFallbackWarning, stacklevel=3)
+        warnings.warn(message, FlashgenFallbackWarning, stacklevel=4)  # past tuned and lookup: the caller of load
 
 
-def _configs(rows: dict[int, dict[str, dict]], base: KernelConfig) -> tuple[dict[int, KernelConfig], list[str]]:
-    """Per bucket: each phase's own knobs from that phase's best row, the rest from base; and
-    the rows skipped as malformed, as sentences."""
-    out, bad = {}, []
+def _target(spec: AttentionSpec, env: EnvInfo) -> str:
+    """The target of the defaults a lookup serves and compares with: the spec's, else the
+    GPU family of the environment it serves (flashgen.db.kernels.target_of)."""
+    return spec.target if spec.target != "auto" else target_of(env)
+
+
+def _configs(rows: dict[int, dict[str, dict]], spec: AttentionSpec, target: str
+             ) -> tuple[dict[int, KernelConfig], list[str], list[str]]:
+    """Per bucket: each phase's own knobs from that phase's best row, the rest from that
+    bucket's default (default_config at the bucket's length, as a call without results gets);
+    the rows skipped as malformed, as sentences; and the phases skipped because their result
+    was measured against another default than this flashgen's for that bucket and phase
+    ('S=4096 fwd'): those phases run the bucket's default."""
+    out, bad, older = {}, [], []
     for bucket, phases in rows.items():
         knobs, used = {}, 0
         for phase, row in phases.items():
@@ -58,41 +76,51 @@ def _configs(rows: dict[int, dict[str, dict]], base: KernelConfig) -> tuple[dict
             except ResultRowError as err:
                 bad.append(f"bucket {bucket!r} {phase!r}: {err}")
                 continue
+            if default_status(spec, dict(row, bucket=bucket, phase=phase), target) == OTHER_DEFAULT:
+                older.append(f"S={bucket} {phase}")
+                continue
             knobs.update({k: row["config"][k] for k in KernelConfig.phase_knobs(phase) if k in row["config"]})
             used += 1
         if not used:
             continue
         try:
-            out[bucket] = base.replace(**knobs)
+            out[bucket] = default_config(spec, target, seqlen=bucket).replace(**knobs)
         except ConfigError as err:  # each phase's knobs are sound alone, not together
             bad.append(f"bucket {bucket!r}: {err}")
-    return out, bad
+    return out, bad, older
 
 
-def _usable(rows: dict, base: KernelConfig, spec: AttentionSpec, where: str, fix: str) -> dict[int, KernelConfig]:
-    configs, bad = _configs(rows, base)
+def _usable(rows: dict, spec: AttentionSpec, env: EnvInfo, where: str, fix: str, older: list[str]
+            ) -> dict[int, KernelConfig]:
+    configs, bad, behind = _configs(rows, spec, _target(spec, env))
     if bad:
         _warn_once((spec.key, "rows", where), f"flashgen: skipping {len(bad)} malformed tuning result(s) for "
                                               f"{spec.uri} in {where} ({bad[0]}). {fix}")
+    older += [f"{phase} in {where}" for phase in behind]
     return configs
 
 
-def lookup(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None = None
-           ) -> tuple[dict[int, KernelConfig], str]:
-    """({bucket: config}, where they came from). Never raises for a database problem."""
-    base = default_config(spec)
-    env = EnvInfo.current()
+def recheck_command(spec: AttentionSpec, spec_path: str | None) -> str:
+    return f"flashgen tune --recheck --spec {spec_path or 'spec.yaml'}"
+
+
+def tuned(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None = None, env: EnvInfo | None = None
+          ) -> tuple[dict[int, KernelConfig], str]:
+    """({bucket: config} for the tuned buckets only, where they came from). Never raises for a
+    database problem."""
+    env = env or EnvInfo.current()
     url = db or default_url()
     shown = display_url(url)
     check = f"Run `flashgen db check --db {shown}`."
-    stale = []  # where results for this machine were found stale
+    stale, older = [], []  # where results for this machine were found stale; phases measured against an older default
+    configs, source = {}, "default"
     try:
         store = ResultStore(url, create=False)
         rows = store.matching_best(env, spec)
-        configs = _usable(rows, base, spec, shown, check)
+        configs = _usable(rows, spec, env, shown, check, older)
         if configs:
-            return configs, source_label(f"database {shown}", env, rows)
-        if store.stale_best(env, spec):
+            source = source_label(f"database {shown}", env, rows)
+        elif store.stale_best(env, spec):
             stale.append(f"database {shown}")
     except MissingDatabaseError:
         pass  # nothing tuned here yet: not worth a warning
@@ -106,25 +134,48 @@ def lookup(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None 
         _warn_once(("layer", str(path)), f"flashgen: skipping the shipped tuning results file {path}: "
                                          f"{err.problem}. The other files still count.")
 
-    try:
-        shipped = shipped_rows(spec.key, on_bad_file=skip_file)
-        rows = pick(env, shipped, kernels_of(spec))
-        configs = _usable(rows, base, spec, "tuning_db", "Regenerate the file with `flashgen export`.")
-        if configs:
-            return configs, source_label("tuning_db", env, rows)
-        if any(classify(env, row, kernels_of(spec)) == STALE for row in shipped):
-            stale.append("tuning_db")
-    except Exception as err:  # noqa: BLE001 (a load never fails for its results)
-        _warn_once((spec.key, "layer"), f"flashgen: cannot read the shipped tuning_db ({err}); falling back.")
-    where = spec_path or "spec.yaml"
-    if stale:
+    if not configs:
+        try:
+            shipped = shipped_rows(spec.key, on_bad_file=skip_file)
+            rows = pick(env, shipped, kernels_of(spec))
+            configs = _usable(rows, spec, env, "tuning_db", "Regenerate the file with `flashgen export`.", older)
+            if configs:
+                source = source_label("tuning_db", env, rows)
+            elif any(classify(env, row, kernels_of(spec)) == STALE for row in shipped):
+                stale.append("tuning_db")
+        except Exception as err:  # noqa: BLE001 (a load never fails for its results)
+            _warn_once((spec.key, "layer"), f"flashgen: cannot read the shipped tuning_db ({err}); falling back.")
+    behind = (f"the tuned config(s) {', '.join(older)} were measured against an older default (this flashgen's "
+              f"default for them has changed since, and may be faster)")
+    if configs:
+        if older:
+            _warn_once((spec.key, "older"), f"flashgen: {behind}; not used. "
+                                            f"Re-check them with `{recheck_command(spec, spec_path)}`.")
+        return configs, source
+    if older:
+        why, fix = behind, f"Re-check them with `{recheck_command(spec, spec_path)}`"
+    elif stale:
         why = (f"the tuned configs for {spec.uri} on {env.gpu} in {' and '.join(stale)} are stale (timed on kernels "
                f"this flashgen renders differently)")
+        fix = f"Tune it with `flashgen tune --spec {spec_path or 'spec.yaml'}`"
     else:
         why = f"no tuned config for {spec.uri} on {env.gpu}"
-    _warn_once((spec.key, "default"), f"flashgen: {why}; using the heuristic default. "
-                                      f"Tune it with `flashgen tune --spec {where}`.")
+        fix = f"Tune it with `flashgen tune --spec {spec_path or 'spec.yaml'}`"
+    _warn_once((spec.key, "default"), f"flashgen: {why}; using the heuristic default. {fix}.")
     return {}, "default"
+
+
+def lookup(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None = None
+           ) -> tuple[dict[int, KernelConfig], str]:
+    """({bucket: config}, where they came from): the tuned buckets' configs (tuned) over the
+    default's per bucket (flashgen.config.default_configs), so a length nearest an untuned
+    bucket runs that bucket's default, not a tuned config measured at another length; ({},
+    'default') when nothing tuned serves. Never raises for a database problem."""
+    env = EnvInfo.current()
+    configs, source = tuned(spec, db, spec_path=spec_path, env=env)
+    if not configs:
+        return {}, source
+    return {**default_configs(spec, _target(spec, env)), **configs}, source
 
 
 def load(spec: AttentionSpec | str | Path, *, db: str | None = None) -> AttentionKernel:

@@ -15,7 +15,11 @@ written when the trial ends: a crashed run loses nothing, and a later or concurr
 the same spec in the same environment goes on with the study it finds; a config another
 run already measured in that study is not measured again. Before a best config is stored it is
 verified on the full grid and timed again beside the runner-up; it replaces a stored result
-only when it is faster (ResultStore.set_best), and the result says which one stays.
+only when it is faster (ResultStore.set_best), and the result says which one stays. The
+stored result is the fastest of that final round, in which the bucket's default is always
+timed (so it is the default itself when nothing beats it), and it records which default it
+beat (flashgen.db.kernels.default_kernel): flashgen.load serves it only while that is still
+the default. ``recheck`` re-measures stored results against today's default.
 
 Inputs, FLOP counts and timing come from inputs.py, flops.py and timing.py, which the
 benchmarks share: the tuner imports nothing from bench.py.
@@ -37,8 +41,9 @@ import torch
 
 from . import masks
 from .api import AttentionKernel
-from .config import KernelConfig, default_config
+from .config import ConfigError, KernelConfig, default_config
 from .db import EnvInfo, ResultStore, TrialRecord, config_key
+from .db.kernels import default_kernel
 from .decode_space import DecodeConfig, decode_phase, decode_space, phase_batch
 from .failures import (CompilationFailedConfig, FailedConfig, InvalidConfig, RuntimeFailedConfig, TimedOutConfig,
                        WrongResultConfig, launching, stage)
@@ -138,24 +143,45 @@ class Runner:
     def evaluate(self, kernel, config, phase, work: Workload, *, timeout_s: float = 60.0,
                  full: bool = False) -> TrialRecord:
         """Render, compile and run, verify, then time one config (the full grid with ``full``)."""
+        start = time.monotonic()
+        rec = self.prepare(kernel, config, phase, work, timeout_s=timeout_s, full=full)
+        return self.measure(kernel, config, phase, work, rec, start=start, timeout_s=timeout_s)
+
+    def prepare(self, kernel, config, phase, work: Workload, *, timeout_s: float = 60.0,
+                full: bool = False) -> TrialRecord:
+        """The stages before timing: render, compile and run, verify. A record with status
+        'ok' and the verification margin, or the typed failure. Safe to run for several
+        configs at once in threads (recheck compiles that way); timing is not."""
         rec = TrialRecord(work.bucket, phase, config.to_dict(), "ok")
         start = time.monotonic()
         try:
             with stage(CompilationFailedConfig):
                 self.build(kernel, config)
-            decoding = phase_batch(phase) is not None
-            if decoding:
+            if phase_batch(phase) is not None:
                 rec.margin = self.verify_decode(kernel, config, work, full)
             else:
                 rec.margin = self.verify(kernel, config, phase, self.full_verify_shapes if full else self.verify_shapes)
             _within(start, timeout_s, "compile and verify")
+        except FailedConfig as failure:  # typed: never let one config end the search
+            _failed(rec, failure)
+        return rec
+
+    def measure(self, kernel, config, phase, work: Workload, rec: TrialRecord, *, start: float | None = None,
+                timeout_s: float = 60.0) -> TrialRecord:
+        """Time a config that prepare passed (rec), filling its ms and TFLOP/s; a failed rec is
+        returned as it is."""
+        if rec.status != "ok":
+            return rec
+        start = time.monotonic() if start is None else start
+        try:
+            decoding = phase_batch(phase) is not None
             with launching():
                 rec.ms = self.time_decode(kernel, config, work) if decoding else self.time(kernel, config, phase, work)
             spec = kernel.spec
             rec.tflops = tflops(pairs_flops(work.pairs, spec.head_dim, spec.head_dim_v,
                                             mode="fwd" if decoding else phase), rec.ms)
             _within(start, timeout_s, "the trial")
-        except FailedConfig as failure:  # typed: never let one config end the search
+        except FailedConfig as failure:
             _failed(rec, failure)
         return rec
 
@@ -377,7 +403,7 @@ def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneO
     results = []
     for bucket in buckets if {"fwd", "bwd"} & set(phases) else ():
         work = runner.workload(spec, bucket, spec.tune.batch_tokens)
-        chosen = default_config(spec, target="cpu" if runner.interpret else None, seqlen=bucket)
+        chosen = default_config(spec, target=_target(runner), seqlen=bucket)
         for phase in (p for p in phases if p in ("fwd", "bwd")):
             result = _tune_phase(spec, runner, store, options, bucket, phase, chosen, work)
             if result.best is not None:
@@ -412,6 +438,12 @@ def tune_decode(spec: AttentionSpec, runner: Runner, store: ResultStore, options
         results.append(_tune_phase(spec, runner, store, options, kv, decode_phase(bucket_of(batch)), default, work,
                                    decode_space(spec, runner.limits, default)))
     return results
+
+
+def _target(runner: Runner) -> str | None:
+    """The default_config target of a runner's machine: 'cpu' under the interpreter, else
+    the spec's or this GPU's (None)."""
+    return "cpu" if runner.interpret else None
 
 
 def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: SearchSpace | None = None
@@ -495,8 +527,11 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
             log.info("no parameter importances for %s: %s", name, err)
     kept = None
     if best is not None:
+        # The default this round measured (its phase's knobs are the bucket's default): which
+        # default the result beat, so that flashgen.load can tell when the default has moved.
+        against = default_kernel(spec, bucket, phase, _target(runner)) if default.status == "ok" else None
         kept = store.set_best(runner.env, spec, bucket, phase, best.config, best.ms, best.tflops,
-                              default.ms if default.status == "ok" else None)
+                              default.ms if default.status == "ok" else None, against)
     return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept,
                         len(starts))
 
@@ -528,6 +563,126 @@ def _final_choice(runner, kernel, study, space, phase, work, options, base: Kern
     return best, default
 
 
+# ----------------------------------------------------------------------------- recheck
+@dataclass
+class RecheckResult:
+    """One bucket and phase of ``recheck``: the stored result(s), re-timed beside the current
+    default in one round, and which of the two stays."""
+
+    bucket: int
+    phase: str
+    stored_ms: float  # the stored result's time, as it was stored (another round, maybe other kernels)
+    why: str  # what was stored: measured against this default ('same default'), an older one, an unknown one; or 'stale'
+    stored: TrialRecord | None  # the stored config, with today's kernels, re-verified and timed now
+    default: TrialRecord | None  # today's default for the bucket and phase, timed in the same round
+    kept: str  # 'stored', 'default', or 'nothing' (neither passed verification: the stored row stays)
+
+
+RECHECK_ROUNDS = 2  # timed rounds, alternating the configs; each config keeps its lowest median
+
+
+def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneOptions | None = None, *,
+            jobs: int | None = None, progress=None) -> list[RecheckResult]:
+    """Re-measure the spec's stored best configs on this machine (fwd and bwd, every bucket
+    and environment of this GPU model and Triton minor, stale ones included) against the
+    current default of their bucket and phase, and keep the faster.
+
+    Each stored config is rebuilt on today's default for its bucket (its phase's knobs, as
+    flashgen.load merges it), rendered with today's templates, verified on the full grid, and
+    timed with the tuner's harness beside the default in the same rounds (alternating, each
+    keeping its lowest median). The faster one is stored in this environment with the
+    default it was compared with (set_best(..., rechecked=True)): a stored config that no
+    longer beats today's default gives way to it, one that still wins stays with today's
+    kernel hash. Compilation and verification run first, for every config at once in
+    ``jobs`` threads (Triton compiles outside the GIL; under the interpreter one at a time);
+    the timing runs one config at a time. ``progress(result)`` is called per bucket and phase.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .db.env import MODEL_FIELDS, STALE, classify
+    from .db.kernels import OTHER_DEFAULT, SAME_DEFAULT, default_status, kernels_of
+
+    options = options or TuneOptions()
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    env, target = runner.env, _target(runner)
+    rows = [r for r in store.all_best(spec_key=spec.key, where={f: getattr(env, f) for f in MODEL_FIELDS})
+            if env.same_machine(r["environment"]) and r["phase"] in ("fwd", "bwd")]
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["bucket"], row["phase"]), []).append(row)
+    plan = []  # (bucket, phase, default, candidates, fastest stored row, why)
+    for (bucket, phase), group in sorted(groups.items()):
+        default = default_config(spec, target=target, seqlen=bucket)
+        candidates = []
+        for row in group:
+            try:
+                stored = KernelConfig.from_dict(dict(row["config"]))
+                config = default.replace(**{k: getattr(stored, k) for k in KernelConfig.phase_knobs(phase)})
+            except (ConfigError, TypeError) as err:  # a malformed row: nothing to re-time
+                log.info("recheck: skipping %s S=%s %s: %s", spec.uri, bucket, phase, err)
+                continue
+            if config != default and config not in candidates:
+                candidates.append(config)
+        first = min(group, key=lambda r: r["ms"])
+        status = default_status(spec, first, target)
+        why = "stale" if classify(env, first, kernels_of(spec)) == STALE else \
+            {SAME_DEFAULT: "same default", OTHER_DEFAULT: "older default"}.get(status, "unknown default")
+        plan.append((bucket, phase, default, candidates, first, why))
+    if not plan:
+        return []
+    kernel = AttentionKernel(spec, default_config(spec, target=target))
+    works = {bucket: runner.workload(spec, bucket, spec.tune.batch_tokens) for bucket in {p[0] for p in plan}}
+    # Verification does not depend on the bucket: each (phase, config) is compiled and verified once.
+    todo = {(phase, config): bucket for bucket, phase, default, candidates, *_ in plan
+            for config in [default, *candidates]}
+
+    def prepare(item):
+        phase, config = item
+        return runner.prepare(kernel, config, phase, works[todo[item]], timeout_s=options.timeout_s, full=True)
+
+    jobs = 1 if runner.interpret else (jobs or min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        prepared = dict(zip(todo, pool.map(prepare, list(todo))))
+    for item, rec in prepared.items():  # a failure among threads is confirmed alone before it counts
+        if rec.status != "ok" and jobs > 1:
+            prepared[item] = prepare(item)
+    results = []
+    for bucket, phase, default, candidates, first, why in plan:
+        checked = {c: dataclasses.replace(prepared[(phase, c)], bucket=bucket) for c in [default, *candidates]}
+        configs = [c for c, rec in checked.items() if rec.status == "ok"]
+        timed = {c: dataclasses.replace(checked[c]) for c in configs}
+        for _ in range(RECHECK_ROUNDS):
+            for config in configs:
+                rec = runner.measure(kernel, config, phase, works[bucket], dataclasses.replace(checked[config]),
+                                     timeout_s=options.timeout_s)
+                if rec.status != "ok":
+                    timed[config] = rec
+                elif timed[config].status == "ok" and (timed[config].ms is None or rec.ms < timed[config].ms):
+                    timed[config] = rec
+        default_rec = timed.get(default) or checked[default]
+        if candidates:
+            ok = [timed[c] for c in candidates if c in timed and timed[c].status == "ok"]
+            stored = min(ok, key=lambda r: r.ms) if ok else (timed.get(candidates[0]) or checked[candidates[0]])
+        else:  # the stored config is today's default itself
+            stored = default_rec
+        default_ok = default_rec.status == "ok"
+        if stored.status == "ok" and (not default_ok or stored.ms < default_rec.ms):
+            winner, kept = stored, "stored"  # strictly faster: a tie goes to the default
+        elif default_ok:
+            winner, kept = default_rec, "default" if candidates else "stored"
+        else:
+            winner, kept = None, "nothing"
+        if winner is not None:
+            against = default_kernel(spec, bucket, phase, target) if default_ok else None
+            store.set_best(env, spec, bucket, phase, winner.config, winner.ms, winner.tflops,
+                           default_rec.ms if default_ok else None, against, rechecked=True)
+        result = RecheckResult(bucket, phase, first["ms"], why, stored, default_rec, kept)
+        results.append(result)
+        if progress:
+            progress(result)
+    return results
+
+
 def exhaustive(spec, runner, bucket: int, phase: str = "fwd", base: KernelConfig | None = None):
     """Measure every valid point of the space (for judging the search); returns records."""
     base = base or default_config(spec, target="cpu" if runner.interpret else None)
@@ -537,5 +692,5 @@ def exhaustive(spec, runner, bucket: int, phase: str = "fwd", base: KernelConfig
     return [runner.evaluate(kernel, base.replace(**p), phase, work) for p in space.points()]
 
 
-__all__ = ["GpuRunner", "InterpretRunner", "Runner", "TuneOptions", "BucketResult", "tune", "exhaustive",
-           "SAMPLERS"]
+__all__ = ["GpuRunner", "InterpretRunner", "Runner", "TuneOptions", "BucketResult", "RecheckResult", "tune",
+           "recheck", "exhaustive", "SAMPLERS"]

@@ -301,8 +301,8 @@ def test_show_says_which_results_serve_this_machine(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert len(lines) == 3, result.output
-    assert "S=64 fwd" in lines[0] and lines[0].endswith("exact match here")
-    assert "S=128 fwd" in lines[1] and lines[1].endswith("near match here (tuned with triton 3.6.0, torch 2.11.0)")
+    assert "S=64 fwd" in lines[0] and "exact match here;" in lines[0]
+    assert "S=128 fwd" in lines[1] and "near match here (tuned with triton 3.6.0, torch 2.11.0);" in lines[1]
     assert "S=256 fwd" in lines[2] and lines[2].endswith("not for this machine")
     layer = tmp_path / "layer"
     layer_mod.export_rows(store.all_best(), layer / "h100.yaml", here.gpu)

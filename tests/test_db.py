@@ -12,6 +12,7 @@ import flashgen
 from flashgen import AttentionSpec
 from flashgen.db import EnvInfo, ResultStore, SchemaVersionError, TrialRecord
 from flashgen.db import layer as layer_mod
+from flashgen.config import default_config
 from flashgen.loader import lookup
 
 from .test_render import edited_templates  # noqa: F401 (a fixture)
@@ -342,8 +343,9 @@ def test_one_bad_shipped_file_is_skipped_alone_and_said_once(tmp_path, monkeypat
     empty = f"sqlite:///{tmp_path / 'none.sqlite'}"
     with pytest.warns(flashgen.FlashgenFallbackWarning) as record:
         kernel = flashgen.load(SPEC, db=empty)
-    assert kernel.config_source == "tuning_db" and set(kernel.bucket_configs) == {1024}
-    assert kernel.config_for(100).BLOCK_M == 32
+    assert kernel.config_source == "tuning_db" and kernel.bucket_configs[1024].BLOCK_M == 32
+    assert 2048 not in kernel.bucket_configs or kernel.bucket_configs[2048] == default_config(SPEC, seqlen=2048)
+    assert kernel.config_for(1000).BLOCK_M == 32
     messages = [str(w.message) for w in record]
     assert len(messages) == 2, messages
     assert any(str(bad) in m and "field 'bucket'" in m for m in messages)
@@ -377,7 +379,8 @@ def test_malformed_rows_in_the_database_are_skipped_and_reported(tmp_path, monke
     _spoil_db(path, """UPDATE best_configs SET config = '{"BLOCK_M": "64"}' WHERE bucket = 256""")
     with pytest.warns(flashgen.FlashgenFallbackWarning, match="skipping 3 malformed tuning result"):
         kernel = flashgen.load(SPEC, db=f"sqlite:///{path}")
-    assert set(kernel.bucket_configs) == {512} and kernel.config_for(1).BLOCK_M == 64  # calls still work
+    assert kernel.bucket_configs[512].BLOCK_M == 64 and kernel.config_for(500).BLOCK_M == 64  # calls still work
+    assert kernel.bucket_configs[256] == default_config(SPEC, seqlen=256)  # the skipped row's bucket: its default
     result = CliRunner().invoke(main, ["db", "check", "--db", f"sqlite:///{path}"])
     assert result.exit_code == 1, result.output
     assert "bucket 0 'fwd') is invalid: field 'bucket'" in result.output
@@ -412,9 +415,9 @@ def test_db_upgrade_creates_missing_tables_and_refuses_other_versions(tmp_path):
         conn.execute(text("DROP TABLE trial_heartbeats"))
     assert store.missing_tables() == ["best_configs", "trial_heartbeats"]
     result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
-    assert result.exit_code == 0 and "at schema version 4" in result.output
+    assert result.exit_code == 0 and "at schema version 5" in result.output
     assert store.missing_tables() == []
-    for version, words in (("99", "newer than this flashgen's 4"), ("0", "no migration from schema version 0")):
+    for version, words in (("99", "newer than this flashgen's 5"), ("0", "no migration from schema version 0")):
         with store.engine.begin() as conn:
             conn.execute(text(f"UPDATE flashgen_meta SET value = '{version}' WHERE key = 'schema_version'"))
         result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
@@ -485,7 +488,7 @@ def test_template_edits_keep_the_shipped_results_until_the_kernels_change(edited
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         configs, source = lookup(spec, none)
-    assert source == "tuning_db" and sorted(configs) == [1024, 4096, 16384]
+    assert source == "tuning_db" and {1024, 4096, 16384} <= set(configs)
     # code both phases run (each loads K/V tiles)
     edited_templates("common/tiles.j2", "    return k, v\n", "    k, v = k, v\n    return k, v\n")
     with pytest.warns(flashgen.FlashgenFallbackWarning, match=r"in tuning_db are stale .*flashgen tune --spec"):
@@ -563,28 +566,37 @@ def test_a_result_without_kernel_hash_serves_with_the_same_templates(tmp_path, m
     assert configs[1024].BLOCK_M == 16 and source == f"database {store.url}"
 
 
-def test_db_upgrade_from_schema_3_fills_the_kernel_hashes_it_can_tell(url):
+def _downgraded_then_upgraded(store, version: int, column: str):
+    """Take a database back to schema ``version`` (which lacks best_configs.``column``), check it
+    is refused, upgrade it with `flashgen db upgrade`; the store reopened."""
     from alembic import command
     from click.testing import CliRunner
     from sqlalchemy import inspect
 
     from flashgen.cli import main
+    from flashgen.db import SCHEMA_VERSION, migrate
+
+    url = store.url
+    with store.engine.begin() as conn:
+        command.downgrade(migrate._config(conn), migrate.REVISIONS[version])
+    assert column not in {c["name"] for c in inspect(store.engine).get_columns("best_configs")}
+    store.close()
+    with pytest.raises(SchemaVersionError, match=rf"schema version {version}, .*flashgen db upgrade --db "):
+        ResultStore(url)
+    result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
+    assert result.exit_code == 0, result.output
+    assert f"upgraded from schema version {version} to {SCHEMA_VERSION}" in result.output, result.output
+    return ResultStore(url)
+
+
+def test_db_upgrade_from_schema_3_fills_the_kernel_hashes_it_can_tell(url):
     from flashgen.codegen.render import kernel_hash
     from flashgen.config import KernelConfig
-    from flashgen.db import migrate
 
     store = ResultStore(url)
     store.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)  # measured with this flashgen's templates
     store.set_best(EnvInfo(**dict(env().as_dict(), templates="0" * 16)), SPEC, 64, "fwd", CFG, 1.0, 1.0)
-    with store.engine.begin() as conn:
-        command.downgrade(migrate._config(conn), "0003")
-    assert "kernel" not in {c["name"] for c in inspect(store.engine).get_columns("best_configs")}
-    store.close()
-    with pytest.raises(SchemaVersionError, match=r"schema version 3, .*flashgen db upgrade --db "):
-        ResultStore(url)
-    result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
-    assert result.exit_code == 0 and "upgraded from schema version 3 to 4" in result.output, result.output
-    store = ResultStore(url)
+    store = _downgraded_then_upgraded(store, 3, "kernel")
     kernels = {r["environment"]["templates"]: r["kernel"] for r in store.all_best()}
     assert kernels == {env().templates: kernel_hash(SPEC, KernelConfig.from_dict(CFG), "fwd"), "0" * 16: None}
     store.close()
@@ -774,7 +786,7 @@ def test_db_upgrade_migrates_schema_1(url, with_trials):
     with pytest.raises(SchemaVersionError, match=r"schema version 1, .*flashgen db upgrade --db "):
         ResultStore(url)
     result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
-    assert result.exit_code == 0 and "upgraded from schema version 1 to 4" in result.output, result.output
+    assert result.exit_code == 0 and "upgraded from schema version 1 to 5" in result.output, result.output
     store = ResultStore(url)
     assert store.best_configs(env(), SPEC) == {64: {"fwd": dict(config=CFG, ms=1.5, tflops=2.0, default_ms=3.0)}}
     assert store.missing_tables() == []  # Optuna's tables too
@@ -788,7 +800,7 @@ def test_db_upgrade_migrates_schema_1(url, with_trials):
     assert [t.ms for t in store.trials(env(), SPEC)] == [1.0]
     store.close()
     result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])  # twice: nothing to do
-    assert result.exit_code == 0 and "at schema version 4" in result.output
+    assert result.exit_code == 0 and "at schema version 5" in result.output
 
 
 def test_warm_starts_rank_the_nearest_specs_on_this_gpu():
@@ -812,3 +824,134 @@ def test_warm_starts_rank_the_nearest_specs_on_this_gpu():
     assert [p["BLOCK_M"] for p in points] == [32, 64, 128, 16]  # ties on distance: the faster first
     assert mask_kind(target.canonical()) == "causal"
     assert mask_kind(target.replace(causal=False, mask={"document": {}}).canonical()) == "document"
+
+
+# ------------------------------------------------------------------------------ which default a result beat
+def _default_of(bucket=1024, phase="fwd"):
+    from flashgen.db.kernels import default_kernel
+
+    return default_kernel(SPEC, bucket, phase, "cpu")
+
+
+def test_db_upgrade_from_schema_4_keeps_every_result_with_an_unknown_default(url, fresh_warnings, monkeypatch):
+    _as_machine(monkeypatch, env())
+    store = ResultStore(url)
+    store.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=16), 1.0, 1.0, 2.0)
+    store = _downgraded_then_upgraded(store, 4, "default_kernel")
+    (row,) = store.all_best()
+    assert row["default_kernel"] is None and row["ms"] == 1.0 and row["default_ms"] == 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unknown default is served, quietly
+        configs, source = lookup(SPEC, store.url)
+    assert configs[1024].BLOCK_M == 16 and source == f"database {store.url}"
+    store.close()
+
+
+def test_default_kernel_names_the_default_config_not_only_its_kernels():
+    from flashgen.codegen.render import kernel_hash
+    from flashgen.db.kernels import default_kernel
+
+    h100 = AttentionSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "specs",
+                                                "sliding-window.yaml"))
+    short = default_config(h100, "h100", 1024)
+    # tiles are constexpr arguments: two defaults can render the same kernels...
+    assert kernel_hash(h100, short, "fwd") == kernel_hash(h100, short.replace(BLOCK_M=128, BLOCK_N=128), "fwd")
+    # ...and still be different defaults
+    assert default_kernel(h100, 4096, "fwd", "h100") != default_kernel(h100, 4096, "fwd", "a100")
+    assert default_kernel(h100, 4096, "fwd", "h100") == default_kernel(h100, 4096, "fwd", "h100")
+    assert default_kernel(h100, 4096, "dec8", "h100") is None
+
+
+@pytest.mark.parametrize("recorded, served", [("same", True), ("other", False), (None, True)])
+def test_a_result_is_served_only_while_its_default_is_the_current_one(recorded, served, tmp_path, monkeypatch,
+                                                                       fresh_warnings):
+    from click.testing import CliRunner
+
+    from flashgen.cli import main
+
+    here = env()
+    _as_machine(monkeypatch, here)
+    store = ResultStore(f"sqlite:///{tmp_path / 'defaults.sqlite'}")
+    against = {"same": _default_of(), "other": "0123456789abcdef", None: None}[recorded]
+    store.set_best(here, SPEC, 1024, "fwd", dict(CFG, BLOCK_M=16), 1.0, 1.0, 2.0, against)
+    store.set_best(here, SPEC, 1024, "bwd", dict(CFG, BLOCK_M1=16), 1.0, 1.0, 2.0, _default_of(phase="bwd"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        configs, source = lookup(SPEC, store.url, spec_path="dbspec.yaml")
+    messages = [str(w.message) for w in caught if issubclass(w.category, flashgen.FlashgenFallbackWarning)]
+    assert configs[1024].BLOCK_M1 == 16 and source == f"database {store.url}"  # the bwd row serves in any case
+    if served:
+        assert configs[1024].BLOCK_M == 16 and not messages
+    else:  # that phase runs the bucket's default, and one warning says why and what to run
+        assert configs[1024].BLOCK_M == default_config(SPEC, "cpu", 1024).BLOCK_M != 16
+        (message,) = messages
+        assert "S=1024 fwd" in message and "measured against an older default" in message
+        assert "flashgen tune --recheck --spec dbspec.yaml" in message
+    shown = CliRunner().invoke(main, ["show", "--db", store.url])
+    assert shown.exit_code == 0, shown.output
+    line = next(ln for ln in shown.output.splitlines() if "S=1024 fwd" in ln)
+    words = {"same": "measured against this flashgen's default", "other": "measured against an older default",
+             None: "default it beat is unknown"}[recorded]
+    assert words in line, line
+    if recorded == "other":
+        assert "not used" in line and "flashgen tune --recheck" in line
+
+
+def test_every_phase_against_an_older_default_falls_back_with_the_reason(tmp_path, monkeypatch, fresh_warnings):
+    here = env()
+    _as_machine(monkeypatch, here)
+    store = ResultStore(f"sqlite:///{tmp_path / 'older.sqlite'}")
+    store.set_best(here, SPEC, 1024, "fwd", dict(CFG, BLOCK_M=16), 1.0, 1.0, 2.0, "0123456789abcdef")
+    with pytest.warns(flashgen.FlashgenFallbackWarning, match=r"older default.*using the heuristic default.*"
+                                                              r"flashgen tune --recheck"):
+        kernel = flashgen.load(SPEC, db=store.url)
+    assert kernel.config_source == "default"
+
+
+def test_untuned_buckets_run_their_own_default_and_tuned_knobs_merge_onto_their_bucket(tmp_path, monkeypatch,
+                                                                                      fresh_warnings):
+    from flashgen.config import DEFAULT_BUCKETS, default_configs
+
+    here = env()
+    _as_machine(monkeypatch, here)
+    spec = AttentionSpec(name="band", dtype="fp16", head_dim=128, num_heads=2, target="h100",
+                         mask={"sliding_window": {"left": 1023, "right": 0}})
+    assert default_config(spec, seqlen=256) != default_config(spec)  # the defaults differ per bucket
+    store = ResultStore(f"sqlite:///{tmp_path / 'buckets.sqlite'}")
+    store.set_best(here, spec, 256, "bwd", dict(default_config(spec).to_dict(), BLOCK_M1=32), 1.0, 1.0)
+    configs, _ = lookup(spec, store.url)
+    # the row's own (bwd) knobs, the rest from its own bucket's default (no tensor descriptors at 256)
+    assert configs[256] == default_config(spec, seqlen=256).replace(BLOCK_M1=32, bwd_tma=True)
+    assert not configs[256].tma and default_config(spec).tma
+    assert {b: configs[b] for b in DEFAULT_BUCKETS if b != 256} == \
+        {b: c for b, c in default_configs(spec).items() if b != 256}
+    assert flashgen.load(spec, db=store.url).config_for(16384) == default_config(spec, seqlen=16384)
+
+
+def test_default_kernel_round_trips_through_tuning_db_files(tmp_path):
+    src = ResultStore(f"sqlite:///{tmp_path / 'src.sqlite'}")
+    src.set_best(env(), SPEC, 1024, "fwd", CFG, 1.0, 1.0, 2.0, _default_of())
+    src.set_best(env(), SPEC, 2048, "fwd", CFG, 1.0, 1.0, 2.0)
+    path = tmp_path / "layer" / "interp.yaml"
+    layer_mod.export_rows(src.all_best(), path, env().gpu)
+    assert f"default_kernel: {_default_of()}" in path.read_text()
+    rows = layer_mod.read_file(path)
+    assert {r["bucket"]: r["default_kernel"] for r in rows} == {1024: _default_of(), 2048: None}
+    other = ResultStore(f"sqlite:///{tmp_path / 'other.sqlite'}")
+    assert other.import_rows(rows) == 2
+    assert {r["bucket"]: r["default_kernel"] for r in other.all_best()} == {1024: _default_of(), 2048: None}
+    _spoil(path, ("default_kernel",), "not-a-hash")
+    with pytest.raises(layer_mod.ResultFileError, match="field 'default_kernel'"):
+        layer_mod.read_file(path)
+
+
+def test_a_tune_against_the_current_default_replaces_a_result_against_an_older_one(tmp_path):
+    store = ResultStore(f"sqlite:///{tmp_path / 'replace.sqlite'}")
+    store.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=16), 0.5, 1.0, 2.0, "0123456789abcdef")
+    # slower, but measured against today's default: the old time says nothing against it
+    assert store.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=64), 0.9, 1.0, 1.0, _default_of()) is None
+    # a slower result against the same default never replaces the better one
+    kept = store.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=32), 0.95, 1.0, 1.0, _default_of())
+    assert kept is not None and kept["config"]["BLOCK_M"] == 64
+    (row,) = store.all_best()
+    assert (row["config"]["BLOCK_M"], row["default_kernel"]) == (64, _default_of())

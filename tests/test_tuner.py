@@ -604,3 +604,148 @@ def test_a_new_study_starts_from_the_nearest_tuned_specs(store, tmp_path):
     (alone,) = tune(SPEC.replace(name="alone", dtype="fp16", backward=False), InterpretRunner(),
                     ResultStore(f"sqlite:///{tmp_path / 'alone.sqlite'}"), TuneOptions(trials=1))
     assert alone.warm_starts == 0
+
+
+# ------------------------------------------------------------------------------ never slower than the default
+class ClockRunner(InterpretRunner):
+    """The interpreter runner with its timing mocked: ms(config, phase) is the 'time' of a config
+    (everything else, verification included, runs for real)."""
+
+    def __init__(self, ms):
+        super().__init__()
+        self.ms = ms
+
+    def time(self, kernel, config, phase, work):
+        return self.ms(config, phase)
+
+
+def _default_of(spec, bucket=64, phase="fwd"):
+    from flashgen.db.kernels import default_kernel
+
+    return default_kernel(spec, bucket, phase, "cpu")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("default_wins", [True, False])
+def test_the_tuner_stores_only_what_beat_the_default_in_its_final_round(store, default_wins):
+    from flashgen.config import default_config
+
+    spec = SPEC.replace(backward=False)
+    default = default_config(spec, target="cpu", seqlen=64)
+    fast = 16 if default.BLOCK_M != 16 else 32
+
+    def ms(config, phase):
+        if config == default:
+            return 1.0
+        return 2.0 if default_wins or config.BLOCK_M != fast else 0.5
+
+    (result,) = tune(spec, ClockRunner(ms), store, TuneOptions(trials=8, sampler="grid"))
+    (row,) = store.all_best()
+    assert row["default_ms"] == 1.0 and row["default_kernel"] == _default_of(spec)  # which default it beat
+    if default_wins:
+        assert KernelConfig.from_dict(row["config"]) == default and row["ms"] == 1.0
+    else:
+        assert row["config"]["BLOCK_M"] == fast and row["ms"] == 0.5 and result.speedup == 2.0
+
+
+@needs_interpreter
+def test_recheck_keeps_the_faster_of_the_stored_config_and_todays_default(store):
+    from flashgen.config import default_config
+    from flashgen.tuner import recheck
+
+    here = EnvInfo.current(interpret=True)
+    default = default_config(SPEC, target="cpu", seqlen=64)
+    stored = default.replace(BLOCK_M=16)
+    store.set_best(here, SPEC, 64, "fwd", stored.to_dict(), 0.1, 1.0)  # no recorded default: unknown
+    times = {"stored": 0.5}
+
+    def ms(config, phase):
+        return times["stored"] if config.BLOCK_M == 16 else 1.0
+
+    (result,) = recheck(SPEC, ClockRunner(ms), store)
+    assert (result.why, result.kept, result.stored.ms, result.default.ms) == ("unknown default", "stored", 0.5, 1.0)
+    (row,) = store.all_best()
+    assert (row["config"]["BLOCK_M"], row["ms"], row["default_ms"], row["default_kernel"]) == \
+        (16, 0.5, 1.0, _default_of(SPEC))
+    times["stored"] = 2.0  # today's default is faster now: it replaces the stored config
+    (result,) = recheck(SPEC, ClockRunner(ms), store)
+    assert (result.why, result.kept, result.stored_ms) == ("same default", "default", 0.5)
+    (row,) = store.all_best()
+    assert KernelConfig.from_dict(row["config"]) == default and (row["ms"], row["default_ms"]) == (1.0, 1.0)
+
+
+@needs_interpreter
+def test_recheck_retimes_a_stale_result_with_todays_kernels(store):
+    from flashgen.codegen.render import kernel_hash
+    from flashgen.config import default_config
+    from flashgen.tuner import recheck
+
+    here = EnvInfo.current(interpret=True)
+    spec = SPEC.replace(backward=False)
+    bwd = default_config(spec, target="cpu", seqlen=64).replace(BLOCK_M1=16)
+    row = dict(environment=here.as_dict(), spec_key=spec.key, spec_uri=spec.uri, spec=spec.canonical(), bucket=64,
+               phase="bwd", config=bwd.to_dict(), ms=0.1, tflops=1.0, default_ms=None, kernel="0123456789abcdef",
+               default_kernel=None)
+    assert store.import_rows([row]) == 1
+    assert store.stale_best(here, spec)  # timed on kernels flashgen no longer renders
+    (result,) = recheck(spec, ClockRunner(lambda c, p: 0.5 if c.BLOCK_M1 == 16 else 1.0), store)
+    assert (result.why, result.kept) == ("stale", "stored")
+    (stored,) = store.all_best()
+    assert stored["kernel"] == kernel_hash(spec, bwd, "bwd") and stored["ms"] == 0.5  # still wins, today's hash
+    assert not store.stale_best(here, spec)
+
+
+@needs_interpreter
+def test_cli_recheck_prints_its_table_and_refreshes_the_shipped_file(tmp_path, monkeypatch):
+    from flashgen.config import default_config
+    from flashgen.db import layer as layer_mod
+
+    spec_path = ROOT / "examples" / "specs" / "small-causal.yaml"
+    spec = AttentionSpec.from_yaml(spec_path)
+    here = EnvInfo.current(interpret=True)
+    old_env = EnvInfo(**dict(here.as_dict(), torch="2.0.0"))  # a near match: rechecked and replaced
+    src = ResultStore(f"sqlite:///{tmp_path / 'src.sqlite'}")
+    slow = default_config(spec, target="cpu", seqlen=64).replace(BLOCK_M=16)
+    src.set_best(old_env, spec, 64, "fwd", slow.to_dict(), 0.001, 1.0)
+    layer = tmp_path / "tuning_db"
+    layer_mod.export_rows(src.all_best(), layer / f"{layer_mod.gpu_slug(here.gpu)}.yaml", here.gpu)
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: layer)
+    result = CliRunner().invoke(main, ["tune", "--recheck", "--shipped", "--interpret"])
+    assert result.exit_code == 0, result.output
+    assert "bucket phase" in result.output and "unknown default" in result.output
+    assert "wrote 1 results" in result.output
+    (row,) = layer_mod.read_file(layer / f"{layer_mod.gpu_slug(here.gpu)}.yaml")
+    assert row["environment"] == here.as_dict() and row["default_kernel"] == _default_of(spec)
+    # the user's database: the same command without --shipped
+    db = f"sqlite:///{tmp_path / 'user.sqlite'}"
+    ResultStore(db).set_best(here, spec, 64, "fwd", slow.to_dict(), 0.001, 1.0)
+    result = CliRunner().invoke(main, ["tune", "--recheck", "--interpret", "--db", db, "--json", str(spec_path)])
+    assert result.exit_code == 0, result.output
+    import json
+
+    (line,) = json.loads(result.output)["results"]
+    assert line["kept"] in ("stored", "default") and line["default_ms"] > 0 and line["stored_ms_before"] == 0.001
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["--shipped"], 2, "pass --recheck with it"),
+    (["--jobs", "2", "x.yaml"], 2, "--jobs goes with a recheck"),
+    (["--recheck", "--gpus", "2", "x.yaml"], 2, "leave out --gpus"),
+    (["--recheck", "--trials", "3", "x.yaml"], 2, "leave out --trials"),
+    (["--recheck"], 2, "no spec"),
+    (["--recheck", "missing.yaml"], 2, "missing.yaml"),
+])
+def test_cli_recheck_bad_input_is_one_line(args, code, words, tmp_path):
+    result = CliRunner().invoke(main, ["tune", *args, "--db", f"sqlite:///{tmp_path / 'x.sqlite'}"])
+    assert result.exit_code == code and words in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+@needs_interpreter
+def test_cli_recheck_shipped_without_a_file_for_this_gpu_is_one_line(tmp_path, monkeypatch):
+    from flashgen.db import layer as layer_mod
+
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: tmp_path / "empty")
+    result = CliRunner().invoke(main, ["tune", "--recheck", "--shipped", "--interpret"])
+    assert result.exit_code == 1 and "no shipped tuning results for" in result.output, result.output
+    assert "Traceback" not in result.output

@@ -6,10 +6,15 @@ compares that hash with the hash of what this flashgen renders for the same spec
 config (flashgen.db.env): equal, the result serves, whatever changed in the templates
 around those kernels; different, it is stale. A lookup renders only the configs stored for
 the spec it looks up, each once per process (kernel_hash is cached).
+
+Each result also records which default it was measured against (default_kernel): the
+heuristic default moves when the code changes, and a result that beat an older default may
+lose to today's, so a lookup compares that too (default_status).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from functools import lru_cache
 from typing import Callable, Mapping
@@ -34,6 +39,72 @@ def current_kernel(spec: AttentionSpec | Mapping, config: Mapping, phase: str) -
         return kernel_hash(spec, KernelConfig.from_dict(dict(config)), phase)
     except (TypeError, ValueError):  # ConfigError and SpecError are ValueErrors
         return None
+
+
+# What default_status says of a stored result's recorded default (its 'default_kernel').
+SAME_DEFAULT, OTHER_DEFAULT, UNKNOWN_DEFAULT = "same", "older", "unknown"
+
+
+def default_kernel(spec: AttentionSpec | Mapping, bucket: int, phase: str, target: str | None = None) -> str | None:
+    """Which default a result of (spec, bucket, phase) is measured against: a hash of the
+    kernel hash of the heuristic default at that bucket (flashgen.config.default_config) and
+    of that default's knobs for the phase. The knobs are part of it because kernel_hash
+    leaves the config out (tiles and warps are constexpr arguments, not kernel text): a default
+    that moved from 128x128 to 64x32 tiles keeps its kernel hash. None for a phase no kernel
+    hash covers (decode) or a spec this flashgen cannot build. ``target``: the GPU family the
+    default is chosen for when the spec names none (default: this machine's, 'cpu' under the
+    interpreter; target_of an EnvInfo). Cached per process."""
+    from ..config import detect_target
+
+    if phase not in ("fwd", "bwd"):
+        return None
+    try:
+        if not isinstance(spec, AttentionSpec):
+            spec = _spec(json.dumps(spec, sort_keys=True))
+        target = spec.target if spec.target != "auto" else (target or detect_target())
+        return _default_kernel(spec, bucket, phase, target)
+    except (TypeError, ValueError):
+        return None
+
+
+@lru_cache(maxsize=1024)
+def _default_kernel(spec: AttentionSpec, bucket: int, phase: str, target: str) -> str:
+    from ..codegen.render import kernel_hash
+    from ..config import default_config
+
+    config = default_config(spec, target=target, seqlen=bucket)
+    knobs = {k: v for k, v in config.to_dict().items() if k in KernelConfig.phase_knobs(phase)}
+    text = kernel_hash(spec, config, phase) + json.dumps(knobs, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def target_of(env) -> str:
+    """The default_config target of the machine an EnvInfo describes ('cpu' for the
+    interpreter), as flashgen.config.detect_target names the GPU it runs on: the defaults a
+    lookup compares with are those of the machine it serves."""
+    from ..config import _ARCH
+
+    if env.capability == "cpu":
+        return "cpu"
+    name = env.gpu.lower().replace(" ", "")
+    for target in _ARCH:
+        if target in name:
+            return target
+    return {"9.0": "h100", "8.0": "a100", "8.6": "a10g", "8.9": "l40s"}.get(env.capability, "a100")
+
+
+def default_status(spec: AttentionSpec | Mapping, row: Mapping, target: str | None = None) -> str | None:
+    """SAME_DEFAULT when a stored row (bucket, phase, default_kernel) was measured against
+    this flashgen's default for its bucket and phase, OTHER_DEFAULT when against another (an
+    older flashgen's: the row is not served), UNKNOWN_DEFAULT when it records none (stored
+    before schema 5: served, see ARCHITECTURE.md); None for a row no default covers (decode)."""
+    now = default_kernel(spec, row.get("bucket"), row.get("phase"), target)
+    if now is None:
+        return None
+    recorded = row.get("default_kernel")
+    if recorded is None:
+        return UNKNOWN_DEFAULT
+    return SAME_DEFAULT if recorded == now else OTHER_DEFAULT
 
 
 def row_kernel(row: Mapping) -> str | None:

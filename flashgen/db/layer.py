@@ -5,7 +5,9 @@ diffs well); flashgen reads every file there and uses an entry whose environment
 current one (flashgen.db.env: the same GPU model and Triton major.minor, and the kernels
 this flashgen renders for the entry's spec and config, named by the entry's ``kernel`` hash;
 an entry without one, from an older flashgen, needs the same templates hash; an exact
-match preferred, a near match used and labelled).
+match preferred, a near match used and labelled). ``default_kernel`` names the default the
+entry was measured against (flashgen.db.kernels.default_kernel); flashgen.load never serves an
+entry whose recorded default is no longer this flashgen's default for its bucket and phase.
 ``flashgen import`` loads such a file into a database.
 
 Every entry is checked (flashgen.db.rows) when a file is read: a file with a malformed
@@ -66,7 +68,7 @@ def export_text(rows: list[dict], gpu: str) -> tuple[str, int]:
     doc = {"schema": FILE_FORMAT, "gpu": gpu, "results": [
         {"spec": r["spec_uri"], "spec_key": r["spec_key"], "bucket": r["bucket"], "phase": r["phase"],
          "config": r["config"], "ms": _sig(r["ms"]), "tflops": _sig(r["tflops"]), "default_ms": _sig(r["default_ms"]),
-         "kernel": r.get("kernel"), "environment": r["environment"], "canonical": r["spec"]} for r in entries]}
+         "kernel": r.get("kernel"), "default_kernel": r.get("default_kernel"), "environment": r["environment"], "canonical": r["spec"]} for r in entries]}
     header = (f"# flashgen tuning results for {gpu}: written by `flashgen export`, loaded read-only\n"
               f"# below each user's database. Regenerate rather than edit.\n")
     return header + yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, width=120), len(entries)
@@ -110,7 +112,8 @@ def read_file(path: Path) -> list[dict]:
             raise ResultFileError(path, f"{where}: expected a mapping with keys {', '.join(_ENTRY_KEYS)}")
         row = dict(environment=e["environment"], spec_key=e["spec_key"], spec_uri=e["spec"], spec=e["canonical"],
                    bucket=e["bucket"], phase=e["phase"], config=e["config"], ms=e["ms"], tflops=e["tflops"],
-                   default_ms=e.get("default_ms"), kernel=e.get("kernel"))
+                   default_ms=e.get("default_ms"), kernel=e.get("kernel"),
+                   default_kernel=e.get("default_kernel"))
         try:
             check_row(row)
         except ResultRowError as err:

@@ -27,7 +27,7 @@ from .urls import sqlite_file
 VERSION_TABLE = "flashgen_alembic_version"
 SCRIPTS = Path(__file__).resolve().parent / "migrations"
 # flashgen_meta.schema_version -> the Alembic revision that schema is
-REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004"}
+REVISIONS = {1: "0001", 2: "0002", 3: "0003", 4: "0004", 5: "0005"}
 HEAD = REVISIONS[max(REVISIONS)]
 _PG_LOCK = int.from_bytes(hashlib.sha256(b"flashgen schema").digest()[:4], "big")  # an advisory lock id
 

@@ -14,7 +14,7 @@ import datetime as dt
 from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 4  # flashgen_meta.schema_version; migrate.REVISIONS maps it to Alembic's
+SCHEMA_VERSION = 5  # flashgen_meta.schema_version; migrate.REVISIONS maps it to Alembic's
 
 
 def _now() -> dt.datetime:
@@ -75,6 +75,10 @@ class Best(Base):
     # result serves while flashgen renders the same ones. None: stored before schema 4 and not
     # filled by its migration; such a result is judged by its environment's templates hash.
     kernel: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    # Which default this result was measured against in its round (flashgen.db.kernels
+    # .default_kernel: the default config's kernels and phase knobs for this bucket): a result
+    # whose default has changed since is not served. None: unknown (stored before schema 5).
+    default_kernel: Mapped[str | None] = mapped_column(String(32), nullable=True)
     created: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=_now)
 
 

@@ -20,7 +20,7 @@ PHASES = ("fwd", "bwd")
 MAX_BUCKET = 1 << 30
 ENVIRONMENT_FIELDS = {"gpu": str, "capability": str, "sm_count": int, "memory_gib": (int, float), "torch": str,
                       "triton": str, "cuda": str, "flashgen": str, "templates": str}
-KERNEL_HASH = re.compile(r"[0-9a-f]{16}")  # flashgen.codegen.render.kernel_hash
+KERNEL_HASH = re.compile(r"[0-9a-f]{16}")  # flashgen.codegen.render.kernel_hash, flashgen.db.kernels.default_kernel
 MAX_TEXT = 256  # the longest spec uri / environment string the schema stores
 
 
@@ -82,7 +82,8 @@ def check_best(row: Mapping) -> None:
 
 
 def check_row(row: Mapping) -> None:
-    """A whole exported row: the best config, its environment, its spec and its kernel hash (optional)."""
+    """A whole exported row: the best config, its environment, its spec, its kernel hash and its
+    default's (both optional)."""
     check_best(row)
     env = row.get("environment")
     if not isinstance(env, Mapping) or set(env) != set(ENVIRONMENT_FIELDS):
@@ -94,8 +95,10 @@ def check_row(row: Mapping) -> None:
                                  value)
         if kind is str:
             _text(f"environment.{name}", value)
-    if row.get("kernel") is not None and not (isinstance(row["kernel"], str) and KERNEL_HASH.fullmatch(row["kernel"])):
-        raise ResultRowError("kernel", "expected the kernels' hash (16 hex digits) or nothing", row["kernel"])
+    for field, what in (("kernel", "the kernels' hash"), ("default_kernel", "the default's kernel hash")):
+        value = row.get(field)
+        if value is not None and not (isinstance(value, str) and KERNEL_HASH.fullmatch(value)):
+            raise ResultRowError(field, f"expected {what} (16 hex digits) or nothing", value)
     _text("spec_key", row.get("spec_key"))
     _text("spec", row.get("spec_uri"))
     if not isinstance(row.get("spec"), Mapping):

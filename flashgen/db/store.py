@@ -20,7 +20,9 @@ or replaced while in use is an error, never a write into a file nobody will read
 A best config is replaced only by a faster one measured in the same environment
 (``set_best`` says whether it stored), so a shorter re-tune never overwrites a better result,
 or by any new one when the stored one is stale: timed on kernels this flashgen no longer
-renders for it (flashgen.db.kernels; each best config stores its kernel hash).
+renders for it (flashgen.db.kernels; each best config stores its kernel hash), or measured
+against another default than the new one (each best config records its default's hash), or
+by a recheck, which timed the stored config and today's default in one round.
 
 A database at another schema version is refused with the command that upgrades it. Every
 failure to open, read or write the database is a DatabaseError whose one-line message names
@@ -358,20 +360,27 @@ class ResultStore:
 
     # ------------------------------------------------------------------ writes
     def set_best(self, env: EnvInfo, spec: AttentionSpec, bucket: int, phase: str, config: dict, ms: float,
-                 tflops: float, default_ms: float | None = None) -> dict | None:
-        """Store a best config, with the hash of the kernels it was timed on, unless the
-        environment already holds a faster one for this spec, bucket and phase that is not
-        stale. Returns None when stored, else the faster stored row (config, ms, tflops,
-        default_ms), which stays."""
+                 tflops: float, default_ms: float | None = None, default_kernel: str | None = None, *,
+                 rechecked: bool = False) -> dict | None:
+        """Store a best config, with the hash of the kernels it was timed on and the default
+        it was measured against (``default_kernel``, flashgen.db.kernels.default_kernel),
+        unless the environment already holds a faster one for this spec, bucket and phase
+        that is not stale and was measured against the same default (or an unrecorded one).
+        ``rechecked``: the stored config and the default were both timed in this round
+        (``flashgen tune --recheck``), so this row replaces what is stored whatever its time.
+        Returns None when stored, else the faster stored row (config, ms, tflops, default_ms),
+        which stays."""
         check_best(dict(bucket=bucket, phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms))
         kernel = current_kernel(spec, config, phase)
         with self._session() as s:
-            return self._set_best(s, env, spec, bucket, phase, config, ms, tflops, default_ms, kernel)
+            return self._set_best(s, env, spec, bucket, phase, config, ms, tflops, default_ms, kernel,
+                                  default_kernel, always=rechecked)
 
     def _set_best(self, s: Session, env: EnvInfo, spec, bucket, phase, config, ms, tflops, default_ms,
-                  kernel: str | None) -> dict | None:
+                  kernel: str | None, default_kernel: str | None = None, always: bool = False) -> dict | None:
         values = dict(environment_id=self._env_id(s, env), spec_id=self._spec_id(s, spec), bucket=bucket,
-                      phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms, kernel=kernel)
+                      phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms, kernel=kernel,
+                      default_kernel=default_kernel)
         natural = {k: values[k] for k in ("environment_id", "spec_id", "bucket", "phase")}
         stored = s.execute(select(Best.config, Best.kernel).filter_by(**natural)).one_or_none()
         stale = None
@@ -379,9 +388,19 @@ class ResultStore:
             now = current_kernel(spec if isinstance(spec, AttentionSpec) else spec.canonical(), stored.config, phase)
             stale = stored.kernel if now is not None and now != stored.kernel else None
         # One statement, so concurrent writers cannot interleave a read and a write: the row is
-        # replaced where the new time is lower, or where it still holds the stale result read above.
-        self._upsert(s, Best, values, tuple(natural), update=("config", "ms", "tflops", "default_ms", "kernel"),
-                     only_if_lower="ms", or_where=None if stale is None else Best.kernel == stale)
+        # replaced where the new time is lower, where it still holds the stale result read above,
+        # or where it was measured against another default than this one (timed in another round
+        # against another baseline, so its time says nothing against this one's; a row with no
+        # recorded default keeps its time's claim: `flashgen tune --recheck` re-measures those).
+        replace = [] if stale is None else [Best.kernel == stale]
+        if default_kernel is not None:
+            replace.append(Best.default_kernel.is_not(None) & (Best.default_kernel != default_kernel))
+        or_where = None
+        for clause in replace:
+            or_where = clause if or_where is None else or_where | clause
+        self._upsert(s, Best, values, tuple(natural),
+                     update=("config", "ms", "tflops", "default_ms", "kernel", "default_kernel"),
+                     only_if_lower=None if always else "ms", or_where=or_where)
         kept = s.execute(select(Best).filter_by(**natural)).scalar_one()
         if kept.ms == ms and kept.config == config:
             return None
@@ -453,7 +472,8 @@ class ResultStore:
             q = q.order_by(SpecRow.uri, Best.bucket, Best.phase, Best.id)
             return [dict(environment={c: getattr(e, c) for c in EnvInfo.__dataclass_fields__},
                          spec_key=sp.key, spec_uri=sp.uri, spec=sp.canonical, bucket=b.bucket, phase=b.phase,
-                         config=b.config, ms=b.ms, tflops=b.tflops, default_ms=b.default_ms, kernel=b.kernel)
+                         config=b.config, ms=b.ms, tflops=b.tflops, default_ms=b.default_ms, kernel=b.kernel,
+                         default_kernel=b.default_kernel)
                     for b, e, sp in s.execute(q)]
 
     def import_rows(self, rows: list[dict]) -> int:
@@ -472,7 +492,8 @@ class ResultStore:
                 env = EnvInfo(**row["environment"])
                 spec = _SpecShim(row["spec_key"], row["spec_uri"], row["spec"])
                 stored += self._set_best(s, env, spec, row["bucket"], row["phase"], row["config"], row["ms"],
-                                         row["tflops"], row.get("default_ms"), row.get("kernel")) is None
+                                         row["tflops"], row.get("default_ms"), row.get("kernel"),
+                                         row.get("default_kernel")) is None
         return stored
 
     def check(self) -> list[str]:
