@@ -1,6 +1,6 @@
 """KernelConfig: the knobs the tuner searches, and the heuristic defaults.
 
-``loop_order`` and ``bwd_persistent`` change the rendered source (they are *structural*);
+``loop_order``, ``bwd_persistent`` and ``bwd_fused_delta`` change the rendered source (they are *structural*);
 every other knob is a ``tl.constexpr`` or a launch option of the same kernel.
 """
 
@@ -55,15 +55,19 @@ class KernelConfig:
     # dK/dV grid: 0 = a program per key block; n = about n programs per SM in all, each walking
     # key blocks p, p + P, ... in turn (for short walks: narrow bands, short sequences).
     bwd_persistent: int = 0
+    # delta = rowsum(dO * O) computed by the dQ kernel from the rows it loads anyway, the dQ
+    # kernel run before dK/dV: no preprocess pass re-reading O and dO, one launch fewer
+    # (separate dQ only: the atomic strategy has no dQ kernel).
+    bwd_fused_delta: bool = False
 
-    STRUCTURAL = ("loop_order", "bwd_persistent")
+    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
-                "bwd_tma", "bwd_persistent")
+                "bwd_tma", "bwd_persistent", "bwd_fused_delta")
     # Knobs added after results were stored, with the value that renders the kernels as before
     # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
     # hashed before them keep their kernel ids and their rendered text byte for byte, and
     # from_dict() reads a missing one as that value.
-    LATER_KNOBS = {"bwd_persistent": 0}
+    LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -85,7 +89,7 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
-        for name in ("tma", "warp_specialize", "bwd_tma"):
+        for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.warp_specialize and self.num_warps < 8:
@@ -95,6 +99,9 @@ class KernelConfig:
             raise ConfigError(f"config knob 'loop_order': expected one of {LOOP_ORDERS}, got {self.loop_order!r}")
         if self.dq_strategy not in DQ_STRATEGIES:
             raise ConfigError(f"config knob 'dq_strategy': expected one of {DQ_STRATEGIES}, got {self.dq_strategy!r}")
+        if self.bwd_fused_delta and self.dq_strategy != "separate":
+            raise ConfigError(f"config knob 'bwd_fused_delta': needs dq_strategy='separate' (the dQ kernel computes "
+                              f"delta), got dq_strategy={self.dq_strategy!r}")
         if isinstance(self.bwd_persistent, bool) or self.bwd_persistent not in PERSISTENT:
             raise ConfigError(f"config knob 'bwd_persistent': expected one of {PERSISTENT} (0 = off), "
                               f"got {self.bwd_persistent!r}")
@@ -127,7 +134,8 @@ class KernelConfig:
         return (f"M1={self.BLOCK_M1} N1={self.BLOCK_N1} M2={self.BLOCK_M2} N2={self.BLOCK_N2} "
                 f"warps={self.bwd_num_warps} stages={self.bwd_num_stages} dq={self.dq_strategy}"
                 f"{' tma' if self.bwd_tma else ''}"
-                f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}")
+                f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}"
+                f"{' fused_delta' if self.bwd_fused_delta else ''}")
 
 
 def interpreting() -> bool:
