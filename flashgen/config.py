@@ -304,5 +304,15 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape,
         # masked-defaults sweep (0-14% less GPU time: windows of 128 to 1024, documents, chunks,
         # prefix-LM, causal S=1024). Atomic dQ (1.4-2.1x slower) and the persistent dK/dV grid
         # (bwd_persistent, 1.1-1.5x slower) lost in every case of that sweep: tuner knobs only.
+        if d > 64 and (shape.narrow(seqlen) or shape.documents):
+            # Short walks per block: delta from the dQ kernel (bwd_fused_delta) saves the preprocess
+            # pass, 3-9% of the backward (masks/2026-11-22-h100-masked-defaults-sweep-v2-*.md: windows
+            # 256/1024 0.432/0.882 vs 0.461/0.949 ms, chunks 0.624 vs 0.655, prefix-LM +1%: not there).
+            # Documents up to 4096 tokens: 32x64 dK/dV and 64x32 dQ tiles, no descriptors (4 / 16
+            # documents 0.670 / 0.362 vs 0.675 / 0.380 for 64x64 with them); longer: 64x64 (4 documents
+            # at 16384: 1.886 vs 2.050).
+            if shape.documents and seqlen <= 4096:
+                return dict(cfg(32, 64, 64, 32, 4, 3), bwd_tma=False, bwd_fused_delta=True)
+            return dict(cfg(64, 64, 64, 64, 4, 2), bwd_tma=True, bwd_fused_delta=True)
         return dict(cfg(64, 64, 64, 64, 4, 3 if d <= 64 else 2), bwd_tma=spec.mask_node is None or d > 64)
     return cfg(32, 64, 64, 32, 4, 2)

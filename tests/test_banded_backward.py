@@ -258,6 +258,30 @@ def test_fused_delta_renders_only_behind_its_knob():
         assert off[off.index(name):].split("\n\n\n")[0] == on[on.index(name):].split("\n\n\n")[0]
 
 
+def test_fused_delta_is_the_default_where_the_h100_sweep_measured_it():
+    # masks/2026-11-22-h100-masked-defaults-sweep-v2-*.md: narrow bands and documents at hd128;
+    # not prefix-LM (+1%), and never for full or causal attention (their kernels stay as they were).
+    from flashgen import default_config
+
+    def bwd(seqlen, head_dim=128, **fields):
+        spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=16, backward=True, **fields)
+        return default_config(spec, "h100", seqlen)
+
+    for seqlen in (4096, 16384):
+        for mask in ({"sliding_window": {"left": 256, "right": 0}}, {"chunked": 1024}, {"document": {}}):
+            assert bwd(seqlen, mask=mask).bwd_fused_delta, (mask, seqlen)
+        assert not bwd(seqlen, mask={"prefix_lm": 512}).bwd_fused_delta
+        assert not bwd(seqlen, causal=True).bwd_fused_delta and not bwd(seqlen).bwd_fused_delta
+        assert not bwd(seqlen, head_dim=64, mask={"chunked": 1024}).bwd_fused_delta  # not measured at hd64
+    assert not bwd(1024, mask={"sliding_window": {"left": 1024, "right": 0}}).bwd_fused_delta  # not narrow there
+    docs = bwd(4096, mask={"document": {}})
+    assert (docs.BLOCK_M1, docs.BLOCK_N1, docs.BLOCK_M2, docs.BLOCK_N2, docs.bwd_tma) == (32, 64, 64, 32, False)
+    docs = bwd(16384, mask={"document": {}})
+    assert (docs.BLOCK_M1, docs.BLOCK_N1, docs.BLOCK_M2, docs.BLOCK_N2, docs.bwd_tma) == (64, 64, 64, 64, True)
+    assert not default_config(AttentionSpec(dtype="fp16", head_dim=32, num_heads=2, mask={"chunked": 64}),
+                              "cpu").bwd_fused_delta  # the interpreter's defaults are unchanged
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fields", [{"mask": {"sliding_window": {"left": 256, "right": 0}}}, {"causal": True},
                                     {"mask": {"chunked": 256}}, {"mask": {"document": {}}}],
