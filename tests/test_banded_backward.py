@@ -81,20 +81,25 @@ def test_persistent_grid_walks_every_key_block(device, persistent):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_persistent_backward_over_packed_sequences(device):
-    # Packed sequences: each (KV head, sequence) walks only its own sequence's key blocks.
+def _packed_grads(device, config):
+    """dq, dk, dv of a causal call over packed sequences (lengths 1, 40, 0, 17; fp16) with config,
+    and the same with SMALL."""
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     lens = [1, 40, 0, 17]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(sum(lens), h, 32, generator=gen).to(device, torch.float16).requires_grad_()
                for h in (4, 2, 2))
-    cfg = SMALL.replace(bwd_persistent=1)
-    out = flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, config=cfg)
+    out = flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, config=config)
     do = torch.randn(out.shape, generator=gen).to(device, torch.float16)
     grads = torch.autograd.grad(out, (q, k, v), do)
     ref = torch.autograd.grad(flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
                                                         config=SMALL), (q, k, v), do)
-    for g, r in zip(grads, ref):
+    return grads, ref
+
+
+def test_persistent_backward_over_packed_sequences(device):
+    # Packed sequences: each (KV head, sequence) walks only its own sequence's key blocks.
+    for g, r in zip(*_packed_grads(device, SMALL.replace(bwd_persistent=1))):
         assert torch.equal(g, r)
 
 
@@ -197,19 +202,9 @@ def test_fused_delta_runs_dq_first_without_the_preprocess(device):
 
 def test_fused_delta_over_packed_sequences_and_dropout(device):
     # Packed sequences (delta indexed per sequence) and dropout (delta = rowsum(dO * O) all the same).
-    gen = torch.Generator().manual_seed(random.randrange(2**31))
-    lens = [1, 40, 0, 17]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    q, k, v = (torch.randn(sum(lens), h, 32, generator=gen).to(device, torch.float16).requires_grad_()
-               for h in (4, 2, 2))
-    out = flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
-                                    config=SMALL.replace(bwd_fused_delta=True))
-    do = torch.randn(out.shape, generator=gen).to(device, torch.float16)
-    grads = torch.autograd.grad(out, (q, k, v), do)
-    ref = torch.autograd.grad(flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
-                                                        config=SMALL), (q, k, v), do)
-    for g, r in zip(grads, ref):
+    for g, r in zip(*_packed_grads(device, SMALL.replace(bwd_fused_delta=True))):
         torch.testing.assert_close(g, r, rtol=2e-3, atol=2e-3)  # fp16 outputs of the same fp32 sums, reordered
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
     spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, causal=True, dropout_p=0.2, backward=True)
     qd, kd, vd = (torch.randn(1, 2, 50, 16, generator=gen).to(device) for _ in range(3))
     seed = torch.tensor([random.randrange(2**62)], dtype=torch.int64, device=device)
