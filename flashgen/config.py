@@ -1,6 +1,6 @@
 """KernelConfig: the knobs the tuner searches, and the heuristic defaults.
 
-``loop_order`` and ``bwd_persistent`` change the rendered source (they are *structural*);
+``loop_order``, ``bwd_persistent`` and ``bwd_fused_delta`` change the rendered source (they are *structural*);
 every other knob is a ``tl.constexpr`` or a launch option of the same kernel.
 """
 
@@ -55,15 +55,19 @@ class KernelConfig:
     # dK/dV grid: 0 = a program per key block; n = about n programs per SM in all, each walking
     # key blocks p, p + P, ... in turn (for short walks: narrow bands, short sequences).
     bwd_persistent: int = 0
+    # delta = rowsum(dO * O) computed by the dQ kernel from the rows it loads anyway, the dQ
+    # kernel run before dK/dV: no preprocess pass re-reading O and dO, one launch fewer
+    # (separate dQ only: the atomic strategy has no dQ kernel).
+    bwd_fused_delta: bool = False
 
-    STRUCTURAL = ("loop_order", "bwd_persistent")
+    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
-                "bwd_tma", "bwd_persistent")
+                "bwd_tma", "bwd_persistent", "bwd_fused_delta")
     # Knobs added after results were stored, with the value that renders the kernels as before
     # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
     # hashed before them keep their kernel ids and their rendered text byte for byte, and
     # from_dict() reads a missing one as that value.
-    LATER_KNOBS = {"bwd_persistent": 0}
+    LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -85,7 +89,7 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
-        for name in ("tma", "warp_specialize", "bwd_tma"):
+        for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.warp_specialize and self.num_warps < 8:
@@ -95,6 +99,9 @@ class KernelConfig:
             raise ConfigError(f"config knob 'loop_order': expected one of {LOOP_ORDERS}, got {self.loop_order!r}")
         if self.dq_strategy not in DQ_STRATEGIES:
             raise ConfigError(f"config knob 'dq_strategy': expected one of {DQ_STRATEGIES}, got {self.dq_strategy!r}")
+        if self.bwd_fused_delta and self.dq_strategy != "separate":
+            raise ConfigError(f"config knob 'bwd_fused_delta': needs dq_strategy='separate' (the dQ kernel computes "
+                              f"delta), got dq_strategy={self.dq_strategy!r}")
         if isinstance(self.bwd_persistent, bool) or self.bwd_persistent not in PERSISTENT:
             raise ConfigError(f"config knob 'bwd_persistent': expected one of {PERSISTENT} (0 = off), "
                               f"got {self.bwd_persistent!r}")
@@ -127,7 +134,8 @@ class KernelConfig:
         return (f"M1={self.BLOCK_M1} N1={self.BLOCK_N1} M2={self.BLOCK_M2} N2={self.BLOCK_N2} "
                 f"warps={self.bwd_num_warps} stages={self.bwd_num_stages} dq={self.dq_strategy}"
                 f"{' tma' if self.bwd_tma else ''}"
-                f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}")
+                f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}"
+                f"{' fused_delta' if self.bwd_fused_delta else ''}")
 
 
 def interpreting() -> bool:
@@ -296,5 +304,15 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape,
         # masked-defaults sweep (0-14% less GPU time: windows of 128 to 1024, documents, chunks,
         # prefix-LM, causal S=1024). Atomic dQ (1.4-2.1x slower) and the persistent dK/dV grid
         # (bwd_persistent, 1.1-1.5x slower) lost in every case of that sweep: tuner knobs only.
+        if d > 64 and (shape.narrow(seqlen) or shape.documents):
+            # Short walks per block: delta from the dQ kernel (bwd_fused_delta) saves the preprocess
+            # pass, 3-9% of the backward (masks/2026-11-22-h100-masked-defaults-sweep-v2-*.md: windows
+            # 256/1024 0.432/0.882 vs 0.461/0.949 ms, chunks 0.624 vs 0.655, prefix-LM +1%: not there).
+            # Documents up to 4096 tokens: 32x64 dK/dV and 64x32 dQ tiles, no descriptors (4 / 16
+            # documents 0.670 / 0.362 vs 0.675 / 0.380 for 64x64 with them); longer: 64x64 (4 documents
+            # at 16384: 1.886 vs 2.050).
+            if shape.documents and seqlen <= 4096:
+                return dict(cfg(32, 64, 64, 32, 4, 3), bwd_tma=False, bwd_fused_delta=True)
+            return dict(cfg(64, 64, 64, 64, 4, 2), bwd_tma=True, bwd_fused_delta=True)
         return dict(cfg(64, 64, 64, 64, 4, 3 if d <= 64 else 2), bwd_tma=spec.mask_node is None or d > 64)
     return cfg(32, 64, 64, 32, 4, 2)

@@ -116,11 +116,11 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     if device.interpret:
         params = dict(BLOCK_M1=(16, 32), BLOCK_N1=(16, 32), BLOCK_M2=(16, 32), BLOCK_N2=(16, 32),
                       bwd_num_warps=(4,), bwd_num_stages=(1,), dq_strategy=("separate", "atomic"),
-                      bwd_persistent=(0, 1))
+                      bwd_persistent=(0, 1), bwd_fused_delta=(False, True))
     else:
         params = dict(BLOCK_M1=(32, 64), BLOCK_N1=(32, 64, 128), BLOCK_M2=(32, 64, 128), BLOCK_N2=(32, 64),
                       bwd_num_warps=(4, 8), bwd_num_stages=(1, 2, 3), dq_strategy=("separate", "atomic"),
-                      bwd_persistent=(0, 1, 2))
+                      bwd_persistent=(0, 1, 2), bwd_fused_delta=(False, True))
     if device.hopper:
         params.update(bwd_tma=(False, True))
 
@@ -149,6 +149,9 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         Restriction("dQ kernel registers <= 255", lambda p: device.interpret or dq_regs(p) <= 255),
         Restriction(f"smem = {elem}*bwd_num_stages*max(BLOCK_M1, BLOCK_N2)*{bd + bdv} <= {device.smem_bytes:g}",
                     lambda p: smem(p) <= device.smem_bytes),
+        # delta from the dQ kernel: there is one only with separate dQ.
+        Restriction("not bwd_fused_delta or dq_strategy == 'separate'",
+                    lambda p: not p.get("bwd_fused_delta") or p["dq_strategy"] == "separate"),
         # A persistent grid pays only if its programs all run at once: n per SM must fit together.
         Restriction(f"bwd_persistent == 0 or bwd_persistent programs fit one SM (registers <= {REGISTERS_PER_SM}, "
                     f"smem <= {device.smem_bytes:g})", resident),

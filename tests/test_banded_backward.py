@@ -1,4 +1,5 @@
-"""The persistent dK/dV grid (bwd_persistent): each program walks several key blocks in turn.
+"""The persistent dK/dV grid (bwd_persistent): each program walks several key blocks in turn;
+and delta computed by the dQ kernel (bwd_fused_delta): no preprocess pass, dQ before dK/dV.
 
 Its gradients are checked against the reference (3x rule of ../shared/TESTING.md) for every
 mask family, both dQ strategies, GQA, ragged and unequal lengths, packed sequences, dropout and
@@ -14,6 +15,7 @@ import torch
 import flashgen
 from flashgen import AttentionSpec, ConfigError, KernelConfig
 from flashgen.codegen import render
+from flashgen.space import DeviceLimits, backward_space
 
 from .test_masks import SMALL, _doc_ids, check_variant
 
@@ -79,20 +81,25 @@ def test_persistent_grid_walks_every_key_block(device, persistent):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_persistent_backward_over_packed_sequences(device):
-    # Packed sequences: each (KV head, sequence) walks only its own sequence's key blocks.
+def _packed_grads(device, config):
+    """dq, dk, dv of a causal call over packed sequences (lengths 1, 40, 0, 17; fp16) with config,
+    and the same with SMALL."""
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     lens = [1, 40, 0, 17]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     q, k, v = (torch.randn(sum(lens), h, 32, generator=gen).to(device, torch.float16).requires_grad_()
                for h in (4, 2, 2))
-    cfg = SMALL.replace(bwd_persistent=1)
-    out = flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, config=cfg)
+    out = flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, config=config)
     do = torch.randn(out.shape, generator=gen).to(device, torch.float16)
     grads = torch.autograd.grad(out, (q, k, v), do)
     ref = torch.autograd.grad(flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
                                                         config=SMALL), (q, k, v), do)
-    for g, r in zip(grads, ref):
+    return grads, ref
+
+
+def test_persistent_backward_over_packed_sequences(device):
+    # Packed sequences: each (KV head, sequence) walks only its own sequence's key blocks.
+    for g, r in zip(*_packed_grads(device, SMALL.replace(bwd_persistent=1))):
         assert torch.equal(g, r)
 
 
@@ -149,3 +156,135 @@ def test_gpu_persistent_backward_bf16(fields, persistent):
         check_variant("cuda", **fields, sq=1500, sk=1500, dtype="bf16", heads=(8, 2), d=128, dq_strategy=dq,
                       config=KernelConfig(BLOCK_M=64, BLOCK_N=64, num_stages=3, BLOCK_M1=64, BLOCK_N1=64,
                                           bwd_persistent=persistent))
+
+
+# ----------------------------------------------------------------------------- delta in the dQ kernel
+@pytest.mark.parametrize("name,fields,sq,sk,tensors", CASES, ids=[c[0] for c in CASES])
+def test_fused_delta_backward_matches_reference(device, name, fields, sq, sk, tensors):
+    # every mask family (segments and the block map), alternating dtype and GQA ratio
+    n = [c[0] for c in CASES].index(name)
+    check_variant(device, **fields, tensors=tensors, sq=sq, sk=sk, dtype=("fp16", "fp32")[n % 2],
+                  heads=((4, 2), (3, 1))[n % 2], config=SMALL.replace(bwd_fused_delta=True))
+
+
+def _launch_order(module):
+    """Record the order the module's backward kernels are launched in."""
+    launcher, order = module._LAUNCHER, []
+    for attr in ("preprocess_kernel", "dkdv_kernel", "dq_kernel"):
+        kernel = getattr(launcher, attr)
+
+        class Recorder:
+            def __getitem__(self, grid, kernel=kernel, attr=attr):
+                order.append(attr)
+                return kernel[grid]
+
+        setattr(launcher, attr, Recorder())
+    launcher.plans.clear()  # call plans keep the kernels they were made with
+    return order
+
+
+def test_fused_delta_runs_dq_first_without_the_preprocess(device):
+    # Off: preprocess, dK/dV, dQ. On: dQ (which writes delta), then dK/dV; the gradients agree
+    # with the preprocess's to float32 rounding (the same sum, maybe in another order).
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, mask={"chunked": 8}, backward=True)
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    q, k, v, do = (torch.randn(2, h, 37, 16, generator=gen).to(device) for h in (4, 2, 2, 4))
+    results, orders = [], []
+    for fused in (False, True):
+        module = render.build_module(spec, SMALL.replace(bwd_fused_delta=fused))
+        orders.append(_launch_order(module))
+        out, lse = module.forward(q, k, v)
+        results.append(module.backward(do, q, k, v, out, lse)[:3])
+    assert orders == [["preprocess_kernel", "dkdv_kernel", "dq_kernel"], ["dq_kernel", "dkdv_kernel"]]
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # fp32: only the delta sum's order differs
+
+
+def test_fused_delta_over_packed_sequences_and_dropout(device):
+    # Packed sequences (delta indexed per sequence) and dropout (delta = rowsum(dO * O) all the same).
+    for g, r in zip(*_packed_grads(device, SMALL.replace(bwd_fused_delta=True))):
+        torch.testing.assert_close(g, r, rtol=2e-3, atol=2e-3)  # fp16 outputs of the same fp32 sums, reordered
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, causal=True, dropout_p=0.2, backward=True)
+    qd, kd, vd = (torch.randn(1, 2, 50, 16, generator=gen).to(device) for _ in range(3))
+    seed = torch.tensor([random.randrange(2**62)], dtype=torch.int64, device=device)
+    grads = []
+    for fused in (False, True):
+        module = render.build_module(spec, SMALL.replace(bwd_fused_delta=fused))
+        o, lse = module.forward(qd, kd, vd, dropout_p=0.2, seed=seed)
+        grads.append(module.backward(torch.ones_like(o), qd, kd, vd, o, lse, dropout_p=0.2, seed=seed)[:3])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_delta_knob_is_checked_and_left_out_of_stored_configs_when_off():
+    with pytest.raises(ConfigError, match="config knob 'bwd_fused_delta'.*dq_strategy='atomic'"):
+        KernelConfig(bwd_fused_delta=True, dq_strategy="atomic")
+    with pytest.raises(ConfigError, match="config knob 'bwd_fused_delta'.*got 1"):
+        KernelConfig(bwd_fused_delta=1)
+    assert "bwd_fused_delta" not in KernelConfig().to_dict()
+    on = KernelConfig(bwd_fused_delta=True)
+    assert on.to_dict()["bwd_fused_delta"] is True and KernelConfig.from_dict(on.to_dict()) == on
+    assert "fused_delta" in on.describe_backward()
+    # the tuner searches it with separate dQ only
+    space = backward_space(AttentionSpec(dtype="bf16", head_dim=128, num_heads=2, mask={"chunked": 64},
+                                         backward=True), DeviceLimits("H100", 232448, hopper=True))
+    assert space.params["bwd_fused_delta"] == (False, True)
+    point = dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=2,
+                 dq_strategy="separate", bwd_tma=True, bwd_persistent=0, bwd_fused_delta=True)
+    assert space.violations(point) == []
+    assert any("bwd_fused_delta" in v for v in space.violations(dict(point, dq_strategy="atomic")))
+    # structural: a call cannot switch it (the dQ kernel's parameters differ)
+    module = render.build_module(AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, backward=True),
+                                 SMALL.replace(bwd_fused_delta=True))
+    x = torch.randn(1, 2, 8, 16)
+    out, lse = module.forward(x, x, x)
+    with pytest.raises(TypeError, match="bwd_fused_delta"):
+        module.backward(x, x, x, x, out, lse, bwd_fused_delta=False)
+
+
+def test_fused_delta_renders_only_behind_its_knob():
+    spec = AttentionSpec(dtype="fp16", head_dim=32, num_heads=2, mask={"document": {}}, backward=True)
+    off, on = (render.render(spec, SMALL.replace(bwd_fused_delta=f), standalone=False) for f in (False, True))
+    dq = [text[text.index("def _attn_bwd_dq("):].split("\n\n\n")[0] for text in (off, on)]
+    assert "tl.store(DELTA" not in dq[0] and "tl.store(DELTA" in dq[1]
+    # the forward and the dK/dV kernel are the same text
+    for name in ("def _attn_fwd(", "def _attn_bwd_dkdv("):
+        assert off[off.index(name):].split("\n\n\n")[0] == on[on.index(name):].split("\n\n\n")[0]
+
+
+def test_fused_delta_is_the_default_where_the_h100_sweep_measured_it():
+    # masks/2026-11-22-h100-masked-defaults-sweep-v2-*.md: narrow bands and documents at hd128;
+    # not prefix-LM (+1%), and never for full or causal attention (their kernels stay as they were).
+    from flashgen import default_config
+
+    def bwd(seqlen, head_dim=128, **fields):
+        spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=16, backward=True, **fields)
+        return default_config(spec, "h100", seqlen)
+
+    for seqlen in (4096, 16384):
+        for mask in ({"sliding_window": {"left": 256, "right": 0}}, {"chunked": 1024}, {"document": {}}):
+            assert bwd(seqlen, mask=mask).bwd_fused_delta, (mask, seqlen)
+        assert not bwd(seqlen, mask={"prefix_lm": 512}).bwd_fused_delta
+        assert not bwd(seqlen, causal=True).bwd_fused_delta and not bwd(seqlen).bwd_fused_delta
+        assert not bwd(seqlen, head_dim=64, mask={"chunked": 1024}).bwd_fused_delta  # not measured at hd64
+    assert not bwd(1024, mask={"sliding_window": {"left": 1024, "right": 0}}).bwd_fused_delta  # not narrow there
+    docs = bwd(4096, mask={"document": {}})
+    assert (docs.BLOCK_M1, docs.BLOCK_N1, docs.BLOCK_M2, docs.BLOCK_N2, docs.bwd_tma) == (32, 64, 64, 32, False)
+    docs = bwd(16384, mask={"document": {}})
+    assert (docs.BLOCK_M1, docs.BLOCK_N1, docs.BLOCK_M2, docs.BLOCK_N2, docs.bwd_tma) == (64, 64, 64, 64, True)
+    assert not default_config(AttentionSpec(dtype="fp16", head_dim=32, num_heads=2, mask={"chunked": 64}),
+                              "cpu").bwd_fused_delta  # the interpreter's defaults are unchanged
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", [{"mask": {"sliding_window": {"left": 256, "right": 0}}}, {"causal": True},
+                                    {"mask": {"chunked": 256}}, {"mask": {"document": {}}}],
+                         ids=["window-256", "causal", "chunked-256", "documents"])
+def test_gpu_fused_delta_backward_bf16(fields):
+    tensors = {"document_ids": torch.stack([_doc_ids([300, 700, 500]), _doc_ids([1500])])} \
+        if "document" in fields.get("mask", {}) else {}
+    for tma in (False, True):
+        check_variant("cuda", **fields, tensors=tensors, sq=1500, sk=1500, dtype="bf16", heads=(8, 2), d=128,
+                      config=KernelConfig(BLOCK_M=64, BLOCK_N=64, num_stages=3, BLOCK_M1=64, BLOCK_N1=64,
+                                          bwd_tma=tma, bwd_fused_delta=True))

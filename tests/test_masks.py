@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import flashgen
 from flashgen import AttentionSpec, KernelConfig, SpecError
@@ -121,6 +123,84 @@ def test_document_mask(device, lengths, causal):
     other = _doc_ids(list(reversed(lengths)))
     check_variant(device, mask={"document": {"causal": causal}}, sq=40, sk=40,
                   tensors={"document_ids": torch.stack([ids, other])})
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_document_mask_boundaries_anywhere_in_a_block(device, causal):
+    # Random layouts over 16-row blocks: boundaries on block edges, one row before and after
+    # them, several documents inside one block, sparse id values. Each block searches the row
+    # once and finds its other edge's document from there (plan._near_search): every case of
+    # "same document at both edges" and "a boundary between them" is met.
+    rng = random.Random(random.randrange(2**31))
+    rows = []
+    for _ in range(2):
+        lengths, total = [], 0
+        while total < 67:
+            n = min(rng.choice([1, 2, 15, 16, 17, 31, 32, 33, 5]), 67 - total)
+            lengths.append(n)
+            total += n
+        ids = torch.cat([torch.full((n,), 3 * i + rng.randrange(3), dtype=torch.int32) for i, n in enumerate(lengths)])
+        rows.append(ids)
+    for loop_order in ("q_outer", "kv_outer"):
+        check_variant(device, mask={"document": {"causal": causal}}, sq=67, sk=67, dtype="fp32", loop_order=loop_order,
+                      tensors={"document_ids": torch.stack(rows)})
+
+
+@triton.jit
+def _segments_probe(IDS, ids_s0, ids_s1, ids_n0, ids_n1, OUT, n, BLOCK: tl.constexpr):
+    # The document module's _kv_segments and _q_segments of one block (names injected by the test).
+    blk = tl.program_id(0)
+    off_b = tl.program_id(1)
+    first = blk * BLOCK
+    last = tl.minimum(first + BLOCK, n) - 1
+    kv = _kv_segments(first, last, off_b, 0, n, n, IDS, ids_s0, ids_s1, ids_n0, ids_n1)  # noqa: F821
+    q = _q_segments(first, last, off_b, 0, n, n, IDS, ids_s0, ids_s1, ids_n0, ids_n1)  # noqa: F821
+    out = OUT + (off_b * tl.num_programs(0) + blk) * 8
+    for i in tl.static_range(4):
+        tl.store(out + i, kv[i])
+        tl.store(out + 4 + i, q[i])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+def test_document_segments_are_exact(device, causal, monkeypatch):
+    # Every block's segment edges equal the document bounds found by brute force; the edges a
+    # _search_near finds are the whole-block ranges, where an error that narrows them would only
+    # cost speed, so the reference tests could not see it.
+    module = render.build_module(AttentionSpec(dtype="fp32", head_dim=16, mask={"document": {"causal": causal}},
+                                               backward=True), SMALL)
+    for name in ("_kv_segments", "_q_segments"):
+        monkeypatch.setitem(globals(), name, getattr(module, name))
+    rng = random.Random(random.randrange(2**31))
+    n, block = 83, 16
+    rows = [torch.tensor(sorted(rng.choice([0, 1, 2, 5, 6, 9, 40]) for _ in range(n)), dtype=torch.int32)
+            for _ in range(3)]
+    ids = torch.stack(rows).to(device)
+    out = torch.zeros(3, -(-n // block), 8, dtype=torch.int32, device=device)
+    _segments_probe[(out.shape[1], 3)](ids, ids.stride(0), ids.stride(1), ids.shape[0], ids.shape[1], out, n,
+                                       BLOCK=block)
+    for b, row in enumerate(rows):
+        row = row.tolist()
+        start = lambda i: row.index(row[i])  # noqa: E731 (the first row of i's document)
+        end = lambda i: len(row) - row[::-1].index(row[i])  # noqa: E731 (one past its last)
+        for blk in range(out.shape[1]):
+            r0, r1 = blk * block, min(blk * block + block, n) - 1
+            kv = [start(r0), r1 + 1 if causal else end(r1), start(r1), r0 + 1 if causal else end(r0)]
+            q = [r0 if causal else start(r0), end(r1), r1 if causal else start(r1), end(r0)]
+            assert out[b, blk].tolist() == kv + q, (row, blk)
+
+
+def test_document_blocks_search_the_row_once():
+    # A block's two edges: one search over the whole row, the other edge's from it.
+    from flashgen.codegen.plan import plan_for
+
+    for causal, count in ((True, 1), (False, 2)):
+        plan = plan_for(AttentionSpec(head_dim=16, mask={"document": {"causal": causal}}))
+        for direction in ("kv", "q"):
+            codes = [code for seg in plan.segments(direction) for _, code in seg.searches]
+            assert sum(c.startswith("_search(") for c in codes) == count
+            assert sum(c.startswith("_search_near(") for c in codes) == count
+        assert plan.near_searches
+    assert not plan_for(AttentionSpec(head_dim=16, mask={"chunked": 8})).near_searches
 
 
 def test_document_ids_broadcast_over_the_batch(device):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .. import masks
-from ..expr.ir import reads_var, tensors_of
-from ..expr.to_triton import tensor_params, tensor_size, tensor_stride, triton_expr
+from ..expr.ir import Load, Search, Var, reads_var, tensors_of, walk
+from ..expr.to_triton import tensor_params, tensor_pointer, tensor_size, tensor_stride, triton_expr
 
 # What each IR variable is called where the template uses the expression: in a tile of
 # (query rows x key columns) ...
@@ -22,6 +22,8 @@ TILE_NAMES = {"b": "off_b", "h": "off_h", "q_idx": "rows", "kv_idx": "cols", "sc
 # ... and over the edges of a block of rows [r0, r1] or of keys [c0, c1].
 BLOCK_EDGE_NAMES = {"b": "off_b", "h": "off_h", "r0": "r0", "r1": "r1", "c0": "c0", "c1": "c1",
                     "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}
+# A block's first and last edge, in order: r0 <= r1, c0 <= c1.
+EDGE_ORDER = {"r0": 0, "r1": 1, "c0": 0, "c1": 1}
 
 
 class KernelPlan:
@@ -78,24 +80,71 @@ class KernelPlan:
             adds.append(TensorGradAdd(site.tensor, offset, triton_expr(site.derivative, TILE_NAMES), per_pair))
         return adds
 
+    @property
+    def near_searches(self) -> bool:
+        """Whether some segment edge is a _search_near (segments.j2 renders it only then)."""
+        return any(code.startswith("_search_near(") for d in ("kv", "q") if not self.block_map
+                   for seg in self.segments(d) for _, code in seg.searches)
+
     def segments(self, direction: str) -> list[SegmentEdges]:
         """The edges of each segment of a block's visible range (see masks.tree.segments) over
         the block's first and last row (``direction`` "kv": r0, r1) or key ("q": c0, c1), with
         the binary searches they need (common/segments.j2 writes the assignments)."""
         searches: dict[str, str] = {}  # search expression -> the name its result is given
+        edge_searches = {}  # search expression -> its Search node, where its value is the row at a block edge
         out = []
         for seg in (self.kv_segments if direction == "kv" else self.q_segments):
+            for node in (n for x in seg for n in walk(x) if _edge_search(n)):
+                edge_searches[triton_expr(node, BLOCK_EDGE_NAMES)] = node
             new: list[tuple[str, str]] = []
 
             def hoist(code: str) -> str:  # each distinct search once, named in order: s0, s1, ...
                 if code not in searches:
                     searches[code] = f"s{len(searches)}"
-                    new.append((searches[code], code))
+                    new.append((searches[code], _near_search(code, edge_searches, searches) or code))
                 return searches[code]
 
             edges = [triton_expr(x, BLOCK_EDGE_NAMES, hoist) for x in seg]
             out.append(SegmentEdges(tuple(new), *edges))
         return out
+
+
+def _edge_search(node) -> bool:
+    """A search of the tensor's own element at one edge of the block: Search(T, T[b, edge])."""
+    return (isinstance(node, Search) and isinstance(node.value, Load) and node.value.tensor == node.tensor
+            and len(node.value.index) == 2 and isinstance(node.value.index[1], Var)
+            and node.value.index[1].name in EDGE_ORDER)
+
+
+def _near_search(code: str, edge_searches: dict, searches: dict) -> str | None:
+    """The search `code` narrowed by one already made at the block's other edge, or None.
+
+    In a sorted row, with positions x <= y: the searches of T[x] and T[y] agree when the two
+    elements are equal; else the first index >= T[y] and the first index > T[x] both lie in
+    (x, y], within the block. So of a block's two searches (the same tensor, side and batch)
+    one goes over the row and the other only compares two elements (or, across a boundary,
+    searches the block's span): segments.j2's _search_near."""
+    node = edge_searches.get(code)
+    if node is None:
+        return None
+    batch, edge = node.value.index
+    for known_code, name in searches.items():
+        known = edge_searches.get(known_code)
+        if known is None or known == node or (known.tensor, known.right, known.value.index[0]) != (
+                node.tensor, node.right, batch):
+            continue
+        other = known.value.index[1]
+        # the later edge's first index >= its element; the earlier edge's first index > its element
+        if EDGE_ORDER[edge.name] - EDGE_ORDER[other.name] != (-1 if node.right else 1):
+            continue
+        t, size = node.tensor, tensor_size(node.tensor, 1)
+        first, last = sorted((edge.name, other.name), key=EDGE_ORDER.get)
+        base = (f"{tensor_pointer(t)} + _clamp({triton_expr(batch, BLOCK_EDGE_NAMES)}, {tensor_size(t, 0)}) * "
+                f"{tensor_stride(t, 0)}")
+        return (f"_search_near({base}, {tensor_stride(t, 1)}, {triton_expr(node.value, BLOCK_EDGE_NAMES)}, "
+                f"{triton_expr(known.value, BLOCK_EDGE_NAMES)}, {name}, _clamp({first}, {size}) + 1, "
+                f"_clamp({last}, {size}) + 1, RIGHT={node.right})")
+    return None
 
 
 @dataclass(frozen=True)

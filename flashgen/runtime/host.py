@@ -327,10 +327,11 @@ class AttentionLauncher:
         return args
 
     def knobs(self, overrides):
-        """CONFIG with a call's knob overrides (loop_order is structural: it cannot change here)."""
+        """CONFIG with a call's knob overrides (loop_order and bwd_fused_delta are structural: they
+        change the kernels' text and cannot change here)."""
         cfg = dict(self.config)
         for name, value in overrides.items():
-            if name not in cfg or name == "loop_order":
+            if name not in cfg or name in ("loop_order", "bwd_fused_delta"):
                 raise TypeError(f"unexpected knob {name!r}")
             cfg[name] = value
         return cfg
@@ -678,6 +679,8 @@ class AttentionLauncher:
                 VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TMA=tma, **launch))
             plan.dq_head = (*qkv_strides, *dq_strides, *lse_strides, *sizes)
             plan.dq_tail = (*maps, total_q, total_k)
+            if cfg.get("bwd_fused_delta"):
+                plan.fused_delta = bhsd_strides(out, layout)
         return plan
 
     # ------------------------------------------------------------------ dropout (tests)

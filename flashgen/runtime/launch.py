@@ -222,6 +222,7 @@ class BackwardPlan(CallPlan):
         self.preprocess_args = self.dkdv_head = self.dkdv_tail = self.dq_head = self.dq_tail = ()
         self.atomic = False  # dQ accumulated by the dK/dV kernel into a float32 buffer
         self.rows = self.tiles = None  # with TMA: Descriptors of (q, do) for dK/dV and of (k, v) for dQ
+        self.fused_delta = None  # bwd_fused_delta: out's strides; the dQ kernel computes delta and runs first
 
     def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k):
         device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
@@ -238,19 +239,24 @@ class BackwardPlan(CallPlan):
         if self.layout == "thd":
             dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
         delta = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-        self.preprocess(out, do, delta, *self.preprocess_args)
+        if self.fused_delta is None:
+            self.preprocess(out, do, delta, *self.preprocess_args)
         extra = grad_args = ()
         if self.named:
             named = self.launcher.tensor_views(tensors)
             extra = self.launcher.tensor_args(named)
             grad_args = [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors]
         dq_acc = torch.zeros(q_shape, dtype=torch.float32, device=device) if self.atomic else dq
+        if self.fused_delta is not None:  # delta from the dQ kernel, before dK/dV reads it
+            tiles = (k, v) if self.tiles is None else self.tiles(k, v)
+            self.dq(q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra, *self.dq_tail,
+                    out, *self.fused_delta)
         rows = (q, do) if self.rows is None else self.rows(q, do)
         self.dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, seed, cu_q, cu_k, *rows, *self.dkdv_head, *extra,
                   *grad_args, *self.dkdv_tail)
         if self.atomic:
             dq.copy_(dq_acc)
-        else:
+        elif self.fused_delta is None:
             tiles = (k, v) if self.tiles is None else self.tiles(k, v)
             self.dq(q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra, *self.dq_tail)
         return self.result(dq, dk, dv, grads, tensors)

@@ -125,7 +125,7 @@ def _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_do
 def _kv_segments(r0, r1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1):
     # Query rows [r0, r1] see keys in [lo, hi); every one of them sees all of [flo, fhi).
     s0 = _search(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, t_doc_n1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(r0, t_doc_n1) * t_doc_s1), RIGHT=False)
-    s1 = _search(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, t_doc_n1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(r1, t_doc_n1) * t_doc_s1), RIGHT=False)
+    s1 = _search_near(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(r1, t_doc_n1) * t_doc_s1), tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(r0, t_doc_n1) * t_doc_s1), s0, _clamp(r0, t_doc_n1) + 1, _clamp(r1, t_doc_n1) + 1, RIGHT=False)
     lo0, hi0, flo0, fhi0 = s0, (r1 + 1), s1, (r0 + 1)
     return lo0, hi0, flo0, fhi0
 
@@ -134,9 +134,19 @@ def _kv_segments(r0, r1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_do
 def _q_segments(c0, c1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1):
     # Keys [c0, c1] are seen by query rows in [lo, hi); every one of those rows sees all of them in [flo, fhi).
     s0 = _search(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, t_doc_n1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(c1, t_doc_n1) * t_doc_s1), RIGHT=True)
-    s1 = _search(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, t_doc_n1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(c0, t_doc_n1) * t_doc_s1), RIGHT=True)
+    s1 = _search_near(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(c0, t_doc_n1) * t_doc_s1), tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(c1, t_doc_n1) * t_doc_s1), s0, _clamp(c0, t_doc_n1) + 1, _clamp(c1, t_doc_n1) + 1, RIGHT=True)
     lo0, hi0, flo0, fhi0 = c0, s0, c1, s1
     return lo0, hi0, flo0, fhi0
+
+
+@triton.jit
+def _search_near(PTR, stride, value, known_value, known, lo, hi, RIGHT: tl.constexpr):
+    # _search of `value` given `known`, the same search of `known_value`, the two values read at
+    # positions lo - 1 and hi - 1 of a sorted row (a block's two edges): equal values share the
+    # answer; else it lies in [lo, hi), so the block's span is searched instead of the whole row.
+    same = value == known_value
+    start = tl.where(same, known, lo)
+    return start + _search(PTR + start * stride, stride, tl.where(same, 0, hi - lo), value, RIGHT=RIGHT)
 
 
 @triton.jit
