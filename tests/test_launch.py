@@ -221,6 +221,53 @@ def test_an_unchanged_call_is_checked_once(monkeypatch):
     assert checks == [1, 1]
 
 
+def test_a_training_step_keys_and_checks_its_calls_once(monkeypatch):
+    """An autograd step's backward runs the backward plan hung off its forward's plan: one plan key
+    per step (was two: the backward keyed q, k, v, out, lse, ... again) and, for packed sequences,
+    one read of the offsets (was two). A dO of other strides gets a backward plan of its own; the
+    gradients are bitwise those of module.backward planned afresh."""
+    from flashgen.runtime import host
+
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, causal=True, backward=True)
+    kernel = flashgen.compile(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, BLOCK_M1=16, BLOCK_N1=16,
+                                                 BLOCK_M2=16, BLOCK_N2=16))
+    module = kernel.module()
+    launcher = module._LAUNCHER
+    launcher.plans.clear()
+    keys, reads = [], []
+    plan_key, check = launcher.plan_key, host.check_cu_seqlens
+    monkeypatch.setattr(launcher, "plan_key", lambda *a: keys.append(a[0][0]) or plan_key(*a))
+    monkeypatch.setattr(host, "check_cu_seqlens", lambda *a: reads.append(1) or check(*a))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen).half().requires_grad_() for _ in range(3))
+    do = torch.randn(1, 2, 20, 16, generator=gen).half()
+    do_t = do.transpose(2, 3).contiguous().transpose(2, 3)  # the same values, other strides
+    for grad_out in (do, do, do_t):
+        out = kernel(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert_gradients_close(grads, q, k, v, do, causal=True)
+    assert keys == ["fwd"] * 3
+    (plan,) = launcher.plans.values()
+    assert len(plan.backward_plans) == 2  # dO contiguous, dO transposed
+    monkeypatch.setattr(BoundLaunch, "enabled", False)
+    fresh = module.backward(do, q.detach(), k.detach(), v.detach(), *module.forward(q.detach(), k.detach(),
+                                                                                   v.detach()))[:3]
+    assert all(torch.equal(a, b) for a, b in zip(grads, fresh))
+    monkeypatch.setattr(BoundLaunch, "enabled", True)
+
+    packed = [t.detach().transpose(1, 2).reshape(20, 2, 16).requires_grad_() for t in (q, k, v)]
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    do_p = do.transpose(1, 2).reshape(20, 2, 16)
+    keys.clear()
+    for _ in range(2):
+        grads = torch.autograd.grad(kernel.varlen(*packed, cu, cu, 13, 13), packed, do_p)
+    assert keys == ["fwd"] * 2 and reads == [1, 1]  # the forward's reads only
+    args = dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, max_seqlen_k=13)
+    plain = [t.detach() for t in packed]
+    fresh = module.backward(do_p, *plain, *module.forward(*plain, **args), **args)[:3]
+    assert all(torch.equal(a, b) for a, b in zip(grads, fresh))
+
+
 def test_a_stride_or_alignment_change_gets_its_own_plan():
     """One tensor at a time stops being 16-aligned or 16-strided: each call gets a plan of its own
     (Triton specializes on both) and is still right."""

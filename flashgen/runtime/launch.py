@@ -166,11 +166,13 @@ class CallPlan:
     def seed_arg(self, seed):
         return seed if self.seed is None else self.seed
 
-    def offset_args(self, cu_seqlens_q, cu_seqlens_k):
-        """The kernels' cu_seqlens arguments; packed offsets are checked on every call."""
+    def offset_args(self, cu_seqlens_q, cu_seqlens_k, checked=False):
+        """The kernels' cu_seqlens arguments; packed offsets are checked on every call (checked:
+        by the forward of the same step, on these very tensors)."""
         if self.offsets is None:
             return self.no_offsets, self.no_offsets
-        self.launcher.check_offsets(cu_seqlens_q, cu_seqlens_k, *self.offsets)
+        if not checked:
+            self.launcher.check_offsets(cu_seqlens_q, cu_seqlens_k, *self.offsets)
         return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
 
 
@@ -185,6 +187,8 @@ class ForwardPlan(CallPlan):
         self.head = self.tail = ()  # the kernel's arguments before and after the named tensors'
         self.descriptors = None  # Q-outer with TMA: Descriptors of q, k, v, out
         self.buffers = None  # KV-outer: the (rows, BLOCK_DV) shape of its float32 accumulator
+        self.softmax_scale = self.dropout_p = None  # the call's scalars (set by forward_plan)
+        self.backward_plans = {}  # (dO's tensor_key, deterministic, tensor_grads) -> BackwardPlan of this forward
 
     def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=()):
         if out is None:
@@ -223,7 +227,7 @@ class BackwardPlan(CallPlan):
         self.atomic = False  # dQ accumulated by the dK/dV kernel into a float32 buffer
         self.rows = self.tiles = None  # with TMA: Descriptors of (q, do) for dK/dV and of (k, v) for dQ
 
-    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k):
+    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=False):
         device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
         grads = {name: torch.zeros(shape, dtype=torch.float32, device=device)
                  for name, shape in self.grads.items()} if self.grads else None
@@ -233,7 +237,7 @@ class BackwardPlan(CallPlan):
         if self.dkdv is None:
             dq.zero_(), dk.zero_(), dv.zero_()
             return self.result(dq, dk, dv, grads, tensors)
-        cu_q, cu_k = self.offset_args(cu_seqlens_q, cu_seqlens_k)
+        cu_q, cu_k = self.offset_args(cu_seqlens_q, cu_seqlens_k, offsets_checked)
         seed = self.seed_arg(seed)
         if self.layout == "thd":
             dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
