@@ -201,6 +201,18 @@ def benchmark(args) -> dict:
         if len(tokens) == 2:  # bf16 roundings may flip a near-tie; report how many tokens agree
             row["same_tokens_fraction"] = float((tokens["flashgen"] == tokens["sdpa"]).float().mean())
 
+        def generate_prefill_kernel(impl):  # the same, flashgen's decode steps on its prefill kernel
+            from flashgen.integrations import transformers as integration
+
+            integration.decode_calls = False
+            try:
+                return generate(impl)
+            finally:
+                integration.decode_calls = True
+
+        run_mode(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate (prefill kernel)",
+                 generate_prefill_kernel)
+
     if "compile_train_step" not in args.skip:
         backend = "inductor" if args.device == "cuda" else "aot_eager"
 
