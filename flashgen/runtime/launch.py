@@ -78,10 +78,15 @@ class BoundLaunch:
     the same compiled kernel; later calls only read.
     """
 
-    __slots__ = ("kernel", "grid", "grid3", "constexprs", "compiled", "device", "tail", "specialization")
+    __slots__ = ("kernel", "grid", "grid3", "constexprs", "compiled", "device", "tail", "specialization", "family")
 
     enabled = env_flag("FLASHGEN_BOUND_LAUNCH", True)  # False: always Triton's path
     verify = env_flag("FLASHGEN_VERIFY_LAUNCH", False)  # True: check each direct launch against the binder
+    # (kernel, constexprs, device, argument_signature) -> the CompiledKernel a BoundLaunch bound: a
+    # new BoundLaunch whose first arguments have a signature seen before (a call plan for a new
+    # sequence length: generation makes one per step) binds it without Triton's path.
+    shared = {}
+    MAX_SHARED = 1024
 
     def __init__(self, kernel, grid, constexprs):
         self.kernel = kernel
@@ -92,9 +97,18 @@ class BoundLaunch:
         self.device = None  # the device it was bound on
         self.tail = ()  # the parameters after the positional ones (constexprs, defaults), in signature order
         self.specialization = None  # Triton's specialization of the first call (kept when verifying)
+        self.family = None  # (kernel, constexprs) for BoundLaunch.shared; None: not a compiled JITFunction
+        if hasattr(kernel, "device_caches"):
+            try:
+                self.family = (kernel, tuple(sorted(self.constexprs.items())))
+                hash(self.family)
+            except TypeError:  # an unhashable constexpr value: no sharing
+                self.family = None
 
     def __call__(self, *args):
         compiled = self.compiled
+        if compiled is None and self.family is not None and BoundLaunch.enabled:
+            compiled = self.adopt(args)
         if compiled is None or not BoundLaunch.enabled or launch_hooks_set():
             return self.launch(args)
         active = triton_driver.active
@@ -114,7 +128,39 @@ class BoundLaunch:
         if (self.compiled is None and BoundLaunch.enabled and hasattr(result, "packed_metadata")
                 and hasattr(self.kernel, "device_caches")):
             self.bind(result, args)
+            key = self.shared_key(args)
+            if key is not None:
+                if len(BoundLaunch.shared) >= BoundLaunch.MAX_SHARED:
+                    BoundLaunch.shared.clear()
+                BoundLaunch.shared[key] = (result, self.tail, self.specialization)
         return result
+
+    def adopt(self, args):
+        """The compiled kernel another BoundLaunch of this kernel and constexprs bound for arguments
+        Triton specializes as it would these (bound here, no Triton path), or None."""
+        key = self.shared_key(args)
+        found = BoundLaunch.shared.get(key) if key is not None else None
+        if found is None:
+            return None
+        compiled, tail, specialization = found
+        device = key[2]
+        if BoundLaunch.verify:
+            mine = self.binding(args, device)[1]
+            if specialization is not None and mine != specialization:
+                raise AssertionError(f"{getattr(self.kernel, '__name__', self.kernel)}: argument_signature gave two "
+                                     f"launches one key that Triton specializes otherwise ({mine} vs "
+                                     f"{specialization})")
+            self.specialization = mine
+        self.tail, self.device, self.compiled = tail, device, compiled
+        return compiled
+
+    def shared_key(self, args):
+        """This launch's key in BoundLaunch.shared, or None when an argument is of a kind whose
+        specialization argument_signature does not know (tensor descriptors, ...)."""
+        signature = argument_signature(args)
+        if signature is None or self.family is None:
+            return None
+        return (*self.family, triton_driver.active.get_current_device(), signature)
 
     def bind(self, compiled, args):
         params = self.kernel.signature.parameters
@@ -143,6 +189,30 @@ class BoundLaunch:
             raise AssertionError(f"{getattr(self.kernel, '__name__', self.kernel)}: a bound launch got arguments that "
                                  f"Triton specializes otherwise ({specialization} vs {self.specialization}) or "
                                  "orders otherwise; its caller's key misses something")
+
+
+I32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def argument_signature(args):
+    """What Triton may specialize a launch on, of each argument, or None for an argument of another
+    kind: a tensor's dtype and 16-byte alignment; an int's being 1, its divisibility by 16 and its
+    width (i32, i64, u64); a bool's or None's value; a float's type (floats are not specialized).
+    A superset of the binder's specialization (triton 3.5 to 3.9), so equal signatures get one
+    compiled kernel; FLASHGEN_VERIFY_LAUNCH checks it on every launch of a BoundLaunch that used it."""
+    signature = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            signature.append((a.dtype, a.data_ptr() & 15 == 0))
+        elif a is None or isinstance(a, bool):
+            signature.append(a)
+        elif isinstance(a, int):
+            signature.append((a == 1, a % 16 == 0, I32[0] <= a <= I32[1], a >= 1 << 63))
+        elif isinstance(a, float):
+            signature.append(float)
+        else:
+            return None
+    return tuple(signature)
 
 
 def tensor_key(t):
