@@ -103,12 +103,14 @@ def test_greedy_generation_matches(kind):
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
 def test_generation_steps_run_the_decode_kernel(kind, monkeypatch):
-    # Unpadded generation: every step after the prompt is one query per row over the cache, run by
-    # flashgen's split-KV decode kernel (Gemma 2: past its 5-key window, with softcapping); each
-    # step's logits against the reference model in float64.
+    # Unpadded generation with decode_calls on: every step after the prompt is one query per row over
+    # the cache, run by flashgen's split-KV decode kernel (Gemma 2: past its 5-key window, with
+    # softcapping); each step's logits against the reference model in float64. Off (the default):
+    # the prefill kernel runs the same steps.
     from flashgen.integrations import transformers as integration
     from flashgen.runtime.decode import DecodeLauncher
 
+    monkeypatch.setattr(integration, "decode_calls", True)
     queries, original = [], DecodeLauncher.decode
     monkeypatch.setattr(DecodeLauncher, "decode", lambda self, q, *a, **kw: queries.append(q.shape[1])
                         or original(self, q, *a, **kw))

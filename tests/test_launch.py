@@ -530,7 +530,8 @@ def test_gpu_bound_launches_are_bitwise_tritons(config, layout, monkeypatch):
         return (out, lse, *torch.autograd.grad(out, (q, k, v), do))
 
     results = [step() for _ in range(3)]  # Triton's path, then bound twice
-    launches = [getattr(plan, name) for plan in kernel.module()._LAUNCHER.plans.values()
+    plans = [p for plan in kernel.module()._LAUNCHER.plans.values() for p in (plan, *plan.backward_plans.values())]
+    launches = [getattr(plan, name) for plan in plans  # a step's backward plan hangs off its forward's
                 for name in ("launch", "preprocess", "dkdv", "dq") if getattr(plan, name, None) is not None]
     assert len(launches) >= 3 and all(b.compiled is not None for b in launches)  # every launch was bound
     monkeypatch.setattr(BoundLaunch, "enabled", False)

@@ -201,12 +201,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 DECODE_MAX_QUERIES = 16  # the decode kernel packs a KV group's query rows into one tile; longer: prefill
-decode_calls = True  # route decode-shaped calls to flashgen's split-KV decode kernel (False: the prefill kernel)
+# Route decode-shaped calls to flashgen's split-KV decode kernel (True) or the prefill kernel (False,
+# the default). A generation step's cache is one key longer than the last, so every call has new
+# metadata: on the H100 host (Llama 8 layers, B=4, 128 tokens; results/2026-11-22-h100-call-path-
+# transformers-h.md) the prefill kernel's call plans, whose launches adopt the binaries compiled for
+# earlier lengths (runtime/launch.py), took 935.8 ms per generate against the decode launcher's
+# 1096.6 ms (its split and combine kernels take Triton's launch path at every new length); both
+# kernels take microseconds at these lengths.
+decode_calls = False
 
 
 def _decode_shaped(query, key, value, is_causal, dropout):
-    """A generation step: a few causal queries (the newest tokens) against more cached keys, nothing
-    padded, no dropout, no gradient, not traced (the decode kernels are eager-only and forward-only)."""
+    """A generation step (with decode_calls on): a few causal queries (the newest tokens) against more
+    cached keys, nothing padded, no dropout, no gradient, not traced (the decode kernels are eager-only
+    and forward-only)."""
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     return (decode_calls and is_causal and not dropout and seqlen_q <= DECODE_MAX_QUERIES and seqlen_k > seqlen_q
             and not torch.compiler.is_compiling()
