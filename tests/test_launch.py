@@ -179,6 +179,17 @@ def test_a_new_bound_launch_adopts_a_binary_of_the_same_specialization(fake_driv
     assert len(kernel.normal) == 5
 
 
+def test_argument_signature_separates_what_triton_specializes():
+    sig = launch.argument_signature
+    x = torch.empty(8)
+    assert sig([x, 32, 0.5, None]) == sig([torch.empty(4), 48, 0.25, None])
+    for other in ([x, 40, 0.5, None], [x, 1, 0.5, None], [x, 2**32, 0.5, None], [x, True, 0.5, None],
+                  [x.half(), 32, 0.5, None], [torch.empty(9)[1:], 32, 0.5, None], [x, 32, 0.5, False]):
+        assert sig(other) != sig([x, 32, 0.5, None]), other
+    assert sig([1]) != sig([True])
+    assert sig([x, object()]) is None  # a kind it does not know (a tensor descriptor, say): no sharing
+
+
 def test_verification_catches_a_signature_that_misses_a_specialization(fake_driver, monkeypatch):
     """A binder that specializes on something argument_signature ignores (here a float's value):
     FLASHGEN_VERIFY_LAUNCH refuses the adopted binary."""
