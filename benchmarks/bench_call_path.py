@@ -198,6 +198,40 @@ def diagnose(seqlen=128):
     return result
 
 
+def kernel_times(seqlen, steps=20):
+    """GPU time per fwd+bwd step at B=1, S=seqlen, by kernel (torch.profiler's CUDA activity), for
+    flashgen and SDPA flash: whether a step whose do_bench time exceeds its host time is held
+    back by a kernel, or by the host. {provider: {kernel: us per step, 'total': us, 'wall': us}}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = (torch.randn(1, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn_like(q)
+    fns = providers()
+    result = {}
+    for name in ("flashgen", "sdpa_flash"):
+        def step(attn=fns[name]):
+            torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / steps * 1e6
+        times = {}
+        for event in prof.key_averages():
+            device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+            if device_us:
+                times[event.key[:60]] = round(device_us / steps, 1)
+        top = dict(sorted(times.items(), key=lambda kv: -kv[1])[:8])
+        result[name] = {**top, "total": round(sum(times.values()), 1), "wall": round(wall, 1)}
+    print(json.dumps({"kernels": f"S={seqlen}", **result}), flush=True)
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", default=",".join(str(s) for _, s in CASES),
@@ -206,6 +240,9 @@ def main():
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"),
                         help="directory for the .json and .md results")
     parser.add_argument("--diagnose", action="store_true", help="also time the host-time breakdown (diagnose())")
+    parser.add_argument("--no-compile-check", action="store_true", help="leave out the torch.compile check")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also the GPU time per fwd+bwd step by kernel at S <= 512 (kernel_times())")
     args = parser.parse_args()
     fns = providers()
     if args.providers != "all":
@@ -213,9 +250,12 @@ def main():
     seqlens = {int(s) for s in args.seqlens.split(",")}
     rows = [run_case(b, s, mode, fns) for b, s in CASES if s in seqlens for mode in ("forward", "fwd+bwd")]
     env = environment()
-    result = {"environment": env, "anchor": ANCHOR, "rows": rows, "compile_check": compile_check()}
+    result = {"environment": env, "anchor": ANCHOR, "rows": rows,
+              "compile_check": {"skipped": True} if args.no_compile_check else compile_check()}
     if args.diagnose:
         result["diagnose"] = {seqlen: diagnose(seqlen) for seqlen in sorted(seqlens) if seqlen <= 512}
+    if args.kernels:
+        result["kernels"] = {seqlen: kernel_times(seqlen) for seqlen in sorted(seqlens) if seqlen <= 512}
     gpu = re.sub(r"[^a-z0-9]+", "-", env.get("gpu", "gpu").lower()).strip("-")
     out = Path(args.out) / f"{datetime.date.today()}-{gpu}-call-path"
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
@@ -229,6 +269,10 @@ def main():
     lines.append(f"\ncompile check (inductor, fullgraph): {json.dumps(result['compile_check'])}")
     for seqlen, times in result.get("diagnose", {}).items():
         lines.append(f"\nhost us per call at S={seqlen}: " + "; ".join(f"{n} {t}" for n, t in times.items()))
+    for seqlen, per in result.get("kernels", {}).items():
+        for name, times in per.items():
+            lines.append(f"\nGPU us per fwd+bwd step at S={seqlen}, {name}: "
+                         + "; ".join(f"{n} {t}" for n, t in times.items()))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -7,7 +7,9 @@ intermediate 5632, vocab 32000, bf16), run with ``attn_implementation`` = flashg
 * ``train_step``: forward + backward + AdamW step on batch 4 x 2048 tokens (median ms per step);
 * ``prefill``: a no-grad forward of the same batch, after checking both paths' logits agree;
 * ``generate``: greedy generation of 128 new tokens after a 128-token prompt, batch 4 (dynamic
-  KV cache, exactly 128 tokens each: no EOS), whole ``generate`` call, median of a few;
+  KV cache, exactly 128 tokens each: no EOS), whole ``generate`` call, median of a few; then the
+  same with flashgen's decode-shaped calls on its split-KV decode kernel (``generate (decode kernel)``,
+  ``flashgen.integrations.transformers.decode_calls``);
 * ``compile_train_step``: ``torch.compile(model, fullgraph=True)`` (inductor on the GPU,
   aot_eager on the CPU) then the training step, compiled both ways; a failure to compile is
   recorded with its error.
@@ -200,6 +202,18 @@ def benchmark(args) -> dict:
         row = run_mode(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate", generate)
         if len(tokens) == 2:  # bf16 roundings may flip a near-tie; report how many tokens agree
             row["same_tokens_fraction"] = float((tokens["flashgen"] == tokens["sdpa"]).float().mean())
+
+        def generate_decode_kernel(impl):  # the same, flashgen's decode steps on its split-KV decode kernel
+            from flashgen.integrations import transformers as integration
+
+            default, integration.decode_calls = integration.decode_calls, True
+            try:
+                return generate(impl)
+            finally:
+                integration.decode_calls = default
+
+        run_mode(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate (decode kernel)",
+                 generate_decode_kernel)
 
     if "compile_train_step" not in args.skip:
         backend = "inductor" if args.device == "cuda" else "aot_eager"

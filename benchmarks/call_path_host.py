@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import sys
 import time
@@ -93,8 +94,25 @@ def cases():
         with torch.no_grad():
             flash_attn_func(qs, ks, vs, causal=True)
 
+    # A generation step as transformers makes it: one query per row over a (B, S, H_kv, D) view of its
+    # (B, H_kv, S, D) cache, S one longer each step, so each call's metadata is new: its plans are
+    # forgotten before every call (compiled kernels stay shared by specialization).
+    from flashgen import ops
+
+    q1 = torch.randn(4, 1, 16, D, dtype=torch.bfloat16)
+    caches = [torch.randn(4, 4, 129 + i, D, dtype=torch.bfloat16).transpose(1, 2) for i in range(32)]
+    steps = itertools.count()
+
+    def generation_step():
+        for module in ops._MODULES.values():
+            module._LAUNCHER.plans.clear()
+        cache = caches[next(steps) % len(caches)]
+        with torch.no_grad():
+            flashgen.attention(q1, cache, cache, causal=True, layout="bshd")
+
     return {"forward (no grad)": forward, "forward (grad)": forward_grad, "fwd+bwd": fwd_bwd,
-            "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward}
+            "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward,
+            "generation step (B=4, 16/4 heads, new length)": generation_step}
 
 
 def per_call_us(call, calls, repeat):

@@ -125,13 +125,19 @@ def _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_q, cu_k, max_
 
 
 def _backward_grads(do, q, k, v, out, lse, seed, tensors, module, layout, dropout_p, deterministic, wanted,
-                    cu_q, cu_k, max_q, max_k):
-    """(dq, dk, dv, [d tensor in its dtype, or None where not wanted or not differentiable])."""
-    names = [n for n, t, w in zip(module.TENSORS, tensors, wanted)
-             if w and t.is_floating_point() and n in module.GRAD_TENSORS] if tensors else ()
-    dq, dk, dv, grads = module.backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
-                                        deterministic=deterministic, tensors=_named(module, tensors),
-                                        tensor_grads=names, **_varlen(cu_q, cu_k, max_q, max_k))
+                    cu_q, cu_k, max_q, max_k, plan=None):
+    """(dq, dk, dv, [d tensor in its dtype, or None where not wanted or not differentiable]).
+    plan: the call plan the forward of these tensors returned (module._LAUNCHER.training_forward)."""
+    names = tuple(n for n, t, w in zip(module.TENSORS, tensors, wanted)
+                  if w and t.is_floating_point() and n in module.GRAD_TENSORS) if tensors else ()
+    if plan is not None:
+        dq, dk, dv, grads = module._LAUNCHER.training_backward(plan, do, q, k, v, out, lse, seed,
+                                                               _named(module, tensors), cu_q, cu_k,
+                                                               deterministic=deterministic, tensor_grads=names)
+    else:
+        dq, dk, dv, grads = module.backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
+                                            deterministic=deterministic, tensors=_named(module, tensors),
+                                            tensor_grads=names, **_varlen(cu_q, cu_k, max_q, max_k))
     return dq, dk, dv, [grads[n].to(t.dtype) if n in grads else None for n, t in zip(module.TENSORS, tensors)]
 
 
@@ -213,7 +219,11 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, seed, cu_q, cu_k, call, *tensors):
         module, layout, dropout_p, deterministic, max_q, max_k = call
-        out, lse = _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_q, cu_k, max_q, max_k)
+        # the launcher's training entry: the backward reuses this call's plan (no second key or check)
+        varlen = cu_q is not None
+        out, lse, ctx.plan = module._LAUNCHER.training_forward(q, k, v, layout, dropout_p, seed,
+                                                               _named(module, tensors), cu_q, cu_k,
+                                                               max_q if varlen else None, max_k if varlen else None)
         ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
@@ -226,7 +236,7 @@ class AttentionFunction(torch.autograd.Function):
         module, layout, dropout_p, deterministic, max_q, max_k = ctx.call
         dq, dk, dv, tensor_grads = _backward_grads(dout, q, k, v, out, lse, seed, tensors, module, layout,
                                                    dropout_p, deterministic, ctx.needs_input_grad[7:], cu_q, cu_k,
-                                                   max_q, max_k)
+                                                   max_q, max_k, ctx.plan)
         return (dq, dk, dv, None, None, None, None, *tensor_grads)
 
 

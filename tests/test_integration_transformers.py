@@ -101,6 +101,38 @@ def test_greedy_generation_matches(kind):
     assert torch.equal(tokens[NAME], tokens[REFERENCE[kind]]), tokens
 
 
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_generation_steps_run_the_decode_kernel(kind, monkeypatch):
+    # Unpadded generation with decode_calls on: every step after the prompt is one query per row over
+    # the cache, run by flashgen's split-KV decode kernel (Gemma 2: past its 5-key window, with
+    # softcapping); each step's logits against the reference model in float64. Off (the default):
+    # the prefill kernel runs the same steps.
+    from flashgen.integrations import transformers as integration
+    from flashgen.runtime.decode import DecodeLauncher
+
+    monkeypatch.setattr(integration, "decode_calls", True)
+    queries, original = [], DecodeLauncher.decode
+    monkeypatch.setattr(DecodeLauncher, "decode", lambda self, q, *a, **kw: queries.append(q.shape[1])
+                        or original(self, q, *a, **kw))
+    model, gen = _model(kind), torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
+    runs = {}
+    for impl, dtype in ((REFERENCE[kind], torch.float64), (NAME, torch.float32)):
+        model.set_attn_implementation(impl)
+        runs[impl] = model.to(dtype).generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                              output_logits=True, return_dict_in_generate=True)
+    assert queries == [1] * 7 * TINY["num_hidden_layers"]  # 7 steps after the prompt's, every layer
+    ours, ref = runs[NAME], runs[REFERENCE[kind]]
+    assert torch.equal(ours.sequences, ref.sequences)
+    for step, (a, b) in enumerate(zip(ours.logits, ref.logits)):
+        _assert_close(a, b, name=f"logits of step {step}")
+    monkeypatch.setattr(integration, "decode_calls", False)  # the prefill kernel for the same steps
+    queries.clear()
+    model.set_attn_implementation(NAME)
+    again = model.to(torch.float32).generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert not queries and torch.equal(again, ref.sequences)
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
 def test_training_gradients_match(kind):
     # gpt-oss: the gradient reaches its sinks through the prepended sink key.

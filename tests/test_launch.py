@@ -156,6 +156,55 @@ def test_verification_catches_a_key_that_misses_a_specialization(fake_driver, mo
     assert len(kernel.compiled.launches) == 1
 
 
+def test_a_new_bound_launch_adopts_a_binary_of_the_same_specialization(fake_driver, monkeypatch):
+    """A call plan for a new length makes new BoundLaunch objects: one whose arguments specialize as
+    an earlier one's did (same kernel and constexprs) binds that compiled kernel without Triton's
+    path and launches it on its own grid; other constexprs, another int class (40 % 16 != 0), a
+    misaligned tensor or another device take Triton's path."""
+    monkeypatch.setattr(BoundLaunch, "shared", {})
+    kernel = FakeKernel()
+    x = torch.empty(8)
+    BoundLaunch(kernel, (3,), dict(BLOCK=64))(x, 32, 0.5)
+    assert len(kernel.normal) == 1
+    adopted = BoundLaunch(kernel, (5, 2), dict(BLOCK=64))
+    adopted(torch.empty(4), 48, 0.25)
+    assert len(kernel.normal) == 1 and adopted.compiled is kernel.compiled
+    assert kernel.compiled.launches[-1][:3] == (5, 2, 1) and kernel.compiled.launches[-1][-2:] == (64, True)
+    for other, args in ((dict(BLOCK=32), (x, 32, 0.5)), (dict(BLOCK=64), (x, 40, 0.5)),
+                        (dict(BLOCK=64), (torch.empty(9)[1:], 32, 0.5))):
+        BoundLaunch(kernel, (3,), other)(*args)
+    assert len(kernel.normal) == 4
+    fake_driver.device = 1
+    BoundLaunch(kernel, (3,), dict(BLOCK=64))(x, 32, 0.5)
+    assert len(kernel.normal) == 5
+
+
+def test_argument_signature_separates_what_triton_specializes():
+    sig = launch.argument_signature
+    x = torch.empty(8)
+    assert sig([x, 32, 0.5, None]) == sig([torch.empty(4), 48, 0.25, None])
+    for other in ([x, 40, 0.5, None], [x, 1, 0.5, None], [x, 2**32, 0.5, None], [x, True, 0.5, None],
+                  [x.half(), 32, 0.5, None], [torch.empty(9)[1:], 32, 0.5, None], [x, 32, 0.5, False]):
+        assert sig(other) != sig([x, 32, 0.5, None]), other
+    assert sig([1]) != sig([True])
+    assert sig([x, object()]) is None  # a kind it does not know (a tensor descriptor, say): no sharing
+
+
+def test_verification_catches_a_signature_that_misses_a_specialization(fake_driver, monkeypatch):
+    """A binder that specializes on something argument_signature ignores (here a float's value):
+    FLASHGEN_VERIFY_LAUNCH refuses the adopted binary."""
+    monkeypatch.setattr(BoundLaunch, "shared", {})
+    monkeypatch.setattr(BoundLaunch, "verify", True)
+    kernel = FakeKernel()
+    binder = kernel.binder
+    kernel.binder = lambda *a, **kw: (lambda r: (r[0], [*r[1], a[2]], r[2]))(binder(*a, **kw))
+    kernel.device_caches = {0: (None, None, None, None, kernel.binder)}
+    BoundLaunch(kernel, (1,), dict(BLOCK=16))(None, 32, 1.0)
+    BoundLaunch(kernel, (1,), dict(BLOCK=16))(None, 48, 1.0)  # the same float: fine
+    with pytest.raises(AssertionError, match="argument_signature gave two launches one key"):
+        BoundLaunch(kernel, (1,), dict(BLOCK=16))(None, 32, 2.0)
+
+
 # ---------------------------------------------------------------------------------------------- call plans
 def _inputs(shape, dtype=torch.float16, *, offset=0, pad=0, seed=0):
     """A tensor of `shape` whose storage starts `offset` elements in and whose last dim is padded
@@ -219,6 +268,53 @@ def test_an_unchanged_call_is_checked_once(monkeypatch):
     assert checks == [1, 1]  # the forward's and the backward's first calls
     module.forward(q, k, v.clone())  # same metadata, other tensor: still planned
     assert checks == [1, 1]
+
+
+def test_a_training_step_keys_and_checks_its_calls_once(monkeypatch):
+    """An autograd step's backward runs the backward plan hung off its forward's plan: one plan key
+    per step (was two: the backward keyed q, k, v, out, lse, ... again) and, for packed sequences,
+    one read of the offsets (was two). A dO of other strides gets a backward plan of its own; the
+    gradients are bitwise those of module.backward planned afresh."""
+    from flashgen.runtime import host
+
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, causal=True, backward=True)
+    kernel = flashgen.compile(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, BLOCK_M1=16, BLOCK_N1=16,
+                                                 BLOCK_M2=16, BLOCK_N2=16))
+    module = kernel.module()
+    launcher = module._LAUNCHER
+    launcher.plans.clear()
+    keys, reads = [], []
+    plan_key, check = launcher.plan_key, host.check_cu_seqlens
+    monkeypatch.setattr(launcher, "plan_key", lambda *a: keys.append(a[0][0]) or plan_key(*a))
+    monkeypatch.setattr(host, "check_cu_seqlens", lambda *a: reads.append(1) or check(*a))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen).half().requires_grad_() for _ in range(3))
+    do = torch.randn(1, 2, 20, 16, generator=gen).half()
+    do_t = do.transpose(2, 3).contiguous().transpose(2, 3)  # the same values, other strides
+    for grad_out in (do, do, do_t):
+        out = kernel(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        assert_gradients_close(grads, q, k, v, do, causal=True)
+    assert keys == ["fwd"] * 3
+    (plan,) = launcher.plans.values()
+    assert len(plan.backward_plans) == 2  # dO contiguous, dO transposed
+    monkeypatch.setattr(BoundLaunch, "enabled", False)
+    fresh = module.backward(do, q.detach(), k.detach(), v.detach(), *module.forward(q.detach(), k.detach(),
+                                                                                   v.detach()))[:3]
+    assert all(torch.equal(a, b) for a, b in zip(grads, fresh))
+    monkeypatch.setattr(BoundLaunch, "enabled", True)
+
+    packed = [t.detach().transpose(1, 2).reshape(20, 2, 16).requires_grad_() for t in (q, k, v)]
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    do_p = do.transpose(1, 2).reshape(20, 2, 16)
+    keys.clear()
+    for _ in range(2):
+        grads = torch.autograd.grad(kernel.varlen(*packed, cu, cu, 13, 13), packed, do_p)
+    assert keys == ["fwd"] * 2 and reads == [1, 1]  # the forward's reads only
+    args = dict(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, max_seqlen_k=13)
+    plain = [t.detach() for t in packed]
+    fresh = module.backward(do_p, *plain, *module.forward(*plain, **args), **args)[:3]
+    assert all(torch.equal(a, b) for a, b in zip(grads, fresh))
 
 
 def test_a_stride_or_alignment_change_gets_its_own_plan():
@@ -385,6 +481,23 @@ shifted = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape).copy_(q)
 module.forward(shifted, k, v)
 assert triton_paths == ["_attn_fwd"] and runs[-1][0] is not aligned, "a misaligned q must not share a binary"
 print("ok misaligned q: its own plan and binary")
+# A new sequence length whose arguments Triton specializes alike (216 = 200 mod 16): a new plan
+# whose launches bind the binaries already compiled (no Triton path), with Triton's arguments.
+longer = [torch.randn(2, h, 216, 64, dtype=torch.bfloat16) for h in (4, 2, 2)]
+calls = {"forward": lambda: module.forward(*longer),
+         "backward": lambda: module.backward(longer[0], *longer, longer[0], torch.zeros(2, 4, 216))}
+for phase, call in calls.items():
+    runs.clear(), triton_paths.clear()
+    call()
+    assert not triton_paths, (phase, triton_paths)
+    adopted = list(runs)
+    shared, BoundLaunch.shared = BoundLaunch.shared, {}  # nothing to adopt: Triton's path
+    module._LAUNCHER.plans.clear()
+    runs.clear(), triton_paths.clear()
+    call()
+    assert triton_paths, phase
+    BoundLaunch.shared = shared
+    compare(f"new length {phase}", list(runs), adopted)
 """
 
 
@@ -402,6 +515,8 @@ def test_bound_launches_pass_what_tritons_path_passes(tmp_path):
         for phase in ("forward", "backward", "packed forward"):
             assert any(line.startswith(f"ok {name} {phase}:") for line in lines), (name, phase, proc.stdout)
     assert "ok misaligned q: its own plan and binary" in lines
+    assert any(line.startswith("ok new length forward:") for line in lines), proc.stdout
+    assert any(line.startswith("ok new length backward:") for line in lines), proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -426,7 +541,8 @@ def test_gpu_bound_launches_are_bitwise_tritons(config, layout, monkeypatch):
         return (out, lse, *torch.autograd.grad(out, (q, k, v), do))
 
     results = [step() for _ in range(3)]  # Triton's path, then bound twice
-    launches = [getattr(plan, name) for plan in kernel.module()._LAUNCHER.plans.values()
+    plans = [p for plan in kernel.module()._LAUNCHER.plans.values() for p in (plan, *plan.backward_plans.values())]
+    launches = [getattr(plan, name) for plan in plans  # a step's backward plan hangs off its forward's
                 for name in ("launch", "preprocess", "dkdv", "dq") if getattr(plan, name, None) is not None]
     assert len(launches) >= 3 and all(b.compiled is not None for b in launches)  # every launch was bound
     monkeypatch.setattr(BoundLaunch, "enabled", False)
@@ -436,6 +552,32 @@ def test_gpu_bound_launches_are_bitwise_tritons(config, layout, monkeypatch):
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0], r))
     assert_attention_close(*results[0][:2], q, k, v, causal=True, layout=layout)
+
+
+@pytest.mark.gpu
+def test_gpu_a_new_length_adopts_compiled_kernels_bitwise(monkeypatch):
+    """fwd+bwd at 300 tokens, then at 316 (the same specialization): the new plans' launches bind the
+    binaries compiled for 300 (no Triton path, verified against the binder) and give Triton's results."""
+    import triton.runtime.jit as jit
+
+    monkeypatch.setattr(BoundLaunch, "verify", True)
+    kernel = flashgen.compile(AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True,
+                                            backward=True))
+
+    def step(seqlen):
+        torch.manual_seed(seqlen)
+        q, k, v = (torch.randn(2, h, seqlen, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for h in (8, 2, 2))
+        out = kernel(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), torch.randn_like(out)))
+
+    step(300)
+    paths, run = [], jit.JITFunction.run
+    monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, **kw: paths.append(self.__name__) or run(self, *a, **kw))
+    adopted = step(316)
+    assert not paths, paths
+    monkeypatch.setattr(BoundLaunch, "enabled", False)
+    assert all(torch.equal(a, b) for a, b in zip(adopted, step(316)))
 
 
 @pytest.mark.gpu

@@ -193,9 +193,44 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         out = _varlen(flat(q), flat(k), flat(v), *packed, s_aux, kw)
         return out.view(batch, seqlen_q, *out.shape[1:]), None
 
+    if s_aux is None and _decode_shaped(query, key, value, is_causal, dropout):
+        return _decode(q, k, v, sliding_window, softcap, scaling), None
     if s_aux is not None:
         k, v, _ = _with_sink_rows(k, v)
     return attention(q, k, v, layout="bshd", **kw), None
+
+
+DECODE_MAX_QUERIES = 16  # the decode kernel packs a KV group's query rows into one tile; longer: prefill
+# Route decode-shaped calls to flashgen's split-KV decode kernel (True) or the prefill kernel (False,
+# the default). A generation step's cache is one key longer than the last, so every call has new
+# metadata: on the H100 host (Llama 8 layers, B=4, 128 tokens; results/2026-11-22-h100-call-path-
+# transformers-h.md) the prefill kernel's call plans, whose launches adopt the binaries compiled for
+# earlier lengths (runtime/launch.py), took 935.8 ms per generate against the decode launcher's
+# 1096.6 ms (its split and combine kernels take Triton's launch path at every new length); both
+# kernels take microseconds at these lengths.
+decode_calls = False
+
+
+def _decode_shaped(query, key, value, is_causal, dropout):
+    """A generation step (with decode_calls on): a few causal queries (the newest tokens) against more
+    cached keys, nothing padded, no dropout, no gradient, not traced (the decode kernels are eager-only
+    and forward-only)."""
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    return (decode_calls and is_causal and not dropout and seqlen_q <= DECODE_MAX_QUERIES and seqlen_k > seqlen_q
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)))
+
+
+def _decode(q, k, v, sliding_window, softcap, scaling):
+    """(B, L, H, D) attention of the L newest queries over the whole cache (k, v (B, S, H_kv, D)
+    views of transformers' cache), by flashgen's split-KV decode kernel: causal bottom-right, the
+    window as flash-attn's (window - 1, 0)."""
+    from ..kvcache import compat_launcher
+
+    window = None if sliding_window is None else (sliding_window - 1, 0)
+    launcher = compat_launcher(q, k, v, True, window, softcap, None, scaling)
+    out, _ = launcher.decode(q, k, v, None, softmax_scale=scaling, return_lse=False)
+    return out
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, s_aux, kw):

@@ -514,6 +514,14 @@ class AttentionLauncher:
         v, fp8_args = self.fp8_inputs(q, k, v, layout, cu_seqlens_q, (("q_descale", q_descale),
                                                                       ("k_descale", k_descale),
                                                                       ("v_descale", v_descale)))
+        plan = self.forward_call_plan(q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
+                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, fp8_args, knobs)
+        return plan(q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args)
+
+    def forward_call_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
+                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, fp8_args=(), knobs=None):
+        """The ForwardPlan of a call: the cached one of its metadata key, else made (and checked) now."""
+        knobs = knobs or {}
         key = self.plan_key(("fwd", layout, softmax_scale, dropout_p, max_seqlen_q, max_seqlen_k),
                             (q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, *fp8_args[:3]), tensors, knobs)
         plan = self.cached_plan(key)
@@ -521,7 +529,39 @@ class AttentionLauncher:
             plan = self.forward_plan(q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs)
             self.remember(key, plan)
-        return plan(q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args)
+        return plan
+
+    # ------------------------------------------------------------------ training (autograd) calls
+    # An autograd step runs one forward and one backward over the same q, k, v, out, lse, seed,
+    # named tensors and offsets: the backward's plan hangs off the forward's (keyed by dO's
+    # metadata and the gradient options), so the backward neither keys nor checks those again,
+    # and packed offsets, checked by the forward, are not read back a second time (autograd's
+    # saved-tensor version check refuses them if they were changed in place since).
+    def training_forward(self, q, k, v, layout, dropout_p, seed, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k):
+        """(out, lse, plan) of a forward whose backward is training_backward(plan, ...): the
+        forward() call without out/lse buffers, knobs or FP8 descales."""
+        if self.fp8:
+            raise ValueError(f"dtype: FP8 attention ({self.spec['dtype']}) is forward-only; gradients need "
+                             "fp16 or bf16 inputs")
+        plan = self.forward_call_plan(q, k, v, layout, None, None, None, dropout_p, seed, tensors, cu_seqlens_q,
+                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        out, lse = plan(q, k, v, None, None, seed, tensors, cu_seqlens_q, cu_seqlens_k)
+        return out, lse, plan
+
+    def training_backward(self, plan, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, *,
+                          deterministic=False, tensor_grads=()):
+        """backward() of a training_forward() call: the same (dq, dk, dv, {name: grad}). q ... cu_seqlens_k
+        are that call's tensors and outputs, unchanged; plan is the plan it returned."""
+        key = (tensor_key(do), bool(deterministic), tuple(tensor_grads))
+        bplan = plan.backward_plans.get(key)
+        if bplan is None:
+            offsets = plan.offsets or (None,) * 4
+            bplan = self.backward_plan(do, q, k, v, out, lse, plan.layout, plan.softmax_scale, plan.dropout_p, seed,
+                                       deterministic, tensors, tuple(tensor_grads), cu_seqlens_q, cu_seqlens_k,
+                                       offsets[2], offsets[3], {})
+            plan.backward_plans[key] = bplan
+        return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True)
 
     def forward_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs):
@@ -545,6 +585,7 @@ class AttentionLauncher:
             raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape}")
         plan = ForwardPlan(self, layout, q, o_shape, lse_shape, seed=self.plan_seed(seed, dropout_p, q.device),
                            offsets=(total_q, total_k, max_seqlen_q, max_seqlen_k) if layout == "thd" else None)
+        plan.softmax_scale, plan.dropout_p = softmax_scale, dropout_p  # what training_backward plans with
         if batch * num_heads * seqlen_q == 0:
             return plan
         if layout == "thd" and seqlen_k == 0:

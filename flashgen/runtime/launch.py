@@ -78,10 +78,15 @@ class BoundLaunch:
     the same compiled kernel; later calls only read.
     """
 
-    __slots__ = ("kernel", "grid", "grid3", "constexprs", "compiled", "device", "tail", "specialization")
+    __slots__ = ("kernel", "grid", "grid3", "constexprs", "compiled", "device", "tail", "specialization", "family")
 
     enabled = env_flag("FLASHGEN_BOUND_LAUNCH", True)  # False: always Triton's path
     verify = env_flag("FLASHGEN_VERIFY_LAUNCH", False)  # True: check each direct launch against the binder
+    # (kernel, constexprs, device, argument_signature) -> the CompiledKernel a BoundLaunch bound: a
+    # new BoundLaunch whose first arguments have a signature seen before (a call plan for a new
+    # sequence length: generation makes one per step) binds it without Triton's path.
+    shared = {}
+    MAX_SHARED = 1024
 
     def __init__(self, kernel, grid, constexprs):
         self.kernel = kernel
@@ -92,9 +97,18 @@ class BoundLaunch:
         self.device = None  # the device it was bound on
         self.tail = ()  # the parameters after the positional ones (constexprs, defaults), in signature order
         self.specialization = None  # Triton's specialization of the first call (kept when verifying)
+        self.family = None  # (kernel, constexprs) for BoundLaunch.shared; None: not a compiled JITFunction
+        if hasattr(kernel, "device_caches"):
+            try:
+                self.family = (kernel, tuple(sorted(self.constexprs.items())))
+                hash(self.family)
+            except TypeError:  # an unhashable constexpr value: no sharing
+                self.family = None
 
     def __call__(self, *args):
         compiled = self.compiled
+        if compiled is None and self.family is not None and BoundLaunch.enabled:
+            compiled = self.adopt(args)
         if compiled is None or not BoundLaunch.enabled or launch_hooks_set():
             return self.launch(args)
         active = triton_driver.active
@@ -114,7 +128,39 @@ class BoundLaunch:
         if (self.compiled is None and BoundLaunch.enabled and hasattr(result, "packed_metadata")
                 and hasattr(self.kernel, "device_caches")):
             self.bind(result, args)
+            key = self.shared_key(args)
+            if key is not None:
+                if len(BoundLaunch.shared) >= BoundLaunch.MAX_SHARED:
+                    BoundLaunch.shared.clear()
+                BoundLaunch.shared[key] = (result, self.tail, self.specialization)
         return result
+
+    def adopt(self, args):
+        """The compiled kernel another BoundLaunch of this kernel and constexprs bound for arguments
+        Triton specializes as it would these (bound here, no Triton path), or None."""
+        key = self.shared_key(args)
+        found = BoundLaunch.shared.get(key) if key is not None else None
+        if found is None:
+            return None
+        compiled, tail, specialization = found
+        device = key[2]
+        if BoundLaunch.verify:
+            mine = self.binding(args, device)[1]
+            if specialization is not None and mine != specialization:
+                raise AssertionError(f"{getattr(self.kernel, '__name__', self.kernel)}: argument_signature gave two "
+                                     f"launches one key that Triton specializes otherwise ({mine} vs "
+                                     f"{specialization})")
+            self.specialization = mine
+        self.tail, self.device, self.compiled = tail, device, compiled
+        return compiled
+
+    def shared_key(self, args):
+        """This launch's key in BoundLaunch.shared, or None when an argument is of a kind whose
+        specialization argument_signature does not know (tensor descriptors, ...)."""
+        signature = argument_signature(args)
+        if signature is None or self.family is None:
+            return None
+        return (*self.family, triton_driver.active.get_current_device(), signature)
 
     def bind(self, compiled, args):
         params = self.kernel.signature.parameters
@@ -145,6 +191,32 @@ class BoundLaunch:
                                  "orders otherwise; its caller's key misses something")
 
 
+def argument_signature(args):
+    """What Triton may specialize a launch on, of each argument, or None for an argument of another
+    kind: a tensor's dtype and 16-byte alignment; an int's being 1, its divisibility by 16 and its
+    width (i32, i64, u64); a bool's or None's value; a float's type (floats are not specialized).
+    A superset of the binder's specialization (triton 3.5 to 3.9), so equal signatures get one
+    compiled kernel; FLASHGEN_VERIFY_LAUNCH checks it on every launch of a BoundLaunch that used it.
+    (Dispatch on the exact type first: this runs once per new call plan, over ~40 arguments.)"""
+    signature = []
+    append = signature.append
+    for a in args:
+        kind = type(a)
+        if kind is int:  # 1, or (divisible by 16, fits i32, needs u64)
+            append(1 if a == 1 else (a & 15 == 0, -2147483648 <= a <= 2147483647, a >= 9223372036854775808))
+        elif kind is torch.Tensor or isinstance(a, torch.Tensor):
+            append((a.dtype, a.data_ptr() & 15 == 0))
+        elif a is None:
+            append(None)
+        elif kind is bool:  # (bool, value): True must not equal an int's 1
+            append((bool, a))
+        elif kind is float:
+            append(float)
+        else:
+            return None
+    return tuple(signature)
+
+
 def tensor_key(t):
     """What a call plan depends on of a tensor argument (None: not given): all but its contents."""
     if t is None:
@@ -166,11 +238,13 @@ class CallPlan:
     def seed_arg(self, seed):
         return seed if self.seed is None else self.seed
 
-    def offset_args(self, cu_seqlens_q, cu_seqlens_k):
-        """The kernels' cu_seqlens arguments; packed offsets are checked on every call."""
+    def offset_args(self, cu_seqlens_q, cu_seqlens_k, checked=False):
+        """The kernels' cu_seqlens arguments; packed offsets are checked on every call (checked:
+        by the forward of the same step, on these very tensors)."""
         if self.offsets is None:
             return self.no_offsets, self.no_offsets
-        self.launcher.check_offsets(cu_seqlens_q, cu_seqlens_k, *self.offsets)
+        if not checked:
+            self.launcher.check_offsets(cu_seqlens_q, cu_seqlens_k, *self.offsets)
         return cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
 
 
@@ -185,6 +259,8 @@ class ForwardPlan(CallPlan):
         self.head = self.tail = ()  # the kernel's arguments before and after the named tensors'
         self.descriptors = None  # Q-outer with TMA: Descriptors of q, k, v, out
         self.buffers = None  # KV-outer: the (rows, BLOCK_DV) shape of its float32 accumulator
+        self.softmax_scale = self.dropout_p = None  # the call's scalars (set by forward_plan)
+        self.backward_plans = {}  # (dO's tensor_key, deterministic, tensor_grads) -> BackwardPlan of this forward
 
     def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=()):
         if out is None:
@@ -224,7 +300,7 @@ class BackwardPlan(CallPlan):
         self.rows = self.tiles = None  # with TMA: Descriptors of (q, do) for dK/dV and of (k, v) for dQ
         self.fused_delta = None  # bwd_fused_delta: out's strides; the dQ kernel computes delta and runs first
 
-    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k):
+    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=False):
         device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
         grads = {name: torch.zeros(shape, dtype=torch.float32, device=device)
                  for name, shape in self.grads.items()} if self.grads else None
@@ -234,7 +310,7 @@ class BackwardPlan(CallPlan):
         if self.dkdv is None:
             dq.zero_(), dk.zero_(), dv.zero_()
             return self.result(dq, dk, dv, grads, tensors)
-        cu_q, cu_k = self.offset_args(cu_seqlens_q, cu_seqlens_k)
+        cu_q, cu_k = self.offset_args(cu_seqlens_q, cu_seqlens_k, offsets_checked)
         seed = self.seed_arg(seed)
         if self.layout == "thd":
             dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
