@@ -110,9 +110,36 @@ def cases():
         with torch.no_grad():
             flashgen.attention(q1, cache, cache, causal=True, layout="bshd")
 
+    # The same step through the transformers integration (flashgen.integrations.transformers), on each
+    # of its routes: the prefill kernel (the default) and the split-KV decode kernel (decode_calls).
+    # query (B, H, 1, D), key/value (B, H_kv, S, D) as DynamicCache's torch.cat makes them (contiguous,
+    # strides depending on S), S one longer per call and never repeated within a timing (views of one
+    # buffer, so thousands of lengths cost no memory): no plan is forgotten by hand, every call is new.
+    from flashgen.integrations import transformers as fg_tf
+
+    longest = 129 + 8192
+    storage = torch.randn(4 * 4 * longest * D, dtype=torch.bfloat16)
+    query = torch.randn(4, 16, 1, D, dtype=torch.bfloat16)
+    layer = type("Layer", (), {"is_causal": True})()
+    lengths = itertools.count()
+
+    def transformers_step(decode):
+        def step():
+            seqlen = 129 + next(lengths) % (longest - 129)
+            cache = storage.as_strided((4, 4, seqlen, D), (4 * seqlen * D, seqlen * D, D, 1))
+            fg_tf.decode_calls = decode
+            try:
+                with torch.no_grad():
+                    fg_tf.attention_forward(layer, query, cache, cache, None, scaling=D ** -0.5)
+            finally:
+                fg_tf.decode_calls = False
+        return step
+
     return {"forward (no grad)": forward, "forward (grad)": forward_grad, "fwd+bwd": fwd_bwd,
             "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward,
-            "generation step (B=4, 16/4 heads, new length)": generation_step}
+            "generation step (B=4, 16/4 heads, new length)": generation_step,
+            "transformers generation step, prefill kernel": transformers_step(False),
+            "transformers generation step, decode kernel (decode_calls)": transformers_step(True)}
 
 
 def per_call_us(call, calls, repeat):
@@ -131,6 +158,7 @@ def main():
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--profile", help="cProfile this case (bound launches on) instead of timing")
+    parser.add_argument("--cases", help="time only the cases whose name contains this text")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a CPU-side fill is a GPU memset there; no OpenMP barriers on a busy machine
     keep_freed_memory()
@@ -150,6 +178,8 @@ def main():
     print(f"flashgen host us per call, B={B} H={H} S={S} hd{D} causal bf16 (least of {args.repeat} x {args.calls})")
     print("| case | bound launches | Triton's path (FLASHGEN_BOUND_LAUNCH=0) |\n|---|---|---|")
     for name, call in table.items():
+        if args.cases and args.cases not in name:
+            continue
         times = []
         for enabled in (True, False):
             BoundLaunch.enabled = enabled
