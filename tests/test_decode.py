@@ -653,3 +653,74 @@ def test_launches_are_bound_after_the_first(monkeypatch):
     unaligned = torch.zeros(2 * 64 + 1, dtype=torch.float16)[1:].view(2, 1, 4, 16)
     launcher.decode(unaligned, cache, cache, torch.tensor([3, 4], dtype=torch.int32), num_splits=2)
     assert len(kernel.calls) == 2 and len(append.calls) == 1
+
+
+# ----------------------------------------------------------------------------- a model's cache, one key longer per step
+def _growing_caches(gen, batch, kv_heads, d, lengths, device):
+    """(k, v) per length as transformers' DynamicCache holds them: (B, H_kv, S, D) tensors made
+    afresh each step (torch.cat), passed as (B, S, H_kv, D) views (head stride S * D)."""
+    return [tuple(torch.randn(batch, kv_heads, n, d, generator=gen).to(device=device, dtype=torch.float16)
+                  .transpose(1, 2) for _ in range(2)) for n in lengths]
+
+
+def test_new_cache_lengths_are_neither_checked_nor_planned_again(device, monkeypatch):
+    # A contiguous cache read without appending is keyed without its length: a step one key longer
+    # runs no check and no plan, unless its length changes the plan (here: 64 SMs, so the split
+    # count follows the key blocks, 16 keys each, up to 32 splits). Each step stays exact.
+    monkeypatch.setattr(host_decode, "sm_count", lambda device: 64)
+    prepared = []
+    prepare = host_decode.DecodeLauncher.prepare
+    monkeypatch.setattr(host_decode.DecodeLauncher, "prepare",
+                        lambda self, *a, **kw: prepared.append(a[1].shape[1]) or prepare(self, *a, **kw))
+    seed, gen = _seeded()
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=6, num_kv_heads=2, causal=True, backward=False)
+    lengths = (5, 6, 16, 17, 31, 32, 33, 47, 48, 49)
+    for n, (k, v) in zip(lengths, _growing_caches(gen, 2, 2, 16, lengths, device)):
+        q = torch.randn(2, 1, 6, 16, generator=gen).to(device=device, dtype=torch.float16)
+        out = flashgen.decode(spec, q, k, v, BLOCK_N=16)
+        ref = [reference_attention(q, k, v, causal=True, layout="bshd", compute_dtype=t)[0]
+               for t in (torch.float32, torch.float16)]
+        assert compare("out", out, *ref).ok, f"seed={seed}, length {n}"
+    # one plan per key-block count (1, 2, 3, 4 blocks), not per length
+    assert prepared == [5, 17, 33, 49], prepared
+
+
+def test_new_cache_lengths_launch_their_own_strides_and_lengths(monkeypatch):
+    # Keyed without the length, each step still passes its own cache strides and length to the
+    # kernel (and its length as cache_seqlens when none is given), and a length Triton specializes
+    # otherwise (divisible by 16 or not) takes Triton's path once before its launches are bound.
+    from flashgen.runtime import launch
+
+    driver = type("Driver", (), {"get_current_device": lambda self: 0,
+                                 "get_current_stream": lambda self, device: 7})()
+    monkeypatch.setattr(launch, "triton_driver", type("Config", (), {"active": driver})())
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    module = flashgen.compile(spec).module()
+    kernel, combine = _Jit(module._attn_decode), _Jit(module._decode_combine)
+    launcher = host_decode.DecodeLauncher(attention=module._LAUNCHER, kernel=kernel, combine_kernel=combine)
+    q = torch.zeros(2, 1, 4, 16, dtype=torch.float16)
+    lengths = (16, 32, 17, 18, 48, 19)
+    caches = _growing_caches(torch.Generator().manual_seed(0), 2, 2, 16, lengths, "cpu")
+    fills = []
+    full = torch.full
+    monkeypatch.setattr(torch, "full", lambda *a, **kw: fills.append(a) or full(*a, **kw))
+    for k, v in caches:
+        launcher.decode(q, k, v, num_splits=1)
+    assert [len(args) for _, args, _ in kernel.calls] == [len(kernel.calls[0][1])] * 2  # lengths 16 and 17
+    runs = [args[9:] for args in kernel.compiled.runs] + [args for _, args, _ in kernel.calls]
+    assert len(runs) == len(lengths) and not fills  # the lengths are rows of one table, not new tensors
+    by_length = {}
+    for args in runs:
+        by_length.setdefault(int(args[1].shape[1]), []).append(args)
+    for (k, v) in caches:
+        for args in by_length[k.shape[1]]:
+            assert args[1] is k and args[2] is v
+            assert args[13 + 4:13 + 12] == (*k.stride(), *v.stride()) and args[13 + 22] == k.shape[1]
+            assert torch.equal(args[6], torch.full((2,), k.shape[1], dtype=torch.int32))
+    # caches of two lengths are not one cache: the length-free key does not hide that
+    with pytest.raises(ValueError, match="v_cache: expected leading dims"):
+        launcher.decode(q, caches[0][0], caches[1][1], num_splits=1)
+    # an int cache_seqlens is a table row too; one outside the table still reaches the kernel
+    launcher.decode(q, caches[0][0], caches[0][1], 9, num_splits=1)
+    assert torch.equal(kernel.compiled.runs[-1][9 + 6], torch.full((2,), 9, dtype=torch.int32))
+    assert launcher.seqlens_arg(-3, 2, 16, torch.device("cpu")).tolist() == [-3, -3]

@@ -51,7 +51,7 @@ import triton.language as tl  # the same module as the kernels' tl in a standalo
 
 from flashgen.runtime.host import AttentionLauncher, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import padded_head_dim  # standalone: host.py precedes
-from flashgen.runtime.launch import BoundLaunch  # standalone: host.py precedes
+from flashgen.runtime.launch import BoundLaunch, argument_signature  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
@@ -307,6 +307,15 @@ def _meta(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
+def _meta_without_length(t):
+    """_meta of a contiguous cache (batch, S, H_kv, D) less what may depend on its length S: the
+    size of dim 1 and the strides of dims 0 to 2 (plain launch arguments of the decode kernel;
+    a (B, S, H_kv, D) view of transformers' (B, H_kv, S, D) cache has a head stride of S * D).
+    The last stride stays: the checks require 1."""
+    shape = t.shape
+    return shape[0], shape[2], shape[3], t.stride(3), t.dtype, t.device
+
+
 class DecodeCall:
     """What a decode call derives from its arguments' shapes, strides, dtypes and devices: its
     checks passed, its launch plan and the kernels' scalar arguments (DecodeLauncher.prepare)."""
@@ -332,7 +341,7 @@ class DecodeLauncher:
         self.kernel, self.combine_kernel, self.append_kernel = kernel, combine_kernel, _decode_append
         self.tuned = None
         self.calls = {}  # call key -> DecodeCall
-        self.lengths = {}  # (int, batch, device) -> the int32 tensor of an int cache_seqlens
+        self.lengths = {}  # (batch, device) -> the table of int cache_seqlens (seqlens_arg)
         self.ones = {}  # (batch, kv heads, device) -> the descale of 1.0 a call without one reads
 
     # ------------------------------------------------------------------ checks (once per call signature)
@@ -460,19 +469,28 @@ class DecodeLauncher:
                              f"got {getattr(cache_seqlens, 'shape', cache_seqlens)!r} "
                              f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)}")
 
+    MAX_TABLE_LENGTH = 1 << 20  # lengths above this (or below 0) get a tensor of their own
+
     def seqlens_arg(self, cache_seqlens, batch, capacity, device):
-        """cache_seqlens as an int32 (batch,) tensor: given, or from an int (one tensor per value,
-        made once), or the whole cache when None."""
+        """cache_seqlens as an int32 (batch,) tensor: given, or from an int, or the whole cache
+        when None. An int n is row n of a table whose row n holds n in every column (one table
+        per batch size and device, grown by doubling): a generation step's new length is a view,
+        not a new tensor and a fill (rows are 16 bytes apart, so every view is aligned alike)."""
         if isinstance(cache_seqlens, torch.Tensor):
             return cache_seqlens
         n = capacity if cache_seqlens is None else cache_seqlens
-        key = (n, batch, device)
-        t = self.lengths.get(key)
-        if t is None:
+        if not 0 <= n <= self.MAX_TABLE_LENGTH:  # a negative length still reaches the kernel, which records it
+            return torch.full((batch,), n, dtype=torch.int32, device=device)
+        key = (batch, device)
+        table = self.lengths.get(key)
+        if table is None or table.shape[0] <= n:
+            rows = max(1024, triton.next_power_of_2(n + 1))
+            width = -(-max(batch, 1) // 4) * 4
+            table = torch.arange(rows, dtype=torch.int32, device=device)[:, None].expand(rows, width).contiguous()
             if len(self.lengths) >= 64:
                 self.lengths.clear()
-            t = self.lengths[key] = torch.full((batch,), n, dtype=torch.int32, device=device)
-        return t
+            self.lengths[key] = table
+        return table.as_strided((batch,), (1,), n * table.shape[1])
 
     def plan(self, batch, seqlen_q, capacity, device, knobs, page_size=None, element_size=None):
         """The launch plan of a decode call (knobs, split count, grids), from shapes only: the
@@ -530,10 +548,13 @@ class DecodeLauncher:
         ones = self.descale_arg(None, batch, q.device) if descale else None
         descale_strides = [(d if d is not None else ones).stride() if descale else (0, 0)
                            for d in descales.values()]
-        kernel_scalars = (*q.stride(), *k_cache.stride(), *v_cache.stride(), *out_strides, num_heads * seqlen_q,
-                          seqlen_q, block_table.stride(0) if paged else 0, k_cache.shape[0], spec["num_kv_heads"],
-                          k_cache.shape[0], capacity, seqlen_q, seqlen_add, plan["splits"],
-                          *(x for st in descale_strides for x in st), scale, scale * AttentionLauncher.RCP_LN2)
+        # the kernel's scalars: (*q strides, *k_cache strides, *v_cache strides, *middle, capacity, *end)
+        scalar_parts = (q.stride(), (*out_strides, num_heads * seqlen_q, seqlen_q, block_table.stride(0) if paged else 0,
+                                     k_cache.shape[0], spec["num_kv_heads"], k_cache.shape[0]),
+                        (seqlen_q, seqlen_add, plan["splits"], *(x for st in descale_strides for x in st), scale,
+                         scale * AttentionLauncher.RCP_LN2))
+        kernel_scalars = (*scalar_parts[0], *k_cache.stride(), *v_cache.stride(), *scalar_parts[1], capacity,
+                          *scalar_parts[2])
         kernel_constexprs = dict(BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], PAGED=paged, PAGE_SIZE=page_size,
                                  BATCH_INDEX=cache_batch_idx is not None, SPLIT=plan["split"], WRITE_LSE=write_lse,
                                  PREFETCH=paged and plan["page_prefetch"], DESCALE=descale,
@@ -555,10 +576,11 @@ class DecodeLauncher:
                 FP8_MAX=fp8_max, num_warps=4, num_stages=1)
         return DecodeCall(batch=batch, seqlen_q=seqlen_q, capacity=capacity, plan=plan, out_shape=out_shape,
                           out_dtype=out_dtype, lse_shape=lse_shape, write_lse=write_lse, part_numel=part_numel,
-                          kernel_scalars=kernel_scalars, kernel_constexprs=kernel_constexprs,
+                          kernel_scalars=kernel_scalars, scalar_parts=scalar_parts, kernel_constexprs=kernel_constexprs,
                           combine_args=combine_args, combine_constexprs=combine_constexprs, append_args=append_args,
                           append_constexprs=append_constexprs, append_grid=(batch * seqlen_add, 1, 1),
-                          descale=descale, record=bounds_record(q.device), device=q.device, check=check, bound={})
+                          descale=descale, record=bounds_record(q.device), device=q.device, check=check, bound={},
+                          variants=None)
 
     def bind(self, call):
         """The BoundLaunch objects of a call's (append, split-KV, combine) kernels; None where it has none."""
@@ -567,6 +589,22 @@ class DecodeLauncher:
         combine = BoundLaunch(self.combine_kernel, call.plan["combine_grid"], call.combine_constexprs) \
             if call.plan["split"] else None
         return append, BoundLaunch(self.kernel, call.plan["grid"], call.kernel_constexprs), combine
+
+    # ------------------------------------------------------------------ calls keyed without the cache's length
+    @staticmethod
+    def length_class(plan, capacity):
+        """What a plan depends on of the cache's length: its key blocks, up to where the split
+        count stops depending on them (decode_knobs: untuned, the length only caps the splits)."""
+        return min(-(-capacity // plan["BLOCK_N"]), MAX_SPLITS)
+
+    def length_free(self, entry, capacity):
+        """The DecodeCall of a length-free key (a contiguous cache, no keys appended, untuned) for
+        a cache of this length, or None when no call of its length class was prepared yet (then
+        prepare() runs every check for it). Everything else a call derives is the same at every
+        length: its checks read no length (k_cache and v_cache lengths are compared by the key's
+        caller), and the lengths, the caches' strides and capacity are plain launch arguments
+        (decode() passes them, keying bound launches by how Triton specializes them)."""
+        return entry.variants.get(self.length_class(entry.plan, capacity))
 
     # ------------------------------------------------------------------ the call
     def decode(self, q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, block_table=None,
@@ -586,8 +624,15 @@ class DecodeLauncher:
         and v_cache (and q) may be float8 with q/k/v_descale float32 (B, H_kv), 1.0 where not
         given; out keeps the spec's dtype; k, v stay in it and are quantized on write."""
         named = tensors or {}
+        # A contiguous cache read without appending (a model's own cache, one key longer each step)
+        # is keyed without its length: a new length re-runs no check and no plan (see length_free).
+        free = (k is None and block_table is None and self.tuned is None and type(k_cache) is torch.Tensor
+                and type(v_cache) is torch.Tensor and k_cache.dim() == 4 and v_cache.dim() == 4
+                and k_cache.shape[1] == v_cache.shape[1])
         try:
-            key = (_meta(q), _meta(k_cache), _meta(v_cache), _meta(k), _meta(v), _meta(block_table),
+            caches = (_meta_without_length(k_cache), _meta_without_length(v_cache)) if free else \
+                (_meta(k_cache), _meta(v_cache))
+            key = (free, _meta(q), *caches, _meta(k), _meta(v), _meta(block_table),
                    _meta(cache_batch_idx),
                    _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens),
                    tuple((n, _meta(t)) for n, t in named.items()) if named else None, _meta(out), _meta(lse),
@@ -596,6 +641,8 @@ class DecodeLauncher:
         except (AttributeError, TypeError):  # not tensors: prepare() says which argument
             key = None
         call = self.calls.get(key) if key is not None else None
+        if call is not None and free:
+            call = self.length_free(call, k_cache.shape[1])
         if call is None:
             knobs = {"BLOCK_N": BLOCK_N, "num_splits": num_splits, "num_warps": num_warps, "num_stages": num_stages,
                      "page_prefetch": page_prefetch}
@@ -604,16 +651,24 @@ class DecodeLauncher:
                                 {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
             named = self.attention.named_tensors(named, q.device)
             if key is not None:
-                if len(self.calls) >= self.MAX_CALLS:
-                    self.calls.clear()
-                self.calls[key] = call
+                entry = self.calls.get(key)
+                if entry is None:
+                    if len(self.calls) >= self.MAX_CALLS:
+                        self.calls.clear()
+                    entry = self.calls[key] = call
+                    entry.variants = {} if free else None
+                if free:
+                    if len(entry.variants) >= self.MAX_CALLS:
+                        entry.variants.clear()
+                    entry.variants[self.length_class(call.plan, k_cache.shape[1])] = call
         elif named:
             named = self.attention.named_tensors(named, q.device)
         record = call.record
         watch = not device_sync_forbidden(call.device)
         if watch and record.words[0]:  # an earlier call met an index out of range
             record.raise_recorded()
-        seqlens = self.seqlens_arg(cache_seqlens, call.batch, call.capacity, call.device)
+        capacity = k_cache.shape[1] if free else call.capacity
+        seqlens = self.seqlens_arg(cache_seqlens, call.batch, capacity, call.device)
         if out is None:
             out = torch.empty(call.out_shape, dtype=call.out_dtype, device=call.device)
         if lse is None and call.write_lse:
@@ -629,6 +684,12 @@ class DecodeLauncher:
         for i, t in enumerate(user):
             if t is not None and t.data_ptr() & 15:
                 align |= 1 << i
+        scalars = call.kernel_scalars
+        if free:  # this length's cache strides and capacity, and how Triton specializes them
+            k_strides, v_strides = k_cache.stride(), v_cache.stride()
+            head, middle, end = call.scalar_parts
+            scalars = (*head, *k_strides, *v_strides, *middle, capacity, *end)
+            align = (align, argument_signature((*k_strides[:3], *v_strides[:3], capacity)))
         launches = call.bound.get(align)
         if launches is None:
             launches = call.bound[align] = self.bind(call)
@@ -642,7 +703,7 @@ class DecodeLauncher:
         part = torch.empty(call.part_numel, dtype=torch.float32, device=call.device) if combine else out
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
         kernel(q, k_cache, v_cache, out, lse_arg, part, seqlens, bt, cbi, record.tensor, q_descale, k_descale,
-               v_descale, *call.kernel_scalars, *self.attention.tensor_args(named))
+               v_descale, *scalars, *self.attention.tensor_args(named))
         if combine is not None:
             combine(out, lse_arg, part, *call.combine_args)
         if watch and (call.check == "sync" or record.immediate):
