@@ -113,20 +113,28 @@ def cases():
     # The same step through the transformers integration (flashgen.integrations.transformers), on each
     # of its routes: the prefill kernel (the default) and the split-KV decode kernel (decode_calls).
     # query (B, H, 1, D), key/value (B, H_kv, S, D) as DynamicCache's torch.cat makes them (contiguous,
-    # strides depending on S), S one longer per call and never repeated within a timing (views of one
-    # buffer, so thousands of lengths cost no memory): no plan is forgotten by hand, every call is new.
+    # strides depending on S; views of one buffer here). Each call is a new length. Prefill route: S
+    # cycles through 129..512 (a 128-token prompt and its generation; longer caches give the prefill
+    # kernel tensor descriptors, which keep Triton's launch path) and its plans are forgotten before
+    # every call, as in the row above. Decode route: nothing is forgotten by hand, S cycles through
+    # 4096 lengths from 129, more than DecodeLauncher.MAX_CALLS, so no call finds state its length left.
     from flashgen.integrations import transformers as fg_tf
+    from flashgen.runtime.decode import DecodeLauncher
 
-    longest = 129 + 8192
-    storage = torch.randn(4 * 4 * longest * D, dtype=torch.bfloat16)
+    cycle = max(4096, 2 * DecodeLauncher.MAX_CALLS)
+    storage = torch.randn(4 * 4 * (129 + cycle) * D, dtype=torch.bfloat16)
     query = torch.randn(4, 16, 1, D, dtype=torch.bfloat16)
     layer = type("Layer", (), {"is_causal": True})()
-    lengths = itertools.count()
 
     def transformers_step(decode):
+        lengths = itertools.cycle(range(129, 129 + cycle) if decode else range(129, 513))
+
         def step():
-            seqlen = 129 + next(lengths) % (longest - 129)
-            cache = storage.as_strided((4, 4, seqlen, D), (4 * seqlen * D, seqlen * D, D, 1))
+            seqlen = next(lengths)
+            cache = storage[:4 * 4 * seqlen * D].view(4, 4, seqlen, D)
+            if not decode:
+                for module in ops._MODULES.values():
+                    module._LAUNCHER.plans.clear()
             fg_tf.decode_calls = decode
             try:
                 with torch.no_grad():
