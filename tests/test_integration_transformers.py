@@ -114,6 +114,11 @@ def test_generation_steps_run_the_decode_kernel(kind, monkeypatch):
     queries, original = [], DecodeLauncher.decode
     monkeypatch.setattr(DecodeLauncher, "decode", lambda self, q, *a, **kw: queries.append(q.shape[1])
                         or original(self, q, *a, **kw))
+    # each step's cache is one key longer; the decode launcher keys its calls without the length,
+    # so each layer variant's calls are checked and planned once, not once per step
+    prepared, prepare = [], DecodeLauncher.prepare
+    monkeypatch.setattr(DecodeLauncher, "prepare", lambda self, *a, **kw: prepared.append(id(self))
+                        or prepare(self, *a, **kw))
     model, gen = _model(kind), torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
     runs = {}
@@ -122,6 +127,7 @@ def test_generation_steps_run_the_decode_kernel(kind, monkeypatch):
         runs[impl] = model.to(dtype).generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
                                               output_logits=True, return_dict_in_generate=True)
     assert queries == [1] * 7 * TINY["num_hidden_layers"]  # 7 steps after the prompt's, every layer
+    assert prepared and len(prepared) == len(set(prepared)), prepared
     ours, ref = runs[NAME], runs[REFERENCE[kind]]
     assert torch.equal(ours.sequences, ref.sequences)
     for step, (a, b) in enumerate(zip(ours.logits, ref.logits)):

@@ -206,8 +206,10 @@ DECODE_MAX_QUERIES = 16  # the decode kernel packs a KV group's query rows into 
 # metadata: on the H100 host (Llama 8 layers, B=4, 128 tokens; results/2026-11-22-h100-call-path-
 # transformers-h.md) the prefill kernel's call plans, whose launches adopt the binaries compiled for
 # earlier lengths (runtime/launch.py), took 935.8 ms per generate against the decode launcher's
-# 1096.6 ms (its split and combine kernels take Triton's launch path at every new length); both
-# kernels take microseconds at these lengths.
+# 1096.6 ms, which then re-checked and re-planned every new length; both kernels take microseconds
+# at these lengths. The decode launcher now keys these calls without the cache's length
+# (runtime/decode.py): host time per step on benchmarks/call_path_host.py (launches mocked) 25 us
+# against the prefill route's 61 (was 90). Off until the H100 confirms it end to end.
 decode_calls = False
 
 
