@@ -622,10 +622,9 @@ class _Jit:
         return launch
 
 
-def test_launches_are_bound_after_the_first(monkeypatch):
-    # Decode launches through flashgen.runtime.launch's BoundLaunch: the first call of a signature
-    # (and of a pointer alignment) takes Triton's path; later ones call the compiled kernel's
-    # launcher with the grid, the stream, the arguments and the constexprs in signature order.
+def _bound_launcher(monkeypatch):
+    """(launcher, kernel, combine): a DecodeLauncher whose split-KV and combine kernels are _Jit
+    stand-ins, launched through BoundLaunch on a fake device 0 (stream 7)."""
     from flashgen.runtime import launch
 
     driver = type("Driver", (), {"get_current_device": lambda self: 0,
@@ -635,6 +634,14 @@ def test_launches_are_bound_after_the_first(monkeypatch):
     module = flashgen.compile(spec).module()
     kernel, combine = _Jit(module._attn_decode), _Jit(module._decode_combine)
     launcher = host_decode.DecodeLauncher(attention=module._LAUNCHER, kernel=kernel, combine_kernel=combine)
+    return launcher, kernel, combine
+
+
+def test_launches_are_bound_after_the_first(monkeypatch):
+    # Decode launches through flashgen.runtime.launch's BoundLaunch: the first call of a signature
+    # (and of a pointer alignment) takes Triton's path; later ones call the compiled kernel's
+    # launcher with the grid, the stream, the arguments and the constexprs in signature order.
+    launcher, kernel, combine = _bound_launcher(monkeypatch)
     launcher.append_kernel = append = _Jit(host_decode._decode_append)
     q = torch.zeros(2, 1, 4, 16, dtype=torch.float16)
     cache = torch.zeros(2, 8, 2, 16, dtype=torch.float16)
@@ -689,15 +696,7 @@ def test_new_cache_lengths_launch_their_own_strides_and_lengths(monkeypatch):
     # Keyed without the length, each step still passes its own cache strides and length to the
     # kernel (and its length as cache_seqlens when none is given), and a length Triton specializes
     # otherwise (divisible by 16 or not) takes Triton's path once before its launches are bound.
-    from flashgen.runtime import launch
-
-    driver = type("Driver", (), {"get_current_device": lambda self: 0,
-                                 "get_current_stream": lambda self, device: 7})()
-    monkeypatch.setattr(launch, "triton_driver", type("Config", (), {"active": driver})())
-    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
-    module = flashgen.compile(spec).module()
-    kernel, combine = _Jit(module._attn_decode), _Jit(module._decode_combine)
-    launcher = host_decode.DecodeLauncher(attention=module._LAUNCHER, kernel=kernel, combine_kernel=combine)
+    launcher, kernel, combine = _bound_launcher(monkeypatch)
     q = torch.zeros(2, 1, 4, 16, dtype=torch.float16)
     lengths = (16, 32, 17, 18, 48, 19)
     caches = _growing_caches(torch.Generator().manual_seed(0), 2, 2, 16, lengths, "cpu")
@@ -724,3 +723,7 @@ def test_new_cache_lengths_launch_their_own_strides_and_lengths(monkeypatch):
     launcher.decode(q, caches[0][0], caches[0][1], 9, num_splits=1)
     assert torch.equal(kernel.compiled.runs[-1][9 + 6], torch.full((2,), 9, dtype=torch.int32))
     assert launcher.seqlens_arg(-3, 2, 16, torch.device("cpu")).tolist() == [-3, -3]
+    # while a CUDA graph is captured a new table would be filled only by replays: none is made
+    fresh = _bound_launcher(monkeypatch)[0]
+    monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: True)
+    assert fresh.seqlens_arg(5, 2, 16, torch.device("cpu")).tolist() == [5, 5] and not fresh.lengths

@@ -34,7 +34,10 @@ signature (DecodeLauncher.calls); a repeated call builds one key, allocates its 
 launches. The launches skip Triton's argument binder after a kernel's first launch: each
 DecodeCall keeps the BoundLaunch objects (flashgen/runtime/launch.py) of its append, split-KV and
 combine launches per alignment of its tensors' pointers (what Triton specializes on besides the
-metadata the call key holds).
+metadata the call key holds). A contiguous cache read without appending (a model's own cache,
+one key longer every generation step) is keyed without its length: its length, strides and
+capacity are launch arguments, the plan is kept per key-block class (DecodeLauncher.length_free),
+and an int or absent cache_seqlens is a row of a table, not a new tensor (seqlens_arg).
 
 FP8 (float8_e4m3fn or float8_e5m2): the cache, and optionally q, may be FP8 with float32
 descales (batch, KV heads), flash-attn 3's q_descale / k_descale / v_descale (a missing one is
@@ -484,6 +487,8 @@ class DecodeLauncher:
         key = (batch, device)
         table = self.lengths.get(key)
         if table is None or table.shape[0] <= n:
+            if device_sync_forbidden(device):  # captured: a table made now is filled only by replays
+                return torch.full((batch,), n, dtype=torch.int32, device=device)
             rows = max(1024, triton.next_power_of_2(n + 1))
             width = -(-max(batch, 1) // 4) * 4
             table = torch.arange(rows, dtype=torch.int32, device=device)[:, None].expand(rows, width).contiguous()
@@ -549,8 +554,9 @@ class DecodeLauncher:
         descale_strides = [(d if d is not None else ones).stride() if descale else (0, 0)
                            for d in descales.values()]
         # the kernel's scalars: (*q strides, *k_cache strides, *v_cache strides, *middle, capacity, *end)
-        scalar_parts = (q.stride(), (*out_strides, num_heads * seqlen_q, seqlen_q, block_table.stride(0) if paged else 0,
-                                     k_cache.shape[0], spec["num_kv_heads"], k_cache.shape[0]),
+        bt_stride = block_table.stride(0) if paged else 0
+        scalar_parts = (q.stride(), (*out_strides, num_heads * seqlen_q, seqlen_q, bt_stride, k_cache.shape[0],
+                                     spec["num_kv_heads"], k_cache.shape[0]),
                         (seqlen_q, seqlen_add, plan["splits"], *(x for st in descale_strides for x in st), scale,
                          scale * AttentionLauncher.RCP_LN2))
         kernel_scalars = (*scalar_parts[0], *k_cache.stride(), *v_cache.stride(), *scalar_parts[1], capacity,
