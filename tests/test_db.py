@@ -12,7 +12,7 @@ import flashgen
 from flashgen import AttentionSpec
 from flashgen.db import EnvInfo, ResultStore, SchemaVersionError, TrialRecord
 from flashgen.db import layer as layer_mod
-from flashgen.config import default_config
+from flashgen.config import KernelConfig, default_config
 from flashgen.loader import lookup
 
 from .test_render import edited_templates  # noqa: F401 (a fixture)
@@ -918,10 +918,13 @@ def test_untuned_buckets_run_their_own_default_and_tuned_knobs_merge_onto_their_
                          mask={"sliding_window": {"left": 1023, "right": 0}})
     assert default_config(spec, seqlen=256) != default_config(spec)  # the defaults differ per bucket
     store = ResultStore(f"sqlite:///{tmp_path / 'buckets.sqlite'}")
-    store.set_best(here, spec, 256, "bwd", dict(default_config(spec).to_dict(), BLOCK_M1=32), 1.0, 1.0)
+    row = default_config(spec).replace(BLOCK_M1=32)
+    store.set_best(here, spec, 256, "bwd", row.to_dict(), 1.0, 1.0)
     configs, _ = lookup(spec, store.url)
     # the row's own (bwd) knobs, the rest from its own bucket's default (no tensor descriptors at 256)
-    assert configs[256] == default_config(spec, seqlen=256).replace(BLOCK_M1=32, bwd_tma=True)
+    assert configs[256] == default_config(spec, seqlen=256).replace(
+        **{k: getattr(row, k) for k in KernelConfig.BACKWARD})
+    assert configs[256].BLOCK_M1 == 32 and configs[256].bwd_tma
     assert not configs[256].tma and default_config(spec).tma
     assert {b: configs[b] for b in DEFAULT_BUCKETS if b != 256} == \
         {b: c for b, c in default_configs(spec).items() if b != 256}
