@@ -1,6 +1,6 @@
 """KernelConfig: the knobs the tuner searches, and the heuristic defaults.
 
-``loop_order`` and ``bwd_persistent`` change the rendered source (they are *structural*);
+``loop_order``, ``bwd_persistent`` and ``family`` change the rendered source (they are *structural*);
 every other knob is a ``tl.constexpr`` or a launch option of the same kernel.
 """
 
@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from .spec import AttentionSpec
 
 LOOP_ORDERS = ("q_outer", "kv_outer")
+FAMILIES = ("portable", "hopper_ws")  # hopper_ws: the Gluon warp-specialized sm90 forward (templates/hopper/)
+HOPPER_BLOCK_M = (64, 128)  # hopper_ws: 64 query rows per consumer warpgroup, one or two consumers
+HOPPER_BLOCK_N = (64, 128)
+HOPPER_STAGES = (2, 3, 4)
+HOPPER_REGS = (168, 200, 216, 232, 240)  # consumer registers per thread (setmaxnreg); the producer keeps 24
 DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
 _WARPS = (1, 2, 4, 8, 16)
@@ -55,15 +60,21 @@ class KernelConfig:
     # dK/dV grid: 0 = a program per key block; n = about n programs per SM in all, each walking
     # key blocks p, p + P, ... in turn (for short walks: narrow bands, short sequences).
     bwd_persistent: int = 0
+    # The forward's kernel family: "portable" (the Triton templates above) or "hopper_ws" (Gluon,
+    # sm90: a TMA producer warp and BLOCK_M/64 consumer warpgroups; flashgen/runtime/hopper.py).
+    # hopper_ws reads BLOCK_M (64 x consumers), BLOCK_N, num_stages (its K/V ring) and these two:
+    family: str = "portable"
+    hopper_regs: int = 240  # registers per consumer thread (gl.warp_specialize worker_num_regs)
+    hopper_overlap: bool = False  # issue the next block's Q K^T before this block's softmax
 
-    STRUCTURAL = ("loop_order", "bwd_persistent")
+    STRUCTURAL = ("loop_order", "bwd_persistent", "family")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
                 "bwd_tma", "bwd_persistent")
     # Knobs added after results were stored, with the value that renders the kernels as before
     # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
     # hashed before them keep their kernel ids and their rendered text byte for byte, and
     # from_dict() reads a missing one as that value.
-    LATER_KNOBS = {"bwd_persistent": 0}
+    LATER_KNOBS = {"bwd_persistent": 0, "family": "portable", "hopper_regs": 240, "hopper_overlap": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -95,6 +106,21 @@ class KernelConfig:
             raise ConfigError(f"config knob 'loop_order': expected one of {LOOP_ORDERS}, got {self.loop_order!r}")
         if self.dq_strategy not in DQ_STRATEGIES:
             raise ConfigError(f"config knob 'dq_strategy': expected one of {DQ_STRATEGIES}, got {self.dq_strategy!r}")
+        if self.family not in FAMILIES:
+            raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
+        if not isinstance(self.hopper_overlap, bool):
+            raise ConfigError(f"config knob 'hopper_overlap': expected true or false, got {self.hopper_overlap!r}")
+        if isinstance(self.hopper_regs, bool) or self.hopper_regs not in HOPPER_REGS:
+            raise ConfigError(f"config knob 'hopper_regs': expected one of {HOPPER_REGS}, got {self.hopper_regs!r}")
+        if self.family == "hopper_ws":
+            for name, allowed in (("BLOCK_M", HOPPER_BLOCK_M), ("BLOCK_N", HOPPER_BLOCK_N),
+                                  ("num_stages", HOPPER_STAGES)):
+                if getattr(self, name) not in allowed:
+                    raise ConfigError(f"config knob '{name}': family 'hopper_ws' takes one of {allowed}, "
+                                      f"got {getattr(self, name)!r}")
+            if self.loop_order != "q_outer":
+                raise ConfigError(f"config knob 'family': 'hopper_ws' replaces the q_outer forward, got "
+                                  f"loop_order={self.loop_order!r}")
         if isinstance(self.bwd_persistent, bool) or self.bwd_persistent not in PERSISTENT:
             raise ConfigError(f"config knob 'bwd_persistent': expected one of {PERSISTENT} (0 = off), "
                               f"got {self.bwd_persistent!r}")
@@ -120,8 +146,20 @@ class KernelConfig:
 
     def __str__(self) -> str:
         hopper = "".join(f" {name}" for name in ("tma", "warp_specialize") if getattr(self, name))
+        if self.family != "portable":
+            hopper += f" {self.family} regs={self.hopper_regs}{' overlap' if self.hopper_overlap else ''}"
         return (f"BLOCK_M={self.BLOCK_M} BLOCK_N={self.BLOCK_N} warps={self.num_warps} "
                 f"stages={self.num_stages} {self.loop_order}{hopper}")
+
+    def check_spec(self, spec: AttentionSpec) -> "KernelConfig":
+        """This config for this spec: a ConfigError where the family cannot serve the spec."""
+        if self.family == "hopper_ws":
+            from .runtime.hopper import spec_unserved
+
+            reason = spec_unserved(spec)
+            if reason:
+                raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
+        return self
 
     def describe_backward(self) -> str:
         return (f"M1={self.BLOCK_M1} N1={self.BLOCK_N1} M2={self.BLOCK_M2} N2={self.BLOCK_N2} "

@@ -216,6 +216,7 @@ def spec_constants(spec: AttentionSpec) -> dict:
 def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, *, standalone: bool = True) -> str:
     """The Triton module source for this spec and config. standalone: the host side pasted in,
     so the module needs only torch and triton; otherwise it imports flashgen.runtime.host."""
+    config.check_spec(spec)  # a kernel family that cannot serve the spec is a ConfigError
     spec_dict = spec.to_dict()
     spec_dict["softmax_scale"] = spec.scale
     spec_dict.pop("tune")
