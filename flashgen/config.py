@@ -66,6 +66,7 @@ class KernelConfig:
     family: str = "portable"
     hopper_regs: int = 240  # registers per consumer thread (gl.warp_specialize worker_num_regs)
     hopper_overlap: bool = False  # issue the next block's Q K^T before this block's softmax
+    hopper_pingpong: bool = False  # two consumers take turns at the tensor cores (FA3's ping-pong)
 
     STRUCTURAL = ("loop_order", "bwd_persistent", "family")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
@@ -74,7 +75,8 @@ class KernelConfig:
     # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
     # hashed before them keep their kernel ids and their rendered text byte for byte, and
     # from_dict() reads a missing one as that value.
-    LATER_KNOBS = {"bwd_persistent": 0, "family": "portable", "hopper_regs": 240, "hopper_overlap": False}
+    LATER_KNOBS = {"bwd_persistent": 0, "family": "portable", "hopper_regs": 240, "hopper_overlap": False,
+                   "hopper_pingpong": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -108,8 +110,12 @@ class KernelConfig:
             raise ConfigError(f"config knob 'dq_strategy': expected one of {DQ_STRATEGIES}, got {self.dq_strategy!r}")
         if self.family not in FAMILIES:
             raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
-        if not isinstance(self.hopper_overlap, bool):
-            raise ConfigError(f"config knob 'hopper_overlap': expected true or false, got {self.hopper_overlap!r}")
+        for name in ("hopper_overlap", "hopper_pingpong"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
+        if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
+            raise ConfigError(f"config knob 'hopper_pingpong': needs two consumers (BLOCK_M=128) and no "
+                              f"hopper_overlap, got BLOCK_M={self.BLOCK_M} hopper_overlap={self.hopper_overlap}")
         if isinstance(self.hopper_regs, bool) or self.hopper_regs not in HOPPER_REGS:
             raise ConfigError(f"config knob 'hopper_regs': expected one of {HOPPER_REGS}, got {self.hopper_regs!r}")
         if self.family == "hopper_ws":
@@ -147,7 +153,8 @@ class KernelConfig:
     def __str__(self) -> str:
         hopper = "".join(f" {name}" for name in ("tma", "warp_specialize") if getattr(self, name))
         if self.family != "portable":
-            hopper += f" {self.family} regs={self.hopper_regs}{' overlap' if self.hopper_overlap else ''}"
+            hopper += (f" {self.family} regs={self.hopper_regs}{' overlap' if self.hopper_overlap else ''}"
+                       f"{' pingpong' if self.hopper_pingpong else ''}")
         return (f"BLOCK_M={self.BLOCK_M} BLOCK_N={self.BLOCK_N} warps={self.num_warps} "
                 f"stages={self.num_stages} {self.loop_order}{hopper}")
 

@@ -104,7 +104,7 @@ def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, dev
         return reason
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
-            return f"{name}: strides {tuple(t.stride())} (served: a contiguous last dim, 16-byte strides)"
+            return f"{name}: strides {tuple(t.stride())} (served: a contiguous last dim, 16-byte strides and base)"
     if out is not None and out.stride(-1) != 1:
         return f"out: strides {tuple(out.stride())} (served: a contiguous last dim)"
     return None
@@ -119,14 +119,16 @@ def bhsd(t, layout):
 RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2)
 PRODUCER_REGS = 24  # the producer warp only issues TMA copies: FA3 gives its warpgroup 24-32 registers
 # knobs of the family a module's CONFIG leaves out at their default (config.KernelConfig.LATER_KNOBS)
-KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False}
+KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False}
 
 
 class HopperForward:
     """Launches a module's rendered Gluon forward (_attn_fwd_hopper_ws): BLOCK_M // 64 consumer
     warpgroups of 64 query rows each, K/V through a num_stages-deep ring of BLOCK_N-key slots
     that a one-warp producer fills; hopper_regs registers per consumer thread, PRODUCER_REGS for
-    the producer; hopper_overlap pipelines Q K^T of the next block under this block's softmax."""
+    the producer; hopper_overlap pipelines Q K^T of the next block under this block's softmax;
+    hopper_pingpong has the two consumers take turns at the tensor cores (one's softmax under the
+    other's MMAs)."""
 
     CONSUMER_ROWS = 64
 
@@ -169,7 +171,8 @@ class HopperForward:
         self.kernel[grid](qd, kd, vd, o, lse, *o_strides[:3], *lse.stride()[:2], seqlen_q, seqlen_k,
                           heads // kv_heads, scale * RCP_LN2, CAUSAL=bool(self.spec["causal"]),
                           NUM_STAGES=cfg["num_stages"], CONSUMERS=consumers, PRODUCER_REGS=PRODUCER_REGS,
-                          CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"], num_warps=4)
+                          CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"],
+                          PINGPONG=cfg["hopper_pingpong"], num_warps=4)
         return o, lse
 
 
