@@ -4,7 +4,7 @@ H100, bf16, 16384 tokens per batch (hidden 2048: 16 heads at hd128, 32 at hd64),
 and 128, causal or not, S = 1024, 4096, 16384. Providers, one process:
   flashgen     flashgen.attention(q, k, v, causal=...): what a user gets (the defaults / tuned DB)
   hopper_ws    the same call with the family forced (HOPPER_KNOBS below, on the default backward)
-  portable     the same call with the portable default config at that length
+  portable     the same call with the portable family's default config at that length
   cudnn        SDPA pinned to cuDNN;  flex: FlexAttention compiled (static shapes)
 Forward and fwd+bwd TFLOP/s (FLOPs over the visible pairs), ratio_vs_cudnn and ratio_vs_flex of
 each flashgen provider. Every provider's output (and gradients) is checked against cuDNN's
@@ -53,8 +53,8 @@ TOLERANCE = {"fwd": 3e-2, "fwd_bwd": 8e-2}  # max |x - cuDNN's| (bf16 outputs of
 
 def providers(spec, seqlen, causal, use_flex):
     cudnn = sdpa_runner(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
-    portable = default_config(spec, seqlen=seqlen).replace(family="portable")
-    forced = default_config(spec, seqlen=seqlen).replace(tma=False, warp_specialize=False, **HOPPER_KNOBS)
+    portable = default_config(spec, seqlen=seqlen, hopper_ws=False)
+    forced = portable.replace(tma=False, warp_specialize=False, num_warps=4, **HOPPER_KNOBS)
     out = {"cudnn": lambda q, k, v: cudnn(q, k, v, causal),
            "flashgen": lambda q, k, v: flashgen.attention(q, k, v, causal=causal),
            "hopper_ws": lambda q, k, v: flashgen.attention(q, k, v, causal=causal, config=forced),
@@ -163,12 +163,16 @@ def main():
             print(f"budget spent: stopped before hd{d} S={seqlen} causal={causal}")
             break
         rows += bench_case(d, causal, seqlen, not args.no_flex, args.variants)
-    stem = Path(args.out) / f"{datetime.date.today().isoformat()}-h100-hopper-ws"
+        write(Path(args.out), env, rows)  # after each case: a run cut short keeps what it measured
+    print(markdown(rows, env))
+
+
+def write(out, env, rows):
+    stem = out / f"{datetime.date.today().isoformat()}-h100-hopper-ws"
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps({"environment": env, "knobs": HOPPER_KNOBS, "rows": rows},
                                                     indent=1, default=str))
     stem.with_suffix(".md").write_text(markdown(rows, env))
-    print(markdown(rows, env))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import flashgen  # noqa: E402
 from flashgen import AttentionSpec, default_config  # noqa: E402
 from flashgen.bench import sdpa_runner  # noqa: E402
 from flashgen.flops import attention_flops, tflops  # noqa: E402
-from flashgen.runtime.hopper import KNOB_DEFAULTS, HopperForward  # noqa: E402
+from flashgen.runtime.hopper import HopperForward  # noqa: E402
 from flashgen.timing import time_ms  # noqa: E402
 from flashgen.verify import check_attention  # noqa: E402
 
@@ -56,7 +56,7 @@ def run_ws(kernel, q, k, v, layout, causal, knobs, scale=None):
     o = torch.full_like(q, float("nan"))
     b, h, sq = (q.shape[0], q.shape[1], q.shape[2]) if layout == "bhsd" else (q.shape[0], q.shape[2], q.shape[1])
     lse = torch.full((b, h, sq), float("nan"), device=q.device)
-    return hf.launch(q, k, v, o, lse, layout, scale if scale is not None else d ** -0.5, {**KNOB_DEFAULTS, **knobs})
+    return hf.launch(q, k, v, o, lse, layout, scale if scale is not None else d ** -0.5, {**HopperForward.KNOB_DEFAULTS, **knobs})
 
 
 def main():

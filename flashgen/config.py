@@ -258,15 +258,17 @@ def _node_shape(node) -> MaskShape:
     return MaskShape(custom=True)
 
 
-def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int | None = None) -> KernelConfig:
+def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int | None = None, *,
+                   hopper_ws: bool = True) -> KernelConfig:
     """A sound untuned config for (head dim, dtype, GPU family, mask shape, sequence length),
-    forward and backward. seqlen: the call's length (None: DEFAULT_SEQLEN)."""
+    forward and backward. seqlen: the call's length (None: DEFAULT_SEQLEN). hopper_ws=False: the
+    portable family's default forward even where the Gluon family is the default (benchmarks)."""
     target = target or (spec.target if spec.target != "auto" else detect_target())
     arch = _ARCH.get(target, "sm80")
     d = max(spec.head_dim, spec.head_dim_v)
     seqlen = DEFAULT_SEQLEN if seqlen is None else seqlen
     shape = mask_shape(spec)
-    forward, backward = _forward_defaults(spec, arch, d, shape, seqlen), _backward_defaults(spec, arch, d, shape, seqlen)
+    forward, backward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws), _backward_defaults(spec, arch, d, shape, seqlen)
     if seqlen <= SMALL_CALL:
         # A call this short is host-bound: building tensor descriptors costs more host time than the
         # copy engine saves (H100, B=1 H=16 S=128 hd128 causal: forward 68 vs 41 us of host per call,
@@ -282,7 +284,8 @@ def default_configs(spec: AttentionSpec, target: str | None = None) -> dict[int,
     return {bucket: default_config(spec, target, bucket) for bucket in DEFAULT_BUCKETS}
 
 
-def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:
+def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int,
+                      hopper_ws: bool = True) -> dict:
     def cfg(m, n, warps, stages, tma=False):
         return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, tma=tma)
 
@@ -293,6 +296,8 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
         if d <= 64:
             return cfg(64, 32, 4, 2)
         return cfg(32, 32, 4, 1 if d > 128 else 2)
+    if arch == "sm90" and hopper_ws and (hopper := _hopper_ws_default(spec, d, shape, seqlen)) is not None:
+        return hopper
     if arch == "sm90":
         # From the H100 sweeps (bf16, 16 heads, 16k tokens, triton 3.6): hopper_knobs.md for the
         # TMA / warp-specialization runs; masks/2026-11-22-h100-masked-defaults-sweep.md for the
@@ -325,6 +330,29 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
     if d <= 128:
         return cfg(128, 32, 4, 2)
     return cfg(64, 32, 4, 1)
+
+
+def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
+    """The Gluon warp-specialized forward (family hopper_ws) where the H100 measured it faster than
+    the portable default, else None. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
+    (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md): hd128 S=1024 473/457 (ping-pong),
+    S=4096 591/545 (ping-pong), S=16384 617-634/534; causal S=4096 513/476 and S=16384 586/545 (3
+    stages); hd64 S=4096 439-446/429, S=16384 461/440, causal S=16384 435/423. Not taken: hd128 causal
+    S=1024 (331 vs 354), hd64 S=1024 (347 vs 381; causal 236 vs 301), hd64 causal S=4096 (381 vs 372
+    for 3 stages, within the run-to-run spread). Buckets between two measured wins (2048, 8192) and
+    past the longest (32768+) follow them; fp16 runs the same instructions as bf16."""
+    from .runtime.hopper import spec_unserved
+
+    if spec_unserved(spec) is not None or shape.narrow(seqlen):
+        return None
+    tile = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
+    if d == 128 and not shape.causal and seqlen >= 1024:  # calls of up to 512 tokens: not measured
+        return dict(tile, hopper_pingpong=seqlen <= 4096)
+    if d == 128 and seqlen >= 4096:
+        return dict(tile, num_stages=3)
+    if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):
+        return tile
+    return None
 
 
 def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:

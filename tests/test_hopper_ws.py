@@ -143,3 +143,45 @@ def test_space_offers_the_family_only_where_it_serves():
         assert "family" not in forward_space(spec, H100).params
     assert "family" not in forward_space(AttentionSpec(dtype="bf16", head_dim=128),
                                          DeviceLimits("NVIDIA A100", 166912.0)).params
+
+
+def test_sm90_defaults_take_the_family_where_it_measured_faster():
+    def family(d, causal, seqlen, **fields):
+        spec = AttentionSpec(dtype=fields.pop("dtype", "bf16"), head_dim=d, num_heads=16, causal=causal, **fields)
+        return flashgen.default_config(spec, "h100", seqlen)
+
+    # H100 wins (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md)
+    assert family(128, False, 4096).hopper_pingpong and family(128, False, 1024).family == "hopper_ws"
+    assert family(128, False, 16384).family == "hopper_ws" and not family(128, False, 16384).hopper_pingpong
+    assert family(128, True, 4096).num_stages == 3 and family(128, True, 16384).family == "hopper_ws"
+    assert family(64, False, 4096).family == family(64, True, 16384).family == "hopper_ws"
+    assert family(64, False, 4096, dtype="fp16").family == "hopper_ws"
+    # losses, unmeasured short calls, and what the family does not serve: the portable defaults
+    for d, causal, seqlen in ((128, True, 1024), (64, False, 1024), (64, True, 4096), (128, False, 256)):
+        assert family(d, causal, seqlen).family == "portable", (d, causal, seqlen)
+    assert family(128, False, 4096, mask={"sliding_window": {"left": 256}}).family == "portable"
+    assert family(128, False, 4096, dtype="fp32").family == "portable"
+    assert family(96, False, 4096).family == "portable"
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16)
+    assert flashgen.default_config(spec, "a100", 4096).family == "portable"
+
+
+def test_standalone_module_carries_the_family_host_side(tmp_path):
+    # `flashgen generate` files need only torch and triton: runtime/hopper.py is pasted in, and its
+    # names leave host.py's (LAYOUTS, ...) and the kernels' constants (RCP_LN2, ...) as they were
+    import importlib.util
+    import re
+
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
+    source = render(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)))
+    assert not re.search(r"^\s*(from|import) flashgen", source, re.M) and "class HopperForward" in source
+    path = tmp_path / "standalone_hopper_ws.py"
+    path.write_text(source)
+    module_spec = importlib.util.spec_from_file_location("standalone_hopper_ws", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    assert module.LAYOUTS == ("bhsd", "bshd", "thd") and isinstance(module._LAUNCHER.hopper_forward,
+                                                                     module.HopperForward)
+    q, k, v = make_qkv(1, 4, 2, 33, 47, 64, dtype=torch.float16, device="cpu")
+    out, lse = module.forward(q, k, v)  # CPU: the portable forward
+    assert_attention_close(out, lse, q, k, v, causal=True)

@@ -7,10 +7,10 @@ asks ``hopper_forward.plan(...)`` first: a call the family cannot serve (see ``c
 runs the portable forward instead. What a *spec* needs for the family is ``spec_unserved``: the
 config check (config.KernelConfig.check_family), the tuner's space and the defaults all ask it.
 
-Plain Python over torch and triton; imports nothing from flashgen's other modules.
+Plain Python over torch and triton; imports nothing from flashgen. `flashgen generate` pastes it
+verbatim into a standalone hopper_ws module after host.py, so it has no __future__ import and its
+top-level names clash neither with host.py's nor with the kernels' (underscored or upper case).
 """
-
-from __future__ import annotations
 
 import torch
 import triton
@@ -28,10 +28,10 @@ try:
 
     # 3.9 renamed tma.async_copy_global_to_shared to tma.async_load (the old name warns)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    GLUON = True
+    gluon_available = True
 except ImportError as err:  # no Gluon: the module still imports; the family is never served
-    GLUON = False
-    GLUON_MISSING = f"triton {triton.__version__} has no Gluon ({err})"
+    gluon_available = False
+    gluon_missing = f"triton {triton.__version__} has no Gluon ({err})"
 
     class _Absent:
         """Stands in for gluon/gl so that the kernel's definition (decorator, annotations) imports."""
@@ -48,22 +48,21 @@ except ImportError as err:  # no Gluon: the module still imports; the family is 
     fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = tma_load = None
     GluonTensorDescriptor = None
 
-GL_DTYPES = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16} if GLUON else {}
-FAMILIES = ("portable", "hopper_ws")
-HEAD_DIMS = (64, 128)  # hd256: the two consumers' S and O accumulators do not fit next to P (not wired)
-DTYPES = ("fp16", "bf16")
-LAYOUTS = ("bhsd", "bshd")  # packed 'thd' (varlen) runs the portable forward
+gluon_dtypes = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16} if gluon_available else {}
+served_head_dims = (64, 128)  # hd256: the two consumers' S and O accumulators do not fit next to P (not wired)
+served_dtypes = ("fp16", "bf16")
+served_layouts = ("bhsd", "bshd")  # packed 'thd' (varlen) runs the portable forward
 
 
 def spec_unserved(spec) -> str | None:
     """Why the hopper_ws family cannot serve this spec (an AttentionSpec or a module's SPEC
-    dict), or None when it can. Served: fp16/bf16, head_dim == head_dim_v in HEAD_DIMS,
+    dict), or None when it can. Served: fp16/bf16, head_dim == head_dim_v in served_head_dims,
     no mask or bottom-right causal, no score modifier, no dropout, an sm90 target or 'auto'."""
     get = spec.get if isinstance(spec, dict) else (lambda name: getattr(spec, name))
-    if get("dtype") not in DTYPES:
-        return f"dtype {get('dtype')!r} (served: {', '.join(DTYPES)})"
-    if get("head_dim") != get("head_dim_v") or get("head_dim") not in HEAD_DIMS:
-        return f"head_dim {get('head_dim')}/head_dim_v {get('head_dim_v')} (served: equal, one of {HEAD_DIMS})"
+    if get("dtype") not in served_dtypes:
+        return f"dtype {get('dtype')!r} (served: {', '.join(served_dtypes)})"
+    if get("head_dim") != get("head_dim_v") or get("head_dim") not in served_head_dims:
+        return f"head_dim {get('head_dim')}/head_dim_v {get('head_dim_v')} (served: equal, one of {served_head_dims})"
     if get("mask") is not None:
         return "a mask pattern or expression (served: none, or causal: true)"
     if get("score_mod") is not None:
@@ -77,8 +76,8 @@ def spec_unserved(spec) -> str | None:
 
 def device_unserved(device) -> str | None:
     """Why calls on this torch device cannot run the family (no Gluon, not CUDA sm90), or None."""
-    if not GLUON:
-        return GLUON_MISSING
+    if not gluon_available:
+        return gluon_missing
     if device.type != "cuda":
         return f"device {device} (served: a CUDA sm90 GPU)"
     import torch
@@ -95,8 +94,8 @@ def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, dev
     The kernel reads Q/K/V through (batch, heads, seq, dim) tensor descriptors and writes O through
     pointers, so it needs: a dense layout (bhsd or bshd), a contiguous last dim and 16-byte strides
     and base pointers (the copy engine's rules), no dropout."""
-    if varlen or layout not in LAYOUTS:
-        return f"layout {layout!r} (served: {', '.join(LAYOUTS)})"
+    if varlen or layout not in served_layouts:
+        return f"layout {layout!r} (served: {', '.join(served_layouts)})"
     if dropout_p:
         return f"dropout_p {dropout_p} (served: 0)"
     reason = (device_check or device_unserved)(q.device)
@@ -116,12 +115,6 @@ def bhsd(t, layout):
     return [t.shape[i] for i in order], [t.stride(i) for i in order]
 
 
-RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2)
-PRODUCER_REGS = 24  # the producer warp only issues TMA copies: FA3 gives its warpgroup 24-32 registers
-# knobs of the family a module's CONFIG leaves out at their default (config.KernelConfig.LATER_KNOBS)
-KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False}
-
-
 class HopperForward:
     """Launches a module's rendered Gluon forward (_attn_fwd_hopper_ws): BLOCK_M // 64 consumer
     warpgroups of 64 query rows each, K/V through a num_stages-deep ring of BLOCK_N-key slots
@@ -131,6 +124,10 @@ class HopperForward:
     other's MMAs)."""
 
     CONSUMER_ROWS = 64
+    RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2)
+    PRODUCER_REGS = 24  # the producer warp only issues TMA copies: FA3 gives its warpgroup 24-32 registers
+    # knobs of the family a module's CONFIG leaves out at their default (config.KernelConfig.LATER_KNOBS)
+    KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False}
 
     def __init__(self, kernel, spec, config):
         self.kernel = kernel
@@ -148,7 +145,7 @@ class HopperForward:
         copy engine zero-fills past the sequence, so no tile reads another head's rows."""
         shape, strides = bhsd(t, layout)
         block = [1, 1, rows, shape[3]]
-        smem = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[str(t.dtype)])
+        smem = gl.NVMMASharedLayout.get_default_for(block, gluon_dtypes[str(t.dtype)])
         return GluonTensorDescriptor(t, shape, strides, block, smem)
 
     def plan(self, base, q, k, v, layout, out, scale, dropout_p, cfg, *, varlen=False):
@@ -157,7 +154,7 @@ class HopperForward:
         if self.spec_reason or call_unserved(q, k, v, layout, varlen=varlen, dropout_p=dropout_p, out=out,
                                              device_check=self.device_unserved):
             return None
-        return HopperPlan(self, base, layout, scale, {**KNOB_DEFAULTS, **cfg})
+        return HopperPlan(self, base, layout, scale, {**self.KNOB_DEFAULTS, **cfg})
 
     def launch(self, q, k, v, o, lse, layout, scale, cfg):
         """Fill o (q's layout) and lse ((B, H, Sq) float32, contiguous) for one call."""
@@ -169,8 +166,8 @@ class HopperForward:
         kd, vd = self.descriptor(k, layout, block_n), self.descriptor(v, layout, block_n)
         grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), heads, batch)
         self.kernel[grid](qd, kd, vd, o, lse, *o_strides[:3], *lse.stride()[:2], seqlen_q, seqlen_k,
-                          heads // kv_heads, scale * RCP_LN2, CAUSAL=bool(self.spec["causal"]),
-                          NUM_STAGES=cfg["num_stages"], CONSUMERS=consumers, PRODUCER_REGS=PRODUCER_REGS,
+                          heads // kv_heads, scale * self.RCP_LN2, CAUSAL=bool(self.spec["causal"]),
+                          NUM_STAGES=cfg["num_stages"], CONSUMERS=consumers, PRODUCER_REGS=self.PRODUCER_REGS,
                           CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"],
                           PINGPONG=cfg["hopper_pingpong"], num_warps=4)
         return o, lse
