@@ -58,7 +58,11 @@ def _configs(rows: dict[int, dict[str, dict]], base: KernelConfig) -> tuple[dict
             except ResultRowError as err:
                 bad.append(f"bucket {bucket!r} {phase!r}: {err}")
                 continue
-            knobs.update({k: row["config"][k] for k in KernelConfig.phase_knobs(phase) if k in row["config"]})
+            # a knob added after the row was stored (LATER_KNOBS) reads as its value before it existed:
+            # a row tuned on the portable family stays portable where the default has moved on
+            later = KernelConfig.LATER_KNOBS
+            knobs.update({k: row["config"].get(k, later.get(k)) for k in KernelConfig.phase_knobs(phase)
+                          if k in row["config"] or k in later})
             used += 1
         if not used:
             continue
