@@ -1,7 +1,7 @@
 """KernelConfig: the knobs the tuner searches, and the heuristic defaults.
 
-``loop_order``, ``bwd_persistent`` and ``bwd_fused_delta`` change the rendered source (they are *structural*);
-every other knob is a ``tl.constexpr`` or a launch option of the same kernel.
+``loop_order``, ``bwd_persistent``, ``bwd_fused_delta`` and ``family`` change the rendered source (they are
+*structural*); every other knob is a ``tl.constexpr`` or a launch option of the same kernel.
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from .spec import AttentionSpec
 
 LOOP_ORDERS = ("q_outer", "kv_outer")
+FAMILIES = ("portable", "hopper_ws")  # hopper_ws: the Gluon warp-specialized sm90 forward (templates/hopper/)
+HOPPER_BLOCK_M = (64, 128)  # hopper_ws: 64 query rows per consumer warpgroup, one or two consumers
+HOPPER_BLOCK_N = (64, 128)
+HOPPER_STAGES = (2, 3, 4)
+HOPPER_REGS = (168, 200, 216, 232, 240)  # consumer registers per thread (setmaxnreg); the producer keeps 24
 DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
 _WARPS = (1, 2, 4, 8, 16)
@@ -60,14 +65,23 @@ class KernelConfig:
     # (separate dQ only: the atomic strategy has no dQ kernel).
     bwd_fused_delta: bool = False
 
-    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta")
+    # The forward's kernel family: "portable" (the Triton templates above) or "hopper_ws" (Gluon,
+    # sm90: a TMA producer warp and BLOCK_M/64 consumer warpgroups; flashgen/runtime/hopper.py).
+    # hopper_ws reads BLOCK_M (64 x consumers), BLOCK_N, num_stages (its K/V ring) and these two:
+    family: str = "portable"
+    hopper_regs: int = 240  # registers per consumer thread (gl.warp_specialize worker_num_regs)
+    hopper_overlap: bool = False  # issue the next block's Q K^T before this block's softmax
+    hopper_pingpong: bool = False  # two consumers take turns at the tensor cores (FA3's ping-pong)
+
+    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
                 "bwd_tma", "bwd_persistent", "bwd_fused_delta")
     # Knobs added after results were stored, with the value that renders the kernels as before
     # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
     # hashed before them keep their kernel ids and their rendered text byte for byte, and
     # from_dict() reads a missing one as that value.
-    LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False}
+    LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False, "family": "portable", "hopper_regs": 240,
+                   "hopper_overlap": False, "hopper_pingpong": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -102,6 +116,25 @@ class KernelConfig:
         if self.bwd_fused_delta and self.dq_strategy != "separate":
             raise ConfigError(f"config knob 'bwd_fused_delta': needs dq_strategy='separate' (the dQ kernel computes "
                               f"delta), got dq_strategy={self.dq_strategy!r}")
+        if self.family not in FAMILIES:
+            raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
+        for name in ("hopper_overlap", "hopper_pingpong"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
+        if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
+            raise ConfigError(f"config knob 'hopper_pingpong': needs two consumers (BLOCK_M=128) and no "
+                              f"hopper_overlap, got BLOCK_M={self.BLOCK_M} hopper_overlap={self.hopper_overlap}")
+        if isinstance(self.hopper_regs, bool) or self.hopper_regs not in HOPPER_REGS:
+            raise ConfigError(f"config knob 'hopper_regs': expected one of {HOPPER_REGS}, got {self.hopper_regs!r}")
+        if self.family == "hopper_ws":
+            for name, allowed in (("BLOCK_M", HOPPER_BLOCK_M), ("BLOCK_N", HOPPER_BLOCK_N),
+                                  ("num_stages", HOPPER_STAGES)):
+                if getattr(self, name) not in allowed:
+                    raise ConfigError(f"config knob '{name}': family 'hopper_ws' takes one of {allowed}, "
+                                      f"got {getattr(self, name)!r}")
+            if self.loop_order != "q_outer":
+                raise ConfigError(f"config knob 'family': 'hopper_ws' replaces the q_outer forward, got "
+                                  f"loop_order={self.loop_order!r}")
         if isinstance(self.bwd_persistent, bool) or self.bwd_persistent not in PERSISTENT:
             raise ConfigError(f"config knob 'bwd_persistent': expected one of {PERSISTENT} (0 = off), "
                               f"got {self.bwd_persistent!r}")
@@ -127,8 +160,21 @@ class KernelConfig:
 
     def __str__(self) -> str:
         hopper = "".join(f" {name}" for name in ("tma", "warp_specialize") if getattr(self, name))
+        if self.family != "portable":
+            hopper += (f" {self.family} regs={self.hopper_regs}{' overlap' if self.hopper_overlap else ''}"
+                       f"{' pingpong' if self.hopper_pingpong else ''}")
         return (f"BLOCK_M={self.BLOCK_M} BLOCK_N={self.BLOCK_N} warps={self.num_warps} "
                 f"stages={self.num_stages} {self.loop_order}{hopper}")
+
+    def check_spec(self, spec: AttentionSpec) -> "KernelConfig":
+        """This config for this spec: a ConfigError where the family cannot serve the spec."""
+        if self.family == "hopper_ws":
+            from .runtime.hopper import spec_unserved
+
+            reason = spec_unserved(spec)
+            if reason:
+                raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
+        return self
 
     def describe_backward(self) -> str:
         return (f"M1={self.BLOCK_M1} N1={self.BLOCK_N1} M2={self.BLOCK_M2} N2={self.BLOCK_N2} "
@@ -221,15 +267,17 @@ def _node_shape(node) -> MaskShape:
     return MaskShape(custom=True)
 
 
-def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int | None = None) -> KernelConfig:
+def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int | None = None, *,
+                   hopper_ws: bool = True) -> KernelConfig:
     """A sound untuned config for (head dim, dtype, GPU family, mask shape, sequence length),
-    forward and backward. seqlen: the call's length (None: DEFAULT_SEQLEN)."""
+    forward and backward. seqlen: the call's length (None: DEFAULT_SEQLEN). hopper_ws=False: the
+    portable family's default forward even where the Gluon family is the default (benchmarks)."""
     target = target or (spec.target if spec.target != "auto" else detect_target())
     arch = _ARCH.get(target, "sm80")
     d = max(spec.head_dim, spec.head_dim_v)
     seqlen = DEFAULT_SEQLEN if seqlen is None else seqlen
     shape = mask_shape(spec)
-    forward, backward = _forward_defaults(spec, arch, d, shape, seqlen), _backward_defaults(spec, arch, d, shape, seqlen)
+    forward, backward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws), _backward_defaults(spec, arch, d, shape, seqlen)
     if seqlen <= SMALL_CALL:
         # A call this short is host-bound: building tensor descriptors costs more host time than the
         # copy engine saves (H100, B=1 H=16 S=128 hd128 causal: forward 68 vs 41 us of host per call,
@@ -245,7 +293,8 @@ def default_configs(spec: AttentionSpec, target: str | None = None) -> dict[int,
     return {bucket: default_config(spec, target, bucket) for bucket in DEFAULT_BUCKETS}
 
 
-def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:
+def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int,
+                      hopper_ws: bool = True) -> dict:
     def cfg(m, n, warps, stages, tma=False):
         return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, tma=tma)
 
@@ -256,6 +305,8 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
         if d <= 64:
             return cfg(64, 32, 4, 2)
         return cfg(32, 32, 4, 1 if d > 128 else 2)
+    if arch == "sm90" and hopper_ws and (hopper := _hopper_ws_default(spec, d, shape, seqlen)) is not None:
+        return hopper
     if arch == "sm90":
         # From the H100 sweeps (bf16, 16 heads, 16k tokens, triton 3.6): hopper_knobs.md for the
         # TMA / warp-specialization runs; masks/2026-11-22-h100-masked-defaults-sweep.md for the
@@ -288,6 +339,29 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
     if d <= 128:
         return cfg(128, 32, 4, 2)
     return cfg(64, 32, 4, 1)
+
+
+def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
+    """The Gluon warp-specialized forward (family hopper_ws) where the H100 measured it faster than
+    the portable default, else None. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
+    (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md): hd128 S=1024 473/457 (ping-pong),
+    S=4096 591/545 (ping-pong), S=16384 617-634/534; causal S=4096 513/476 and S=16384 586/545 (3
+    stages); hd64 S=4096 439-446/429, S=16384 461/440, causal S=16384 435/423. Not taken: hd128 causal
+    S=1024 (331 vs 354), hd64 S=1024 (347 vs 381; causal 236 vs 301), hd64 causal S=4096 (381 vs 372
+    for 3 stages, within the run-to-run spread). Buckets between two measured wins (2048, 8192) and
+    past the longest (32768+) follow them; fp16 runs the same instructions as bf16."""
+    from .runtime.hopper import spec_unserved
+
+    if spec_unserved(spec) is not None or shape.narrow(seqlen):
+        return None
+    tile = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
+    if d == 128 and not shape.causal and seqlen >= 1024:  # calls of up to 512 tokens: not measured
+        return dict(tile, hopper_pingpong=seqlen <= 4096)
+    if d == 128 and seqlen >= 4096:
+        return dict(tile, num_stages=3)
+    if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):
+        return tile
+    return None
 
 
 def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:

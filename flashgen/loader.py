@@ -79,7 +79,11 @@ def _configs(rows: dict[int, dict[str, dict]], spec: AttentionSpec, target: str
             if default_status(spec, dict(row, bucket=bucket, phase=phase), target) == OTHER_DEFAULT:
                 older.append(f"S={bucket} {phase}")
                 continue
-            knobs.update({k: row["config"][k] for k in KernelConfig.phase_knobs(phase) if k in row["config"]})
+            # a knob added after the row was stored (LATER_KNOBS) reads as its value before it existed:
+            # a row tuned on the portable family stays portable where the default has moved on
+            later = KernelConfig.LATER_KNOBS
+            knobs.update({k: row["config"].get(k, later.get(k)) for k in KernelConfig.phase_knobs(phase)
+                          if k in row["config"] or k in later})
             used += 1
         if not used:
             continue

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from .config import HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_STAGES
+from .runtime.hopper import spec_unserved
 from .spec import AttentionSpec
 
 SMEM_LIMITS = {"sm90": 232448, "sm80": 166912, "sm86": 101376, "sm89": 101376}  # bytes per block (opt-in)
@@ -82,6 +84,12 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
                       loop_order=("q_outer", "kv_outer"))
     if device.hopper:
         params.update(tma=(False, True), warp_specialize=(False, True))
+    # The Gluon warp-specialized forward (config family hopper_ws), where it serves the spec: its
+    # own knobs vary only with it (no duplicate points), on its sound tiles (config.HOPPER_*).
+    hopper_ws = device.hopper and not device.interpret and spec_unserved(spec) is None
+    if hopper_ws:
+        params.update(family=("portable", "hopper_ws"), hopper_regs=(232, 240), hopper_overlap=(False, True),
+                      hopper_pingpong=(False, True))
     if spec.fp8:  # the FP8 forward is the Q-outer kernel's; 256-key tiles pay there (hd128: 0.79 vs 0.72 PFLOP/s)
         params.update(loop_order=("q_outer",))
         if not device.interpret:
@@ -94,11 +102,34 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         words = p["BLOCK_M"] * bdv + p["BLOCK_M"] * p["BLOCK_N"] + p["BLOCK_M"] * bd * elem / 4
         return words / (32 * p["num_warps"])
 
-    return SearchSpace("fwd", params, [
+    def hopper(p):  # hopper_ws: Q tiles + the K/V ring (P stays in registers)
+        return p.get("family", "portable") == "hopper_ws"
+
+    restrictions = []
+    if hopper_ws:
+        restrictions = [
+            Restriction(f"family == 'portable' or (BLOCK_M in {HOPPER_BLOCK_M} and BLOCK_N in {HOPPER_BLOCK_N} and "
+                        f"num_stages in {HOPPER_STAGES} and loop_order == 'q_outer' and not (tma or warp_specialize) "
+                        f"and num_warps == 4)",
+                        lambda p: not hopper(p) or (p["BLOCK_M"] in HOPPER_BLOCK_M and p["BLOCK_N"] in HOPPER_BLOCK_N
+                                                    and p["num_stages"] in HOPPER_STAGES and p["num_warps"] == 4
+                                                    and p["loop_order"] == "q_outer"
+                                                    and not (p.get("tma") or p.get("warp_specialize")))),
+            Restriction("family == 'hopper_ws' or (hopper_regs == 240 and not (hopper_overlap or hopper_pingpong))",
+                        lambda p: hopper(p) or (p.get("hopper_regs", 240) == 240
+                                                and not (p.get("hopper_overlap") or p.get("hopper_pingpong")))),
+            Restriction("not hopper_pingpong or (BLOCK_M == 128 and not hopper_overlap)",
+                        lambda p: not p.get("hopper_pingpong") or (p["BLOCK_M"] == 128 and not p.get("hopper_overlap"))),
+            Restriction(f"family == 'portable' or {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv}) "
+                        f"<= {device.smem_bytes:g}",
+                        lambda p: not hopper(p) or elem * (p["BLOCK_M"] * bd + p["num_stages"] * p["BLOCK_N"]
+                                                           * (bd + bdv)) <= device.smem_bytes),
+        ]
+    return SearchSpace("fwd", params, restrictions + [
         Restriction(f"smem = {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv} + BLOCK_M*BLOCK_N) "
-                    f"<= {device.smem_bytes:g}", lambda p: smem(p) <= device.smem_bytes),
+                    f"<= {device.smem_bytes:g}", lambda p: hopper(p) or smem(p) <= device.smem_bytes),
         Restriction(f"registers = (BLOCK_M*{bdv} + BLOCK_M*BLOCK_N + BLOCK_M*{bd}*{elem}/4) / (32*num_warps) <= 255",
-                    lambda p: device.interpret or regs(p) <= 255),
+                    lambda p: device.interpret or hopper(p) or regs(p) <= 255),
         # FA1's order keeps one program per (head, batch): the K/V tile is its whole working set.
         Restriction("loop_order == 'q_outer' or num_stages <= 2",
                     lambda p: p["loop_order"] == "q_outer" or p["num_stages"] <= 2),

@@ -104,6 +104,16 @@ def main() -> int:
         # FP8: the forward only (V read seq-contiguous, a transposed descriptor with TMA)
         ("fp8 e4m3 gqa causal, TMA + warp specialization", dict(dtype="fp8_e4m3", head_dim=128, num_heads=8,
                                                                  num_kv_heads=2, causal=True), hopper),
+        # the Gluon warp-specialized forward (family hopper_ws): two consumer warpgroups, causal GQA;
+        # one consumer with the pipelined Q K^T, hd64; the consumers' ping-pong (the backward is the
+        # portable one)
+        ("hopper_ws gqa causal, 2 consumers", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
+         hopper.replace(num_stages=2, family="hopper_ws")),
+        ("hopper_ws hd64, 1 consumer, overlap", dict(head_dim=64, num_heads=4),
+         KernelConfig(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, family="hopper_ws", hopper_overlap=True,
+                      hopper_regs=232)),
+        ("hopper_ws hd128, ping-pong", dict(head_dim=128, num_heads=4),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
         ("fp8 e5m2 sliding window + softcap, pointer loads",
          dict(dtype="fp8_e5m2", head_dim=64, num_heads=4, mask={"sliding_window": {"left": 256}},
               score_mod={"softcap": 30.0}), KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
@@ -116,6 +126,8 @@ def main() -> int:
         spec = AttentionSpec(dtype=dtype, backward=dtype == "bf16", **fields)
         module = flashgen.compile(spec, config).module()
         module._LAUNCHER.interpreting = lambda: True  # accept CPU tensors: nothing is launched
+        if getattr(module._LAUNCHER, "hopper_forward", None) is not None:  # and take the Gluon forward
+            module._LAUNCHER.hopper_forward.device_unserved = lambda device: None
         h, hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q = torch.randn(2, h, 300, d).to(spec.torch_dtype)
         k = torch.randn(2, hk, 300, d).to(spec.torch_dtype)

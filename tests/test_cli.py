@@ -39,11 +39,11 @@ def test_generate_bad_knob(tmp_path):
 
 
 def test_generate_hopper_knobs(tmp_path):
-    spec = str(ROOT / "examples/specs/gqa-causal.yaml")  # hd128: the H100 default uses TMA + warp specialization
+    spec = str(ROOT / "examples/specs/gqa-causal.yaml")  # hd128 causal: the H100 default is the Gluon family
     out = tmp_path / "k.py"
     result = CliRunner().invoke(main, ["generate", "--spec", spec, "--target", "h100", "-o", str(out)])
     assert result.exit_code == 0, result.output
-    assert "'tma': True" in out.read_text() and "'warp_specialize': True" in out.read_text()
+    assert "'family': 'hopper_ws'" in out.read_text()
     result = CliRunner().invoke(main, ["generate", "--spec", spec, "--target", "h100", "--num-warps", "4",
                                        "--no-tma", "-o", str(out)])
     assert result.exit_code == 0, result.output

@@ -25,7 +25,8 @@ def test_kernels_compile_for_sm90(tmp_path):
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert len([line for line in lines if line.startswith("ok ")]) == 19, proc.stdout  # 17 + 2 FP8 forwards
+    # 17 + 2 FP8 forwards + 3 hopper_ws cases (forward and backward)
+    assert len([line for line in lines if line.startswith("ok ")]) == 25, proc.stdout
     # the Q-outer forward with TMA and warp specialization, every backward, the masked specs (a pattern, a
     # block map, documents), packed sequences and the persistent dK/dV grid
     for case in ("TMA + warp specialization", "sliding window + softcap", "custom expression (block map)",
@@ -36,3 +37,11 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert "ok constexpr globals: hd64 and hd128 compile to different binaries" in lines, proc.stdout
     # the TMA + warp-specialized forward uses the copy engine's shared-memory staging
     assert any("TMA + warp specialization forward: _attn_fwd: 8 warps" in line for line in lines), proc.stdout
+    # the Gluon forward (family hopper_ws): a producer warp padded to a warpgroup beside each consumer
+    # warpgroup (4 + 4 + 4 warps for two consumers, 4 + 4 for one), through ptxas for sm90
+    assert any("hopper_ws gqa causal, 2 consumers forward: _attn_fwd_hopper_ws: 12 warps" in line
+               for line in lines), proc.stdout
+    assert any("hopper_ws hd64, 1 consumer, overlap forward: _attn_fwd_hopper_ws: 8 warps" in line
+               for line in lines), proc.stdout
+    assert any("hopper_ws hd128, ping-pong forward: _attn_fwd_hopper_ws: 12 warps" in line for line in lines), \
+        proc.stdout

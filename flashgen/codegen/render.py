@@ -21,7 +21,7 @@ import jinja2
 from .. import __version__
 from ..config import KernelConfig
 from ..expr.to_triton import triton_literal
-from ..runtime import decode, host, launch
+from ..runtime import decode, hopper, host, launch
 from ..spec import AttentionSpec
 from .cache import cached_source_path, import_path
 from .plan import plan_for
@@ -53,6 +53,11 @@ def _pasted(path: str, mark: str) -> str:
 def host_source() -> str:
     """The host side's source, as pasted into standalone modules: launch.py, then host.py."""
     return Path(launch.__file__).read_text() + "\n\n" + _pasted(host.__file__, LAUNCH_IMPORT_MARK)
+
+
+def hopper_source() -> str:
+    """The Hopper family's host side (runtime/hopper.py), pasted into standalone hopper_ws modules."""
+    return Path(hopper.__file__).read_text()
 
 
 def decode_source() -> str:
@@ -216,6 +221,7 @@ def spec_constants(spec: AttentionSpec) -> dict:
 def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, *, standalone: bool = True) -> str:
     """The Triton module source for this spec and config. standalone: the host side pasted in,
     so the module needs only torch and triton; otherwise it imports flashgen.runtime.host."""
+    config.check_spec(spec)  # a kernel family that cannot serve the spec is a ConfigError
     spec_dict = spec.to_dict()
     spec_dict["softmax_scale"] = spec.scale
     spec_dict.pop("tune")
@@ -232,6 +238,7 @@ def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, 
         standalone=standalone,
         host_source=host_source().rstrip("\n") if standalone else "",
         decode_source=decode_source().rstrip("\n") if standalone else "",
+        hopper_source=hopper_source().rstrip("\n") if standalone and config.family == "hopper_ws" else "",
     )
 
 

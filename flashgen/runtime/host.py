@@ -608,6 +608,11 @@ class AttentionLauncher:
             else:
                 maps = self.map_args(cols_cnt, cols_idx, batch)
         plan.tail = (*maps, total_q, total_k)
+        hopper = getattr(self, "hopper_forward", None)  # config family hopper_ws: runtime/hopper.py
+        if hopper is not None and cfg.get("family") == "hopper_ws":
+            served = hopper.plan(plan, q, k, v, layout, out, scale, dropout_p, cfg, varlen=layout == "thd")
+            if served is not None:  # else the portable forward below
+                return served
         flags = dict(VARLEN=layout == "thd", DROPOUT=bool(dropout_p))
         if cfg["loop_order"] == "q_outer":
             grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), num_heads, batch)

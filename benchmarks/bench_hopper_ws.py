@@ -1,0 +1,179 @@
+"""The Hopper warp-specialized family (config family 'hopper_ws') against what users get today.
+
+H100, bf16, 16384 tokens per batch (hidden 2048: 16 heads at hd128, 32 at hd64), head dims 64
+and 128, causal or not, S = 1024, 4096, 16384. Providers, one process:
+  flashgen     flashgen.attention(q, k, v, causal=...): what a user gets (the defaults / tuned DB)
+  hopper_ws    the same call with the family forced (HOPPER_KNOBS below, on the default backward)
+  portable     the same call with the portable family's default config at that length
+  cudnn        SDPA pinned to cuDNN;  flex: FlexAttention compiled (static shapes)
+Forward and fwd+bwd TFLOP/s (FLOPs over the visible pairs), ratio_vs_cudnn and ratio_vs_flex of
+each flashgen provider. Every provider's output (and gradients) is checked against cuDNN's
+before it is timed; a mismatch is recorded instead of a time. With --variants the family's
+knob variants are timed too (forward), for the defaults and benchmarks/NOTES.md.
+
+    python3 benchmarks/bench_hopper_ws.py [--no-flex] [--variants] [--budget SECONDS]
+
+Writes benchmarks/results/<date>-h100-hopper-ws.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import flashgen  # noqa: E402
+from flashgen import AttentionSpec, default_config  # noqa: E402
+from flashgen.bench import environment, flex_runner, sdpa_runner  # noqa: E402
+from flashgen.flops import attention_flops, tflops  # noqa: E402
+from flashgen.timing import time_ms  # noqa: E402
+
+CASES = [(d, causal, s) for d in (128, 64) for causal in (False, True) for s in (1024, 4096, 16384)]
+# the family's knobs when forced: BLOCK_M 128 = two consumer warpgroups
+HOPPER_KNOBS = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_stages=2, hopper_regs=240)
+VARIANTS = {  # name -> knobs over HOPPER_KNOBS (forward only)
+    "base": {},
+    "overlap": dict(hopper_overlap=True),
+    "pingpong": dict(hopper_pingpong=True),
+    "pingpong-s3": dict(hopper_pingpong=True, num_stages=3),
+    "s3": dict(num_stages=3),
+    "n64-s4": dict(BLOCK_N=64, num_stages=4),
+    "m64": dict(BLOCK_M=64, num_stages=3),
+}
+TOLERANCE = {"fwd": 3e-2, "fwd_bwd": 8e-2}  # max |x - cuDNN's| (bf16 outputs of O(1); gradients O(1))
+
+
+def providers(spec, seqlen, causal, use_flex):
+    cudnn = sdpa_runner(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
+    portable = default_config(spec, seqlen=seqlen, hopper_ws=False)
+    forced = portable.replace(tma=False, warp_specialize=False, num_warps=4, **HOPPER_KNOBS)
+    out = {"cudnn": lambda q, k, v: cudnn(q, k, v, causal),
+           "flashgen": lambda q, k, v: flashgen.attention(q, k, v, causal=causal),
+           "hopper_ws": lambda q, k, v: flashgen.attention(q, k, v, causal=causal, config=forced),
+           "portable": lambda q, k, v: flashgen.attention(q, k, v, causal=causal, config=portable)}
+    if use_flex:
+        flex = flex_runner(seqlen, causal)
+        out["flex"] = lambda q, k, v: flex(q, k, v, causal)
+    return out, forced
+
+
+def bench_case(d, causal, seqlen, use_flex, variants):
+    heads, batch = 2048 // d, 16384 // seqlen
+    spec = AttentionSpec(name="bench", dtype="bf16", head_dim=d, num_heads=heads, causal=causal, backward=True)
+    q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    flops = {mode: attention_flops(batch, heads, seqlen, seqlen, d, causal=causal, mode=mode)
+             for mode in ("fwd", "fwd_bwd")}
+    runs, forced = providers(spec, seqlen, causal, use_flex)
+    rows = []
+    for mode in ("fwd", "fwd_bwd"):
+        row = {"case": f"hd{d} S={seqlen}{' causal' if causal else ''}", "mode": mode, "head_dim": d,
+               "causal": causal, "seqlen": seqlen, "batch": batch, "heads": heads}
+        ref = None
+        for name, fn in runs.items():
+            try:
+                if mode == "fwd":
+                    call = lambda fn=fn: fn(q, k, v)  # noqa: E731
+                    got = call().float()
+                else:
+                    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+                    def call(fn=fn, leaves=leaves):
+                        for t in leaves:
+                            t.grad = None
+                        fn(*leaves).backward(do)
+
+                    call()
+                    got = torch.cat([t.grad.float().flatten() for t in leaves])
+                if ref is None:
+                    ref = got  # cuDNN's, the first provider
+                err = (got - ref).abs().max().item()
+                if not err <= TOLERANCE[mode]:
+                    row[name] = {"error": f"max|x - cudnn| = {err:.3g}"}
+                    continue
+                ms = time_ms(call)
+                row[name] = {"ms": ms, "tflops": tflops(flops[mode], ms), "max_err_vs_cudnn": err}
+            except Exception as exc:  # noqa: BLE001 - one failing provider must not end the run
+                row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+        for name in ("flashgen", "hopper_ws", "portable"):
+            for anchor in ("cudnn", "flex"):
+                a, b = row.get(name, {}).get("tflops"), row.get(anchor, {}).get("tflops")
+                if a and b:
+                    row.setdefault(f"ratio_vs_{anchor}", {})[name] = round(a / b, 3)
+        if mode == "fwd" and variants:
+            base = forced
+            for vname, knobs in VARIANTS.items():
+                cfg = base.replace(**knobs)
+                try:
+                    fn = lambda cfg=cfg: flashgen.attention(q, k, v, causal=causal, config=cfg)  # noqa: E731
+                    err = (fn().float() - ref).abs().max().item()
+                    if not err <= TOLERANCE["fwd"]:
+                        row.setdefault("variants", {})[vname] = f"max|x - cudnn| = {err:.3g}"
+                        continue
+                    row.setdefault("variants", {})[vname] = round(tflops(flops["fwd"], time_ms(fn)), 1)
+                except Exception as exc:  # noqa: BLE001
+                    row.setdefault("variants", {})[vname] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in row if k not in ("head_dim", "causal", "seqlen")}, default=str),
+              flush=True)
+    return rows
+
+
+def markdown(rows, env):
+    names = ("flashgen", "hopper_ws", "portable", "cudnn", "flex")
+    lines = [f"GPU: {env.get('gpu')} | torch {env['torch']} | triton {env['triton']}. bf16, 16384 tokens, hidden "
+             f"2048. TFLOP/s over visible pairs (do_bench median); ratios of each flashgen provider to cuDNN / Flex.",
+             "", "| case | mode | " + " | ".join(names) + " | flashgen/cuDNN | hopper_ws/cuDNN | flashgen/Flex "
+             "| hopper_ws/Flex |", "|---" * (len(names) + 6) + "|"]
+    for r in rows:
+        tf = [f"{r[n]['tflops']:.0f}" if "tflops" in r.get(n, {}) else ("err" if n in r else "-") for n in names]
+        ratio = [f"{r.get(f'ratio_vs_{a}', {}).get(n, float('nan')):.2f}" for a in ("cudnn", "flex")
+                 for n in ("flashgen", "hopper_ws")]
+        lines.append(f"| {r['case']} | {r['mode']} | " + " | ".join(tf) + " | " + " | ".join(ratio) + " |")
+    var = [r for r in rows if r.get("variants")]
+    if var:
+        lines += ["", "Forward variants of the family (TFLOP/s; knobs over " + json.dumps(HOPPER_KNOBS) + "):", "",
+                  "| case | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 1) + "|"]
+        for r in var:
+            lines.append(f"| {r['case']} | " + " | ".join(str(r['variants'].get(v, '-')) for v in VARIANTS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--variants", action="store_true", help="also time the family's knob variants (forward)")
+    ap.add_argument("--budget", type=float, default=1e9, help="stop starting cases after this many seconds")
+    ap.add_argument("--seqlens", default="4096,16384,1024", help="comma-separated sequence lengths, in order")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+    env = environment()
+    rows, t0 = [], time.time()
+    order = [int(x) for x in args.seqlens.split(",")]
+    for d, causal, seqlen in sorted((c for c in CASES if c[2] in order), key=lambda c: order.index(c[2])):
+        if time.time() - t0 > args.budget:
+            print(f"budget spent: stopped before hd{d} S={seqlen} causal={causal}")
+            break
+        rows += bench_case(d, causal, seqlen, not args.no_flex, args.variants)
+        write(Path(args.out), env, rows)  # after each case: a run cut short keeps what it measured
+    print(markdown(rows, env))
+
+
+def write(out, env, rows):
+    stem = out / f"{datetime.date.today().isoformat()}-h100-hopper-ws"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps({"environment": env, "knobs": HOPPER_KNOBS, "rows": rows},
+                                                    indent=1, default=str))
+    stem.with_suffix(".md").write_text(markdown(rows, env))
+
+
+if __name__ == "__main__":
+    main()

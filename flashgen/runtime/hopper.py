@@ -1,0 +1,188 @@
+"""The host side of the Hopper warp-specialized forward (config family 'hopper_ws'): what it
+serves, the Gluon names its kernel uses (one shim over triton 3.6 and 3.9), and its launch.
+
+The kernel itself is rendered from templates/hopper/forward.j2 into the module, beside the
+portable Q-outer forward; the module hands it to HopperForward, and AttentionLauncher.forward
+asks ``hopper_forward.plan(...)`` first: a call the family cannot serve (see ``call_unserved``)
+runs the portable forward instead. What a *spec* needs for the family is ``spec_unserved``: the
+config check (config.KernelConfig.check_family), the tuner's space and the defaults all ask it.
+
+Plain Python over torch and triton; imports nothing from flashgen. `flashgen generate` pastes it
+verbatim into a standalone hopper_ws module after host.py, so it has no __future__ import and its
+top-level names clash neither with host.py's nor with the kernels' (underscored or upper case).
+"""
+
+import torch
+import triton
+
+# ---------------------------------------------------------------------------- the 3.6 / 3.9 shim
+# Gluon is experimental: triton 3.6 (the GPU image) and 3.9 (CI) name a few things differently.
+# Every difference the kernel meets is settled here, so the template reads the same on both.
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_init,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+
+    # 3.9 renamed tma.async_copy_global_to_shared to tma.async_load (the old name warns)
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    gluon_available = True
+except ImportError as err:  # no Gluon: the module still imports; the family is never served
+    gluon_available = False
+    gluon_missing = f"triton {triton.__version__} has no Gluon ({err})"
+
+    class _Absent:
+        """Stands in for gluon/gl so that the kernel's definition (decorator, annotations) imports."""
+
+        @staticmethod
+        def constexpr(value=None):
+            return value
+
+        @staticmethod
+        def jit(fn):
+            return None
+
+    gluon = gl = _Absent()
+    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = tma_load = None
+    GluonTensorDescriptor = None
+
+gluon_dtypes = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16} if gluon_available else {}
+served_head_dims = (64, 128)  # hd256: the two consumers' S and O accumulators do not fit next to P (not wired)
+served_dtypes = ("fp16", "bf16")
+served_layouts = ("bhsd", "bshd")  # packed 'thd' (varlen) runs the portable forward
+
+
+def spec_unserved(spec) -> str | None:
+    """Why the hopper_ws family cannot serve this spec (an AttentionSpec or a module's SPEC
+    dict), or None when it can. Served: fp16/bf16, head_dim == head_dim_v in served_head_dims,
+    no mask or bottom-right causal, no score modifier, no dropout, an sm90 target or 'auto'."""
+    get = spec.get if isinstance(spec, dict) else (lambda name: getattr(spec, name))
+    if get("dtype") not in served_dtypes:
+        return f"dtype {get('dtype')!r} (served: {', '.join(served_dtypes)})"
+    if get("head_dim") != get("head_dim_v") or get("head_dim") not in served_head_dims:
+        return f"head_dim {get('head_dim')}/head_dim_v {get('head_dim_v')} (served: equal, one of {served_head_dims})"
+    if get("mask") is not None:
+        return "a mask pattern or expression (served: none, or causal: true)"
+    if get("score_mod") is not None:
+        return "a score modifier (served: none)"
+    if get("dropout_p"):
+        return f"dropout_p {get('dropout_p')} (served: 0)"
+    if get("target") not in ("auto", "h100", "h200"):
+        return f"target {get('target')!r} (served: an sm90 GPU, h100/h200, or auto)"
+    return None
+
+
+def device_unserved(device) -> str | None:
+    """Why calls on this torch device cannot run the family (no Gluon, not CUDA sm90), or None."""
+    if not gluon_available:
+        return gluon_missing
+    if device.type != "cuda":
+        return f"device {device} (served: a CUDA sm90 GPU)"
+    import torch
+
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"compute capability {cap[0]}.{cap[1]} (served: 9.0)"
+    return None
+
+
+def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, device_check=None) -> str | None:
+    """Why this call cannot run the family (then the portable forward runs), or None.
+
+    The kernel reads Q/K/V through (batch, heads, seq, dim) tensor descriptors and writes O through
+    pointers, so it needs: a dense layout (bhsd or bshd), a contiguous last dim and 16-byte strides
+    and base pointers (the copy engine's rules), no dropout."""
+    if varlen or layout not in served_layouts:
+        return f"layout {layout!r} (served: {', '.join(served_layouts)})"
+    if dropout_p:
+        return f"dropout_p {dropout_p} (served: 0)"
+    reason = (device_check or device_unserved)(q.device)
+    if reason:
+        return reason
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+            return f"{name}: strides {tuple(t.stride())} (served: a contiguous last dim, 16-byte strides and base)"
+    if out is not None and out.stride(-1) != 1:
+        return f"out: strides {tuple(out.stride())} (served: a contiguous last dim)"
+    return None
+
+
+def bhsd(t, layout):
+    """(shape, strides) of t in (batch, heads, seq, dim) order."""
+    order = (0, 1, 2, 3) if layout == "bhsd" else (0, 2, 1, 3)
+    return [t.shape[i] for i in order], [t.stride(i) for i in order]
+
+
+class HopperForward:
+    """Launches a module's rendered Gluon forward (_attn_fwd_hopper_ws): BLOCK_M // 64 consumer
+    warpgroups of 64 query rows each, K/V through a num_stages-deep ring of BLOCK_N-key slots
+    that a one-warp producer fills; hopper_regs registers per consumer thread, PRODUCER_REGS for
+    the producer; hopper_overlap pipelines Q K^T of the next block under this block's softmax;
+    hopper_pingpong has the two consumers take turns at the tensor cores (one's softmax under the
+    other's MMAs)."""
+
+    CONSUMER_ROWS = 64
+    RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2)
+    PRODUCER_REGS = 24  # the producer warp only issues TMA copies: FA3 gives its warpgroup 24-32 registers
+    # knobs of the family a module's CONFIG leaves out at their default (config.KernelConfig.LATER_KNOBS)
+    KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False}
+
+    def __init__(self, kernel, spec, config):
+        self.kernel = kernel
+        self.spec, self.config = spec, config
+        self.spec_reason = spec_unserved(spec)
+
+    @staticmethod
+    def device_unserved(device):
+        """device_unserved (tests/sm90_compile.py replaces it to compile for sm90 with CPU tensors)."""
+        return device_unserved(device)
+
+    @staticmethod
+    def descriptor(t, layout, rows):
+        """A (batch, heads, seq, dim) Gluon descriptor of t, one (1, 1, rows, dim) tile per load: the
+        copy engine zero-fills past the sequence, so no tile reads another head's rows."""
+        shape, strides = bhsd(t, layout)
+        block = [1, 1, rows, shape[3]]
+        smem = gl.NVMMASharedLayout.get_default_for(block, gluon_dtypes[str(t.dtype)])
+        return GluonTensorDescriptor(t, shape, strides, block, smem)
+
+    def plan(self, base, q, k, v, layout, out, scale, dropout_p, cfg, *, varlen=False):
+        """A plan for this call (called like launch.ForwardPlan, whose allocation it keeps), or None
+        when the family cannot serve it (then the portable forward runs)."""
+        if self.spec_reason or call_unserved(q, k, v, layout, varlen=varlen, dropout_p=dropout_p, out=out,
+                                             device_check=self.device_unserved):
+            return None
+        return HopperPlan(self, base, layout, scale, {**self.KNOB_DEFAULTS, **cfg})
+
+    def launch(self, q, k, v, o, lse, layout, scale, cfg):
+        """Fill o (q's layout) and lse ((B, H, Sq) float32, contiguous) for one call."""
+        block_n, consumers = cfg["BLOCK_N"], cfg["BLOCK_M"] // self.CONSUMER_ROWS
+        (batch, heads, seqlen_q, _), _ = bhsd(q, layout)
+        (_, kv_heads, seqlen_k, _), _ = bhsd(k, layout)
+        _, o_strides = bhsd(o, layout)
+        qd = self.descriptor(q, layout, self.CONSUMER_ROWS)
+        kd, vd = self.descriptor(k, layout, block_n), self.descriptor(v, layout, block_n)
+        grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), heads, batch)
+        self.kernel[grid](qd, kd, vd, o, lse, *o_strides[:3], *lse.stride()[:2], seqlen_q, seqlen_k,
+                          heads // kv_heads, scale * self.RCP_LN2, CAUSAL=bool(self.spec["causal"]),
+                          NUM_STAGES=cfg["num_stages"], CONSUMERS=consumers, PRODUCER_REGS=self.PRODUCER_REGS,
+                          CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"],
+                          PINGPONG=cfg["hopper_pingpong"], num_warps=4)
+        return o, lse
+
+
+class HopperPlan:
+    """One forward call's plan on the hopper_ws family: called as launch.ForwardPlan is."""
+
+    def __init__(self, forward, base, layout, scale, cfg):
+        self.forward, self.base, self.layout, self.scale, self.cfg = forward, base, layout, scale, cfg
+
+    def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=()):
+        base = self.base
+        if out is None:
+            out = torch.empty(base.o_shape, dtype=base.dtype, device=base.device)
+        if lse is None:
+            lse = torch.empty(base.lse_shape, dtype=torch.float32, device=base.device)
+        return self.forward.launch(q, k, v, out, lse, self.layout, self.scale, self.cfg)

@@ -1,0 +1,187 @@
+"""The Hopper warp-specialized family (config family 'hopper_ws') without a GPU: what it serves,
+its config knobs, its rendering beside the portable forward, the fallback to the portable forward
+for calls it cannot serve, and the tuner's space. The kernel itself is compiled for sm90 by
+tests/test_sm90_compile.py and run by tests/test_hopper_ws_gpu.py."""
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, ConfigError, KernelConfig
+from flashgen.codegen.render import render
+from flashgen.runtime import hopper
+from flashgen.space import DeviceLimits, forward_space
+from flashgen.verify import assert_attention_close
+
+from .helpers import make_qkv
+
+HOPPER = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2)
+H100 = DeviceLimits("NVIDIA H100", 232448.0, hopper=True)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
+    dict(dtype="fp16", head_dim=64, num_heads=4),
+    dict(dtype="bf16", head_dim=128, target="h100"),
+])
+def test_spec_served(fields):
+    assert hopper.spec_unserved(AttentionSpec(**fields)) is None
+
+
+@pytest.mark.parametrize("fields, reason", [
+    (dict(dtype="fp32", head_dim=64), "dtype 'fp32'"),
+    (dict(dtype="fp8_e4m3", head_dim=128), "dtype 'fp8_e4m3'"),
+    (dict(dtype="bf16", head_dim=96), "head_dim 96"),
+    (dict(dtype="bf16", head_dim=256), "head_dim 256"),
+    (dict(dtype="bf16", head_dim=128, head_dim_v=64), "head_dim_v 64"),
+    (dict(dtype="bf16", head_dim=64, mask={"sliding_window": {"left": 128}}), "mask"),
+    (dict(dtype="bf16", head_dim=64, score_mod={"softcap": 30.0}), "score modifier"),
+    (dict(dtype="bf16", head_dim=64, dropout_p=0.1), "dropout_p 0.1"),
+    (dict(dtype="bf16", head_dim=64, target="a100"), "target 'a100'"),
+])
+def test_spec_unserved_names_the_reason(fields, reason):
+    got = hopper.spec_unserved(AttentionSpec(**fields))
+    assert got is not None and reason in got
+    # the same rule on a module's SPEC dict
+    assert hopper.spec_unserved(AttentionSpec(**fields).to_dict() | {"head_dim_v": AttentionSpec(**fields).head_dim_v})
+
+
+def test_call_unserved():
+    q, k, v = make_qkv(1, 4, 2, 40, 40, 64, dtype=torch.float16, device="cpu")
+    ok = lambda device: None  # noqa: E731 - as if on an sm90 GPU
+    assert hopper.call_unserved(q, k, v, "bhsd", device_check=ok) is None
+    assert hopper.call_unserved(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "bshd",
+                                device_check=ok) is None  # any 16-byte strides
+    assert "layout 'thd'" in hopper.call_unserved(q[0], k[0], v[0], "thd", varlen=True, device_check=ok)
+    assert "dropout_p" in hopper.call_unserved(q, k, v, "bhsd", dropout_p=0.1, device_check=ok)
+    assert "q: strides" in hopper.call_unserved(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, "bhsd",
+                                                device_check=ok)
+    shifted = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape).copy_(k)  # a base 2 bytes off 16
+    assert "k: strides" in hopper.call_unserved(q, shifted, v, "bhsd", device_check=ok)
+    assert hopper.call_unserved(q, k, v, "bhsd") is not None  # CPU tensors: not an sm90 GPU
+
+
+def test_config_knobs():
+    cfg = KernelConfig(**HOPPER)
+    assert cfg.to_dict()["family"] == "hopper_ws" and "hopper_regs" not in cfg.to_dict()  # its default left out
+    assert KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert KernelConfig.from_dict(cfg.replace(hopper_pingpong=True, hopper_regs=232).to_dict()).hopper_pingpong
+    assert "hopper_ws" in str(cfg) and "family" in KernelConfig.STRUCTURAL
+    # the portable default keeps every stored config, kernel id and golden file byte-identical
+    assert not any(name.startswith(("family", "hopper_")) for name in KernelConfig().to_dict())
+
+
+@pytest.mark.parametrize("knobs, knob", [
+    (dict(family="flash3"), "'family'"),
+    (dict(HOPPER, BLOCK_M=32), "'BLOCK_M'"),
+    (dict(HOPPER, BLOCK_N=256), "'BLOCK_N'"),
+    (dict(HOPPER, num_stages=1), "'num_stages'"),
+    (dict(HOPPER, hopper_regs=250), "'hopper_regs'"),
+    (dict(HOPPER, hopper_overlap=1), "'hopper_overlap'"),
+    (dict(HOPPER, BLOCK_M=64, hopper_pingpong=True), "'hopper_pingpong'"),
+    (dict(HOPPER, hopper_pingpong=True, hopper_overlap=True), "'hopper_pingpong'"),
+    (dict(HOPPER, loop_order="kv_outer"), "'family'"),
+])
+def test_bad_knobs_are_config_errors(knobs, knob):
+    with pytest.raises(ConfigError, match=knob):
+        KernelConfig(**knobs)
+
+
+def test_unserved_spec_is_a_config_error_naming_the_family():
+    spec = AttentionSpec(dtype="bf16", head_dim=64, mask={"sliding_window": {"left": 128}})
+    with pytest.raises(ConfigError, match="'family'.*mask"):
+        render(spec, KernelConfig(**HOPPER))
+    render(spec, KernelConfig(**dict(HOPPER, family="portable")))  # the portable family serves it
+
+
+def test_render_keeps_the_portable_forward_beside_it():
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True, backward=True)
+    source = render(spec, KernelConfig(**HOPPER), standalone=False)
+    assert "def _attn_fwd_hopper_ws(" in source and "def _attn_fwd(" in source
+    assert "_LAUNCHER.hopper_forward = HopperForward(_attn_fwd_hopper_ws, SPEC, CONFIG)" in source
+    portable = render(spec, KernelConfig(**dict(HOPPER, family="portable")), standalone=False)
+    assert "gluon" not in portable and "hopper_forward" not in portable
+
+
+def test_calls_it_cannot_serve_run_the_portable_forward():
+    # under the interpreter (CPU tensors) every call falls back; the result is the portable forward's
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
+    module = flashgen.compile(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64))).module()
+    q, k, v = make_qkv(1, 4, 2, 45, 61, 64, dtype=torch.float16, device="cpu")
+    out, lse = module.forward(q, k, v)
+    assert not any(isinstance(p, hopper.HopperPlan) for p in module._LAUNCHER.plans.values())
+    # fp16 (the interpreter's bf16 dot is wrong): TESTING.md's 2x rule
+    assert_attention_close(out, lse, q, k, v, causal=True)
+
+
+def test_a_call_it_serves_gets_its_plan():
+    # the plan is chosen on the host; nothing is launched here (the kernel runs on an sm90 GPU only)
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True)
+    module = flashgen.compile(spec, KernelConfig(**HOPPER)).module()
+    module._LAUNCHER.hopper_forward.device_unserved = lambda device: None
+    launched = []
+    module._LAUNCHER.hopper_forward.launch = lambda *args: launched.append(args) or (args[3], args[4])
+    q, k, v = make_qkv(2, 4, 2, 45, 61, 64, dtype=torch.float16, device="cpu")
+    out, lse = module.forward(q, k, v)
+    assert len(launched) == 1 and out.shape == q.shape and lse.shape == (2, 4, 45)
+    (_, _, _, o, l, layout, scale, cfg) = launched[0]
+    assert layout == "bhsd" and scale == pytest.approx(64 ** -0.5) and cfg["hopper_regs"] == 240
+    module.forward(q, k, v, dropout_p=0.0, layout="bhsd")  # the same call: the cached plan
+    assert len(launched) == 2
+
+
+def test_space_offers_the_family_only_where_it_serves():
+    served = forward_space(AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, causal=True), H100)
+    points = list(served.points())
+    hw = [p for p in points if p["family"] == "hopper_ws"]
+    assert hw and all(KernelConfig(**p) for p in points)
+    assert all(p["BLOCK_M"] in (64, 128) and p["BLOCK_N"] in (64, 128) and p["num_warps"] == 4 for p in hw)
+    assert all(not (p["hopper_overlap"] or p["hopper_pingpong"]) and p["hopper_regs"] == 240
+               for p in points if p["family"] == "portable")
+    assert any(p["hopper_pingpong"] for p in hw) and not any(p["hopper_pingpong"] and p["BLOCK_M"] == 64 for p in hw)
+    for spec in (AttentionSpec(dtype="bf16", head_dim=96), AttentionSpec(dtype="fp32", head_dim=64)):
+        assert "family" not in forward_space(spec, H100).params
+    assert "family" not in forward_space(AttentionSpec(dtype="bf16", head_dim=128),
+                                         DeviceLimits("NVIDIA A100", 166912.0)).params
+
+
+def test_sm90_defaults_take_the_family_where_it_measured_faster():
+    def family(d, causal, seqlen, **fields):
+        spec = AttentionSpec(dtype=fields.pop("dtype", "bf16"), head_dim=d, num_heads=16, causal=causal, **fields)
+        return flashgen.default_config(spec, "h100", seqlen)
+
+    # H100 wins (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md)
+    assert family(128, False, 4096).hopper_pingpong and family(128, False, 1024).family == "hopper_ws"
+    assert family(128, False, 16384).family == "hopper_ws" and not family(128, False, 16384).hopper_pingpong
+    assert family(128, True, 4096).num_stages == 3 and family(128, True, 16384).family == "hopper_ws"
+    assert family(64, False, 4096).family == family(64, True, 16384).family == "hopper_ws"
+    assert family(64, False, 4096, dtype="fp16").family == "hopper_ws"
+    # losses, unmeasured short calls, and what the family does not serve: the portable defaults
+    for d, causal, seqlen in ((128, True, 1024), (64, False, 1024), (64, True, 4096), (128, False, 256)):
+        assert family(d, causal, seqlen).family == "portable", (d, causal, seqlen)
+    assert family(128, False, 4096, mask={"sliding_window": {"left": 256}}).family == "portable"
+    assert family(128, False, 4096, dtype="fp32").family == "portable"
+    assert family(96, False, 4096).family == "portable"
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16)
+    assert flashgen.default_config(spec, "a100", 4096).family == "portable"
+
+
+def test_standalone_module_carries_the_family_host_side(tmp_path):
+    # `flashgen generate` files need only torch and triton: runtime/hopper.py is pasted in, and its
+    # names leave host.py's (LAYOUTS, ...) and the kernels' constants (RCP_LN2, ...) as they were
+    import importlib.util
+    import re
+
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
+    source = render(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)))
+    assert not re.search(r"^\s*(from|import) flashgen", source, re.M) and "class HopperForward" in source
+    path = tmp_path / "standalone_hopper_ws.py"
+    path.write_text(source)
+    module_spec = importlib.util.spec_from_file_location("standalone_hopper_ws", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    assert module.LAYOUTS == ("bhsd", "bshd", "thd") and isinstance(module._LAUNCHER.hopper_forward,
+                                                                     module.HopperForward)
+    q, k, v = make_qkv(1, 4, 2, 33, 47, 64, dtype=torch.float16, device="cpu")
+    out, lse = module.forward(q, k, v)  # CPU: the portable forward
+    assert_attention_close(out, lse, q, k, v, causal=True)

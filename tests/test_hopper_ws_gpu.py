@@ -1,0 +1,101 @@
+"""The Hopper warp-specialized forward (config family hopper_ws) on an sm90 GPU: forward and
+fwd+bwd (the portable backward reading its LSE) against the reference on fresh random inputs,
+odd lengths, seqlen_q != seqlen_k both ways, GQA, both layouts, each of the family's techniques;
+and flashgen.attention taking it where it is the default."""
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, KernelConfig, default_config
+from flashgen.runtime.hopper import HopperPlan
+from flashgen.verify import assert_attention_close, assert_gradients_close
+
+from .helpers import make_qkv, poisoned_outputs
+
+pytestmark = pytest.mark.gpu
+
+sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="needs an sm90 GPU (H100/H200)")
+
+BASE = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2)
+TECHNIQUES = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": dict(hopper_pingpong=True),
+              "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s4": dict(BLOCK_N=64, num_stages=4)}
+SHAPES = [  # batch, heads, kv heads, seqlen_q, seqlen_k, head dim, layout
+    (2, 8, 2, 1000, 1000, 128, "bhsd"),
+    (1, 4, 4, 333, 777, 64, "bshd"),
+    (2, 6, 2, 777, 301, 128, "bshd"),
+    (1, 8, 1, 17, 4097, 64, "bhsd"),
+]
+
+
+def took_hopper_path(module) -> bool:
+    return any(isinstance(plan, HopperPlan) for plan in module._LAUNCHER.plans.values())
+
+
+def check_forward(dtype, shape, causal, knobs):
+    batch, heads, kv_heads, sq, sk, d, layout = shape
+    spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads, num_kv_heads=kv_heads, causal=causal)
+    module = flashgen.compile(spec, KernelConfig(**{**BASE, **knobs})).module()
+    q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=spec.torch_dtype, device="cuda", layout=layout)
+    out, lse = poisoned_outputs(q, heads, sq, d, layout)
+    module.forward(q, k, v, layout=layout, out=out, lse=lse)
+    assert took_hopper_path(module)
+    # (dtype, atol) by TESTING.md's rule: 2x the same-precision reference's error + its rounding
+    assert_attention_close(out, lse, q, k, v, causal=causal, layout=layout)
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_forward(dtype, shape, causal):
+    check_forward(dtype, shape, causal, {})
+
+
+@sm90
+@pytest.mark.parametrize("technique", [t for t in TECHNIQUES if t != "base"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2]])
+def test_each_technique(shape, causal, technique):
+    check_forward("bf16", shape, causal, TECHNIQUES[technique])
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_forward_backward(shape, causal):
+    batch, heads, kv_heads, sq, sk, d, layout = shape
+    spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=heads, num_kv_heads=kv_heads, causal=causal,
+                         backward=True)
+    config = default_config(spec, "h100", sq).replace(tma=False, warp_specialize=False, **BASE)
+    module = flashgen.compile(spec, config).module()
+    q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=torch.bfloat16, device="cuda", layout=layout)
+    out, lse = module.forward(q, k, v, layout=layout)
+    assert took_hopper_path(module)
+    do = torch.randn_like(out)
+    dq, dk, dv, _ = module.backward(do, q, k, v, out, lse, layout=layout)
+    # gradients: 3x (TESTING.md), the portable backward on the family's O and LSE
+    assert_gradients_close((dq, dk, dv), q, k, v, do, causal=causal, layout=layout)
+    # and through flashgen.attention (the autograd op): the same forward, the same gradients
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flashgen.attention(*leaves, causal=causal, layout=layout, config=config).backward(do)
+    assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, causal=causal, layout=layout)
+
+
+@sm90
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [1024, 4096, 16384])
+def test_default_takes_the_family_where_it_is_the_default(head_dim, causal, seqlen):
+    # two heads: the float32 reference of one 16384-token call fits beside the kernel's tensors
+    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=2, causal=causal)
+    config = default_config(spec, "h100", seqlen)
+    if config.family != "hopper_ws":
+        pytest.skip(f"the default at hd{head_dim} S={seqlen} causal={causal} is the portable family")
+    kernel = flashgen.compile(spec)
+    assert kernel.config_for(seqlen) == config  # the config a call of this length gets
+    q, k, v = make_qkv(1, 2, 2, seqlen, seqlen, head_dim, dtype=torch.bfloat16, device="cuda")
+    out, lse = kernel.forward(q, k, v, config=config)
+    assert took_hopper_path(kernel.module(config))
+    assert_attention_close(out, lse, q, k, v, causal=causal)
