@@ -640,7 +640,9 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
         phase, config = item
         return runner.prepare(kernel, config, phase, works[todo[item]], timeout_s=options.timeout_s, full=True)
 
-    jobs = 1 if runner.interpret else (jobs or min(8, os.cpu_count() or 1))
+    # one at a time unless asked: with 8 threads the H100 recheck of 2026-11-23 (triton 3.6) saw ptxas
+    # crash (SIGSEGV) on backward kernels whose compile alone, in a user's call, succeeds
+    jobs = 1 if runner.interpret else (jobs or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         prepared = dict(zip(todo, pool.map(prepare, list(todo))))
     for item, rec in prepared.items():  # a failure among threads is confirmed alone before it counts

@@ -71,6 +71,16 @@ def _compile_only(run):
     return compile_run
 
 
+def training_step(launcher, q, k, tensors):
+    """What flashgen's autograd function runs: training_forward, then training_backward on its plan
+    (through Triton's launch path: this driver compiles, it has no launcher to bind)."""
+    from flashgen.runtime.launch import BoundLaunch
+
+    BoundLaunch.enabled = False
+    out, lse, plan = launcher.training_forward(q, k, k, "bhsd", 0.0, None, tensors, None, None, None, None)
+    return launcher.training_backward(plan, out, q, k, k, out, lse, None, tensors, None, None)
+
+
 def main() -> int:
     driver.set_active(Sm90Driver())
     jit.JITFunction.run = _compile_only(jit.JITFunction.run)
@@ -143,6 +153,8 @@ def main() -> int:
         lse = torch.zeros(h, 600) if varlen else torch.zeros(2, h, 300)
         phases = (("forward", lambda: module.forward(q, k, k, **kw)),
                   ("backward", lambda: module.backward(q, q, k, k, q, lse, **kw)))
+        if config.family == "hopper_ws":  # autograd's path: the backward reads the Gluon forward's plan
+            phases += (("training step", lambda: training_step(module._LAUNCHER, q, k, tensors)),)
         for phase, run in phases[:1] if spec.fp8 else phases:
             COMPILED.clear()
             try:

@@ -25,8 +25,8 @@ def test_kernels_compile_for_sm90(tmp_path):
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    # 17 + 2 FP8 forwards + 3 hopper_ws cases (forward and backward)
-    assert len([line for line in lines if line.startswith("ok ")]) == 25, proc.stdout
+    # 17 + 2 FP8 forwards + 3 hopper_ws cases (forward, backward, and a training step: autograd's path)
+    assert len([line for line in lines if line.startswith("ok ")]) == 28, proc.stdout
     # the Q-outer forward with TMA and warp specialization, every backward, the masked specs (a pattern, a
     # block map, documents), packed sequences and the persistent dK/dV grid
     for case in ("TMA + warp specialization", "sliding window + softcap", "custom expression (block map)",
@@ -45,3 +45,7 @@ def test_kernels_compile_for_sm90(tmp_path):
                for line in lines), proc.stdout
     assert any("hopper_ws hd128, ping-pong forward: _attn_fwd_hopper_ws: 12 warps" in line for line in lines), \
         proc.stdout
+    # the training step runs the Gluon forward, then the portable backward from its plan
+    for case in ("hopper_ws gqa causal, 2 consumers", "hopper_ws hd64, 1 consumer, overlap", "hopper_ws hd128, ping-pong"):
+        assert any(line.startswith(f"ok {case} training step: _attn_fwd_hopper_ws") and "_attn_bwd_dq" in line
+                   for line in lines), (case, proc.stdout)

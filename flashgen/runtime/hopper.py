@@ -179,6 +179,13 @@ class HopperPlan:
     def __init__(self, forward, base, layout, scale, cfg):
         self.forward, self.base, self.layout, self.scale, self.cfg = forward, base, layout, scale, cfg
 
+    def __getattr__(self, name):
+        """The rest of the call's plan (offsets, softmax_scale, dropout_p, backward_plans: what
+        AttentionLauncher.training_backward reads) is the portable ForwardPlan's it was made from."""
+        if name == "base":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
     def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=()):
         base = self.base
         if out is None:
