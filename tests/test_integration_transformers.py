@@ -111,9 +111,16 @@ def test_generation_steps_run_the_decode_kernel(kind, monkeypatch):
     from flashgen.runtime.decode import DecodeLauncher
 
     monkeypatch.setattr(integration, "decode_calls", True)
-    queries, original = [], DecodeLauncher.decode
-    monkeypatch.setattr(DecodeLauncher, "decode", lambda self, q, *a, **kw: queries.append(q.shape[1])
-                        or original(self, q, *a, **kw))
+    queries, original, seen = [], DecodeLauncher.decode, set()
+
+    def decode(self, q, *args, **kwargs):
+        if id(self) not in seen:  # plans an earlier test left (launchers are cached per kernel) would hide ours
+            seen.add(id(self))
+            self.calls.clear()
+        queries.append(q.shape[1])
+        return original(self, q, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeLauncher, "decode", decode)
     # each step's cache is one key longer; the decode launcher keys its calls without the length,
     # so each layer variant's calls are checked and planned once, not once per step
     prepared, prepare = [], DecodeLauncher.prepare
