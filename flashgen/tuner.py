@@ -405,6 +405,7 @@ def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneO
         work = runner.workload(spec, bucket, spec.tune.batch_tokens)
         chosen = default_config(spec, target=_target(runner), seqlen=bucket)
         for phase in (p for p in phases if p in ("fwd", "bwd")):
+            _stop_if_interrupted(options)
             result = _tune_phase(spec, runner, store, options, bucket, phase, chosen, work)
             if result.best is not None:
                 best = KernelConfig.from_dict(result.best.config)  # stored knobs leave out LATER_KNOBS at off
@@ -469,8 +470,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
                 for t in study.get_trials(deepcopy=False) if t.state.is_finished() and "record" in t.user_attrs}
 
     def objective(trial: optuna.Trial) -> float:
-        if options.interrupted and options.interrupted():
-            raise KeyboardInterrupt
+        _stop_if_interrupted(options)
         point = {n: trial.suggest_categorical(n, list(c)) for n, c in space.params.items()}
         data, broken = candidate(space, base, point, default_point)
         key = config_key(data)
@@ -536,6 +536,13 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
                         len(starts))
 
 
+def _stop_if_interrupted(options) -> None:
+    """Raise KeyboardInterrupt when a Ctrl-C arrived that Python dropped (options.interrupted):
+    asked before each trial, each final-round check and each study."""
+    if options.interrupted and options.interrupted():
+        raise KeyboardInterrupt
+
+
 def _final_choice(runner, kernel, study, space, phase, work, options, base: KernelConfig):
     """Verify the two fastest configs and the default on the full grid, time them again in
     one round, keep the fastest. Returns (best, default) records from that round. A config
@@ -548,6 +555,7 @@ def _final_choice(runner, kernel, study, space, phase, work, options, base: Kern
         candidates.append(base)
     finalists, default = [], None
     for config in candidates:
+        _stop_if_interrupted(options)  # each full-grid check is long under the interpreter
         rec = runner.evaluate(kernel, config, phase, work, timeout_s=options.timeout_s, full=True)
         if config == base:
             default = rec
