@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .config import ConfigError
-from .space import DeviceLimits, Restriction, SearchSpace, bucket_of, nearest_bucket
+from .space import DeviceLimits, Restriction, SearchSpace, bucket_of
 from .spec import AttentionSpec
 
 PHASE_PREFIX = "dec"
@@ -108,8 +108,12 @@ def buckets(kv_lengths, batches) -> list[tuple[int, int]]:
 
 def tuned_lookup(rows: Mapping):
     """From best rows {bucket: {phase: row}} (flashgen.db: matching_best, shipped_best), a
-    function (batch, capacity) -> the decode knobs of the nearest stored bucket (in log scale:
-    the KV length first, then the batch), or None when rows hold no valid decode result."""
+    function (batch, capacity) -> the decode knobs stored for the call's own (KV-length bucket,
+    batch bucket) (bucket_of each, as the tuner files them), else None: an untuned bucket runs
+    the heuristic defaults, as prefill's untuned buckets run theirs. (Before, the nearest stored
+    bucket served every call: a split count tuned for B=8 x 8K keys (2 splits of 8 KV heads, 128
+    programs) ran B=1 x 128K keys on 16 programs, 1050 us on the H100 against the heuristic's 190.)
+    None when rows hold no valid decode result."""
     table = {}
     for bucket, phases in rows.items():
         for phase, row in phases.items():
@@ -122,11 +126,9 @@ def tuned_lookup(rows: Mapping):
                 continue  # a malformed row: `flashgen db check` reports it
     if not table:
         return None
-    kvs = sorted({kv for kv, _ in table})
 
     def lookup(batch: int, capacity: int):
-        kv = nearest_bucket(capacity, kvs)
-        return table[(kv, nearest_bucket(batch, [b for k, b in table if k == kv]))]
+        return table.get((bucket_of(capacity), bucket_of(batch)))
 
     return lookup
 

@@ -37,8 +37,9 @@ _COMPAT: dict = {}  # flash_attn_with_kvcache's plain key -> its DecodeLauncher
 
 
 def tuned_decode(spec: AttentionSpec, db: str | None = None):
-    """(lookup, source): lookup(batch, capacity) gives the tuned decode knobs of the nearest
-    (KV length, batch) bucket stored for this spec on this GPU, or None; source says where they
+    """(lookup, source): lookup(batch, capacity) gives the tuned decode knobs stored for the
+    call's own (KV length, batch) bucket for this spec on this GPU, or None (the heuristic serves
+    untuned buckets: decode_space.tuned_lookup); source says where they
     came from ('database', 'tuning_db', or 'default' with lookup None). Decode's kernels do not
     depend on whether the spec trains, so a spec tuned with either `backward` serves. Never
     raises for a database problem (the prefill loader's rule, flashgen.loader): the heuristic

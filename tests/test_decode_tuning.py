@@ -45,14 +45,18 @@ def test_decode_space_fits_shared_memory_and_holds_the_default():
     assert any(p["BLOCK_N"] == 128 for p in decode_space(spec, DeviceLimits("H100", 232448)).points())
 
 
-def test_lookup_picks_the_nearest_bucket():
+def test_lookup_serves_only_the_calls_own_bucket():
     rows = {4096: {"dec8": {"config": DecodeConfig(num_splits=2).to_dict()},
                    "dec64": {"config": DecodeConfig(num_splits=1).to_dict()}, "fwd": {"config": {}}},
             131072: {"dec1": {"config": DecodeConfig(num_splits=16).to_dict()},
                      "dec2": {"config": {"num_splits": "bad"}}}}
     lookup = tuned_lookup(rows)
     assert lookup(8, 5000)["num_splits"] == 2 and lookup(48, 4096)["num_splits"] == 1
-    assert lookup(3, 100_000)["num_splits"] == 16  # the malformed dec2 row is skipped
+    assert lookup(1, 131072)["num_splits"] == 16
+    # Untuned buckets get None (the heuristic): a split count tuned for 8 x 4K keys is not run at
+    # 1 x 8K or 8 x 128K (the H100's native call ran B=1 x 128K keys on B=8's 2 splits: 5.5x slower).
+    assert lookup(1, 8192) is None and lookup(8, 131072) is None and lookup(16, 4096) is None
+    assert lookup(2, 131072) is None  # the malformed dec2 row is skipped
     assert tuned_lookup({1024: {"fwd": {"config": {}}}}) is None
 
 
