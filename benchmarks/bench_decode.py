@@ -239,49 +239,134 @@ def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke, fp8=False):
 
 
 # --variants: knob variants of the rows closest to an anchor (issue 14's B=64 KV4096 at 0.995x
-# Flex), and of the FP8 cache (whose tiles hold half the bytes: larger tiles or more stages may
-# pay), each timed through flashgen.decode with explicit knobs beside the default in one process.
+# Flex), and of the FP8 cache, each timed through flashgen.decode with explicit knobs beside the
+# default in one process. FP8 rows also compare how the cache's tiles reach the tensor cores
+# (FP8_PATHS; runtime/decode.py's fp16_dot and fp8_v_conversion): "bf16-cast" (the tiles cast to
+# bf16, the kernel before fp16_dot), "fp16-cast" (fp16 products, V cast: Triton reads V's tile
+# into the operand layout one byte per instruction) and "fp16-asm" (the default: V converted
+# by _fp8_tile_to_fp16 first).
+FP8_PATHS = {"bf16-cast": (False, 0), "fp16-cast": (True, 0), "fp16-asm": (True, None)}
 VARIANT_CASES = {
-    "bf16 B=64 KV4096": (64, 4096, False, [dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=32, num_stages=4),
-                                          dict(BLOCK_N=128, num_stages=2), dict(BLOCK_N=128, num_warps=8),
-                                          dict(BLOCK_N=64, num_splits=2), dict(BLOCK_N=128, num_splits=3)]),
-    "fp8 B=8 KV8192": (8, 8192, True, [dict(BLOCK_N=128, num_stages=4), dict(BLOCK_N=256, num_stages=3)]),
-    "fp8 B=64 KV4096": (64, 4096, True, [dict(BLOCK_N=256, num_stages=3), dict(BLOCK_N=128, num_stages=4)]),
+    "bf16 B=64 KV4096": (64, 4096, False, None, [dict(BLOCK_N=128, num_warps=2), dict(BLOCK_N=64, num_stages=5),
+                                                dict(BLOCK_N=128, num_stages=2)]),
+    "fp8 B=8 KV8192": (8, 8192, True, None, [dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=128, num_stages=3),
+                                            dict(BLOCK_N=128, num_stages=5), dict(BLOCK_N=256, num_stages=2),
+                                            dict(num_splits=1), dict(num_splits=3), dict(num_splits=4),
+                                            dict(num_warps=8)]),
+    "fp8 B=64 KV4096": (64, 4096, True, None, [dict(BLOCK_N=128, num_stages=2), dict(BLOCK_N=128, num_stages=4),
+                                              dict(BLOCK_N=64, num_stages=3), dict(BLOCK_N=64, num_stages=4),
+                                              dict(BLOCK_N=256, num_stages=2), dict(num_warps=8),
+                                              dict(num_splits=2)]),
+    "fp8 B=1 KV131072": (1, 131072, True, None, [dict(num_splits=8), dict(num_splits=24), dict(num_splits=32),
+                                                dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=128, num_stages=3),
+                                                dict(BLOCK_N=256, num_stages=2)]),
+    "fp8 B=8 KV8192 paged-16": (8, 8192, True, 16, [dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=128, num_stages=3),
+                                                   dict(BLOCK_N=128, num_stages=5), dict(num_splits=4)]),
 }
 
 
+class _Fp8Path:
+    """Within the block, decode calls convert an FP8 cache by one of FP8_PATHS (the launcher's
+    prepared calls are dropped on entry and exit: the path is a constexpr of their kernels)."""
+
+    def __init__(self, launcher, path):
+        self.launcher, (self.dot, self.v) = launcher, FP8_PATHS[path]
+
+    def __enter__(self):
+        import flashgen.runtime.decode as rd
+        self.saved = rd.fp16_dot, rd.fp8_v_conversion
+        if self.v is not None:
+            dot, conv = self.dot, self.v
+            rd.fp16_dot = lambda cache_dtype, out_dtype: dot and self.saved[0](cache_dtype, out_dtype)
+            rd.fp8_v_conversion = lambda cache_dtype, out_dtype, device: conv
+        self.launcher.calls.clear()
+
+    def __exit__(self, *exc):
+        import flashgen.runtime.decode as rd
+        rd.fp16_dot, rd.fp8_v_conversion = self.saved
+        self.launcher.calls.clear()
+
+
 def variants(timer, device="cuda"):
-    """Rows {case, knobs, us, TBps} for VARIANT_CASES (default knobs first), plus Flex and cuDNN on the bf16 rows."""
+    """Rows {case, path, knobs, flashgen: {us, TBps}} for VARIANT_CASES (default knobs first; FP8
+    rows under each of FP8_PATHS at the default knobs, the knob variants under the default path),
+    plus cuDNN on the bf16 rows."""
+    from flashgen.kvcache import decode_launcher
+
     rows = []
     spec = AttentionSpec(name="decode", dtype="bf16", head_dim=HEAD_DIM, num_heads=HEADS, num_kv_heads=KV_HEADS,
                          causal=True, backward=False)
     kernel = flashgen.compile(spec)
-    for name, (batch, kv, fp8, knob_sets) in VARIANT_CASES.items():
+    launcher = decode_launcher(kernel)
+    for name, (batch, kv, fp8, page, knob_sets) in VARIANT_CASES.items():
         gen = torch.Generator().manual_seed(0)
         randn = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)  # noqa
         q, k_cache, v_cache = (randn(batch, 1, HEADS, HEAD_DIM), randn(batch, kv, KV_HEADS, HEAD_DIM),
                                randn(batch, kv, KV_HEADS, HEAD_DIM))
         seqlens = torch.full((batch,), kv, dtype=torch.int32, device=device)
         qh, kh, vh = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-        scales = {}
+        extra = {}
         if fp8:
             k_cache, v_cache, kd, vd, kh, vh = _fp8_cache(k_cache, v_cache)
-            scales = dict(k_descale=kd, v_descale=vd)
+            extra = dict(k_descale=kd, v_descale=vd)
+        if page:
+            table = torch.randperm(batch * (kv // page), generator=gen).view(batch, -1).to(torch.int32).to(device)
+            k_cache, v_cache = _paged(k_cache, table, page), _paged(v_cache, table, page)
+            extra["block_table"] = table
         check = _sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)(qh, kh, vh).transpose(1, 2).float()
         nbytes = 2 * batch * kv * KV_HEADS * HEAD_DIM * k_cache.element_size()
-        for knobs in [{}, *knob_sets]:
-            row = {"case": name, "knobs": knobs or "default"}
-            _measure(row, "flashgen", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens, **scales, **knobs),
-                     check, nbytes, timer)
+        runs = [("fp16-asm" if fp8 else "-", {})]
+        if fp8:
+            runs += [("bf16-cast", {}), ("fp16-cast", {})]
+        runs += [("fp16-asm" if fp8 else "-", knobs) for knobs in knob_sets]
+        for path, knobs in runs:
+            row = {"case": name, "path": path, "knobs": knobs or "default"}
+            with _Fp8Path(launcher, path if fp8 else "fp16-asm"):
+                _measure(row, "flashgen", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens, **extra,
+                                                                  **knobs), check, nbytes, timer)
             rows.append(row)
+            _print_variant(row)
         if not fp8:
             backends = torch.nn.attention.SDPBackend
-            row = {"case": name, "knobs": "anchors"}
+            row = {"case": name, "path": "-", "knobs": "anchors"}
             _measure(row, "sdpa_cudnn", lambda: _sdpa(backends.CUDNN_ATTENTION)(qh, kh, vh).transpose(1, 2), check,
                      nbytes, timer)
-            flex = _flex(1, kv)
-            _measure(row, "flex", lambda: flex(qh, kh, vh).transpose(1, 2), check, nbytes, timer)
             rows.append(row)
+            _print_variant(row)
+    return rows
+
+
+def _print_variant(r):  # as measured: a run cut short still shows what it timed
+    cells = "  ".join(f"{p} {r[p]['us']:.1f} us ({r[p]['TBps']:.2f} TB/s)" if "us" in r[p] else
+                      f"{p} {r[p]['error']}" for p in ("flashgen", "sdpa_cudnn", "flex") if p in r)
+    print(f"{r['case']:<24} {r['path']:<10} {str(r['knobs']):<34} {cells}", flush=True)
+
+
+def conversion(timer, device="cuda"):
+    """--conversion: what converting an FP8 cache costs alone. Kernels that read the B=64 KV4096
+    cache (K and V: 268 MB in e4m3) and write it back converted (to bf16, to fp16, or copied as
+    it is), beside a bf16 cache copied; rows {case, us, TBps (bytes read + written / time)}."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(X, Y, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(Y + offs, tl.load(X + offs).to(Y.dtype.element_ty))
+
+    n = 2 * 64 * 4096 * KV_HEADS * HEAD_DIM
+    x8 = (torch.randn(n, device=device) * 8).to(torch.float8_e4m3fn)
+    x16 = x8.to(torch.bfloat16)
+    rows = []
+    for name, src, dtype in (("e4m3 -> bf16", x8, torch.bfloat16), ("e4m3 -> fp16", x8, torch.float16),
+                             ("e4m3 copy", x8, torch.float8_e4m3fn), ("bf16 copy", x16, torch.bfloat16)):
+        out = torch.empty(n, dtype=dtype, device=device)
+        fn = lambda: convert[(n // 4096,)](src, out, BLOCK=4096)  # noqa: E731
+        fn()
+        ok = torch.equal(out.float(), src.float())
+        us = timer(fn) * 1e3
+        nbytes = n * (src.element_size() + out.element_size())
+        rows.append({"case": name, "us": us, "TBps": nbytes / (us * 1e-6) / 1e12, "exact": ok})
     return rows
 
 
@@ -314,12 +399,34 @@ def markdown(rows, env):
     return "\n".join(lines) + "\n"
 
 
+def table_rows(cases, paged, kw, smoke):
+    """The table's rows: each case, then the paged modes at the paged case's inputs."""
+    rows, paged_inputs = [], None
+    for batch, q_len, kv in cases:
+        t0 = time.time()
+        row, inputs = bench_case(batch, q_len, kv, **kw)
+        rows.append(row)
+        if (batch, q_len, kv) == (paged["batch"], paged["q_len"], paged["kv"]):
+            paged_inputs = (row, inputs)
+        print(f"{row['case']}: {time.time() - t0:.0f}s", flush=True)
+    if paged_inputs is None:
+        row, inputs = bench_case(paged["batch"], paged["q_len"], paged["kv"], **kw)
+        rows.append(row)
+        paged_inputs = (row, inputs)
+    for page_size in paged["page_sizes"]:
+        rows.append(bench_paged(page_size, *paged_inputs, timer=kw["timer"], smoke=smoke, fp8=kw["fp8"]))
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU interpreter (TRITON_INTERPRET=1)")
     ap.add_argument("--fp8", action="store_true", help="the FP8 KV cache against the bf16 one (issue 17)")
     ap.add_argument("--variants", action="store_true", help="knob variants of B=64 KV4096 and the FP8 cache (GPU)")
+    ap.add_argument("--conversion", action="store_true", help="FP8 conversion kernels alone (GPU)")
+    ap.add_argument("--skip-table", action="store_true", help="only --conversion / --variants")
+    ap.add_argument("--tag", default="", help="appended to the results' file names (2026-11-23-h100-decode-fp8-v2)")
     args = ap.parse_args(argv)
     env = environment()
     if args.smoke and args.fp8:
@@ -336,34 +443,26 @@ def main(argv=None):
         dtype, device, timer = torch.bfloat16, "cuda", time_ms
     kw = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device, smoke=args.smoke,
               timer=timer, fp8=args.fp8)
-    rows, paged_inputs = [], None
-    for batch, q_len, kv in cases:
-        t0 = time.time()
-        row, inputs = bench_case(batch, q_len, kv, **kw)
-        rows.append(row)
-        if (batch, q_len, kv) == (paged["batch"], paged["q_len"], paged["kv"]):
-            paged_inputs = (row, inputs)
-        print(f"{row['case']}: {time.time() - t0:.0f}s", flush=True)
-    if paged_inputs is None:
-        row, inputs = bench_case(paged["batch"], paged["q_len"], paged["kv"], **kw)
-        rows.append(row)
-        paged_inputs = (row, inputs)
-    for page_size in paged["page_sizes"]:
-        rows.append(bench_paged(page_size, *paged_inputs, timer=timer, smoke=args.smoke, fp8=args.fp8))
     gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0] if env.get("gpu") else "cpu"
-    stem = f"{time.strftime('%Y-%m-%d')}-{gpu}-decode{'-fp8' if args.fp8 else ''}{'-smoke' if args.smoke else ''}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-    table = markdown(rows, env)
-    (out / f"{stem}.md").write_text(table)
-    print(table, flush=True)
+    rows = [] if args.skip_table else table_rows(cases, paged, kw, args.smoke)
+    if rows:
+        stem = (f"{time.strftime('%Y-%m-%d')}-{gpu}-decode{'-fp8' if args.fp8 else ''}{'-smoke' if args.smoke else ''}"
+                f"{'-' + args.tag if args.tag else ''}")
+        (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+        table = markdown(rows, env)
+        (out / f"{stem}.md").write_text(table)
+        print(table, flush=True)
+    if args.conversion:
+        found = conversion(time_ms)
+        for r in found:
+            print(f"conversion {r['case']:<14} {r['us']:.1f} us ({r['TBps']:.2f} TB/s read+written) exact={r['exact']}",
+                  flush=True)
+        (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-conversion.json").write_text(
+            json.dumps({"environment": env, "rows": found}, indent=1))
     if args.variants:  # after the table, in the same process
         found = variants(time_ms)
-        for r in found:
-            cells = "  ".join(f"{p} {r[p]['us']:.1f} us ({r[p]['TBps']:.2f} TB/s)" if "us" in r[p] else
-                              f"{p} {r[p]['error']}" for p in ("flashgen", "sdpa_cudnn", "flex") if p in r)
-            print(f"{r['case']:<18} {str(r['knobs']):<48} {cells}", flush=True)
         (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-variants.json").write_text(
             json.dumps({"environment": env, "rows": found}, indent=1))
     return rows

@@ -30,6 +30,14 @@ def test_fp8_decode_grid(fp8, heads, d, sq, page_size, num_splits):
 
 
 @pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+def test_fp8_rows_beyond_fp16_range_gpu(fp8):
+    # bf16 queries take the fp16 products (q scaled per row by a power of two) and V's asm
+    # conversion: a row at 3e5 (a plain fp16 cast overflows) and one at 1e-6 stay within the rule.
+    run_fp8_decode("cuda", fp8=fp8, dtype="bf16", heads=(32, 8), d=128, sq=1, batch=3, lengths=(4097, 1, 1531),
+                   capacity=4352, BLOCK_N=None, num_splits=0, head_scales=(3e5, 1e-6, 40.0, 1.0) * 8)
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
 def test_fp8_append_gpu(fp8):
     # The GPU's conversion in the append kernel: bit for bit torch's (saturated, nearest even).
     cache, _, _ = run_fp8_decode("cuda", fp8=fp8, dtype="bf16", heads=(32, 8), d=128, sq=3, appended=3,

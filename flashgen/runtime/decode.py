@@ -41,8 +41,9 @@ and an int or absent cache_seqlens is a row of a table, not a new tensor (seqlen
 
 FP8 (float8_e4m3fn or float8_e5m2): the cache, and optionally q, may be FP8 with float32
 descales (batch, KV heads), flash-attn 3's q_descale / k_descale / v_descale (a missing one is
-1.0). The decode kernel loads FP8 tiles and converts them in registers; the output has the
-spec's dtype. New keys and values (k, v) always come in the spec's dtype, as a model produces
+1.0). The decode kernel loads FP8 tiles and converts them in registers, to fp16 where the output
+is bf16 (fp16_dot: one instruction per pair of elements, exact) and V before its layout change
+(fp8_v_conversion); the output has the spec's dtype. New keys and values (k, v) always come in the spec's dtype, as a model produces
 them; with an FP8 cache the append kernel quantizes them on write, x / descale rounded to
 nearest even and saturated to the FP8 range (what vLLM's reshape_and_cache does with its
 k_scale / v_scale). FP8 needs sm89+ on a GPU.
@@ -125,9 +126,10 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       32 above head dim 128.
     - num_stages 3 (another K/V tile in flight), 2 where three do not fit in shared memory.
     - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles and 4
-      stages, the bytes in flight of bf16's 64-key tiles and more (B=8, 8K keys, e4m3: 95.3 vs
-      106.5 at 64 keys, 3 stages); where it fills, the bf16 defaults (B=64, 4K keys: 3 stages
-      249.4, 4 stages 255.3, 256-key tiles 359.0).
+      stages, the bytes in flight of bf16's 64-key tiles and more (B=8, 8K keys, e4m3, fp16
+      products: 72.8 us; 64 x 4 77.5, 128 x 3 72.4, 128 x 5 74.1, 256 x 2 77.1), 3 stages when
+      paged (page 16: 83.2 vs 86.2 at 4); where it fills, the bf16 defaults (B=64, 4K keys:
+      128 x 3 212.5, x 2 214.4, x 4 241.4; 64 x 3 215.9; 256 x 2 242.9).
     - page_prefetch: a paged tile's page numbers read one tile ahead, so no K/V load waits on
       a block table read; without it Triton's pipeliner does not multi-buffer the K/V loads
       (page 256, BLOCK_N 64: 108.7 vs 126.6; contiguous 107.7)."""
@@ -154,11 +156,32 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     if num_splits == 0:
         num_splits = num_splits_heuristic(total_mblocks, sm_count(device), triton.cdiv(capacity, block_n))
     if num_stages is None:
-        most = 4 if element_size == 1 and not fills else 3
+        most = 4 if element_size == 1 and not fills and page_size is None else 3
         num_stages = next((n for n in range(most, 2, -1) if staged_bytes(block_n, n) <= smem_limit(device)), 2)
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_splits": min(num_splits, MAX_SPLITS),
             "num_warps": num_warps or 4, "num_stages": num_stages,
             "page_prefetch": True if page_prefetch is None else bool(page_prefetch)}
+
+
+def fp16_dot(cache_dtype, out_dtype):
+    """Whether the decode kernel takes its products on fp16 operands (q scaled per row by a power
+    of two, the cache's tiles converted to fp16, P in fp16) rather than in the output's dtype: for
+    an FP8 cache with a bf16 output. FP8 converts to fp16 in one instruction per pair, exactly;
+    to bf16 it takes a second, quarter-rate conversion per element, which bounded the kernel
+    (H100, B=64, 4K keys: 2.16 TB/s of FP8 cache against 2.95 for a bf16 cache)."""
+    return cache_dtype in FP8_TYPES and out_dtype == torch.bfloat16
+
+
+def fp8_v_conversion(cache_dtype, out_dtype, device):
+    """How the decode kernel converts an FP8 cache's V tiles to fp16 (its V_CVT): 0 by a cast
+    (not FP8, not computed in fp16, or Triton's interpreter, which runs no asm), 1 e4m3 and 2 e5m2
+    by the asm of _fp8_tile_to_fp16, which keeps the conversion before the operand's layout change
+    (sm90: the FP8 B=64 loop took 1342 SASS instructions per warp and 128-key tile with a bf16 cast,
+    939 with an fp16 one, 615 with the asm; the bf16 cache's takes 552 for twice the bytes)."""
+    if device.type != "cuda" or cache_dtype not in FP8_TYPES or not (
+            fp16_dot(cache_dtype, out_dtype) or out_dtype == torch.float16):
+        return 0
+    return 1 if cache_dtype == torch.float8_e4m3fn else 2
 
 
 # ----------------------------------------------------------------------------- appending to the cache
@@ -564,6 +587,8 @@ class DecodeLauncher:
         kernel_constexprs = dict(BLOCK_M=plan["BLOCK_M"], BLOCK_N=plan["BLOCK_N"], PAGED=paged, PAGE_SIZE=page_size,
                                  BATCH_INDEX=cache_batch_idx is not None, SPLIT=plan["split"], WRITE_LSE=write_lse,
                                  PREFETCH=paged and plan["page_prefetch"], DESCALE=descale,
+                                 FP16_DOT=fp16_dot(k_cache.dtype, out_dtype),
+                                 V_CVT=fp8_v_conversion(k_cache.dtype, out_dtype, q.device),
                                  num_warps=plan["num_warps"], num_stages=plan["num_stages"])
         combine_args = (*out_strides, num_heads * seqlen_q, seqlen_q, seqlen_q, num_heads, plan["splits"])
         combine_constexprs = dict(BLOCK_S=plan["BLOCK_S"], WRITE_LSE=write_lse, num_warps=4, num_stages=1)
