@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -399,9 +400,9 @@ def markdown(rows, env):
     return "\n".join(lines) + "\n"
 
 
-def table_rows(cases, paged, kw, smoke):
-    """The table's rows: each case, then the paged modes at the paged case's inputs."""
-    rows, paged_inputs = [], None
+def table_rows(rows, cases, paged, kw, smoke):
+    """The table's rows, appended to rows as measured: each case, then the paged modes at the paged case's inputs."""
+    paged_inputs = None
     for batch, q_len, kv in cases:
         t0 = time.time()
         row, inputs = bench_case(batch, q_len, kv, **kw)
@@ -446,14 +447,20 @@ def main(argv=None):
     gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0] if env.get("gpu") else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [] if args.skip_table else table_rows(cases, paged, kw, args.smoke)
-    if rows:
-        stem = (f"{time.strftime('%Y-%m-%d')}-{gpu}-decode{'-fp8' if args.fp8 else ''}{'-smoke' if args.smoke else ''}"
-                f"{'-' + args.tag if args.tag else ''}")
-        (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-        table = markdown(rows, env)
-        (out / f"{stem}.md").write_text(table)
-        print(table, flush=True)
+    rows = []
+    if not args.skip_table:
+        # a run stopped by `timeout` (SIGTERM) still writes the rows it measured
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+        try:
+            table_rows(rows, cases, paged, kw, args.smoke)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            stem = (f"{time.strftime('%Y-%m-%d')}-{gpu}-decode{'-fp8' if args.fp8 else ''}"
+                    f"{'-smoke' if args.smoke else ''}{'-' + args.tag if args.tag else ''}")
+            (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+            table = markdown(rows, env)
+            (out / f"{stem}.md").write_text(table)
+            print(table, flush=True)
     if args.conversion:
         found = conversion(time_ms)
         for r in found:
