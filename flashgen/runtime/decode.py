@@ -168,7 +168,8 @@ def fp16_dot(cache_dtype, out_dtype):
     of two, the cache's tiles converted to fp16, P in fp16) rather than in the output's dtype: for
     an FP8 cache with a bf16 output. FP8 converts to fp16 in one instruction per pair, exactly;
     to bf16 it takes a second, quarter-rate conversion per element, which bounded the kernel
-    (H100, B=64, 4K keys: 2.16 TB/s of FP8 cache against 2.95 for a bf16 cache)."""
+    (H100, us, bf16 products -> fp16: B=8 x 8K keys 96.1 -> 72.4, B=64 x 4K 247.8 -> 208.5, B=1 x
+    128K 175.2 -> 123.2; benchmarks/NOTES.md, 2026-11-23)."""
     return cache_dtype in FP8_TYPES and out_dtype == torch.bfloat16
 
 
@@ -177,7 +178,9 @@ def fp8_v_conversion(cache_dtype, out_dtype, device):
     (not FP8, not computed in fp16, or Triton's interpreter, which runs no asm), 1 e4m3 and 2 e5m2
     by the asm of _fp8_tile_to_fp16, which keeps the conversion before the operand's layout change
     (sm90: the FP8 B=64 loop took 1342 SASS instructions per warp and 128-key tile with a bf16 cast,
-    939 with an fp16 one, 615 with the asm; the bf16 cache's takes 552 for twice the bytes)."""
+    939 with an fp16 one, 615 with the asm; the bf16 cache's takes 552 for twice the bytes. H100 us,
+    asm vs fp16 cast: paged-16 B=8 86.2 vs 96.6, B=8 72.8 vs 72.4, B=64 212.5 vs 208.5: its extra
+    fp16 V tile of shared memory leaves two programs per SM where the cast fits three)."""
     if device.type != "cuda" or cache_dtype not in FP8_TYPES or not (
             fp16_dot(cache_dtype, out_dtype) or out_dtype == torch.float16):
         return 0

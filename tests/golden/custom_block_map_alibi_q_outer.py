@@ -685,6 +685,41 @@ def _record_bound(REC, KIND: tl.constexpr, b, j, value, limit):
 
 
 @triton.jit
+def _fp16_rows(x):
+    # x (rows, dim) in fp16 for the tensor cores, each row times the power of two 2^e that puts its
+    # largest magnitude in [2^14, 2^15) (fp16's largest finite value is 65504); returns (x * 2^e,
+    # 2^-e). Exact for every element above 2^-32 of its row's largest (bf16 and FP8 values have at
+    # most 8 significant bits, fp16's subnormals reach 2^-24); smaller ones round to within 2^-40 of it.
+    # Why fp16: an FP8 cache's tiles convert to fp16 in one instruction per pair on sm89+
+    # (cvt.rn.f16x2.e4m3x2; e5m2 is fp16's high byte), exactly; to bf16 they take a second,
+    # quarter-rate conversion per element (F2F.BF16.F16), which bounded the FP8 decode on the H100.
+    xf = x.to(tl.float32)
+    biased = (tl.max(tl.abs(xf), 1).to(tl.int32, bitcast=True) >> 23) & 0xFF  # 0 for a row of zeros
+    e = tl.minimum(tl.maximum(141 - biased, -126), 126)  # 14 - (biased - 127)
+    up = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return (xf * up[:, None]).to(tl.float16), down
+
+
+@triton.jit
+def _fp8_tile_to_fp16(x, FORMAT: tl.constexpr):
+    # An FP8 tile in fp16 (exact), four elements per call: FORMAT 1 e4m3 (cvt.rn.f16x2.e4m3x2, two
+    # per instruction), 2 e5m2 (fp16's high byte: two byte permutes). The same values as x.to(fp16),
+    # written as asm with side effects so that Triton keeps the conversion where it is: a plain cast
+    # of V is hoisted into the shared-memory read of wgmma/mma's operand layout, which reads V's
+    # (keys, dim) tile one byte per instruction (FP8 has no transposing ldmatrix); converted first,
+    # the tile reads 16 bytes per instruction and reaches the operand layout as fp16 (ldmatrix.trans).
+    if FORMAT == 1:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = tl.inline_asm_elementwise("{ prmt.b32 $0, $2, 0, 0x1404; prmt.b32 $1, $2, 0, 0x3424; }", "=r,=r,r",
+                                      [x], dtype=tl.float16, is_pure=False, pack=4)
+    return y
+
+
+@triton.jit
 def _decode_pages(BT, start_n, offs_n, seqlen_k, num_pages, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     # The pages of keys start_n + offs_n, clamped into the pool, as int64 (one scalar when the
     # tile lies in one page, else one per key), and the least (column << 32 | entry) of the
@@ -743,7 +778,7 @@ def _decode_kv_tile(K, V, page, start_n, offs_n, offs_d, offs_dv, stride_kn, str
 def _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, hi, lo2, hi2, rows, offs_n, offs_d, offs_dv, stride_kn,
                    stride_kd, stride_vn, stride_vd, stride_kp, stride_vp, num_pages, off_b, heads, seqlen_q,
                    seqlen_k, sm_scale, qk_scale, t_keep, t_keep_s0, t_keep_s1, t_keep_n0, t_keep_n1, t_slopes, t_slopes_s0, t_slopes_s1, t_slopes_n0, t_slopes_n1, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PREFETCH: tl.constexpr):
+                   PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PREFETCH: tl.constexpr, V_CVT: tl.constexpr):
     # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: a segment's two boundary
     # bands). bad: the least bad block table key met so far (see _decode_pages). PREFETCH: the
     # next block's pages are read one iteration ahead, so no K/V load waits on a page read.
@@ -768,7 +803,10 @@ def _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, hi, lo2, hi2, rows, offs
                                stride_vd, stride_kp, stride_vp, seqlen_k, BOUNDS=MASKED, PAGED=PAGED,
                                PAGE_SIZE=PAGE_SIZE, BLOCK_N=BLOCK_N)
         k = k.to(q.dtype)  # an FP8 cache's tile, exact in q's dtype (no-op for a cache in q's dtype)
-        v = v.to(q.dtype)
+        if V_CVT != 0:
+            v = _fp8_tile_to_fp16(v, V_CVT)
+        else:
+            v = v.to(q.dtype)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, rows, (start_n + offs_n)[None, :], off_b, heads,
                                              seqlen_q, seqlen_k, sm_scale, qk_scale, 0, 0, 0.0, t_keep, t_keep_s0, t_keep_s1, t_keep_n0, t_keep_n1, t_slopes, t_slopes_s0, t_slopes_s1, t_slopes_n0, t_slopes_n1,
                                              MASKED=MASKED, DROPOUT=False)
@@ -788,13 +826,14 @@ def _attn_decode(
     sm_scale, qk_scale, t_keep, t_keep_s0, t_keep_s1, t_keep_n0, t_keep_n1, t_slopes, t_slopes_s0, t_slopes_s1, t_slopes_n0, t_slopes_n1,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BATCH_INDEX: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr, PREFETCH: tl.constexpr,
-    DESCALE: tl.constexpr,
+    DESCALE: tl.constexpr, FP16_DOT: tl.constexpr, V_CVT: tl.constexpr,
 ):
     # Grid (num_splits, packed row blocks, batch * kv heads). seqlen_k = SEQLENS[b] + seqlen_add
     # (the keys appended this step), clamped into [0, capacity]. SPLIT: write this split's fp32
     # partial O and its LSE into PART for _decode_combine; else O (and LSE with WRITE_LSE) directly.
     # DESCALE: FP8 inputs' float32 descales, (batch, KV head) each: score = q.k * (qd * kd) *
-    # sm_scale, out = (P V_fp8) * vd.
+    # sm_scale, out = (P V_fp8) * vd. FP16_DOT (an FP8 cache, bf16 out): both products on fp16
+    # operands (_fp16_rows), P in fp16.
     split = tl.program_id(0)
     start_m = tl.program_id(1) * BLOCK_M
     off_b = (tl.program_id(2) // num_kv_heads).to(tl.int64)
@@ -831,12 +870,19 @@ def _attn_decode(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_ptrs = Q + off_b * stride_qb + qpos[:, None] * stride_qm + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0).to(O.dtype.element_ty)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if FP16_DOT:
+        q, row_descale = _fp16_rows(q)
+    else:
+        q = q.to(O.dtype.element_ty)
     if DESCALE:
         qk_descale = (tl.load(Q_DESCALE + off_b * stride_qsb + off_hk * stride_qsh)
                       * tl.load(K_DESCALE + off_b * stride_ksb + off_hk * stride_ksh))
         sm_scale = sm_scale * qk_descale
         qk_scale = qk_scale * qk_descale
+    if FP16_DOT:  # the rows' powers of two leave the scores: (q * 2^e) . k * 2^-e
+        sm_scale = sm_scale * row_descale[:, None]
+        qk_scale = qk_scale * row_descale[:, None]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -857,7 +903,7 @@ def _attn_decode(
                                         offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb,
                                         stride_vb, num_pages, off_b, heads, seqlen_q, seqlen_k, sm_scale,
                                         qk_scale, t_keep, t_keep_s0, t_keep_s1, t_keep_n0, t_keep_n1, t_slopes, t_slopes_s0, t_slopes_s1, t_slopes_n0, t_slopes_n1, BLOCK_N, MASKED=True, PAGED=PAGED,
-                                        PAGE_SIZE=PAGE_SIZE, PREFETCH=PREFETCH)
+                                        PAGE_SIZE=PAGE_SIZE, PREFETCH=PREFETCH, V_CVT=V_CVT)
     if PAGED:
         if bad != NO_BAD_PAGE:
             _record_bound(REC, BOUND_PAGE, off_b, bad >> 32, (bad & 0xFFFFFFFF).to(tl.int32), num_pages)
