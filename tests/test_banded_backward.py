@@ -333,3 +333,13 @@ def test_dq_heavy_first_knob_renders_only_when_on_and_is_a_mask_default():
     assert not heavy(4096, causal=True, head_dim=64).bwd_fused_delta
     assert not default_config(AttentionSpec(dtype="bf16", head_dim=128, num_heads=2, mask={"chunked": 1024},
                                             backward=True), "a100").bwd_dq_heavy_first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", [{"mask": {"prefix_lm": 300}}, {"mask": {"chunked": 256}}],
+                         ids=["prefix-300", "chunked-256"])
+def test_gpu_dq_heavy_first_backward_bf16(fields):
+    # the sm90 default pairing (64x64 tiles, descriptors, fused delta) at a ragged length
+    check_variant("cuda", **fields, sq=1500, sk=1500, dtype="bf16", heads=(8, 2), d=128,
+                  config=KernelConfig(BLOCK_M=64, BLOCK_N=64, num_stages=3, BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64,
+                                      BLOCK_N2=64, bwd_tma=True, bwd_fused_delta=True, bwd_dq_heavy_first=True))
