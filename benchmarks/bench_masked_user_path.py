@@ -190,11 +190,7 @@ def providers(x: Inputs, with_load: bool = True):
     default = flashgen.compile(x.spec)
     out.append(("default", lambda q, k, v: default(q, k, v, **x.tensors), str(default.config_for(x.q.shape[2]))))
     if with_load:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            loaded = flashgen.load(x.spec)
+        loaded = _loaded(x.spec)
         if loaded.config_source != "default":
             cfg = loaded.config_for(x.q.shape[2])
             out.append(("load", lambda q, k, v: loaded(q, k, v, **x.tensors),
@@ -292,12 +288,13 @@ def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> li
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "specs"
 
 
-def _loaded(path: Path):
+def _loaded(spec):
+    """flashgen.load(spec) (a spec or a YAML path), its fallback warnings silenced (the rows say it)."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return flashgen.load(path)
+        return flashgen.load(spec)
 
 
 def example_modes(spec: AttentionSpec) -> tuple:
