@@ -17,7 +17,11 @@ is far above its GPU time is bound by host work, not by the kernels.
 Compiles (flashgen's kernels and Flex's) are warmed first in parallel worker processes that fill
 the on-disk caches (Triton's, inductor's); the timed process then loads them.
 
+- ``example:<spec>`` rows: ``flashgen.load`` of every example spec with tuned results against its
+  default, at each bucket it is tuned for (run_example).
+
     PYTHONPATH=. python3 benchmarks/bench_masked_user_path.py [--quick] [--out benchmarks/results]
+        [--gpu-name h200] [--examples NAME ...]
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from flashgen.verify import GRAD_MEAN_FACTOR, compare, reference_attention  # no
 TOKENS, HEADS, DTYPE = 16384, 16, "bf16"
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
 MODES = ("fwd", "fwd_bwd")
+EXAMPLE_SHORTEN = 1  # the example specs' buckets are divided by this (dry runs)
 TARGETS = {"fwd": 1.2, "fwd_bwd": 1.1}  # issue 15: x Flex with the default config; causal S=1024: fwd_bwd 1.05
 
 
@@ -84,9 +89,9 @@ QUICK = {("sliding_window_256", 4096), ("document_4", 4096), ("chunked_1024", 40
 def dry_run() -> None:
     """Shake the script out on the CPU (Triton's interpreter): fp16 (the interpreter's bf16 dot is
     wrong), 2 heads, sequences 1/32 as long. The figures mean nothing."""
-    global TOKENS, HEADS, DTYPE, time_ms, gpu_ms
+    global TOKENS, HEADS, DTYPE, EXAMPLE_SHORTEN, time_ms, gpu_ms
     os.environ["TRITON_INTERPRET"] = "1"
-    TOKENS, HEADS, DTYPE = 256, 2, "fp16"
+    TOKENS, HEADS, DTYPE, EXAMPLE_SHORTEN = 256, 2, "fp16", 32
     CASES[:] = [dataclasses.replace(c, seqlens=tuple(s // 32 for s in c.seqlens)) for c in CASES]
     time_ms = wall_ms
     gpu_ms = lambda fn, rep=0: wall_ms(fn)  # noqa: E731
@@ -106,12 +111,21 @@ class Inputs:
 
 
 def make_inputs(case: Case, seqlen: int, seed: int = 0) -> Inputs:
-    spec = case.spec()
+    return spec_inputs(case.spec(), seqlen, case.documents, seed)
+
+
+def spec_inputs(spec: AttentionSpec, seqlen: int, documents: int = 4, seed: int = 0) -> Inputs:
+    """TOKENS per batch of a spec's shapes (its query and KV heads, head dims, dtype)."""
     batch = max(1, TOKENS // seqlen)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    q, k, v, do = (torch.randn(batch, HEADS, seqlen, case.head_dim, device=DEVICE, generator=gen)
-                   .to(spec.torch_dtype) for _ in range(4))
-    tensors = named_tensors(spec, batch, seqlen, documents=case.documents, device=DEVICE)
+    dtype = spec.torch_dtype
+
+    def randn(heads, dim):
+        return torch.randn(batch, heads, seqlen, dim, device=DEVICE, generator=gen).to(dtype)
+
+    q, k = randn(spec.num_heads, spec.head_dim), randn(spec.num_kv_heads, spec.head_dim)
+    v, do = randn(spec.num_kv_heads, spec.head_dim_v), randn(spec.num_heads, spec.head_dim_v)
+    tensors = named_tensors(spec, batch, seqlen, documents=documents, device=DEVICE)
     return Inputs(spec, batch, q, k, v, do, tensors,
                   visible_count(spec, batch, seqlen, seqlen, tensors, device=DEVICE))
 
@@ -124,10 +138,13 @@ class SliceReference:
         self.x = x
         self.kw = dict(causal=x.spec.causal, mask=x.spec.mask, score_mod=x.spec.score_mod,
                        tensors={n: t[:1] for n, t in x.tensors.items()})
-        leaves = [t[:1, :2].detach() for t in (x.q, x.k, x.v)]
-        self.do = x.do[:1, :2]
+        # two heads; with GQA the query heads of the first KV head (its dK/dV sums over them)
+        group = x.q.shape[1] // x.k.shape[1]
+        self.heads, kv_heads = (2, 2) if group == 1 else (group, 1)
+        leaves = [t[:1, :n].detach() for t, n in ((x.q, self.heads), (x.k, kv_heads), (x.v, kv_heads))]
+        self.do = x.do[:1, :self.heads]
         self.ref = self._run(leaves, torch.float32)
-        self.pt = self._run(leaves, torch.bfloat16)
+        self.pt = self._run(leaves, x.spec.torch_dtype)
 
     def _run(self, leaves, dtype):
         leaves = [t.to(dtype).requires_grad_() for t in leaves]
@@ -141,7 +158,8 @@ class SliceReference:
             (("dq", "dk", "dv"), 1, 3.0, GRAD_MEAN_FACTOR)
         failed = []
         for i, (name, got) in enumerate(zip(names, results)):
-            r = compare(name, got[:1, :2], self.ref[offset + i], self.pt[offset + i],
+            want = self.ref[offset + i]
+            r = compare(name, got[:1, :want.shape[1]], want, self.pt[offset + i],
                         factor=factor, mean_factor=mean)
             if not r.ok:
                 failed.append(str(r))
@@ -172,11 +190,7 @@ def providers(x: Inputs, with_load: bool = True):
     default = flashgen.compile(x.spec)
     out.append(("default", lambda q, k, v: default(q, k, v, **x.tensors), str(default.config_for(x.q.shape[2]))))
     if with_load:
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            loaded = flashgen.load(x.spec)
+        loaded = _loaded(x.spec)
         if loaded.config_source != "default":
             cfg = loaded.config_for(x.q.shape[2])
             out.append(("load", lambda q, k, v: loaded(q, k, v, **x.tensors),
@@ -221,6 +235,21 @@ def warm_up(jobs, workers: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- one case
+def measure(attn, x: Inputs, mode: str, ref: SliceReference, flops: float, what: str) -> dict:
+    """One provider in one mode: checked on the slice, then timed (eager and graph replay)."""
+    if attn is None:
+        return {"config": what}
+    fn = step(attn, x, mode)
+    try:
+        err = ref.check(mode, fn())
+        if err:
+            return {"config": what, "error": f"wrong result: {err}"}
+        ms = time_ms(fn)
+        return {"config": what, "ms": ms, "tflops": tflops(flops, ms), "gpu_ms": gpu_ms(fn)}
+    except Exception as exc:  # noqa: BLE001 (a provider that cannot run the case is reported)
+        return {"config": what, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
 def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> list[dict]:
     x = make_inputs(case, seqlen)
     ref = SliceReference(x)
@@ -230,26 +259,14 @@ def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> li
         flops = pairs_flops(x.pairs, case.head_dim, mode=mode)
         measured = {}
         for source, attn, what in provs:
-            if attn is None:
-                measured[source] = {"config": what}
-                continue
-            fn = step(attn, x, mode)
-            try:
-                err = ref.check(mode, fn())
-                if err:
-                    measured[source] = {"config": what, "error": f"wrong result: {err}"}
-                    continue
-                ms = time_ms(fn)
-                measured[source] = {"config": what, "ms": ms, "tflops": tflops(flops, ms), "gpu_ms": gpu_ms(fn)}
-            except Exception as exc:  # noqa: BLE001 (a provider that cannot run the case is reported)
-                measured[source] = {"config": what, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            measured[source] = measure(attn, x, mode, ref, flops, what)
         flex = measured.get("flex", {})
         for source in ("default", "load"):
             ours = measured.get(source)
             if ours is None:
                 continue
             row = {"case": case.name, "seqlen": seqlen, "batch": x.batch, "head_dim": case.head_dim, "mode": mode,
-                   "source": source, "visible_fraction": x.pairs / (x.batch * HEADS * seqlen ** 2),
+                   "source": source, "visible_fraction": x.pairs / (x.batch * x.spec.num_heads * seqlen ** 2),
                    "config": ours["config"], "target": case.target(mode)}
             if "ms" not in ours and "error" not in ours:
                 row["same_as"] = "default"
@@ -267,6 +284,107 @@ def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> li
     return rows
 
 
+# ----------------------------------------------------------------------------- the example specs' tuned results
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "specs"
+
+
+def _loaded(spec):
+    """flashgen.load(spec) (a spec or a YAML path), its fallback warnings silenced (the rows say it)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return flashgen.load(spec)
+
+
+def example_modes(spec: AttentionSpec) -> tuple:
+    return MODES if spec.backward else ("fwd",)
+
+
+def same_phases(a, b, mode: str) -> bool:
+    """The two configs run the same kernels with the same knobs in this mode (fwd: the forward's
+    knobs; fwd_bwd: every knob)."""
+    phases = ("fwd",) if mode == "fwd" else ("fwd", "bwd")
+    return all(getattr(a, k) == getattr(b, k) for p in phases for k in flashgen.KernelConfig.phase_knobs(p))
+
+
+def run_example(path: Path, modes=MODES) -> list[dict]:
+    """flashgen.load(path) against its default (flashgen.compile of the same spec) at every bucket the
+    spec is tuned for (tune.seqlens), as written (its heads, KV heads, dtype), same process, same
+    inputs; checked on a slice first. Where load serves the default's config for a mode (nothing
+    tuned there, or the stored result was measured against another default), the row says so and is
+    not timed twice. issue 15: load >= 1.0x default at every bucket."""
+    spec = AttentionSpec.from_yaml(path)
+    loaded, default = _loaded(path), flashgen.compile(spec)
+    rows = []
+    for seqlen in (s // EXAMPLE_SHORTEN for s in spec.tune.seqlens):
+        x = spec_inputs(spec, seqlen)
+        ref = SliceReference(x)
+        ours, base = loaded.config_for(seqlen), default.config_for(seqlen)
+        for mode in (m for m in example_modes(spec) if m in modes):
+            row = {"case": f"example:{path.stem}", "seqlen": seqlen, "batch": x.batch, "head_dim": spec.head_dim,
+                   "mode": mode, "source": "load", "spec": spec.uri, "config_source": loaded.config_source,
+                   "config": f"{ours} | {ours.describe_backward()}", "default_config": f"{base} | "
+                   f"{base.describe_backward()}", "target": 1.0}
+            if loaded.config_source == "default" or same_phases(ours, base, mode):
+                rows.append(dict(row, same_as="default"))
+                continue
+            flops = pairs_flops(x.pairs, spec.head_dim, mode=mode)
+            got = {src: measure(lambda q, k, v, kernel=kernel: kernel(q, k, v, **x.tensors), x, mode, ref, flops, "")
+                   for src, kernel in (("default", default), ("load", loaded))}
+            row["tflops"] = {"flashgen": got["load"].get("tflops"), "default": got["default"].get("tflops")}
+            row["ms"] = {"flashgen": got["load"].get("ms"), "default": got["default"].get("ms")}
+            row["gpu_ms"] = {"flashgen": got["load"].get("gpu_ms"), "default": got["default"].get("gpu_ms")}
+            errors = {p: m["error"] for p, m in (("load", got["load"]), ("default", got["default"])) if "error" in m}
+            if errors:
+                row["errors"] = errors
+            elif row["tflops"]["flashgen"] and row["tflops"]["default"]:
+                row["ratio_vs_default"] = row["tflops"]["flashgen"] / row["tflops"]["default"]
+                if row["gpu_ms"]["flashgen"] and row["gpu_ms"]["default"]:
+                    row["gpu_ratio_vs_default"] = row["gpu_ms"]["default"] / row["gpu_ms"]["flashgen"]
+            rows.append(row)
+    return rows
+
+
+def example_paths(names=None) -> list[Path]:
+    """The example specs flashgen.load has tuned results for (names: only these file stems)."""
+    paths = [p for p in sorted(EXAMPLES.glob("*.yaml")) if names is None or p.stem in names]
+    return [p for p in paths if _loaded(p).config_source != "default"]
+
+
+def _warm_example(path: str) -> None:
+    spec = AttentionSpec.from_yaml(path)
+    kernels = (_loaded(Path(path)), flashgen.compile(spec))
+    for seqlen in (s // EXAMPLE_SHORTEN for s in spec.tune.seqlens):
+        x = spec_inputs(spec, seqlen)
+        for kernel in kernels:
+            for mode in example_modes(spec):
+                step(lambda q, k, v, kernel=kernel: kernel(q, k, v, **x.tensors), x, mode)()
+
+
+def example_markdown(rows) -> list[str]:
+    lines = ["", "## flashgen.load of the example specs vs their default (same run, same inputs)", "",
+             "Each example spec with tuned results, as written (its heads, KV heads, dtype), at every bucket it "
+             "is tuned for; TFLOP/s eager (do_bench, host included); gpu = graph replay. Target: load >= 1.0x "
+             "default (issue 15). 'same as default': load serves the default's knobs for that mode.", "",
+             "| spec | S | mode | load | default | ratio | gpu ms load / default | gpu ratio | load config |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("same_as"):
+            lines.append(f"| {r['case'][8:]} | {r['seqlen']} | {r['mode']} | - | - | same as default | - | - | "
+                         f"{r['config']} ({r['config_source']}) |")
+            continue
+        t, g, ratio = r.get("tflops", {}), r.get("gpu_ms", {}), r.get("ratio_vs_default")
+        cell = lambda v, f="{:.0f}": f.format(v) if v else "-"  # noqa: E731
+        mark = "" if ratio is None else (" ok" if ratio >= 1.0 else " FAIL")
+        note = r["config"] + ("".join(f" ERROR {p}: {e[:120]}" for p, e in r.get("errors", {}).items()))
+        lines.append(f"| {r['case'][8:]} | {r['seqlen']} | {r['mode']} | {cell(t.get('flashgen'))} | "
+                     f"{cell(t.get('default'))} | {cell(ratio, '{:.3f}')}{mark} | {cell(g.get('flashgen'), '{:.3f}')}"
+                     f" / {cell(g.get('default'), '{:.3f}')} | {cell(r.get('gpu_ratio_vs_default'), '{:.3f}')} | "
+                     f"{note} |")
+    return lines
+
+
 def markdown(rows, env) -> str:
     lines = [f"# What a user gets: masked attention and short causal, flashgen vs FlexAttention "
              f"({env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, {env['date']})", "",
@@ -276,7 +394,8 @@ def markdown(rows, env) -> str:
              "tuning_db). Target: x Flex (issue 15).", "",
              "| case | S | mode | source | flashgen | Flex | ratio | target | gpu ms flashgen / Flex | gpu ratio | "
              "config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    examples = [r for r in rows if r["case"].startswith("example:")]
+    for r in (r for r in rows if not r["case"].startswith("example:")):
         t, g = r["tflops"], r["gpu_ms"]
         cell = lambda v, f="{:.0f}": f.format(v) if v else "-"  # noqa: E731
         ratio = r.get("ratio_vs_flex")
@@ -288,6 +407,8 @@ def markdown(rows, env) -> str:
                      f"{cell(t['flex'])} | {cell(ratio, '{:.2f}')}{mark} | {r['target']} | "
                      f"{cell(g['flashgen'], '{:.3f}')} / {cell(g['flex'], '{:.3f}')} | "
                      f"{cell(r.get('gpu_ratio_vs_flex'), '{:.2f}')} | {note} |")
+    if examples:
+        lines += example_markdown(examples)
     return "\n".join(lines) + "\n"
 
 
@@ -301,27 +422,39 @@ def main():
     parser.add_argument("--workers", type=int, default=max(1, min(15, (os.cpu_count() or 2) - 1)))
     parser.add_argument("--no-load", action="store_true", help="time the default only")
     parser.add_argument("--dry", action="store_true", help=dry_run.__doc__.split(":")[0])
+    parser.add_argument("--examples", nargs="*", default=None,
+                        help="example specs (file stems) whose flashgen.load is timed against the default "
+                             "(default: every one with tuned results; none: --examples with no name)")
+    parser.add_argument("--gpu-name", help="the GPU's name in the output files' names (default: the device's, "
+                                           "e.g. h100, h200)")
     args = parser.parse_args()
     if args.dry:
         dry_run()
     env = {**environment(), "date": time.strftime("%Y-%m-%d")}
-    gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0]
+    gpu = args.gpu_name or env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0]
     todo = [(c, s) for c in CASES if c.name in args.cases for s in c.seqlens if not args.quick or (c.name, s) in QUICK]
     todo.sort(key=lambda cs: cs[1] > 4096)  # the longest last: a run cut short keeps the most cases
+    examples = [] if args.no_load else example_paths(args.examples)
+    # the example specs between the short cases and the 16384-token ones
+    todo = [t for t in todo if t[1] <= 4096] + examples + [t for t in todo if t[1] > 4096]
     t0 = time.time()
-    for line in warm_up([(_warm_case, (c.name, s)) for c, s in todo], 1 if args.dry else args.workers):
+    jobs = [(_warm_example, (str(t),)) if isinstance(t, Path) else (_warm_case, (t[0].name, t[1]))
+            for t in todo]
+    for line in warm_up(jobs, 1 if args.dry else args.workers):
         print("warm", line, flush=True)
     print(f"warm-up {time.time() - t0:.0f}s", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"{env['date']}-{gpu}-masked-user-path"
     rows = []
-    for case, seqlen in todo:
+    for item in todo:
         t1 = time.time()
-        rows += run_case(case, seqlen, args.modes, not args.no_load)
-        for r in rows[-len(args.modes) * 2:]:
-            if r["case"] == case.name and r["seqlen"] == seqlen:
-                print(f"{case.name} {seqlen} {r['mode']} {r['source']}: {r['tflops']} ratio "
-                      f"{r.get('ratio_vs_flex', 0):.2f} gpu {r['gpu_ms']} {r.get('errors', '')}", flush=True)
+        new = run_example(item, args.modes) if isinstance(item, Path) else \
+            run_case(item[0], item[1], args.modes, not args.no_load)
+        rows += new
+        for r in new:
+            ratio = r.get("ratio_vs_flex", r.get("ratio_vs_default", 0))
+            print(f"{r['case']} {r['seqlen']} {r['mode']} {r['source']}: {r.get('tflops', r.get('same_as'))} "
+                  f"ratio {ratio:.2f} gpu {r.get('gpu_ms')} {r.get('errors', '')}", flush=True)
         print(f"  {time.time() - t1:.0f}s", flush=True)
         stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # a cut run keeps
         stem.with_suffix(".md").write_text(markdown(rows, env))

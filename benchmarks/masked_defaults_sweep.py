@@ -3,7 +3,9 @@ defaults are read from (issue 15).
 
 For each case of bench_masked_user_path.py (same inputs, same reference check on a slice), a few
 forward configs are timed as forward calls and a few backward configs (tiles, warps, stages,
-dq_strategy, bwd_tma, bwd_persistent, bwd_fused_delta) as backward calls after one forward. Times are
+dq_strategy, bwd_tma, bwd_persistent, bwd_fused_delta, bwd_dq_heavy_first) as backward calls after one forward.
+Named backward configs have bwd_dq_heavy_first off unless their knobs turn it on ("default" is the bucket's
+default as it is; "default -hf" the same without it). Times are
 CUDA-graph replays (kernels only: the host time of a call is the launch path's business, not the
 config's). Beside them, the user path of today's default (eager do_bench and its graph replay) shows
 where a case is bound by host work. Compiles are warmed first in parallel worker processes.
@@ -12,7 +14,7 @@ where a case is bound by host work. Compiles are warmed first in parallel worker
 run: an A/B of the same configs by name); --fwd/--bwd time only the configs so named.
 
     PYTHONPATH=. python3 benchmarks/masked_defaults_sweep.py --out DIR [--cases ...] [--seqlens ...]
-        [--fwd NAME ...] [--bwd NAME ...] [--root CHECKOUT] [--no-user]
+        [--pairs CASE@SEQLEN ...] [--fwd NAME ...] [--bwd NAME ...] [--root CHECKOUT] [--no-user]
 """
 
 from __future__ import annotations
@@ -40,10 +42,12 @@ def fwd(m, n, warps, stages, tma=False, ws=False):
     return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, tma=tma, warp_specialize=ws)
 
 
-def bwd(m1, n1, m2, n2, warps, stages, dq="separate", tma=False, persistent=0, fused_delta=False):
+def bwd(m1, n1, m2, n2, warps, stages, dq="separate", tma=False, persistent=0, fused_delta=False, heavy_first=False):
     knobs = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, bwd_num_warps=warps, bwd_num_stages=stages,
                  dq_strategy=dq, bwd_tma=tma, bwd_persistent=persistent)
-    return dict(knobs, bwd_fused_delta=True) if fused_delta else knobs  # absent: a checkout without the knob
+    # later knobs only when on: a checkout without them can run the others
+    return dict(knobs, **({"bwd_fused_delta": True} if fused_delta else {}),
+                **({"bwd_dq_heavy_first": True} if heavy_first else {}))
 
 
 # Per head dim: (name, knobs). Seeded from benchmarks/results/masks/*.md (best tiles per mask) and
@@ -66,14 +70,39 @@ BWD = {128: [("default", {}), ("64/64 s2", bwd(64, 64, 64, 64, 4, 2)), ("64/64 s
              ("64/64 s2 tma fd", bwd(64, 64, 64, 64, 4, 2, tma=True, fused_delta=True)),
              ("64/64 s3 tma fd", bwd(64, 64, 64, 64, 4, 3, tma=True, fused_delta=True)),
              ("32x64/64x32 s3 fd", bwd(32, 64, 64, 32, 4, 3, fused_delta=True)),
-             ("32x64/64x32 s3 tma fd", bwd(32, 64, 64, 32, 4, 3, tma=True, fused_delta=True))],
+             ("32x64/64x32 s3 tma fd", bwd(32, 64, 64, 32, 4, 3, tma=True, fused_delta=True)),
+             # issue 15's third sweep: wider tiles at 8 warps with fused delta (128 query rows per dK/dV
+             # tile, 128 keys per dQ tile: the walks of short masks visit half as many tiles), and fused
+             # delta where the second sweep did not try it
+             ("64/64 s2 fd", bwd(64, 64, 64, 64, 4, 2, fused_delta=True)),
+             ("32x64/64x32 s2 fd", bwd(32, 64, 64, 32, 4, 2, fused_delta=True)),
+             ("32x64/64x64 s2 tma fd", bwd(32, 64, 64, 64, 4, 2, tma=True, fused_delta=True)),
+             ("128x64/64x128 w8 s2 tma fd", bwd(128, 64, 64, 128, 8, 2, tma=True, fused_delta=True)),
+             ("64x128/128x64 w8 s2 tma fd", bwd(64, 128, 128, 64, 8, 2, tma=True, fused_delta=True)),
+             # issue 15's third sweep: the dQ grid heaviest block first (bwd_dq_heavy_first), the
+             # default without it, and wider tiles with it
+             ("default -hf", {"bwd_dq_heavy_first": False}),
+             ("64/64 s2 tma fd hf", bwd(64, 64, 64, 64, 4, 2, tma=True, fused_delta=True, heavy_first=True)),
+             ("32x64/64x64 s2 tma fd hf", bwd(32, 64, 64, 64, 4, 2, tma=True, fused_delta=True, heavy_first=True)),
+             ("128x64/64x128 w8 s2 tma fd hf", bwd(128, 64, 64, 128, 8, 2, tma=True, fused_delta=True,
+                                                   heavy_first=True)),
+             ("64x128/128x64 w8 s2 tma fd hf", bwd(64, 128, 128, 64, 8, 2, tma=True, fused_delta=True,
+                                                   heavy_first=True))],
        64: [("default", {}), ("64/64 s3", bwd(64, 64, 64, 64, 4, 3)), ("64/64 s3 atomic", bwd(64, 64, 64, 64, 4, 3, "atomic")),
             ("64/64 s3 p1", bwd(64, 64, 64, 64, 4, 3, persistent=1)),
             ("64/64 s3 p2", bwd(64, 64, 64, 64, 4, 3, persistent=2)),
             ("64/64 s2", bwd(64, 64, 64, 64, 4, 2)), ("64/64 s3 tma", bwd(64, 64, 64, 64, 4, 3, tma=True)),
             ("32x64/64x32 s3", bwd(32, 64, 64, 32, 4, 3)),
             ("64x128/128x64 w8 s3", bwd(64, 128, 128, 64, 8, 3)),
-            ("64x128/128x64 w8 s3 tma p1", bwd(64, 128, 128, 64, 8, 3, tma=True, persistent=1))]}
+            ("64x128/128x64 w8 s3 tma p1", bwd(64, 128, 128, 64, 8, 3, tma=True, persistent=1)),
+            ("64/64 s3 tma fd", bwd(64, 64, 64, 64, 4, 3, tma=True, fused_delta=True)),
+            ("64/64 s3 fd", bwd(64, 64, 64, 64, 4, 3, fused_delta=True)),
+            ("32x64/64x32 s3 fd", bwd(32, 64, 64, 32, 4, 3, fused_delta=True)),
+            ("128x64/64x128 w8 s3 fd", bwd(128, 64, 64, 128, 8, 3, fused_delta=True)),
+            ("64x128/128x64 w8 s3 tma fd", bwd(64, 128, 128, 64, 8, 3, tma=True, fused_delta=True)),
+            ("default -hf", {"bwd_dq_heavy_first": False}),
+            ("64/64 s3 hf", bwd(64, 64, 64, 64, 4, 3, heavy_first=True)),
+            ("128x64/64x128 w8 s3 fd hf", bwd(128, 64, 64, 128, 8, 3, fused_delta=True, heavy_first=True))]}
 
 
 SELECTED = {"fwd": None, "bwd": None}  # --fwd / --bwd: the config names to time (None: all)
@@ -85,6 +114,8 @@ def candidates(case, seqlen=None):
     for phase, table in (("fwd", FWD), ("bwd", BWD)):
         for name, knobs in table[case.head_dim]:
             if SELECTED[phase] is None or name in SELECTED[phase]:
+                if name != "default" and phase == "bwd" and hasattr(base, "bwd_dq_heavy_first"):
+                    knobs = {"bwd_dq_heavy_first": False, **knobs}  # named configs say it when on
                 out.append((phase, name, base.replace(**knobs)))
     return out
 
@@ -167,6 +198,7 @@ def main():
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/masks"))
     parser.add_argument("--cases", nargs="+", default=[c.name for c in B.CASES])
     parser.add_argument("--seqlens", type=int, nargs="+", default=None)
+    parser.add_argument("--pairs", nargs="+", default=None, help="only these CASE@SEQLEN (e.g. document_4@4096)")
     parser.add_argument("--workers", type=int, default=15)
     parser.add_argument("--dry", action="store_true")
     parser.add_argument("--fwd", nargs="*", help="forward config names to time (default: all)")
@@ -184,7 +216,7 @@ def main():
         B.dry_run()
     env = {**environment(), "date": time.strftime("%Y-%m-%d")}
     todo = [(c, s) for c in B.CASES if c.name in args.cases for s in c.seqlens
-            if args.seqlens is None or s in args.seqlens]
+            if (args.seqlens is None or s in args.seqlens) and (args.pairs is None or f"{c.name}@{s}" in args.pairs)]
     todo.sort(key=lambda cs: (cs[1] != 4096, cs[1]))  # S=4096 first, then 1024, then 16384
     t0 = time.time()
     jobs = {}  # one compile per (case, phase, config); per length too where a named tensor's shape is an argument

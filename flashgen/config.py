@@ -1,7 +1,8 @@
 """KernelConfig: the knobs the tuner searches, and the heuristic defaults.
 
-``loop_order``, ``bwd_persistent``, ``bwd_fused_delta`` and ``family`` change the rendered source (they are
-*structural*); every other knob is a ``tl.constexpr`` or a launch option of the same kernel.
+``loop_order``, ``bwd_persistent``, ``bwd_fused_delta``, ``bwd_dq_heavy_first`` and ``family`` change the
+rendered source (they are *structural*); every other knob is a ``tl.constexpr`` or a launch option of the same
+kernel.
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ class KernelConfig:
     # kernel run before dK/dV: no preprocess pass re-reading O and dO, one launch fewer
     # (separate dQ only: the atomic strategy has no dQ kernel).
     bwd_fused_delta: bool = False
+    # dQ programs in reverse query-block order: with a causal-like mask the last query blocks see
+    # the most keys, so they start first and the kernel's tail is made of short programs (the
+    # Q-outer forward does the same).
+    bwd_dq_heavy_first: bool = False
 
     # The forward's kernel family: "portable" (the Triton templates above) or "hopper_ws" (Gluon,
     # sm90: a TMA producer warp and BLOCK_M/64 consumer warpgroups; flashgen/runtime/hopper.py).
@@ -73,15 +78,15 @@ class KernelConfig:
     hopper_overlap: bool = False  # issue the next block's Q K^T before this block's softmax
     hopper_pingpong: bool = False  # two consumers take turns at the tensor cores (FA3's ping-pong)
 
-    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family")
+    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family", "bwd_dq_heavy_first")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
-                "bwd_tma", "bwd_persistent", "bwd_fused_delta")
+                "bwd_tma", "bwd_persistent", "bwd_fused_delta", "bwd_dq_heavy_first")
     # Knobs added after results were stored, with the value that renders the kernels as before
     # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
     # hashed before them keep their kernel ids and their rendered text byte for byte, and
     # from_dict() reads a missing one as that value.
     LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False, "family": "portable", "hopper_regs": 240,
-                   "hopper_overlap": False, "hopper_pingpong": False}
+                   "hopper_overlap": False, "hopper_pingpong": False, "bwd_dq_heavy_first": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -103,7 +108,7 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
-        for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta"):
+        for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "bwd_dq_heavy_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.warp_specialize and self.num_warps < 8:
@@ -181,7 +186,8 @@ class KernelConfig:
                 f"warps={self.bwd_num_warps} stages={self.bwd_num_stages} dq={self.dq_strategy}"
                 f"{' tma' if self.bwd_tma else ''}"
                 f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}"
-                f"{' fused_delta' if self.bwd_fused_delta else ''}")
+                f"{' fused_delta' if self.bwd_fused_delta else ''}"
+                f"{' dq_heavy_first' if self.bwd_dq_heavy_first else ''}")
 
 
 def interpreting() -> bool:
@@ -373,6 +379,14 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape,
     if spec.dtype == "fp32" or d > 128:
         return cfg(16, 32, 32, 16, 4, 1)
     if arch == "sm90":
+        # Masks whose last query blocks see the most keys (causal-like: documents, chunks, prefix-LM,
+        # causal windows): the dQ kernel starts those first (bwd_dq_heavy_first), so its tail is short
+        # programs. Same-run A/B (masks/2026-11-23-h100-masked-defaults-sweep-k.md, backward ms with /
+        # without): prefix-LM@4096 1.833 / 1.908 (timed after the run without it: above that sweep's
+        # drift, which read the same config up to 2-9% slower later in the run); documents@16384 1.853 /
+        # 1.896, window 1024 0.872 / 0.883, chunks and 16 documents within +-1%: no loss seen. Plain causal
+        # attention keeps its kernels (and the tuned results stored for them).
+        heavy_first = dict(bwd_dq_heavy_first=True) if spec.mask is not None and shape.causal else {}
         # 64x64 tiles everywhere (backward sweeps of 2026-11-22-h100-backward-hopper*.md); 3 stages
         # at hd 64. Tensor descriptors: full attention and, at hd128, every mask shape of the
         # masked-defaults sweep (0-14% less GPU time: windows of 128 to 1024, documents, chunks,
@@ -386,7 +400,13 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape,
             # documents 0.670 / 0.362 vs 0.675 / 0.380 for 64x64 with them); longer: 64x64 (4 documents
             # at 16384: 1.886 vs 2.050).
             if shape.documents and seqlen <= 4096:
-                return dict(cfg(32, 64, 64, 32, 4, 3), bwd_tma=False, bwd_fused_delta=True)
-            return dict(cfg(64, 64, 64, 64, 4, 2), bwd_tma=True, bwd_fused_delta=True)
-        return dict(cfg(64, 64, 64, 64, 4, 3 if d <= 64 else 2), bwd_tma=spec.mask_node is None or d > 64)
+                return dict(cfg(32, 64, 64, 32, 4, 3), bwd_tma=False, bwd_fused_delta=True, **heavy_first)
+            return dict(cfg(64, 64, 64, 64, 4, 2), bwd_tma=True, bwd_fused_delta=True, **heavy_first)
+        if d <= 64 and shape == MaskShape(causal=True) and seqlen <= 2048:
+            # causal hd64, short: the preprocess pass is a larger share of a short backward. Same run:
+            # 0.347 ms (fused delta, heavy first) / 0.343 (fused delta) / 0.353 (heavy first, preprocess);
+            # 0.365 for the old default in the first sweep; user path fwd+bwd GPU 0.486 vs 0.503 ms
+            return dict(cfg(64, 64, 64, 64, 4, 3), bwd_tma=False, bwd_fused_delta=True, bwd_dq_heavy_first=True)
+        return dict(cfg(64, 64, 64, 64, 4, 3 if d <= 64 else 2), bwd_tma=spec.mask_node is None or d > 64,
+                    **heavy_first)
     return cfg(32, 64, 64, 32, 4, 2)

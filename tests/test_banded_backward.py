@@ -288,3 +288,58 @@ def test_gpu_fused_delta_backward_bf16(fields):
         check_variant("cuda", **fields, tensors=tensors, sq=1500, sk=1500, dtype="bf16", heads=(8, 2), d=128,
                       config=KernelConfig(BLOCK_M=64, BLOCK_N=64, num_stages=3, BLOCK_M1=64, BLOCK_N1=64,
                                           bwd_tma=tma, bwd_fused_delta=True))
+
+
+# ----------------------------------------------------------------------------- dQ blocks heaviest first
+def test_dq_heavy_first_backward_matches_reference(device):
+    # the dQ grid walked from its last query block, delta from the dQ kernel (as the defaults pair
+    # them): every block still computed once; documents of 1, 17, 30 and 1 tokens and a ragged
+    # length, so the first program runs the partial last block; GQA 4/2
+    name, fields, sq, sk, tensors = next(c for c in CASES if c[0] == "documents")
+    check_variant(device, **fields, tensors=tensors, sq=sq, sk=sk, dtype="fp16", heads=(4, 2),
+                  config=SMALL.replace(bwd_dq_heavy_first=True, bwd_fused_delta=True))
+
+
+def test_dq_heavy_first_over_packed_sequences(device):
+    # Packed sequences: the reversed grid still returns early past each sequence's end, and the
+    # same programs compute the same blocks in the same order of keys: bitwise equal.
+    for g, r in zip(*_packed_grads(device, SMALL.replace(bwd_dq_heavy_first=True))):
+        assert torch.equal(g, r)
+
+
+def test_dq_heavy_first_knob_renders_only_when_on_and_is_a_mask_default():
+    from flashgen.config import default_config
+
+    with pytest.raises(ConfigError, match="config knob 'bwd_dq_heavy_first'.*got 1"):
+        KernelConfig(bwd_dq_heavy_first=1)
+    assert "bwd_dq_heavy_first" not in KernelConfig().to_dict()  # stored configs and kernel ids as before
+    on = KernelConfig(bwd_dq_heavy_first=True)
+    assert KernelConfig.from_dict(on.to_dict()) == on and "dq_heavy_first" in on.describe_backward()
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=2, mask={"chunked": 256}, backward=True)
+    reversed_blk = "blk = tl.num_programs(0) - 1 - tl.program_id(0)"
+    dq_kernel = lambda cfg: render.render(spec, cfg).split("def _attn_bwd_dq(")[1].split("@triton.jit")[0]  # noqa: E731
+    assert reversed_blk in dq_kernel(on) and reversed_blk not in dq_kernel(KernelConfig())
+    # sm90 defaults: on for masks whose later query blocks see more keys; plain attention and plain
+    # causal hd128 keep their kernels; causal hd64 up to 2048 tokens also fuses delta
+    heavy = lambda seqlen=4096, **f: default_config(  # noqa: E731
+        AttentionSpec(dtype="bf16", num_heads=2, backward=True, **{"head_dim": 128, **f}), "h100", seqlen)
+    for mask in ({"chunked": 1024}, {"prefix_lm": 512}, {"document": {}},
+                 {"sliding_window": {"left": 256, "right": 0}}):
+        assert heavy(mask=mask).bwd_dq_heavy_first, mask
+    assert not heavy().bwd_dq_heavy_first and not heavy(causal=True).bwd_dq_heavy_first
+    assert not heavy(mask={"sliding_window": {"left": 256, "right": 256}}).bwd_dq_heavy_first
+    short = heavy(1024, causal=True, head_dim=64)
+    assert short.bwd_dq_heavy_first and short.bwd_fused_delta
+    assert not heavy(4096, causal=True, head_dim=64).bwd_fused_delta
+    assert not default_config(AttentionSpec(dtype="bf16", head_dim=128, num_heads=2, mask={"chunked": 1024},
+                                            backward=True), "a100").bwd_dq_heavy_first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", [{"mask": {"prefix_lm": 300}}, {"mask": {"chunked": 256}}],
+                         ids=["prefix-300", "chunked-256"])
+def test_gpu_dq_heavy_first_backward_bf16(fields):
+    # the sm90 default pairing (64x64 tiles, descriptors, fused delta) at a ragged length
+    check_variant("cuda", **fields, sq=1500, sk=1500, dtype="bf16", heads=(8, 2), d=128,
+                  config=KernelConfig(BLOCK_M=64, BLOCK_N=64, num_stages=3, BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64,
+                                      BLOCK_N2=64, bwd_tma=True, bwd_fused_delta=True, bwd_dq_heavy_first=True))
