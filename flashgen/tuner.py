@@ -196,9 +196,13 @@ class Runner:
             gen = torch.Generator().manual_seed(random.randrange(2**31))
             q, k, v, do = qkv_do(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
             named = named_tensors(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
-            with launching():
-                out, lse = self.forward(kernel, config, q, k, v, named)
-                grads = self.backward(kernel, config, do, q, k, v, out, lse, named) if phase == "bwd" else None
+            where = f"at (batch {batch}, seqlen_q {seqlen_q}, seqlen_k {seqlen_k})"
+            try:  # Triton compiles per specialization (a length of 1 is a constant): say which shape failed
+                with launching():
+                    out, lse = self.forward(kernel, config, q, k, v, named)
+                    grads = self.backward(kernel, config, do, q, k, v, out, lse, named) if phase == "bwd" else None
+            except FailedConfig as failure:
+                raise type(failure)(f"{where}: {failure.detail}", margin=failure.margin) from failure
             rule = dict(causal=spec.causal, softmax_scale=spec.softmax_scale, mask=spec.mask,
                         score_mod=spec.score_mod, tensors=named)
             with stage(RuntimeFailedConfig):
@@ -208,8 +212,7 @@ class Runner:
             for r in results:
                 worst = max(worst, r.margin)
                 if not r.ok:
-                    raise WrongResultConfig(f"at (batch {batch}, seqlen_q {seqlen_q}, seqlen_k {seqlen_k}): {r}",
-                                            margin=worst)
+                    raise WrongResultConfig(f"{where}: {r}", margin=worst)
         return worst
 
     def verify_decode(self, kernel, config, work: Workload, full: bool = False) -> float:

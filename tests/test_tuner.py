@@ -153,13 +153,35 @@ def test_failures_are_typed_by_the_stage_they_happen_in(where, error, status):
     spec = SPEC.replace(backward=False)
     kernel = flashgen.AttentionKernel(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16))
     rec = runner.evaluate(kernel, kernel.config, "fwd", runner.workload(spec, 16, 16))
-    assert (rec.status, rec.error) == (status, f"{type(error).__name__}: {error}")
+    # a failure while kernels run says at which verification shape, and one while Triton compiles which kernel
+    where = {"compile": "at (batch 1, seqlen_q 19, seqlen_k 19): compiling _attn_fwd: ",
+             "run": "at (batch 1, seqlen_q 19, seqlen_k 19): "}.get(where, "")
+    assert (rec.status, rec.error) == (status, f"{where}{type(error).__name__}: {error}")
     assert rec.status in STATUSES and rec.ms is None
     # the runner gives Triton's hooks back as it found them
     assert triton.knobs.runtime.jit_cache_hook is None and triton.knobs.runtime.jit_post_compile_hook is None
 
 
 @needs_interpreter
+@needs_interpreter
+@pytest.mark.parametrize("message, crash", [
+    ("`ptxas` failed with error code -11\n`ptxas` stderr:\n\nRepro command: ptxas x.ptx", "SIGSEGV"),  # triton 3.6
+    ("`ptxas` raised SIGSEGV\n`ptxas` stderr:\n", "SIGSEGV"),  # later tritons
+    ("`ptxas` failed with error code 255\n", None),  # ptxas refused the code: no crash
+])
+def test_a_ptxas_crash_is_a_compile_error_that_says_so(message, crash):
+    from triton.runtime.errors import PTXASError
+
+    runner = FaultRunner("compile", PTXASError(message))
+    spec = SPEC.replace(backward=False)
+    kernel = flashgen.AttentionKernel(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16))
+    rec = runner.evaluate(kernel, kernel.config, "fwd", runner.workload(spec, 16, 16), full=True)
+    assert rec.status == "compile_error"
+    head = "at (batch 2, seqlen_q 1, seqlen_k 1): compiling _attn_fwd: "  # the full grid's first shape
+    said = f"ptxas crashed ({crash}, a ptxas bug) on this kernel; " if crash else ""
+    assert rec.error == f"{head}{said}PTXASError: PTXAS error: {message}"[:len(rec.error)]
+
+
 def test_restricted_invalid_and_timed_out_trials():
     runner = InterpretRunner()
     spec = SPEC.replace(backward=False)
@@ -604,6 +626,33 @@ def test_a_new_study_starts_from_the_nearest_tuned_specs(store, tmp_path):
     (alone,) = tune(SPEC.replace(name="alone", dtype="fp16", backward=False), InterpretRunner(),
                     ResultStore(f"sqlite:///{tmp_path / 'alone.sqlite'}"), TuneOptions(trials=1))
     assert alone.warm_starts == 0
+
+
+# ------------------------------------------------------------------------------ the recheck's ptxas crash
+@needs_interpreter
+def test_one_key_backward_reads_dq_tiles_through_pointers():
+    """The full verification grid's (2, 1, 1) shape: Triton makes seqlen_k == 1 a constant, and
+    on the H100 (triton 3.6, ptxas 12.8) ptxas crashed (SIGSEGV) compiling the dQ kernel with
+    descriptors so specialized (the recheck of 2026-11-23: today's default backward of gqa-causal
+    and prefix-lm, bwd_tma, 64x64, 2 stages); calls at other lengths compile. With one key the dQ
+    kernel reads K/V through pointers; dK/dV keeps its descriptors."""
+    from flashgen.runtime.launch import BackwardPlan
+    from flashgen.verify import assert_gradients_close
+
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, causal=True, backward=True)
+    module = flashgen.compile(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, tma=True, bwd_tma=True,
+                                                 BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16)).module()
+    launcher = module._LAUNCHER
+    for seqlen_q, seqlen_k, dq_tma in ((1, 1, False), (17, 1, False), (3, 2, True)):
+        launcher.plans.clear()
+        gen = torch.Generator().manual_seed(seqlen_q)
+        q, k, v, do = (torch.randn(2, 2, s, 16, generator=gen).half() for s in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
+        out, lse = module.forward(q, k, v)
+        grads = module.backward(do, q, k, v, out, lse)[:3]
+        assert_gradients_close(grads, q, k, v, do, causal=True)  # (fp16, 3x rule of TESTING.md)
+        (plan,) = [p for p in launcher.plans.values() if isinstance(p, BackwardPlan)]
+        assert plan.dkdv.constexprs["TMA"] and plan.rows is not None
+        assert plan.dq.constexprs["TMA"] == dq_tma and (plan.tiles is not None) == dq_tma
 
 
 # ------------------------------------------------------------------------------ never slower than the default
