@@ -241,7 +241,7 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
               help="With --recheck: recheck the shipped tuning_db/ file of this GPU (every spec in it, or the "
                    "specs named) and rewrite that file.")
 @click.option("--jobs", type=click.IntRange(1), default=None,
-              help="With --recheck: configs compiled and verified at once, in threads (default: 1; on the H100 with triton 3.6 threaded compiles of the backward made ptxas crash).")
+              help="With --recheck: configs compiled and verified at once, in threads (default: 1).")
 @click.pass_context
 def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, db_url, gpus, heartbeat_s, resume,
          worker, plot_path, interpret, as_json, recheck, shipped, jobs):

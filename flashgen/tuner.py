@@ -688,8 +688,8 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
         phase, config = item
         return runner.prepare(kernel, config, phase, works[todo[item]], timeout_s=options.timeout_s, full=True)
 
-    # one at a time unless asked: with 8 threads the H100 recheck of 2026-11-23 (triton 3.6) saw ptxas
-    # crash (SIGSEGV) on backward kernels whose compile alone, in a user's call, succeeds
+    # one at a time unless asked. (The ptxas crash (SIGSEGV) of the H100 recheck of 2026-11-23, with 8
+    # threads and alone alike, was not the threads: the full grid's one-key shape, see runtime/host.py.)
     jobs = 1 if runner.interpret else (jobs or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         prepared = dict(zip(todo, pool.map(prepare, list(todo))))
