@@ -4,8 +4,9 @@ One entry point, ``tune(spec, runner, options)``. A new study starts from the be
 the nearest specs already tuned on the same GPU model (warm_starts; the heuristic default
 only when there are none), and the default is always measured in the final round, so the
 tuner never ends worse than where flashgen.load began. For each sequence-length bucket it runs
-one Optuna study for the forward and, when the spec trains, one for the backward (with
-the forward fixed at its best). A trial checks the space's restrictions, renders,
+one Optuna study for the forward and, when the spec trains, one for the backward (on the
+bucket's default forward: the backward's time leaves the forward out, so the two studies are
+independent). A trial checks the space's restrictions, renders,
 compiles, verifies (the rule of ../shared/TESTING.md on a reduced grid) and only then
 times; the runner wraps each stage, so a failure is typed by where it happened
 (failures.py: restricted, compile_error, out_of_resources, wrong_result, timeout, error),
@@ -340,7 +341,7 @@ class TuneOptions:
     # weakref callback or __del__, so the tuner also asks before each trial.
     interrupted: object = None
     # (run id, worker number) of a `--gpus` worker: the workers of one run share each study's
-    # trials, and its final round runs once, by the last worker to leave the study (see _leave).
+    # trials, and its final round runs once, by the last worker to leave the study (see _runs_final_round).
     worker: tuple[str, int] | None = None
 
 
