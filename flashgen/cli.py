@@ -193,6 +193,16 @@ def _seqlens(_ctx, _param, value):
     return lengths
 
 
+def _worker_option(_ctx, _param, value):
+    """--worker RUN:N -> (RUN, N)."""
+    if value is None:
+        return None
+    run, _, number = value.rpartition(":")
+    if not run or not number.isdigit() or len(value) > 26:
+        raise click.BadParameter(f"expected RUN:N (at most 26 characters), got {value!r}")
+    return run, int(number)
+
+
 SAMPLERS = ("tpe", "random", "grid")  # flashgen.tuner.SAMPLERS, named here so --help imports no torch
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
 
@@ -217,6 +227,8 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
                    "is failed and run again by a live worker.")
 @click.option("--resume", is_flag=True, hidden=True,
               help="Accepted for old scripts: a study found for the spec always goes on.")
+@click.option("--worker", "worker", hidden=True, callback=_worker_option,
+              help="RUN:N, set by --gpus for its worker processes: worker N of run RUN (one final round per study).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write search history and importances (PNG).")
 @click.option("--interpret", is_flag=True, help="Run through Triton's CPU interpreter at tiny shapes (NOT a timing).")
 @click.option("--json", "as_json", is_flag=True,
@@ -229,10 +241,10 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
               help="With --recheck: recheck the shipped tuning_db/ file of this GPU (every spec in it, or the "
                    "specs named) and rewrite that file.")
 @click.option("--jobs", type=click.IntRange(1), default=None,
-              help="With --recheck: configs compiled and verified at once, in threads (default: 1; on the H100 with triton 3.6 threaded compiles of the backward made ptxas crash).")
+              help="With --recheck: configs compiled and verified at once, in threads (default: 1).")
 @click.pass_context
 def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, db_url, gpus, heartbeat_s, resume,
-         plot_path, interpret, as_json, recheck, shipped, jobs):
+         worker, plot_path, interpret, as_json, recheck, shipped, jobs):
     """Tune specs on this machine's GPUs and store the best config per sequence-length bucket.
 
     One Optuna study per spec, bucket and phase, kept in the database: a study that an
@@ -288,7 +300,7 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
     if gpus > 1:
         forwarded = dict(trials=trials, seqlens=",".join(map(str, seqlens)) if seqlens else None, timeout=timeout_s,
                          sampler=sampler, db=url, heartbeat=heartbeat_s)
-        docs = _run_workers(ctx, store, paths, forwarded, seed, gpus, interpret)
+        docs = _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret)
         if as_json:
             click.echo(json.dumps(dict(db=store.display_url, workers=docs), indent=1))
         else:
@@ -296,21 +308,27 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
         return
     docs = []
     for spec in specs:
-        docs.append(_tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json))
+        docs.append(_tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json,
+                               worker))
     if as_json:
         click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
-    if not all(any(r["config"] for r in doc["results"]) for doc in docs):
-        raise click.ClickException("no config passed verification for " + ", ".join(
-            doc["spec"] for doc in docs if not any(r["config"] for r in doc["results"])) + ": nothing stored for it")
+    failed = [doc["spec"] for doc in docs if not any(r["config"] for r in doc["results"])
+              and not all(r["final_elsewhere"] for r in doc["results"])]  # another worker chose its configs
+    if failed:
+        raise click.ClickException("no config passed verification for " + ", ".join(failed) + ": nothing stored for it")
 
 
-def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json) -> dict:
-    """Tune one spec in this process; print its table (unless as_json) and return its results."""
+def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json,
+               worker=None) -> dict:
+    """Tune one spec in this process; print its table (unless as_json) and return its results,
+    with where the time went (wall-clock stamps, seconds per study, compile+verify vs timing)."""
     from tqdm.auto import tqdm
 
     from .tuner import GpuRunner, InterpretRunner, TuneOptions, tune as run_tune
 
+    started_at = time.time()
     runner = InterpretRunner() if interpret else GpuRunner()
+    runner_ready_at = time.time()  # the first spec's includes CUDA's initialization
     stale = store.stale_best(runner.env, spec)
     if stale:
         click.echo(f"{spec.uri}: {len(stale)} stored result(s) on {runner.env.gpu} are stale (timed on kernels the "
@@ -350,7 +368,7 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
             default(info)
 
     options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed, progress=progress,
-                          interrupted=interrupted.is_set)
+                          interrupted=interrupted.is_set, worker=worker)
     started = time.time()
     previous, previous_hook = signal.signal(signal.SIGINT, on_interrupt), sys.unraisablehook
     sys.unraisablehook = unraisable
@@ -369,14 +387,16 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
     rows = [dict(bucket=r.bucket, phase=r.phase, trials=r.trials, resumed=r.resumed, failures=r.failures,
                  config=r.best.config if r.best else None, ms=r.best.ms if r.best else None,
                  tflops=r.best.tflops if r.best else None, speedup_over_default=r.speedup,
-                 importances=r.importances, kept=r.kept, warm_starts=r.warm_starts) for r in results]
+                 importances=r.importances, kept=r.kept, warm_starts=r.warm_starts,
+                 final_elsewhere=r.final_elsewhere, seconds=r.seconds) for r in results]
     if not as_json:
         _print_tune_table(spec, runner, rows, store.display_url, wall)
     if plot_path:
         _plot(plot_path, history, results)
         click.echo(f"wrote {plot_path}")
     return dict(spec=spec.uri, db=store.display_url, timing=runner.timing_label, wall_s=wall,
-                environment=runner.env.as_dict(), results=rows)
+                environment=runner.env.as_dict(), results=rows, started_at=started_at,
+                runner_ready_at=runner_ready_at, ended_at=time.time(), seconds=dict(runner.seconds))
 
 
 def _recheck(specs, url, shipped, interpret, timeout_s, as_json, jobs) -> None:
@@ -470,17 +490,19 @@ def _print_recheck(doc: dict) -> None:
                    f"{cell(r['stored_ms'], 9)} {cell(r['default_ms'], 10)}  {r['kept']}{note}")
 
 
-def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: bool, environ=None):
+def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: bool, environ=None, run: str = "run"):
     """(command, environment) of each `--gpus` worker: worker i sees one GPU (the i-th of
     CUDA_VISIBLE_DEVICES, or GPU i), starts at spec i (so the workers begin on different
-    specs, then help with the rest through the shared studies) and samples with seed + i."""
+    specs, then help with the rest through the shared studies), samples with seed + i and is
+    worker i of ``run`` (each study's final round runs once per run)."""
     environ = dict(os.environ if environ is None else environ)
     visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
         [str(i) for i in range(gpus)]
     out = []
     for i in range(gpus):
         order = paths[i % len(paths):] + paths[:i % len(paths)]
-        cmd = [sys.executable, "-m", "flashgen", "tune", *order, "--gpus", "1", "--seed", str(seed + i), "--json"]
+        cmd = [sys.executable, "-m", "flashgen", "tune", *order, "--gpus", "1", "--seed", str(seed + i), "--json",
+               "--worker", f"{run}:{i}"]
         for name, value in forwarded.items():
             if value is not None:
                 cmd += [f"--{name}", str(value)]
@@ -490,16 +512,25 @@ def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: boo
     return out
 
 
-def _run_workers(ctx, store, paths, forwarded, seed, gpus, interpret) -> list[dict]:
-    """Start the workers, wait for all, return their JSON results; a failed worker is an error
-    that names it (its own messages went to stderr as it ran)."""
+def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> list[dict]:
+    """Run the workers, wait for all, return their results; a failed worker is an error that
+    names it (its own messages went to stderr as it ran). Worker 0 is this process, on the first
+    GPU it sees, in the specs' order: it has imported torch and flashgen already, so only the
+    others pay a process start (imports, CUDA init; ~5-10 s of a run of a minute or two, when
+    the whole start of the 1-GPU run is that much) and they pay it while worker 0 tunes."""
     import json
     import subprocess
 
     started = time.time()
+    run = f"{os.getpid()}-{int(started)}"  # this run's id: its workers' final-round claims
+    commands = worker_commands(paths, forwarded, seed, gpus, interpret, run=run)
     procs = [(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True), env["CUDA_VISIBLE_DEVICES"])
-             for cmd, env in worker_commands(paths, forwarded, seed, gpus, interpret)]
+             for cmd, env in commands[1:]]
+    own, outputs = [], []
     try:
+        for spec in specs:  # worker 0: commands[0]'s order and seed
+            own.append(_tune_spec(ctx, spec, store, forwarded["trials"], forwarded["timeout"], forwarded["sampler"],
+                                  seed, None, interpret, True, (run, 0)))
         outputs = [p.communicate()[0] for p, _ in procs]
     except KeyboardInterrupt:  # the workers had it too (one process group): they keep what they finished
         for p, _ in procs:
@@ -507,14 +538,24 @@ def _run_workers(ctx, store, paths, forwarded, seed, gpus, interpret) -> list[di
         click.echo(f"interrupted: the finished trials are kept in {store.display_url}; run the same command again "
                    "to go on from them", err=True)
         ctx.exit(EXIT_INTERRUPTED)
+    except BaseException as err:  # worker 0 interrupted (its ctx.exit; the others had the Ctrl-C too) or failed
+        for p, _ in procs:
+            if not isinstance(err, click.exceptions.Exit) and p.poll() is None:
+                p.terminate()  # failed: the others end with it
+            p.wait()
+        raise
     failed = [f"worker {i} (CUDA_VISIBLE_DEVICES={gpu}) exited with {p.returncode}"
-              for i, (p, gpu) in enumerate(procs) if p.returncode]
+              for i, (p, gpu) in enumerate(procs, start=1) if p.returncode]
+    failed += [f"worker 0: no config passed verification for {doc['spec']}" for doc in own
+               if not any(r["config"] for r in doc["results"]) and not all(r["final_elsewhere"] for r in doc["results"])]
     if failed:
         raise click.ClickException("; ".join(failed))
-    docs = []
-    for i, ((_, gpu), text) in enumerate(zip(procs, outputs)):
+    docs = [dict(worker=0, pid=os.getpid(), cuda_visible_devices=commands[0][1]["CUDA_VISIBLE_DEVICES"],
+                 started_at=started, specs=own)]
+    for i, ((p, gpu), text) in enumerate(zip(procs, outputs), start=1):
         result = json.loads(text)
-        docs.append(dict(worker=i, cuda_visible_devices=gpu, specs=result if isinstance(result, list) else [result]))
+        docs.append(dict(worker=i, pid=p.pid, cuda_visible_devices=gpu, started_at=started,
+                         specs=result if isinstance(result, list) else [result]))
     click.echo(f"{gpus} workers finished in {time.time() - started:.0f}s", err=True)
     return docs
 
@@ -564,8 +605,8 @@ def _print_tune_table(spec, runner, rows, url, wall):
     click.echo(f"{'bucket':>7} {'phase':5} {'ms':>9} {'TFLOP/s':>8} {'vs default':>10}  config / importances")
     for r in rows:
         if r["config"] is None:
-            click.echo(f"{r['bucket']:>7} {r['phase']:5} {'-':>9} {'-':>8} {'-':>10}  no config passed "
-                       f"({r['failures']})")
+            why = "final round run by another worker" if r["final_elsewhere"] else f"no config passed ({r['failures']})"
+            click.echo(f"{r['bucket']:>7} {r['phase']:5} {'-':>9} {'-':>8} {'-':>10}  {why}")
             continue
         speed = f"{r['speedup_over_default']:.2f}x" if r["speedup_over_default"] else "-"
         knobs = _knob_text(r["config"], r["phase"])

@@ -95,20 +95,46 @@ def launching():
         raise
     except Exception as err:
         if watch.compiling or isinstance(err, (CompilationError, PTXASError)):
-            raise CompilationFailedConfig.caused_by(err) from err
+            failure = CompilationFailedConfig.caused_by(err)
+            crash = _ptxas_signal(err) if isinstance(err, PTXASError) else None
+            if crash:  # not the config's resources or code: ptxas itself died on this kernel
+                failure.detail = f"ptxas crashed ({crash}, a ptxas bug) on this kernel; {failure.detail}"
+            if watch.compiling and watch.kernel:
+                failure.detail = f"compiling {watch.kernel}: {failure.detail}"
+            failure.args = (failure.detail,)
+            raise failure from err
         if isinstance(err, OutOfResources):
             raise OutOfResourcesConfig.caused_by(err) from err
         raise RuntimeFailedConfig.caused_by(err) from err
 
 
+def _ptxas_signal(err) -> str | None:
+    """The signal that killed ptxas ('SIGSEGV'), from Triton's PTXASError ('error code -11' in
+    triton 3.6, '`ptxas` raised SIGSEGV' in later ones); None when ptxas exited on its own."""
+    import re
+    import signal
+
+    text = str(err)
+    found = re.search(r"error code -(\d+)", text)
+    if found:
+        try:
+            return signal.Signals(int(found.group(1))).name
+        except ValueError:
+            return f"signal {found.group(1)}"
+    found = re.search(r"raised (SIG[A-Z]+)", text)
+    return found.group(1) if found else None
+
+
 class _CompileWatch:
-    """Knows whether Triton's JIT is compiling, from its pre- and post-compile hooks."""
+    """Knows whether Triton's JIT is compiling, and which kernel, from its pre- and post-compile hooks."""
 
     def __init__(self):
         self.compiling = False
+        self.kernel = None  # the name of the kernel being compiled (or last compiled)
 
     def _before(self, **info):
         self.compiling = True
+        self.kernel = str(info.get("repr") or "").split("[")[0] or None
         # A true result from the hook would tell Triton to skip the compile: pass on the earlier hook's.
         return self._previous[0](**info) if self._previous[0] else None
 

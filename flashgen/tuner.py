@@ -4,8 +4,9 @@ One entry point, ``tune(spec, runner, options)``. A new study starts from the be
 the nearest specs already tuned on the same GPU model (warm_starts; the heuristic default
 only when there are none), and the default is always measured in the final round, so the
 tuner never ends worse than where flashgen.load began. For each sequence-length bucket it runs
-one Optuna study for the forward and, when the spec trains, one for the backward (with
-the forward fixed at its best). A trial checks the space's restrictions, renders,
+one Optuna study for the forward and, when the spec trains, one for the backward (on the
+bucket's default forward: the backward's time leaves the forward out, so the two studies are
+independent). A trial checks the space's restrictions, renders,
 compiles, verifies (the rule of ../shared/TESTING.md on a reduced grid) and only then
 times; the runner wraps each stage, so a failure is typed by where it happened
 (failures.py: restricted, compile_error, out_of_resources, wrong_result, timeout, error),
@@ -84,6 +85,8 @@ class Runner:
         self.full_verify_shapes = full_verify_shapes
         self.env = EnvInfo.current(interpret=self.interpret)
         self.limits = DeviceLimits.current(interpret=self.interpret)
+        # where this runner's time went: render, compile and verify (prepare) vs timing (measure)
+        self.seconds = {"compile_verify": 0.0, "timing": 0.0}
 
     # Decode's verification shapes (batch, KV length), at the study's query length.
     decode_verify_shapes: list = []
@@ -164,6 +167,8 @@ class Runner:
             _within(start, timeout_s, "compile and verify")
         except FailedConfig as failure:  # typed: never let one config end the search
             _failed(rec, failure)
+        finally:
+            self.seconds["compile_verify"] += time.monotonic() - start
         return rec
 
     def measure(self, kernel, config, phase, work: Workload, rec: TrialRecord, *, start: float | None = None,
@@ -173,10 +178,15 @@ class Runner:
         if rec.status != "ok":
             return rec
         start = time.monotonic() if start is None else start
+        timing = time.monotonic()
         try:
             decoding = phase_batch(phase) is not None
-            with launching():
-                rec.ms = self.time_decode(kernel, config, work) if decoding else self.time(kernel, config, phase, work)
+            try:
+                with launching():
+                    rec.ms = (self.time_decode(kernel, config, work) if decoding
+                              else self.time(kernel, config, phase, work))
+            finally:
+                self.seconds["timing"] += time.monotonic() - timing
             spec = kernel.spec
             rec.tflops = tflops(pairs_flops(work.pairs, spec.head_dim, spec.head_dim_v,
                                             mode="fwd" if decoding else phase), rec.ms)
@@ -196,9 +206,13 @@ class Runner:
             gen = torch.Generator().manual_seed(random.randrange(2**31))
             q, k, v, do = qkv_do(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
             named = named_tensors(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
-            with launching():
-                out, lse = self.forward(kernel, config, q, k, v, named)
-                grads = self.backward(kernel, config, do, q, k, v, out, lse, named) if phase == "bwd" else None
+            where = f"at (batch {batch}, seqlen_q {seqlen_q}, seqlen_k {seqlen_k})"
+            try:  # Triton compiles per specialization (a length of 1 is a constant): say which shape failed
+                with launching():
+                    out, lse = self.forward(kernel, config, q, k, v, named)
+                    grads = self.backward(kernel, config, do, q, k, v, out, lse, named) if phase == "bwd" else None
+            except FailedConfig as failure:
+                raise type(failure)(f"{where}: {failure.detail}", margin=failure.margin) from failure
             rule = dict(causal=spec.causal, softmax_scale=spec.softmax_scale, mask=spec.mask,
                         score_mod=spec.score_mod, tensors=named)
             with stage(RuntimeFailedConfig):
@@ -208,8 +222,7 @@ class Runner:
             for r in results:
                 worst = max(worst, r.margin)
                 if not r.ok:
-                    raise WrongResultConfig(f"at (batch {batch}, seqlen_q {seqlen_q}, seqlen_k {seqlen_k}): {r}",
-                                            margin=worst)
+                    raise WrongResultConfig(f"{where}: {r}", margin=worst)
         return worst
 
     def verify_decode(self, kernel, config, work: Workload, full: bool = False) -> float:
@@ -327,6 +340,9 @@ class TuneOptions:
     # callable() -> bool: a Ctrl-C arrived. Python drops a KeyboardInterrupt raised inside a
     # weakref callback or __del__, so the tuner also asks before each trial.
     interrupted: object = None
+    # (run id, worker number) of a `--gpus` worker: the workers of one run share each study's
+    # trials, and its final round runs once, by the last worker to leave the study (see _runs_final_round).
+    worker: tuple[str, int] | None = None
 
 
 @dataclass
@@ -342,6 +358,8 @@ class BucketResult:
     resumed: int = 0  # trials this run found finished in the study, from an earlier or concurrent run
     kept: dict | None = None  # the faster stored result that this run's best did not replace
     warm_starts: int = 0  # configs of the nearest tuned specs this study started from
+    final_elsewhere: bool = False  # another worker of this run has the final round (best and default None here)
+    seconds: dict = field(default_factory=dict)  # wall seconds: 'trials' (this worker's), 'final' (its round)
 
     @property
     def speedup(self) -> float | None:
@@ -403,14 +421,14 @@ def tune(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneO
     results = []
     for bucket in buckets if {"fwd", "bwd"} & set(phases) else ():
         work = runner.workload(spec, bucket, spec.tune.batch_tokens)
-        chosen = default_config(spec, target=_target(runner), seqlen=bucket)
+        # Both phases start from the bucket's default. The backward's time leaves the forward out
+        # (GpuRunner.time), and flashgen.load takes each phase's own knobs from its own row, so
+        # the backward study need not wait for the forward's final round: the studies are
+        # independent, and `--gpus` workers take them in any order.
+        default = default_config(spec, target=_target(runner), seqlen=bucket)
         for phase in (p for p in phases if p in ("fwd", "bwd")):
             _stop_if_interrupted(options)
-            result = _tune_phase(spec, runner, store, options, bucket, phase, chosen, work)
-            if result.best is not None:
-                best = KernelConfig.from_dict(result.best.config)  # stored knobs leave out LATER_KNOBS at off
-                chosen = chosen.replace(**{k: getattr(best, k) for k in KernelConfig.phase_knobs(phase)})
-            results.append(result)
+            results.append(_tune_phase(spec, runner, store, options, bucket, phase, default, work))
     if "decode" in phases:
         results += tune_decode(spec, runner, store, options)
     return results
@@ -452,6 +470,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
     if space is None:
         space = forward_space(spec, runner.limits) if phase == "fwd" else backward_space(spec, runner.limits)
     kernel = AttentionKernel(spec, base if isinstance(base, KernelConfig) else None)
+    started = time.monotonic()
     # A seed of its own per study, so the buckets do not replay one sequence of suggestions.
     seed = options.seed * 1_000_003 + bucket * 2 + (phase == "bwd")
     study = store.open_study(spec, runner.env, bucket, phase, make_sampler(options.sampler, seed, space))
@@ -517,6 +536,12 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
     resumed = evaluated()
     if resumed < budget or retries_waiting():
         study.optimize(objective, n_trials=20 * budget, callbacks=[stop_when_spent], catch=())
+    seconds = {"trials": time.monotonic() - started, "final": 0.0}
+    if options.worker is not None and not _runs_final_round(study, store, options.worker):
+        return BucketResult(bucket, phase, None, None, len(study.trials), failures, {}, name, resumed, None,
+                            len(starts), final_elsewhere=True, seconds=seconds)
+    _stop_if_interrupted(options)
+    final_start = time.monotonic()
     best, default = _final_choice(runner, kernel, study, space, phase, work, options, base)
     importances = {}
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -532,8 +557,24 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
         against = default_kernel(spec, bucket, phase, _target(runner)) if default.status == "ok" else None
         kept = store.set_best(runner.env, spec, bucket, phase, best.config, best.ms, best.tflops,
                               default.ms if default.status == "ok" else None, against)
+    seconds["final"] = time.monotonic() - final_start
     return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept,
-                        len(starts))
+                        len(starts), seconds=seconds)
+
+
+def _runs_final_round(study, store: ResultStore, worker: tuple[str, int]) -> bool:
+    """Whether this `--gpus` worker runs the study's final round for its run: it is the last to
+    leave the study (no trial of it is running: a worker still measuring one will run the round
+    and see that trial's result) and the first of the run to claim the round. Before, every
+    worker ran every study's final round (the full-grid check and timing of three configs) and
+    two workers did each round twice (issue 16's 2-GPU throughput)."""
+    run, number = worker
+    with warnings.catch_warnings():  # a dead worker's trial is not running any more
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+    if study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        return False
+    return store.claim_once(study.study_name, f"final:{run}", number)
 
 
 def _stop_if_interrupted(options) -> None:
@@ -648,8 +689,8 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
         phase, config = item
         return runner.prepare(kernel, config, phase, works[todo[item]], timeout_s=options.timeout_s, full=True)
 
-    # one at a time unless asked: with 8 threads the H100 recheck of 2026-11-23 (triton 3.6) saw ptxas
-    # crash (SIGSEGV) on backward kernels whose compile alone, in a user's call, succeeds
+    # one at a time unless asked. (The ptxas crash (SIGSEGV) of the H100 recheck of 2026-11-23, with 8
+    # threads and alone alike, was not the threads: the full grid's one-key shape, see runtime/host.py.)
     jobs = 1 if runner.interpret else (jobs or 1)
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         prepared = dict(zip(todo, pool.map(prepare, list(todo))))

@@ -20,7 +20,7 @@ import flashgen
 from flashgen import AttentionSpec, KernelConfig
 from flashgen.cli import main
 from flashgen.config import ConfigError
-from flashgen.db import EnvInfo, ResultStore
+from flashgen.db import EnvInfo, ResultStore, config_key
 from flashgen.failures import STATUSES
 from flashgen.flops import pairs_flops, tflops, visible_count
 from flashgen.inputs import named_tensors
@@ -153,13 +153,35 @@ def test_failures_are_typed_by_the_stage_they_happen_in(where, error, status):
     spec = SPEC.replace(backward=False)
     kernel = flashgen.AttentionKernel(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16))
     rec = runner.evaluate(kernel, kernel.config, "fwd", runner.workload(spec, 16, 16))
-    assert (rec.status, rec.error) == (status, f"{type(error).__name__}: {error}")
+    # a failure while kernels run says at which verification shape, and one while Triton compiles which kernel
+    where = {"compile": "at (batch 1, seqlen_q 19, seqlen_k 19): compiling _attn_fwd: ",
+             "run": "at (batch 1, seqlen_q 19, seqlen_k 19): "}.get(where, "")
+    assert (rec.status, rec.error) == (status, f"{where}{type(error).__name__}: {error}")
     assert rec.status in STATUSES and rec.ms is None
     # the runner gives Triton's hooks back as it found them
     assert triton.knobs.runtime.jit_cache_hook is None and triton.knobs.runtime.jit_post_compile_hook is None
 
 
 @needs_interpreter
+@needs_interpreter
+@pytest.mark.parametrize("message, crash", [
+    ("`ptxas` failed with error code -11\n`ptxas` stderr:\n\nRepro command: ptxas x.ptx", "SIGSEGV"),  # triton 3.6
+    ("`ptxas` raised SIGSEGV\n`ptxas` stderr:\n", "SIGSEGV"),  # later tritons
+    ("`ptxas` failed with error code 255\n", None),  # ptxas refused the code: no crash
+])
+def test_a_ptxas_crash_is_a_compile_error_that_says_so(message, crash):
+    from triton.runtime.errors import PTXASError
+
+    runner = FaultRunner("compile", PTXASError(message))
+    spec = SPEC.replace(backward=False)
+    kernel = flashgen.AttentionKernel(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16))
+    rec = runner.evaluate(kernel, kernel.config, "fwd", runner.workload(spec, 16, 16), full=True)
+    assert rec.status == "compile_error"
+    head = "at (batch 2, seqlen_q 1, seqlen_k 1): compiling _attn_fwd: "  # the full grid's first shape
+    said = f"ptxas crashed ({crash}, a ptxas bug) on this kernel; " if crash else ""
+    assert rec.error == f"{head}{said}PTXASError: PTXAS error: {message}"[:len(rec.error)]
+
+
 def test_restricted_invalid_and_timed_out_trials():
     runner = InterpretRunner()
     spec = SPEC.replace(backward=False)
@@ -544,6 +566,7 @@ def test_worker_commands_one_gpu_each_starting_on_different_specs():
         assert args[args.index("--seed") + 1] == str(7 + i) and args[args.index("--gpus") + 1] == "1"
         assert args[args.index("--db") + 1] == "sqlite:///x.sqlite" and args[args.index("--trials") + 1] == "4"
         assert "--interpret" not in args
+        assert args[args.index("--worker") + 1] == f"run:{i}"  # worker i of this run
     (_, env), = worker_commands(["a.yaml"], {}, 0, 1, True, environ={})
     assert env["CUDA_VISIBLE_DEVICES"] == "0"
 
@@ -569,6 +592,16 @@ def test_tune_many_specs_over_two_workers(tmp_path):
     assert [w["cuda_visible_devices"] for w in doc["workers"]] == ["0", "1"]
     assert [[s["spec"].split("_")[0] for s in w["specs"]] for w in doc["workers"]] == \
         [["first", "second"], ["second", "first"]]
+    # each study's final round ran once in the run, by one of the two workers (before, by both)
+    finals = {}
+    for w in doc["workers"]:
+        for s in w["specs"]:
+            assert w["started_at"] <= s["started_at"] <= s["runner_ready_at"] <= s["ended_at"]
+            assert set(s["seconds"]) == {"compile_verify", "timing"}
+            for r in s["results"]:
+                finals.setdefault((s["spec"], r["bucket"], r["phase"]), []).append(r["final_elsewhere"])
+                assert (r["config"] is None) == r["final_elsewhere"] and r["seconds"]["trials"] > 0
+    assert len(finals) == 2 and all(sorted(v) == [False, True] for v in finals.values())
     store = ResultStore(url, create=False)
     here = EnvInfo.current(interpret=True)
     workers = set()
@@ -576,9 +609,14 @@ def test_tune_many_specs_over_two_workers(tmp_path):
         spec = AttentionSpec.from_yaml(path)
         assert list(store.best_configs(here, spec)) == [32]
         study = store.open_study(spec, here, 32, "fwd")
-        workers |= {t.user_attrs["worker"] for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
-                    if "worker" in t.user_attrs}
-    assert len(workers) == 2  # the trials were spread over both workers
+        measured = [t.user_attrs["worker"] for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+                    if "worker" in t.user_attrs]
+        assert len(measured) == len({config_key(t.user_attrs["record"]["config"]) for t in study.trials
+                                     if "worker" in t.user_attrs})  # no config measured twice
+        workers |= set(measured)
+    # measured by this run's two processes (worker 0 is the command's own process: worker 1, which
+    # starts a process first, may find the tiny studies done under a loaded CI machine)
+    assert workers and {w.split(":")[1] for w in workers} <= {str(w["pid"]) for w in doc["workers"]}
 
 
 @needs_interpreter
@@ -604,6 +642,72 @@ def test_a_new_study_starts_from_the_nearest_tuned_specs(store, tmp_path):
     (alone,) = tune(SPEC.replace(name="alone", dtype="fp16", backward=False), InterpretRunner(),
                     ResultStore(f"sqlite:///{tmp_path / 'alone.sqlite'}"), TuneOptions(trials=1))
     assert alone.warm_starts == 0
+
+
+# ------------------------------------------------------------------------------ the recheck's ptxas crash
+@needs_interpreter
+def test_one_key_backward_reads_dq_tiles_through_pointers():
+    """The full verification grid's (2, 1, 1) shape: Triton makes seqlen_k == 1 a constant, and
+    on the H100 (triton 3.6, ptxas 12.8) ptxas crashed (SIGSEGV) compiling the dQ kernel with
+    descriptors so specialized (the recheck of 2026-11-23: today's default backward of gqa-causal
+    and prefix-lm, bwd_tma, 64x64, 2 stages); calls at other lengths compile. With one key the dQ
+    kernel reads K/V through pointers; dK/dV keeps its descriptors."""
+    from flashgen.runtime.launch import BackwardPlan
+    from flashgen.verify import assert_gradients_close
+
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, causal=True, backward=True)
+    module = flashgen.compile(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, tma=True, bwd_tma=True,
+                                                 BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16)).module()
+    launcher = module._LAUNCHER
+    for seqlen_q, seqlen_k, dq_tma in ((1, 1, False), (17, 1, False), (3, 2, True)):
+        launcher.plans.clear()
+        gen = torch.Generator().manual_seed(seqlen_q)
+        q, k, v, do = (torch.randn(2, 2, s, 16, generator=gen).half() for s in (seqlen_q, seqlen_k, seqlen_k, seqlen_q))
+        out, lse = module.forward(q, k, v)
+        grads = module.backward(do, q, k, v, out, lse)[:3]
+        assert_gradients_close(grads, q, k, v, do, causal=True)  # (fp16, 3x rule of TESTING.md)
+        (plan,) = [p for p in launcher.plans.values() if isinstance(p, BackwardPlan)]
+        assert plan.dkdv.constexprs["TMA"] and plan.rows is not None
+        assert plan.dq.constexprs["TMA"] == dq_tma and (plan.tiles is not None) == dq_tma
+
+
+def test_a_study_s_final_round_runs_once_per_run_by_the_last_worker_to_leave(store):
+    import optuna
+
+    from flashgen.tuner import _runs_final_round
+
+    here = EnvInfo.current(interpret=True)
+    study = store.open_study(SPEC, here, 64, "fwd")
+    running = study.ask()  # another worker is still measuring a config: it will run the round
+    assert not _runs_final_round(study, store, ("a", 0))
+    study.tell(running, 1.0)
+    assert _runs_final_round(study, store, ("a", 1))  # the last to leave claims it
+    assert not _runs_final_round(study, store, ("a", 0))  # a worker of the run arriving later
+    assert _runs_final_round(study, store, ("a", 1))  # asking again: still its round
+    assert _runs_final_round(study, store, ("b", 0))  # a later run has its own final round
+    assert study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))[0].value == 1.0
+
+
+@needs_interpreter
+def test_the_backward_study_starts_from_the_bucket_default_not_the_forward_s_best(store, monkeypatch):
+    # The backward's time leaves the forward out, so its study need not wait for the forward's
+    # final round: `--gpus` workers can take the two studies of a bucket at once.
+    from flashgen.config import default_config
+    from flashgen.db import TrialRecord
+    from flashgen.tuner import BucketResult
+
+    default = default_config(SPEC, target="cpu", seqlen=64)
+    bases = {}
+
+    def study(spec, runner, store, options, bucket, phase, base, work, space=None):  # a forward best != default
+        bases[phase] = base
+        best = TrialRecord(bucket, phase, base.replace(BLOCK_M=16 if base.BLOCK_M != 16 else 32).to_dict(), "ok",
+                           ms=1.0)
+        return BucketResult(bucket, phase, best, None, 1, {})
+
+    monkeypatch.setattr(flashgen.tuner, "_tune_phase", study)
+    assert [r.phase for r in tune(SPEC, InterpretRunner(), store, TuneOptions(trials=1))] == ["fwd", "bwd"]
+    assert bases == {"fwd": default, "bwd": default}
 
 
 # ------------------------------------------------------------------------------ never slower than the default

@@ -317,6 +317,15 @@ class ResultStore:
                               .values(trial_id=trial_id))
             return taken.rowcount == 1
 
+    def claim_once(self, study: str, key: str, holder: int) -> bool:
+        """Whether ``holder`` (a worker's number in one run) is the one to do ``key`` of ``study``
+        (a run's final round, keyed by the run): the first to ask wins (one insert), later askers
+        and the winner asking again get False and True. No takeover: a holder that dies leaves
+        the work to the next run of the command."""
+        with self._session() as s:
+            self._upsert(s, Claim, dict(study=study, config_key=key, trial_id=holder), ("study", "config_key"))
+            return s.execute(select(Claim.trial_id).filter_by(study=study, config_key=key)).scalar_one() == holder
+
     def study_name(self, spec, env: EnvInfo, bucket: int, phase: str) -> str:
         return f"{spec.uri}-{spec.key}-{config_key(env.as_dict())[:8]}-s{bucket}-{phase}"
 

@@ -718,11 +718,14 @@ class AttentionLauncher:
             if self.block_map_kernel is not None:
                 maps = self.map_args(*self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M2"], cfg["BLOCK_N2"],
                                                      q.device, named)[:2], batch)
-            if tma:
+            # One key: Triton makes seqlen_k == 1 a constant, and ptxas 12.8 (triton 3.6, sm_90a) dies
+            # (SIGSEGV) on the dQ kernel with descriptors so specialized; one key block needs no TMA.
+            dq_tma = tma and seqlen_k != 1
+            if dq_tma:
                 plan.tiles = Descriptors(layout, ((launch["BLOCK_N"], self.block_d),
                                                   (launch["BLOCK_N"], self.block_dv)))
             plan.dq = BoundLaunch(self.dq_kernel, (triton.cdiv(seqlen_q, cfg["BLOCK_M2"]), num_heads, batch), dict(
-                VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TMA=tma, **launch))
+                VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TMA=dq_tma, **launch))
             plan.dq_head = (*qkv_strides, *dq_strides, *lse_strides, *sizes)
             plan.dq_tail = (*maps, total_q, total_k)
             if cfg.get("bwd_fused_delta"):

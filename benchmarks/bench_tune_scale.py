@@ -1,0 +1,148 @@
+"""Issue 16's tuning throughput: `flashgen tune` of two example specs on one GPU, then on N GPUs.
+
+Each run starts cold: its own TRITON_CACHE_DIR, FLASHGEN_CACHE_DIR and SQLite database, so no
+run reuses another's compiled kernels or trials. Recorded per run: wall time, trials (configs
+measured: the tuner's budget count, over every study), trials per second, and per worker
+process where its time went (from the JSON `flashgen tune --json` prints):
+
+- startup_s: from the worker's start (its Popen) until its runner was ready (imports, CUDA init);
+- busy_s: its studies' trial loops and final rounds (of which compile_verify_s rendering,
+  compiling and verifying, and timing_s timing);
+- other_s: the rest of its life (opening studies, warm starts, database);
+- tail_s: from its end until the whole run ended (idle while another worker finished).
+
+throughput_ratio = trials_per_s(N GPUs) / trials_per_s(1 GPU); the issue asks for >= 1.8.
+
+    python3 benchmarks/bench_tune_scale.py --gpus 2      # on nvidia-h200-x2: 1 GPU, then 2
+    python3 benchmarks/bench_tune_scale.py --interpret --specs a.yaml b.yaml --seqlens 32 --trials 2
+        # CPU dry run of the plumbing through Triton's interpreter: NOT a measurement
+
+Writes <out>/<date>-<gpu>x<N>-tune-scale.json (benchmarks/results by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = [str(ROOT / "examples/specs/mha-hd64.yaml"), str(ROOT / "examples/specs/gqa-causal.yaml")]
+
+
+def measured_trials(url: str) -> tuple[int, int]:
+    """(configs measured, finished trials) over every study of the database: measured as the
+    tuner's budget counts them (a record, not restricted, not told again from another run's
+    measurement, not a final-round failure)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    measured = finished = 0
+    for name in optuna.study.get_all_study_names(storage=url):
+        for t in optuna.load_study(study_name=name, storage=url).get_trials(deepcopy=False):
+            if not t.state.is_finished():
+                continue
+            finished += 1
+            record = t.user_attrs.get("record", {})
+            measured += (record.get("status") not in (None, "restricted") and not t.user_attrs.get("reused")
+                         and not t.user_attrs.get("final"))
+    return measured, finished
+
+
+def worker_times(specs: list[dict], started_at: float, run_end: float) -> dict:
+    """Where one worker process's time went (see the module's docstring)."""
+    first, last = min(specs, key=lambda s: s["started_at"]), max(specs, key=lambda s: s["ended_at"])
+    rows = [r for s in specs for r in s["results"]]
+    busy = sum(r["seconds"].get("trials", 0.0) + r["seconds"].get("final", 0.0) for r in rows)
+    life = last["ended_at"] - started_at
+    startup = first["runner_ready_at"] - started_at
+    return dict(startup_s=round(startup, 1), busy_s=round(busy, 1),
+                compile_verify_s=round(sum(s["seconds"]["compile_verify"] for s in specs), 1),
+                timing_s=round(sum(s["seconds"]["timing"] for s in specs), 1),
+                other_s=round(life - startup - busy, 1), tail_s=round(run_end - last["ended_at"], 1),
+                final_rounds=sum(not r["final_elsewhere"] for r in rows), studies=len(rows))
+
+
+def run(gpus: int, args) -> dict:
+    """One cold `flashgen tune` run on ``gpus`` GPUs; its figures."""
+    with tempfile.TemporaryDirectory(prefix=f"tune-scale-{gpus}-") as tmp:
+        url = f"sqlite:///{Path(tmp) / 'tune.sqlite'}"
+        env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton", FLASHGEN_CACHE_DIR=f"{tmp}/flashgen",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        cmd = [sys.executable, "-m", "flashgen", "tune", *args.specs, "--seqlens", args.seqlens, "--trials",
+               str(args.trials), "--gpus", str(gpus), "--db", url, "--json"] + (["--interpret"] if args.interpret else [])
+        start = time.time()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        end = time.time()
+        if proc.returncode:
+            raise SystemExit(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+        doc = json.loads(proc.stdout)
+        if gpus == 1:  # one process tuned every spec: one 'worker' started with the command
+            workers = [dict(worker=0, started_at=start, specs=doc if isinstance(doc, list) else [doc])]
+        else:
+            workers = doc["workers"]
+        trials, finished = measured_trials(url)
+    wall = end - start
+    return dict(wall_s=round(wall, 1), trials=trials, finished_trials=finished,
+                trials_per_s=round(trials / wall, 4),
+                workers=[worker_times(w["specs"], w["started_at"], end) for w in workers])
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (Triton interpreter)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--specs", nargs="+", default=SPECS)
+    parser.add_argument("--seqlens", default="1024,4096")
+    parser.add_argument("--trials", type=int, default=8, help="trials per study")
+    parser.add_argument("--gpus", type=int, default=2, help="compared with one GPU")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--interpret", action="store_true", help="CPU dry run (not a measurement)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
+    args = parser.parse_args()
+    if args.gpus < 2:
+        parser.error(f"--gpus: expected at least 2 (compared with one GPU), got {args.gpus}")
+    import torch
+    import triton
+
+    name = gpu_name()
+    if not args.interpret and torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
+    one, many = run(1, args), run(args.gpus, args)
+    ratio = many["trials_per_s"] / one["trials_per_s"]
+    date = datetime.date.today().isoformat()
+    found = re.search(r"[A-Z]\d{2,3}", name)
+    slug = found.group(0).lower() if found else "cpu"
+    result = dict(
+        environment=dict(gpu=f"{args.gpus}x {name}", torch=torch.__version__, triton=triton.__version__, date=date),
+        command=f"flashgen tune {' '.join(Path(s).name for s in args.specs)} --seqlens {args.seqlens} "
+                f"--trials {args.trials} --gpus N --db sqlite:///... --json"
+                + (" --interpret" if args.interpret else ""),
+        rows=[dict(case=f"{' + '.join(Path(s).stem for s in args.specs)}, seqlens {args.seqlens}, "
+                        f"{args.trials} trials/study",
+                   mode="cold caches (separate TRITON_CACHE_DIR, FLASHGEN_CACHE_DIR and database per run)"
+                        + ("; INTERPRETER: not a measurement" if args.interpret else ""),
+                   gpus_1=one, **{f"gpus_{args.gpus}": many}, throughput_ratio=round(ratio, 3))])
+    out = Path(args.out) / f"{date}-{slug}x{args.gpus}-tune-scale.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    for label, r in (("1 GPU", one), (f"{args.gpus} GPUs", many)):
+        print(f"{label}: {r['wall_s']} s, {r['trials']} trials, {r['trials_per_s']} trials/s")
+        for i, w in enumerate(r["workers"]):
+            print(f"  worker {i}: " + ", ".join(f"{k} {v}" for k, v in w.items()))
+    print(f"throughput_ratio {ratio:.3f}; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
