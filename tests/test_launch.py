@@ -498,6 +498,30 @@ for phase, call in calls.items():
     assert triton_paths, phase
     BoundLaunch.shared = shared
     compare(f"new length {phase}", list(runs), adopted)
+# Decode-shaped calls (2 queries over bshd views of (B, H_kv, S, D) caches, as transformers passes
+# them): one length-free plan. After 207 and 208 (seqlen_k % 16 != 0 and == 0: two binaries), each
+# new length launches bound (no Triton path, no forward_plan) with what Triton's path gets for a plan
+# made afresh.
+launcher = module._LAUNCHER
+q2 = torch.randn(2, 2, 4, 64, dtype=torch.bfloat16)
+caches = {s: torch.randn(2, 2, s, 64, dtype=torch.bfloat16).transpose(1, 2) for s in (207, 208, 209, 224, 241)}
+module.forward(q2, caches[207], caches[207], layout="bshd")
+module.forward(q2, caches[208], caches[208], layout="bshd")
+planned = launcher.forward_plan
+launcher.forward_plan = None  # a decode-shaped call of a new length must not plan
+for s in (209, 224, 241):
+    runs.clear(), triton_paths.clear()
+    module.forward(q2, caches[s], caches[s], layout="bshd")
+    assert not triton_paths, (s, triton_paths)
+    spliced = list(runs)
+    launcher.forward_plan = planned
+    BoundLaunch.enabled = False  # Triton's path, planned afresh
+    runs.clear()
+    module.forward(q2, caches[s], caches[s], layout="bshd")
+    BoundLaunch.enabled = True
+    launcher.forward_plan = None
+    compare(f"decode length {s}", list(runs), spliced)
+launcher.forward_plan = planned
 """
 
 
@@ -517,6 +541,7 @@ def test_bound_launches_pass_what_tritons_path_passes(tmp_path):
     assert "ok misaligned q: its own plan and binary" in lines
     assert any(line.startswith("ok new length forward:") for line in lines), proc.stdout
     assert any(line.startswith("ok new length backward:") for line in lines), proc.stdout
+    assert all(any(line.startswith(f"ok decode length {s}:") for line in lines) for s in (209, 224, 241)), proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------- GPU
