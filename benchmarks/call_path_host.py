@@ -54,6 +54,9 @@ def mock_launches():
     import flashgen.config
 
     flashgen.config.detect_target = lambda: "h100"
+    from flashgen.runtime.hopper import HopperForward
+
+    HopperForward.device_unserved = staticmethod(lambda device: None)  # CPU tensors take the Gluon forward
 
     def init_handles(self):
         if self.module is None:
@@ -149,11 +152,24 @@ def cases():
                 fg_tf.decode_calls = False
         return step
 
+    # The Hopper warp-specialized forward (family hopper_ws), where it is the H100 default at hd128:
+    # causal from 4096 tokens, full attention from 1024 (B=1, H=16, bf16, no grad).
+    long_inputs = {seqlen: [torch.randn(1, H, seqlen, D, dtype=torch.bfloat16) for _ in range(3)]
+                   for seqlen in (1024, 4096)}
+
+    def hopper_forward(seqlen, causal):
+        def call():
+            with torch.no_grad():
+                flashgen.attention(*long_inputs[seqlen], causal=causal)
+        return call
+
     return {"forward (no grad)": forward, "forward (grad)": forward_grad, "fwd+bwd": fwd_bwd,
             "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward,
             "generation step (B=4, 16/4 heads, new length)": generation_step,
             "transformers generation step, prefill kernel": transformers_step(False),
-            "transformers generation step, decode kernel (decode_calls)": transformers_step(True)}
+            "transformers generation step, decode kernel (decode_calls)": transformers_step(True),
+            "hopper_ws forward S=1024 (full)": hopper_forward(1024, False),
+            "hopper_ws forward S=4096 (causal)": hopper_forward(4096, True)}
 
 
 def per_call_us(call, calls, repeat):
