@@ -107,6 +107,8 @@ class AttentionKernel:
         if config is not None:
             return self.kernel_id(config)
         if self._bucket_ids:
+            if torch.compiler.is_compiling():  # a symbolic length: comparisons only (a dict would guard on it)
+                return self._bucket_ids[nearest_bucket(seqlen, self._bucket_ids)]
             kid = self._length_ids.get(seqlen)
             if kid is None:
                 if len(self._length_ids) >= 4096:  # a bound on what a long generation leaves here
