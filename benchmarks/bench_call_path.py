@@ -212,12 +212,31 @@ def diagnose(seqlen=128):
     return result
 
 
-def kernel_times(seqlen, steps=20):
-    """GPU time per fwd+bwd step at B=1, S=seqlen, by kernel (torch.profiler's CUDA activity), for
-    flashgen and SDPA flash: whether a step whose do_bench time exceeds its host time is held
-    back by a kernel, or by the host. {provider: {kernel: us per step, 'total': us, 'wall': us}}."""
+def kernel_profile(step, steps, top=8, width=60):
+    """us of GPU time per step(), by kernel (torch.profiler's CUDA activity): the `top` largest (names cut
+    to `width` characters), 'total' (all kernels) and 'wall' (host clock, synchronized)."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps * 1e6
+    times = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if device_us:
+            times[event.key[:width]] = round(device_us / steps, 1)
+    largest = dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
+    return {**largest, "total": round(sum(times.values()), 1), "wall": round(wall, 1)}
+
+
+def kernel_times(seqlen, steps=20):
+    """GPU time per fwd+bwd step at B=1, S=seqlen, by kernel (kernel_profile), for flashgen and SDPA
+    flash: whether a step whose do_bench time exceeds its host time is held back by a kernel, or by
+    the host. {provider: {kernel: us per step, 'total': us, 'wall': us}}."""
     q, k, v = (torch.randn(1, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     do = torch.randn_like(q)
@@ -228,20 +247,7 @@ def kernel_times(seqlen, steps=20):
             torch.autograd.grad(attn(q, k, v), (q, k, v), do)
         for _ in range(3):
             step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - start) / steps * 1e6
-        times = {}
-        for event in prof.key_averages():
-            device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-            if device_us:
-                times[event.key[:60]] = round(device_us / steps, 1)
-        top = dict(sorted(times.items(), key=lambda kv: -kv[1])[:8])
-        result[name] = {**top, "total": round(sum(times.values()), 1), "wall": round(wall, 1)}
+        result[name] = kernel_profile(step, steps)
     print(json.dumps({"kernels": f"S={seqlen}", **result}), flush=True)
     return result
 

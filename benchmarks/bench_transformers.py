@@ -38,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_call_path's kernel_profile
 
 FULL = dict(layers=8, hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=32000, batch=4, seqlen=2048,
             prompt=128, new_tokens=128, dtype="bf16", warmup=3, steps=10, generate_runs=3)
@@ -133,9 +134,9 @@ def run_mode(rows, case, mode, measure, **extra):
 
 
 def train_profile(torch, model, ids, use, steps=3) -> dict:
-    """Where a training step's GPU time goes: us per step by kernel (torch.profiler's CUDA activity,
-    the 10 largest, attention kernels named as they are), the sum of all kernels and the wall time."""
-    from torch.profiler import ProfilerActivity, profile
+    """Where a training step's GPU time goes: us per step by kernel (bench_call_path.kernel_profile: the
+    10 largest, attention kernels named as they are), the sum of all kernels and the wall time."""
+    from bench_call_path import kernel_profile
 
     use()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -146,22 +147,13 @@ def train_profile(torch, model, ids, use, steps=3) -> dict:
         opt.zero_grad(set_to_none=True)
 
     step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / steps * 1e6
-    del opt
-    model.zero_grad(set_to_none=True)
-    times = {}
-    for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-        if device_us:
-            times[event.key[:70]] = round(device_us / steps, 1)
-    top = dict(sorted(times.items(), key=lambda kv: -kv[1])[:10])
-    return {**top, "kernels_total_us": round(sum(times.values()), 1), "wall_us": round(wall, 1)}
+    try:
+        times = kernel_profile(step, steps, top=10, width=70)
+    finally:
+        del opt
+        model.zero_grad(set_to_none=True)
+    times["kernels_total_us"], times["wall_us"] = times.pop("total"), times.pop("wall")
+    return times
 
 
 def benchmark(args) -> dict:
