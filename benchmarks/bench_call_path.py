@@ -21,6 +21,7 @@ import argparse
 import datetime
 import json
 import re
+import statistics
 import sys
 import time
 import traceback
@@ -94,7 +95,18 @@ def host_us(fn, calls=200):
     return elapsed / calls * 1e6
 
 
-def run_case(batch, seqlen, mode, fns):
+def graph_ms(step):
+    """The step's GPU time alone: a CUDA graph of repeated steps, replayed (median ms per step); None
+    when the step cannot be captured."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return round(float(do_bench_cudagraph(step, rep=25, return_mode="median")), 4)
+    except Exception:  # noqa: BLE001 - a provider that cannot be captured has no graph time
+        return None
+
+
+def run_case(batch, seqlen, mode, fns, graph=False):
     from triton.testing import do_bench
 
     q, k, v = (torch.randn(batch, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -119,6 +131,8 @@ def run_case(batch, seqlen, mode, fns):
                     torch.autograd.grad(attn(q, k, v), (q, k, v), do)
             row[f"{name}_host_us"] = round(host_us(step), 1)
             row[f"{name}_gpu_ms"] = round(do_bench(step, return_mode="median"), 4)
+            if graph and name in ("flashgen", ANCHOR):  # what eager pays beyond its kernels
+                row[f"{name}_graph_ms"] = graph_ms(step)
         except Exception as exc:  # noqa: BLE001 - one provider's failure is recorded, the run goes on
             row.setdefault("errors", {})[name] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             traceback.print_exc()
@@ -198,12 +212,31 @@ def diagnose(seqlen=128):
     return result
 
 
-def kernel_times(seqlen, steps=20):
-    """GPU time per fwd+bwd step at B=1, S=seqlen, by kernel (torch.profiler's CUDA activity), for
-    flashgen and SDPA flash: whether a step whose do_bench time exceeds its host time is held
-    back by a kernel, or by the host. {provider: {kernel: us per step, 'total': us, 'wall': us}}."""
+def kernel_profile(step, steps, top=8, width=60):
+    """us of GPU time per step(), by kernel (torch.profiler's CUDA activity): the `top` largest (names cut
+    to `width` characters), 'total' (all kernels) and 'wall' (host clock, synchronized)."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / steps * 1e6
+    times = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if device_us:
+            times[event.key[:width]] = round(device_us / steps, 1)
+    largest = dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
+    return {**largest, "total": round(sum(times.values()), 1), "wall": round(wall, 1)}
+
+
+def kernel_times(seqlen, steps=20):
+    """GPU time per fwd+bwd step at B=1, S=seqlen, by kernel (kernel_profile), for flashgen and SDPA
+    flash: whether a step whose do_bench time exceeds its host time is held back by a kernel, or by
+    the host. {provider: {kernel: us per step, 'total': us, 'wall': us}}."""
     q, k, v = (torch.randn(1, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     do = torch.randn_like(q)
@@ -214,20 +247,7 @@ def kernel_times(seqlen, steps=20):
             torch.autograd.grad(attn(q, k, v), (q, k, v), do)
         for _ in range(3):
             step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - start) / steps * 1e6
-        times = {}
-        for event in prof.key_averages():
-            device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-            if device_us:
-                times[event.key[:60]] = round(device_us / steps, 1)
-        top = dict(sorted(times.items(), key=lambda kv: -kv[1])[:8])
-        result[name] = {**top, "total": round(sum(times.values()), 1), "wall": round(wall, 1)}
+        result[name] = kernel_profile(step, steps)
     print(json.dumps({"kernels": f"S={seqlen}", **result}), flush=True)
     return result
 
@@ -241,6 +261,12 @@ def main():
                         help="directory for the .json and .md results")
     parser.add_argument("--diagnose", action="store_true", help="also time the host-time breakdown (diagnose())")
     parser.add_argument("--no-compile-check", action="store_true", help="leave out the torch.compile check")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="time the rows of S <= 512 this many times (host noise moves them between runs); "
+                             "the table adds the median ratio")
+    parser.add_argument("--graph", action="store_true",
+                        help="also flashgen's and the anchor's fwd+bwd replayed from a CUDA graph (graph_ms)")
+    parser.add_argument("--tag", default="", help="appended to the result files' name (e.g. -v2)")
     parser.add_argument("--kernels", action="store_true",
                         help="also the GPU time per fwd+bwd step by kernel at S <= 512 (kernel_times())")
     args = parser.parse_args()
@@ -248,7 +274,9 @@ def main():
     if args.providers != "all":
         fns = {name: fns[name] for name in args.providers.split(",")}
     seqlens = {int(s) for s in args.seqlens.split(",")}
-    rows = [run_case(b, s, mode, fns) for b, s in CASES if s in seqlens for mode in ("forward", "fwd+bwd")]
+    rows = [dict(run_case(b, s, mode, fns, graph=args.graph and mode == "fwd+bwd"), run=i)
+            for b, s in CASES if s in seqlens for i in range(args.repeat if s <= 512 else 1)
+            for mode in ("forward", "fwd+bwd")]
     env = environment()
     result = {"environment": env, "anchor": ANCHOR, "rows": rows,
               "compile_check": {"skipped": True} if args.no_compile_check else compile_check()}
@@ -257,7 +285,7 @@ def main():
     if args.kernels:
         result["kernels"] = {seqlen: kernel_times(seqlen) for seqlen in sorted(seqlens) if seqlen <= 512}
     gpu = re.sub(r"[^a-z0-9]+", "-", env.get("gpu", "gpu").lower()).strip("-")
-    out = Path(args.out) / f"{datetime.date.today()}-{gpu}-call-path"
+    out = Path(args.out) / f"{datetime.date.today()}-{gpu}-call-path{args.tag}"
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     names = list(fns)
     lines = ["| case | mode | " + " | ".join(f"{n} host us / gpu ms" for n in names) + f" | flashgen / {ANCHOR} |",
@@ -266,6 +294,16 @@ def main():
         cells = [f"{r.get(f'{n}_host_us', '-')} / {r.get(f'{n}_gpu_ms', '-')}" for n in names]
         lines.append(f"| {r['case']} | {r['mode']} | " + " | ".join(cells)
                      + f" | {r.get(f'flashgen_ratio_vs_{ANCHOR}', '-')} |")
+    ratio = f"flashgen_ratio_vs_{ANCHOR}"
+    for case, mode in dict.fromkeys((r["case"], r["mode"]) for r in rows):
+        ratios = [r[ratio] for r in rows if (r["case"], r["mode"]) == (case, mode) and ratio in r]
+        if len(ratios) > 1:
+            lines.append(f"\n{case} {mode}: flashgen / {ANCHOR} median {statistics.median(ratios):.3f} "
+                         f"of {len(ratios)} runs ({', '.join(map(str, ratios))})")
+    for r in rows:
+        if r.get("flashgen_graph_ms") is not None:
+            lines.append(f"\n{r['case']} {r['mode']} from a CUDA graph (gpu ms): flashgen {r['flashgen_graph_ms']}, "
+                         f"{ANCHOR} {r.get(f'{ANCHOR}_graph_ms')}")
     lines.append(f"\ncompile check (inductor, fullgraph): {json.dumps(result['compile_check'])}")
     for seqlen, times in result.get("diagnose", {}).items():
         lines.append(f"\nhost us per call at S={seqlen}: " + "; ".join(f"{n} {t}" for n, t in times.items()))

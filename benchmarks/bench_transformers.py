@@ -38,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_call_path's kernel_profile
 
 FULL = dict(layers=8, hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=32000, batch=4, seqlen=2048,
             prompt=128, new_tokens=128, dtype="bf16", warmup=3, steps=10, generate_runs=3)
@@ -54,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="folder for the JSON and table")
     p.add_argument("--skip", nargs="*", default=[], choices=["train_step", "prefill", "generate", "compile_train_step"],
                    help="modes to leave out")
+    p.add_argument("--tag", default="", help="appended to the result files' name (e.g. -v2)")
+    p.add_argument("--profile-train", action="store_true",
+                   help="also GPU time per training step by kernel (torch.profiler), both implementations")
     for name, value in FULL.items():  # every size is a flag; --tiny changes the defaults
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=None)
     args = p.parse_args(argv)
@@ -129,6 +133,29 @@ def run_mode(rows, case, mode, measure, **extra):
     return row
 
 
+def train_profile(torch, model, ids, use, steps=3) -> dict:
+    """Where a training step's GPU time goes: us per step by kernel (bench_call_path.kernel_profile: the
+    10 largest, attention kernels named as they are), the sum of all kernels and the wall time."""
+    from bench_call_path import kernel_profile
+
+    use()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step():
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    try:
+        times = kernel_profile(step, steps, top=10, width=70)
+    finally:
+        del opt
+        model.zero_grad(set_to_none=True)
+    times["kernels_total_us"], times["wall_us"] = times.pop("total"), times.pop("wall")
+    return times
+
+
 def benchmark(args) -> dict:
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
@@ -146,7 +173,7 @@ def benchmark(args) -> dict:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seqlen), generator=gen).to(args.device)
     prompt = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=gen).to(args.device)
-    rows = []
+    rows, profiles = [], {}
 
     def use(impl, train):
         model.set_attn_implementation(names[impl])
@@ -187,6 +214,8 @@ def benchmark(args) -> dict:
         row = run_mode(rows, case, "train_step", train_measure(model))
         if row["flashgen_ms"]:
             row["flashgen_tokens_per_s"] = round(args.batch * args.seqlen / row["flashgen_ms"] * 1e3)
+        if args.profile_train and args.device == "cuda":
+            profiles.update({impl: train_profile(torch, model, ids, lambda: use(impl, True)) for impl in names})
 
     if "generate" not in args.skip:
         tokens = {}
@@ -226,7 +255,8 @@ def benchmark(args) -> dict:
 
     env = environment()
     env["transformers"] = transformers.__version__
-    return {"env": env, "config": {k: getattr(args, k) for k in FULL}, "device": args.device, "rows": rows}
+    return {"env": env, "config": {k: getattr(args, k) for k in FULL}, "device": args.device, "rows": rows,
+            **({"train_profile": profiles} if profiles else {})}
 
 
 def gpu_slug(env: dict, device: str) -> str:
@@ -251,6 +281,8 @@ def markdown(result: dict) -> str:
         fmt = lambda x: "-" if x is None else f"{x:g}"  # noqa: E731
         lines.append(f"| {row['case']} | {row['mode']} | {fmt(row['flashgen_ms'])} | {fmt(row['sdpa_ms'])} | "
                      f"{fmt(row['ratio_vs_sdpa'])} | {json.dumps(notes) if notes else ''} |")
+    for impl, times in result.get("train_profile", {}).items():
+        lines.append(f"\nGPU us per training step by kernel, {impl}: " + "; ".join(f"{k} {v}" for k, v in times.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -261,6 +293,7 @@ def main(argv=None) -> int:
     stem = f"{datetime.date.today().isoformat()}-{gpu_slug(result['env'], args.device)}-call-path-transformers"
     if args.tiny:
         stem += "-tiny"
+    stem += args.tag
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (args.out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))

@@ -54,6 +54,9 @@ def mock_launches():
     import flashgen.config
 
     flashgen.config.detect_target = lambda: "h100"
+    from flashgen.runtime.hopper import HopperForward
+
+    HopperForward.device_unserved = staticmethod(lambda device: None)  # CPU tensors take the Gluon forward
 
     def init_handles(self):
         if self.module is None:
@@ -103,9 +106,16 @@ def cases():
     caches = [torch.randn(4, 4, 129 + i, D, dtype=torch.bfloat16).transpose(1, 2) for i in range(32)]
     steps = itertools.count()
 
-    def generation_step():
+    def forget_plans():
+        """Forget each module's call plans of exact metadata (a new length's), not the length-free
+        plans of decode-shaped calls (AttentionLauncher.decode_call): those a generation loop keeps."""
         for module in ops._MODULES.values():
-            module._LAUNCHER.plans.clear()
+            plans = module._LAUNCHER.plans
+            for key in [key for key in plans if key is None or key[0] != "decode"]:
+                del plans[key]
+
+    def generation_step():
+        forget_plans()
         cache = caches[next(steps) % len(caches)]
         with torch.no_grad():
             flashgen.attention(q1, cache, cache, causal=True, layout="bshd")
@@ -133,8 +143,7 @@ def cases():
             seqlen = next(lengths)
             cache = storage[:4 * 4 * seqlen * D].view(4, 4, seqlen, D)
             if not decode:
-                for module in ops._MODULES.values():
-                    module._LAUNCHER.plans.clear()
+                forget_plans()
             fg_tf.decode_calls = decode
             try:
                 with torch.no_grad():
@@ -143,11 +152,24 @@ def cases():
                 fg_tf.decode_calls = False
         return step
 
+    # The Hopper warp-specialized forward (family hopper_ws), where it is the H100 default at hd128:
+    # causal from 4096 tokens, full attention from 1024 (B=1, H=16, bf16, no grad).
+    long_inputs = {seqlen: [torch.randn(1, H, seqlen, D, dtype=torch.bfloat16) for _ in range(3)]
+                   for seqlen in (1024, 4096)}
+
+    def hopper_forward(seqlen, causal):
+        def call():
+            with torch.no_grad():
+                flashgen.attention(*long_inputs[seqlen], causal=causal)
+        return call
+
     return {"forward (no grad)": forward, "forward (grad)": forward_grad, "fwd+bwd": fwd_bwd,
             "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward,
             "generation step (B=4, 16/4 heads, new length)": generation_step,
             "transformers generation step, prefill kernel": transformers_step(False),
-            "transformers generation step, decode kernel (decode_calls)": transformers_step(True)}
+            "transformers generation step, decode kernel (decode_calls)": transformers_step(True),
+            "hopper_ws forward S=1024 (full)": hopper_forward(1024, False),
+            "hopper_ws forward S=4096 (causal)": hopper_forward(4096, True)}
 
 
 def per_call_us(call, calls, repeat):
@@ -167,6 +189,8 @@ def main():
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--profile", help="cProfile this case (bound launches on) instead of timing")
     parser.add_argument("--cases", help="time only the cases whose name contains this text")
+    parser.add_argument("--decode-queries", type=int, default=None,
+                        help="AttentionLauncher.DECODE_QUERIES (0: no length-free plans, each new length plans afresh)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a CPU-side fill is a GPU memset there; no OpenMP barriers on a busy machine
     keep_freed_memory()
@@ -175,6 +199,8 @@ def main():
     from flashgen.runtime.launch import BoundLaunch
 
     host.AttentionLauncher.interpreting = lambda self: True  # accept CPU tensors: nothing is launched
+    if args.decode_queries is not None:
+        host.AttentionLauncher.DECODE_QUERIES = args.decode_queries
     table = cases()
     if args.profile:
         call = table[args.profile]

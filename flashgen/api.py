@@ -51,6 +51,7 @@ class AttentionKernel:
         self._ids: dict[KernelConfig, str] = {}
         self._id = self.kernel_id(self.config)
         self._bucket_ids = {b: self.kernel_id(c) for b, c in self.bucket_configs.items()}
+        self._length_ids: dict[int, str] = {}  # sequence length -> its nearest bucket's kernel id (a call's lookup)
         self._names = tuple(spec.tensor_names)  # the named tensors a call passes, in kernel order
 
     def config_for(self, seqlen: int) -> KernelConfig:
@@ -106,7 +107,14 @@ class AttentionKernel:
         if config is not None:
             return self.kernel_id(config)
         if self._bucket_ids:
-            return self._bucket_ids[nearest_bucket(seqlen, self._bucket_ids)]
+            if torch.compiler.is_compiling():  # a symbolic length: comparisons only (a dict would guard on it)
+                return self._bucket_ids[nearest_bucket(seqlen, self._bucket_ids)]
+            kid = self._length_ids.get(seqlen)
+            if kid is None:
+                if len(self._length_ids) >= 4096:  # a bound on what a long generation leaves here
+                    self._length_ids.clear()
+                kid = self._length_ids[seqlen] = self._bucket_ids[nearest_bucket(seqlen, self._bucket_ids)]
+            return kid
         return self._id
 
     def _tensor_list(self, tensors):

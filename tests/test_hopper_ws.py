@@ -5,6 +5,7 @@ tests/test_sm90_compile.py and run by tests/test_hopper_ws_gpu.py."""
 
 import pytest
 import torch
+import triton
 
 import flashgen
 from flashgen import AttentionSpec, ConfigError, KernelConfig
@@ -114,20 +115,43 @@ def test_calls_it_cannot_serve_run_the_portable_forward():
     assert_attention_close(out, lse, q, k, v, causal=True)
 
 
-def test_a_call_it_serves_gets_its_plan():
-    # the plan is chosen on the host; nothing is launched here (the kernel runs on an sm90 GPU only)
+def test_a_call_it_serves_gets_its_plan(monkeypatch):
+    # the plan is made on the host once per call key; nothing runs here (the kernel runs on an sm90
+    # GPU only): its launch and its Gluon descriptors are recorded
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True)
     module = flashgen.compile(spec, KernelConfig(**HOPPER)).module()
     module._LAUNCHER.hopper_forward.device_unserved = lambda device: None
-    launched = []
-    module._LAUNCHER.hopper_forward.launch = lambda *args: launched.append(args) or (args[3], args[4])
+    made, launched = [], []
+
+    class Descriptor:
+        def __init__(self, t, layout, rows, cols):
+            made.append(1)
+            self.base, self.block = t, (rows, cols)
+
+    class Launch:
+        def __init__(self, kernel, grid, constexprs):
+            self.grid, self.constexprs = grid, constexprs
+
+        def __call__(self, *args):
+            launched.append((self, args))
+
+    monkeypatch.setattr(hopper, "BoundLaunch", Launch)
+    monkeypatch.setattr(module._LAUNCHER.hopper_forward, "descriptor", Descriptor)
     q, k, v = make_qkv(2, 4, 2, 45, 61, 64, dtype=torch.float16, device="cpu")
     out, lse = module.forward(q, k, v)
-    assert len(launched) == 1 and out.shape == q.shape and lse.shape == (2, 4, 45)
-    (_, _, _, o, l, layout, scale, cfg) = launched[0]
-    assert layout == "bhsd" and scale == pytest.approx(64 ** -0.5) and cfg["hopper_regs"] == 240
-    module.forward(q, k, v, dropout_p=0.0, layout="bhsd")  # the same call: the cached plan
-    assert len(launched) == 2
+    assert out.shape == q.shape and lse.shape == (2, 4, 45)
+    ((launch, (qd, kd, vd, o, l, *scalars)),) = launched
+    assert all(a is b for a, b in zip((qd.base, kd.base, vd.base, o, l), (q, k, v, out, lse)))
+    assert (qd.block, kd.block, vd.block) == ((64, 64), (HOPPER["BLOCK_N"], 64), (HOPPER["BLOCK_N"], 64))
+    assert scalars == [*q.stride()[:3], 4 * 45, 45, 45, 61, 2, pytest.approx(64 ** -0.5 * 1.4426950408889634)]
+    assert launch.grid == (triton.cdiv(45, HOPPER["BLOCK_M"]), 4, 2)
+    assert launch.constexprs["CONSUMERS"] == HOPPER["BLOCK_M"] // 64 and launch.constexprs["CONSUMER_REGS"] == 240
+    q2, k2, v2 = make_qkv(2, 4, 2, 45, 61, 64, dtype=torch.float16, device="cpu")
+    out2, lse2 = module.forward(q2, k2, v2, dropout_p=0.0, layout="bhsd")  # the same key: the cached plan
+    (launch2, (qd, kd, vd, o, l, *_)) = launched[1]
+    assert launch2 is launch and len(made) == 3  # one BoundLaunch; descriptors copied, not made again
+    assert all(a is b for a, b in zip((qd.base, kd.base, vd.base, o, l), (q2, k2, v2, out2, lse2)))
+    assert qd.block == (64, 64)
 
 
 def test_space_offers_the_family_only_where_it_serves():

@@ -225,6 +225,56 @@ def test_forward_launch_q_outer(layout):
     assert args["Q"] is q and args["QD"] is q and args["O"] is out and args["LSE"] is lse
 
 
+def _decode_qkv(seqlen_k, queries=3):
+    """A generation step as transformers makes it: q (2, queries, 4, 24) bshd; k, v bshd views of
+    (2, 2, seqlen_k, d) caches, whose batch and head strides follow from seqlen_k."""
+    q = torch.randn(2, queries, 4, 24, dtype=torch.float16)
+    k, v = (torch.randn(2, 2, seqlen_k, d, dtype=torch.float16).transpose(1, 2) for d in (24, 40))
+    return q, k, v
+
+
+def test_decode_shaped_calls_of_new_lengths_share_one_plan(monkeypatch):
+    """Each length's launch gets exactly the arguments a plan made afresh for it gets (strides and
+    seqlen_k spliced in), and forward_plan runs once for all the lengths."""
+    launcher, fresh = _launcher(SPEC, CONFIG), _launcher(SPEC, CONFIG)
+    made = []
+    plan = launcher.forward_plan
+    monkeypatch.setattr(launcher, "forward_plan", lambda *a, **kw: made.append(1) or plan(*a, **kw))
+    for seqlen_k in (53, 54, 64, 1, 200):
+        q, k, v = _decode_qkv(seqlen_k)
+        out, lse = launcher.forward(q, k, v, layout="bshd")
+        fresh.plans.clear()
+        fresh.forward(q, k, v, layout="bshd")
+        (grid, args, options), (grid_f, args_f, options_f) = launcher.forward_kernel.calls[-1], \
+            fresh.forward_kernel.calls[-1]
+        assert (grid, options) == (grid_f, options_f) and args.keys() == args_f.keys()
+        for name, value in args.items():
+            if isinstance(value, torch.Tensor):  # the call's own tensors, or outputs of one shape
+                assert (value.shape, value.stride()) == (args_f[name].shape, args_f[name].stride()), name
+                assert name not in ("Q", "K", "V") or value is args_f[name], name
+            else:
+                assert value == args_f[name], (name, seqlen_k)
+        assert args["seqlen_k"] == seqlen_k and args["stride_kh"] == seqlen_k * 24 and out.shape == (2, 3, 4, 40)
+    assert made == [1]
+    launcher.forward(*_decode_qkv(53, queries=17), layout="bshd")  # more queries than a decode step: exact plans
+    assert made == [1, 1]
+    with pytest.raises(ValueError, match="v: expected seqlen 53"):
+        launcher.forward(*_decode_qkv(53)[:2], _decode_qkv(54)[2], layout="bshd")
+
+
+def test_decode_shaped_plans_stay_exact_where_a_plan_fixes_the_length(monkeypatch):
+    """Tensor descriptors are built for one shape: such a plan is not reused at another length."""
+    launcher = _launcher(SPEC, CONFIG.replace(tma=True))
+    monkeypatch.setattr(host, "tma_ready", lambda t: True)
+    monkeypatch.setattr(host, "TensorDescriptor", type("Descriptor", (), {"__init__": lambda self, *a: None}))
+    made = []
+    plan = launcher.forward_plan
+    monkeypatch.setattr(launcher, "forward_plan", lambda *a, **kw: made.append(1) or plan(*a, **kw))
+    for seqlen_k in (53, 54):
+        launcher.forward(*_decode_qkv(seqlen_k), layout="bshd")
+    assert made == [1, 1] and launcher.forward_kernel.calls[-1][1]["TMA"]
+
+
 def test_forward_launch_kv_outer_carries_o_m_l_in_buffers():
     launcher = _launcher(SPEC, CONFIG.replace(loop_order="kv_outer"))
     launcher.forward(*_qkv())

@@ -498,6 +498,30 @@ for phase, call in calls.items():
     assert triton_paths, phase
     BoundLaunch.shared = shared
     compare(f"new length {phase}", list(runs), adopted)
+# Decode-shaped calls (2 queries over bshd views of (B, H_kv, S, D) caches, as transformers passes
+# them): one length-free plan. After 207 and 208 (seqlen_k % 16 != 0 and == 0: two binaries), each
+# new length launches bound (no Triton path, no forward_plan) with what Triton's path gets for a plan
+# made afresh.
+launcher = module._LAUNCHER
+q2 = torch.randn(2, 2, 4, 64, dtype=torch.bfloat16)
+caches = {s: torch.randn(2, 2, s, 64, dtype=torch.bfloat16).transpose(1, 2) for s in (207, 208, 209, 224, 241)}
+module.forward(q2, caches[207], caches[207], layout="bshd")
+module.forward(q2, caches[208], caches[208], layout="bshd")
+planned = launcher.forward_plan
+launcher.forward_plan = None  # a decode-shaped call of a new length must not plan
+for s in (209, 224, 241):
+    runs.clear(), triton_paths.clear()
+    module.forward(q2, caches[s], caches[s], layout="bshd")
+    assert not triton_paths, (s, triton_paths)
+    spliced = list(runs)
+    launcher.forward_plan = planned
+    BoundLaunch.enabled = False  # Triton's path, planned afresh
+    runs.clear()
+    module.forward(q2, caches[s], caches[s], layout="bshd")
+    BoundLaunch.enabled = True
+    launcher.forward_plan = None
+    compare(f"decode length {s}", list(runs), spliced)
+launcher.forward_plan = planned
 """
 
 
@@ -517,6 +541,7 @@ def test_bound_launches_pass_what_tritons_path_passes(tmp_path):
     assert "ok misaligned q: its own plan and binary" in lines
     assert any(line.startswith("ok new length forward:") for line in lines), proc.stdout
     assert any(line.startswith("ok new length backward:") for line in lines), proc.stdout
+    assert all(any(line.startswith(f"ok decode length {s}:") for line in lines) for s in (209, 224, 241)), proc.stdout
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -601,3 +626,53 @@ def test_gpu_launch_hooks_see_every_launch():
         hook.remove(record)
     assert seen == ["_attn_fwd"]
     assert torch.equal(out, flashgen.attention(q, k, v, causal=True))
+
+
+@pytest.mark.gpu
+def test_gpu_decode_shaped_calls_of_new_lengths_are_bitwise_tritons(monkeypatch):
+    """A generation loop's calls (2 queries over bshd views of a (B, H_kv, S, D) cache one longer
+    each call) run one length-free plan; each length's output and LSE are bitwise those of a plan
+    made afresh through Triton's path, and every launch is verified against Triton's binder."""
+    monkeypatch.setattr(BoundLaunch, "verify", True)
+    kernel = flashgen.compile(AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True))
+    launcher = kernel.module(kernel.config_for(129))._LAUNCHER  # one bucket serves 129..161
+    q = torch.randn(2, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    storage = torch.randn(2 * 2 * 300 * 128, device="cuda", dtype=torch.bfloat16)
+    for seqlen in (129, 130, 144, 160, 161):
+        cache = storage[:2 * 2 * seqlen * 128].view(2, 2, seqlen, 128).transpose(1, 2)
+        out, lse = kernel(q, cache, cache, layout="bshd", return_lse=True)
+        monkeypatch.setattr(BoundLaunch, "enabled", False)
+        out_ref, lse_ref = kernel(q, cache, cache, layout="bshd", return_lse=True)
+        monkeypatch.setattr(BoundLaunch, "enabled", True)
+        assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref), seqlen
+    decode = [plan for key, plan in launcher.plans.items() if key and key[0] == "decode"]
+    assert len(decode) == 1 and decode[0] and len(decode[0][1]) == 2  # seqlen_k % 16 == 0 or not
+    assert_attention_close(out, lse, q, cache, cache, causal=True, layout="bshd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_hopper_plan_launches_bound_bitwise_tritons(causal, monkeypatch):
+    """The hopper_ws forward's plan: Triton's path once, then bound launches with descriptors copied
+    onto each call's tensors, bitwise equal to Triton's path every call."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the hopper_ws family runs on sm90")
+    import triton.runtime.jit as jit
+
+    monkeypatch.setattr(BoundLaunch, "verify", True)
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=causal)
+    kernel = flashgen.compile(spec, KernelConfig(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4,
+                                                 num_stages=2))
+    inputs = [[torch.randn(2, h, 1000, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2)]
+              for _ in range(2)]
+    kernel(*inputs[0])
+    paths, run = [], jit.JITFunction.run
+    monkeypatch.setattr(jit.JITFunction, "run", lambda self, *a, **kw: paths.append(self.__name__) or run(self, *a, **kw))
+    bound = [kernel(*x, return_lse=True) for x in inputs]
+    assert not paths, paths
+    assert any(type(p).__name__ == "HopperPlan" for p in kernel.module()._LAUNCHER.plans.values())
+    monkeypatch.setattr(BoundLaunch, "enabled", False)
+    for x, (out, lse) in zip(inputs, bound):
+        out_ref, lse_ref = kernel(*x, return_lse=True)
+        assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
+    assert_attention_close(*bound[1], *inputs[1], causal=causal)

@@ -57,7 +57,7 @@ def host_source() -> str:
 
 def hopper_source() -> str:
     """The Hopper family's host side (runtime/hopper.py), pasted into standalone hopper_ws modules."""
-    return Path(hopper.__file__).read_text()
+    return _pasted(hopper.__file__, HOST_IMPORT_MARK)
 
 
 def decode_source() -> str:

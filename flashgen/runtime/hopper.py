@@ -7,13 +7,16 @@ asks ``hopper_forward.plan(...)`` first: a call the family cannot serve (see ``c
 runs the portable forward instead. What a *spec* needs for the family is ``spec_unserved``: the
 config check (config.KernelConfig.check_family), the tuner's space and the defaults all ask it.
 
-Plain Python over torch and triton; imports nothing from flashgen. `flashgen generate` pastes it
-verbatim into a standalone hopper_ws module after host.py, so it has no __future__ import and its
-top-level names clash neither with host.py's nor with the kernels' (underscored or upper case).
+Plain Python over torch and triton; imports only host.py's names. `flashgen generate` pastes it
+into a standalone hopper_ws module after host.py (dropping that import line), so it has no
+__future__ import and its top-level names clash neither with host.py's nor with the kernels'
+(underscored or upper case).
 """
 
 import torch
 import triton
+
+from .host import BoundLaunch, Descriptors, bhsd_order, bhsd_strides, contiguous_strides  # standalone: host.py precedes
 
 # ---------------------------------------------------------------------------- the 3.6 / 3.9 shim
 # Gluon is experimental: triton 3.6 (the GPU image) and 3.9 (CI) name a few things differently.
@@ -109,12 +112,6 @@ def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, dev
     return None
 
 
-def bhsd(t, layout):
-    """(shape, strides) of t in (batch, heads, seq, dim) order."""
-    order = (0, 1, 2, 3) if layout == "bhsd" else (0, 2, 1, 3)
-    return [t.shape[i] for i in order], [t.stride(i) for i in order]
-
-
 class HopperForward:
     """Launches a module's rendered Gluon forward (_attn_fwd_hopper_ws): BLOCK_M // 64 consumer
     warpgroups of 64 query rows each, K/V through a num_stages-deep ring of BLOCK_N-key slots
@@ -140,13 +137,12 @@ class HopperForward:
         return device_unserved(device)
 
     @staticmethod
-    def descriptor(t, layout, rows):
-        """A (batch, heads, seq, dim) Gluon descriptor of t, one (1, 1, rows, dim) tile per load: the
-        copy engine zero-fills past the sequence, so no tile reads another head's rows."""
-        shape, strides = bhsd(t, layout)
-        block = [1, 1, rows, shape[3]]
+    def descriptor(t, layout, rows, cols):
+        """A (batch, heads, seq, dim) Gluon descriptor of t, one (1, 1, rows, cols = head dim) tile per
+        load: the copy engine zero-fills past the sequence, so no tile reads another head's rows."""
+        block = [1, 1, rows, cols]
         smem = gl.NVMMASharedLayout.get_default_for(block, gluon_dtypes[str(t.dtype)])
-        return GluonTensorDescriptor(t, shape, strides, block, smem)
+        return GluonTensorDescriptor(t, list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout)), block, smem)
 
     def plan(self, base, q, k, v, layout, out, scale, dropout_p, cfg, *, varlen=False):
         """A plan for this call (called like launch.ForwardPlan, whose allocation it keeps), or None
@@ -154,30 +150,32 @@ class HopperForward:
         if self.spec_reason or call_unserved(q, k, v, layout, varlen=varlen, dropout_p=dropout_p, out=out,
                                              device_check=self.device_unserved):
             return None
-        return HopperPlan(self, base, layout, scale, {**self.KNOB_DEFAULTS, **cfg})
-
-    def launch(self, q, k, v, o, lse, layout, scale, cfg):
-        """Fill o (q's layout) and lse ((B, H, Sq) float32, contiguous) for one call."""
-        block_n, consumers = cfg["BLOCK_N"], cfg["BLOCK_M"] // self.CONSUMER_ROWS
-        (batch, heads, seqlen_q, _), _ = bhsd(q, layout)
-        (_, kv_heads, seqlen_k, _), _ = bhsd(k, layout)
-        _, o_strides = bhsd(o, layout)
-        qd = self.descriptor(q, layout, self.CONSUMER_ROWS)
-        kd, vd = self.descriptor(k, layout, block_n), self.descriptor(v, layout, block_n)
-        grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), heads, batch)
-        self.kernel[grid](qd, kd, vd, o, lse, *o_strides[:3], *lse.stride()[:2], seqlen_q, seqlen_k,
-                          heads // kv_heads, scale * self.RCP_LN2, CAUSAL=bool(self.spec["causal"]),
-                          NUM_STAGES=cfg["num_stages"], CONSUMERS=consumers, PRODUCER_REGS=self.PRODUCER_REGS,
-                          CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"],
-                          PINGPONG=cfg["hopper_pingpong"], num_warps=4)
-        return o, lse
+        return HopperPlan(self, base, q, k, layout, out, scale, {**self.KNOB_DEFAULTS, **cfg})
 
 
 class HopperPlan:
-    """One forward call's plan on the hopper_ws family: called as launch.ForwardPlan is."""
+    """One forward call's plan on the hopper_ws family, called as launch.ForwardPlan is: what a call
+    of its metadata key launches, worked out once (the grid, the scalars, the constexprs; the Gluon
+    descriptors' templates on the first call, copied onto each later call's tensors, as
+    host.Descriptors does for the portable forward), launched through a BoundLaunch (Triton's launch
+    path once, then the compiled kernel's launcher)."""
 
-    def __init__(self, forward, base, layout, scale, cfg):
+    def __init__(self, forward, base, q, k, layout, out, scale, cfg):
         self.forward, self.base, self.layout, self.scale, self.cfg = forward, base, layout, scale, cfg
+        block_n, head_dim = cfg["BLOCK_N"], q.shape[-1]
+        batch, heads, seqlen_q, _ = bhsd_order(q.shape, layout)
+        _, kv_heads, seqlen_k, _ = bhsd_order(k.shape, layout)
+        o_strides = bhsd_order(contiguous_strides(base.o_shape) if out is None else out.stride(), layout)
+        lse_strides = contiguous_strides(base.lse_shape)
+        # Q in one consumer's rows per load; K and V in BLOCK_N-key slots of the ring
+        self.descriptors = Descriptors(layout, ((forward.CONSUMER_ROWS, head_dim), (block_n, head_dim),
+                                                (block_n, head_dim)), [forward.descriptor] * 3)
+        self.args = (*o_strides[:3], *lse_strides[:2], seqlen_q, seqlen_k, heads // kv_heads, scale * forward.RCP_LN2)
+        self.launch = BoundLaunch(forward.kernel, (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), heads, batch), dict(
+            CAUSAL=bool(forward.spec["causal"]), NUM_STAGES=cfg["num_stages"],
+            CONSUMERS=cfg["BLOCK_M"] // forward.CONSUMER_ROWS, PRODUCER_REGS=forward.PRODUCER_REGS,
+            CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"], PINGPONG=cfg["hopper_pingpong"],
+            num_warps=4))
 
     def __getattr__(self, name):
         """The rest of the call's plan (offsets, softmax_scale, dropout_p, backward_plans: what
@@ -187,9 +185,11 @@ class HopperPlan:
         return getattr(self.base, name)
 
     def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=()):
+        """Fill out (q's layout) and lse ((B, H, Sq) float32) for one call; allocated when None."""
         base = self.base
         if out is None:
             out = torch.empty(base.o_shape, dtype=base.dtype, device=base.device)
         if lse is None:
             lse = torch.empty(base.lse_shape, dtype=torch.float32, device=base.device)
-        return self.forward.launch(q, k, v, out, lse, self.layout, self.scale, self.cfg)
+        self.launch(*self.descriptors(q, k, v), out, lse, *self.args)
+        return out, lse

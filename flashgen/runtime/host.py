@@ -23,7 +23,7 @@ import os
 import torch
 import triton
 
-from .launch import BackwardPlan, BoundLaunch, ForwardPlan, tensor_key  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -514,9 +514,70 @@ class AttentionLauncher:
         v, fp8_args = self.fp8_inputs(q, k, v, layout, cu_seqlens_q, (("q_descale", q_descale),
                                                                       ("k_descale", k_descale),
                                                                       ("v_descale", v_descale)))
+        if out is None and lse is None and not (fp8_args or knobs or tensors or dropout_p or cu_seqlens_q is not None):
+            decode = self.decode_call(q, k, v, layout, softmax_scale, seed)
+            if decode is not None:
+                return decode
         plan = self.forward_call_plan(q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, fp8_args, knobs)
         return plan(q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args)
+
+    # ------------------------------------------------------------------ decode-shaped calls, any key length
+    # A generation step (a few new queries over a KV cache one longer each step) has new metadata on
+    # every call: k and v have a new length and, as views of transformers' (B, H_kv, S, D) cache,
+    # batch and head strides that follow from it. Their plan differs from the last step's only in
+    # those ints and seqlen_k, so it is kept per key *without* them: a new length costs a
+    # dictionary hit and the ints spliced into the kernel's arguments, not forward_plan's checks.
+    DECODE_QUERIES = 16  # calls of up to this many queries are planned without their key length
+
+    def decode_key(self, q, k, v, layout, softmax_scale):
+        """The length-free key of a dense call of at most DECODE_QUERIES queries (None: not one):
+        the call's plan key less k's and v's sequence length and their batch and head strides."""
+        seq_dim = SEQ_DIMS.get(layout)
+        try:
+            if seq_dim is None or not BoundLaunch.enabled or q.shape[seq_dim] > self.DECODE_QUERIES:
+                return None
+            return ("decode", layout, softmax_scale, tensor_key(q), *(
+                (t.shape[:seq_dim] + t.shape[seq_dim + 1:], t.stride(seq_dim), t.stride(-1), t.dtype, t.device,
+                 t.data_ptr() & 15) for t in (k, v)), q.is_cpu and self.interpreting())
+        except (AttributeError, IndexError, TypeError):  # not tensors, or too few dims: the checks name them
+            return None
+
+    def decode_call(self, q, k, v, layout, softmax_scale, seed):
+        """(out, lse) of a decode-shaped call through its length-free plan, or None when the call is
+        not one, or its plan cannot take another length (tensor descriptors, which are built for one
+        shape; the KV-outer order; the hopper_ws family; a mask with a block map): then the exact plan runs."""
+        key = self.decode_key(q, k, v, layout, softmax_scale)
+        if key is None:
+            return None
+        seq_dim = SEQ_DIMS[layout]
+        seqlen_k = k.shape[seq_dim]
+        if seqlen_k == 0 or v.shape[seq_dim] != seqlen_k:
+            return None  # nothing to launch, or an error the checks name
+        decode = self.plans.get(key)
+        if decode is None:
+            plan = self.forward_call_plan(q, k, v, layout, None, None, softmax_scale, 0.0, seed, None, None, None, None,
+                                          None)
+            decode = False
+            if (type(plan) is ForwardPlan and plan.launch is not None and plan.descriptors is None
+                    and plan.buffers is None and self.block_map_kernel is None and not self.same_seqlen):
+                ints = (*bhsd_strides(k, layout)[:2], *bhsd_strides(v, layout)[:2], seqlen_k)
+                decode = (plan, {argument_signature(ints): plan.launch})
+            self.remember(key, decode)
+        if decode is False:
+            return None
+        plan, launches = decode
+        kb, kh, ks, kd = bhsd_strides(k, layout)
+        vb, vh, vs, vd = bhsd_strides(v, layout)
+        ints = (kb, kh, vb, vh, seqlen_k)
+        signature = argument_signature(ints)  # how Triton specializes these ints: one binary per answer
+        launch = launches.get(signature)
+        if launch is None:
+            base = plan.launch
+            launch = launches[signature] = BoundLaunch(base.kernel, base.grid, base.constexprs)
+        head = plan.head
+        head = (*head[:4], kb, kh, ks, kd, vb, vh, vs, vd, *head[12:20], seqlen_k, *head[21:])
+        return plan(q, k, v, None, None, seed, None, None, None, head=head, launch=launch)
 
     def forward_call_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, fp8_args=(), knobs=None):

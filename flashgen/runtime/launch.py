@@ -65,6 +65,16 @@ def launch_hooks_set():
     return bool(getattr(enter, "calls", enter)) or bool(getattr(exit_, "calls", exit_))
 
 
+def launch_context():
+    """(current device, its current stream) for bound launches, or None when launches must take
+    Triton's path now: bound launches off, or a launch hook installed."""
+    if not BoundLaunch.enabled or launch_hooks_set():
+        return None
+    active = triton_driver.active
+    device = active.get_current_device()
+    return device, active.get_current_stream(device)
+
+
 class BoundLaunch:
     """``kernel[grid](*args, **constexprs)``, bound to Triton's compiled kernel after its first call.
 
@@ -106,20 +116,27 @@ class BoundLaunch:
                 self.family = None
 
     def __call__(self, *args):
-        compiled = self.compiled
-        if compiled is None and self.family is not None and BoundLaunch.enabled:
-            compiled = self.adopt(args)
-        if compiled is None or not BoundLaunch.enabled or launch_hooks_set():
+        if self.compiled is None and self.family is None:  # the interpreter, test doubles: Triton's path
             return self.launch(args)
-        active = triton_driver.active
-        device = active.get_current_device()
-        if device != self.device:
+        return self.run(launch_context(), args)
+
+    def bindable(self):
+        """Whether this launch is or can be bound (else launch_context() is not needed: Triton's path)."""
+        return self.compiled is not None or self.family is not None
+
+    def run(self, context, args):
+        """Launch with `context`, launch_context()'s answer taken once for all the launches of one
+        call (a call plan's two to four): the device and stream to launch on, or None for Triton's path."""
+        compiled = self.compiled
+        if compiled is None and self.family is not None and context is not None:
+            compiled = self.adopt(args)
+        if compiled is None or context is None or context[0] != self.device:
             return self.launch(args)
         if BoundLaunch.verify:
-            self.check(args, device)
+            self.check(args, context[0])
         grid0, grid1, grid2 = self.grid3
-        compiled.run(grid0, grid1, grid2, active.get_current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *self.tail)
+        compiled.run(grid0, grid1, grid2, context[1], compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *self.tail)
         return compiled
 
     def launch(self, args):
@@ -262,7 +279,10 @@ class ForwardPlan(CallPlan):
         self.softmax_scale = self.dropout_p = None  # the call's scalars (set by forward_plan)
         self.backward_plans = {}  # (dO's tensor_key, deterministic, tensor_grads) -> BackwardPlan of this forward
 
-    def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=()):
+    def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=(), *, head=None,
+                 launch=None):
+        """head, launch: the kernel's leading scalars and the bound launch for this call in place of the
+        plan's (a decode-shaped call of another key length: AttentionLauncher.decode_call)."""
         if out is None:
             out = torch.empty(self.o_shape, dtype=self.dtype, device=self.device)
         if lse is None:
@@ -282,7 +302,8 @@ class ForwardPlan(CallPlan):
             self.launch(q, k, v, out, lse, seed, cu_q, cu_k, acc, m, l, *self.head, *extra, *self.tail)
         else:
             tiles = (q, k, v, out) if self.descriptors is None else self.descriptors(q, k, v, out)
-            self.launch(q, k, v, out, lse, seed, cu_q, cu_k, *tiles, *self.head, *extra, *self.tail, *fp8_args)
+            (launch or self.launch)(q, k, v, out, lse, seed, cu_q, cu_k, *tiles, *(self.head if head is None else head),
+                                    *extra, *self.tail, *fp8_args)
         return out, lse
 
 
@@ -315,8 +336,9 @@ class BackwardPlan(CallPlan):
         if self.layout == "thd":
             dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
         delta = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        context = launch_context() if self.dkdv.bindable() else None  # once for the step's three launches
         if self.fused_delta is None:
-            self.preprocess(out, do, delta, *self.preprocess_args)
+            self.preprocess.run(context, (out, do, delta, *self.preprocess_args))
         extra = grad_args = ()
         if self.named:
             named = self.launcher.tensor_views(tensors)
@@ -325,16 +347,17 @@ class BackwardPlan(CallPlan):
         dq_acc = torch.zeros(q_shape, dtype=torch.float32, device=device) if self.atomic else dq
         if self.fused_delta is not None:  # delta from the dQ kernel, before dK/dV reads it
             tiles = (k, v) if self.tiles is None else self.tiles(k, v)
-            self.dq(q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra, *self.dq_tail,
-                    out, *self.fused_delta)
+            self.dq.run(context, (q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra,
+                                  *self.dq_tail, out, *self.fused_delta))
         rows = (q, do) if self.rows is None else self.rows(q, do)
-        self.dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, seed, cu_q, cu_k, *rows, *self.dkdv_head, *extra,
-                  *grad_args, *self.dkdv_tail)
+        self.dkdv.run(context, (q, k, v, do, lse, delta, dk, dv, dq_acc, seed, cu_q, cu_k, *rows, *self.dkdv_head,
+                                *extra, *grad_args, *self.dkdv_tail))
         if self.atomic:
             dq.copy_(dq_acc)
         elif self.fused_delta is None:
             tiles = (k, v) if self.tiles is None else self.tiles(k, v)
-            self.dq(q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra, *self.dq_tail)
+            self.dq.run(context, (q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra,
+                                  *self.dq_tail))
         return self.result(dq, dk, dv, grads, tensors)
 
     @staticmethod
