@@ -64,6 +64,10 @@ class KernelConfig:
     # kernel run before dK/dV: no preprocess pass re-reading O and dO, one launch fewer
     # (separate dQ only: the atomic strategy has no dQ kernel).
     bwd_fused_delta: bool = False
+    # dK/dV from the Gluon warp-specialized sm90 kernel (templates/hopper/backward.j2: a TMA producer
+    # warp feeding (Q, dO) tiles to two consumer warpgroups of 64 keys each; runtime/hopper_bwd.py),
+    # where it serves the call; preprocess and dQ stay portable. Rendered only when on.
+    hopper_bwd: bool = False
 
     # The forward's kernel family: "portable" (the Triton templates above) or "hopper_ws" (Gluon,
     # sm90: a TMA producer warp and BLOCK_M/64 consumer warpgroups; flashgen/runtime/hopper.py).
@@ -73,15 +77,15 @@ class KernelConfig:
     hopper_overlap: bool = False  # issue the next block's Q K^T before this block's softmax
     hopper_pingpong: bool = False  # two consumers take turns at the tensor cores (FA3's ping-pong)
 
-    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family")
+    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family", "hopper_bwd")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
-                "bwd_tma", "bwd_persistent", "bwd_fused_delta")
+                "bwd_tma", "bwd_persistent", "bwd_fused_delta", "hopper_bwd")
     # Knobs added after results were stored, with the value that renders the kernels as before
     # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
     # hashed before them keep their kernel ids and their rendered text byte for byte, and
     # from_dict() reads a missing one as that value.
     LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False, "family": "portable", "hopper_regs": 240,
-                   "hopper_overlap": False, "hopper_pingpong": False}
+                   "hopper_overlap": False, "hopper_pingpong": False, "hopper_bwd": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -103,7 +107,7 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
-        for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta"):
+        for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "hopper_bwd"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.warp_specialize and self.num_warps < 8:
@@ -116,6 +120,9 @@ class KernelConfig:
         if self.bwd_fused_delta and self.dq_strategy != "separate":
             raise ConfigError(f"config knob 'bwd_fused_delta': needs dq_strategy='separate' (the dQ kernel computes "
                               f"delta), got dq_strategy={self.dq_strategy!r}")
+        if self.hopper_bwd and self.dq_strategy != "separate":
+            raise ConfigError(f"config knob 'hopper_bwd': needs dq_strategy='separate' (the Gluon dK/dV kernel "
+                              f"computes no dQ), got dq_strategy={self.dq_strategy!r}")
         if self.family not in FAMILIES:
             raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
         for name in ("hopper_overlap", "hopper_pingpong"):
@@ -167,13 +174,15 @@ class KernelConfig:
                 f"stages={self.num_stages} {self.loop_order}{hopper}")
 
     def check_spec(self, spec: AttentionSpec) -> "KernelConfig":
-        """This config for this spec: a ConfigError where the family cannot serve the spec."""
-        if self.family == "hopper_ws":
-            from .runtime.hopper import spec_unserved
+        """This config for this spec: a ConfigError where the family (or the Gluon backward) cannot
+        serve the spec."""
+        from .runtime.hopper import spec_unserved
 
-            reason = spec_unserved(spec)
-            if reason:
-                raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
+        if self.family == "hopper_ws" and (reason := spec_unserved(spec)):
+            raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
+        if self.hopper_bwd and (reason := spec_unserved(spec)):
+            raise ConfigError(f"config knob 'hopper_bwd': the Gluon dK/dV kernel cannot serve spec {spec.uri!r}: "
+                              f"{reason}")
         return self
 
     def describe_backward(self) -> str:
@@ -181,7 +190,7 @@ class KernelConfig:
                 f"warps={self.bwd_num_warps} stages={self.bwd_num_stages} dq={self.dq_strategy}"
                 f"{' tma' if self.bwd_tma else ''}"
                 f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}"
-                f"{' fused_delta' if self.bwd_fused_delta else ''}")
+                f"{' fused_delta' if self.bwd_fused_delta else ''}{' hopper_bwd' if self.hopper_bwd else ''}")
 
 
 def interpreting() -> bool:
