@@ -13,10 +13,10 @@ each flashgen provider. Every provider's output (and gradients) is checked again
 before it is timed; a mismatch is recorded instead of a time. With --variants the family's
 knob variants are timed too (forward), for the defaults and benchmarks/NOTES.md.
 
-    python3 benchmarks/bench_hopper_ws.py [--no-flex] [--variants] [--budget SECONDS]
+    python3 benchmarks/bench_hopper_ws.py [--no-flex] [--variants] [--fwd-bwd-only] [--budget SECONDS]
     python3 benchmarks/bench_hopper_ws.py --backward [--budget SECONDS]
 
-Writes benchmarks/results/<date>-h100-hopper-ws.{json,md}. --backward instead times the backward
+Writes benchmarks/results/<date>-h100-hopper-ws.{json,md} (--fwd-bwd-only: -hopper-bwd-fwdbwd). --backward instead times the backward
 alone per case (dK/dV kernel: the Gluon one at each tile of BACKWARD_TILES against the portable one,
 as the backward's time less that of the same plan with its dK/dV launch skipped; cuDNN's backward as
 its fwd+bwd less its forward) and writes <date>-h100-hopper-bwd.{json,md}.
@@ -58,10 +58,8 @@ VARIANTS = {  # name -> knobs over HOPPER_KNOBS (forward only)
     "m64": dict(BLOCK_M=64, num_stages=3),
 }
 # the Gluon dK/dV kernel's tiles timed by --backward: (BLOCK_M query rows, consumers, stages) per head dim
-# (BLOCK_M query rows, consumers, stages, K/V in registers, pipelined pairs): HopperBackward.TILES
-BACKWARD_TILES = {64: [(64, 2, 2, False, False), (64, 2, 2, True, False), (64, 2, 2, True, True),
-                       (64, 2, 3, True, True)],
-                  128: [(64, 2, 2, False, False), (64, 2, 2, False, True), (64, 2, 3, False, True)]}
+# (BLOCK_M query rows, consumers, stages): HopperBackward.TILES
+BACKWARD_TILES = {64: [(64, 2, 2), (64, 2, 3), (128, 2, 2)], 128: [(64, 2, 2), (64, 2, 3)]}
 TOLERANCE = {"fwd": 3e-2, "fwd_bwd": 8e-2}  # max |x - cuDNN's| (bf16 outputs of O(1); gradients O(1))
 
 
@@ -84,7 +82,7 @@ def providers(spec, seqlen, causal, use_flex):
     return out, forced
 
 
-def bench_case(d, causal, seqlen, use_flex, variants):
+def bench_case(d, causal, seqlen, use_flex, variants, modes=("fwd", "fwd_bwd")):
     heads, batch = 2048 // d, 16384 // seqlen
     spec = AttentionSpec(name="bench", dtype="bf16", head_dim=d, num_heads=heads, causal=causal, backward=True)
     q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -93,7 +91,7 @@ def bench_case(d, causal, seqlen, use_flex, variants):
              for mode in ("fwd", "fwd_bwd")}
     runs, forced = providers(spec, seqlen, causal, use_flex)
     rows = []
-    for mode in ("fwd", "fwd_bwd"):
+    for mode in modes:
         row = {"case": f"hd{d} S={seqlen}{' causal' if causal else ''}", "mode": mode, "head_dim": d,
                "causal": causal, "seqlen": seqlen, "batch": batch, "heads": heads}
         ref = None
@@ -169,9 +167,8 @@ def backward_case(d, causal, seqlen):
     cudnn_ms = time_ms(cudnn_step) - time_ms(lambda: cudnn(q, k, v, causal))
     row["cudnn"] = {"ms": cudnn_ms, "tflops": tflops(flops, cudnn_ms)}
     default = default_config(spec, seqlen=seqlen)
-    kernels = [("portable", False, None)] + [
-        (f"gluon m{m} c{c} s{st}{' kvregs' if kv else ''}{' pipe' if pipe else ''}", True, (m, c, st, kv, pipe))
-        for m, c, st, kv, pipe in BACKWARD_TILES[d]]
+    kernels = [("portable", False, None)] + [(f"gluon m{m} c{c} s{st}", True, (m, c, st))
+                                             for m, c, st in BACKWARD_TILES[d]]
     for name, flag, tiles in kernels:
         try:
             if tiles:
@@ -245,6 +242,7 @@ def main():
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting cases after this many seconds")
     ap.add_argument("--seqlens", default="4096,16384,1024", help="comma-separated sequence lengths, in order")
     ap.add_argument("--backward", action="store_true", help="time the backward alone per dK/dV kernel instead")
+    ap.add_argument("--fwd-bwd-only", action="store_true", help="time fwd+bwd rows only (no forward rows)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     env = environment()
@@ -258,8 +256,10 @@ def main():
         if args.backward:
             rows += backward_case(d, causal, seqlen)
         else:
-            rows += bench_case(d, causal, seqlen, not args.no_flex, args.variants)
-        write(Path(args.out), env, rows, "hopper-bwd" if args.backward else "hopper-ws", render)  # a cut run keeps them
+            rows += bench_case(d, causal, seqlen, not args.no_flex, args.variants,
+                               ("fwd_bwd",) if args.fwd_bwd_only else ("fwd", "fwd_bwd"))
+        name = "hopper-bwd" if args.backward else "hopper-bwd-fwdbwd" if args.fwd_bwd_only else "hopper-ws"
+        write(Path(args.out), env, rows, name, render)  # after each case: a run cut short keeps what it measured
     print(render(rows, env))
 
 

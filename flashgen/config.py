@@ -287,6 +287,8 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
     seqlen = DEFAULT_SEQLEN if seqlen is None else seqlen
     shape = mask_shape(spec)
     forward, backward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws), _backward_defaults(spec, arch, d, shape, seqlen)
+    if arch == "sm90" and _hopper_bwd_default(spec, d, shape, seqlen):
+        backward["hopper_bwd"] = True
     if seqlen <= SMALL_CALL:
         # A call this short is host-bound: building tensor descriptors costs more host time than the
         # copy engine saves (H100, B=1 H=16 S=128 hd128 causal: forward 68 vs 41 us of host per call,
@@ -371,6 +373,17 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):
         return tile
     return None
+
+
+def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> bool:
+    """The Gluon dK/dV kernel (hopper_bwd) where the H100 measured the backward faster with it than
+    with the portable dK/dV kernel, in both runs (benchmarks/results/2026-11-23-h100-hopper-bwd*.md,
+    bf16, 16384 tokens, whole backward ms Gluon / portable): hd128 causal S=16384 6.44/6.47 and
+    6.33/6.61. Everywhere else it tied or lost (hd128 S=16384 7.70/7.28 ms of dK/dV, hd64 4-23%
+    slower, S=1024 6-25% slower), so calls of 8192 tokens and fewer keep the portable kernel."""
+    from .runtime.hopper import spec_unserved
+
+    return spec_unserved(spec) is None and d == 128 and shape.causal and seqlen >= 16384
 
 
 def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import AttentionSpec, ConfigError, KernelConfig
+from flashgen import AttentionSpec, ConfigError, KernelConfig, default_config
 from flashgen.codegen.render import render
 from flashgen.runtime import hopper_bwd
 from flashgen.runtime.launch import BackwardPlan
@@ -127,3 +127,18 @@ def test_space_offers_the_kernel_only_where_it_serves():
                       == (64, 64, 0) for p in on)
     assert "hopper_bwd" not in backward_space(AttentionSpec(dtype="bf16", head_dim=96), H100).params
     assert "hopper_bwd" not in backward_space(SERVED, DeviceLimits("NVIDIA A100", 166912.0)).params
+
+
+@pytest.mark.parametrize("fields, target, seqlen, on", [
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 16384, True),  # the one case it measured faster
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 32768, True),
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 4096, False),  # a tie: the portable kernel
+    (dict(head_dim=128, num_heads=16), "h100", 16384, False),  # slower
+    (dict(head_dim=64, num_heads=32, causal=True), "h100", 16384, False),
+    (dict(head_dim=128, num_heads=16, causal=True), "a100", 16384, False),  # not sm90
+    (dict(head_dim=128, num_heads=16, mask={"sliding_window": {"left": 128}}), "h100", 16384, False),  # unserved
+])
+def test_sm90_default_takes_the_kernel_where_it_measured_faster(fields, target, seqlen, on):
+    config = default_config(AttentionSpec(dtype="bf16", backward=True, **fields), target, seqlen)
+    assert config.hopper_bwd is on
+    assert config.dq_strategy == "separate"

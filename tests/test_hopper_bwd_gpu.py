@@ -72,12 +72,11 @@ def test_under_the_gluon_forward_and_autograd(shape, causal):
 
 @sm90
 @pytest.mark.parametrize("shape, tiles", [
-    (SHAPES[1], (64, 2, 2, True, False)), (SHAPES[1], (64, 2, 3, True, True)), (SHAPES[1], (64, 1, 2, False, True)),
-    (SHAPES[1], (128, 2, 2, False, False)), (SHAPES[2], (64, 2, 2, False, True)), (SHAPES[2], (64, 2, 3, False, True)),
+    (SHAPES[1], (64, 2, 3)), (SHAPES[1], (64, 1, 2)), (SHAPES[1], (128, 2, 2)), (SHAPES[2], (64, 2, 3)),
 ])
 @pytest.mark.parametrize("causal", [False, True])
 def test_each_tile(monkeypatch, shape, tiles, causal):
-    # the kernel's tiles and techniques are class data (HopperBackward.TILES, per head dim): each stays exact
+    # the kernel's tiles are class data (HopperBackward.TILES, per head dim): each choice stays exact
     monkeypatch.setitem(HopperBackward.TILES, shape[5], tiles)
     check_backward("bf16", shape, causal, dict(family="portable", tma=False, warp_specialize=False, hopper_bwd=True))
 
@@ -91,4 +90,20 @@ def test_unserved_calls_run_the_portable_dkdv():
     do = torch.randn_like(out)
     grads = module.backward(do, q, k, v, out, lse, dq_strategy="atomic")[:3]  # atomic dQ: not served
     assert not took_gluon_dkdv(module)
+    assert_gradients_close(grads, q, k, v, do, causal=True)
+
+
+@sm90
+def test_default_takes_it_where_it_is_the_default():
+    # hd128 causal at 16384 tokens (config._hopper_bwd_default); two heads: the float32 reference fits
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=2, causal=True, backward=True)
+    kernel = flashgen.compile(spec)
+    config = kernel.config_for(16384)
+    assert config == default_config(spec, "h100", 16384) and config.hopper_bwd
+    module = kernel.module(config)
+    q, k, v = make_qkv(1, 2, 2, 16384, 16384, 128, dtype=torch.bfloat16, device="cuda")
+    out, lse = module.forward(q, k, v)
+    do = torch.randn_like(out)
+    grads = module.backward(do, q, k, v, out, lse)[:3]
+    assert took_gluon_dkdv(module)
     assert_gradients_close(grads, q, k, v, do, causal=True)

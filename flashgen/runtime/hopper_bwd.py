@@ -18,7 +18,7 @@ import triton
 # standalone paste drops them all)
 from flashgen.runtime.hopper import HopperForward, bhsd, call_unserved, device_unserved, spec_unserved  # standalone: hopper.py precedes
 from flashgen.runtime.hopper import fence_async_shared, gl, gluon, mbarrier, tma_load  # noqa: F401 standalone: hopper.py precedes
-from flashgen.runtime.hopper import warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait  # noqa: F401 standalone: hopper.py precedes
+from flashgen.runtime.hopper import warpgroup_mma, warpgroup_mma_wait  # noqa: F401 standalone: hopper.py precedes
 
 
 def backward_call_unserved(q, k, v, do, layout, *, dropout_p=0.0, atomic=False, device_check=None) -> str | None:
@@ -38,17 +38,18 @@ def backward_call_unserved(q, k, v, do, layout, *, dropout_p=0.0, atomic=False, 
 class HopperBackward:
     """Launches a module's rendered Gluon dK/dV kernel (_attn_bwd_dkdv_hopper): CONSUMERS warpgroups
     of 64 keys each, (Q, dO) tiles of block_m query rows through a NUM_STAGES-deep ring that a
-    one-warp producer fills. The tiles are FlashAttention-3's sm90 backward choices per head dim
-    (BLOCK_N = 128 keys as two consumers; 64 query rows at hd128, where dK and dV take 128 of the
-    consumer's registers, 128 at hd64), not tuner knobs yet."""
+    one-warp producer fills. BLOCK_N = 128 keys as two consumers (FA3's sm90 choice); the query
+    tile per head dim is TILES's (class data, not a tuner knob yet)."""
 
     CONSUMER_ROWS = 64
     RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2)
     PRODUCER_REGS = 24  # the producer warp only issues TMA copies
     CONSUMER_REGS = 240  # 2 consumer warpgroups x 240 + the producer's 24 fill the register file
-    # head dim -> (BLOCK_M query rows per ring slot, consumers, ring stages, K and V held in registers,
-    # the next pair's S^T and dP^T issued before this pair's dV and dK are waited for)
-    TILES = {64: (64, 2, 2, False, False), 128: (64, 2, 2, False, False)}
+    # head dim -> (BLOCK_M query rows per ring slot, consumers, ring stages). H100 (benchmarks/
+    # results/2026-11-23-h100-hopper-bwd*.md): 64-row query tiles at both head dims; at hd64, 128
+    # rows hold S^T and dP^T at 64 registers each beside the LSE/delta columns and spill (2-3x slower);
+    # 3 stages ran as 2 (the two consumers, not the loads, set the pace).
+    TILES = {64: (64, 2, 2), 128: (64, 2, 2)}
 
     def __init__(self, kernel, spec, config):
         self.kernel = kernel
@@ -75,7 +76,7 @@ class HopperBackward:
     def launch(self, q, k, v, do, lse, delta, dk, dv, layout, scale):
         """Fill dk, dv (k's and v's shapes, unit stride along dim) from q, k, v, do and the forward's
         lse and the preprocess's delta ((B, H, Sq) float32, contiguous)."""
-        block_m, consumers, stages, kv_regs, pipeline = self.TILES[self.spec["head_dim"]]
+        block_m, consumers, stages = self.TILES[self.spec["head_dim"]]
         (batch, heads, seqlen_q, _), _ = bhsd(q, layout)
         (_, kv_heads, seqlen_k, _), _ = bhsd(k, layout)
         _, dk_strides = bhsd(dk, layout)
@@ -86,8 +87,7 @@ class HopperBackward:
         self.kernel[grid](kd, vd, qd, dod, lse, delta, dk, dv, *lse.stride()[:2], *dk_strides[:3], *dv_strides[:3],
                           seqlen_q, seqlen_k, heads // kv_heads, scale * self.RCP_LN2, scale,
                           CAUSAL=bool(self.spec["causal"]), NUM_STAGES=stages, CONSUMERS=consumers,
-                          PRODUCER_REGS=self.PRODUCER_REGS, CONSUMER_REGS=self.CONSUMER_REGS, KV_REGS=kv_regs,
-                          PIPELINE=pipeline, num_warps=4)
+                          PRODUCER_REGS=self.PRODUCER_REGS, CONSUMER_REGS=self.CONSUMER_REGS, num_warps=4)
         return dk, dv
 
 
