@@ -51,15 +51,12 @@ class HopperBackward:
     # 3 stages ran as 2 (the two consumers, not the loads, set the pace).
     TILES = {64: (64, 2, 2), 128: (64, 2, 2)}
 
-    def __init__(self, kernel, spec, config):
-        self.kernel = kernel
-        self.spec, self.config = spec, config
-        self.spec_reason = spec_unserved(spec)
+    # hopper.device_unserved; tests/sm90_compile.py replaces it to compile for sm90 with CPU tensors
+    device_unserved = staticmethod(device_unserved)
 
-    @staticmethod
-    def device_unserved(device):
-        """device_unserved (tests/sm90_compile.py replaces it to compile for sm90 with CPU tensors)."""
-        return device_unserved(device)
+    def __init__(self, kernel, spec, config):
+        self.kernel, self.spec, self.config = kernel, spec, config
+        self.spec_reason = spec_unserved(spec)
 
     def serve(self, plan, q, k, v, do, layout, scale, dropout_p):
         """Swap this kernel in for the portable dK/dV launch of a launch.BackwardPlan when the call is
