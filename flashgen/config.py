@@ -376,14 +376,15 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
 
 
 def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> bool:
-    """The Gluon dK/dV kernel (hopper_bwd) where the H100 measured the backward faster with it than
-    with the portable dK/dV kernel, in both runs (benchmarks/results/2026-11-23-h100-hopper-bwd*.md,
-    bf16, 16384 tokens, whole backward ms Gluon / portable): hd128 causal S=16384 6.44/6.47 and
-    6.33/6.61. Everywhere else it tied or lost (hd128 S=16384 7.70/7.28 ms of dK/dV, hd64 4-23%
-    slower, S=1024 6-25% slower), so calls of 8192 tokens and fewer keep the portable kernel."""
+    """The Gluon dK/dV kernel (hopper_bwd) where the H100 measured it faster than the portable dK/dV
+    kernel in every run (benchmarks/results/2026-11-23-h100-hopper-bwd*.md, bf16, 16384 tokens):
+    hd128 causal S=16384, whole backward 6.44 / 6.47 ms and 6.33 / 6.61 (Gluon / portable), fwd+bwd
+    456 / 438 TFLOP/s; S=4096, backward 1.90 / 1.93 ms, fwd+bwd 403 / 383. Everywhere else it tied
+    or lost (hd128 S=16384 plain 452 / 463 fwd+bwd, hd64 1-11% slower, S=1024 2-13% slower), so
+    those and calls of 2048 tokens and fewer keep the portable kernel."""
     from .runtime.hopper import spec_unserved
 
-    return spec_unserved(spec) is None and d == 128 and shape.causal and seqlen >= 16384
+    return spec_unserved(spec) is None and d == 128 and shape.causal and seqlen >= 4096
 
 
 def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:

@@ -130,9 +130,9 @@ def test_space_offers_the_kernel_only_where_it_serves():
 
 
 @pytest.mark.parametrize("fields, target, seqlen, on", [
-    (dict(head_dim=128, num_heads=16, causal=True), "h100", 16384, True),  # the one case it measured faster
-    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 32768, True),
-    (dict(head_dim=128, num_heads=16, causal=True), "h100", 4096, False),  # a tie: the portable kernel
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 16384, True),  # the cases it measured faster
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, True),
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 2048, False),  # S=1024 slower: the portable kernel
     (dict(head_dim=128, num_heads=16), "h100", 16384, False),  # slower
     (dict(head_dim=64, num_heads=32, causal=True), "h100", 16384, False),
     (dict(head_dim=128, num_heads=16, causal=True), "a100", 16384, False),  # not sm90
