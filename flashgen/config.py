@@ -65,6 +65,10 @@ class KernelConfig:
     # kernel run before dK/dV: no preprocess pass re-reading O and dO, one launch fewer
     # (separate dQ only: the atomic strategy has no dQ kernel).
     bwd_fused_delta: bool = False
+    # dK/dV from the Gluon warp-specialized sm90 kernel (templates/hopper/backward.j2: a TMA producer
+    # warp feeding (Q, dO) tiles to two consumer warpgroups of 64 keys each; runtime/hopper_bwd.py),
+    # where it serves the call; preprocess and dQ stay portable. Rendered only when on.
+    hopper_bwd: bool = False
     # dQ programs in reverse query-block order: with a causal-like mask the last query blocks see
     # the most keys, so they start first and the kernel's tail is made of short programs (the
     # Q-outer forward does the same).
@@ -78,15 +82,16 @@ class KernelConfig:
     hopper_overlap: bool = False  # issue the next block's Q K^T before this block's softmax
     hopper_pingpong: bool = False  # two consumers take turns at the tensor cores (FA3's ping-pong)
 
-    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family", "bwd_dq_heavy_first")
+    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family", "hopper_bwd", "bwd_dq_heavy_first")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
-                "bwd_tma", "bwd_persistent", "bwd_fused_delta", "bwd_dq_heavy_first")
+                "bwd_tma", "bwd_persistent", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first")
     # Knobs added after results were stored, with the value that renders the kernels as before
     # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
     # hashed before them keep their kernel ids and their rendered text byte for byte, and
     # from_dict() reads a missing one as that value.
     LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False, "family": "portable", "hopper_regs": 240,
-                   "hopper_overlap": False, "hopper_pingpong": False, "bwd_dq_heavy_first": False}
+                   "hopper_overlap": False, "hopper_pingpong": False, "hopper_bwd": False,
+                   "bwd_dq_heavy_first": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -108,7 +113,7 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
-        for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "bwd_dq_heavy_first"):
+        for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.warp_specialize and self.num_warps < 8:
@@ -121,6 +126,9 @@ class KernelConfig:
         if self.bwd_fused_delta and self.dq_strategy != "separate":
             raise ConfigError(f"config knob 'bwd_fused_delta': needs dq_strategy='separate' (the dQ kernel computes "
                               f"delta), got dq_strategy={self.dq_strategy!r}")
+        if self.hopper_bwd and self.dq_strategy != "separate":
+            raise ConfigError(f"config knob 'hopper_bwd': needs dq_strategy='separate' (the Gluon dK/dV kernel "
+                              f"computes no dQ), got dq_strategy={self.dq_strategy!r}")
         if self.family not in FAMILIES:
             raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
         for name in ("hopper_overlap", "hopper_pingpong"):
@@ -172,13 +180,15 @@ class KernelConfig:
                 f"stages={self.num_stages} {self.loop_order}{hopper}")
 
     def check_spec(self, spec: AttentionSpec) -> "KernelConfig":
-        """This config for this spec: a ConfigError where the family cannot serve the spec."""
-        if self.family == "hopper_ws":
-            from .runtime.hopper import spec_unserved
+        """This config for this spec: a ConfigError where the family (or the Gluon backward) cannot
+        serve the spec."""
+        from .runtime.hopper import spec_unserved
 
-            reason = spec_unserved(spec)
-            if reason:
-                raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
+        if self.family == "hopper_ws" and (reason := spec_unserved(spec)):
+            raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
+        if self.hopper_bwd and (reason := spec_unserved(spec)):
+            raise ConfigError(f"config knob 'hopper_bwd': the Gluon dK/dV kernel cannot serve spec {spec.uri!r}: "
+                              f"{reason}")
         return self
 
     def describe_backward(self) -> str:
@@ -186,7 +196,7 @@ class KernelConfig:
                 f"warps={self.bwd_num_warps} stages={self.bwd_num_stages} dq={self.dq_strategy}"
                 f"{' tma' if self.bwd_tma else ''}"
                 f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}"
-                f"{' fused_delta' if self.bwd_fused_delta else ''}"
+                f"{' fused_delta' if self.bwd_fused_delta else ''}{' hopper_bwd' if self.hopper_bwd else ''}"
                 f"{' dq_heavy_first' if self.bwd_dq_heavy_first else ''}")
 
 
@@ -284,6 +294,8 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
     seqlen = DEFAULT_SEQLEN if seqlen is None else seqlen
     shape = mask_shape(spec)
     forward, backward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws), _backward_defaults(spec, arch, d, shape, seqlen)
+    if arch == "sm90" and _hopper_bwd_default(spec, d, shape, seqlen):
+        backward["hopper_bwd"] = True
     if seqlen <= SMALL_CALL:
         # A call this short is host-bound: building tensor descriptors costs more host time than the
         # copy engine saves (H100, B=1 H=16 S=128 hd128 causal: forward 68 vs 41 us of host per call,
@@ -368,6 +380,18 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):
         return tile
     return None
+
+
+def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> bool:
+    """The Gluon dK/dV kernel (hopper_bwd) where the H100 measured it faster than the portable dK/dV
+    kernel in every run (benchmarks/results/2026-11-23-h100-hopper-bwd*.md, bf16, 16384 tokens):
+    hd128 causal S=16384, whole backward 6.44 / 6.47 ms and 6.33 / 6.61 (Gluon / portable), fwd+bwd
+    456 / 438 TFLOP/s; S=4096, backward 1.90 / 1.93 ms, fwd+bwd 403 / 383. Everywhere else it tied
+    or lost (hd128 S=16384 plain 452 / 463 fwd+bwd, hd64 1-11% slower, S=1024 2-13% slower), so
+    those and calls of 2048 tokens and fewer keep the portable kernel."""
+    from .runtime.hopper import spec_unserved
+
+    return spec_unserved(spec) is None and d == 128 and shape.causal and seqlen >= 4096
 
 
 def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:

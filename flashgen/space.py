@@ -154,6 +154,11 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
                       bwd_persistent=(0, 1, 2), bwd_fused_delta=(False, True))
     if device.hopper:
         params.update(bwd_tma=(False, True))
+    # The Gluon warp-specialized dK/dV kernel (hopper_bwd), where it serves the spec: it has its own
+    # tiles (runtime/hopper_bwd.py), so with it on the portable dK/dV's tile knobs stay at one point.
+    hopper_bwd = device.hopper and not device.interpret and spec_unserved(spec) is None
+    if hopper_bwd:
+        params.update(hopper_bwd=(False, True))
 
     # Per thread: the fp32 accumulators and the two fp32 score tiles (P and dS). The dot
     # operands (K, V, Q, dO tiles) are read from shared memory and not counted. Calibrated on
@@ -175,7 +180,16 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         regs = n * p["bwd_num_warps"] * 32 * min(255, dkdv_regs(p) + 64)
         return n == 0 or device.interpret or (regs <= REGISTERS_PER_SM and n * smem(p) <= device.smem_bytes)
 
-    return SearchSpace("bwd", params, [
+    restrictions = []
+    if hopper_bwd:
+        restrictions = [
+            Restriction("not hopper_bwd or (dq_strategy == 'separate' and BLOCK_M1 == 64 and BLOCK_N1 == 64 "
+                        "and bwd_persistent == 0)",
+                        lambda p: not p.get("hopper_bwd") or (p["dq_strategy"] == "separate" and p["BLOCK_M1"] == 64
+                                                              and p["BLOCK_N1"] == 64
+                                                              and not p.get("bwd_persistent"))),
+        ]
+    return SearchSpace("bwd", params, restrictions + [
         Restriction("dK/dV kernel registers <= 255", lambda p: device.interpret or dkdv_regs(p) <= 255),
         Restriction("dQ kernel registers <= 255", lambda p: device.interpret or dq_regs(p) <= 255),
         Restriction(f"smem = {elem}*bwd_num_stages*max(BLOCK_M1, BLOCK_N2)*{bd + bdv} <= {device.smem_bytes:g}",

@@ -81,7 +81,7 @@ def training_step(launcher, q, k, tensors):
     return launcher.training_backward(plan, out, q, k, k, out, lse, None, tensors, None, None)
 
 
-def main() -> int:
+def main(only=()) -> int:
     driver.set_active(Sm90Driver())
     jit.JITFunction.run = _compile_only(jit.JITFunction.run)
 
@@ -124,10 +124,18 @@ def main() -> int:
                       hopper_regs=232)),
         ("hopper_ws hd128, ping-pong", dict(head_dim=128, num_heads=4),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
+        # the Gluon dK/dV kernel (hopper_bwd): causal GQA hd128 (64-row query tiles) under the Gluon
+        # forward; hd64 (128-row query tiles) under the portable forward
+        ("hopper_bwd gqa causal hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
+         hopper.replace(num_stages=2, family="hopper_ws", hopper_bwd=True)),
+        ("hopper_bwd hd64", dict(head_dim=64, num_heads=4), KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8,
+                                                                        num_stages=3, hopper_bwd=True)),
         ("fp8 e5m2 sliding window + softcap, pointer loads",
          dict(dtype="fp8_e5m2", head_dim=64, num_heads=4, mask={"sliding_window": {"left": 256}},
               score_mod={"softcap": 30.0}), KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
     ]
+    if only:  # compile only the cases whose name holds one of these words (by hand: python tests/sm90_compile.py hopper_bwd)
+        cases = [case for case in cases if any(word in case[0] for word in only)]
     failed = 0
     for name, fields, config in cases:
         CASE[0] = name
@@ -136,8 +144,9 @@ def main() -> int:
         spec = AttentionSpec(dtype=dtype, backward=dtype == "bf16", **fields)
         module = flashgen.compile(spec, config).module()
         module._LAUNCHER.interpreting = lambda: True  # accept CPU tensors: nothing is launched
-        if getattr(module._LAUNCHER, "hopper_forward", None) is not None:  # and take the Gluon forward
-            module._LAUNCHER.hopper_forward.device_unserved = lambda device: None
+        for family in ("hopper_forward", "hopper_backward"):  # and take the Gluon kernels
+            if getattr(module._LAUNCHER, family, None) is not None:
+                getattr(module._LAUNCHER, family).device_unserved = lambda device: None
         h, hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q = torch.randn(2, h, 300, d).to(spec.torch_dtype)
         k = torch.randn(2, hk, 300, d).to(spec.torch_dtype)
@@ -153,7 +162,7 @@ def main() -> int:
         lse = torch.zeros(h, 600) if varlen else torch.zeros(2, h, 300)
         phases = (("forward", lambda: module.forward(q, k, k, **kw)),
                   ("backward", lambda: module.backward(q, q, k, k, q, lse, **kw)))
-        if config.family == "hopper_ws":  # autograd's path: the backward reads the Gluon forward's plan
+        if config.family == "hopper_ws" or config.hopper_bwd:  # autograd's path: the backward reads the forward's plan
             phases += (("training step", lambda: training_step(module._LAUNCHER, q, k, tensors)),)
         for phase, run in phases[:1] if spec.fp8 else phases:
             COMPILED.clear()
@@ -164,6 +173,8 @@ def main() -> int:
                 print(f"FAILED {name} {phase}: {type(err).__name__}: {str(err)[:4000]}")
                 continue
             print(f"ok {name} {phase}: " + "; ".join(COMPILED))
+    if only:
+        return 1 if failed else 0
     shared = [kernel for (case, kernel), digest in BINARIES.items()
               if case == "hd64, pointer loads" and BINARIES.get(("hd128, pointer loads", kernel)) == digest]
     if shared or not BINARIES:
@@ -175,4 +186,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -25,8 +25,9 @@ def test_kernels_compile_for_sm90(tmp_path):
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    # 17 + 2 FP8 forwards + 3 hopper_ws cases (forward, backward, and a training step: autograd's path)
-    assert len([line for line in lines if line.startswith("ok ")]) == 28, proc.stdout
+    # 17 + 2 FP8 forwards + 3 hopper_ws and 2 hopper_bwd cases (forward, backward, and a training step:
+    # autograd's path)
+    assert len([line for line in lines if line.startswith("ok ")]) == 34, proc.stdout
     # the Q-outer forward with TMA and warp specialization, every backward, the masked specs (a pattern, a
     # block map, documents), packed sequences and the persistent dK/dV grid
     for case in ("TMA + warp specialization", "sliding window + softcap", "custom expression (block map)",
@@ -49,3 +50,9 @@ def test_kernels_compile_for_sm90(tmp_path):
     for case in ("hopper_ws gqa causal, 2 consumers", "hopper_ws hd64, 1 consumer, overlap", "hopper_ws hd128, ping-pong"):
         assert any(line.startswith(f"ok {case} training step: _attn_fwd_hopper_ws") and "_attn_bwd_dq" in line
                    for line in lines), (case, proc.stdout)
+    # the Gluon dK/dV kernel (hopper_bwd): two consumer warpgroups + the producer's, beside the portable
+    # preprocess and dQ kernels, under module.backward and autograd's training step, for both forwards
+    for case in ("hopper_bwd gqa causal hd128", "hopper_bwd hd64"):
+        for phase in ("backward", "training step"):
+            assert any(line.startswith(f"ok {case} {phase}: ") and "_attn_bwd_dkdv_hopper: 12 warps" in line
+                       and "_attn_bwd_dq" in line and "_attn_bwd_dkdv:" not in line for line in lines), (case, phase)

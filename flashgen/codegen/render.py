@@ -21,7 +21,7 @@ import jinja2
 from .. import __version__
 from ..config import KernelConfig
 from ..expr.to_triton import triton_literal
-from ..runtime import decode, hopper, host, launch
+from ..runtime import decode, hopper, hopper_bwd, host, launch
 from ..spec import AttentionSpec
 from .cache import cached_source_path, import_path
 from .plan import plan_for
@@ -43,6 +43,7 @@ def template_dir() -> Path:
 # standalone module has pasted the imported file just before, so it drops them.
 LAUNCH_IMPORT_MARK = "# standalone: launch.py precedes"
 HOST_IMPORT_MARK = "# standalone: host.py precedes"
+HOPPER_IMPORT_MARK = "standalone: hopper.py precedes"
 
 
 def _pasted(path: str, mark: str) -> str:
@@ -238,7 +239,10 @@ def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, 
         standalone=standalone,
         host_source=host_source().rstrip("\n") if standalone else "",
         decode_source=decode_source().rstrip("\n") if standalone else "",
-        hopper_source=hopper_source().rstrip("\n") if standalone and config.family == "hopper_ws" else "",
+        hopper_source=hopper_source().rstrip("\n") if standalone and (config.family == "hopper_ws"
+                                                                     or config.hopper_bwd) else "",
+        hopper_bwd_source=_pasted(hopper_bwd.__file__, HOPPER_IMPORT_MARK).rstrip("\n")
+        if standalone and config.hopper_bwd else "",
     )
 
 

@@ -791,6 +791,9 @@ class AttentionLauncher:
             plan.dq_tail = (*maps, total_q, total_k)
             if cfg.get("bwd_fused_delta"):
                 plan.fused_delta = bhsd_strides(out, layout)
+        hopper = getattr(self, "hopper_backward", None)  # config knob hopper_bwd: runtime/hopper_bwd.py
+        if hopper is not None and cfg.get("hopper_bwd"):
+            hopper.serve(plan, q, k, v, do, layout, scale, dropout_p)  # its dK/dV kernel where it serves the call
         return plan
 
     # ------------------------------------------------------------------ dropout (tests)

@@ -1,0 +1,144 @@
+"""The Gluon dK/dV kernel (config knob hopper_bwd) without a GPU: its knob, what it serves, its
+rendering beside the portable backward (and its host side in standalone modules), the swap of
+the backward plan's dK/dV launch where a call is served and the portable dK/dV elsewhere, and the
+tuner's space. The kernel is compiled for sm90 by tests/test_sm90_compile.py and run by
+tests/test_hopper_bwd_gpu.py."""
+
+import ast
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, ConfigError, KernelConfig, default_config
+from flashgen.codegen.render import render
+from flashgen.runtime import hopper_bwd
+from flashgen.runtime.launch import BackwardPlan
+from flashgen.space import DeviceLimits, backward_space
+from flashgen.verify import assert_gradients_close
+
+from .helpers import make_qkv
+
+H100 = DeviceLimits("NVIDIA H100", 232448.0, hopper=True)
+SERVED = AttentionSpec(dtype="fp16", head_dim=64, num_heads=2, num_kv_heads=1, causal=True, backward=True)
+
+
+def test_knob_is_a_later_knob():
+    assert "hopper_bwd" not in KernelConfig().to_dict()  # stored ids and goldens stay as they were
+    on = KernelConfig(hopper_bwd=True)
+    assert on.to_dict()["hopper_bwd"] is True and KernelConfig.from_dict(on.to_dict()) == on
+    assert "hopper_bwd" in KernelConfig.phase_knobs("bwd") and "hopper_bwd" in on.structural()
+    assert "hopper_bwd" in on.describe_backward()
+
+
+@pytest.mark.parametrize("knobs, words", [
+    (dict(hopper_bwd="yes"), "'hopper_bwd': expected true or false, got 'yes'"),
+    (dict(hopper_bwd=True, dq_strategy="atomic"), "'hopper_bwd': needs dq_strategy='separate'"),
+])
+def test_bad_knobs_are_config_errors(knobs, words):
+    with pytest.raises(ConfigError, match=words):
+        KernelConfig(**knobs)
+
+
+def test_unserved_spec_is_a_config_error_naming_the_knob():
+    spec = AttentionSpec(dtype="bf16", head_dim=96)
+    with pytest.raises(ConfigError, match="'hopper_bwd'.*head_dim 96"):
+        render(spec, KernelConfig(hopper_bwd=True))
+    render(spec, KernelConfig())  # off: any spec
+
+
+def test_render_adds_the_kernel_beside_the_portable_backward():
+    on, off = (render(SERVED, KernelConfig(hopper_bwd=flag), standalone=False) for flag in (True, False))
+    for name in ("def _attn_bwd_dkdv(", "def _attn_bwd_dq(", "def _bwd_preprocess("):
+        assert name in on and name in off
+    assert "def _attn_bwd_dkdv_hopper(" in on and "_LAUNCHER.hopper_backward = HopperBackward(" in on
+    assert "_attn_bwd_dkdv_hopper" not in off and "hopper_backward" not in off
+
+
+@pytest.mark.parametrize("family", ["portable", "hopper_ws"])
+def test_standalone_module_carries_the_host_side_once(family):
+    config = KernelConfig(hopper_bwd=True) if family == "portable" else KernelConfig(
+        BLOCK_M=128, BLOCK_N=128, family="hopper_ws", hopper_bwd=True)
+    source = render(SERVED, config)
+    ast.parse(source)
+    assert not any(line.lstrip().startswith(("from flashgen", "import flashgen")) for line in source.splitlines())
+    assert source.count("def spec_unserved(") == 1  # hopper.py pasted once, whichever kernel came first
+    assert source.count("def backward_call_unserved(") == 1
+
+
+def test_backward_call_unserved():
+    q, k, v = make_qkv(1, 4, 2, 40, 40, 64, dtype=torch.float16, device="cpu")
+    do = torch.randn_like(q)
+    ok = lambda device: None  # noqa: E731 - as if on an sm90 GPU
+    assert hopper_bwd.backward_call_unserved(q, k, v, do, "bhsd", device_check=ok) is None
+    assert "atomic" in hopper_bwd.backward_call_unserved(q, k, v, do, "bhsd", atomic=True, device_check=ok)
+    assert "layout 'thd'" in hopper_bwd.backward_call_unserved(q[0], k[0], v[0], do[0], "thd", device_check=ok)
+    assert "dropout_p" in hopper_bwd.backward_call_unserved(q, k, v, do, "bhsd", dropout_p=0.1, device_check=ok)
+    odd = do.transpose(2, 3).contiguous().transpose(2, 3)  # dim not contiguous
+    assert "do: strides" in hopper_bwd.backward_call_unserved(q, k, v, odd, "bhsd", device_check=ok)
+    assert "device cpu" in hopper_bwd.backward_call_unserved(q, k, v, do, "bhsd")  # the real check, on the CPU
+
+
+def backward_plans(module):
+    return [p for p in module._LAUNCHER.plans.values() if isinstance(p, BackwardPlan)]
+
+
+def test_cpu_calls_run_the_portable_dkdv():
+    module = flashgen.compile(SERVED, KernelConfig(BLOCK_M=32, BLOCK_N=32, num_stages=1, BLOCK_M1=32, BLOCK_N1=32,
+                                                   BLOCK_M2=32, BLOCK_N2=32, bwd_num_stages=1,
+                                                   hopper_bwd=True)).module()
+    q, k, v = make_qkv(1, 2, 1, 45, 45, 64, dtype=torch.float16, device="cpu")
+    out, lse = module.forward(q, k, v)
+    do = torch.randn_like(out)
+    grads = module.backward(do, q, k, v, out, lse)[:3]
+    (plan,) = backward_plans(module)
+    assert not isinstance(plan.dkdv, hopper_bwd.HopperDkdv)  # not an sm90 device: the portable kernel
+    # (fp16, 3x the same-precision reference's error: TESTING.md)
+    assert_gradients_close(grads, q, k, v, do, causal=True)
+
+
+def test_a_served_call_swaps_the_dkdv_launch(monkeypatch):
+    module = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True)).module()
+    launched = []
+
+    def launch(self, q, k, v, do, lse, delta, dk, dv, layout, scale):  # records, then writes what a kernel would
+        launched.append((layout, scale, q.shape, k.shape, lse.shape, delta.shape))
+        dk.fill_(1.0), dv.fill_(2.0)
+
+    monkeypatch.setattr(hopper_bwd.HopperBackward, "launch", launch)
+    monkeypatch.setattr(module._LAUNCHER.hopper_backward, "device_unserved", lambda device: None)
+    monkeypatch.setattr(module._LAUNCHER, "interpreting", lambda: True)
+    q, k, v = make_qkv(1, 2, 1, 20, 20, 64, dtype=torch.float16, device="cpu", layout="bshd")
+    out, lse = module.forward(q, k, v, layout="bshd", softmax_scale=0.5)
+    _, dk, dv, _ = module.backward(torch.randn_like(out), q, k, v, out, lse, layout="bshd", softmax_scale=0.5,
+                                   dq_strategy="separate")
+    (plan,) = backward_plans(module)
+    assert isinstance(plan.dkdv, hopper_bwd.HopperDkdv) and plan.rows is None
+    assert launched == [("bshd", 0.5, q.shape, k.shape, (1, 2, 20), (1, 2, 20))]
+    assert bool((dk == 1).all()) and bool((dv == 2).all())  # the Gluon launch's dk, dv are what backward returns
+
+
+def test_space_offers_the_kernel_only_where_it_serves():
+    space = backward_space(SERVED, H100)
+    assert space.params["hopper_bwd"] == (False, True)
+    on = [p for p in space.points() if p["hopper_bwd"]]
+    # one point per dQ-side choice: the portable dK/dV's own knobs stay put, no atomic dQ
+    assert on and all(p["dq_strategy"] == "separate" and (p["BLOCK_M1"], p["BLOCK_N1"], p["bwd_persistent"])
+                      == (64, 64, 0) for p in on)
+    assert "hopper_bwd" not in backward_space(AttentionSpec(dtype="bf16", head_dim=96), H100).params
+    assert "hopper_bwd" not in backward_space(SERVED, DeviceLimits("NVIDIA A100", 166912.0)).params
+
+
+@pytest.mark.parametrize("fields, target, seqlen, on", [
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 16384, True),  # the cases it measured faster
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, True),
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 2048, False),  # S=1024 slower: the portable kernel
+    (dict(head_dim=128, num_heads=16), "h100", 16384, False),  # slower
+    (dict(head_dim=64, num_heads=32, causal=True), "h100", 16384, False),
+    (dict(head_dim=128, num_heads=16, causal=True), "a100", 16384, False),  # not sm90
+    (dict(head_dim=128, num_heads=16, mask={"sliding_window": {"left": 128}}), "h100", 16384, False),  # unserved
+])
+def test_sm90_default_takes_the_kernel_where_it_measured_faster(fields, target, seqlen, on):
+    config = default_config(AttentionSpec(dtype="bf16", backward=True, **fields), target, seqlen)
+    assert config.hopper_bwd is on
+    assert config.dq_strategy == "separate"

@@ -1,0 +1,109 @@
+"""The Gluon dK/dV kernel (config knob hopper_bwd) on an sm90 GPU: dQ, dK, dV against the reference
+on fresh random inputs (TESTING.md's 3x rule for gradients), lengths that are not multiples of
+the tiles, seqlen_q != seqlen_k both ways, GQA, both dense layouts, causal or not, under the
+portable forward and under the Gluon forward (family hopper_ws), through module.backward and
+through flashgen.attention's autograd; and each of the kernel's tiles per head dim."""
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, KernelConfig, default_config
+from flashgen.runtime.hopper_bwd import HopperBackward, HopperDkdv
+from flashgen.runtime.launch import BackwardPlan
+from flashgen.verify import assert_gradients_close
+
+from .helpers import make_qkv
+
+pytestmark = pytest.mark.gpu
+
+sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="needs an sm90 GPU (H100/H200)")
+
+SHAPES = [  # batch, heads, kv heads, seqlen_q, seqlen_k, head dim, layout
+    (2, 8, 2, 1000, 1000, 128, "bhsd"),
+    (1, 4, 4, 333, 777, 64, "bshd"),
+    (2, 6, 2, 777, 301, 128, "bshd"),
+    (1, 8, 1, 17, 4097, 64, "bhsd"),
+    (2, 4, 2, 4097, 129, 64, "bshd"),
+]
+
+
+def took_gluon_dkdv(module) -> bool:
+    return any(isinstance(plan, BackwardPlan) and isinstance(plan.dkdv, HopperDkdv)
+               for plan in module._LAUNCHER.plans.values())
+
+
+def check_backward(dtype, shape, causal, config_knobs, *, autograd=False):
+    batch, heads, kv_heads, sq, sk, d, layout = shape
+    spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads, num_kv_heads=kv_heads, causal=causal,
+                         backward=True)
+    config = default_config(spec, "h100", sq).replace(**config_knobs)
+    module = flashgen.compile(spec, config).module()
+    q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=spec.torch_dtype, device="cuda", layout=layout)
+    out, lse = module.forward(q, k, v, layout=layout)
+    do = torch.randn_like(out)
+    grads = module.backward(do, q, k, v, out, lse, layout=layout)[:3]
+    assert took_gluon_dkdv(module)
+    # gradients: 3x the same-precision reference's error + its rounding (TESTING.md)
+    assert_gradients_close(grads, q, k, v, do, causal=causal, layout=layout)
+    if autograd:  # flashgen.attention's autograd op: training_forward, then training_backward on its plan
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        flashgen.attention(*leaves, causal=causal, layout=layout, config=config).backward(do)
+        assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, causal=causal, layout=layout)
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_gradients(dtype, shape, causal):
+    check_backward(dtype, shape, causal, dict(family="portable", tma=False, warp_specialize=False, hopper_bwd=True))
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_under_the_gluon_forward_and_autograd(shape, causal):
+    check_backward("bf16", shape, causal, dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4,
+                                               num_stages=2, tma=False, warp_specialize=False, hopper_bwd=True),
+                   autograd=True)
+
+
+@sm90
+@pytest.mark.parametrize("shape, tiles", [
+    (SHAPES[1], (64, 2, 3)), (SHAPES[1], (64, 1, 2)), (SHAPES[1], (128, 2, 2)), (SHAPES[2], (64, 2, 3)),
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_tile(monkeypatch, shape, tiles, causal):
+    # the kernel's tiles are class data (HopperBackward.TILES, per head dim): each choice stays exact
+    monkeypatch.setitem(HopperBackward.TILES, shape[5], tiles)
+    check_backward("bf16", shape, causal, dict(family="portable", tma=False, warp_specialize=False, hopper_bwd=True))
+
+
+@sm90
+def test_unserved_calls_run_the_portable_dkdv():
+    spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=4, causal=True, backward=True)
+    module = flashgen.compile(spec, KernelConfig(hopper_bwd=True)).module()
+    q, k, v = make_qkv(1, 4, 4, 300, 300, 64, dtype=torch.bfloat16, device="cuda")
+    out, lse = module.forward(q, k, v)
+    do = torch.randn_like(out)
+    grads = module.backward(do, q, k, v, out, lse, dq_strategy="atomic")[:3]  # atomic dQ: not served
+    assert not took_gluon_dkdv(module)
+    assert_gradients_close(grads, q, k, v, do, causal=True)
+
+
+@sm90
+def test_default_takes_it_where_it_is_the_default():
+    # hd128 causal at 16384 tokens (config._hopper_bwd_default); two heads: the float32 reference fits
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=2, causal=True, backward=True)
+    kernel = flashgen.compile(spec)
+    config = kernel.config_for(16384)
+    assert config == default_config(spec, "h100", 16384) and config.hopper_bwd
+    module = kernel.module(config)
+    q, k, v = make_qkv(1, 2, 2, 16384, 16384, 128, dtype=torch.bfloat16, device="cuda")
+    out, lse = module.forward(q, k, v)
+    do = torch.randn_like(out)
+    grads = module.backward(do, q, k, v, out, lse)[:3]
+    assert took_gluon_dkdv(module)
+    assert_gradients_close(grads, q, k, v, do, causal=True)
