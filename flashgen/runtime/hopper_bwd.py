@@ -66,7 +66,7 @@ class HopperBackward:
         reason = self.spec_reason or backward_call_unserved(q, k, v, do, layout, dropout_p=dropout_p,
                                                             atomic=plan.atomic, device_check=self.device_unserved)
         if reason is None:
-            plan.dkdv = HopperDkdv(self, layout, scale)
+            plan.dkdv = HopperDkdv(self, layout, scale, plan.dkdv)
             plan.rows = None  # the portable kernel's (Q, dO) descriptors: this kernel makes its own
         return reason
 
@@ -92,16 +92,18 @@ class HopperDkdv:
     (launch.BackwardPlan passes q, k, v, do, lse, delta, dk, dv first, then the portable kernel's
     other arguments, which this kernel does not take)."""
 
-    def __init__(self, backward, layout, scale):
+    def __init__(self, backward, layout, scale, portable):
         self.backward, self.layout, self.scale = backward, layout, scale
+        self.portable = portable  # the portable dK/dV launch it replaces: says whether the step's launches bind
 
     def __call__(self, q, k, v, do, lse, delta, dk, dv, *portable_args):
         return self.backward.launch(q, k, v, do, lse, delta, dk, dv, self.layout, self.scale)
 
     def bindable(self):
         """launch.BackwardPlan takes launch_context() once when its dK/dV launch is bindable: this one
-        goes through Triton's launch path, but the step's portable preprocess and dQ are bound."""
-        return True
+        goes through Triton's launch path, but the step's portable preprocess and dQ bind as the
+        portable dK/dV launch would."""
+        return self.portable.bindable()
 
     def run(self, context, args):
         return self(*args)
