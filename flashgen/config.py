@@ -67,7 +67,9 @@ class KernelConfig:
     bwd_fused_delta: bool = False
     # dK/dV from the Gluon warp-specialized sm90 kernel (templates/hopper/backward.j2: a TMA producer
     # warp feeding (Q, dO) tiles to two consumer warpgroups of 64 keys each; runtime/hopper_bwd.py),
-    # where it serves the call; preprocess and dQ stay portable. Rendered only when on.
+    # where it serves the call; preprocess and dQ stay portable. Rendered only when on. It computes no
+    # dQ: with dq_strategy 'atomic' (the config's or a call's) the portable dK/dV runs, as where the
+    # call is not served, so a default with it on takes .replace(dq_strategy="atomic").
     hopper_bwd: bool = False
     # dQ programs in reverse query-block order: with a causal-like mask the last query blocks see
     # the most keys, so they start first and the kernel's tail is made of short programs (the
@@ -126,9 +128,6 @@ class KernelConfig:
         if self.bwd_fused_delta and self.dq_strategy != "separate":
             raise ConfigError(f"config knob 'bwd_fused_delta': needs dq_strategy='separate' (the dQ kernel computes "
                               f"delta), got dq_strategy={self.dq_strategy!r}")
-        if self.hopper_bwd and self.dq_strategy != "separate":
-            raise ConfigError(f"config knob 'hopper_bwd': needs dq_strategy='separate' (the Gluon dK/dV kernel "
-                              f"computes no dQ), got dq_strategy={self.dq_strategy!r}")
         if self.family not in FAMILIES:
             raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
         for name in ("hopper_overlap", "hopper_pingpong"):

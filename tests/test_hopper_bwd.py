@@ -33,11 +33,23 @@ def test_knob_is_a_later_knob():
 
 @pytest.mark.parametrize("knobs, words", [
     (dict(hopper_bwd="yes"), "'hopper_bwd': expected true or false, got 'yes'"),
-    (dict(hopper_bwd=True, dq_strategy="atomic"), "'hopper_bwd': needs dq_strategy='separate'"),
 ])
 def test_bad_knobs_are_config_errors(knobs, words):
     with pytest.raises(ConfigError, match=words):
         KernelConfig(**knobs)
+
+
+def test_atomic_dq_runs_the_portable_dkdv(monkeypatch):
+    # A default with hopper_bwd on, dQ switched to atomic (tests/test_backward_gpu.py does so): accepted,
+    # and the step runs the portable dK/dV, which accumulates dQ.
+    cfg = KernelConfig(hopper_bwd=True).replace(dq_strategy="atomic")
+    module = flashgen.compile(SERVED, cfg).module()
+    monkeypatch.setattr(module._LAUNCHER.hopper_backward, "device_unserved", lambda device: None)
+    q, k, v = make_qkv(1, 2, 1, 20, 20, 64, dtype=torch.float16, device="cpu", layout="bshd")
+    out, lse = module.forward(q, k, v, layout="bshd", softmax_scale=0.5)
+    module.backward(torch.randn_like(out), q, k, v, out, lse, layout="bshd", softmax_scale=0.5)
+    (plan,) = backward_plans(module)
+    assert plan.atomic and not isinstance(plan.dkdv, hopper_bwd.HopperDkdv)
 
 
 def test_unserved_spec_is_a_config_error_naming_the_knob():
