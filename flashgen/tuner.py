@@ -601,7 +601,9 @@ def _final_choice(runner, kernel, study, space, phase, work, options, base: Kern
         if config == base:
             default = rec
         if rec.status != "ok":  # passed the reduced grid, failed the full one: record, never choose
-            params = {n: rec.config[n] for n in space.params}
+            # from the config, not rec.config: to_dict() leaves out a LATER_KNOB at its old value
+            # (bwd_persistent 0), which a KeyError here turned into a crashed tune
+            params = {n: getattr(config, n) for n in space.params}
             dists = {n: optuna.distributions.CategoricalDistribution(list(c)) for n, c in space.params.items()}
             study.add_trial(optuna.trial.create_trial(state=optuna.trial.TrialState.FAIL, params=params,
                                                       distributions=dists,

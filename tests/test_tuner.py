@@ -853,3 +853,27 @@ def test_cli_recheck_shipped_without_a_file_for_this_gpu_is_one_line(tmp_path, m
     result = CliRunner().invoke(main, ["tune", "--recheck", "--shipped", "--interpret"])
     assert result.exit_code == 1 and "no shipped tuning results for" in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_final_round_failure_of_a_config_at_a_later_knobs_old_value_is_recorded():
+    # CI saw a tune crash with KeyError('bwd_persistent'): a finalist failing the full grid was
+    # recorded from its to_dict(), which leaves out a LATER_KNOB at its old value (bwd_persistent 0).
+    import optuna
+    from flashgen.db import TrialRecord
+
+    space = backward_space(AttentionSpec(dtype="fp16", head_dim=32, causal=True, backward=True),
+                           DeviceLimits("interp", float("inf"), interpret=True))
+    base = KernelConfig(BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16, bwd_num_warps=4, bwd_num_stages=1)
+    assert base.bwd_persistent == 0 and "bwd_persistent" not in base.to_dict()
+
+    class Runner:
+        def evaluate(self, kernel, config, phase, work, timeout_s, full):
+            return TrialRecord(32, phase, config.to_dict(), "timeout", error="full grid too slow")
+
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    best, default = flashgen.tuner._final_choice(Runner(), None, study, space, "bwd", None,
+                                                 TuneOptions(), base)
+    assert best is None and default.status == "timeout"
+    (failed,) = study.trials
+    assert failed.state == optuna.trial.TrialState.FAIL and failed.user_attrs["final"]
+    assert failed.params["bwd_persistent"] == 0 and failed.params["BLOCK_M1"] == 16
