@@ -312,10 +312,16 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
                                worker))
     if as_json:
         click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
-    failed = [doc["spec"] for doc in docs if not any(r["config"] for r in doc["results"])
-              and not all(r["final_elsewhere"] for r in doc["results"])]  # another worker chose its configs
+    failed = [doc["spec"] for doc in docs if _nothing_stored(doc)]
     if failed:
         raise click.ClickException("no config passed verification for " + ", ".join(failed) + ": nothing stored for it")
+
+
+def _nothing_stored(doc: dict) -> bool:
+    """Whether a spec's tune (one _tune_spec result) stored nothing: no config passed, and it was
+    not that another `--gpus` worker ran every final round (and chose its configs)."""
+    return (not any(r["config"] for r in doc["results"])
+            and not all(r["final_elsewhere"] for r in doc["results"]))
 
 
 def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json,
@@ -546,8 +552,7 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
         raise
     failed = [f"worker {i} (CUDA_VISIBLE_DEVICES={gpu}) exited with {p.returncode}"
               for i, (p, gpu) in enumerate(procs, start=1) if p.returncode]
-    failed += [f"worker 0: no config passed verification for {doc['spec']}" for doc in own
-               if not any(r["config"] for r in doc["results"]) and not all(r["final_elsewhere"] for r in doc["results"])]
+    failed += [f"worker 0: no config passed verification for {doc['spec']}" for doc in own if _nothing_stored(doc)]
     if failed:
         raise click.ClickException("; ".join(failed))
     docs = [dict(worker=0, pid=os.getpid(), cuda_visible_devices=commands[0][1]["CUDA_VISIBLE_DEVICES"],

@@ -115,7 +115,8 @@ class KernelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
-        for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first"):
+        for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first",
+                     "hopper_overlap", "hopper_pingpong"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.warp_specialize and self.num_warps < 8:
@@ -130,9 +131,6 @@ class KernelConfig:
                               f"delta), got dq_strategy={self.dq_strategy!r}")
         if self.family not in FAMILIES:
             raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
-        for name in ("hopper_overlap", "hopper_pingpong"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
             raise ConfigError(f"config knob 'hopper_pingpong': needs two consumers (BLOCK_M=128) and no "
                               f"hopper_overlap, got BLOCK_M={self.BLOCK_M} hopper_overlap={self.hopper_overlap}")

@@ -105,10 +105,18 @@ def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, dev
     if reason:
         return reason
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
-            return f"{name}: strides {tuple(t.stride())} (served: a contiguous last dim, 16-byte strides and base)"
+        if reason := tensor_unserved(name, t):
+            return reason
     if out is not None and out.stride(-1) != 1:
         return f"out: strides {tuple(out.stride())} (served: a contiguous last dim)"
+    return None
+
+
+def tensor_unserved(name, t) -> str | None:
+    """Why the copy engine cannot read t through a Gluon descriptor (named `name`), or None: a
+    contiguous last dim and 16-byte strides and base pointer are needed."""
+    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
+        return f"{name}: strides {tuple(t.stride())} (served: a contiguous last dim, 16-byte strides and base)"
     return None
 
 

@@ -16,7 +16,7 @@ import triton
 
 # (the names the kernel template imports from here are the shim's; one line each, so that the
 # standalone paste drops them all)
-from flashgen.runtime.hopper import HopperForward, bhsd_order, bhsd_strides, call_unserved, device_unserved, spec_unserved  # standalone: hopper.py precedes
+from flashgen.runtime.hopper import HopperForward, bhsd_order, bhsd_strides, call_unserved, device_unserved, spec_unserved, tensor_unserved  # standalone: hopper.py precedes
 from flashgen.runtime.hopper import fence_async_shared, gl, gluon, mbarrier, tma_load  # noqa: F401 standalone: hopper.py precedes
 from flashgen.runtime.hopper import warpgroup_mma, warpgroup_mma_wait  # noqa: F401 standalone: hopper.py precedes
 
@@ -27,12 +27,8 @@ def backward_call_unserved(q, k, v, do, layout, *, dropout_p=0.0, atomic=False, 
     dO TMA-ready too, and dQ from the separate kernel (dq_strategy 'atomic' adds dQ from dK/dV)."""
     if atomic:
         return "dq_strategy 'atomic' (served: 'separate' or deterministic: this kernel computes no dQ)"
-    reason = call_unserved(q, k, v, layout, dropout_p=dropout_p, device_check=device_check)
-    if reason:
-        return reason
-    if do.stride(-1) != 1 or do.data_ptr() % 16 or any(s * do.element_size() % 16 for s in do.stride()[:-1]):
-        return f"do: strides {tuple(do.stride())} (served: a contiguous last dim, 16-byte strides and base)"
-    return None
+    return (call_unserved(q, k, v, layout, dropout_p=dropout_p, device_check=device_check)
+            or tensor_unserved("do", do))
 
 
 class HopperBackward:
@@ -41,9 +37,7 @@ class HopperBackward:
     one-warp producer fills. BLOCK_N = 128 keys as two consumers (FA3's sm90 choice); the query
     tile per head dim is TILES's (class data, not a tuner knob yet)."""
 
-    CONSUMER_ROWS = 64
-    RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2)
-    PRODUCER_REGS = 24  # the producer warp only issues TMA copies
+    CONSUMER_ROWS, RCP_LN2, PRODUCER_REGS = HopperForward.CONSUMER_ROWS, HopperForward.RCP_LN2, HopperForward.PRODUCER_REGS
     CONSUMER_REGS = 240  # 2 consumer warpgroups x 240 + the producer's 24 fill the register file
     # head dim -> (BLOCK_M query rows per ring slot, consumers, ring stages). H100 (benchmarks/
     # results/2026-11-23-h100-hopper-bwd*.md): 64-row query tiles at both head dims; at hd64, 128

@@ -555,23 +555,23 @@ class AttentionLauncher:
         if seqlen_k == 0 or v.shape[seq_dim] != seqlen_k:
             return None  # nothing to launch, or an error the checks name
         decode = self.plans.get(key)
+        if decode is False:
+            return None
+        kb, kh, ks, kd = bhsd_strides(k, layout)
+        vb, vh, vs, vd = bhsd_strides(v, layout)
+        signature = argument_signature((kb, kh, vb, vh, seqlen_k))  # how Triton specializes these ints
         if decode is None:
             plan = self.forward_call_plan(q, k, v, layout, None, None, softmax_scale, 0.0, seed, None, None, None, None,
                                           None)
             decode = False
             if (type(plan) is ForwardPlan and plan.launch is not None and plan.descriptors is None
                     and plan.buffers is None and self.block_map_kernel is None and not self.same_seqlen):
-                ints = (*bhsd_strides(k, layout)[:2], *bhsd_strides(v, layout)[:2], seqlen_k)
-                decode = (plan, {argument_signature(ints): plan.launch})
+                decode = (plan, {signature: plan.launch})
             self.remember(key, decode)
         if decode is False:
             return None
         plan, launches = decode
-        kb, kh, ks, kd = bhsd_strides(k, layout)
-        vb, vh, vs, vd = bhsd_strides(v, layout)
-        ints = (kb, kh, vb, vh, seqlen_k)
-        signature = argument_signature(ints)  # how Triton specializes these ints: one binary per answer
-        launch = launches.get(signature)
+        launch = launches.get(signature)  # one binary per answer of the signature
         if launch is None:
             base = plan.launch
             launch = launches[signature] = BoundLaunch(base.kernel, base.grid, base.constexprs)
