@@ -114,6 +114,15 @@ def smem_limit(device):
     return SMEM_LIMITS[device]
 
 
+def fp8_slots_per_sm(staged, device):
+    """How many split programs of an FP8 cache's decode share one SM (the split heuristic's
+    slots): two where two programs' tiles in flight (staged bytes) fit the shared memory (an
+    H100's 128-key, 3-stage e4m3 tile takes 106 KB), else one. The FP8 tile's loop issues
+    conversions and products for half the bytes of a bf16 tile: one program per SM (4 warps)
+    leaves the SM's memory pipe idle between them, two keep it busy."""
+    return 2 if 2 * staged <= smem_limit(device) else 1
+
+
 def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *, BLOCK_N=None, num_splits=0,
                  num_warps=None, num_stages=None, page_prefetch=None, page_size=None, element_size=2):
     """The knobs of a decode call, from shapes only: {BLOCK_M, BLOCK_N, num_splits, num_warps,
@@ -121,15 +130,21 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
 
     The defaults (H100, bf16, head dim 128, 32 q / 8 KV heads, in us):
     - BLOCK_N 128 where each key's page is looked up (page_size < 64: fewer, larger tiles
-      amortise the per-key page arithmetic; B=8, 8K keys, page 1: 115.5 vs 126.2 at 64) and
-      where the grid fills the SMs unsplit (B=64, 4K keys: 363.7 vs 384.5), else 64;
+      amortise the per-key page arithmetic; B=8, 8K keys, page 1: 115.5 vs 126.2 at 64), else 64;
       32 above head dim 128.
+    - Where the grid fills the SMs unsplit and a tile holds one query row per head (BLOCK_M 16,
+      head dim <= 128): small tiles, several programs per SM, so the grid runs in fewer, fuller
+      waves. A 16-bit cache: 32-key tiles, 2 stages (21 KB of shared memory, ~80 registers: up to
+      6 programs per SM; B=64, 4K keys, 512 programs: 360.5 vs 363.6 at 128 x 3, one program per
+      SM in 3.9 waves; cuDNN 363.0). An FP8 cache: 64-key tiles, 3 stages, 2 warps (55 KB: 4 per
+      SM; 207.6 vs 211.8 at 128 x 3 x 4 warps). Other grids that fill: 128 x 3 (B=64: 363.7 vs
+      384.5 at 64 x 3).
     - num_stages 3 (another K/V tile in flight), 2 where three do not fit in shared memory.
-    - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles and 4
-      stages, the bytes in flight of bf16's 64-key tiles and more (B=8, 8K keys, e4m3, fp16
-      products: 72.8 us; 64 x 4 77.5, 128 x 3 72.4, 128 x 5 74.1, 256 x 2 77.1), 3 stages when
-      paged (page 16: 83.2 vs 86.2 at 4); where it fills, the bf16 defaults (B=64, 4K keys:
-      128 x 3 212.5, x 2 214.4, x 4 241.4; 64 x 3 215.9; 256 x 2 242.9).
+    - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles, 3 stages
+      (106 KB: two programs fit an SM), and the split count that fills two programs per SM in one
+      wave (fp8_slots_per_sm). Before, 4 stages (139 KB) left one program per SM: B=1, 128K keys,
+      16 splits 127.0 -> 32 splits 120.1; paged-16 B=8, 2 splits 82.7 -> 4 splits 72.1 (= the
+      contiguous cache); B=8 8K keys 72.4 -> 73.1 (noise; 4 splits x 128 x 2 71.9).
     - page_prefetch: a paged tile's page numbers read one tile ahead, so no K/V load waits on
       a block table read; without it Triton's pipeliner does not multi-buffer the K/V loads
       (page 256, BLOCK_N 64: 108.7 vs 126.6; contiguous 107.7)."""
@@ -141,25 +156,32 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
     total_mblocks = batch * num_kv_heads * triton.cdiv(packed_rows, block_m)
     fills = total_mblocks >= 0.8 * sm_count(device)
+    fp8_split = element_size == 1 and not fills
+    small = fills and block_m == 16 and head_dim <= 128 and element_size <= 2  # small tiles, many per SM
     def staged_bytes(block_n, stages):  # K and V tiles in flight, and room for the rest
         return stages * block_n * 2 * padded_head_dim(head_dim) * element_size + 8192
 
     block_n = BLOCK_N
     if block_n is None:
-        fp8_split = element_size == 1 and not fills
-        block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills or fp8_split \
-            else 64
+        if small:
+            block_n = 32 if element_size == 2 else 64
+        else:
+            block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills \
+                or fp8_split else 64
         while block_n > 16 and staged_bytes(block_n, 2) > smem_limit(device):
             block_n //= 2
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {block_n!r}")
-    if num_splits == 0:
-        num_splits = num_splits_heuristic(total_mblocks, sm_count(device), triton.cdiv(capacity, block_n))
     if num_stages is None:
-        most = 4 if element_size == 1 and not fills and page_size is None else 3
+        most = 2 if small and element_size == 2 and BLOCK_N is None else 3
         num_stages = next((n for n in range(most, 2, -1) if staged_bytes(block_n, n) <= smem_limit(device)), 2)
+    if num_warps is None:
+        num_warps = 2 if small and element_size == 1 and BLOCK_N is None else 4
+    if num_splits == 0:
+        slots = sm_count(device) * (fp8_slots_per_sm(staged_bytes(block_n, num_stages), device) if fp8_split else 1)
+        num_splits = num_splits_heuristic(total_mblocks, slots, triton.cdiv(capacity, block_n))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_splits": min(num_splits, MAX_SPLITS),
-            "num_warps": num_warps or 4, "num_stages": num_stages,
+            "num_warps": num_warps, "num_stages": num_stages,
             "page_prefetch": True if page_prefetch is None else bool(page_prefetch)}
 
 
