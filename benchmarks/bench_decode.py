@@ -296,12 +296,12 @@ VARIANT_CASES = {  # the defaults (first, and again explicitly) against the knob
 }
 
 
-def variants(timer, device="cuda"):
+def variants(timer, device="cuda", rows=None):
     """Rows {case, knobs, flashgen: {us, TBps}} for VARIANT_CASES (the default knobs first, with
     the plan they resolve to), plus cuDNN on the bf16 rows."""
     from flashgen.kvcache import decode_launcher
 
-    rows = []
+    rows = [] if rows is None else rows  # appended as measured: a run stopped by timeout keeps them
     spec = AttentionSpec(name="decode", dtype="bf16", head_dim=HEAD_DIM, num_heads=HEADS, num_kv_heads=KV_HEADS,
                          causal=True, backward=False)
     kernel = flashgen.compile(spec)
@@ -384,14 +384,14 @@ CEILING_CASES = [  # (batch, KV length, cache dtype, KV heads per program, keys 
 ]
 
 
-def ceiling(timer, device="cuda", cases=None):
+def ceiling(timer, device="cuda", cases=None, clean_timer=None):
     """--ceiling: how fast a decode row's cache (8 KV heads, head dim 128) can be read at all, in
     bf16 and in e4m3. A kernel that only loads K and V tiles (as int32 words, xor-folded so no
     conversion or product costs an instruction) with decode's grid: a program per (batch element,
     group of HEADS KV heads, split), BLOCK_N keys per tile; HEADS 1 reads what the decode kernel
     reads (one head's row: 256 bytes in bf16, 128 in e4m3, 2 or 1 KB apart), 8 whole rows. Plus a
-    flat read of the B=64 cache's bytes. Each timed by time_ms and clean_ms.
-    Rows {case, us, TBps, us_clean, TBps_clean}."""
+    flat read of the B=64 cache's bytes. Each checked to read every word once (a sum), then timed
+    by timer and clean_timer (default clean_ms). Rows {case, us, TBps, us_clean, TBps_clean}."""
     import triton
     import triton.language as tl
 
@@ -409,14 +409,19 @@ def ceiling(timer, device="cuda", cases=None):
         acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.int32)
         for n in range(split * per, split * per + per, BLOCK_N):
             rows = (n + offs_n).to(tl.int64)[:, None] * stride_n
-            acc ^= tl.load(K + base + rows) ^ tl.load(V + base + rows)
-        tl.store(OUT + pid, tl.xor_sum(tl.xor_sum(acc, 1), 0))
+            acc += tl.load(K + base + rows) + tl.load(V + base + rows)  # int32, wrapping: the check's sum
+        tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0))
 
     @triton.jit
     def load_flat(X, OUT, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(OUT + tl.program_id(0), tl.xor_sum(tl.load(X + offs), 0))
+        tl.store(OUT + tl.program_id(0), tl.sum(tl.load(X + offs), 0))
 
+    def check(out, *inputs):  # every word read once: the programs' wrapped sums add up to the inputs' (mod 2^32)
+        if (out.long().sum() - sum(x.long().sum() for x in inputs)).item() % (1 << 32):
+            raise RuntimeError("ceiling: the load-only kernel did not read every word of the cache once")
+
+    clean_timer = clean_timer or clean_ms
     rows = []
     for batch, kv, dtype, heads, block_n, stages, splits in cases or CEILING_CASES:
         elem = 2 if dtype == "bf16" else 1
@@ -429,7 +434,8 @@ def ceiling(timer, device="cuda", cases=None):
                                                  WORDS=words_per_row // groups, BLOCK_N=block_n, num_warps=4,
                                                  num_stages=stages)
         fn()
-        us, us_clean = timer(fn) * 1e3, clean_ms(fn) * 1e3
+        check(out, k, v)
+        us, us_clean = timer(fn) * 1e3, clean_timer(fn) * 1e3
         nbytes = 2 * k.numel() * 4
         rows.append({"case": f"B={batch} KV={kv} {dtype}, {heads} head(s) x {splits} split(s) per program, "
                              f"{block_n} x {stages}", "us": us,
@@ -441,7 +447,8 @@ def ceiling(timer, device="cuda", cases=None):
             fout = torch.empty(flat.numel() // 4096, dtype=torch.int32, device=device)
             ffn = lambda: load_flat[(fout.numel(),)](flat, fout, BLOCK=4096)  # noqa: E731
             ffn()
-            us, us_clean = timer(ffn) * 1e3, clean_ms(ffn) * 1e3
+            check(fout, flat)
+            us, us_clean = timer(ffn) * 1e3, clean_timer(ffn) * 1e3
             rows.append({"case": f"B={batch} KV={kv} {dtype} flat", "us": us, "TBps": nbytes / (us * 1e-6) / 1e12, "us_clean": us_clean,
                          "TBps_clean": nbytes / (us_clean * 1e-6) / 1e12})
             _print_ceiling(rows[-1])
@@ -560,10 +567,15 @@ def main(argv=None):
         found = ceiling(time_ms)
         (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-ceiling{'-' + args.tag if args.tag else ''}.json").write_text(
             json.dumps({"environment": env, "rows": found}, indent=1))
-    if args.variants:  # after the table, in the same process
-        found = variants(time_ms)
-        (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-variants{'-' + args.tag if args.tag else ''}.json").write_text(
-            json.dumps({"environment": env, "rows": found}, indent=1))
+    if args.variants:  # after the table, in the same process; written even when stopped by `timeout`
+        found = []
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+        try:
+            variants(time_ms, rows=found)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-variants{'-' + args.tag if args.tag else ''}.json"
+             ).write_text(json.dumps({"environment": env, "rows": found}, indent=1))
     return rows
 
 

@@ -521,6 +521,26 @@ def test_bench_decode_smoke(tmp_path):
     assert "| B=2 q_len=1 KV=40 | paged-16 |" in next(tmp_path.glob("*.md")).read_text()
 
 
+def test_bench_decode_ceiling_reads_every_word(tmp_path):
+    # bench_decode.py --ceiling's load-only kernels at toy sizes: each checks, before it is timed,
+    # that its programs read every word of K and V once (one head per program over two splits,
+    # and whole rows of 8 heads).
+    import importlib.util
+    from pathlib import Path
+
+    from flashgen.timing import wall_ms
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_decode.py"
+    module_spec = importlib.util.spec_from_file_location("bench_decode_ceiling", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    rows = bench.ceiling(wall_ms, "cpu", cases=[(2, 32, "bf16", 1, 16, 1, 2), (1, 32, "e4m3", 8, 16, 1, 2)],
+                         clean_timer=wall_ms)
+    assert [r["case"] for r in rows] == ["B=2 KV=32 bf16, 1 head(s) x 2 split(s) per program, 16 x 1",
+                                         "B=1 KV=32 e4m3, 8 head(s) x 2 split(s) per program, 16 x 1"]
+    assert all(r["TBps"] > 0 and r["TBps_clean"] > 0 for r in rows)
+
+
 class _Recorder:
     """Stands in for a @triton.jit kernel: records each launch's grid and non-tensor arguments."""
 

@@ -135,16 +135,17 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     - Where the grid fills the SMs unsplit and a tile holds one query row per head (BLOCK_M 16,
       head dim <= 128): small tiles, several programs per SM, so the grid runs in fewer, fuller
       waves. A 16-bit cache: 32-key tiles, 2 stages (21 KB of shared memory, ~80 registers: up to
-      6 programs per SM; B=64, 4K keys, 512 programs: 360.5 vs 363.6 at 128 x 3, one program per
-      SM in 3.9 waves; cuDNN 363.0). An FP8 cache: 64-key tiles, 3 stages, 2 warps (55 KB: 4 per
-      SM; 207.6 vs 211.8 at 128 x 3 x 4 warps). Other grids that fill: 128 x 3 (B=64: 363.7 vs
-      384.5 at 64 x 3).
+      6 programs per SM; B=64, 4K keys, 512 programs: 358.2 / 357.7 / 358.0 vs 363.5 / 363.6 at
+      128 x 3, one program per SM in 3.9 waves; cuDNN 363.1, Flex 361.9). An FP8 cache: 64-key
+      tiles, 3 stages, 2 warps (55 KB: 4 per SM; 207.7 vs 210.8 at 128 x 3 x 4 warps). Other
+      grids that fill: 128 x 3 (B=64: 363.7 vs 384.5 at 64 x 3).
     - num_stages 3 (another K/V tile in flight), 2 where three do not fit in shared memory.
     - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles, 3 stages
       (106 KB: two programs fit an SM), and the split count that fills two programs per SM in one
       wave (fp8_slots_per_sm). Before, 4 stages (139 KB) left one program per SM: B=1, 128K keys,
-      16 splits 127.0 -> 32 splits 120.1; paged-16 B=8, 2 splits 82.7 -> 4 splits 72.1 (= the
-      contiguous cache); B=8 8K keys 72.4 -> 73.1 (noise; 4 splits x 128 x 2 71.9).
+      16 splits 127.0 -> 32 splits 120.1 (33, the rule's count: 120.4); paged-16 B=8, 2 splits
+      82.7 -> 4 splits 72.1 (= the contiguous cache); B=8 8K keys 72.4 / 72.7 -> 73.1 / 73.2 (0.7%
+      slower: the one row the rule does not help).
     - page_prefetch: a paged tile's page numbers read one tile ahead, so no K/V load waits on
       a block table read; without it Triton's pipeliner does not multi-buffer the K/V loads
       (page 256, BLOCK_N 64: 108.7 vs 126.6; contiguous 107.7)."""
