@@ -276,29 +276,30 @@ def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke, fp8=False):
 
 
 # --variants: the default knobs beside explicit ones through flashgen.decode, in one process, for
-# the rows closest to an anchor (issue 14's B=64 KV4096) and the FP8 cache (issue 17). Programs per
-# SM come from shared memory and registers (sm90, compiled on the CPU with tests/sm90_compile.py's
-# driver; e4m3: 128 x 3 stages 106 KB -> 2 per SM, 128 x 4 139 KB -> 1, 64 x 3 55 KB -> 4; bf16:
-# 128 x 3 139 KB -> 1, 32 x 2 21 KB and ~80 registers -> 6): a split count is worth what fits.
-# The run that chose the defaults (results/2026-11-23-h100-decode-variants-v3run1.json) timed
-# occupancy-paired variants; this list times the new defaults against the ones they replaced.
-VARIANT_CASES = {  # the defaults (first, and again explicitly) against the knobs they replaced (2026-11-23 v2)
-    "bf16 B=64 KV4096": (64, 4096, False, None, [dict(BLOCK_N=128, num_stages=3), dict(BLOCK_N=32, num_stages=2),
-                                                dict(BLOCK_N=128, num_stages=3), dict(BLOCK_N=32, num_stages=2),
-                                                dict(BLOCK_N=32, num_stages=2, num_warps=2),
-                                                dict(BLOCK_N=16, num_stages=3)]),
-    "fp8 B=64 KV4096": (64, 4096, True, None, [dict(BLOCK_N=128, num_stages=3, num_warps=4),
-                                              dict(BLOCK_N=64, num_stages=2, num_warps=2)]),
-    "fp8 B=8 KV8192": (8, 8192, True, None, [dict(num_splits=2, BLOCK_N=128, num_stages=4)]),
-    "fp8 B=1 KV131072": (1, 131072, True, None, [dict(num_splits=16, BLOCK_N=128, num_stages=4),
-                                                dict(num_splits=32, BLOCK_N=128, num_stages=3)]),
-    "fp8 B=8 KV8192 paged-16": (8, 8192, True, 16, [dict(num_splits=2, BLOCK_N=128, num_stages=3)]),
+# the split rows (issue 14's B=8 KV8192 and B=1 KV131072, B=8 paged). Programs per SM come from
+# shared memory and registers (sm90, compiled on the CPU with tests/sm90_compile.py's driver and
+# cuobjdump -res-usage; triton 3.9, bf16): 64 x 3 72 KB / 135 regs (3 per SM), 32 x 2 21 KB / 86
+# (5), 32 x 3 38 KB / 80 (6), 32 x 2 at 2 warps 21 KB / 174 (5), 64 x 2 39 KB / 105 (4): a split
+# count is worth what fits. Each case's variants run REPEATS rounds, interleaved (every variant
+# once per round, cuDNN last), so a drift of the clock or the host shows in every variant alike.
+# v3's variant lists (B=64, FP8) are in results/2026-11-23-h100-decode-variants-v3*.
+VARIANT_CASES = {  # the defaults (first) against the knobs they replaced (v3's) and their neighbours
+    "bf16 B=8 KV8192": (8, 8192, False, None, [dict(num_splits=2, BLOCK_N=64, num_stages=3),
+                                              dict(num_splits=10, BLOCK_N=32, num_stages=2),
+                                              dict(num_splits=8, BLOCK_N=32, num_stages=3),
+                                              dict(num_splits=8, BLOCK_N=32, num_stages=2, num_warps=2)]),
+    "bf16 B=1 KV131072": (1, 131072, False, None, [dict(num_splits=16, BLOCK_N=64, num_stages=3),
+                                                  dict(num_splits=128, BLOCK_N=32, num_stages=2)]),
+    "bf16 B=8 KV8192 paged-1": (8, 8192, False, 1, [dict(num_splits=2, BLOCK_N=128, num_stages=3)]),
+    "bf16 B=8 KV8192 paged-16": (8, 8192, False, 16, [dict(num_splits=2, BLOCK_N=128, num_stages=3)]),
 }
+REPEATS = 3
 
 
-def variants(timer, device="cuda", rows=None):
-    """Rows {case, knobs, flashgen: {us, TBps}} for VARIANT_CASES (the default knobs first, with
-    the plan they resolve to), plus cuDNN on the bf16 rows."""
+def variants(timer, device="cuda", rows=None, cases=None, repeats=REPEATS):
+    """Rows {case, knobs, repeat, flashgen: {us, TBps}} for VARIANT_CASES (the default knobs first,
+    with the plan they resolve to), plus cuDNN on the contiguous bf16 rows; repeats rounds per
+    case, interleaved. Then one summary row per variant: {case, knobs, median_us, ratio_vs_default}."""
     from flashgen.kvcache import decode_launcher
 
     rows = [] if rows is None else rows  # appended as measured: a run stopped by timeout keeps them
@@ -306,7 +307,7 @@ def variants(timer, device="cuda", rows=None):
                          causal=True, backward=False)
     kernel = flashgen.compile(spec)
     launcher = decode_launcher(kernel)
-    for name, (batch, kv, fp8, page, knob_sets) in VARIANT_CASES.items():
+    for name, (batch, kv, fp8, page, knob_sets) in (cases or VARIANT_CASES).items():
         gen = torch.Generator().manual_seed(0)
         randn = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)  # noqa
         q, k_cache, v_cache = (randn(batch, 1, HEADS, HEAD_DIM), randn(batch, kv, KV_HEADS, HEAD_DIM),
@@ -323,22 +324,34 @@ def variants(timer, device="cuda", rows=None):
             extra["block_table"] = table
         check = _sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)(qh, kh, vh).transpose(1, 2).float()
         nbytes = 2 * batch * kv * KV_HEADS * HEAD_DIM * k_cache.element_size()
-        for knobs in [{}, *knob_sets]:
-            row = {"case": name, "path": "-", "knobs": knobs or "default"}
-            if not knobs:
-                row["plan"] = {n: launcher.plan(batch, 1, kv, q.device, {}, page, k_cache.element_size())[n]
-                               for n in ("num_splits", "BLOCK_N", "num_stages", "num_warps")}
-            _measure(row, "flashgen", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens, **extra,
-                                                              **knobs), check, nbytes, timer)
-            rows.append(row)
-            _print_variant(row)
-        if not fp8:
-            backends = torch.nn.attention.SDPBackend
-            row = {"case": name, "path": "-", "knobs": "anchors"}
-            _measure(row, "sdpa_cudnn", lambda: _sdpa(backends.CUDNN_ATTENTION)(qh, kh, vh).transpose(1, 2), check,
-                     nbytes, timer)
-            rows.append(row)
-            _print_variant(row)
+        plan = {n: launcher.plan(batch, 1, kv, q.device, {}, page, k_cache.element_size())[n]
+                for n in ("num_splits", "BLOCK_N", "num_stages", "num_warps")}
+        timed = {}  # knobs -> its times
+        for repeat in range(repeats):
+            for knobs in [{}, *knob_sets]:
+                row = {"case": name, "path": "-", "knobs": knobs or "default", "repeat": repeat}
+                if not knobs:
+                    row["plan"] = plan
+                _measure(row, "flashgen", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens, **extra,
+                                                                  **knobs), check, nbytes, timer)
+                rows.append(row)
+                timed.setdefault(str(knobs or "default"), []).append(row["flashgen"].get("us"))
+                _print_variant(row)
+            if not fp8 and not page:
+                row = {"case": name, "path": "-", "knobs": "anchors", "repeat": repeat}
+                _measure(row, "sdpa_cudnn", lambda: _sdpa(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)(
+                    qh, kh, vh).transpose(1, 2), check, nbytes, timer)
+                rows.append(row)
+                timed.setdefault("cudnn", []).append(row["sdpa_cudnn"].get("us"))
+                _print_variant(row)
+        medians = {k: sorted(v)[len(v) // 2] for k, v in timed.items() if None not in v}
+        for knobs, us in medians.items():
+            base = medians.get("default")
+            rows.append({"case": name, "knobs": knobs, "summary": True, "median_us": us, "TBps": nbytes / us / 1e6,
+                         "ratio_vs_default": base / us if base else None})
+            print(f"{name:<26} {knobs:<72} median {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s)"
+                  + (f", default / this {base / us:.3f}" if base else ""), flush=True)
+        del q, k_cache, v_cache, qh, kh, vh, check, extra
     return rows
 
 
@@ -518,7 +531,8 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU interpreter (TRITON_INTERPRET=1)")
     ap.add_argument("--fp8", action="store_true", help="the FP8 KV cache against the bf16 one (issue 17)")
-    ap.add_argument("--variants", action="store_true", help="knob variants of B=64 KV4096 and the FP8 cache (GPU)")
+    ap.add_argument("--variants", action="store_true",
+                    help="knob variants of the split rows: B=8 KV8192, B=1 KV131072, B=8 paged (GPU)")
     ap.add_argument("--conversion", action="store_true", help="FP8 conversion kernels alone (GPU)")
     ap.add_argument("--ceiling", action="store_true", help="load-only kernels over the B=64 cache, bf16 and e4m3 (GPU)")
     ap.add_argument("--skip-table", action="store_true", help="only --conversion / --ceiling / --variants")

@@ -426,7 +426,7 @@ def test_default_tiles_follow_the_page_size_and_the_grid(monkeypatch):
     knobs = lambda rows=4, **kw: host_decode.decode_knobs(128, rows, kw.pop("batch", 8), 8, 8192, cuda, **kw)  # noqa
     picked = lambda **kw: tuple(knobs(**kw)[n] for n in ("BLOCK_N", "num_stages", "num_splits", "num_warps"))  # noqa
     assert picked() == (64, 3, 2, 4)
-    assert knobs(page_size=16)["BLOCK_N"] == 128 and knobs(page_size=256)["BLOCK_N"] == 64
+    assert knobs(page_size=1)["BLOCK_N"] == 128 and knobs(page_size=256)["BLOCK_N"] == 64
     assert picked(batch=64) == (32, 2, 1, 4)
     assert picked(batch=64, rows=64) == (128, 3, 1, 4)  # 64 packed rows (16 query positions x 4 heads)
     assert picked(batch=64, BLOCK_N=64) == (64, 3, 1, 4)  # a given tile keeps three stages
@@ -436,6 +436,27 @@ def test_default_tiles_follow_the_page_size_and_the_grid(monkeypatch):
     fp32 = knobs(batch=64, element_size=4)
     assert (fp32["BLOCK_N"], fp32["num_stages"]) == (32, 2)
     assert knobs(page_prefetch=False)["page_prefetch"] is False and knobs()["page_prefetch"] is True
+
+
+def test_split_grid_of_16_key_pages_fills_four_small_programs_per_sm(monkeypatch):
+    # A grid that does not fill the SMs (B=8: 64 programs on 132 SMs) over a 16-bit cache in
+    # pages of 16..63 keys: 32 x 2 tiles and the split count that fills four programs per SM in
+    # one wave (8 x 64 = 512 programs; H100 page 16: 111.8 vs 114.2 us at 2 x 128 x 3). Page 1,
+    # page 256, the contiguous cache and B=1 keep their tiles (the same rule ran them slower:
+    # B=8 contiguous 108.0 vs 106.8, B=1 128K 196.1 vs 191.1, page 1 115.6 vs 114.2).
+    monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)
+    cuda = torch.device("cuda", 0)
+    picked = lambda batch=8, kv=8192, rows=4, **kw: tuple(  # noqa: E731
+        host_decode.decode_knobs(128, rows, batch, 8, kv, cuda, **kw)[n]
+        for n in ("BLOCK_N", "num_stages", "num_splits", "num_warps"))
+    assert picked(page_size=16) == (32, 2, 8, 4) and picked(page_size=32) == (32, 2, 8, 4)
+    assert picked(page_size=1) == (128, 3, 2, 4) and picked(page_size=256) == (64, 3, 2, 4)
+    assert picked() == (64, 3, 2, 4) and picked(batch=1, kv=131072) == (64, 3, 16, 4)
+    assert picked(batch=1, kv=131072, page_size=16) == (32, 2, 66, 4)  # 8 x 66 = 528 programs
+    assert picked(page_size=16, rows=64) == (128, 3, 2, 4)  # 64 packed rows (16 query positions): as before
+    assert picked(page_size=16, BLOCK_N=128) == (128, 3, 2, 4)  # a given tile: one program per SM's splits
+    assert picked(page_size=16, element_size=1) == (128, 3, 4, 4)  # FP8 keeps its own rule
 
 
 def test_fp8_cache_defaults_fill_two_programs_per_sm(monkeypatch):

@@ -59,6 +59,10 @@ from flashgen.runtime.launch import BoundLaunch, argument_signature  # standalon
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
+# A split grid of 16-bit 32 x 2 tiles (21 KB of shared memory, 86 registers on sm90: five fit an
+# SM) takes the split count that fills this many programs per SM in one wave (B=8: 8 splits, 512
+# programs, as B=64's unsplit grid). Only a paged cache of 16..63-key pages takes it (decode_knobs).
+SPLIT_PROGRAMS_PER_SM = 4
 MAX_PACKED_ROWS = 64  # the tile's M: (query positions x heads of a group) above this take several row blocks
 CHECKS = ("async", "sync")
 FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -131,7 +135,7 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     The defaults (H100, bf16, head dim 128, 32 q / 8 KV heads, in us):
     - BLOCK_N 128 where each key's page is looked up (page_size < 64: fewer, larger tiles
       amortise the per-key page arithmetic; B=8, 8K keys, page 1: 115.5 vs 126.2 at 64), else 64;
-      32 above head dim 128.
+      32 above head dim 128. Split grids of 16..63-key pages: 32 (below).
     - Where the grid fills the SMs unsplit and a tile holds one query row per head (BLOCK_M 16,
       head dim <= 128): small tiles, several programs per SM, so the grid runs in fewer, fuller
       waves. A 16-bit cache: 32-key tiles, 2 stages (21 KB of shared memory, ~80 registers: up to
@@ -139,6 +143,14 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       128 x 3, one program per SM in 3.9 waves; cuDNN 363.1, Flex 361.9). An FP8 cache: 64-key
       tiles, 3 stages, 2 warps (55 KB: 4 per SM; 207.7 vs 210.8 at 128 x 3 x 4 warps). Other
       grids that fill: 128 x 3 (B=64: 363.7 vs 384.5 at 64 x 3).
+    - Where the grid does not fill the SMs (split), a 16-bit cache in pages of 16..63 keys, one
+      query row per head: 32 x 2 tiles and the split count that fills SPLIT_PROGRAMS_PER_SM (4)
+      programs per SM (B=8, 8K keys, page 16: 8 splits 111.8 vs 114.2 at 2 splits x 128 x 3).
+      Nowhere else (v4 run, 3 interleaved repeats each, medians): the same rule ran B=8 contiguous
+      108.0 vs 106.8 at 2 x 64 x 3 (cuDNN 106.6; 10 splits 108.1, 32 x 3 110.1, 2 warps 107.6),
+      B=1 128K 196.1 (66 splits) vs 191.1 at 16 x 64 x 3 (128 splits 220.2; cuDNN 192.5), page 1
+      115.6 vs 114.2 at 2 x 128 x 3. More programs per SM do not raise a split grid's bytes/s (B=8
+      reads 2.48-2.51 TB/s whatever the tiles, cuDNN 2.52): its bound is not loads in flight.
     - num_stages 3 (another K/V tile in flight), 2 where three do not fit in shared memory.
     - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles, 3 stages
       (106 KB: two programs fit an SM), and the split count that fills two programs per SM in one
@@ -158,13 +170,16 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     total_mblocks = batch * num_kv_heads * triton.cdiv(packed_rows, block_m)
     fills = total_mblocks >= 0.8 * sm_count(device)
     fp8_split = element_size == 1 and not fills
-    small = fills and block_m == 16 and head_dim <= 128 and element_size <= 2  # small tiles, many per SM
+    one_row = block_m == 16 and head_dim <= 128  # one query row per head
+    small = fills and one_row and element_size <= 2  # small tiles, many per SM
+    split_small = not fills and one_row and element_size == 2 and BLOCK_N is None and page_size is not None \
+        and 16 <= page_size < 64  # small tiles, and the splits that fill several per SM
     def staged_bytes(block_n, stages):  # K and V tiles in flight, and room for the rest
         return stages * block_n * 2 * padded_head_dim(head_dim) * element_size + 8192
 
     block_n = BLOCK_N
     if block_n is None:
-        if small:
+        if small or split_small:
             block_n = 32 if element_size == 2 else 64
         else:
             block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills \
@@ -174,12 +189,14 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {block_n!r}")
     if num_stages is None:
-        most = 2 if small and element_size == 2 and BLOCK_N is None else 3
+        most = 2 if (small or split_small) and element_size == 2 and BLOCK_N is None else 3
         num_stages = next((n for n in range(most, 2, -1) if staged_bytes(block_n, n) <= smem_limit(device)), 2)
     if num_warps is None:
         num_warps = 2 if small and element_size == 1 and BLOCK_N is None else 4
     if num_splits == 0:
-        slots = sm_count(device) * (fp8_slots_per_sm(staged_bytes(block_n, num_stages), device) if fp8_split else 1)
+        per_sm = fp8_slots_per_sm(staged_bytes(block_n, num_stages), device) if fp8_split else \
+            SPLIT_PROGRAMS_PER_SM if split_small else 1
+        slots = sm_count(device) * per_sm
         num_splits = num_splits_heuristic(total_mblocks, slots, triton.cdiv(capacity, block_n))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_splits": min(num_splits, MAX_SPLITS),
             "num_warps": num_warps, "num_stages": num_stages,
