@@ -29,7 +29,11 @@ k_descale / v_descale) through flash_attn_with_kvcache with bf16 queries, checke
 on the dequantized cache. TBps counts each provider's own cache bytes (FP8: 1 byte per element),
 ratio_vs_bf16 = flashgen (bf16 cache) us / flashgen_fp8 us, tbps_ratio_vs_bf16 = FP8 TB/s / bf16
 TB/s (the issue's "Done when": >= 1), ratio_vs_<anchor> = anchor us / flashgen_fp8 us (the
-anchors read the bf16 cache: they have no FP8-cache decode). Writes <date>-<gpu>-decode-fp8.*.
+anchors, SDPA flash and cuDNN, read the bf16 cache: they have no FP8-cache decode; Flex is in
+the bf16 table). Both flashgen columns are also timed by clean_ms (L2 emptied by a read, not
+do_bench's write: see --ceiling), tbps_ratio_vs_bf16_clean_l2. Writes <date>-<gpu>-decode-fp8.*.
+
+--ceiling: load-only kernels over the rows' caches (bf16, e4m3): what reading them can reach.
 
     PYTHONPATH=. python3 benchmarks/bench_decode.py --out benchmarks/results/
     PYTHONPATH=. python3 benchmarks/bench_decode.py --fp8 --out benchmarks/results/
@@ -107,7 +111,32 @@ def _graphed(fn):
     return lambda: (graph.replay(), out)[1]
 
 
-def _measure(row, name, fn, check, bytes_read, timer, graph=False):
+FLUSH = {}  # device -> the buffer clean_ms reads between runs
+
+
+def clean_ms(fn, rep=100):
+    """Median milliseconds of fn() (CUDA events) with L2 emptied of fn's data by *reading* a
+    256 MB buffer before each run. do_bench (time_ms) empties it by writing 256 MB: the L2's
+    dirty lines (up to its 50 MB on an H100) are then written back to HBM while the timed kernel
+    reads, a fixed cost (~15-20 us on an H100, see --ceiling) that weighs twice as much on an FP8
+    cache's run (half the bytes, half the time) as on a bf16 one's. Reported beside time_ms."""
+    device = torch.cuda.current_device()
+    buf = FLUSH.get(device)
+    if buf is None:
+        buf = FLUSH[device] = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
+    for _ in range(10):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rep)]
+    for start, end in events:
+        buf.sum()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return float(torch.tensor([s.elapsed_time(e) for s, e in events]).median())
+
+
+def _measure(row, name, fn, check, bytes_read, timer, graph=False, clean=False):
     if graph:
         try:
             fn = _graphed(fn)
@@ -122,6 +151,9 @@ def _measure(row, name, fn, check, bytes_read, timer, graph=False):
             return
         us = timer(fn) * 1e3
         row[name] = {"us": us, "TBps": bytes_read / (us * 1e-6) / 1e12, "max_err": err}
+        if clean:
+            us = clean_ms(fn) * 1e3
+            row[name].update(us_clean=us, TBps_clean=bytes_read / (us * 1e-6) / 1e12)
     except Exception as exc:  # one failing provider must not end the run
         row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
 
@@ -147,6 +179,8 @@ def _fp8_ratios(row):
     bf16, fp8 = (row.get("flashgen") or {}), (row.get("flashgen_fp8") or {})
     row["ratio_vs_bf16"] = bf16["us"] / fp8["us"] if "us" in bf16 and "us" in fp8 else None
     row["tbps_ratio_vs_bf16"] = fp8["TBps"] / bf16["TBps"] if "us" in bf16 and "us" in fp8 else None
+    row["tbps_ratio_vs_bf16_clean_l2"] = fp8["TBps_clean"] / bf16["TBps_clean"] \
+        if "TBps_clean" in bf16 and "TBps_clean" in fp8 else None
 
 
 def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, smoke, timer, fp8=False):
@@ -164,7 +198,8 @@ def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, sm
     spec = AttentionSpec(name="decode", dtype={torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype],
                          head_dim=head_dim, num_heads=heads, num_kv_heads=kv_heads, causal=True, backward=False)
     kernel = flashgen.compile(spec)
-    m = lambda name, fn, graph=False: _measure(row, name, fn, check, bytes_read, timer, graph)  # noqa: E731
+    clean = fp8 and not smoke  # the FP8 table also times with a read flush (clean_ms)
+    m = lambda name, fn, graph=False: _measure(row, name, fn, check, bytes_read, timer, graph, clean)  # noqa: E731
     compat = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True)  # noqa: E731
     m("flashgen", compat)
     if fp8:  # the same cache in FP8: flashgen's FP8 path against its own check, its own bytes
@@ -172,7 +207,7 @@ def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, sm
         fp8_check = _sdpa(None if smoke else torch.nn.attention.SDPBackend.FLASH_ATTENTION)(qh, kd, vd)
         _measure(row, "flashgen_fp8", lambda: flash_attn_with_kvcache(
             q, k8, v8, cache_seqlens=seqlens, causal=True, k_descale=k_descale, v_descale=v_descale),
-            fp8_check.transpose(1, 2).float(), bytes_read // k_cache.element_size(), timer)
+            fp8_check.transpose(1, 2).float(), bytes_read // k_cache.element_size(), timer, clean=clean)
         _fp8_ratios(row)
     else:
         m("flashgen_native", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens))
@@ -185,8 +220,9 @@ def bench_case(batch, q_len, kv, *, heads, kv_heads, head_dim, dtype, device, sm
         m("sdpa_flash", lambda: _sdpa(backends.FLASH_ATTENTION)(qh, kh, vh).transpose(1, 2))
         m("sdpa_cudnn", lambda: _sdpa(backends.CUDNN_ATTENTION)(qh, kh, vh).transpose(1, 2))
         try:
-            flex = _flex(q_len, kv)
-            m("flex", lambda: flex(qh, kh, vh).transpose(1, 2))
+            if not fp8:  # the FP8 table's anchors are SDPA's (Flex, compiled per case, is in the bf16 table)
+                flex = _flex(q_len, kv)
+                m("flex", lambda: flex(qh, kh, vh).transpose(1, 2))
         except Exception as exc:
             row["flex"] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
     _ratios(row, "flashgen_fp8" if fp8 else "flashgen", ("sdpa_math",) if smoke else ANCHORS)
@@ -221,10 +257,10 @@ def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke, fp8=False):
             q.transpose(1, 2), kd, vd).transpose(1, 2).float()
         _measure(row, "flashgen_fp8", lambda: flash_attn_with_kvcache(
             q, k8, v8, cache_seqlens=seqlens, block_table=table, causal=True, k_descale=k_descale,
-            v_descale=v_descale), fp8_check, bytes_read // k_cache.element_size(), timer)
+            v_descale=v_descale), fp8_check, bytes_read // k_cache.element_size(), timer, clean=fp8 and not smoke)
     paged = lambda: flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=seqlens,  # noqa: E731
                                             block_table=table, causal=True)
-    _measure(row, "flashgen", paged, check, bytes_read, timer)
+    _measure(row, "flashgen", paged, check, bytes_read, timer, clean=fp8 and not smoke)
     if fp8:
         _fp8_ratios(row)
         return row
@@ -239,67 +275,39 @@ def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke, fp8=False):
     return row
 
 
-# --variants: knob variants of the rows closest to an anchor (issue 14's B=64 KV4096 at 0.995x
-# Flex), and of the FP8 cache, each timed through flashgen.decode with explicit knobs beside the
-# default in one process. FP8 rows also compare how the cache's tiles reach the tensor cores
-# (FP8_PATHS; runtime/decode.py's fp16_dot and fp8_v_conversion): "bf16-cast" (the tiles cast to
-# bf16, the kernel before fp16_dot), "fp16-cast" (fp16 products, V cast: Triton reads V's tile
-# into the operand layout one byte per instruction) and "fp16-asm" (the default: V converted
-# by _fp8_tile_to_fp16 first).
-FP8_PATHS = {"bf16-cast": (False, 0), "fp16-cast": (True, 0), "fp16-asm": (True, None)}
-VARIANT_CASES = {
-    "bf16 B=64 KV4096": (64, 4096, False, None, [dict(BLOCK_N=128, num_warps=2), dict(BLOCK_N=64, num_stages=5),
-                                                dict(BLOCK_N=128, num_stages=2)]),
-    "fp8 B=8 KV8192": (8, 8192, True, None, [dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=128, num_stages=3),
-                                            dict(BLOCK_N=128, num_stages=5), dict(BLOCK_N=256, num_stages=2),
-                                            dict(num_splits=1), dict(num_splits=3), dict(num_splits=4),
-                                            dict(num_warps=8)]),
-    "fp8 B=64 KV4096": (64, 4096, True, None, [dict(BLOCK_N=128, num_stages=2), dict(BLOCK_N=128, num_stages=4),
-                                              dict(BLOCK_N=64, num_stages=3), dict(BLOCK_N=64, num_stages=4),
-                                              dict(BLOCK_N=256, num_stages=2), dict(num_warps=8),
-                                              dict(num_splits=2)]),
-    "fp8 B=1 KV131072": (1, 131072, True, None, [dict(num_splits=8), dict(num_splits=24), dict(num_splits=32),
-                                                dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=128, num_stages=3),
-                                                dict(BLOCK_N=256, num_stages=2)]),
-    "fp8 B=8 KV8192 paged-16": (8, 8192, True, 16, [dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=128, num_stages=3),
-                                                   dict(BLOCK_N=128, num_stages=5), dict(num_splits=4)]),
+# --variants: the default knobs beside explicit ones through flashgen.decode, in one process, for
+# the split rows (issue 14's B=8 KV8192 and B=1 KV131072, B=8 paged). Programs per SM come from
+# shared memory and registers (sm90, compiled on the CPU with tests/sm90_compile.py's driver and
+# cuobjdump -res-usage; triton 3.9, bf16): 64 x 3 72 KB / 135 regs (3 per SM), 32 x 2 21 KB / 86
+# (5), 32 x 3 38 KB / 80 (6), 32 x 2 at 2 warps 21 KB / 174 (5), 64 x 2 39 KB / 105 (4): a split
+# count is worth what fits. Each case's variants run REPEATS rounds, interleaved (every variant
+# once per round, cuDNN last), so a drift of the clock or the host shows in every variant alike.
+# v3's variant lists (B=64, FP8) are in results/2026-11-23-h100-decode-variants-v3*.
+VARIANT_CASES = {  # the defaults (first) against the knobs they replaced (v3's) and their neighbours
+    "bf16 B=8 KV8192": (8, 8192, False, None, [dict(num_splits=2, BLOCK_N=64, num_stages=3),
+                                              dict(num_splits=10, BLOCK_N=32, num_stages=2),
+                                              dict(num_splits=8, BLOCK_N=32, num_stages=3),
+                                              dict(num_splits=8, BLOCK_N=32, num_stages=2, num_warps=2)]),
+    "bf16 B=1 KV131072": (1, 131072, False, None, [dict(num_splits=16, BLOCK_N=64, num_stages=3),
+                                                  dict(num_splits=128, BLOCK_N=32, num_stages=2)]),
+    "bf16 B=8 KV8192 paged-1": (8, 8192, False, 1, [dict(num_splits=2, BLOCK_N=128, num_stages=3)]),
+    "bf16 B=8 KV8192 paged-16": (8, 8192, False, 16, [dict(num_splits=2, BLOCK_N=128, num_stages=3)]),
 }
+REPEATS = 3
 
 
-class _Fp8Path:
-    """Within the block, decode calls convert an FP8 cache by one of FP8_PATHS (the launcher's
-    prepared calls are dropped on entry and exit: the path is a constexpr of their kernels)."""
-
-    def __init__(self, launcher, path):
-        self.launcher, (self.dot, self.v) = launcher, FP8_PATHS[path]
-
-    def __enter__(self):
-        import flashgen.runtime.decode as rd
-        self.saved = rd.fp16_dot, rd.fp8_v_conversion
-        if self.v is not None:
-            dot, conv = self.dot, self.v
-            rd.fp16_dot = lambda cache_dtype, out_dtype: dot and self.saved[0](cache_dtype, out_dtype)
-            rd.fp8_v_conversion = lambda cache_dtype, out_dtype, device: conv
-        self.launcher.calls.clear()
-
-    def __exit__(self, *exc):
-        import flashgen.runtime.decode as rd
-        rd.fp16_dot, rd.fp8_v_conversion = self.saved
-        self.launcher.calls.clear()
-
-
-def variants(timer, device="cuda"):
-    """Rows {case, path, knobs, flashgen: {us, TBps}} for VARIANT_CASES (default knobs first; FP8
-    rows under each of FP8_PATHS at the default knobs, the knob variants under the default path),
-    plus cuDNN on the bf16 rows."""
+def variants(timer, device="cuda", rows=None, cases=None, repeats=REPEATS):
+    """Rows {case, knobs, repeat, flashgen: {us, TBps}} for VARIANT_CASES (the default knobs first,
+    with the plan they resolve to), plus cuDNN on the contiguous bf16 rows; repeats rounds per
+    case, interleaved. Then one summary row per variant: {case, knobs, median_us, ratio_vs_default}."""
     from flashgen.kvcache import decode_launcher
 
-    rows = []
+    rows = [] if rows is None else rows  # appended as measured: a run stopped by timeout keeps them
     spec = AttentionSpec(name="decode", dtype="bf16", head_dim=HEAD_DIM, num_heads=HEADS, num_kv_heads=KV_HEADS,
                          causal=True, backward=False)
     kernel = flashgen.compile(spec)
     launcher = decode_launcher(kernel)
-    for name, (batch, kv, fp8, page, knob_sets) in VARIANT_CASES.items():
+    for name, (batch, kv, fp8, page, knob_sets) in (cases or VARIANT_CASES).items():
         gen = torch.Generator().manual_seed(0)
         randn = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=torch.bfloat16)  # noqa
         q, k_cache, v_cache = (randn(batch, 1, HEADS, HEAD_DIM), randn(batch, kv, KV_HEADS, HEAD_DIM),
@@ -316,31 +324,41 @@ def variants(timer, device="cuda"):
             extra["block_table"] = table
         check = _sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)(qh, kh, vh).transpose(1, 2).float()
         nbytes = 2 * batch * kv * KV_HEADS * HEAD_DIM * k_cache.element_size()
-        runs = [("fp16-asm" if fp8 else "-", {})]
-        if fp8:
-            runs += [("bf16-cast", {}), ("fp16-cast", {})]
-        runs += [("fp16-asm" if fp8 else "-", knobs) for knobs in knob_sets]
-        for path, knobs in runs:
-            row = {"case": name, "path": path, "knobs": knobs or "default"}
-            with _Fp8Path(launcher, path if fp8 else "fp16-asm"):
+        plan = {n: launcher.plan(batch, 1, kv, q.device, {}, page, k_cache.element_size())[n]
+                for n in ("num_splits", "BLOCK_N", "num_stages", "num_warps")}
+        timed = {}  # knobs -> its times
+        for repeat in range(repeats):
+            for knobs in [{}, *knob_sets]:
+                row = {"case": name, "path": "-", "knobs": knobs or "default", "repeat": repeat}
+                if not knobs:
+                    row["plan"] = plan
                 _measure(row, "flashgen", lambda: flashgen.decode(kernel, q, k_cache, v_cache, seqlens, **extra,
                                                                   **knobs), check, nbytes, timer)
-            rows.append(row)
-            _print_variant(row)
-        if not fp8:
-            backends = torch.nn.attention.SDPBackend
-            row = {"case": name, "path": "-", "knobs": "anchors"}
-            _measure(row, "sdpa_cudnn", lambda: _sdpa(backends.CUDNN_ATTENTION)(qh, kh, vh).transpose(1, 2), check,
-                     nbytes, timer)
-            rows.append(row)
-            _print_variant(row)
+                rows.append(row)
+                timed.setdefault(str(knobs or "default"), []).append(row["flashgen"].get("us"))
+                _print_variant(row)
+            if not fp8 and not page:
+                row = {"case": name, "path": "-", "knobs": "anchors", "repeat": repeat}
+                _measure(row, "sdpa_cudnn", lambda: _sdpa(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)(
+                    qh, kh, vh).transpose(1, 2), check, nbytes, timer)
+                rows.append(row)
+                timed.setdefault("cudnn", []).append(row["sdpa_cudnn"].get("us"))
+                _print_variant(row)
+        medians = {k: sorted(v)[len(v) // 2] for k, v in timed.items() if None not in v}
+        for knobs, us in medians.items():
+            base = medians.get("default")
+            rows.append({"case": name, "knobs": knobs, "summary": True, "median_us": us, "TBps": nbytes / us / 1e6,
+                         "ratio_vs_default": base / us if base else None})
+            print(f"{name:<26} {knobs:<72} median {us:.1f} us ({nbytes / us / 1e6:.2f} TB/s)"
+                  + (f", default / this {base / us:.3f}" if base else ""), flush=True)
+        del q, k_cache, v_cache, qh, kh, vh, check, extra
     return rows
 
 
 def _print_variant(r):  # as measured: a run cut short still shows what it timed
     cells = "  ".join(f"{p} {r[p]['us']:.1f} us ({r[p]['TBps']:.2f} TB/s)" if "us" in r[p] else
                       f"{p} {r[p]['error']}" for p in ("flashgen", "sdpa_cudnn", "flex") if p in r)
-    print(f"{r['case']:<24} {r['path']:<10} {str(r['knobs']):<34} {cells}", flush=True)
+    print(f"{r['case']:<24} {str(r.get('plan', r['knobs'])):<72} {cells}", flush=True)
 
 
 def conversion(timer, device="cuda"):
@@ -371,6 +389,92 @@ def conversion(timer, device="cuda"):
     return rows
 
 
+CEILING_CASES = [  # (batch, KV length, cache dtype, KV heads per program, keys per tile, stages, splits)
+    (64, 4096, "bf16", 1, 128, 3, 1), (64, 4096, "bf16", 1, 32, 2, 1), (64, 4096, "bf16", 8, 16, 3, 8),
+    (64, 4096, "e4m3", 1, 128, 3, 1), (64, 4096, "e4m3", 1, 64, 3, 1), (64, 4096, "e4m3", 8, 32, 3, 8),
+    (8, 8192, "bf16", 1, 64, 3, 2), (8, 8192, "e4m3", 1, 128, 3, 4),
+    (1, 131072, "bf16", 1, 64, 3, 16), (1, 131072, "e4m3", 1, 128, 3, 32),
+]
+
+
+def ceiling(timer, device="cuda", cases=None, clean_timer=None):
+    """--ceiling: how fast a decode row's cache (8 KV heads, head dim 128) can be read at all, in
+    bf16 and in e4m3. A kernel that only loads K and V tiles (as int32 words, xor-folded so no
+    conversion or product costs an instruction) with decode's grid: a program per (batch element,
+    group of HEADS KV heads, split), BLOCK_N keys per tile; HEADS 1 reads what the decode kernel
+    reads (one head's row: 256 bytes in bf16, 128 in e4m3, 2 or 1 KB apart), 8 whole rows. Plus a
+    flat read of the B=64 cache's bytes. Each checked to read every word once (a sum), then timed
+    by timer and clean_timer (default clean_ms). Rows {case, us, TBps, us_clean, TBps_clean}."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def load_tiles(K, V, OUT, seqlen, stride_b, stride_n, groups, splits, WORDS: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        pid = tl.program_id(0)
+        split = pid % splits
+        g = (pid // splits) % groups
+        b = (pid // splits // groups).to(tl.int64)
+        per = seqlen // splits
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_w = tl.arange(0, WORDS)
+        base = b * stride_b + g * WORDS + offs_w[None, :]
+        acc = tl.zeros([BLOCK_N, WORDS], dtype=tl.int32)
+        for n in range(split * per, split * per + per, BLOCK_N):
+            rows = (n + offs_n).to(tl.int64)[:, None] * stride_n
+            acc += tl.load(K + base + rows) + tl.load(V + base + rows)  # int32, wrapping: the check's sum
+        tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0))
+
+    @triton.jit
+    def load_flat(X, OUT, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(OUT + tl.program_id(0), tl.sum(tl.load(X + offs), 0))
+
+    def check(out, *inputs):  # every word read once: the programs' wrapped sums add up to the inputs' (mod 2^32)
+        if (out.long().sum() - sum(x.long().sum() for x in inputs)).item() % (1 << 32):
+            raise RuntimeError("ceiling: the load-only kernel did not read every word of the cache once")
+
+    clean_timer = clean_timer or clean_ms
+    rows = []
+    for batch, kv, dtype, heads, block_n, stages, splits in cases or CEILING_CASES:
+        elem = 2 if dtype == "bf16" else 1
+        words_per_row = KV_HEADS * HEAD_DIM * elem // 4
+        k = torch.randint(-2**31, 2**31 - 1, (batch, kv, words_per_row), dtype=torch.int32, device=device)
+        v = torch.randint_like(k, -2**31, 2**31 - 1)
+        groups = KV_HEADS // heads
+        out = torch.empty(batch * groups * splits, dtype=torch.int32, device=device)
+        fn = lambda: load_tiles[(out.numel(),)](k, v, out, kv, k.stride(0), k.stride(1), groups, splits,  # noqa
+                                                 WORDS=words_per_row // groups, BLOCK_N=block_n, num_warps=4,
+                                                 num_stages=stages)
+        fn()
+        check(out, k, v)
+        us, us_clean = timer(fn) * 1e3, clean_timer(fn) * 1e3
+        nbytes = 2 * k.numel() * 4
+        rows.append({"case": f"B={batch} KV={kv} {dtype}, {heads} head(s) x {splits} split(s) per program, "
+                             f"{block_n} x {stages}", "us": us,
+                     "TBps": nbytes / (us * 1e-6) / 1e12, "us_clean": us_clean,
+                     "TBps_clean": nbytes / (us_clean * 1e-6) / 1e12})
+        _print_ceiling(rows[-1])
+        if heads == 1 and block_n == 128 and batch == 64:
+            flat = torch.cat([k.view(-1), v.view(-1)])
+            fout = torch.empty(flat.numel() // 4096, dtype=torch.int32, device=device)
+            ffn = lambda: load_flat[(fout.numel(),)](flat, fout, BLOCK=4096)  # noqa: E731
+            ffn()
+            check(fout, flat)
+            us, us_clean = timer(ffn) * 1e3, clean_timer(ffn) * 1e3
+            rows.append({"case": f"B={batch} KV={kv} {dtype} flat", "us": us, "TBps": nbytes / (us * 1e-6) / 1e12, "us_clean": us_clean,
+                         "TBps_clean": nbytes / (us_clean * 1e-6) / 1e12})
+            _print_ceiling(rows[-1])
+            del flat, fout
+        del k, v
+    return rows
+
+
+def _print_ceiling(r):
+    print(f"ceiling {r['case']:<62} {r['us']:.1f} us ({r['TBps']:.2f} TB/s); clean L2 {r['us_clean']:.1f} us "
+          f"({r['TBps_clean']:.2f} TB/s)", flush=True)
+
+
 def markdown(rows, env):
     providers = ["flashgen", "flashgen_fp8", "flashgen_native", "flashgen_graph", *ANCHORS, "sdpa_math"]
     providers = [p for p in providers if any(p in r for r in rows)]
@@ -387,7 +491,10 @@ def markdown(rows, env):
     def cell(x):
         if not x:
             return "-"
-        return f"{x['us']:.1f} ({x['TBps']:.2f})" if "us" in x else "err"
+        if "us" not in x:
+            return "err"
+        clean = f"; clean L2 {x['us_clean']:.1f} ({x['TBps_clean']:.2f})" if "us_clean" in x else ""
+        return f"{x['us']:.1f} ({x['TBps']:.2f}{clean})"
 
     for r in rows:
         vals = [cell(r.get(p)) for p in providers]
@@ -424,9 +531,11 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU interpreter (TRITON_INTERPRET=1)")
     ap.add_argument("--fp8", action="store_true", help="the FP8 KV cache against the bf16 one (issue 17)")
-    ap.add_argument("--variants", action="store_true", help="knob variants of B=64 KV4096 and the FP8 cache (GPU)")
+    ap.add_argument("--variants", action="store_true",
+                    help="knob variants of the split rows: B=8 KV8192, B=1 KV131072, B=8 paged (GPU)")
     ap.add_argument("--conversion", action="store_true", help="FP8 conversion kernels alone (GPU)")
-    ap.add_argument("--skip-table", action="store_true", help="only --conversion / --variants")
+    ap.add_argument("--ceiling", action="store_true", help="load-only kernels over the B=64 cache, bf16 and e4m3 (GPU)")
+    ap.add_argument("--skip-table", action="store_true", help="only --conversion / --ceiling / --variants")
     ap.add_argument("--tag", default="", help="appended to the results' file names (2026-11-23-h100-decode-fp8-v2)")
     args = ap.parse_args(argv)
     env = environment()
@@ -468,10 +577,19 @@ def main(argv=None):
                   flush=True)
         (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-conversion.json").write_text(
             json.dumps({"environment": env, "rows": found}, indent=1))
-    if args.variants:  # after the table, in the same process
-        found = variants(time_ms)
-        (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-variants.json").write_text(
+    if args.ceiling:
+        found = ceiling(time_ms)
+        (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-ceiling{'-' + args.tag if args.tag else ''}.json").write_text(
             json.dumps({"environment": env, "rows": found}, indent=1))
+    if args.variants:  # after the table, in the same process; written even when stopped by `timeout`
+        found = []
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+        try:
+            variants(time_ms, rows=found)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-variants{'-' + args.tag if args.tag else ''}.json"
+             ).write_text(json.dumps({"environment": env, "rows": found}, indent=1))
     return rows
 
 

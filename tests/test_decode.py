@@ -416,15 +416,20 @@ def test_num_splits_heuristic():
 
 
 def test_default_tiles_follow_the_page_size_and_the_grid(monkeypatch):
-    # A page number per key (page size below 64) or a grid that fills the SMs: 128-key tiles;
-    # else 64; three stages where they fit in shared memory, else two, else smaller tiles.
+    # A page number per key (page size below 64): 128-key tiles, else 64; three stages where they
+    # fit in shared memory, else two, else smaller tiles. A grid that fills the SMs with one query
+    # row per head (B=64: 512 programs on 132 SMs) takes 32-key tiles and two stages (several
+    # programs per SM: H100 360.5 vs 363.6 us at 128 x 3); with more packed rows, 128 x 3.
     monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
     monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)  # an H100's
     cuda = torch.device("cuda", 0)
-    knobs = lambda **kw: host_decode.decode_knobs(128, 4, kw.pop("batch", 8), 8, 8192, cuda, **kw)  # noqa: E731
-    assert (knobs()["BLOCK_N"], knobs()["num_stages"], knobs()["num_splits"]) == (64, 3, 2)
-    assert knobs(page_size=16)["BLOCK_N"] == 128 and knobs(page_size=256)["BLOCK_N"] == 64
-    assert (knobs(batch=64)["BLOCK_N"], knobs(batch=64)["num_stages"], knobs(batch=64)["num_splits"]) == (128, 3, 1)
+    knobs = lambda rows=4, **kw: host_decode.decode_knobs(128, rows, kw.pop("batch", 8), 8, 8192, cuda, **kw)  # noqa
+    picked = lambda **kw: tuple(knobs(**kw)[n] for n in ("BLOCK_N", "num_stages", "num_splits", "num_warps"))  # noqa
+    assert picked() == (64, 3, 2, 4)
+    assert knobs(page_size=1)["BLOCK_N"] == 128 and knobs(page_size=256)["BLOCK_N"] == 64
+    assert picked(batch=64) == (32, 2, 1, 4)
+    assert picked(batch=64, rows=64) == (128, 3, 1, 4)  # 64 packed rows (16 query positions x 4 heads)
+    assert picked(batch=64, BLOCK_N=64) == (64, 3, 1, 4)  # a given tile keeps three stages
     fp32 = knobs(batch=64, element_size=4)  # two 128-key stages do not fit: 64-key tiles, three stages
     assert (fp32["BLOCK_N"], fp32["num_stages"]) == (64, 3)
     monkeypatch.setattr(host_decode, "smem_limit", lambda device: 101376)  # an sm86's
@@ -433,20 +438,47 @@ def test_default_tiles_follow_the_page_size_and_the_grid(monkeypatch):
     assert knobs(page_prefetch=False)["page_prefetch"] is False and knobs()["page_prefetch"] is True
 
 
-def test_fp8_cache_tiles_hold_as_many_bytes(monkeypatch):
-    # An FP8 cache (1 byte per element) on a grid that does not fill the SMs: 128-key tiles and
-    # four stages (H100 B=8 KV8192: 95.3 us against 106.5 with bf16's 64 x 3), three when paged
-    # (page 16: 83.2 vs 86.2 us); where the grid fills, bf16's defaults; four stages only where they fit.
+def test_split_grid_of_16_key_pages_fills_four_small_programs_per_sm(monkeypatch):
+    # A grid that does not fill the SMs (B=8: 64 programs on 132 SMs) over a 16-bit cache in
+    # pages of 16..63 keys: 32 x 2 tiles and the split count that fills four programs per SM in
+    # one wave (8 x 64 = 512 programs; H100 page 16: 111.8 vs 114.2 us at 2 x 128 x 3). Page 1,
+    # page 256, the contiguous cache and B=1 keep their tiles (the same rule ran them slower:
+    # B=8 contiguous 108.0 vs 106.8, B=1 128K 196.1 vs 191.1, page 1 115.6 vs 114.2).
     monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
     monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)
     cuda = torch.device("cuda", 0)
-    knobs = lambda **kw: host_decode.decode_knobs(128, 4, kw.pop("batch", 8), 8, 8192, cuda, **kw)  # noqa: E731
-    picked = lambda **kw: (knobs(**kw)["BLOCK_N"], knobs(**kw)["num_stages"])  # noqa: E731
-    assert picked(element_size=1) == (128, 4) and picked(element_size=2) == (64, 3)
-    assert picked(element_size=1, batch=64) == picked(element_size=2, batch=64) == (128, 3)
-    assert picked(element_size=1, page_size=16) == picked(element_size=1, page_size=256) == (128, 3)
+    picked = lambda batch=8, kv=8192, rows=4, **kw: tuple(  # noqa: E731
+        host_decode.decode_knobs(128, rows, batch, 8, kv, cuda, **kw)[n]
+        for n in ("BLOCK_N", "num_stages", "num_splits", "num_warps"))
+    assert picked(page_size=16) == (32, 2, 8, 4) and picked(page_size=32) == (32, 2, 8, 4)
+    assert picked(page_size=1) == (128, 3, 2, 4) and picked(page_size=256) == (64, 3, 2, 4)
+    assert picked() == (64, 3, 2, 4) and picked(batch=1, kv=131072) == (64, 3, 16, 4)
+    assert picked(batch=1, kv=131072, page_size=16) == (32, 2, 66, 4)  # 8 x 66 = 528 programs
+    assert picked(page_size=16, rows=64) == (128, 3, 2, 4)  # 64 packed rows (16 query positions): as before
+    assert picked(page_size=16, BLOCK_N=128) == (128, 3, 2, 4)  # a given tile: one program per SM's splits
+    assert picked(page_size=16, element_size=1) == (128, 3, 4, 4)  # FP8 keeps its own rule
+
+
+def test_fp8_cache_defaults_fill_two_programs_per_sm(monkeypatch):
+    # An FP8 cache (1 byte per element) on a grid that does not fill the SMs: 128-key tiles, three
+    # stages (106 KB on an H100: two programs fit an SM) and the split count that fills two
+    # programs per SM in one wave (H100: B=1 128K keys 32 splits 120.1 us vs 16 x 4 stages 127.0;
+    # paged-16 B=8 4 splits 72.1 vs 2 splits 82.7). Where the grid fills: 64 x 3, 2 warps (four
+    # per SM: 207.6 vs 211.8 at 128 x 3). Where two 3-stage programs do not fit (an sm89's 99 KB):
+    # two stages, one program per SM, bf16's split count.
+    monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)
+    cuda = torch.device("cuda", 0)
+    knobs = lambda batch=8, kv=8192, **kw: host_decode.decode_knobs(128, 4, batch, 8, kv, cuda, **kw)  # noqa
+    picked = lambda **kw: tuple(knobs(**kw)[n] for n in ("BLOCK_N", "num_stages", "num_splits", "num_warps"))  # noqa
+    assert picked(element_size=1) == (128, 3, 4, 4) and picked(element_size=2) == (64, 3, 2, 4)
+    assert picked(element_size=1, page_size=16) == (128, 3, 4, 4)
+    assert picked(element_size=1, batch=1, kv=131072) == (128, 3, 33, 4)  # 8 x 33 = 264 programs, 2 per SM
+    assert picked(element_size=2, batch=1, kv=131072)[2] == 16
+    assert picked(element_size=1, batch=64, kv=4096) == (64, 3, 1, 2)
+    assert host_decode.fp8_slots_per_sm(106496, cuda) == 2 and host_decode.fp8_slots_per_sm(139264, cuda) == 1
     monkeypatch.setattr(host_decode, "smem_limit", lambda device: 101376)  # an sm89's: 2 x 128 keys fit, 3 do not
-    assert picked(element_size=1) == (128, 2)
+    assert picked(element_size=1) == (128, 2, 2, 4)
 
 
 def test_default_split_count_follows_the_capacity(device, monkeypatch):
@@ -508,6 +540,26 @@ def test_bench_decode_smoke(tmp_path):
     written = json.loads(next(tmp_path.glob("*-decode-smoke.json")).read_text())
     assert written["rows"] == json.loads(json.dumps(rows))
     assert "| B=2 q_len=1 KV=40 | paged-16 |" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_bench_decode_ceiling_reads_every_word(tmp_path):
+    # bench_decode.py --ceiling's load-only kernels at toy sizes: each checks, before it is timed,
+    # that its programs read every word of K and V once (one head per program over two splits,
+    # and whole rows of 8 heads).
+    import importlib.util
+    from pathlib import Path
+
+    from flashgen.timing import wall_ms
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_decode.py"
+    module_spec = importlib.util.spec_from_file_location("bench_decode_ceiling", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    rows = bench.ceiling(wall_ms, "cpu", cases=[(2, 32, "bf16", 1, 16, 1, 2), (1, 32, "e4m3", 8, 16, 1, 2)],
+                         clean_timer=wall_ms)
+    assert [r["case"] for r in rows] == ["B=2 KV=32 bf16, 1 head(s) x 2 split(s) per program, 16 x 1",
+                                         "B=1 KV=32 e4m3, 8 head(s) x 2 split(s) per program, 16 x 1"]
+    assert all(r["TBps"] > 0 and r["TBps_clean"] > 0 for r in rows)
 
 
 class _Recorder:

@@ -49,6 +49,18 @@ def test_decode_masks_gpu(name, kw, page_size):
                lengths=(2049, 5, 3001), capacity=3072, BLOCK_N=None, **kw)
 
 
+def test_decode_grid_that_fills_the_sms_gpu():
+    # 16 elements x 8 KV heads, one query row: the grid fills the SMs, so the defaults take small
+    # tiles, several programs per SM (32 x 2 stages); odd lengths per element, one past a tile edge.
+    from flashgen.runtime.decode import decode_knobs
+    device = torch.device("cuda")
+    lengths = (1025, 3, 531, 1024, 33, 1, 700, 999, 64, 65, 1000, 2, 513, 31, 1023, 400)
+    if decode_knobs(128, 4, 16, 8, 1040, device)["num_splits"] != 1:
+        pytest.skip("this GPU's grid of 128 programs does not fill its SMs")
+    run_decode("cuda", dtype="bf16", heads=(32, 8), d=128, sq=1, batch=16, lengths=lengths, capacity=1040,
+               num_splits=0, BLOCK_N=None)
+
+
 def test_decode_appends_gpu():
     run_decode("cuda", dtype="bf16", heads=(32, 8), d=128, sq=3, appended=3, page_size=16, lengths=(1000, 17, 3),
                capacity=1024, num_splits=0, BLOCK_N=None)

@@ -59,6 +59,10 @@ from flashgen.runtime.launch import BoundLaunch, argument_signature  # standalon
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
+# A split grid of 16-bit 32 x 2 tiles (21 KB of shared memory, 86 registers on sm90: five fit an
+# SM) takes the split count that fills this many programs per SM in one wave (B=8: 8 splits, 512
+# programs, as B=64's unsplit grid). Only a paged cache of 16..63-key pages takes it (decode_knobs).
+SPLIT_PROGRAMS_PER_SM = 4
 MAX_PACKED_ROWS = 64  # the tile's M: (query positions x heads of a group) above this take several row blocks
 CHECKS = ("async", "sync")
 FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -114,6 +118,15 @@ def smem_limit(device):
     return SMEM_LIMITS[device]
 
 
+def fp8_slots_per_sm(staged, device):
+    """How many split programs of an FP8 cache's decode share one SM (the split heuristic's
+    slots): two where two programs' tiles in flight (staged bytes) fit the shared memory (an
+    H100's 128-key, 3-stage e4m3 tile takes 106 KB), else one. The FP8 tile's loop issues
+    conversions and products for half the bytes of a bf16 tile: one program per SM (4 warps)
+    leaves the SM's memory pipe idle between them, two keep it busy."""
+    return 2 if 2 * staged <= smem_limit(device) else 1
+
+
 def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *, BLOCK_N=None, num_splits=0,
                  num_warps=None, num_stages=None, page_prefetch=None, page_size=None, element_size=2):
     """The knobs of a decode call, from shapes only: {BLOCK_M, BLOCK_N, num_splits, num_warps,
@@ -121,15 +134,30 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
 
     The defaults (H100, bf16, head dim 128, 32 q / 8 KV heads, in us):
     - BLOCK_N 128 where each key's page is looked up (page_size < 64: fewer, larger tiles
-      amortise the per-key page arithmetic; B=8, 8K keys, page 1: 115.5 vs 126.2 at 64) and
-      where the grid fills the SMs unsplit (B=64, 4K keys: 363.7 vs 384.5), else 64;
-      32 above head dim 128.
+      amortise the per-key page arithmetic; B=8, 8K keys, page 1: 115.5 vs 126.2 at 64), else 64;
+      32 above head dim 128. Split grids of 16..63-key pages: 32 (below).
+    - Where the grid fills the SMs unsplit and a tile holds one query row per head (BLOCK_M 16,
+      head dim <= 128): small tiles, several programs per SM, so the grid runs in fewer, fuller
+      waves. A 16-bit cache: 32-key tiles, 2 stages (21 KB of shared memory, ~80 registers: up to
+      6 programs per SM; B=64, 4K keys, 512 programs: 358.2 / 357.7 / 358.0 vs 363.5 / 363.6 at
+      128 x 3, one program per SM in 3.9 waves; cuDNN 363.1, Flex 361.9). An FP8 cache: 64-key
+      tiles, 3 stages, 2 warps (55 KB: 4 per SM; 207.7 vs 210.8 at 128 x 3 x 4 warps). Other
+      grids that fill: 128 x 3 (B=64: 363.7 vs 384.5 at 64 x 3).
+    - Where the grid does not fill the SMs (split), a 16-bit cache in pages of 16..63 keys, one
+      query row per head: 32 x 2 tiles and the split count that fills SPLIT_PROGRAMS_PER_SM (4)
+      programs per SM (B=8, 8K keys, page 16: 8 splits 111.8 vs 114.2 at 2 splits x 128 x 3).
+      Nowhere else (v4 run, 3 interleaved repeats each, medians): the same rule ran B=8 contiguous
+      108.0 vs 106.8 at 2 x 64 x 3 (cuDNN 106.6; 10 splits 108.1, 32 x 3 110.1, 2 warps 107.6),
+      B=1 128K 196.1 (66 splits) vs 191.1 at 16 x 64 x 3 (128 splits 220.2; cuDNN 192.5), page 1
+      115.6 vs 114.2 at 2 x 128 x 3. More programs per SM do not raise a split grid's bytes/s (B=8
+      reads 2.48-2.51 TB/s whatever the tiles, cuDNN 2.52): its bound is not loads in flight.
     - num_stages 3 (another K/V tile in flight), 2 where three do not fit in shared memory.
-    - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles and 4
-      stages, the bytes in flight of bf16's 64-key tiles and more (B=8, 8K keys, e4m3, fp16
-      products: 72.8 us; 64 x 4 77.5, 128 x 3 72.4, 128 x 5 74.1, 256 x 2 77.1), 3 stages when
-      paged (page 16: 83.2 vs 86.2 at 4); where it fills, the bf16 defaults (B=64, 4K keys:
-      128 x 3 212.5, x 2 214.4, x 4 241.4; 64 x 3 215.9; 256 x 2 242.9).
+    - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles, 3 stages
+      (106 KB: two programs fit an SM), and the split count that fills two programs per SM in one
+      wave (fp8_slots_per_sm). Before, 4 stages (139 KB) left one program per SM: B=1, 128K keys,
+      16 splits 127.0 -> 32 splits 120.1 (33, the rule's count: 120.4); paged-16 B=8, 2 splits
+      82.7 -> 4 splits 72.1 (= the contiguous cache); B=8 8K keys 72.4 / 72.7 -> 73.1 / 73.2 (0.7%
+      slower: the one row the rule does not help).
     - page_prefetch: a paged tile's page numbers read one tile ahead, so no K/V load waits on
       a block table read; without it Triton's pipeliner does not multi-buffer the K/V loads
       (page 256, BLOCK_N 64: 108.7 vs 126.6; contiguous 107.7)."""
@@ -141,25 +169,37 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
     total_mblocks = batch * num_kv_heads * triton.cdiv(packed_rows, block_m)
     fills = total_mblocks >= 0.8 * sm_count(device)
+    fp8_split = element_size == 1 and not fills
+    one_row = block_m == 16 and head_dim <= 128  # one query row per head
+    small = fills and one_row and element_size <= 2  # small tiles, many per SM
+    split_small = not fills and one_row and element_size == 2 and BLOCK_N is None and page_size is not None \
+        and 16 <= page_size < 64  # small tiles, and the splits that fill several per SM
     def staged_bytes(block_n, stages):  # K and V tiles in flight, and room for the rest
         return stages * block_n * 2 * padded_head_dim(head_dim) * element_size + 8192
 
     block_n = BLOCK_N
     if block_n is None:
-        fp8_split = element_size == 1 and not fills
-        block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills or fp8_split \
-            else 64
+        if small or split_small:
+            block_n = 32 if element_size == 2 else 64
+        else:
+            block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills \
+                or fp8_split else 64
         while block_n > 16 and staged_bytes(block_n, 2) > smem_limit(device):
             block_n //= 2
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {block_n!r}")
-    if num_splits == 0:
-        num_splits = num_splits_heuristic(total_mblocks, sm_count(device), triton.cdiv(capacity, block_n))
     if num_stages is None:
-        most = 4 if element_size == 1 and not fills and page_size is None else 3
+        most = 2 if (small or split_small) and element_size == 2 and BLOCK_N is None else 3
         num_stages = next((n for n in range(most, 2, -1) if staged_bytes(block_n, n) <= smem_limit(device)), 2)
+    if num_warps is None:
+        num_warps = 2 if small and element_size == 1 and BLOCK_N is None else 4
+    if num_splits == 0:
+        per_sm = fp8_slots_per_sm(staged_bytes(block_n, num_stages), device) if fp8_split else \
+            SPLIT_PROGRAMS_PER_SM if split_small else 1
+        slots = sm_count(device) * per_sm
+        num_splits = num_splits_heuristic(total_mblocks, slots, triton.cdiv(capacity, block_n))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_splits": min(num_splits, MAX_SPLITS),
-            "num_warps": num_warps or 4, "num_stages": num_stages,
+            "num_warps": num_warps, "num_stages": num_stages,
             "page_prefetch": True if page_prefetch is None else bool(page_prefetch)}
 
 
