@@ -16,7 +16,7 @@ from .spec import AttentionSpec
 LOOP_ORDERS = ("q_outer", "kv_outer")
 FAMILIES = ("portable", "hopper_ws")  # hopper_ws: the Gluon warp-specialized sm90 forward (templates/hopper/)
 HOPPER_BLOCK_M = (64, 128)  # hopper_ws: 64 query rows per consumer warpgroup, one or two consumers
-HOPPER_BLOCK_N = (64, 128)
+HOPPER_BLOCK_N = (64, 128, 256)  # 256: FP8 only (check_spec): a 64 x 256 S beside bf16 P and O does not fit 240 registers
 HOPPER_STAGES = (2, 3, 4)
 HOPPER_REGS = (168, 200, 216, 232, 240)  # consumer registers per thread (setmaxnreg); the producer keeps 24
 DQ_STRATEGIES = ("separate", "atomic")
@@ -183,7 +183,10 @@ class KernelConfig:
 
         if self.family == "hopper_ws" and (reason := spec_unserved(spec)):
             raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
-        if self.hopper_bwd and (reason := spec_unserved(spec)):
+        if self.family == "hopper_ws" and self.BLOCK_N == 256 and not spec.fp8:
+            raise ConfigError(f"config knob 'BLOCK_N': family 'hopper_ws' takes 256-key blocks for FP8 specs only "
+                              f"(P in FP8 takes a quarter of the registers), got 256 for dtype {spec.dtype!r}")
+        if self.hopper_bwd and (reason := spec_unserved(spec, backward=True)):
             raise ConfigError(f"config knob 'hopper_bwd': the Gluon dK/dV kernel cannot serve spec {spec.uri!r}: "
                               f"{reason}")
         return self
@@ -369,6 +372,8 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
 
     if spec_unserved(spec) is not None or shape.narrow(seqlen):
         return None
+    if spec.fp8:
+        return _hopper_ws_fp8_default(spec, d, shape, seqlen)
     tile = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
     if d == 128 and not shape.causal and seqlen >= 1024:  # calls of up to 512 tokens: not measured
         return dict(tile, hopper_pingpong=seqlen <= 4096)
@@ -377,6 +382,21 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):
         return tile
     return None
+
+
+def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
+    """The Gluon forward on FP8 e4m3 (family hopper_ws) where the H100 measured it faster than the
+    portable FP8 forward, else None. H100, 16384 tokens, forward TFLOP/s of module.forward, Gluon /
+    portable FP8 default, same run (benchmarks/NOTES.md, 2026-11-23 FP8 hopper_ws): hd128 S=16384
+    937 (128x256) / 748, causal 889 / 752; S=4096 846 / 707, causal 662 (128x128, 3 stages) / 605;
+    hd256 S=16384 1098 (128x128) / 925; hd64 S=16384 551 (128x128) / 501, causal 508 / 478. Ping-pong
+    lost everywhere (851 vs 884 at hd128, 482 vs 551 at hd64). FA3's FP8 tiles are 128 x 224 (hd128),
+    128 x 128 (hd256), 192 x 160 (hd64); Gluon's tiles are powers of two. Calls under 4096 tokens
+    were not measured: the portable FP8 forward."""
+    if seqlen < 4096:
+        return None
+    block_n = {64: 128, 128: 256, 256: 128}[d]
+    return dict(BLOCK_M=128, BLOCK_N=block_n, num_warps=4, num_stages=2, family="hopper_ws")
 
 
 def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> bool:
@@ -388,7 +408,7 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
     those and calls of 2048 tokens and fewer keep the portable kernel."""
     from .runtime.hopper import spec_unserved
 
-    return spec_unserved(spec) is None and d == 128 and shape.causal and seqlen >= 4096
+    return spec_unserved(spec, backward=True) is None and d == 128 and shape.causal and seqlen >= 4096
 
 
 def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:
