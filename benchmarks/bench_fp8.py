@@ -11,8 +11,8 @@ and ``flashgen.attention`` in bf16. Each output is checked before it is timed (F
 rule against the dequantized inputs, as tests/test_fp8.py). TFLOP/s over visible pairs.
 Last: decode with an FP8 KV cache beside the bf16 cache (bytes of cache per second).
 
-    PYTHONPATH=. python3 benchmarks/bench_fp8.py --out benchmarks/results [--tag -v2] [--no-decode]
-Writes <out>/<date>-<gpu>-fp8<tag>.json and .md: rows with case, per-provider TFLOP/s,
+    PYTHONPATH=. python3 benchmarks/bench_fp8.py --out benchmarks/results [--tag v2] [--no-decode]
+Writes <out>/<date>-<gpu>-fp8[-<tag>].json and .md: rows with case, per-provider TFLOP/s,
 ratio_vs_bf16 (flashgen FP8 over flashgen bf16) and ratio_vs_cudnn.
 """
 
@@ -152,7 +152,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="hd128, S=4096 only")
-    parser.add_argument("--tag", default="", help="file name suffix, e.g. -v2")
+    parser.add_argument("--tag", default="", help="file name suffix: --tag v2 writes <date>-<gpu>-fp8-v2.json")
     parser.add_argument("--no-decode", action="store_true", help="leave out the FP8 KV-cache decode rows")
     args = parser.parse_args()
     cases = [(d, s, c) for d in (64, 128, 256) for s in (4096, 16384) for c in (False, True)]
@@ -175,7 +175,8 @@ def main():
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{date}-{gpu}-fp8{args.tag}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    tag = f"-{args.tag}" if args.tag else ""
+    (out / f"{date}-{gpu}-fp8{tag}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
     cols = ["flashgen_fp8", "flashgen_fp8_portable", "flashgen_bf16", "cudnn_fp8", "cudnn_bf16"]
     lines = [f"FP8 forward | {env}", "", "| case | fp8 family | " + " | ".join(f"{c} TFLOP/s" for c in cols)
              + " | ratio_vs_bf16 | ratio_vs_cudnn (anchor) |", "|---" * (len(cols) + 4) + "|"]
@@ -191,7 +192,7 @@ def main():
             lines.append(f"| {r['case']} | {r.get('bf16_cache_us', '-')} ({r.get('bf16_cache_TBps', '-')}) | "
                          f"{r.get('fp8_cache_us', '-')} ({r.get('fp8_cache_TBps', '-')}) | "
                          f"{r.get('ratio_bandwidth_fp8_vs_bf16', r.get('error', '-'))} |")
-    (out / f"{date}-{gpu}-fp8{args.tag}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{date}-{gpu}-fp8{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -133,7 +133,8 @@ def main(only=()) -> int:
         # the Gluon forward on FP8 e4m3 (V read seq-contiguous through a transposed descriptor; 304 keys: a
         # multiple of 16, the copy engine's stride rule for that V): causal GQA hd128, hd64 ping-pong
         ("hopper_ws fp8 e4m3 gqa causal hd128", dict(dtype="fp8_e4m3", head_dim=128, num_heads=8, num_kv_heads=2,
-                                                      causal=True, seqlen=304), hopper.replace(num_stages=2, family="hopper_ws")),
+                                                      causal=True, seqlen=304),
+         hopper.replace(num_stages=2, family="hopper_ws")),
         ("hopper_ws fp8 e4m3 hd64, ping-pong", dict(dtype="fp8_e4m3", head_dim=64, num_heads=4, seqlen=304),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, family="hopper_ws", hopper_pingpong=True)),
         ("fp8 e5m2 sliding window + softcap, pointer loads",

@@ -7,6 +7,11 @@ asks ``hopper_forward.plan(...)`` first: a call the family cannot serve (see ``c
 runs the portable forward instead. What a *spec* needs for the family is ``spec_unserved``: the
 config check (config.KernelConfig.check_family), the tuner's space and the defaults all ask it.
 
+FP8 e4m3 specs (forward only) take the same kernel with FP8 operands: V is read seq-contiguous
+through transposed_descriptor (the launcher's FP8 path already makes that copy of V), the (batch, KV
+head) descales are the launch's last arguments; a call whose V^T strides the copy engine cannot take
+(seqlen_k not a multiple of 16) runs the portable FP8 forward.
+
 Plain Python over torch and triton; imports only host.py's names. `flashgen generate` pastes it
 into a standalone hopper_ws module after host.py (dropping that import line), so it has no
 __future__ import and its top-level names clash neither with host.py's nor with the kernels'
@@ -16,7 +21,7 @@ __future__ import and its top-level names clash neither with host.py's nor with 
 import torch
 import triton
 
-from .host import BoundLaunch, Descriptors, bhsd_order, bhsd_strides, contiguous_strides  # standalone: host.py precedes
+from .host import SEQ_DIMS, BoundLaunch, Descriptors, bhsd_order, bhsd_strides, contiguous_strides  # standalone: host.py precedes
 
 # ---------------------------------------------------------------------------- the 3.6 / 3.9 shim
 # Gluon is experimental: triton 3.6 (the GPU image) and 3.9 (CI) name a few things differently.
@@ -116,17 +121,13 @@ def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, dev
     reason = (device_check or device_unserved)(q.device)
     if reason:
         return reason
-    fp8_v = v.dtype in fp8_torch_dtypes
-    for name, t in (("q", q), ("k", k), ("v", v.movedim(seq_dims[layout], -1) if fp8_v else v)):
+    fp8_v = v.dtype == torch.float8_e4m3fn
+    for name, t in (("q", q), ("k", k), ("v", v.movedim(SEQ_DIMS[layout], -1) if fp8_v else v)):
         if reason := tensor_unserved(name, t):
             return reason + (" (FP8: V is read seq-contiguous)" if name == "v" and fp8_v else "")
     if out is not None and out.stride(-1) != 1:
         return f"out: strides {tuple(out.stride())} (served: a contiguous last dim)"
     return None
-
-
-seq_dims = {"bhsd": 2, "bshd": 1}
-fp8_torch_dtypes = (torch.float8_e4m3fn,)
 
 
 def tensor_unserved(name, t) -> str | None:
@@ -203,9 +204,11 @@ class HopperPlan:
         o_strides = bhsd_order(contiguous_strides(base.o_shape) if out is None else out.stride(), layout)
         lse_strides = contiguous_strides(base.lse_shape)
         # Q in one consumer's rows per load; K and V in BLOCK_N-key slots of the ring
-        v_descriptor = forward.transposed_descriptor if forward.spec["dtype"] in forward_only_dtypes else forward.descriptor
+        fp8 = forward.spec["dtype"] in forward_only_dtypes  # V^T tiles of the seq-contiguous V
+        v_descriptor = forward.transposed_descriptor if fp8 else forward.descriptor
         self.descriptors = Descriptors(layout, ((forward.CONSUMER_ROWS, head_dim), (block_n, head_dim),
-                                                (block_n, head_dim)), [forward.descriptor, forward.descriptor, v_descriptor])
+                                                (block_n, head_dim)),
+                                       [forward.descriptor, forward.descriptor, v_descriptor])
         self.args = (*o_strides[:3], *lse_strides[:2], seqlen_q, seqlen_k, heads // kv_heads, scale * forward.RCP_LN2)
         self.launch = BoundLaunch(forward.kernel, (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), heads, batch), dict(
             CAUSAL=bool(forward.spec["causal"]), NUM_STAGES=cfg["num_stages"],
