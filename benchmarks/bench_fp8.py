@@ -4,13 +4,15 @@ bf16), same process, same values.
 
 Cases: head dims 64, 128, 256 (heads = 2048 / head dim, FlashAttention-3's setup), S = 4096 and
 16384 with 16384 tokens per batch, causal and not. Every provider is what a user calls:
-``flashgen.attention(q8, k8, v8, q_descale=..., ...)`` with its default config, and
-``flashgen.attention`` in bf16. Each output is checked before it is timed (FP8: FlashAttention-3's
+``flashgen.attention(q8, k8, v8, q_descale=..., ...)`` with its default config (``fp8_family``: the
+default's kernel family, hopper_ws = the Gluon warp-specialized forward on sm90), the same call with
+the portable family's FP8 default (``flashgen_fp8_portable``: config=default_config(..., hopper_ws=False)),
+and ``flashgen.attention`` in bf16. Each output is checked before it is timed (FP8: FlashAttention-3's
 rule against the dequantized inputs, as tests/test_fp8.py). TFLOP/s over visible pairs.
 Last: decode with an FP8 KV cache beside the bf16 cache (bytes of cache per second).
 
-    PYTHONPATH=. python3 benchmarks/bench_fp8.py --out benchmarks/results
-Writes <out>/<date>-<gpu>-fp8.json and .md: rows with case, per-provider TFLOP/s,
+    PYTHONPATH=. python3 benchmarks/bench_fp8.py --out benchmarks/results [--tag v2] [--no-decode]
+Writes <out>/<date>-<gpu>-fp8[-<tag>].json and .md: rows with case, per-provider TFLOP/s,
 ratio_vs_bf16 (flashgen FP8 over flashgen bf16) and ratio_vs_cudnn.
 """
 
@@ -66,8 +68,12 @@ def run_case(head_dim, seqlen, causal):
     (q8, qd), (k8, kd) = (flashgen.quantize_fp8(t) for t in x[:2])
     v8, vd = flashgen.quantize_fp8(x[2], seq_contiguous=True)  # V once in the FP8 MMA's layout
 
-    def fp8_call():
-        return flashgen.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    def fp8_call(config=None):
+        return flashgen.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, config=config)
+
+    spec8 = flashgen.AttentionSpec(dtype="fp8_e4m3", head_dim=head_dim, num_heads=heads, causal=causal)
+    row["fp8_family"] = flashgen.default_config(spec8, seqlen=seqlen).family
+    portable = flashgen.default_config(spec8, seqlen=seqlen, hopper_ws=False)
 
     def bf16_call():
         return flashgen.attention(q16, k16, v16, causal=causal)
@@ -82,7 +88,14 @@ def run_case(head_dim, seqlen, causal):
     if not all(c.ok for c in checks):
         row["error"] = "flashgen fp8 failed its accuracy check: not timed"
         return row
-    providers = {"flashgen_fp8": fp8_call, "flashgen_bf16": bf16_call,
+    if row["fp8_family"] != "portable":  # the portable FP8 forward on the same inputs: checked too
+        out_p, lse_p = flashgen.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd,
+                                          config=portable, return_lse=True)
+        checks = check_attention(out_p[:, h], lse_p[:, h], q8[:, h], k8[:, h], v8[:, h], causal=causal,
+                                 descales=(qd[:, h], kd[:, h], vd[:, h]))
+        row["fp8_portable_check"] = "; ".join(str(c) for c in checks)
+    providers = {"flashgen_fp8": fp8_call, "flashgen_fp8_portable": lambda: fp8_call(portable),
+                 "flashgen_bf16": bf16_call,
                  "cudnn_bf16": lambda: cudnn(q16, k16, v16, causal)}
     fp8_cudnn, ref_out, why = cudnn_fp8_call(q8, k8, v8, causal)
     if fp8_cudnn is not None:
@@ -139,6 +152,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="hd128, S=4096 only")
+    parser.add_argument("--tag", default="", help="file name suffix: --tag v2 writes <date>-<gpu>-fp8-v2.json")
+    parser.add_argument("--no-decode", action="store_true", help="leave out the FP8 KV-cache decode rows")
     args = parser.parse_args()
     cases = [(d, s, c) for d in (64, 128, 256) for s in (4096, 16384) for c in (False, True)]
     if args.quick:
@@ -151,7 +166,7 @@ def main():
             row = {"case": str(case), "error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-800:]}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    for row in decode_rows():
+    for row in ([] if args.no_decode else decode_rows()):
         print(json.dumps(row), flush=True)
         rows.append(row)
     env = environment()
@@ -160,15 +175,16 @@ def main():
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{date}-{gpu}-fp8.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-    cols = ["flashgen_fp8", "flashgen_bf16", "cudnn_fp8", "cudnn_bf16"]
-    lines = [f"FP8 forward | {env}", "", "| case | " + " | ".join(f"{c} TFLOP/s" for c in cols)
-             + " | ratio_vs_bf16 | ratio_vs_cudnn (anchor) |", "|---" * (len(cols) + 3) + "|"]
+    tag = f"-{args.tag}" if args.tag else ""
+    (out / f"{date}-{gpu}-fp8{tag}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+    cols = ["flashgen_fp8", "flashgen_fp8_portable", "flashgen_bf16", "cudnn_fp8", "cudnn_bf16"]
+    lines = [f"FP8 forward | {env}", "", "| case | fp8 family | " + " | ".join(f"{c} TFLOP/s" for c in cols)
+             + " | ratio_vs_bf16 | ratio_vs_cudnn (anchor) |", "|---" * (len(cols) + 4) + "|"]
     for r in rows:
         if r.get("mode") != "fwd":
             continue
         cells = [str(r.get(f"{c}_tflops", "-")) for c in cols]
-        lines.append(f"| {r['case']} | " + " | ".join(cells)
+        lines.append(f"| {r['case']} | {r.get('fp8_family', '-')} | " + " | ".join(cells)
                      + f" | {r.get('ratio_vs_bf16', '-')} | {r.get('ratio_vs_cudnn', '-')} ({r.get('cudnn_anchor', '-')}) |")
     lines += ["", "| decode | bf16 cache us (TB/s) | fp8 cache us (TB/s) | bandwidth ratio |", "|---|---|---|---|"]
     for r in rows:
@@ -176,7 +192,7 @@ def main():
             lines.append(f"| {r['case']} | {r.get('bf16_cache_us', '-')} ({r.get('bf16_cache_TBps', '-')}) | "
                          f"{r.get('fp8_cache_us', '-')} ({r.get('fp8_cache_TBps', '-')}) | "
                          f"{r.get('ratio_bandwidth_fp8_vs_bf16', r.get('error', '-'))} |")
-    (out / f"{date}-{gpu}-fp8.md").write_text("\n".join(lines) + "\n")
+    (out / f"{date}-{gpu}-fp8{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

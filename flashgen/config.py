@@ -16,7 +16,7 @@ from .spec import AttentionSpec
 LOOP_ORDERS = ("q_outer", "kv_outer")
 FAMILIES = ("portable", "hopper_ws")  # hopper_ws: the Gluon warp-specialized sm90 forward (templates/hopper/)
 HOPPER_BLOCK_M = (64, 128)  # hopper_ws: 64 query rows per consumer warpgroup, one or two consumers
-HOPPER_BLOCK_N = (64, 128)
+HOPPER_BLOCK_N = (64, 128, 256)  # 256: FP8 only (check_spec): 64 x 256 S beside bf16 P and O overflows 240 registers
 HOPPER_STAGES = (2, 3, 4)
 HOPPER_REGS = (168, 200, 216, 232, 240)  # consumer registers per thread (setmaxnreg); the producer keeps 24
 DQ_STRATEGIES = ("separate", "atomic")
@@ -183,7 +183,10 @@ class KernelConfig:
 
         if self.family == "hopper_ws" and (reason := spec_unserved(spec)):
             raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
-        if self.hopper_bwd and (reason := spec_unserved(spec)):
+        if self.family == "hopper_ws" and self.BLOCK_N == 256 and not spec.fp8:
+            raise ConfigError(f"config knob 'BLOCK_N': family 'hopper_ws' takes 256-key blocks for FP8 specs only "
+                              f"(P in FP8 takes a quarter of the registers), got 256 for dtype {spec.dtype!r}")
+        if self.hopper_bwd and (reason := spec_unserved(spec, backward=True)):
             raise ConfigError(f"config knob 'hopper_bwd': the Gluon dK/dV kernel cannot serve spec {spec.uri!r}: "
                               f"{reason}")
         return self
@@ -369,12 +372,34 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
 
     if spec_unserved(spec) is not None or shape.narrow(seqlen):
         return None
+    if spec.fp8:
+        return _hopper_ws_fp8_default(spec, d, shape, seqlen)
     tile = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
     if d == 128 and not shape.causal and seqlen >= 1024:  # calls of up to 512 tokens: not measured
         return dict(tile, hopper_pingpong=seqlen <= 4096)
     if d == 128 and seqlen >= 4096:
         return dict(tile, num_stages=3)
     if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):
+        return tile
+    return None
+
+
+def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
+    """The Gluon forward on FP8 e4m3 (family hopper_ws) where the H100 measured it faster than the
+    portable FP8 forward, else None. H100, 16384 tokens, module.forward TFLOP/s, Gluon / portable FP8
+    default, one run (benchmarks/results/2026-11-23-h100-fp8-hopper-ws-probe.md): hd128 S=16384
+    937 (128x256) / 748, causal 889 (128x256) / 752; S=4096 846 (128x256) / 707, causal 662 (128x128,
+    3 stages) / 605; hd256 S=16384 1098 (128x128) / 925; hd64 S=16384 551 (128x128) / 501, causal
+    508 / 478. Not taken: hd256 causal (128x64 868 / 900; 128x128 not measured), hd64 and hd256
+    under 16384 tokens and every case under 4096 (not measured); ping-pong lost everywhere (851 vs 884
+    at hd128, 482 vs 551 at hd64). FA3's FP8 tiles are 128 x 224 (hd128), 128 x 128 (hd256), 192 x 160
+    (hd64); Gluon's tiles are powers of two. The 8192 bucket follows its neighbours' wins."""
+    tile = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
+    if d == 128 and seqlen >= 4096:
+        if shape.causal and seqlen < 16384:
+            return dict(tile, num_stages=3)
+        return dict(tile, BLOCK_N=256)
+    if seqlen >= 16384 and (d == 64 or (d == 256 and not shape.causal)):
         return tile
     return None
 
@@ -388,7 +413,7 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
     those and calls of 2048 tokens and fewer keep the portable kernel."""
     from .runtime.hopper import spec_unserved
 
-    return spec_unserved(spec) is None and d == 128 and shape.causal and seqlen >= 4096
+    return spec_unserved(spec, backward=True) is None and d == 128 and shape.causal and seqlen >= 4096
 
 
 def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:

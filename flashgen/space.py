@@ -156,7 +156,7 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         params.update(bwd_tma=(False, True))
     # The Gluon warp-specialized dK/dV kernel (hopper_bwd), where it serves the spec: it has its own
     # tiles (runtime/hopper_bwd.py), so with it on the portable dK/dV's tile knobs stay at one point.
-    hopper_bwd = device.hopper and not device.interpret and spec_unserved(spec) is None
+    hopper_bwd = device.hopper and not device.interpret and spec_unserved(spec, backward=True) is None
     if hopper_bwd:
         params.update(hopper_bwd=(False, True))
 

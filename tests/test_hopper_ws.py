@@ -3,6 +3,8 @@ its config knobs, its rendering beside the portable forward, the fallback to the
 for calls it cannot serve, and the tuner's space. The kernel itself is compiled for sm90 by
 tests/test_sm90_compile.py and run by tests/test_hopper_ws_gpu.py."""
 
+import types
+
 import pytest
 import torch
 import triton
@@ -24,14 +26,28 @@ H100 = DeviceLimits("NVIDIA H100", 232448.0, hopper=True)
     dict(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
     dict(dtype="fp16", head_dim=64, num_heads=4),
     dict(dtype="bf16", head_dim=128, target="h100"),
+    dict(dtype="fp8_e4m3", head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
+    dict(dtype="fp8_e4m3", head_dim=256),
 ])
 def test_spec_served(fields):
     assert hopper.spec_unserved(AttentionSpec(**fields)) is None
 
 
+def test_fp8_is_served_by_the_forward_only():
+    # FP8 is forward-only: the Gluon dK/dV (hopper_bwd) refuses it, by its rule, its config check
+    # and its default (which an FP8 spec's config would otherwise carry at hd128 causal 4096+)
+    spec = AttentionSpec(dtype="fp8_e4m3", head_dim=128, num_heads=16, causal=True)
+    assert "forward only" in hopper.spec_unserved(spec, backward=True)
+    assert hopper.spec_unserved(AttentionSpec(dtype="bf16", head_dim=128), backward=True) is None
+    with pytest.raises(ConfigError, match="'hopper_bwd'.*forward only"):
+        KernelConfig(hopper_bwd=True).check_spec(spec)
+    assert not flashgen.default_config(spec, "h100", 4096).hopper_bwd
+
+
 @pytest.mark.parametrize("fields, reason", [
     (dict(dtype="fp32", head_dim=64), "dtype 'fp32'"),
-    (dict(dtype="fp8_e4m3", head_dim=128), "dtype 'fp8_e4m3'"),
+    (dict(dtype="fp8_e5m2", head_dim=128), "dtype 'fp8_e5m2'"),
+    (dict(dtype="fp8_e4m3", head_dim=96), "head_dim 96"),
     (dict(dtype="bf16", head_dim=96), "head_dim 96"),
     (dict(dtype="bf16", head_dim=256), "head_dim 256"),
     (dict(dtype="bf16", head_dim=128, head_dim_v=64), "head_dim_v 64"),
@@ -62,6 +78,26 @@ def test_call_unserved():
     assert hopper.call_unserved(q, k, v, "bhsd") is not None  # CPU tensors: not an sm90 GPU
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_fp8_call_needs_v_seq_contiguous_with_16_byte_strides(layout):
+    # FP8's V is read through a (batch, heads, dim, seq) descriptor: its seq dim contiguous, its
+    # other strides multiples of 16 bytes (a seq-contiguous copy: seqlen_k a multiple of 16)
+    ok = lambda device: None  # noqa: E731 - as if on an sm90 GPU
+
+    def tensors(seqlen_k):
+        q, k, v = (flashgen.quantize_fp8(x, layout=layout, seq_contiguous=i == 2)[0]
+                   for i, x in enumerate(make_qkv(1, 4, 2, 40, seqlen_k, 64, dtype=torch.float32, device="cpu",
+                                                  layout=layout)))
+        return q, k, v
+
+    q, k, v = tensors(48)
+    assert hopper.call_unserved(q, k, v, layout, device_check=ok) is None
+    dense_v = v.contiguous()  # dim-contiguous: not the K-major operand
+    assert "v: strides" in hopper.call_unserved(q, k, dense_v, layout, device_check=ok)
+    q, k, v = tensors(40)  # 40 keys: V^T's dim stride is 40 bytes
+    assert "(FP8: V is read seq-contiguous)" in hopper.call_unserved(q, k, v, layout, device_check=ok)
+
+
 def test_config_knobs():
     cfg = KernelConfig(**HOPPER)
     assert cfg.to_dict()["family"] == "hopper_ws" and "hopper_regs" not in cfg.to_dict()  # its default left out
@@ -75,7 +111,7 @@ def test_config_knobs():
 @pytest.mark.parametrize("knobs, knob", [
     (dict(family="flash3"), "'family'"),
     (dict(HOPPER, BLOCK_M=32), "'BLOCK_M'"),
-    (dict(HOPPER, BLOCK_N=256), "'BLOCK_N'"),
+    (dict(HOPPER, BLOCK_N=32), "'BLOCK_N'"),
     (dict(HOPPER, num_stages=1), "'num_stages'"),
     (dict(HOPPER, hopper_regs=250), "'hopper_regs'"),
     (dict(HOPPER, hopper_overlap=1), "'hopper_overlap'"),
@@ -86,6 +122,13 @@ def test_config_knobs():
 def test_bad_knobs_are_config_errors(knobs, knob):
     with pytest.raises(ConfigError, match=knob):
         KernelConfig(**knobs)
+
+
+def test_256_key_blocks_are_for_fp8_only():
+    # a 64 x 256 float32 S fits a consumer's registers beside P only when P is FP8
+    with pytest.raises(ConfigError, match="'BLOCK_N'.*FP8 specs only.*'bf16'"):
+        KernelConfig(**dict(HOPPER, BLOCK_N=256)).check_spec(AttentionSpec(dtype="bf16", head_dim=128))
+    KernelConfig(**dict(HOPPER, BLOCK_N=256)).check_spec(AttentionSpec(dtype="fp8_e4m3", head_dim=128))
 
 
 def test_unserved_spec_is_a_config_error_naming_the_family():
@@ -154,6 +197,47 @@ def test_a_call_it_serves_gets_its_plan(monkeypatch):
     assert qd.block == (64, 64)
 
 
+def test_an_fp8_call_gets_v_transposed_and_the_descales(monkeypatch):
+    # FP8: V through the transposed descriptor (tiles of (head dim, BLOCK_N) of V^T), the (batch, KV
+    # head) descales and their strides after the scalars; q_descale * k_descale join qk_scale in the kernel
+    spec = AttentionSpec(dtype="fp8_e4m3", head_dim=64, num_heads=4, num_kv_heads=2, causal=True)
+    module = flashgen.compile(spec, KernelConfig(**HOPPER)).module()
+    forward = module._LAUNCHER.hopper_forward
+    forward.device_unserved = lambda device: None
+    made, launched = [], []
+
+    def maker(kind):
+        def make(t, layout, rows, cols):
+            made.append((kind, t.stride(), rows, cols))
+            return types.SimpleNamespace(kind=kind)
+        return make
+
+    monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: lambda *args: launched.append(args))
+    monkeypatch.setattr(forward, "descriptor", maker("plain"))
+    monkeypatch.setattr(forward, "transposed_descriptor", maker("transposed"))
+    x = make_qkv(2, 4, 2, 45, 64, 64, dtype=torch.float32, device="cpu")
+    (q, qd), (k, kd), (v, vd) = (flashgen.quantize_fp8(t, group=g) for t, g in zip(x, (2, 1, 1)))
+    out, lse = module.forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert out.dtype == torch.bfloat16 and lse.shape == (2, 4, 45)
+    assert [m[0] for m in made] == ["plain", "plain", "transposed"]
+    assert made[2][1][2] == 1 and made[2][2:] == (HOPPER["BLOCK_N"], 64)  # the seq-contiguous copy of V
+    ((*_, qd_arg, kd_arg, vd_arg, stride_b, stride_h),) = launched
+    assert all(torch.equal(a, b) for a, b in ((qd_arg, qd), (kd_arg, kd), (vd_arg, vd)))
+    assert (stride_b, stride_h) == (2, 1)  # (batch, KV heads) descales: kv_heads, 1
+
+
+def test_fp8_render_keeps_the_bf16_kernel_text():
+    # the FP8 branches render only for FP8 specs: a bf16 module's Gluon forward has none of them
+    def kernels(dtype):
+        spec = AttentionSpec(dtype=dtype, head_dim=128, num_heads=8, num_kv_heads=2, causal=True)
+        source = render(spec, KernelConfig(**HOPPER), standalone=False)
+        return source[source.index("_HW_ROWS = gl.constexpr"):]
+
+    fp8, bf16 = kernels("fp8_e4m3"), kernels("bf16")
+    assert "V_DESCALE" in fp8 and "_HW_P_SCALE_LOG2" in fp8 and "k_width=4" in fp8 and ".permute((1, 0)), acc" in fp8
+    assert not any(word in bf16 for word in ("DESCALE", "descale", "P_SCALE", "k_width=4"))
+
+
 def test_space_offers_the_family_only_where_it_serves():
     served = forward_space(AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, causal=True), H100)
     points = list(served.points())
@@ -188,6 +272,24 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
     assert family(96, False, 4096).family == "portable"
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16)
     assert flashgen.default_config(spec, "a100", 4096).family == "portable"
+
+
+def test_fp8_defaults_take_the_family_where_it_measured_faster():
+    # H100 FP8 e4m3 (benchmarks/results/2026-11-23-h100-fp8-hopper-ws-probe.md): hd128 at 4096+ tokens
+    # (256-key blocks; causal under 16384: 128 keys, 3 stages), hd64 and hd256 (not causal) at 16384+;
+    # no ping-pong; the rest (unmeasured, or slower) the portable FP8 forward
+    def config(d, causal, seqlen, dtype="fp8_e4m3", target="h100"):
+        spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=16, causal=causal)
+        got = flashgen.default_config(spec, target, seqlen)
+        return (got.family, got.BLOCK_M, got.BLOCK_N, got.num_stages, got.hopper_pingpong)
+
+    gluon = ("hopper_ws", 128)
+    assert config(128, False, 4096) == config(128, True, 16384) == (*gluon, 256, 2, False)
+    assert config(128, True, 4096) == config(128, True, 8192) == (*gluon, 128, 3, False)
+    assert config(64, False, 16384) == config(64, True, 32768) == config(256, False, 16384) == (*gluon, 128, 2, False)
+    for d, causal, seqlen in ((128, False, 1024), (64, False, 4096), (256, True, 16384), (256, False, 4096)):
+        assert config(d, causal, seqlen)[0] == "portable", (d, causal, seqlen)
+    assert config(128, False, 16384, dtype="fp8_e5m2")[0] == config(128, False, 16384, target="a100")[0] == "portable"
 
 
 def test_standalone_module_carries_the_family_host_side(tmp_path):

@@ -7,6 +7,11 @@ asks ``hopper_forward.plan(...)`` first: a call the family cannot serve (see ``c
 runs the portable forward instead. What a *spec* needs for the family is ``spec_unserved``: the
 config check (config.KernelConfig.check_family), the tuner's space and the defaults all ask it.
 
+FP8 e4m3 specs (forward only) take the same kernel with FP8 operands: V is read seq-contiguous
+through transposed_descriptor (the launcher's FP8 path already makes that copy of V), the (batch, KV
+head) descales are the launch's last arguments; a call whose V^T strides the copy engine cannot take
+(seqlen_k not a multiple of 16) runs the portable FP8 forward.
+
 Plain Python over torch and triton; imports only host.py's names. `flashgen generate` pastes it
 into a standalone hopper_ws module after host.py (dropping that import line), so it has no
 __future__ import and its top-level names clash neither with host.py's nor with the kernels'
@@ -16,7 +21,7 @@ __future__ import and its top-level names clash neither with host.py's nor with 
 import torch
 import triton
 
-from .host import BoundLaunch, Descriptors, bhsd_order, bhsd_strides, contiguous_strides  # standalone: host.py precedes
+from .host import SEQ_DIMS, BoundLaunch, Descriptors, bhsd_order, bhsd_strides, contiguous_strides  # standalone: host.py precedes
 
 # ---------------------------------------------------------------------------- the 3.6 / 3.9 shim
 # Gluon is experimental: triton 3.6 (the GPU image) and 3.9 (CI) name a few things differently.
@@ -51,21 +56,31 @@ except ImportError as err:  # no Gluon: the module still imports; the family is 
     fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = tma_load = None
     GluonTensorDescriptor = None
 
-gluon_dtypes = {"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16} if gluon_available else {}
+gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "torch.float8_e4m3fn": gl.float8e4nv}
+                if gluon_available else {})
 served_head_dims = (64, 128)  # hd256: the two consumers' S and O accumulators do not fit next to P (not wired)
-served_dtypes = ("fp16", "bf16")
+served_dtypes = ("fp16", "bf16", "fp8_e4m3")
+# FP8 (e4m3; e5m2 keeps the portable forward): forward only, so the Gluon dK/dV (hopper_bwd) refuses it
+forward_only_dtypes = ("fp8_e4m3",)
+# FP8 hd256 too: with 64 or 128-key blocks its 64 x 256 float32 O, S and P fit a consumer's 240
+# registers (ptxas for sm90, triton 3.6 and 3.9: no local memory); Q + 2 stages of K/V^T <= 160 KiB
+fp8_head_dims = (64, 128, 256)
 served_layouts = ("bhsd", "bshd")  # packed 'thd' (varlen) runs the portable forward
 
 
-def spec_unserved(spec) -> str | None:
+def spec_unserved(spec, *, backward=False) -> str | None:
     """Why the hopper_ws family cannot serve this spec (an AttentionSpec or a module's SPEC
-    dict), or None when it can. Served: fp16/bf16, head_dim == head_dim_v in served_head_dims,
-    no mask or bottom-right causal, no score modifier, no dropout, an sm90 target or 'auto'."""
+    dict), or None when it can. Served: fp16/bf16 (and fp8_e4m3 for the forward: backward=False),
+    head_dim == head_dim_v in served_head_dims, no mask or bottom-right causal, no score modifier,
+    no dropout, an sm90 target or 'auto'. backward=True: the Gluon dK/dV kernel's rule (hopper_bwd)."""
     get = spec.get if isinstance(spec, dict) else (lambda name: getattr(spec, name))
     if get("dtype") not in served_dtypes:
         return f"dtype {get('dtype')!r} (served: {', '.join(served_dtypes)})"
-    if get("head_dim") != get("head_dim_v") or get("head_dim") not in served_head_dims:
-        return f"head_dim {get('head_dim')}/head_dim_v {get('head_dim_v')} (served: equal, one of {served_head_dims})"
+    if backward and get("dtype") in forward_only_dtypes:
+        return f"dtype {get('dtype')!r} (forward only; the Gluon dK/dV serves fp16, bf16)"
+    head_dims = fp8_head_dims if get("dtype") in forward_only_dtypes else served_head_dims
+    if get("head_dim") != get("head_dim_v") or get("head_dim") not in head_dims:
+        return f"head_dim {get('head_dim')}/head_dim_v {get('head_dim_v')} (served: equal, one of {head_dims})"
     if get("mask") is not None:
         return "a mask pattern or expression (served: none, or causal: true)"
     if get("score_mod") is not None:
@@ -96,7 +111,9 @@ def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, dev
 
     The kernel reads Q/K/V through (batch, heads, seq, dim) tensor descriptors and writes O through
     pointers, so it needs: a dense layout (bhsd or bshd), a contiguous last dim and 16-byte strides
-    and base pointers (the copy engine's rules), no dropout."""
+    and base pointers (the copy engine's rules), no dropout. An FP8 V is read seq-contiguous
+    (through a (batch, heads, dim, seq) descriptor): its seq dim contiguous and its other strides
+    16-byte multiples (a seq-contiguous copy of V has them when seqlen_k is a multiple of 16)."""
     if varlen or layout not in served_layouts:
         return f"layout {layout!r} (served: {', '.join(served_layouts)})"
     if dropout_p:
@@ -104,9 +121,10 @@ def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, dev
     reason = (device_check or device_unserved)(q.device)
     if reason:
         return reason
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    fp8_v = v.dtype == torch.float8_e4m3fn
+    for name, t in (("q", q), ("k", k), ("v", v.movedim(SEQ_DIMS[layout], -1) if fp8_v else v)):
         if reason := tensor_unserved(name, t):
-            return reason
+            return reason + (" (FP8: V is read seq-contiguous)" if name == "v" and fp8_v else "")
     if out is not None and out.stride(-1) != 1:
         return f"out: strides {tuple(out.stride())} (served: a contiguous last dim)"
     return None
@@ -152,6 +170,16 @@ class HopperForward:
         smem = gl.NVMMASharedLayout.get_default_for(block, gluon_dtypes[str(t.dtype)])
         return GluonTensorDescriptor(t, list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout)), block, smem)
 
+    @staticmethod
+    def transposed_descriptor(t, layout, rows, cols):
+        """A (batch, heads, dim, seq) Gluon descriptor of a seq-contiguous t (FP8's V), one (1, 1, cols =
+        head dim, rows) tile per load: the kernel's K-major B operand of P V."""
+        block = [1, 1, cols, rows]
+        smem = gl.NVMMASharedLayout.get_default_for(block, gluon_dtypes[str(t.dtype)])
+        b, h, s, d = bhsd_order(t.shape, layout)
+        sb, sh, ss, sd = bhsd_strides(t, layout)
+        return GluonTensorDescriptor(t, [b, h, d, s], [sb, sh, sd, ss], block, smem)
+
     def plan(self, base, q, k, v, layout, out, scale, dropout_p, cfg, *, varlen=False):
         """A plan for this call (called like launch.ForwardPlan, whose allocation it keeps), or None
         when the family cannot serve it (then the portable forward runs)."""
@@ -176,8 +204,11 @@ class HopperPlan:
         o_strides = bhsd_order(contiguous_strides(base.o_shape) if out is None else out.stride(), layout)
         lse_strides = contiguous_strides(base.lse_shape)
         # Q in one consumer's rows per load; K and V in BLOCK_N-key slots of the ring
+        fp8 = forward.spec["dtype"] in forward_only_dtypes  # V^T tiles of the seq-contiguous V
+        v_descriptor = forward.transposed_descriptor if fp8 else forward.descriptor
         self.descriptors = Descriptors(layout, ((forward.CONSUMER_ROWS, head_dim), (block_n, head_dim),
-                                                (block_n, head_dim)), [forward.descriptor] * 3)
+                                                (block_n, head_dim)),
+                                       [forward.descriptor, forward.descriptor, v_descriptor])
         self.args = (*o_strides[:3], *lse_strides[:2], seqlen_q, seqlen_k, heads // kv_heads, scale * forward.RCP_LN2)
         self.launch = BoundLaunch(forward.kernel, (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), heads, batch), dict(
             CAUSAL=bool(forward.spec["causal"]), NUM_STAGES=cfg["num_stages"],
@@ -199,5 +230,5 @@ class HopperPlan:
             out = torch.empty(base.o_shape, dtype=base.dtype, device=base.device)
         if lse is None:
             lse = torch.empty(base.lse_shape, dtype=torch.float32, device=base.device)
-        self.launch(*self.descriptors(q, k, v), out, lse, *self.args)
+        self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *fp8_args)  # FP8: descales and their strides
         return out, lse

@@ -50,7 +50,7 @@ class HopperBackward:
 
     def __init__(self, kernel, spec, config):
         self.kernel, self.spec, self.config = kernel, spec, config
-        self.spec_reason = spec_unserved(spec)
+        self.spec_reason = spec_unserved(spec, backward=True)
 
     def serve(self, plan, q, k, v, do, layout, scale, dropout_p):
         """Swap this kernel in for the portable dK/dV launch of a launch.BackwardPlan when the call is
