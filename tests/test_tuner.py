@@ -569,6 +569,10 @@ def test_worker_commands_one_gpu_each_starting_on_different_specs():
         assert args[args.index("--worker") + 1] == f"run:{i}"  # worker i of this run
     (_, env), = worker_commands(["a.yaml"], {}, 0, 1, True, environ={})
     assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    # a flag is forwarded as a flag, and only when it is set
+    for flag in (True, False):
+        (cmd, _), = worker_commands(["a.yaml"], dict(forwarded, no_default=flag), 0, 1, False, environ={})
+        assert ("--no-default" in cmd) == flag and "True" not in cmd and "False" not in cmd
 
 
 @needs_interpreter
@@ -750,6 +754,32 @@ def test_the_tuner_stores_only_what_beat_the_default_in_its_final_round(store, d
         assert KernelConfig.from_dict(row["config"]) == default and row["ms"] == 1.0
     else:
         assert row["config"]["BLOCK_M"] == fast and row["ms"] == 0.5 and result.speedup == 2.0
+
+
+@needs_interpreter
+def test_no_default_starts_from_the_sampler_and_the_final_round_still_times_the_default(store):
+    # `flashgen tune --no-default` on a spec with nothing tuned near it: no trial is enqueued (the
+    # search starts from the sampler alone, as on a GPU nobody has set defaults for); the final
+    # round times the default anyway, so the stored result still beats it, and `found` is what
+    # the search alone would have stored.
+    from flashgen.config import default_config
+
+    spec = SPEC.replace(name="nodefault", backward=False)
+    default = default_config(spec, target="cpu", seqlen=64)
+
+    def ms(config, phase):  # the default is the fastest config
+        return 1.0 if config == default else 2.0
+
+    (result,) = tune(spec, ClockRunner(ms), store, TuneOptions(trials=2, sampler="random", seed=2,
+                                                               enqueue_default=False))
+    study = store.open_study(spec, EnvInfo.current(interpret=True), 64, "fwd")
+    assert result.warm_starts == 0 and not [t for t in study.trials if "fixed_params" in t.system_attrs]
+    assert KernelConfig.from_dict(result.best.config) == default and result.default.ms == 1.0
+    searched = {config_key(t.user_attrs["record"]["config"]) for t in study.trials
+                if t.user_attrs.get("record", {}).get("status") == "ok" and not t.user_attrs.get("final")}
+    # this seed's two random points are not the default: the search alone stores a slower one
+    assert config_key(default.to_dict()) not in searched
+    assert config_key(result.found.config) in searched and result.found.ms == 2.0
 
 
 @needs_interpreter
