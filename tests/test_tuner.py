@@ -756,6 +756,28 @@ def test_the_tuner_stores_only_what_beat_the_default_in_its_final_round(store, d
         assert row["config"]["BLOCK_M"] == fast and row["ms"] == 0.5 and result.speedup == 2.0
 
 
+def test_warm_starts_read_stored_configs_as_kernelconfig_does():
+    # A stored config leaves out its LATER_KNOBS at their off value (family 'portable', ...): on the
+    # H100, whose forward space has those knobs, no shipped row warm-started a study before.
+    from flashgen.db.neighbours import warm_starts
+
+    here = EnvInfo(gpu="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.2, torch="2.11.0",
+                   triton="3.6.0", cuda="13.0", flashgen="", templates="")
+    target = AttentionSpec(name="t", dtype="fp16", head_dim=64, num_heads=2, causal=True)  # hopper_ws serves it
+    space = forward_space(target, DeviceLimits("NVIDIA H100 80GB HBM3", 232448.0, hopper=True))
+    assert {"family", "hopper_regs", "hopper_overlap"} <= set(space.params)
+    portable = KernelConfig(BLOCK_M=64, BLOCK_N=32, num_stages=3, tma=True).to_dict()
+    gluon = KernelConfig(BLOCK_M=128, BLOCK_N=128, num_stages=2, family="hopper_ws").to_dict()
+    assert "family" not in portable and "hopper_regs" not in gluon
+    near = target.replace(name="near", head_dim=128)
+    rows = [dict(spec_key=near.key, spec=near.canonical(), environment=here.as_dict(), bucket=64, phase="fwd",
+                 config=c, ms=ms) for c, ms in ((portable, 1.0), (gluon, 2.0), ({"BLOCK_M": 48}, 0.5))]
+    points = warm_starts(target.key, target.canonical(), here, 64, "fwd", rows, space.params)
+    assert [(p["BLOCK_M"], p["family"], p["hopper_regs"]) for p in points] == \
+        [(64, "portable", 240), (128, "hopper_ws", 240)]  # a row KernelConfig refuses gives none
+    assert not any(space.violations(p) for p in points)
+
+
 @needs_interpreter
 def test_no_default_starts_from_the_sampler_and_the_final_round_still_times_the_default(store):
     # `flashgen tune --no-default` on a spec with nothing tuned near it: no trial is enqueued (the
