@@ -923,9 +923,9 @@ def test_final_round_failure_of_a_config_at_a_later_knobs_old_value_is_recorded(
             return TrialRecord(32, phase, config.to_dict(), "timeout", error="full grid too slow")
 
     study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
-    best, default = flashgen.tuner._final_choice(Runner(), None, study, space, "bwd", None,
-                                                 TuneOptions(), base)
-    assert best is None and default.status == "timeout"
+    best, default, found = flashgen.tuner._final_choice(Runner(), None, study, space, "bwd", None,
+                                                        TuneOptions(), base)
+    assert best is None and found is None and default.status == "timeout"
     (failed,) = study.trials
     assert failed.state == optuna.trial.TrialState.FAIL and failed.user_attrs["final"]
     assert failed.params["bwd_persistent"] == 0 and failed.params["BLOCK_M1"] == 16
