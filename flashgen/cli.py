@@ -218,6 +218,10 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
               help="Seconds one trial may take before it counts as a timeout.")
 @click.option("--sampler", type=click.Choice(SAMPLERS), default="tpe", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
+@click.option("--no-default", "no_default", is_flag=True,
+              help="Never start a study from the heuristic default: from the nearest tuned specs on this GPU when "
+                   "there are any (always so), else from the sampler alone. The default is still timed in the "
+                   "final round (a stored result beats it).")
 @_db_option
 @click.option("--gpus", type=click.IntRange(1), default=1, show_default=True,
               help="Worker processes, one per local GPU (CUDA_VISIBLE_DEVICES set for each), sharing the studies "
@@ -243,8 +247,8 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
 @click.option("--jobs", type=click.IntRange(1), default=None,
               help="With --recheck: configs compiled and verified at once, in threads (default: 1).")
 @click.pass_context
-def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, db_url, gpus, heartbeat_s, resume,
-         worker, plot_path, interpret, as_json, recheck, shipped, jobs):
+def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, no_default, db_url, gpus, heartbeat_s,
+         resume, worker, plot_path, interpret, as_json, recheck, shipped, jobs):
     """Tune specs on this machine's GPUs and store the best config per sequence-length bucket.
 
     One Optuna study per spec, bucket and phase, kept in the database: a study that an
@@ -299,7 +303,7 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
     store = ResultStore(url, heartbeat_s=heartbeat_s)  # opened for writing before any trial runs
     if gpus > 1:
         forwarded = dict(trials=trials, seqlens=",".join(map(str, seqlens)) if seqlens else None, timeout=timeout_s,
-                         sampler=sampler, db=url, heartbeat=heartbeat_s)
+                         sampler=sampler, db=url, heartbeat=heartbeat_s, no_default=no_default)
         docs = _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret)
         if as_json:
             click.echo(json.dumps(dict(db=store.display_url, workers=docs), indent=1))
@@ -309,7 +313,7 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, d
     docs = []
     for spec in specs:
         docs.append(_tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json,
-                               worker))
+                               worker, no_default=no_default))
     if as_json:
         click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
     failed = [doc["spec"] for doc in docs if _nothing_stored(doc)]
@@ -325,7 +329,7 @@ def _nothing_stored(doc: dict) -> bool:
 
 
 def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json,
-               worker=None) -> dict:
+               worker=None, no_default: bool = False) -> dict:
     """Tune one spec in this process; print its table (unless as_json) and return its results,
     with where the time went (wall-clock stamps, seconds per study, compile+verify vs timing)."""
     from tqdm.auto import tqdm
@@ -374,7 +378,7 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
             default(info)
 
     options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed, progress=progress,
-                          interrupted=interrupted.is_set, worker=worker)
+                          interrupted=interrupted.is_set, worker=worker, enqueue_default=not no_default)
     started = time.time()
     previous, previous_hook = signal.signal(signal.SIGINT, on_interrupt), sys.unraisablehook
     sys.unraisablehook = unraisable
@@ -510,7 +514,9 @@ def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: boo
         cmd = [sys.executable, "-m", "flashgen", "tune", *order, "--gpus", "1", "--seed", str(seed + i), "--json",
                "--worker", f"{run}:{i}"]
         for name, value in forwarded.items():
-            if value is not None:
+            if value is True:  # a flag
+                cmd.append(f"--{name.replace('_', '-')}")
+            elif value is not None and value is not False:
                 cmd += [f"--{name}", str(value)]
         if interpret:
             cmd.append("--interpret")
@@ -536,7 +542,7 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
     try:
         for spec in specs:  # worker 0: commands[0]'s order and seed
             own.append(_tune_spec(ctx, spec, store, forwarded["trials"], forwarded["timeout"], forwarded["sampler"],
-                                  seed, None, interpret, True, (run, 0)))
+                                  seed, None, interpret, True, (run, 0), no_default=forwarded.get("no_default", False)))
         outputs = [p.communicate()[0] for p, _ in procs]
     except KeyboardInterrupt:  # the workers had it too (one process group): they keep what they finished
         for p, _ in procs:

@@ -343,6 +343,11 @@ class TuneOptions:
     # (run id, worker number) of a `--gpus` worker: the workers of one run share each study's
     # trials, and its final round runs once, by the last worker to leave the study (see _runs_final_round).
     worker: tuple[str, int] | None = None
+    # Enqueue the bucket's heuristic default as the first trial of a new study that has no warm
+    # start (`flashgen tune --no-default`: False, the search starts from the sampler alone, as on
+    # a GPU or a kind of spec nobody has tuned and set a default for). The final round times the
+    # default either way: it is what flashgen.load runs untuned.
+    enqueue_default: bool = True
 
 
 @dataclass
@@ -360,6 +365,10 @@ class BucketResult:
     warm_starts: int = 0  # configs of the nearest tuned specs this study started from
     final_elsewhere: bool = False  # another worker of this run has the final round (best and default None here)
     seconds: dict = field(default_factory=dict)  # wall seconds: 'trials' (this worker's), 'final' (its round)
+    # The fastest of the final round among the configs the search found (its two best trials),
+    # the default left out unless the search sampled it: what the search alone would store
+    # (benchmarks/bench_search_quality.py measures it). best is this or the default.
+    found: TrialRecord | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -479,7 +488,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
     starts = []
     if not study.trials:  # a new study starts from the nearest tuned specs, else from the default
         starts = warm_starts(spec, runner.env, store, bucket, phase, space)
-        for point in starts or [default_point]:
+        for point in starts or ([default_point] if options.enqueue_default else []):
             study.enqueue_trial(point)
     failures: dict[str, int] = {}
 
@@ -542,7 +551,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
                             len(starts), final_elsewhere=True, seconds=seconds)
     _stop_if_interrupted(options)
     final_start = time.monotonic()
-    best, default = _final_choice(runner, kernel, study, space, phase, work, options, base)
+    best, default, found = _final_choice(runner, kernel, study, space, phase, work, options, base)
     importances = {}
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if len(completed) >= 3:
@@ -559,7 +568,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
                               default.ms if default.status == "ok" else None, against)
     seconds["final"] = time.monotonic() - final_start
     return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept,
-                        len(starts), seconds=seconds)
+                        len(starts), seconds=seconds, found=found)
 
 
 def _runs_final_round(study, store: ResultStore, worker: tuple[str, int]) -> bool:
@@ -586,15 +595,17 @@ def _stop_if_interrupted(options) -> None:
 
 def _final_choice(runner, kernel, study, space, phase, work, options, base: KernelConfig):
     """Verify the two fastest configs and the default on the full grid, time them again in
-    one round, keep the fastest. Returns (best, default) records from that round. A config
+    one round, keep the fastest. Returns (best, default, found) records from that round (found:
+    the fastest of the search's own two, the default left out unless it is one of them). A config
     that fails the full grid is added to the study as a failed trial (marked 'final', so it
     spends no budget), and is then never chosen, in this run or a later one."""
     completed = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
                        key=lambda t: t.value)
     candidates = [_config_type(phase).from_dict(t.user_attrs["record"]["config"]) for t in completed[:2]]
+    searched = list(candidates)
     if base not in candidates:
         candidates.append(base)
-    finalists, default = [], None
+    finalists, default, found = [], None, []
     for config in candidates:
         _stop_if_interrupted(options)  # each full-grid check is long under the interpreter
         rec = runner.evaluate(kernel, config, phase, work, timeout_s=options.timeout_s, full=True)
@@ -610,8 +621,10 @@ def _final_choice(runner, kernel, study, space, phase, work, options, base: Kern
                                                       user_attrs={"record": dataclasses.asdict(rec), "final": True}))
             continue
         finalists.append(rec)
+        if config in searched:
+            found.append(rec)
     best = min(finalists, key=lambda r: r.ms) if finalists else None
-    return best, default
+    return best, default, min(found, key=lambda r: r.ms) if found else None
 
 
 # ----------------------------------------------------------------------------- recheck

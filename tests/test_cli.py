@@ -378,3 +378,18 @@ def test_readme_main_job_runs_in_a_fresh_process(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "no config passed" not in proc.stdout and "1.00x" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.skipif(ON_GPU, reason="uses --interpret")
+def test_tune_no_default_reaches_the_tuner(tmp_path, monkeypatch):
+    # `flashgen tune --no-default`: the studies start without the heuristic default enqueued
+    import flashgen.tuner
+
+    seen = []
+    monkeypatch.setattr(flashgen.tuner, "tune", lambda spec, runner, store, options: seen.append(options) or [])
+    url = f"sqlite:///{tmp_path / 'r.sqlite'}"
+    for extra, enqueued in (([], True), (["--no-default"], False)):
+        result = CliRunner().invoke(main, ["tune", str(ROOT / "examples/specs/mha-hd64.yaml"), "--interpret", "--json",
+                                           "--db", url, *extra])
+        assert result.exit_code == 0, result.output
+        assert seen.pop().enqueue_default is enqueued

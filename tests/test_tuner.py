@@ -569,6 +569,10 @@ def test_worker_commands_one_gpu_each_starting_on_different_specs():
         assert args[args.index("--worker") + 1] == f"run:{i}"  # worker i of this run
     (_, env), = worker_commands(["a.yaml"], {}, 0, 1, True, environ={})
     assert env["CUDA_VISIBLE_DEVICES"] == "0"
+    # a flag is forwarded as a flag, and only when it is set
+    for flag in (True, False):
+        (cmd, _), = worker_commands(["a.yaml"], dict(forwarded, no_default=flag), 0, 1, False, environ={})
+        assert ("--no-default" in cmd) == flag and "True" not in cmd and "False" not in cmd
 
 
 @needs_interpreter
@@ -752,6 +756,54 @@ def test_the_tuner_stores_only_what_beat_the_default_in_its_final_round(store, d
         assert row["config"]["BLOCK_M"] == fast and row["ms"] == 0.5 and result.speedup == 2.0
 
 
+def test_warm_starts_read_stored_configs_as_kernelconfig_does():
+    # A stored config leaves out its LATER_KNOBS at their off value (family 'portable', ...): on the
+    # H100, whose forward space has those knobs, no shipped row warm-started a study before.
+    from flashgen.db.neighbours import warm_starts
+
+    here = EnvInfo(gpu="NVIDIA H100 80GB HBM3", capability="9.0", sm_count=132, memory_gib=79.2, torch="2.11.0",
+                   triton="3.6.0", cuda="13.0", flashgen="", templates="")
+    target = AttentionSpec(name="t", dtype="fp16", head_dim=64, num_heads=2, causal=True)  # hopper_ws serves it
+    space = forward_space(target, DeviceLimits("NVIDIA H100 80GB HBM3", 232448.0, hopper=True))
+    assert {"family", "hopper_regs", "hopper_overlap"} <= set(space.params)
+    portable = KernelConfig(BLOCK_M=64, BLOCK_N=32, num_stages=3, tma=True).to_dict()
+    gluon = KernelConfig(BLOCK_M=128, BLOCK_N=128, num_stages=2, family="hopper_ws").to_dict()
+    assert "family" not in portable and "hopper_regs" not in gluon
+    near = target.replace(name="near", head_dim=128)
+    rows = [dict(spec_key=near.key, spec=near.canonical(), environment=here.as_dict(), bucket=64, phase="fwd",
+                 config=c, ms=ms) for c, ms in ((portable, 1.0), (gluon, 2.0), ({"BLOCK_M": 48}, 0.5))]
+    points = warm_starts(target.key, target.canonical(), here, 64, "fwd", rows, space.params)
+    assert [(p["BLOCK_M"], p["family"], p["hopper_regs"]) for p in points] == \
+        [(64, "portable", 240), (128, "hopper_ws", 240)]  # a row KernelConfig refuses gives none
+    assert not any(space.violations(p) for p in points)
+
+
+@needs_interpreter
+def test_no_default_starts_from_the_sampler_and_the_final_round_still_times_the_default(store):
+    # `flashgen tune --no-default` on a spec with nothing tuned near it: no trial is enqueued (the
+    # search starts from the sampler alone, as on a GPU nobody has set defaults for); the final
+    # round times the default anyway, so the stored result still beats it, and `found` is what
+    # the search alone would have stored.
+    from flashgen.config import default_config
+
+    spec = SPEC.replace(name="nodefault", backward=False)
+    default = default_config(spec, target="cpu", seqlen=64)
+
+    def ms(config, phase):  # the default is the fastest config
+        return 1.0 if config == default else 2.0
+
+    (result,) = tune(spec, ClockRunner(ms), store, TuneOptions(trials=2, sampler="random", seed=2,
+                                                               enqueue_default=False))
+    study = store.open_study(spec, EnvInfo.current(interpret=True), 64, "fwd")
+    assert result.warm_starts == 0 and not [t for t in study.trials if "fixed_params" in t.system_attrs]
+    assert KernelConfig.from_dict(result.best.config) == default and result.default.ms == 1.0
+    searched = {config_key(t.user_attrs["record"]["config"]) for t in study.trials
+                if t.user_attrs.get("record", {}).get("status") == "ok" and not t.user_attrs.get("final")}
+    # this seed's two random points are not the default: the search alone stores a slower one
+    assert config_key(default.to_dict()) not in searched
+    assert config_key(result.found.config) in searched and result.found.ms == 2.0
+
+
 @needs_interpreter
 def test_recheck_keeps_the_faster_of_the_stored_config_and_todays_default(store):
     from flashgen.config import default_config
@@ -871,9 +923,9 @@ def test_final_round_failure_of_a_config_at_a_later_knobs_old_value_is_recorded(
             return TrialRecord(32, phase, config.to_dict(), "timeout", error="full grid too slow")
 
     study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
-    best, default = flashgen.tuner._final_choice(Runner(), None, study, space, "bwd", None,
-                                                 TuneOptions(), base)
-    assert best is None and default.status == "timeout"
+    best, default, found = flashgen.tuner._final_choice(Runner(), None, study, space, "bwd", None,
+                                                        TuneOptions(), base)
+    assert best is None and found is None and default.status == "timeout"
     (failed,) = study.trials
     assert failed.state == optuna.trial.TrialState.FAIL and failed.user_attrs["final"]
     assert failed.params["bwd_persistent"] == 0 and failed.params["BLOCK_M1"] == 16

@@ -13,10 +13,11 @@ is a hint here, and the search measures it again).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterable, Mapping
 
-from ..config import KernelConfig
+from ..config import ConfigError, KernelConfig
 from .env import EnvInfo
 
 
@@ -54,9 +55,22 @@ def warm_starts(spec_key: str, canonical: Mapping, here: EnvInfo, bucket: int, p
         key=lambda r: (_distance(canonical, r["spec"], bucket, r["bucket"]), r["ms"]))
     points: list[dict] = []
     for row in ranked:
-        point = {n: row["config"][n] for n in knobs if n in row["config"]}
+        config = _knobs_of(row) if phase in ("fwd", "bwd") else row["config"]
+        point = {n: config[n] for n in knobs if n in config}
         if len(point) == len(knobs) and point not in points:
             points.append(point)
         if len(points) == k:
             break
     return points
+
+
+def _knobs_of(row: Mapping) -> dict:
+    """Every knob of a stored prefill config, as KernelConfig reads it: to_dict() leaves out a
+    LATER_KNOB at its off value (family 'portable', hopper_regs 240, ...), and a row stored before
+    a knob existed has none. Taken as written, such a row broke the point's knob count on every GPU
+    whose space has that knob: on the H100 (family, hopper_*) no shipped row warm-started a study.
+    A row KernelConfig refuses gives no point."""
+    try:
+        return dataclasses.asdict(KernelConfig.from_dict(dict(row["config"])))
+    except (ConfigError, TypeError, ValueError):
+        return {}
