@@ -320,6 +320,8 @@ class BackwardPlan(CallPlan):
         self.atomic = False  # dQ accumulated by the dK/dV kernel into a float32 buffer
         self.rows = self.tiles = None  # with TMA: Descriptors of (q, do) for dK/dV and of (k, v) for dQ
         self.fused_delta = None  # bwd_fused_delta: out's strides; the dQ kernel computes delta and runs first
+        self.short = None  # bwd_short: a BoundLaunch of the one-launch backward (no other launch then)
+        self.short_head = self.short_tail = ()
 
     def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=False):
         device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
@@ -335,15 +337,15 @@ class BackwardPlan(CallPlan):
         seed = self.seed_arg(seed)
         if self.layout == "thd":
             dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
+        extra, grad_args = self.named_args(tensors, grads)
+        if self.short is not None:
+            self.short(q, k, v, out, do, lse, dk, dv, dq, seed, cu_q, cu_k, *self.short_head, *extra, *grad_args,
+                       *self.short_tail)
+            return self.result(dq, dk, dv, grads, tensors)
         delta = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
         context = launch_context() if self.dkdv.bindable() else None  # once for the step's three launches
         if self.fused_delta is None:
             self.preprocess.run(context, (out, do, delta, *self.preprocess_args))
-        extra = grad_args = ()
-        if self.named:
-            named = self.launcher.tensor_views(tensors)
-            extra = self.launcher.tensor_args(named)
-            grad_args = [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors]
         dq_acc = torch.zeros(q_shape, dtype=torch.float32, device=device) if self.atomic else dq
         if self.fused_delta is not None:  # delta from the dQ kernel, before dK/dV reads it
             tiles = (k, v) if self.tiles is None else self.tiles(k, v)
@@ -359,6 +361,15 @@ class BackwardPlan(CallPlan):
             self.dq.run(context, (q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra,
                                   *self.dq_tail))
         return self.result(dq, dk, dv, grads, tensors)
+
+    def named_args(self, tensors, grads):
+        """The kernels' arguments for the named tensors, and for the gradient buffers of the float ones
+        (the tensor itself where its gradient is not wanted: never written then)."""
+        if not self.named:
+            return (), ()
+        named = self.launcher.tensor_views(tensors)
+        return (self.launcher.tensor_args(named),
+                [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors])
 
     @staticmethod
     def result(dq, dk, dv, grads, tensors):
