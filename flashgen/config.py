@@ -80,8 +80,9 @@ class KernelConfig:
     # query block i for every query head of the group, both on the BLOCK_M1 x BLOCK_N1 tiling: no
     # preprocess, no delta buffer, no second launch, no atomics. For short calls, whose backward is
     # host time (four launches and allocations); causal programs get equal work (n - i key-block
-    # walk + i + 1 query-block walk). Separate dQ, pointer loads, no persistent grid or Gluon dK/dV;
-    # specs with a block map (custom expressions) or a call's atomic dQ run the portable kernels.
+    # walk + i + 1 query-block walk). Needs dq_strategy 'separate'. Where it serves a call the other
+    # backward knobs (M2/N2, bwd_tma, bwd_persistent, bwd_fused_delta, hopper_bwd) are unused; they
+    # apply where it does not: specs with a block map (custom expressions), a call's atomic dQ.
     bwd_short: bool = False
 
     # The forward's kernel family: "portable" (the Triton templates above) or "hopper_ws" (Gluon,
@@ -138,14 +139,9 @@ class KernelConfig:
         if self.bwd_fused_delta and self.dq_strategy != "separate":
             raise ConfigError(f"config knob 'bwd_fused_delta': needs dq_strategy='separate' (the dQ kernel computes "
                               f"delta), got dq_strategy={self.dq_strategy!r}")
-        if self.bwd_short:
-            clash = {"dq_strategy": self.dq_strategy != "separate", "bwd_tma": self.bwd_tma,
-                     "bwd_persistent": self.bwd_persistent, "bwd_fused_delta": self.bwd_fused_delta,
-                     "hopper_bwd": self.hopper_bwd}
-            for name, on in clash.items():
-                if on:
-                    raise ConfigError(f"config knob 'bwd_short': the one-launch backward has separate dQ, pointer "
-                                      f"loads and its own grid and delta; got {name}={getattr(self, name)!r}")
+        if self.bwd_short and self.dq_strategy != "separate":
+            raise ConfigError(f"config knob 'bwd_short': the one-launch backward computes dQ separately (no atomics), "
+                              f"got dq_strategy={self.dq_strategy!r}")
         if self.family not in FAMILIES:
             raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
         if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):

@@ -805,7 +805,7 @@ class AttentionLauncher:
                    dropout_p, tensor_grads):
         """plan (a BackwardPlan) with its one launch of the bwd_short kernel: program i of each (batch,
         KV head) computes dK/dV of key block i and dQ of query block i, on the dK/dV tiling (BLOCK_M1 x
-        BLOCK_N1); pointer loads, whatever bwd_tma says (the kernel has no descriptors)."""
+        BLOCK_N1); pointer loads (the kernel has no descriptors): the other backward knobs are unused."""
         launch = self.launch_knobs(cfg, "BLOCK_M1", "BLOCK_N1", "bwd_num_warps", "bwd_num_stages")
         blocks = max(triton.cdiv(seqlen_k, launch["BLOCK_N"]), triton.cdiv(seqlen_q, launch["BLOCK_M"]))
         plan.short = BoundLaunch(self.short_kernel, (blocks, self.num_kv_heads, batch), dict(
