@@ -197,7 +197,10 @@ def diagnose(seqlen=128):
                for _ in range(3))
     do = torch.randn_like(q)
     sdpa = providers()["sdpa_flash"]
-    module = flashgen.compile(spec_for(q, k, v, causal=True, softmax_scale=None, layout="bhsd")).module()
+    # the module a call of this length runs (its bucket's default; compile(spec).module() alone would be the
+    # DEFAULT_SEQLEN bucket's: descriptors and the Gluon dK/dV at hd128 causal, not what S <= 512 runs)
+    kernel = flashgen.compile(spec_for(q, k, v, causal=True, softmax_scale=None, layout="bhsd"))
+    module = kernel.module(kernel.config_for(seqlen))
     qd, kd, vd = (t.detach() for t in (q, k, v))
     out, lse = module.forward(qd, kd, vd)
     rows = {
