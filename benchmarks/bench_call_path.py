@@ -6,10 +6,10 @@ Cases: B=1, H=16, S=128 and 512; then S=1024..16384 at 16384 tokens (B = 16384 /
 through Triton's launch path on every call (flashgen_triton_path: FLASHGEN_BOUND_LAUNCH=0), with
 pointer loads instead of tensor descriptors (flashgen_no_tma) and with the one-launch short backward
 forced off (flashgen_no_short: the call's default config with bwd_short=False, the portable
-preprocess, dK/dV and dQ launches), SDPA flash, cuDNN, FlexAttention compiled. Per provider: host_us (CPU time per call, no sync inside the loop, many calls; forward
-rows add grad_fwd_host_us, the forward with autograd recording) and gpu_ms (triton's do_bench
-median). Every provider's output is checked against SDPA's math before it is
-timed; each provider records its own error and the run goes on. Last: a torch.compile
+preprocess, dK/dV and dQ launches), SDPA flash, cuDNN, FlexAttention compiled. Per provider:
+host_us (CPU time per call, no sync inside the loop, many calls; forward rows add
+grad_fwd_host_us, the forward with autograd recording) and gpu_ms (triton's do_bench median).
+Every provider's output is checked against SDPA's math before it is timed; each provider records its own error and the run goes on. Last: a torch.compile
 (fullgraph=True, inductor) forward + backward of a module calling flashgen.attention.
 
     PYTHONPATH=. python3 benchmarks/bench_call_path.py [--seqlens 128,512] [--providers flashgen,sdpa_flash]

@@ -1,8 +1,8 @@
 """KernelConfig: the knobs the tuner searches, and the heuristic defaults.
 
 ``loop_order``, ``bwd_persistent``, ``bwd_fused_delta``, ``bwd_dq_heavy_first``, ``bwd_short`` and ``family``
-change the rendered source (they are *structural*); every other knob is a ``tl.constexpr`` or a launch option of the same
-kernel.
+change the rendered source (they are *structural*); every other knob is a ``tl.constexpr`` or a launch option of
+the same kernel.
 """
 
 from __future__ import annotations
