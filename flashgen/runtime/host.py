@@ -624,7 +624,8 @@ class AttentionLauncher:
                                        deterministic, tensors, tuple(tensor_grads), cu_seqlens_q, cu_seqlens_k,
                                        offsets[2], offsets[3], {})
             plan.backward_plans[key] = bplan
-        return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True)
+        return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True,
+                     shared=True)
 
     def forward_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs):
