@@ -3,12 +3,13 @@
 Cases: B=1, H=16, S=128 and 512; then S=1024..16384 at 16384 tokens (B = 16384 // S); head dim
 128, causal, bf16. Modes: forward (no grad), and forward + backward. Providers: flashgen.attention
 (the default path: bound once, tuned config if stored, call plans and bound launches), the same
-through Triton's launch path on every call (flashgen_triton_path: FLASHGEN_BOUND_LAUNCH=0) and with
-pointer loads instead of tensor descriptors (flashgen_no_tma), SDPA flash, cuDNN, FlexAttention
-compiled. Per provider: host_us (CPU time per call, no sync inside the loop, many calls; forward
-rows add grad_fwd_host_us, the forward with autograd recording) and gpu_ms (triton's do_bench
-median). Every provider's output is checked against SDPA's math before it is
-timed; each provider records its own error and the run goes on. Last: a torch.compile
+through Triton's launch path on every call (flashgen_triton_path: FLASHGEN_BOUND_LAUNCH=0), with
+pointer loads instead of tensor descriptors (flashgen_no_tma) and with the one-launch short backward
+forced off (flashgen_no_short: the call's default config with bwd_short=False, the portable
+preprocess, dK/dV and dQ launches), SDPA flash, cuDNN, FlexAttention compiled. Per provider:
+host_us (CPU time per call, no sync inside the loop, many calls; forward rows add
+grad_fwd_host_us, the forward with autograd recording) and gpu_ms (triton's do_bench median).
+Every provider's output is checked against SDPA's math before it is timed; each provider records its own error and the run goes on. Last: a torch.compile
 (fullgraph=True, inductor) forward + backward of a module calling flashgen.attention.
 
     PYTHONPATH=. python3 benchmarks/bench_call_path.py [--seqlens 128,512] [--providers flashgen,sdpa_flash]
@@ -77,8 +78,17 @@ def providers():
             pointers[key] = default_config(spec).replace(tma=False, bwd_tma=False)
         return flashgen.attention(q, k, v, causal=True, config=pointers[key])
 
+    portable = {}
+
+    def no_short(q, k, v):  # the call's default config with the portable backward (three launches)
+        key = q.shape[1:]
+        if key not in portable:
+            spec = spec_for(q, k, v, causal=True, softmax_scale=None, layout="bhsd")
+            portable[key] = default_config(spec, seqlen=q.shape[2]).replace(bwd_short=False)
+        return flashgen.attention(q, k, v, causal=True, config=portable[key])
+
     return {"flashgen": lambda q, k, v: flashgen.attention(q, k, v, causal=True),
-            "flashgen_triton_path": triton_path, "flashgen_no_tma": no_tma,
+            "flashgen_triton_path": triton_path, "flashgen_no_tma": no_tma, "flashgen_no_short": no_short,
             "sdpa_flash": sdpa_with(SDPBackend.FLASH_ATTENTION), "cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION),
             "flex": flex_call}
 
@@ -187,7 +197,10 @@ def diagnose(seqlen=128):
                for _ in range(3))
     do = torch.randn_like(q)
     sdpa = providers()["sdpa_flash"]
-    module = flashgen.compile(spec_for(q, k, v, causal=True, softmax_scale=None, layout="bhsd")).module()
+    # the module a call of this length runs (its bucket's default; compile(spec).module() alone would be the
+    # DEFAULT_SEQLEN bucket's: descriptors and the Gluon dK/dV at hd128 causal, not what S <= 512 runs)
+    kernel = flashgen.compile(spec_for(q, k, v, causal=True, softmax_scale=None, layout="bhsd"))
+    module = kernel.module(kernel.config_for(seqlen))
     qd, kd, vd = (t.detach() for t in (q, k, v))
     out, lse = module.forward(qd, kd, vd)
     rows = {
@@ -234,15 +247,15 @@ def kernel_profile(step, steps, top=8, width=60):
 
 
 def kernel_times(seqlen, steps=20):
-    """GPU time per fwd+bwd step at B=1, S=seqlen, by kernel (kernel_profile), for flashgen and SDPA
-    flash: whether a step whose do_bench time exceeds its host time is held back by a kernel, or by
-    the host. {provider: {kernel: us per step, 'total': us, 'wall': us}}."""
+    """GPU time per fwd+bwd step at B=1, S=seqlen, by kernel (kernel_profile), for flashgen (and with
+    its portable backward) and SDPA flash: whether a step whose do_bench time exceeds its host time is
+    held back by a kernel, or by the host. {provider: {kernel: us per step, 'total': us, 'wall': us}}."""
     q, k, v = (torch.randn(1, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     do = torch.randn_like(q)
     fns = providers()
     result = {}
-    for name in ("flashgen", "sdpa_flash"):
+    for name in ("flashgen", "flashgen_no_short", "sdpa_flash"):
         def step(attn=fns[name]):
             torch.autograd.grad(attn(q, k, v), (q, k, v), do)
         for _ in range(3):
@@ -294,12 +307,13 @@ def main():
         cells = [f"{r.get(f'{n}_host_us', '-')} / {r.get(f'{n}_gpu_ms', '-')}" for n in names]
         lines.append(f"| {r['case']} | {r['mode']} | " + " | ".join(cells)
                      + f" | {r.get(f'flashgen_ratio_vs_{ANCHOR}', '-')} |")
-    ratio = f"flashgen_ratio_vs_{ANCHOR}"
-    for case, mode in dict.fromkeys((r["case"], r["mode"]) for r in rows):
-        ratios = [r[ratio] for r in rows if (r["case"], r["mode"]) == (case, mode) and ratio in r]
-        if len(ratios) > 1:
-            lines.append(f"\n{case} {mode}: flashgen / {ANCHOR} median {statistics.median(ratios):.3f} "
-                         f"of {len(ratios)} runs ({', '.join(map(str, ratios))})")
+    for name in (n for n in names if n.startswith("flashgen")):
+        ratio = f"{name}_ratio_vs_{ANCHOR}"
+        for case, mode in dict.fromkeys((r["case"], r["mode"]) for r in rows):
+            ratios = [r[ratio] for r in rows if (r["case"], r["mode"]) == (case, mode) and ratio in r]
+            if len(ratios) > 1:
+                lines.append(f"\n{case} {mode}: {name} / {ANCHOR} median {statistics.median(ratios):.3f} "
+                             f"of {len(ratios)} runs ({', '.join(map(str, ratios))})")
     for r in rows:
         if r.get("flashgen_graph_ms") is not None:
             lines.append(f"\n{r['case']} {r['mode']} from a CUDA graph (gpu ms): flashgen {r['flashgen_graph_ms']}, "

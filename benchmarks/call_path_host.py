@@ -86,6 +86,17 @@ def cases():
     def fwd_bwd():
         torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do)
 
+    # The same step with the one-launch short backward forced off (the H100 default's other knobs): the
+    # preprocess, dK/dV and dQ launches and the delta buffer it saves, in this process beside the default.
+    from flashgen.api import spec_for
+    from flashgen.config import default_config
+
+    portable = default_config(spec_for(q, k, v, causal=True, softmax_scale=None, layout="bhsd"), "h100",
+                              S).replace(bwd_short=False)
+
+    def fwd_bwd_portable():
+        torch.autograd.grad(flashgen.attention(q, k, v, causal=True, config=portable), (q, k, v), do)
+
     def varlen_forward():
         with torch.no_grad():
             flashgen.attention_varlen(*packed, cu, cu, S // 2, S // 2, causal=True)
@@ -164,6 +175,7 @@ def cases():
         return call
 
     return {"forward (no grad)": forward, "forward (grad)": forward_grad, "fwd+bwd": fwd_bwd,
+            "fwd+bwd, bwd_short off (portable backward)": fwd_bwd_portable,
             "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward,
             "generation step (B=4, 16/4 heads, new length)": generation_step,
             "transformers generation step, prefill kernel": transformers_step(False),

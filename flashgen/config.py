@@ -1,8 +1,8 @@
 """KernelConfig: the knobs the tuner searches, and the heuristic defaults.
 
-``loop_order``, ``bwd_persistent``, ``bwd_fused_delta``, ``bwd_dq_heavy_first`` and ``family`` change the
-rendered source (they are *structural*); every other knob is a ``tl.constexpr`` or a launch option of the same
-kernel.
+``loop_order``, ``bwd_persistent``, ``bwd_fused_delta``, ``bwd_dq_heavy_first``, ``bwd_short`` and ``family``
+change the rendered source (they are *structural*); every other knob is a ``tl.constexpr`` or a launch option of
+the same kernel.
 """
 
 from __future__ import annotations
@@ -75,6 +75,15 @@ class KernelConfig:
     # the most keys, so they start first and the kernel's tail is made of short programs (the
     # Q-outer forward does the same).
     bwd_dq_heavy_first: bool = False
+    # The whole backward in one launch (templates/backward/short.j2): program i of (batch, KV head)
+    # computes dK/dV of key block i (delta recomputed from each O/dO tile it loads) and then dQ of
+    # query block i for every query head of the group, both on the BLOCK_M1 x BLOCK_N1 tiling: no
+    # preprocess, no delta buffer, no second launch, no atomics. For short calls, whose backward is
+    # host time (four launches and allocations); causal programs get equal work (n - i key-block
+    # walk + i + 1 query-block walk). Needs dq_strategy 'separate'. Where it serves a call the other
+    # backward knobs (M2/N2, bwd_tma, bwd_persistent, bwd_fused_delta, hopper_bwd) are unused; they
+    # apply where it does not: specs with a block map (custom expressions), a call's atomic dQ.
+    bwd_short: bool = False
 
     # The forward's kernel family: "portable" (the Triton templates above) or "hopper_ws" (Gluon,
     # sm90: a TMA producer warp and BLOCK_M/64 consumer warpgroups; flashgen/runtime/hopper.py).
@@ -84,16 +93,17 @@ class KernelConfig:
     hopper_overlap: bool = False  # issue the next block's Q K^T before this block's softmax
     hopper_pingpong: bool = False  # two consumers take turns at the tensor cores (FA3's ping-pong)
 
-    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family", "hopper_bwd", "bwd_dq_heavy_first")
+    STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family", "hopper_bwd", "bwd_dq_heavy_first",
+                  "bwd_short")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
-                "bwd_tma", "bwd_persistent", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first")
+                "bwd_tma", "bwd_persistent", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first", "bwd_short")
     # Knobs added after results were stored, with the value that renders the kernels as before
     # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
     # hashed before them keep their kernel ids and their rendered text byte for byte, and
     # from_dict() reads a missing one as that value.
     LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False, "family": "portable", "hopper_regs": 240,
                    "hopper_overlap": False, "hopper_pingpong": False, "hopper_bwd": False,
-                   "bwd_dq_heavy_first": False}
+                   "bwd_dq_heavy_first": False, "bwd_short": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -116,7 +126,7 @@ class KernelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
         for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first",
-                     "hopper_overlap", "hopper_pingpong"):
+                     "hopper_overlap", "hopper_pingpong", "bwd_short"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.warp_specialize and self.num_warps < 8:
@@ -129,6 +139,9 @@ class KernelConfig:
         if self.bwd_fused_delta and self.dq_strategy != "separate":
             raise ConfigError(f"config knob 'bwd_fused_delta': needs dq_strategy='separate' (the dQ kernel computes "
                               f"delta), got dq_strategy={self.dq_strategy!r}")
+        if self.bwd_short and self.dq_strategy != "separate":
+            raise ConfigError(f"config knob 'bwd_short': the one-launch backward computes dQ separately (no atomics), "
+                              f"got dq_strategy={self.dq_strategy!r}")
         if self.family not in FAMILIES:
             raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
         if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
@@ -197,7 +210,7 @@ class KernelConfig:
                 f"{' tma' if self.bwd_tma else ''}"
                 f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}"
                 f"{' fused_delta' if self.bwd_fused_delta else ''}{' hopper_bwd' if self.hopper_bwd else ''}"
-                f"{' dq_heavy_first' if self.bwd_dq_heavy_first else ''}")
+                f"{' dq_heavy_first' if self.bwd_dq_heavy_first else ''}{' short' if self.bwd_short else ''}")
 
 
 def interpreting() -> bool:
@@ -302,7 +315,17 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
         # do_bench 0.020 vs 0.013 ms; benchmarks/results/2026-11-22-h100-call-path.md).
         forward["tma"] = False
         backward["bwd_tma"] = False
+        if arch == "sm90" and _short_backward_default(spec, d, shape):
+            backward.update(bwd_short=True, bwd_fused_delta=False)
     return KernelConfig(**forward, **backward)
+
+
+def _short_backward_default(spec: AttentionSpec, d: int, shape: MaskShape) -> bool:
+    """The one-launch backward (bwd_short) for calls of up to SMALL_CALL tokens, whose fwd+bwd step is
+    host time: one backward launch instead of three or four, no delta buffer. H100, B=1 H=16 hd128
+    causal bf16, eager fwd+bwd: benchmarks/results/2026-11-23-h100-call-path-v4.md. The half-precision
+    64x64 tiles only (fp32 and hd > 128 keep 16x32 tiles); custom expressions have no short kernel."""
+    return spec.dtype in ("fp16", "bf16") and d <= 128 and not shape.custom
 
 
 def default_configs(spec: AttentionSpec, target: str | None = None) -> dict[int, KernelConfig]:

@@ -230,14 +230,25 @@ class AttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
+        # The kernels are not differentiable: under create_graph (grad mode on here) the gradients are
+        # marked as such (an error if a second backward reaches them), as once_differentiable does; the
+        # usual backward runs in no-grad mode and skips that wrapper's context manager and checks.
+        if torch.is_grad_enabled():
+            return _once_differentiable_backward(ctx, dout, dlse)
+        return AttentionFunction.gradients(ctx, dout, dlse)
+
+    @staticmethod
+    def gradients(ctx, dout, dlse):
         q, k, v, out, lse, seed, cu_q, cu_k, *tensors = ctx.saved_tensors
         module, layout, dropout_p, deterministic, max_q, max_k = ctx.call
         dq, dk, dv, tensor_grads = _backward_grads(dout, q, k, v, out, lse, seed, tensors, module, layout,
                                                    dropout_p, deterministic, ctx.needs_input_grad[7:], cu_q, cu_k,
                                                    max_q, max_k, ctx.plan)
         return (dq, dk, dv, None, None, None, None, *tensor_grads)
+
+
+_once_differentiable_backward = torch.autograd.function.once_differentiable(AttentionFunction.gradients)
 
 
 # ----------------------------------------------------------------------------- FP8 (forward only)

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .config import HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_STAGES
+from .config import HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_STAGES, mask_shape
 from .runtime.hopper import spec_unserved
 from .spec import AttentionSpec
 
@@ -154,6 +154,10 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
                       bwd_persistent=(0, 1, 2), bwd_fused_delta=(False, True))
     if device.hopper:
         params.update(bwd_tma=(False, True))
+    # The one-launch backward (bwd_short), except for custom expressions (a block map: no short kernel).
+    short = not mask_shape(spec).custom
+    if short:
+        params.update(bwd_short=(False, True))
     # The Gluon warp-specialized dK/dV kernel (hopper_bwd), where it serves the spec: it has its own
     # tiles (runtime/hopper_bwd.py), so with it on the portable dK/dV's tile knobs stay at one point.
     hopper_bwd = device.hopper and not device.interpret and spec_unserved(spec, backward=True) is None
@@ -181,8 +185,14 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         return n == 0 or device.interpret or (regs <= REGISTERS_PER_SM and n * smem(p) <= device.smem_bytes)
 
     restrictions = []
+    if short:
+        # Its dQ is separate. (It reads only the M1 x N1 tiles and warps/stages: points differing in the
+        # other backward knobs time the same kernel. Not restricted to one of them: a sampler would then
+        # find a valid bwd_short point about once in a few hundred suggestions.)
+        restrictions.append(Restriction("not bwd_short or dq_strategy == 'separate'",
+                                        lambda p: not p.get("bwd_short") or p["dq_strategy"] == "separate"))
     if hopper_bwd:
-        restrictions = [
+        restrictions += [
             Restriction("not hopper_bwd or (dq_strategy == 'separate' and BLOCK_M1 == 64 and BLOCK_N1 == 64 "
                         "and bwd_persistent == 0)",
                         lambda p: not p.get("hopper_bwd") or (p["dq_strategy"] == "separate" and p["BLOCK_M1"] == 64

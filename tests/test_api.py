@@ -146,3 +146,18 @@ def test_a_bound_call_is_one_lookup_and_function_masks_are_not_kept(monkeypatch)
     before = len(api._BOUND)
     flashgen.attention(q, q, q, mask=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
     assert len(api._BOUND) == before
+
+
+def test_eager_backward_is_once_differentiable():
+    # The kernels have no second derivative: a gradient computed with create_graph=True is marked
+    # (AttentionFunction.backward takes once_differentiable's wrapper when grad mode is on), so a
+    # second backward through it raises instead of silently dropping the attention term.
+    q, k, v = (torch.randn(1, 2, 9, 16, requires_grad=True) for _ in range(3))
+    w = torch.randn(1, 2, 9, 16, requires_grad=True)
+    out = flashgen.attention(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad((out * w).sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+    # the usual backward (grad mode off inside it): plain gradients
+    (dq2,) = torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q,), w.detach())
+    assert not dq2.requires_grad and torch.equal(dq.detach(), dq2)

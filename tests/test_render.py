@@ -237,12 +237,12 @@ def test_templates_are_split_by_kernel_family():
     # the entry template only sets and includes
     for line in templates["attention.py.j2"].splitlines():
         assert line.startswith(("{%- set", "{% include", "{% if", "{% endif", "{#", "    ")) or not line.strip(), line
-    # the block-map / segment dispatch is written once (a macro) and used by the five kernels
+    # the block-map / segment dispatch is written once (a macro) and used by the six kernels
     everything = "".join(templates.values())
     assert everything.count("_map_row(") == 2 and everything.count("= _span(") == 1  # its definition and one use
     calls = {name for name, text in templates.items() if "walk_blocks(" in text and not name.startswith("common/")}
     assert calls == {"prefill/q_outer.j2", "prefill/kv_outer.j2", "backward/dkdv.j2", "backward/dq.j2",
-                     "decode/split_kv.j2"}
+                     "backward/short.j2", "decode/split_kv.j2"}
 
 
 def test_templates_hash_covers_every_partial_of_the_tuned_families(tmp_path, monkeypatch):

@@ -107,7 +107,7 @@ def templates_hash() -> str:
 # (runtime/host.py AttentionLauncher): the arguments that name the phase's kernels.
 TIMED_KERNELS = {
     "fwd": ("forward_kernel", "block_map_kernel"),
-    "bwd": ("preprocess_kernel", "dkdv_kernel", "dq_kernel", "block_map_kernel"),
+    "bwd": ("preprocess_kernel", "dkdv_kernel", "dq_kernel", "short_kernel", "block_map_kernel"),
 }
 LAUNCHER = "_LAUNCHER"  # the module global holding the AttentionLauncher
 

@@ -207,7 +207,8 @@ class AttentionLauncher:
 
     spec, config: the module's SPEC and CONFIG dicts. The kernels: forward_kernel (the Q-outer
     _attn_fwd or the KV-outer _attn_fwd_kv_outer, as config['loop_order'] says), the three
-    backward kernels, and block_map_kernel (custom masks: the tile classifier) and
+    backward kernels, short_kernel (config bwd_short: the whole backward in one launch) where the
+    module has it, and block_map_kernel (custom masks: the tile classifier) and
     keep_mask_kernel (dropout: the keep mask, for tests) where the module has them.
     tensor_ranks: {name: rank} of the named tensors a call passes, in kernel-argument order;
     grad_tensors: the float ones gradients flow into. map_uses_batch/map_uses_head: whether the
@@ -219,7 +220,7 @@ class AttentionLauncher:
 
     def __init__(self, *, spec, config, forward_kernel, preprocess_kernel, dkdv_kernel, dq_kernel,
                  tensor_ranks=None, grad_tensors=(), block_map_kernel=None, map_uses_batch=False,
-                 map_uses_head=False, keep_mask_kernel=None, same_seqlen=False):
+                 map_uses_head=False, keep_mask_kernel=None, same_seqlen=False, short_kernel=None):
         version = tuple(int(part) for part in triton.__version__.split(".")[:2])
         if version < MIN_TRITON:
             raise ImportError(f"triton: this module needs triton >= {'.'.join(map(str, MIN_TRITON))}, "
@@ -236,6 +237,7 @@ class AttentionLauncher:
         self.block_d = padded_head_dim(spec["head_dim"])
         self.forward_kernel = forward_kernel
         self.preprocess_kernel, self.dkdv_kernel, self.dq_kernel = preprocess_kernel, dkdv_kernel, dq_kernel
+        self.short_kernel = short_kernel
         self.tensor_ranks = dict(tensor_ranks or {})
         self.tensor_names = list(self.tensor_ranks)
         self.grad_tensors = list(grad_tensors)
@@ -327,11 +329,11 @@ class AttentionLauncher:
         return args
 
     def knobs(self, overrides):
-        """CONFIG with a call's knob overrides (loop_order and bwd_fused_delta are structural: they
-        change the kernels' text and cannot change here)."""
+        """CONFIG with a call's knob overrides (loop_order, bwd_fused_delta and bwd_short are structural:
+        they change the kernels' text and cannot change here)."""
         cfg = dict(self.config)
         for name, value in overrides.items():
-            if name not in cfg or name in ("loop_order", "bwd_fused_delta"):
+            if name not in cfg or name in ("loop_order", "bwd_fused_delta", "bwd_short"):
                 raise TypeError(f"unexpected knob {name!r}")
             cfg[name] = value
         return cfg
@@ -622,7 +624,8 @@ class AttentionLauncher:
                                        deterministic, tensors, tuple(tensor_grads), cu_seqlens_q, cu_seqlens_k,
                                        offsets[2], offsets[3], {})
             plan.backward_plans[key] = bplan
-        return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True)
+        return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True,
+                     shared=True)
 
     def forward_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs):
@@ -749,6 +752,9 @@ class AttentionLauncher:
                                                                pre_batch), dict(BLOCK_M=pre["BLOCK_M"]))
         plan.preprocess_args = (*bhsd_strides(out, layout), *bhsd_strides(do, layout), num_heads, pre_seq)
         plan.atomic = atomic = cfg["dq_strategy"] == "atomic" and not deterministic
+        if self.short_kernel is not None and not atomic:  # bwd_short: one launch does it all
+            return self.short_plan(plan, q, k, v, out, do, layout, cfg, batch, seqlen_q, seqlen_k, total_q, total_k,
+                                   scale, dropout_p, tensor_grads)
         # dQ target: the float32 accumulation buffer (atomic) or dq itself (written once); dq,
         # dk, dv and the buffer are allocated contiguous.
         dq_strides, dk_strides, dv_strides = (bhsd_order(contiguous_strides(t.shape), layout) for t in (q, k, v))
@@ -794,6 +800,25 @@ class AttentionLauncher:
         hopper = getattr(self, "hopper_backward", None)  # config knob hopper_bwd: runtime/hopper_bwd.py
         if hopper is not None and cfg.get("hopper_bwd"):
             hopper.serve(plan, q, k, v, do, layout, scale, dropout_p)  # its dK/dV kernel where it serves the call
+        return plan
+
+    def short_plan(self, plan, q, k, v, out, do, layout, cfg, batch, seqlen_q, seqlen_k, total_q, total_k, scale,
+                   dropout_p, tensor_grads):
+        """plan (a BackwardPlan) with its one launch of the bwd_short kernel: program i of each (batch,
+        KV head) computes dK/dV of key block i and dQ of query block i, on the dK/dV tiling (BLOCK_M1 x
+        BLOCK_N1); pointer loads (the kernel has no descriptors): the other backward knobs are unused."""
+        launch = self.launch_knobs(cfg, "BLOCK_M1", "BLOCK_N1", "bwd_num_warps", "bwd_num_stages")
+        blocks = max(triton.cdiv(seqlen_k, launch["BLOCK_N"]), triton.cdiv(seqlen_q, launch["BLOCK_M"]))
+        plan.short = BoundLaunch(self.short_kernel, (blocks, self.num_kv_heads, batch), dict(
+            VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TENSOR_GRADS=bool(tensor_grads), **launch))
+        grad_strides = (bhsd_order(contiguous_strides(t.shape), layout) for t in (k, v, q))  # dk, dv, dq
+        lse_strides = (0, q.shape[0]) if layout == "thd" else (self.num_heads * seqlen_q, seqlen_q)
+        plan.short_head = (*bhsd_strides(q, layout), *bhsd_strides(k, layout), *bhsd_strides(v, layout),
+                           *bhsd_strides(out, layout), *bhsd_strides(do, layout), *(s for t in grad_strides for s in t),
+                           *lse_strides, self.num_heads, seqlen_q, seqlen_k, scale * self.RCP_LN2, scale,
+                           float(dropout_p))
+        plan.short_tail = (total_q, total_k)
+        plan.dkdv = plan.short  # there is work to launch (BackwardPlan: no dkdv = zero gradients)
         return plan
 
     # ------------------------------------------------------------------ dropout (tests)

@@ -320,14 +320,17 @@ class BackwardPlan(CallPlan):
         self.atomic = False  # dQ accumulated by the dK/dV kernel into a float32 buffer
         self.rows = self.tiles = None  # with TMA: Descriptors of (q, do) for dK/dV and of (k, v) for dQ
         self.fused_delta = None  # bwd_fused_delta: out's strides; the dQ kernel computes delta and runs first
+        self.short = None  # bwd_short: a BoundLaunch of the one-launch backward (no other launch then)
+        self.short_head = self.short_tail = ()
 
-    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=False):
+    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=False,
+                 shared=False):
+        """shared: dq, dk, dv may be views of one allocation (autograd's path; a custom op's outputs
+        must not alias one another)."""
         device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
         grads = {name: torch.zeros(shape, dtype=torch.float32, device=device)
                  for name, shape in self.grads.items()} if self.grads else None
-        dq = torch.empty(q_shape, dtype=dtype, device=device)
-        dk = torch.empty(k_shape, dtype=dtype, device=device)
-        dv = torch.empty(v_shape, dtype=dtype, device=device)
+        dq, dk, dv = self.gradient_buffers(shared)
         if self.dkdv is None:
             dq.zero_(), dk.zero_(), dv.zero_()
             return self.result(dq, dk, dv, grads, tensors)
@@ -335,15 +338,15 @@ class BackwardPlan(CallPlan):
         seed = self.seed_arg(seed)
         if self.layout == "thd":
             dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
+        extra, grad_args = self.named_args(tensors, grads)
+        if self.short is not None:
+            self.short(q, k, v, out, do, lse, dk, dv, dq, seed, cu_q, cu_k, *self.short_head, *extra, *grad_args,
+                       *self.short_tail)
+            return self.result(dq, dk, dv, grads, tensors)
         delta = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
         context = launch_context() if self.dkdv.bindable() else None  # once for the step's three launches
         if self.fused_delta is None:
             self.preprocess.run(context, (out, do, delta, *self.preprocess_args))
-        extra = grad_args = ()
-        if self.named:
-            named = self.launcher.tensor_views(tensors)
-            extra = self.launcher.tensor_args(named)
-            grad_args = [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors]
         dq_acc = torch.zeros(q_shape, dtype=torch.float32, device=device) if self.atomic else dq
         if self.fused_delta is not None:  # delta from the dQ kernel, before dK/dV reads it
             tiles = (k, v) if self.tiles is None else self.tiles(k, v)
@@ -359,6 +362,29 @@ class BackwardPlan(CallPlan):
             self.dq.run(context, (q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra,
                                   *self.dq_tail))
         return self.result(dq, dk, dv, grads, tensors)
+
+    def gradient_buffers(self, shared):
+        """Uninitialized dq, dk, dv (contiguous); shared: views of one allocation where their shapes are
+        equal (one allocator call instead of three: H100 host 13.5 vs 20.5 us)."""
+        device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
+        if not shared:
+            return (torch.empty(q_shape, dtype=dtype, device=device), torch.empty(k_shape, dtype=dtype, device=device),
+                    torch.empty(v_shape, dtype=dtype, device=device))
+        if q_shape == k_shape == v_shape:
+            return torch.empty((3, *q_shape), dtype=dtype, device=device).unbind(0)
+        dq = torch.empty(q_shape, dtype=dtype, device=device)
+        if k_shape == v_shape:
+            return (dq, *torch.empty((2, *k_shape), dtype=dtype, device=device).unbind(0))
+        return dq, torch.empty(k_shape, dtype=dtype, device=device), torch.empty(v_shape, dtype=dtype, device=device)
+
+    def named_args(self, tensors, grads):
+        """The kernels' arguments for the named tensors, and for the gradient buffers of the float ones
+        (the tensor itself where its gradient is not wanted: never written then)."""
+        if not self.named:
+            return (), ()
+        named = self.launcher.tensor_views(tensors)
+        return (self.launcher.tensor_args(named),
+                [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors])
 
     @staticmethod
     def result(dq, dk, dv, grads, tensors):
