@@ -32,7 +32,9 @@ def test_serving_loop_matches_transformers_on_the_cpu(device):
 def test_serving_loop_matches_transformers_gpu():
     # fp32: every token equal. bf16: equal up to the first step (if any) where transformers' own
     # two best logits lie within bf16's noise of each other (0.1 apart), where either choice is
-    # right and the sequences then differ for good; that step is at least the fourth.
+    # right and the sequences then differ for good; that step is a decode step (the prefill's
+    # token, step 0, does not go through the decode kernel). On the H100 the paged-16 cache's
+    # default (32-key tiles, 8 splits) flipped a tie 0.016 apart at step 1 of one sequence.
     example = _example()
     results = example.run(new_tokens=16, page_sizes=(None, 16), dtype=torch.float32)
     for kind, (tokens, expected, _) in results.items():
@@ -43,4 +45,4 @@ def test_serving_loop_matches_transformers_gpu():
             differ = (tokens[b] != expected[b]).nonzero()
             if len(differ):
                 step = int(differ[0])
-                assert margins[b, step] < 0.1 and step >= 3, (kind, b, step, float(margins[b, step]))
+                assert margins[b, step] < 0.1 and step >= 1, (kind, b, step, float(margins[b, step]))
