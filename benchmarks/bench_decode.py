@@ -276,22 +276,15 @@ def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke, fp8=False):
 
 
 # --variants: the default knobs beside explicit ones through flashgen.decode, in one process, for
-# the split rows (issue 14's B=8 KV8192 and B=1 KV131072, B=8 paged). Programs per SM come from
-# shared memory and registers (sm90, compiled on the CPU with tests/sm90_compile.py's driver and
-# cuobjdump -res-usage; triton 3.9, bf16): 64 x 3 72 KB / 135 regs (3 per SM), 32 x 2 21 KB / 86
-# (5), 32 x 3 38 KB / 80 (6), 32 x 2 at 2 warps 21 KB / 174 (5), 64 x 2 39 KB / 105 (4): a split
-# count is worth what fits. Each case's variants run REPEATS rounds, interleaved (every variant
-# once per round, cuDNN last), so a drift of the clock or the host shows in every variant alike.
-# v3's variant lists (B=64, FP8) are in results/2026-11-23-h100-decode-variants-v3*.
-VARIANT_CASES = {  # the defaults (first) against the knobs they replaced (v3's) and their neighbours
-    "bf16 B=8 KV8192": (8, 8192, False, None, [dict(num_splits=2, BLOCK_N=64, num_stages=3),
-                                              dict(num_splits=10, BLOCK_N=32, num_stages=2),
-                                              dict(num_splits=8, BLOCK_N=32, num_stages=3),
-                                              dict(num_splits=8, BLOCK_N=32, num_stages=2, num_warps=2)]),
-    "bf16 B=1 KV131072": (1, 131072, False, None, [dict(num_splits=16, BLOCK_N=64, num_stages=3),
-                                                  dict(num_splits=128, BLOCK_N=32, num_stages=2)]),
-    "bf16 B=8 KV8192 paged-1": (8, 8192, False, 1, [dict(num_splits=2, BLOCK_N=128, num_stages=3)]),
-    "bf16 B=8 KV8192 paged-16": (8, 8192, False, 16, [dict(num_splits=2, BLOCK_N=128, num_stages=3)]),
+# the split rows (issue 14's B=8 KV8192 and B=1 KV131072, B=8 paged-16). Each case's variants run
+# REPEATS rounds, interleaved (every variant once per round, cuDNN last), so a drift of the clock or
+# the host shows in every variant alike. v6: the splits merged in the split kernel's last program
+# (fused_combine, the default: one launch per step) against the combine kernel after it. The tile
+# and split variants of v3 / v4 are in results/2026-11-23-h100-decode-variants-v3*, -v4.
+VARIANT_CASES = {  # the defaults (first) against the knobs they replaced and their neighbours
+    "bf16 B=8 KV8192": (8, 8192, False, None, [dict(fused_combine=False)]),
+    "bf16 B=1 KV131072": (1, 131072, False, None, [dict(fused_combine=False)]),
+    "bf16 B=8 KV8192 paged-16": (8, 8192, False, 16, [dict(fused_combine=False)]),
 }
 REPEATS = 3
 
@@ -325,7 +318,7 @@ def variants(timer, device="cuda", rows=None, cases=None, repeats=REPEATS):
         check = _sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)(qh, kh, vh).transpose(1, 2).float()
         nbytes = 2 * batch * kv * KV_HEADS * HEAD_DIM * k_cache.element_size()
         plan = {n: launcher.plan(batch, 1, kv, q.device, {}, page, k_cache.element_size())[n]
-                for n in ("num_splits", "BLOCK_N", "num_stages", "num_warps")}
+                for n in ("num_splits", "BLOCK_N", "num_stages", "num_warps", "fused_combine")}
         timed = {}  # knobs -> its times
         for repeat in range(repeats):
             for knobs in [{}, *knob_sets]:

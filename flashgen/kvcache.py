@@ -86,7 +86,7 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
            return_lse: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
            num_splits: int = 0, BLOCK_N: int | None = None, num_warps: int | None = None,
            num_stages: int | None = None, page_prefetch: bool | None = None, check: str = "async",
-           config: KernelConfig | None = None, q_descale: torch.Tensor | None = None,
+           fused_combine: bool | None = None, config: KernelConfig | None = None, q_descale: torch.Tensor | None = None,
            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None, **tensors):
     """Attention of q (batch, seqlen_q, heads, head_dim) over a KV cache, with a spec's mask and score_mod.
 
@@ -98,8 +98,9 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_heads, head_dim): new keys and values written into the cache in place at cache_seqlens
     first, then attended. num_splits 0 picks the split count from the shapes (never from
     cache_seqlens: a call is CUDA-graph capturable): the tuned one where the spec was tuned for
-    decode, else FA3's heuristic. The tensors the spec's mask or score_mod reads are passed by
-    name. out, lse: buffers to write into. Returns out (batch, seqlen_q, heads, head_dim_v) in
+    decode, else FA3's heuristic. fused_combine: a split call's merge in the split kernel (True) or
+    a combine kernel (False); None: the default (flashgen/runtime/decode.py). The tensors the
+    spec's mask or score_mod reads are passed by name. out, lse: buffers to write into. Returns out (batch, seqlen_q, heads, head_dim_v) in
     the spec's dtype, and with return_lse the log-sum-exp (batch, heads, seqlen_q) float32 (-inf where
     a row sees no key).
 
@@ -122,7 +123,7 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table, cache_batch_idx=cache_batch_idx,
         softmax_scale=softmax_scale, tensors=tensors, out=out, lse=lse, return_lse=return_lse, BLOCK_N=BLOCK_N,
         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, page_prefetch=page_prefetch, check=check,
-        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, fused_combine=fused_combine)
     return (out, lse) if return_lse else out
 
 

@@ -162,6 +162,52 @@ def test_append_crosses_pages_in_place(device, page_size):
         assert torch.equal(k.cpu(), cache.dense_k[b]) and torch.equal(v.cpu(), cache.dense_v[b])
 
 
+# ----------------------------------------------------------------------------- the splits' merge
+@pytest.mark.parametrize("fused", [True, False], ids=["in-split-kernel", "combine-kernel"])
+def test_both_merges_match_the_reference(device, fused, monkeypatch):
+    # The merge in the split kernel's last program (fused) and the combine kernel: 28 packed rows
+    # over two row blocks, paged (a page per key), an element without keys, then MQA with more
+    # splits. COMBINE_ELEMENTS so small that the fused merge takes one row per step of its loop.
+    monkeypatch.setattr(host_decode, "COMBINE_ELEMENTS", 64)
+    run_decode(device, dtype="fp32", heads=(8, 2), sq=7, page_size=3, num_splits=3, lengths=(37, 0, 20),
+               fused_combine=fused)
+    run_decode(device, heads=(4, 1), sq=1, num_splits=5, lengths=(37, 1, 20), fused_combine=fused)
+
+
+def test_split_calls_merge_without_a_combine_launch(device):
+    # By default a split call is one launch: the last of a row block's programs to take a ticket
+    # merges the splits, and every ticket is 0 again when the launch ends (CUDA graphs replay it).
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    module = flashgen.compile(spec).module()
+    combine = _Recorder()
+    launcher = host_decode.DecodeLauncher(attention=module._LAUNCHER, kernel=module._attn_decode,
+                                          combine_kernel=combine)
+    seed, gen = _seeded()
+    cache = Cache(gen, 3, 2, 16, (37, 1, 20), 48, torch.float16, device)
+    q = torch.randn(3, 2, 4, 16, generator=gen).to(device=device, dtype=torch.float16)
+    for _ in range(2):
+        out, lse = launcher.decode(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=3, BLOCK_N=16)
+        out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=True)
+        assert compare("out", out, out_ref, out_pt).ok and compare("lse", lse, lse_ref, lse_pt).ok, f"seed={seed}"
+    assert not combine.launches
+    assert not host_decode.TICKETS[torch.device(device)].any()
+    with pytest.raises(ValueError, match="fused_combine: expected a bool or None .*got .yes."):
+        launcher.decode(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=3, fused_combine="yes")
+
+
+def test_split_tickets_are_made_once_and_not_while_captured(monkeypatch):
+    # One zeroed buffer per device, grown by doubling; while a graph is captured a buffer too small
+    # is not grown (the call gets zeros of its own, which the graph makes at each replay).
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(host_decode, "TICKETS", {})
+    monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: True)
+    assert host_decode.split_tickets(cpu, 10).tolist() == [0] * 10 and not host_decode.TICKETS
+    monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: False)
+    made = host_decode.split_tickets(cpu, 10)
+    assert made.numel() == 1024 and host_decode.split_tickets(cpu, 1024) is made
+    assert host_decode.split_tickets(cpu, 1500).numel() == 2048 and host_decode.TICKETS[cpu].numel() == 2048
+
+
 # ----------------------------------------------------------------------------- masks and score modifiers
 @pytest.mark.parametrize("name,kw", [
     ("window", dict(mask={"sliding_window": {"left": 6, "right": 0}}, causal=False)),
@@ -579,6 +625,7 @@ def test_decode_host_side_is_capturable(monkeypatch):
     # Where the host may not read the device (CUDA graph capture, torch.compile), a decode step
     # (append included, paged) reads no tensor on the host, and what it launches (grids, sizes,
     # knobs) depends on shapes only: two steps with other cache_seqlens launch the same.
+    host_decode.bounds_record(torch.device("cpu"))  # made once per device (its host view is a numpy array)
     monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: True)
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
     module = flashgen.compile(spec).module()
@@ -594,12 +641,14 @@ def test_decode_host_side_is_capturable(monkeypatch):
 
     for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__index__", "nonzero"):
         monkeypatch.setattr(torch.Tensor, name, no_sync)
-    for lengths in ([3, 9], [0, 10]):
-        launcher.decode(q, cache, cache, torch.tensor(lengths, dtype=torch.int32), k=new, v=new, block_table=table,
-                        num_splits=3)
+    for fused in (False, True):  # a combine kernel, or the merge in the split kernel's last programs
+        for lengths in ([3, 9], [0, 10]):
+            launcher.decode(q, cache, cache, torch.tensor(lengths, dtype=torch.int32), k=new, v=new,
+                            block_table=table, num_splits=3, fused_combine=fused)
     monkeypatch.undo()
-    assert len(kernel.launches) == len(combine.launches) == 2
+    assert len(kernel.launches) == 4 and len(combine.launches) == 2
     assert kernel.launches[0] == kernel.launches[1] and combine.launches[0] == combine.launches[1]
+    assert kernel.launches[2] == kernel.launches[3] and kernel.launches[2][2]["FUSED"]
     # the appends landed at each step's lengths, crossing pages: element 0 at 3, 4 (page 3 slot 3, page 1 slot 0)
     assert torch.equal(cache[3, 3], new[0, 0, :, :]) and torch.equal(cache[1, 0], new[0, 1])
 
@@ -639,7 +688,7 @@ def test_repeated_calls_check_and_plan_once_and_read_no_tensor(monkeypatch):
     launcher.append_kernel = _Recorder()
     new = torch.ones(2, 1, 2, 16, dtype=torch.float16)
     launcher.decode(q, cache, cache, torch.tensor([1, 1], dtype=torch.int32), k=new, v=new, block_table=table,
-                    num_splits=2)
+                    num_splits=2, fused_combine=False)
     kernels = (launcher.kernel, launcher.combine_kernel, launcher.append_kernel)
     assert all(kernel.launches for kernel in kernels)
     assert all(len(grid) == 3 for kernel in kernels for grid, _, _ in kernel.launches)
@@ -700,7 +749,8 @@ def test_launches_are_bound_after_the_first(monkeypatch):
     cache = torch.zeros(2, 8, 2, 16, dtype=torch.float16)
     new = torch.ones(2, 1, 2, 16, dtype=torch.float16)
     for _ in range(3):
-        launcher.decode(q, cache, cache, torch.tensor([3, 4], dtype=torch.int32), k=new, v=new, num_splits=2)
+        launcher.decode(q, cache, cache, torch.tensor([3, 4], dtype=torch.int32), k=new, v=new, num_splits=2,
+                        fused_combine=False)
     for jit in (kernel, combine, append):
         assert len(jit.calls) == 1 and len(jit.compiled.runs) == 2
         grid, args, constexprs = jit.calls[0]
@@ -711,7 +761,8 @@ def test_launches_are_bound_after_the_first(monkeypatch):
         assert run[9 + len(args):] == tuple(constexprs[n] for n in names)
     # a q whose pointer is not 16-byte aligned: Triton specializes otherwise, so its path again
     unaligned = torch.zeros(2 * 64 + 1, dtype=torch.float16)[1:].view(2, 1, 4, 16)
-    launcher.decode(unaligned, cache, cache, torch.tensor([3, 4], dtype=torch.int32), num_splits=2)
+    launcher.decode(unaligned, cache, cache, torch.tensor([3, 4], dtype=torch.int32), num_splits=2,
+                    fused_combine=False)
     assert len(kernel.calls) == 2 and len(append.calls) == 1
 
 
@@ -767,7 +818,7 @@ def test_new_cache_lengths_launch_their_own_strides_and_lengths(monkeypatch):
     for (k, v) in caches:
         for args in by_length[k.shape[1]]:
             assert args[1] is k and args[2] is v
-            assert args[13 + 4:13 + 12] == (*k.stride(), *v.stride()) and args[13 + 22] == k.shape[1]
+            assert args[14 + 4:14 + 12] == (*k.stride(), *v.stride()) and args[14 + 22] == k.shape[1]
             assert torch.equal(args[6], torch.full((2,), k.shape[1], dtype=torch.int32))
     # caches of two lengths are not one cache: the length-free key does not hide that
     with pytest.raises(ValueError, match="v_cache: expected leading dims"):

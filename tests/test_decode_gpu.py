@@ -8,6 +8,8 @@ import torch
 import flashgen
 from flashgen import AttentionSpec
 from flashgen.compat import flash_attn_with_kvcache
+from flashgen.runtime import decode as host_decode
+from flashgen.verify import compare
 
 from .test_decode import Cache, _seeded, reference_decode, run_decode
 
@@ -31,6 +33,41 @@ GRID = [
 def test_decode_grid(dtype, heads, d, sq, page_size, num_splits):
     run_decode("cuda", dtype=dtype, heads=heads, d=d, sq=sq, page_size=page_size, num_splits=num_splits, batch=3,
                lengths=(4097, 3, 1531), capacity=4352, BLOCK_N=None)
+
+
+# Split rows merged by the combine kernel (fused_combine=False; the GRID's split rows merge in the
+# split kernel, the default): contiguous at the heuristic's split count, paged-16 with 16 query
+# rows, MQA hd64, and 128 splits.
+SEPARATE = [((32, 8), 128, 1, None, 0), ((32, 8), 128, 16, 16, 7), ((8, 1), 64, 4, None, 7),
+            ((32, 8), 128, 1, None, 128)]
+
+
+@pytest.mark.parametrize("heads,d,sq,page_size,num_splits", SEPARATE,
+                         ids=[f"h{h[0]}x{h[1]}-d{d}-sq{sq}-page{p}-splits{n}" for h, d, sq, p, n in SEPARATE])
+@pytest.mark.parametrize("fused", [False, True], ids=["combine-kernel", "in-split-kernel"])
+def test_both_merges_gpu(heads, d, sq, page_size, num_splits, fused):
+    run_decode("cuda", dtype="bf16", heads=heads, d=d, sq=sq, page_size=page_size, num_splits=num_splits, batch=3,
+               lengths=(4097, 3, 1531), capacity=4352, BLOCK_N=None, fused_combine=fused)
+
+
+def test_fused_merge_is_repeatable_under_contention_gpu():
+    # 128 splits of one sequence (8 KV heads: 1024 programs racing for 8 tickets), 20 launches:
+    # every one bitwise equal to the first (the merge reads the splits in one order whoever
+    # merges), right by the rule, and the tickets 0 after each.
+    seed, gen = _seeded()
+    cache = Cache(gen, 1, 8, 128, (16381,), 16384, torch.bfloat16, "cuda")
+    q = torch.randn(1, 1, 32, 128, generator=gen).to("cuda", torch.bfloat16)
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=32, num_kv_heads=8, causal=True)
+    run = lambda: flashgen.decode(spec, q, cache.k_cache, cache.v_cache, cache.cache_seqlens,  # noqa: E731
+                                  num_splits=128, BLOCK_N=32, return_lse=True, fused_combine=True)
+    first = run()
+    for _ in range(20):
+        again = run()
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), f"seed={seed}"
+    assert not any(t.any() for t in host_decode.TICKETS.values())
+    out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=True)
+    assert compare("out", first[0], out_ref, out_pt).ok and compare("lse", first[1], lse_ref, lse_pt).ok, \
+        f"seed={seed}"
 
 
 @pytest.mark.parametrize("name,kw", [
@@ -91,6 +128,7 @@ def test_cuda_graph_capture_and_replay():
         expected = flash_attn_with_kvcache(q, eager_k, eager_v, k, v, cache_seqlens=seqlens,
                                            block_table=cache.block_table, causal=True)
         assert torch.equal(out, expected), f"lengths={lengths} seed={seed}"
+    assert not any(t.any() for t in host_decode.TICKETS.values())  # the split merges left their tickets at 0
 
 
 def test_decode_is_deterministic():
@@ -105,7 +143,6 @@ def test_decode_is_deterministic():
                                 block_table=cache.block_table, return_lse=True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
     out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=True)
-    from flashgen.verify import compare
     assert compare("out", first[0], out_ref, out_pt).ok, f"seed={seed}"
 
 

@@ -26,7 +26,9 @@ synchronisation:
 
 CUDA graphs: a decode step makes no host decision from tensor contents. The number of splits,
 the grid and every buffer come from shapes (the cache's capacity, never cache_seqlens); the
-kernel reads cache_seqlens on the device.
+kernel reads cache_seqlens on the device. A split call merges its splits in the split kernel
+(fused_combine, the default): the last program of each row block to finish merges them, found
+by a ticket counter (split_tickets) that every launch leaves at 0, so graph replays need no reset.
 
 Host time: everything a call derives from its arguments' shapes, strides, dtypes and devices
 (input checks, the launch plan, the kernels' scalar arguments) is computed once per such
@@ -63,6 +65,12 @@ MAX_SPLITS = 128  # FA3's cap
 # SM) takes the split count that fills this many programs per SM in one wave (B=8: 8 splits, 512
 # programs, as B=64's unsplit grid). Only a paged cache of 16..63-key pages takes it (decode_knobs).
 SPLIT_PROGRAMS_PER_SM = 4
+# A split call merges its splits in the split kernel's last program per row block (no combine
+# launch) unless told otherwise (decode_knobs' fused_combine).
+FUSED_COMBINE = True
+# The fused merge takes up to this many fp32 partial-output elements (rows x splits x head dim)
+# per step of its loop over the row block's rows: 64 registers per thread at 4 warps.
+COMBINE_ELEMENTS = 8192
 MAX_PACKED_ROWS = 64  # the tile's M: (query positions x heads of a group) above this take several row blocks
 CHECKS = ("async", "sync")
 FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -128,9 +136,10 @@ def fp8_slots_per_sm(staged, device):
 
 
 def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *, BLOCK_N=None, num_splits=0,
-                 num_warps=None, num_stages=None, page_prefetch=None, page_size=None, element_size=2):
+                 num_warps=None, num_stages=None, page_prefetch=None, fused_combine=None, page_size=None,
+                 element_size=2):
     """The knobs of a decode call, from shapes only: {BLOCK_M, BLOCK_N, num_splits, num_warps,
-    num_stages, page_prefetch}, the given ones checked and the others' defaults filled in.
+    num_stages, page_prefetch, fused_combine}, the given ones checked and the others' defaults filled in.
 
     The defaults (H100, bf16, head dim 128, 32 q / 8 KV heads, in us):
     - BLOCK_N 128 where each key's page is looked up (page_size < 64: fewer, larger tiles
@@ -160,10 +169,15 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       slower: the one row the rule does not help).
     - page_prefetch: a paged tile's page numbers read one tile ahead, so no K/V load waits on
       a block table read; without it Triton's pipeliner does not multi-buffer the K/V loads
-      (page 256, BLOCK_N 64: 108.7 vs 126.6; contiguous 107.7)."""
+      (page 256, BLOCK_N 64: 108.7 vs 126.6; contiguous 107.7).
+    - fused_combine (a split call): the split kernel's last program of each row block merges the
+      splits (one launch per step, as cuDNN's decode) instead of a combine kernel after it.
+      Default FUSED_COMBINE."""
     block_m = min(max(16, triton.next_power_of_2(packed_rows)), MAX_PACKED_ROWS)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0: the tuned count or a heuristic), got {num_splits!r}")
+    if fused_combine is not None and not isinstance(fused_combine, bool):
+        raise ValueError(f"fused_combine: expected a bool or None (None: the default), got {fused_combine!r}")
     for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
@@ -200,7 +214,8 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
         num_splits = num_splits_heuristic(total_mblocks, slots, triton.cdiv(capacity, block_n))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_splits": min(num_splits, MAX_SPLITS),
             "num_warps": num_warps, "num_stages": num_stages,
-            "page_prefetch": True if page_prefetch is None else bool(page_prefetch)}
+            "page_prefetch": True if page_prefetch is None else bool(page_prefetch),
+            "fused_combine": FUSED_COMBINE if fused_combine is None else fused_combine}
 
 
 def fp16_dot(cache_dtype, out_dtype):
@@ -369,6 +384,28 @@ def check_bounds(device=None):
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     bounds_record(device).raise_recorded()
+
+
+# ----------------------------------------------------------------------------- the fused merge's tickets
+TICKETS = {}  # device -> its int32 tickets, all 0 between launches
+
+
+def split_tickets(device, count):
+    """At least count int32 zeros on the device: the tickets a fused split launch counts its
+    finished programs with (one per row block; the last program resets its row block's to 0, so
+    they are 0 again when the launch ends). One buffer per device, made with zeros once and grown
+    by doubling (a grown one replaces it; calls keep the one they had: it stays 0). Launches on
+    one stream never share a ticket at once; launches running concurrently on two streams could,
+    so a call's tickets are for one stream at a time (as a CUDA graph's replays are).
+    While a CUDA graph is captured (or torch.compile traces) a buffer too small is not grown: the
+    call gets zeros of its own, made by the graph (a memset node) at each replay."""
+    tickets = TICKETS.get(device)
+    if tickets is None or tickets.numel() < count:
+        if device_sync_forbidden(device):
+            return torch.zeros(count, dtype=torch.int32, device=device)
+        size = max(count, 1024, 2 * tickets.numel() if tickets is not None else 0)
+        tickets = TICKETS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return tickets
 
 
 # ----------------------------------------------------------------------------- launching
@@ -579,11 +616,14 @@ class DecodeLauncher:
                               page_size=page_size,
                               element_size=element_size or self.attention.dtype.itemsize, **(tuned or knobs))
         splits = chosen["num_splits"]
-        return dict(chosen, splits=splits, split=splits > 1, tuned=bool(tuned),
-                    block_dv=padded_head_dim(spec["head_dim_v"]),
+        block_dv, block_s = padded_head_dim(spec["head_dim_v"]), max(2, triton.next_power_of_2(splits))
+        # the fused merge's rows per step: the row block's (a power of two), as many as COMBINE_ELEMENTS allow
+        budget = 1 << max(0, (COMBINE_ELEMENTS // (block_s * block_dv)).bit_length() - 1)
+        return dict(chosen, splits=splits, split=splits > 1, tuned=bool(tuned), block_dv=block_dv,
+                    fused=splits > 1 and chosen["fused_combine"],
                     grid=(splits, triton.cdiv(seqlen_q * group, chosen["BLOCK_M"]), batch * spec["num_kv_heads"]),
-                    combine_grid=(batch * seqlen_q * spec["num_heads"], 1, 1),
-                    BLOCK_S=max(2, triton.next_power_of_2(splits)))
+                    combine_grid=(batch * seqlen_q * spec["num_heads"], 1, 1), BLOCK_S=block_s,
+                    combine_rows=min(triton.next_power_of_2(min(seqlen_q * group, chosen["BLOCK_M"])), budget))
 
     def prepare(self, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx, softmax_scale, out,
                 lse, return_lse, knobs, check, descales):
@@ -631,7 +671,8 @@ class DecodeLauncher:
                                  BATCH_INDEX=cache_batch_idx is not None, SPLIT=plan["split"], WRITE_LSE=write_lse,
                                  PREFETCH=paged and plan["page_prefetch"], DESCALE=descale,
                                  FP16_DOT=fp16_dot(k_cache.dtype, out_dtype),
-                                 V_CVT=fp8_v_conversion(k_cache.dtype, out_dtype, q.device),
+                                 V_CVT=fp8_v_conversion(k_cache.dtype, out_dtype, q.device), FUSED=plan["fused"],
+                                 BLOCK_S=plan["BLOCK_S"], COMBINE_ROWS=plan["combine_rows"],
                                  num_warps=plan["num_warps"], num_stages=plan["num_stages"])
         combine_args = (*out_strides, num_heads * seqlen_q, seqlen_q, seqlen_q, num_heads, plan["splits"])
         combine_constexprs = dict(BLOCK_S=plan["BLOCK_S"], WRITE_LSE=write_lse, num_warps=4, num_stages=1)
@@ -654,14 +695,14 @@ class DecodeLauncher:
                           combine_args=combine_args, combine_constexprs=combine_constexprs, append_args=append_args,
                           append_constexprs=append_constexprs, append_grid=(batch * seqlen_add, 1, 1),
                           descale=descale, record=bounds_record(q.device), device=q.device, check=check, bound={},
-                          variants=None)
+                          variants=None, tickets=None)
 
     def bind(self, call):
         """The BoundLaunch objects of a call's (append, split-KV, combine) kernels; None where it has none."""
         append = BoundLaunch(self.append_kernel, call.append_grid, call.append_constexprs) \
             if call.append_args is not None and call.append_grid[0] else None
         combine = BoundLaunch(self.combine_kernel, call.plan["combine_grid"], call.combine_constexprs) \
-            if call.plan["split"] else None
+            if call.plan["split"] and not call.plan["fused"] else None
         return append, BoundLaunch(self.kernel, call.plan["grid"], call.kernel_constexprs), combine
 
     # ------------------------------------------------------------------ calls keyed without the cache's length
@@ -684,7 +725,7 @@ class DecodeLauncher:
     def decode(self, q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, block_table=None,
                cache_batch_idx=None, softmax_scale=None, tensors=None, out=None, lse=None, return_lse=True,
                BLOCK_N=None, num_splits=0, num_warps=None, num_stages=None, page_prefetch=None, check="async",
-               q_descale=None, k_descale=None, v_descale=None):
+               q_descale=None, k_descale=None, v_descale=None, fused_combine=None):
         """Attention of q (B, Sq, H, D) over a KV cache; returns (out (B, Sq, H, Dv), lse (B, H, Sq)
         float32, or None when neither lse nor return_lse asks for it).
 
@@ -696,7 +737,9 @@ class DecodeLauncher:
         the tuned one). out, lse: buffers to write into (else allocated). check: "async" or
         "sync", when an index out of the cache raises (see the module docstring). FP8: k_cache
         and v_cache (and q) may be float8 with q/k/v_descale float32 (B, H_kv), 1.0 where not
-        given; out keeps the spec's dtype; k, v stay in it and are quantized on write."""
+        given; out keeps the spec's dtype; k, v stay in it and are quantized on write. fused_combine:
+        a split call's merge in the split kernel (True) or in a combine kernel (False); None: the
+        default (decode_knobs)."""
         named = tensors or {}
         # A contiguous cache read without appending (a model's own cache, one key longer each step)
         # is keyed without its length: a new length re-runs no check and no plan (see length_free).
@@ -711,7 +754,7 @@ class DecodeLauncher:
                    _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens),
                    tuple((n, _meta(t)) for n, t in named.items()) if named else None, _meta(out), _meta(lse),
                    bool(return_lse), softmax_scale, BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, check,
-                   _meta(q_descale), _meta(k_descale), _meta(v_descale))
+                   _meta(q_descale), _meta(k_descale), _meta(v_descale), fused_combine)
         except (AttributeError, TypeError):  # not tensors: prepare() says which argument
             key = None
         call = self.calls.get(key) if key is not None else None
@@ -719,7 +762,7 @@ class DecodeLauncher:
             call = self.length_free(call, k_cache.shape[1])
         if call is None:
             knobs = {"BLOCK_N": BLOCK_N, "num_splits": num_splits, "num_warps": num_warps, "num_stages": num_stages,
-                     "page_prefetch": page_prefetch}
+                     "page_prefetch": page_prefetch, "fused_combine": fused_combine}
             call = self.prepare(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx,
                                 softmax_scale, out, lse, return_lse, knobs, check,
                                 {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
@@ -774,10 +817,15 @@ class DecodeLauncher:
             append(k_cache, v_cache, k, v, seqlens, bt, cbi, k_descale, v_descale, *call.append_args)
         if call.batch * call.seqlen_q == 0:
             return out, lse
-        part = torch.empty(call.part_numel, dtype=torch.float32, device=call.device) if combine else out
+        part = torch.empty(call.part_numel, dtype=torch.float32, device=call.device) if call.part_numel else out
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
+        tickets = call.tickets
+        if tickets is None and call.plan["fused"]:
+            tickets = split_tickets(call.device, call.plan["grid"][1] * call.plan["grid"][2])
+            if not device_sync_forbidden(call.device):  # a captured call's own zeros are the graph's
+                call.tickets = tickets
         kernel(q, k_cache, v_cache, out, lse_arg, part, seqlens, bt, cbi, record.tensor, q_descale, k_descale,
-               v_descale, *scalars, *self.attention.tensor_args(named))
+               v_descale, tickets if tickets is not None else seqlens, *scalars, *self.attention.tensor_args(named))
         if combine is not None:
             combine(out, lse_arg, part, *call.combine_args)
         if watch and (call.check == "sync" or record.immediate):

@@ -790,8 +790,19 @@ def _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, hi, lo2, hi2, rows, offs
 
 
 @triton.jit
+def _store_rows(O, LSE, out, lse, off_b, qpos, head, row_ok, offs_dv, stride_ob, stride_om, stride_oh, stride_od,
+                stride_lb, stride_lh, WRITE_LSE: tl.constexpr):
+    # Rows (query position qpos, head) of batch element off_b: out (rows, BLOCK_DV) into O, lse into LSE.
+    o_ptrs = (O + off_b * stride_ob + qpos[:, None] * stride_om + head[:, None] * stride_oh
+              + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+    if WRITE_LSE:
+        tl.store(LSE + off_b * stride_lb + head * stride_lh + qpos, lse, mask=row_ok)
+
+
+@triton.jit
 def _attn_decode(
-    Q, K, V, O, LSE, PART, SEQLENS, BT, CACHE_BATCH, REC, Q_DESCALE, K_DESCALE, V_DESCALE,
+    Q, K, V, O, LSE, PART, SEQLENS, BT, CACHE_BATCH, REC, Q_DESCALE, K_DESCALE, V_DESCALE, TICKETS,
     stride_qb, stride_qm, stride_qh, stride_qd,
     stride_kb, stride_kn, stride_kh, stride_kd,
     stride_vb, stride_vn, stride_vh, stride_vd,
@@ -802,11 +813,15 @@ def _attn_decode(
     sm_scale, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BATCH_INDEX: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr, PREFETCH: tl.constexpr,
-    DESCALE: tl.constexpr, FP16_DOT: tl.constexpr, V_CVT: tl.constexpr,
+    DESCALE: tl.constexpr, FP16_DOT: tl.constexpr, V_CVT: tl.constexpr, FUSED: tl.constexpr,
+    BLOCK_S: tl.constexpr, COMBINE_ROWS: tl.constexpr,
 ):
     # Grid (num_splits, packed row blocks, batch * kv heads). seqlen_k = SEQLENS[b] + seqlen_add
     # (the keys appended this step), clamped into [0, capacity]. SPLIT: write this split's fp32
-    # partial O and its LSE into PART for _decode_combine; else O (and LSE with WRITE_LSE) directly.
+    # partial O and its LSE into PART; else O (and LSE with WRITE_LSE) directly. FUSED (with SPLIT):
+    # the last split program of a row block to finish merges the row block's splits into O and LSE
+    # (no combine launch): each takes a ticket from TICKETS (int32, one per row block, 0 between
+    # launches) after its partial stores; the one that draws num_splits - 1 combines and resets it.
     # DESCALE: FP8 inputs' float32 descales, (batch, KV head) each: score = q.k * (qd * kd) *
     # sm_scale, out = (P V_fp8) * vd. FP16_DOT (an FP8 cache, bf16 out): both products on fp16
     # operands (_fp16_rows), P in fp16.
@@ -910,43 +925,68 @@ def _attn_decode(
         rows_total = (tl.num_programs(2) // num_kv_heads).to(tl.int64) * seqlen_q * num_kv_heads * GQA_GROUP
         lse_part = PART + rows_total * num_splits * BLOCK_DV
         tl.store(lse_part + part_row, lse, mask=row_ok)
+        if FUSED:
+            # The barrier orders every warp's partial stores before the ticket; acq_rel at GPU scope
+            # publishes them to, and makes the others' visible in, the program that draws the last
+            # ticket (CUTLASS's split-K semaphore: __syncthreads, then one thread's release atomic).
+            tl.debug_barrier()
+            ticket = TICKETS + tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.store(ticket, 0)  # zero again for the next launch (and a CUDA graph's next replay)
+                row_end = tl.minimum(start_m + BLOCK_M, seqlen_q * GQA_GROUP)
+                for r0 in range(start_m, row_end, COMBINE_ROWS):
+                    offs_c = r0 + tl.arange(0, COMBINE_ROWS)
+                    c_ok = offs_c < row_end
+                    c_pos = offs_c // GQA_GROUP
+                    c_head = off_hk * GQA_GROUP + offs_c % GQA_GROUP
+                    c_out, c_lse = _combine_splits(PART, lse_part, (off_b * seqlen_q + c_pos) * (num_kv_heads *
+                                                   GQA_GROUP) + c_head, c_ok, num_splits, BLOCK_S)
+                    _store_rows(O, LSE, c_out, c_lse, off_b, c_pos, c_head, c_ok, offs_dv, stride_ob, stride_om,
+                                stride_oh, stride_od, stride_lb, stride_lh, WRITE_LSE)
     else:
-        o_ptrs = (O + off_b * stride_ob + qpos[:, None] * stride_om + head[:, None] * stride_oh
-                  + offs_dv[None, :] * stride_od)
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
-        if WRITE_LSE:
-            tl.store(LSE + off_b * stride_lb + head * stride_lh + qpos, lse, mask=row_ok)
+        _store_rows(O, LSE, out, lse, off_b, qpos, head, row_ok, offs_dv, stride_ob, stride_om, stride_oh, stride_od,
+                    stride_lb, stride_lh, WRITE_LSE)
+
+
+@triton.jit
+def _combine_splits(O_PART, LSE_PART, rows, row_ok, num_splits, BLOCK_S: tl.constexpr):
+    # rows (R,): output rows ((b * seqlen_q + position) * num_heads + head). With the splits' LSEs
+    # l_s and partial outputs O_s (each normalised by its own sum): LSE = ln sum_s exp(l_s),
+    # O = sum_s exp(l_s - LSE) O_s. Splits that saw no key have l_s = -inf and weigh nothing; a
+    # row no split saw gives O = 0, LSE = -inf. O_PART: the partial outputs (rows, num_splits,
+    # BLOCK_DV) fp32, LSE_PART their LSEs (rows, num_splits). Returns (O (R, BLOCK_DV), LSE (R,)).
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    ok = row_ok[:, None] & (offs_s[None, :] < num_splits)
+    at = rows[:, None] * num_splits + offs_s[None, :]
+    lse_s = tl.load(LSE_PART + at, mask=ok, other=float("-inf"))
+    m = tl.max(lse_s, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2((lse_s - m_safe[:, None]) * RCP_LN2)
+    total = tl.sum(w, 1)
+    empty = total == 0.0
+    total_safe = tl.where(empty, 1.0, total)
+    part = tl.load(O_PART + at[:, :, None] * BLOCK_DV + offs_dv[None, None, :],
+                   mask=(ok & (w > 0.0))[:, :, None], other=0.0)
+    out = tl.sum(part * (w / total_safe[:, None])[:, :, None], 1)
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(total_safe))
+    return out, lse
 
 
 @triton.jit
 def _decode_combine(O, LSE, PART, stride_ob, stride_om, stride_oh, stride_od, stride_lb, stride_lh, seqlen_q, num_heads,
                     num_splits, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
-    # One (batch, query position, head) row per program. With the splits' LSEs l_s and partial
-    # outputs O_s (each normalised by its own sum): LSE = ln sum_s exp(l_s), O = sum_s exp(l_s - LSE) O_s.
-    # Splits that saw no key have l_s = -inf and weigh nothing; a row no split saw gives O = 0, LSE = -inf.
+    # One (batch, query position, head) row per program (the split kernel's FUSED=False).
     # PART: the partial outputs (rows, num_splits, BLOCK_DV), then their LSEs (rows, num_splits).
-    row = tl.program_id(0).to(tl.int64)  # (b * seqlen_q + position) * num_heads + head
-    O_PART = PART
-    LSE_PART = PART + tl.num_programs(0).to(tl.int64) * num_splits * BLOCK_DV
+    row = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)  # (b * seqlen_q + position) * num_heads + head
+    lse_part = PART + tl.num_programs(0).to(tl.int64) * num_splits * BLOCK_DV
+    out, lse = _combine_splits(PART, lse_part, row, row >= 0, num_splits, BLOCK_S)
     off_h = row % num_heads
     pos = (row // num_heads) % seqlen_q
     off_b = row // (num_heads * seqlen_q)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
-    s_ok = offs_s < num_splits
-    lse_s = tl.load(LSE_PART + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse_s, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.math.exp2((lse_s - m_safe) * RCP_LN2)
-    total = tl.sum(w, 0)
-    empty = total == 0.0
-    total_safe = tl.where(empty, 1.0, total)
-    part = tl.load(O_PART + (row * num_splits + offs_s[:, None]) * BLOCK_DV + offs_dv[None, :],
-                   mask=s_ok[:, None] & (w[:, None] > 0.0), other=0.0)
-    out = tl.sum(part * (w / total_safe)[:, None], 0)
-    lse = tl.where(empty, float("-inf"), m_safe + tl.log(total_safe))
-    tl.store(O + off_b * stride_ob + pos * stride_om + off_h * stride_oh + offs_dv * stride_od,
-             out.to(O.dtype.element_ty), mask=offs_dv < HEAD_DIM_V)
+    tl.store(O + (off_b * stride_ob + pos * stride_om + off_h * stride_oh)[:, None] + offs_dv[None, :] * stride_od,
+             out.to(O.dtype.element_ty), mask=offs_dv[None, :] < HEAD_DIM_V)
     if WRITE_LSE:
         tl.store(LSE + off_b * stride_lb + off_h * stride_lh + pos, lse)
 
