@@ -278,13 +278,14 @@ def bench_paged(page_size, contiguous_row, inputs, *, timer, smoke, fp8=False):
 # --variants: the default knobs beside explicit ones through flashgen.decode, in one process, for
 # the split rows (issue 14's B=8 KV8192 and B=1 KV131072, B=8 paged-16). Each case's variants run
 # REPEATS rounds, interleaved (every variant once per round, cuDNN last), so a drift of the clock or
-# the host shows in every variant alike. v6: the splits merged in the split kernel's last program
-# (fused_combine, the default: one launch per step) against the combine kernel after it. The tile
+# the host shows in every variant alike. v6: the combine kernel after the split kernel (the
+# default) against the splits merged in the split kernel's last program (fused_combine: one launch
+# per step). The tile
 # and split variants of v3 / v4 are in results/2026-11-23-h100-decode-variants-v3*, -v4.
 VARIANT_CASES = {  # the defaults (first) against the knobs they replaced and their neighbours
-    "bf16 B=8 KV8192": (8, 8192, False, None, [dict(fused_combine=False)]),
-    "bf16 B=1 KV131072": (1, 131072, False, None, [dict(fused_combine=False)]),
-    "bf16 B=8 KV8192 paged-16": (8, 8192, False, 16, [dict(fused_combine=False)]),
+    "bf16 B=8 KV8192": (8, 8192, False, None, [dict(fused_combine=True)]),
+    "bf16 B=1 KV131072": (1, 131072, False, None, [dict(fused_combine=True)]),
+    "bf16 B=8 KV8192 paged-16": (8, 8192, False, 16, [dict(fused_combine=True)]),
 }
 REPEATS = 3
 
@@ -529,9 +530,14 @@ def main(argv=None):
     ap.add_argument("--conversion", action="store_true", help="FP8 conversion kernels alone (GPU)")
     ap.add_argument("--ceiling", action="store_true", help="load-only kernels over the B=64 cache, bf16 and e4m3 (GPU)")
     ap.add_argument("--skip-table", action="store_true", help="only --conversion / --ceiling / --variants")
+    ap.add_argument("--fused-combine", action="store_true",
+                    help="the table with split calls merged in the split kernel (decode.FUSED_COMBINE = True)")
     ap.add_argument("--tag", default="", help="appended to the results' file names (2026-11-23-h100-decode-fp8-v2)")
     args = ap.parse_args(argv)
-    env = environment()
+    from flashgen.runtime import decode as host_decode
+    if args.fused_combine:
+        host_decode.FUSED_COMBINE = True
+    env = dict(environment(), decode_fused_combine=host_decode.FUSED_COMBINE)
     if args.smoke and args.fp8:
         cases, paged, (heads, kv_heads, head_dim) = SMOKE_FP8_CASES, SMOKE_FP8_PAGED, SMOKE_HEADS
         dtype, device, timer = torch.float16, "cuda" if torch.cuda.is_available() else "cpu", wall_ms

@@ -163,19 +163,19 @@ def test_append_crosses_pages_in_place(device, page_size):
 
 
 # ----------------------------------------------------------------------------- the splits' merge
-@pytest.mark.parametrize("fused", [True, False], ids=["in-split-kernel", "combine-kernel"])
-def test_both_merges_match_the_reference(device, fused, monkeypatch):
-    # The merge in the split kernel's last program (fused) and the combine kernel: 28 packed rows
-    # over two row blocks, paged (a page per key), an element without keys, then MQA with more
-    # splits. COMBINE_ELEMENTS so small that the fused merge takes one row per step of its loop.
+def test_fused_merge_matches_the_reference(device, monkeypatch):
+    # The merge in the split kernel's last program (fused_combine; the combine kernel, the default,
+    # runs in the grid above): 28 packed rows over two row blocks, paged (a page per key), an
+    # element without keys, then MQA with more splits. COMBINE_ELEMENTS so small that the fused
+    # merge takes one row per step of its loop.
     monkeypatch.setattr(host_decode, "COMBINE_ELEMENTS", 64)
     run_decode(device, dtype="fp32", heads=(8, 2), sq=7, page_size=3, num_splits=3, lengths=(37, 0, 20),
-               fused_combine=fused)
-    run_decode(device, heads=(4, 1), sq=1, num_splits=5, lengths=(37, 1, 20), fused_combine=fused)
+               fused_combine=True)
+    run_decode(device, heads=(4, 1), sq=1, num_splits=5, lengths=(37, 1, 20), fused_combine=True)
 
 
 def test_split_calls_merge_without_a_combine_launch(device):
-    # By default a split call is one launch: the last of a row block's programs to take a ticket
+    # fused_combine: a split call is one launch: the last of a row block's programs to take a ticket
     # merges the splits, and every ticket is 0 again when the launch ends (CUDA graphs replay it).
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
     module = flashgen.compile(spec).module()
@@ -186,10 +186,14 @@ def test_split_calls_merge_without_a_combine_launch(device):
     cache = Cache(gen, 3, 2, 16, (37, 1, 20), 48, torch.float16, device)
     q = torch.randn(3, 2, 4, 16, generator=gen).to(device=device, dtype=torch.float16)
     for _ in range(2):
-        out, lse = launcher.decode(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=3, BLOCK_N=16)
+        out, lse = launcher.decode(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=3, BLOCK_N=16,
+                                   fused_combine=True)
         out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=True)
         assert compare("out", out, out_ref, out_pt).ok and compare("lse", lse, lse_ref, lse_pt).ok, f"seed={seed}"
     assert not combine.launches
+    launcher.decode(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=3, BLOCK_N=16,
+                    fused_combine=False)
+    assert len(combine.launches) == 1
     assert not host_decode.TICKETS[torch.device(device)].any()
     with pytest.raises(ValueError, match="fused_combine: expected a bool or None .*got .yes."):
         launcher.decode(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=3, fused_combine="yes")
@@ -586,6 +590,23 @@ def test_bench_decode_smoke(tmp_path):
     written = json.loads(next(tmp_path.glob("*-decode-smoke.json")).read_text())
     assert written["rows"] == json.loads(json.dumps(rows))
     assert "| B=2 q_len=1 KV=40 | paged-16 |" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_bench_decode_fused_combine_flag(tmp_path, monkeypatch):
+    # --fused-combine: the table's split calls merge in the split kernel (the module default set
+    # before anything runs), and the results' environment says so.
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_decode.py"
+    module_spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    monkeypatch.setattr(host_decode, "FUSED_COMBINE", False)
+    monkeypatch.setattr(bench, "table_rows", lambda rows, *a: rows.append({"case": "-", "mode": "-"}))
+    bench.main(["--smoke", "--fused-combine", "--out", str(tmp_path)])
+    assert host_decode.FUSED_COMBINE is True
+    assert '"decode_fused_combine": true' in next(tmp_path.glob("*-decode-smoke.json")).read_text()
 
 
 def test_bench_decode_ceiling_reads_every_word(tmp_path):

@@ -35,9 +35,8 @@ def test_decode_grid(dtype, heads, d, sq, page_size, num_splits):
                lengths=(4097, 3, 1531), capacity=4352, BLOCK_N=None)
 
 
-# Split rows merged by the combine kernel (fused_combine=False; the GRID's split rows merge in the
-# split kernel, the default): contiguous at the heuristic's split count, paged-16 with 16 query
-# rows, MQA hd64, and 128 splits.
+# Split rows merged by the combine kernel and in the split kernel's last program (fused_combine):
+# contiguous at the heuristic's split count, paged-16 with 16 query rows, MQA hd64, 128 splits.
 SEPARATE = [((32, 8), 128, 1, None, 0), ((32, 8), 128, 16, 16, 7), ((8, 1), 64, 4, None, 7),
             ((32, 8), 128, 1, None, 128)]
 
@@ -129,6 +128,30 @@ def test_cuda_graph_capture_and_replay():
                                            block_table=cache.block_table, causal=True)
         assert torch.equal(out, expected), f"lengths={lengths} seed={seed}"
     assert not any(t.any() for t in host_decode.TICKETS.values())  # the split merges left their tickets at 0
+
+
+def test_cuda_graph_replays_the_fused_merge():
+    # The merge in the split kernel, captured once and replayed with new lengths and appends: its
+    # tickets are 0 after every launch, so each replay merges as an eager call does.
+    seed, gen = _seeded()
+    cache = Cache(gen, 4, 8, 128, (300, 1, 77, 512), 1024, torch.bfloat16, "cuda", page_size=16)
+    k_cache, v_cache = cache.k_cache.nan_to_num(0.0), cache.v_cache.nan_to_num(0.0)
+    q, k, v = (torch.randn(4, 1, h, 128, generator=gen).to("cuda", torch.bfloat16) for h in (32, 8, 8))
+    seqlens = cache.cache_seqlens.clone()
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=32, num_kv_heads=8, causal=True)
+    step = lambda kc, vc: flashgen.decode(spec, q, kc, vc, seqlens, k=k, v=v,  # noqa: E731
+                                          block_table=cache.block_table, fused_combine=True)
+    step(k_cache, v_cache)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(k_cache, v_cache)
+    for lengths in ([301, 2, 78, 513], [5, 900, 1000, 12], [5, 900, 1000, 12]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        expected = step(k_cache.clone(), v_cache.clone())
+        assert torch.equal(out, expected), f"lengths={lengths} seed={seed}"
+    assert not any(t.any() for t in host_decode.TICKETS.values())
 
 
 def test_decode_is_deterministic():

@@ -38,6 +38,13 @@ def test_fp8_default_knobs_gpu(batch, page_size):
                    num_splits=0, batch=batch, lengths=lengths, capacity=4352, BLOCK_N=None)
 
 
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_fp8_fused_merge_gpu(page_size):
+    # The splits merged in the split kernel's last program (fused_combine) over an FP8 cache.
+    run_fp8_decode("cuda", fp8="e4m3", dtype="bf16", heads=(32, 8), d=128, sq=1, page_size=page_size, num_splits=0,
+                   batch=3, lengths=(4097, 3, 1531), capacity=4352, BLOCK_N=None, fused_combine=True)
+
+
 @pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
 def test_fp8_rows_beyond_fp16_range_gpu(fp8):
     # bf16 queries take the fp16 products (q scaled per row by a power of two) and V's asm

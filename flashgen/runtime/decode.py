@@ -26,9 +26,9 @@ synchronisation:
 
 CUDA graphs: a decode step makes no host decision from tensor contents. The number of splits,
 the grid and every buffer come from shapes (the cache's capacity, never cache_seqlens); the
-kernel reads cache_seqlens on the device. A split call merges its splits in the split kernel
-(fused_combine, the default): the last program of each row block to finish merges them, found
-by a ticket counter (split_tickets) that every launch leaves at 0, so graph replays need no reset.
+kernel reads cache_seqlens on the device. A split call may merge its splits in the split kernel
+(fused_combine): the last program of each row block to finish merges them, found by a ticket
+counter (split_tickets) that every launch leaves at 0, so graph replays need no reset.
 
 Host time: everything a call derives from its arguments' shapes, strides, dtypes and devices
 (input checks, the launch plan, the kernels' scalar arguments) is computed once per such
@@ -65,9 +65,11 @@ MAX_SPLITS = 128  # FA3's cap
 # SM) takes the split count that fills this many programs per SM in one wave (B=8: 8 splits, 512
 # programs, as B=64's unsplit grid). Only a paged cache of 16..63-key pages takes it (decode_knobs).
 SPLIT_PROGRAMS_PER_SM = 4
-# A split call merges its splits in the split kernel's last program per row block (no combine
-# launch) unless told otherwise (decode_knobs' fused_combine).
-FUSED_COMBINE = True
+# Whether a split call merges its splits in the split kernel's last program per row block (one
+# launch per step) rather than in a combine kernel, unless told (decode_knobs' fused_combine). Off
+# until timed on a GPU: written without a GPU run left (benchmarks/NOTES.md, 2026-11-23 session 5;
+# `bench_decode.py --skip-table --variants --tag v6` times both).
+FUSED_COMBINE = False
 # The fused merge takes up to this many fp32 partial-output elements (rows x splits x head dim)
 # per step of its loop over the row block's rows: 64 registers per thread at 4 warps.
 COMBINE_ELEMENTS = 8192
