@@ -107,20 +107,20 @@ def test_interpreter_upcasts_fp8_exactly(fp8):
 
 
 # ----------------------------------------------------------------------------- the grid
-@pytest.mark.parametrize("fp8,heads,sq,page_size,num_splits", [
-    ("e4m3", (4, 2), 1, None, 1),  # GQA, contiguous, no split
-    ("e4m3", (4, 1), 1, None, 3),  # MQA, split
-    ("e5m2", (4, 2), 2, None, 2),
-    ("e4m3", (4, 2), 1, 1, 2),  # paged, page size 1
-    ("e4m3", (4, 2), 3, 3, 1),  # page size 3: a page per key
-    ("e5m2", (4, 2), 5, 16, 4),  # page 16: a page per tile, several query rows
-    ("e4m3", (8, 2), 7, 64, 2),  # 28 packed rows (two row blocks), a page larger than the tiles
-], ids=["e4m3-gqa", "e4m3-mqa-split", "e5m2-sq2-split", "e4m3-page1", "e4m3-page3", "e5m2-page16-sq5",
-        "e4m3-page64-two-row-blocks"])
-def test_fp8_cache_matches_dequantized_reference(device, fp8, heads, sq, page_size, num_splits):
+@pytest.mark.parametrize("fp8,heads,sq,page_size,num_splits,fused", [
+    ("e4m3", (4, 2), 1, None, 1, None),  # GQA, contiguous, no split
+    ("e4m3", (4, 1), 1, None, 3, True),  # MQA, split, merged in the split kernel (fused_combine)
+    ("e5m2", (4, 2), 2, None, 2, None),
+    ("e4m3", (4, 2), 1, 1, 2, None),  # paged, page size 1
+    ("e4m3", (4, 2), 3, 3, 1, None),  # page size 3: a page per key
+    ("e5m2", (4, 2), 5, 16, 4, None),  # page 16: a page per tile, several query rows
+    ("e4m3", (8, 2), 7, 64, 2, True),  # 28 packed rows (two row blocks), a page larger than the tiles; fused
+], ids=["e4m3-gqa", "e4m3-mqa-split-fused", "e5m2-sq2-split", "e4m3-page1", "e4m3-page3", "e5m2-page16-sq5",
+        "e4m3-page64-two-row-blocks-fused"])
+def test_fp8_cache_matches_dequantized_reference(device, fp8, heads, sq, page_size, num_splits, fused):
     capacity = 128 if page_size == 64 else 48
     run_fp8_decode(device, fp8=fp8, heads=heads, sq=sq, page_size=page_size, num_splits=num_splits,
-                   lengths=(37, 3 if sq > 3 else 1, 20), capacity=capacity)
+                   lengths=(37, 3 if sq > 3 else 1, 20), capacity=capacity, fused_combine=fused)
 
 
 def test_bf16_queries_compute_in_fp16(device, fp8="e4m3"):  # e5m2: tests/test_fp8_decode_gpu.py
