@@ -164,8 +164,8 @@ def test_append_crosses_pages_in_place(device, page_size):
 
 # ----------------------------------------------------------------------------- the splits' merge
 def test_fused_merge_matches_the_reference(device, monkeypatch):
-    # The merge in the split kernel's last program (fused_combine; the combine kernel, the default,
-    # runs in the grid above): 28 packed rows over two row blocks, paged (a page per key), an
+    # The merge in the split kernel's last program (fused_combine, the default; the combine kernel
+    # runs where a test passes fused_combine=False): 28 packed rows over two row blocks, paged (a page per key), an
     # element without keys, then MQA with more splits. COMBINE_ELEMENTS so small that the fused
     # merge takes one row per step of its loop.
     monkeypatch.setattr(host_decode, "COMBINE_ELEMENTS", 64)

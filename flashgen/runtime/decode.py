@@ -66,10 +66,11 @@ MAX_SPLITS = 128  # FA3's cap
 # programs, as B=64's unsplit grid). Only a paged cache of 16..63-key pages takes it (decode_knobs).
 SPLIT_PROGRAMS_PER_SM = 4
 # Whether a split call merges its splits in the split kernel's last program per row block (one
-# launch per step) rather than in a combine kernel, unless told (decode_knobs' fused_combine). Off
-# until timed on a GPU: written without a GPU run left (benchmarks/NOTES.md, 2026-11-23 session 5;
-# `bench_decode.py --skip-table --variants --tag v6` times both).
-FUSED_COMBINE = False
+# launch per step) rather than in a combine kernel, unless told (decode_knobs' fused_combine). H100,
+# bf16, 32/8 heads, hd128, us (benchmarks/results/2026-11-23-h100-decode-v6.md and -variants-v6.json,
+# cuDNN in the same rounds): B=8 x 8K keys 103.9 (cuDNN 107.1; the combine kernel's 106.9 in v5),
+# B=1 x 128K 187.8 vs 191.6, paged-16 B=8 109.8 vs 111.8.
+FUSED_COMBINE = True
 # The fused merge takes up to this many fp32 partial-output elements (rows x splits x head dim)
 # per step of its loop over the row block's rows: 64 registers per thread at 4 warps.
 COMBINE_ELEMENTS = 8192
