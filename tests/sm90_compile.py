@@ -111,9 +111,6 @@ def main(only=()) -> int:
         ("packed sequences, causal, dropout", dict(head_dim=64, num_heads=4, num_kv_heads=2, causal=True,
                                                    dropout_p=0.1, varlen=True),
          KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
-        # FP8: the forward only (V read seq-contiguous, a transposed descriptor with TMA)
-        ("fp8 e4m3 gqa causal, TMA + warp specialization", dict(dtype="fp8_e4m3", head_dim=128, num_heads=8,
-                                                                 num_kv_heads=2, causal=True), hopper),
         # the Gluon warp-specialized forward (family hopper_ws): two consumer warpgroups, causal GQA;
         # one consumer with the pipelined Q K^T, hd64; the consumers' ping-pong (the backward is the
         # portable one)
@@ -137,6 +134,16 @@ def main(only=()) -> int:
         ("hopper_ws fp8 e4m3 gqa causal hd128", dict(dtype="fp8_e4m3", head_dim=128, num_heads=8, num_kv_heads=2,
                                                       causal=True, seqlen=304),
          hopper.replace(BLOCK_N=256, num_stages=2, family="hopper_ws")),
+        # FP8 at head dim 256: the q.k product adds into fp32 every 128 products: the Gluon forward's two
+        # slices (128 x 64 tiles: no local memory; at 128 x 128 the second accumulator spills) and the
+        # portable forward's tl.dot max_num_imprecise_acc (its hd256 default tiles)
+        ("hopper_ws fp8 e4m3 causal hd256, promoted q.k", dict(dtype="fp8_e4m3", head_dim=256, num_heads=2,
+                                                                causal=True, seqlen=304),
+         hopper.replace(BLOCK_N=64, num_stages=2, family="hopper_ws")),
+        # (the portable FP8 forward, forward only: V read seq-contiguous, a transposed descriptor with TMA)
+        ("fp8 e4m3 gqa causal hd256, promoted q.k, TMA + warp specialization",
+         dict(dtype="fp8_e4m3", head_dim=256, num_heads=4, num_kv_heads=2, causal=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, tma=True, warp_specialize=True)),
         ("fp8 e5m2 sliding window + softcap, pointer loads",
          dict(dtype="fp8_e5m2", head_dim=64, num_heads=4, mask={"sliding_window": {"left": 256}},
               score_mod={"softcap": 30.0}), KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),

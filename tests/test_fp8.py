@@ -101,6 +101,26 @@ def test_fp8_forward_meets_fa3_rule(name, fields, extra, device):
                            score_mod=fields.get("score_mod"), descales=(qd, kd, vd))
 
 
+def test_fp8_hd256_promotes_its_qk_products_to_fp32(device):
+    # Hopper's FP8 tensor cores sum products with fewer bits than fp32: past 128 of them (head dim 256)
+    # both FP8 forwards add partial sums in fp32 every FP8_QK_PROMOTE products (the LSE at hd256 causal
+    # was 1.02-1.08x its bound on the H100 without); at hd128 the q.k product is one such run, unchanged
+    spec = AttentionSpec(name="f8", dtype="fp8_e4m3", head_dim=256, num_heads=2, causal=True)
+    gluon = KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, family="hopper_ws")
+    portable, hopper = (flashgen.compile(spec, config).source() for config in (SMALL, gluon))
+    assert "FP8_QK_PROMOTE = tl.constexpr(128)" in portable
+    assert "tl.dot(q, k, input_precision=DOT_PRECISION, max_num_imprecise_acc=FP8_QK_PROMOTE)" in portable
+    assert "q.slice(FP8_QK_PROMOTE, FP8_QK_PROMOTE, dim=1)" in hopper and "return lo + hi" in hopper
+    hd128 = flashgen.compile(AttentionSpec(name="f8", dtype="fp8_e4m3", head_dim=128, num_heads=2), gluon).source()
+    assert "FP8_QK_PROMOTE" not in hd128
+    # and the promoted portable forward meets FlashAttention-3's rule (the interpreter ignores the
+    # promotion: it multiplies in fp32; on the GPU, tests/test_hopper_fp8_gpu.py)
+    module = flashgen.compile(spec, SMALL if device == "cpu" else None).module()
+    q, k, v, qd, kd, vd = quantized_inputs(1, 2, 2, 33, 47, 256, device=device)
+    out, lse = module.forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert_attention_close(out, lse, q, k, v, causal=True, descales=(qd, kd, vd))
+
+
 def test_fp8_v_in_either_layout_gives_the_same_output(device):
     spec = AttentionSpec(name="f8", dtype="fp8_e4m3", head_dim=32, num_heads=2, causal=True)
     module = flashgen.compile(spec, SMALL if device == "cpu" else None).module()

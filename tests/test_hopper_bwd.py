@@ -109,25 +109,51 @@ def test_cpu_calls_run_the_portable_dkdv():
     assert_gradients_close(grads, q, k, v, do, causal=True)
 
 
-def test_a_served_call_swaps_the_dkdv_launch(monkeypatch):
+class RecordingKernel:
+    """Stands in for the Gluon dK/dV kernel: records kernel[grid](*args, **constexprs) and writes what a
+    kernel would (dk = 1, dv = 2)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.launches.append((grid, args, constexprs))
+            args[6].fill_(1.0), args[7].fill_(2.0)
+        return launch
+
+
+def test_a_served_call_swaps_the_dkdv_launch_planned_once(monkeypatch):
     module = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True)).module()
-    launched = []
-
-    def launch(self, q, k, v, do, lse, delta, dk, dv, layout, scale):  # records, then writes what a kernel would
-        launched.append((layout, scale, q.shape, k.shape, lse.shape, delta.shape))
-        dk.fill_(1.0), dv.fill_(2.0)
-
-    monkeypatch.setattr(hopper_bwd.HopperBackward, "launch", launch)
-    monkeypatch.setattr(module._LAUNCHER.hopper_backward, "device_unserved", lambda device: None)
+    hopper = module._LAUNCHER.hopper_backward
+    kernel = RecordingKernel()
+    made = []  # the Gluon descriptors built (the plan's first call), not copied (later calls)
+    descriptor = hopper_bwd.HopperForward.descriptor
+    monkeypatch.setattr(hopper_bwd.HopperForward, "descriptor",
+                        staticmethod(lambda t, *a: made.append(t.shape) or descriptor(t, *a)))
+    monkeypatch.setattr(hopper, "kernel", kernel)
+    monkeypatch.setattr(hopper, "device_unserved", lambda device: None)
     monkeypatch.setattr(module._LAUNCHER, "interpreting", lambda: True)
-    q, k, v = make_qkv(1, 2, 1, 20, 20, 64, dtype=torch.float16, device="cpu", layout="bshd")
-    out, lse = module.forward(q, k, v, layout="bshd", softmax_scale=0.5)
-    _, dk, dv, _ = module.backward(torch.randn_like(out), q, k, v, out, lse, layout="bshd", softmax_scale=0.5,
-                                   dq_strategy="separate")
+    results = []
+    for _ in range(2):  # the second call: the same plan, its descriptors copied onto the new tensors
+        q, k, v = make_qkv(1, 2, 1, 20, 20, 64, dtype=torch.float16, device="cpu", layout="bshd")
+        out, lse = module.forward(q, k, v, layout="bshd", softmax_scale=0.5)
+        do = torch.randn_like(out)
+        results.append((q, k, v, do, lse, module.backward(do, q, k, v, out, lse, layout="bshd", softmax_scale=0.5,
+                                                          dq_strategy="separate")))
     (plan,) = backward_plans(module)
     assert isinstance(plan.dkdv, hopper_bwd.HopperDkdv) and plan.rows is None
-    assert launched == [("bshd", 0.5, q.shape, k.shape, (1, 2, 20), (1, 2, 20))]
-    assert bool((dk == 1).all()) and bool((dv == 2).all())  # the Gluon launch's dk, dv are what backward returns
+    assert made == [(1, 20, 1, 64), (1, 20, 1, 64), (1, 20, 2, 64), (1, 20, 2, 64)]  # k, v, q, do: once
+    assert len(kernel.launches) == 2
+    for (grid, args, constexprs), (q, k, v, do, lse, (_, dk, dv, _)) in zip(kernel.launches, results):
+        assert grid == (1, 1, 1)  # 20 keys: one program of two 64-key consumers, per KV head and batch
+        assert [d.base for d in args[:4]] == [k, v, q, do] and args[4] is lse and args[5].shape == (1, 2, 20)
+        assert args[6] is dk and args[7] is dv
+        # lse/delta strides (batch, head), dk and dv strides (batch, head, seq) in bshd, sizes, scales
+        assert args[8:] == (40, 20, 1280, 64, 64, 1280, 64, 64, 20, 20, 2, 0.5 * hopper.RCP_LN2, 0.5)
+        assert constexprs == dict(CAUSAL=True, NUM_STAGES=2, CONSUMERS=2, PRODUCER_REGS=24, CONSUMER_REGS=240,
+                                  num_warps=4)
+        assert bool((dk == 1).all()) and bool((dv == 2).all())  # the Gluon launch's dk, dv are what backward returns
 
 
 def test_space_offers_the_kernel_only_where_it_serves():

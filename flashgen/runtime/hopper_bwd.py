@@ -16,7 +16,8 @@ import triton
 
 # (the names the kernel template imports from here are the shim's; one line each, so that the
 # standalone paste drops them all)
-from flashgen.runtime.hopper import HopperForward, bhsd_order, bhsd_strides, call_unserved, device_unserved, spec_unserved, tensor_unserved  # standalone: hopper.py precedes
+from flashgen.runtime.hopper import HopperForward, bhsd_order, call_unserved, device_unserved, spec_unserved, tensor_unserved  # standalone: hopper.py precedes
+from flashgen.runtime.host import BoundLaunch, Descriptors, contiguous_strides  # standalone: hopper.py precedes (host.py before it)
 from flashgen.runtime.hopper import fence_async_shared, gl, gluon, mbarrier, tma_load  # noqa: F401 standalone: hopper.py precedes
 from flashgen.runtime.hopper import warpgroup_mma, warpgroup_mma_wait  # noqa: F401 standalone: hopper.py precedes
 
@@ -60,44 +61,46 @@ class HopperBackward:
         reason = self.spec_reason or backward_call_unserved(q, k, v, do, layout, dropout_p=dropout_p,
                                                             atomic=plan.atomic, device_check=self.device_unserved)
         if reason is None:
-            plan.dkdv = HopperDkdv(self, layout, scale, plan.dkdv)
+            plan.dkdv = HopperDkdv(self, q, k, layout, scale, plan.dkdv)
             plan.rows = None  # the portable kernel's (Q, dO) descriptors: this kernel makes its own
         return reason
 
-    def launch(self, q, k, v, do, lse, delta, dk, dv, layout, scale):
-        """Fill dk, dv (k's and v's shapes, unit stride along dim) from q, k, v, do and the forward's
-        lse and the preprocess's delta ((B, H, Sq) float32, contiguous)."""
-        block_m, consumers, stages = self.TILES[self.spec["head_dim"]]
-        batch, heads, seqlen_q, head_dim = bhsd_order(q.shape, layout)
-        _, kv_heads, seqlen_k, _ = bhsd_order(k.shape, layout)
-        dk_strides, dv_strides = bhsd_strides(dk, layout), bhsd_strides(dv, layout)
-        kd, vd = (HopperForward.descriptor(t, layout, self.CONSUMER_ROWS, head_dim) for t in (k, v))
-        qd, dod = (HopperForward.descriptor(t, layout, block_m, head_dim) for t in (q, do))
-        grid = (triton.cdiv(seqlen_k, self.CONSUMER_ROWS * consumers), kv_heads, batch)
-        self.kernel[grid](kd, vd, qd, dod, lse, delta, dk, dv, *lse.stride()[:2], *dk_strides[:3], *dv_strides[:3],
-                          seqlen_q, seqlen_k, heads // kv_heads, scale * self.RCP_LN2, scale,
-                          CAUSAL=bool(self.spec["causal"]), NUM_STAGES=stages, CONSUMERS=consumers,
-                          PRODUCER_REGS=self.PRODUCER_REGS, CONSUMER_REGS=self.CONSUMER_REGS, num_warps=4)
-        return dk, dv
-
 
 class HopperDkdv:
-    """A backward plan's dK/dV launch on the Gluon kernel: called as the portable BoundLaunch is
-    (launch.BackwardPlan passes q, k, v, do, lse, delta, dk, dv first, then the portable kernel's
-    other arguments, which this kernel does not take)."""
+    """A backward plan's dK/dV launch on the Gluon kernel, worked out once per launch.BackwardPlan
+    (whose key fixes the shapes, strides, dtypes and alignment of q, k, v, dO and the LSE): the grid,
+    the scalars and the constexprs here; the four Gluon descriptors (K, V in one consumer's 64 keys,
+    Q, dO in the ring's query rows) built on the plan's first call and copied onto each later call's
+    tensors (host.Descriptors); the launch through a BoundLaunch, as HopperPlan does for the forward.
+    Called as the portable BoundLaunch it replaces: q, k, v, do, lse, delta, dk, dv first, then that
+    kernel's other arguments, which this one does not take."""
 
-    def __init__(self, backward, layout, scale, portable):
-        self.backward, self.layout, self.scale = backward, layout, scale
-        self.portable = portable  # the portable dK/dV launch it replaces: says whether the step's launches bind
+    def __init__(self, backward, q, k, layout, scale, portable):
+        self.portable = portable  # the portable dK/dV launch it replaces
+        block_m, consumers, stages = backward.TILES[backward.spec["head_dim"]]
+        batch, heads, seqlen_q, head_dim = bhsd_order(q.shape, layout)
+        _, kv_heads, seqlen_k, _ = bhsd_order(k.shape, layout)
+        keys, rows = (backward.CONSUMER_ROWS, head_dim), (block_m, head_dim)
+        self.descriptors = Descriptors(layout, (keys, keys, rows, rows), [HopperForward.descriptor] * 4)
+        # dk, dv: the plan's contiguous allocations in k's shape (gradient_buffers; v's is the same where
+        # the kernel serves); lse and delta: contiguous (batch, heads, seqlen_q) float32, as the
+        # portable kernels read them
+        grad_strides = bhsd_order(contiguous_strides(k.shape), layout)[:3]
+        self.args = (heads * seqlen_q, seqlen_q, *grad_strides, *grad_strides, seqlen_q, seqlen_k, heads // kv_heads,
+                     scale * backward.RCP_LN2, scale)
+        grid = (triton.cdiv(seqlen_k, backward.CONSUMER_ROWS * consumers), kv_heads, batch)
+        self.launch = BoundLaunch(backward.kernel, grid, dict(
+            CAUSAL=bool(backward.spec["causal"]), NUM_STAGES=stages, CONSUMERS=consumers,
+            PRODUCER_REGS=backward.PRODUCER_REGS, CONSUMER_REGS=backward.CONSUMER_REGS, num_warps=4))
 
     def __call__(self, q, k, v, do, lse, delta, dk, dv, *portable_args):
-        return self.backward.launch(q, k, v, do, lse, delta, dk, dv, self.layout, self.scale)
+        return self.launch(*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args)
 
     def bindable(self):
-        """launch.BackwardPlan takes launch_context() once when its dK/dV launch is bindable: this one
-        goes through Triton's launch path, but the step's portable preprocess and dQ bind as the
-        portable dK/dV launch would."""
-        return self.portable.bindable()
+        """launch.BackwardPlan takes launch_context() once for the step's launches when its dK/dV
+        launch is bindable: this one, or the portable preprocess and dQ beside it."""
+        return self.launch.bindable() or self.portable.bindable()
 
     def run(self, context, args):
-        return self(*args)
+        q, k, v, do, lse, delta, dk, dv = args[:8]
+        return self.launch.run(context, (*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args))
