@@ -413,16 +413,26 @@ def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen
     default, one run (benchmarks/results/2026-11-23-h100-fp8-hopper-ws-probe.md): hd128 S=16384
     937 (128x256) / 748, causal 889 (128x256) / 752; S=4096 846 (128x256) / 707, causal 662 (128x128,
     3 stages) / 605; hd256 S=16384 1098 (128x128) / 925; hd64 S=16384 551 (128x128) / 501, causal
-    508 / 478. Not taken: hd256 causal (128x64 868 / 900; 128x128 not measured), hd64 and hd256
-    under 16384 tokens and every case under 4096 (not measured); ping-pong lost everywhere (851 vs 884
-    at hd128, 482 vs 551 at hd64). FA3's FP8 tiles are 128 x 224 (hd128), 128 x 128 (hd256), 192 x 160
-    (hd64); Gluon's tiles are powers of two. The 8192 bucket follows its neighbours' wins."""
+    508 / 478. Not taken: hd64 under 16384 tokens and every case under 4096 (not measured); ping-pong
+    lost everywhere (851 vs 884 at hd128, 482 vs 551 at hd64). FA3's FP8 tiles are 128 x 224 (hd128),
+    128 x 128 (hd256), 192 x 160 (hd64); Gluon's tiles are powers of two. The 8192 bucket follows its
+    neighbours' wins.
+    hd256: 128 x 64 at 4096+ tokens, causal or not. Its q.k products sum 256 terms, which the FP8
+    tensor cores accumulate unpromoted past FlashAttention-3's accuracy bound (LSE 1.02-1.08x it), so
+    FP8 hd256 adds partial sums in fp32 every 128 products (FP8_QK_PROMOTE): in the Gluon kernel as two
+    MMAs, which at 128 x 128 need a second accumulator and spill, and in the portable kernel through
+    max_num_imprecise_acc, which serializes its MMAs. H100, the lead's run, promoted (plain) TFLOP/s,
+    module.forward: Gluon 128 x 64 S=4096 863 (868), causal 768 (770), S=16384 948 (954), causal 872
+    (891); Gluon 128 x 128 S=16384 764 (1104); portable 128 x 64 S=4096 700 (897), causal 617 (745),
+    S=16384 causal 738 (901)."""
     tile = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
     if d == 128 and seqlen >= 4096:
         if shape.causal and seqlen < 16384:
             return dict(tile, num_stages=3)
         return dict(tile, BLOCK_N=256)
-    if seqlen >= 16384 and (d == 64 or (d == 256 and not shape.causal)):
+    if d == 256 and seqlen >= 4096:
+        return dict(tile, BLOCK_N=64)
+    if seqlen >= 16384 and d == 64:
         return tile
     return None
 
