@@ -18,6 +18,8 @@ FAMILIES = ("portable", "hopper_ws")  # hopper_ws: the Gluon warp-specialized sm
 HOPPER_BLOCK_M = (64, 128)  # hopper_ws: 64 query rows per consumer warpgroup, one or two consumers
 HOPPER_BLOCK_N = (64, 128, 256)  # 256: FP8 only (check_spec): 64 x 256 S beside bf16 P and O overflows 240 registers
 HOPPER_STAGES = (2, 3, 4)
+# the hopper_ws defaults' starting point (_hopper_ws_default, _hopper_ws_fp8_default): two 64-row consumers
+HOPPER_DEFAULT_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
 HOPPER_REGS = (168, 200, 216, 232, 240)  # consumer registers per thread (setmaxnreg); the producer keeps 24
 DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
@@ -397,7 +399,7 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
         return None
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
-    tile = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
+    tile = dict(HOPPER_DEFAULT_TILE)
     if d == 128 and not shape.causal and seqlen >= 1024:  # calls of up to 512 tokens: not measured
         return dict(tile, hopper_pingpong=seqlen <= 4096)
     if d == 128 and seqlen >= 4096:
@@ -425,7 +427,7 @@ def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen
     module.forward: Gluon 128 x 64 S=4096 863 (868), causal 768 (770), S=16384 948 (954), causal 872
     (891); Gluon 128 x 128 S=16384 764 (1104); portable 128 x 64 S=4096 700 (897), causal 617 (745),
     S=16384 causal 738 (901)."""
-    tile = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
+    tile = dict(HOPPER_DEFAULT_TILE)
     if d == 128 and seqlen >= 4096:
         if shape.causal and seqlen < 16384:
             return dict(tile, num_stages=3)

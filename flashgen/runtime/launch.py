@@ -366,16 +366,16 @@ class BackwardPlan(CallPlan):
     def gradient_buffers(self, shared):
         """Uninitialized dq, dk, dv (contiguous); shared: views of one allocation where their shapes are
         equal (one allocator call instead of three: H100 host 13.5 vs 20.5 us)."""
-        device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
-        if not shared:
-            return (torch.empty(q_shape, dtype=dtype, device=device), torch.empty(k_shape, dtype=dtype, device=device),
-                    torch.empty(v_shape, dtype=dtype, device=device))
-        if q_shape == k_shape == v_shape:
-            return torch.empty((3, *q_shape), dtype=dtype, device=device).unbind(0)
-        dq = torch.empty(q_shape, dtype=dtype, device=device)
-        if k_shape == v_shape:
-            return (dq, *torch.empty((2, *k_shape), dtype=dtype, device=device).unbind(0))
-        return dq, torch.empty(k_shape, dtype=dtype, device=device), torch.empty(v_shape, dtype=dtype, device=device)
+        (q_shape, k_shape, v_shape), dtype, device = self.shapes, self.dtype, self.device
+
+        def empty(shape):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        if shared and q_shape == k_shape == v_shape:
+            return empty((3, *q_shape)).unbind(0)
+        if shared and k_shape == v_shape:
+            return (empty(q_shape), *empty((2, *k_shape)).unbind(0))
+        return empty(q_shape), empty(k_shape), empty(v_shape)
 
     def named_args(self, tensors, grads):
         """The kernels' arguments for the named tensors, and for the gradient buffers of the float ones
