@@ -315,6 +315,15 @@ def key_of(data: dict) -> str:
     return config_key(data)
 
 
+def forward_key(data: dict) -> str:
+    """A config's forward knobs only (its backward knobs come from the bucket's default and
+    do not change the forward's kernel): the replay's table key."""
+    from flashgen.config import KernelConfig
+
+    config = KernelConfig.from_dict(dict(data))
+    return json.dumps({k: getattr(config, k) for k in KernelConfig.phase_knobs("fwd")}, sort_keys=True, default=str)
+
+
 def summarize(name, doc, seeds: list[dict], timed: dict, n_trials: int, start: str) -> dict:
     """Per seed gap = chosen / fastest re-timed - 1, for what the search found and what the tune stored."""
     by_key = {key_of(t["config"]): t["ms"] for t in timed.values() if t["ms"] is not None}
@@ -361,9 +370,23 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny: checks the script, measures nothing")
     ap.add_argument("--simulate", action="store_true",
                     help="CPU: the tuner's search over the H100 space with modelled times, to count distinct configs")
+    ap.add_argument("--sweep", action="store_true",
+                    help="GPU: time every valid point of today's space (the replay's table), one file per spec")
+    ap.add_argument("--sweep-dir", type=Path, default=ROOT / "benchmarks/results/tuning")
+    ap.add_argument("--replay", nargs="+", type=Path, default=None,
+                    help="CPU: the tuner's search over these sweep files, --seeds seeds each")
+    ap.add_argument("--noise", choices=("measured", "none", "both"), default="measured",
+                    help="replay: each trial's time drawn around the sweep's (the sweep's repeat spread), exact, or both")
     args = ap.parse_args(argv)
+    args.argv = argv if argv is not None else sys.argv[1:]
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     if args.simulate:
         return simulate(args)
+    if args.sweep:
+        return sweep(args)
+    if args.replay:
+        return replay(args)
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.seeds, args.scratch_seeds, args.top, args.repeats = min(args.seeds, 2), min(args.scratch_seeds, 1), 2, 2
@@ -479,6 +502,210 @@ def report(result: dict) -> str:
                          f"{c['num_warps']}, {c['num_stages']}, {c['loop_order']}, {c.get('tma')}, "
                          f"{c.get('warp_specialize')}, {c.get('family', 'portable')} |")
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- today's exhaustive sweep (GPU)
+def _sweep_point(task):
+    """One point of the space, checked as the tuner checks it: verified as a trial verifies
+    (prepare) and on the full grid (the final round's check), then run once at the timing shape
+    so its timing finds it compiled. Returns (trial status, full-grid status, error, seconds)."""
+    import torch
+
+    from flashgen import AttentionSpec
+    from flashgen.api import AttentionKernel
+    from flashgen.config import KernelConfig
+
+    spec_dict, bucket, data = task
+    runner, start = _WORKER["runner"], time.time()
+    spec = AttentionSpec.from_dict(spec_dict)
+    work = _WORKER["works"].get(spec.key)
+    if work is None:
+        work = _WORKER["works"][spec.key] = runner.workload(spec, bucket, spec.tune.batch_tokens)
+    try:
+        config = KernelConfig.from_dict(data)
+        kernel = AttentionKernel(spec, config)
+        trial = runner.prepare(kernel, config, "fwd", work)
+        full = runner.prepare(kernel, config, "fwd", work, full=True) if trial.status == "ok" else trial
+        if full.status == "ok" or trial.status == "ok":
+            q, k, v, _ = work.tensors
+            runner.forward(kernel, config, q, k, v, work.named)
+            if runner.device == "cuda":
+                torch.cuda.synchronize()
+        return trial.status, full.status, trial.error or full.error, time.time() - start
+    except Exception as err:  # noqa: BLE001 - recorded as the point's status
+        return "error", "error", f"{type(err).__name__}: {err}"[:300], time.time() - start
+
+
+def sweep(args):
+    """Every valid point of each spec's forward space at its bucket: checked in --jobs processes,
+    then timed one at a time in this process (one do_bench median each), the fastest --top again
+    in --repeats interleaved rounds. Writes one sweep file per spec (the replay's table)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import optuna
+
+    from flashgen.api import AttentionKernel
+    from flashgen.bench import environment
+    from flashgen.config import KernelConfig, default_config
+    from flashgen.db import TrialRecord
+    from flashgen.tuner import GpuRunner, InterpretRunner
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    runner, started = InterpretRunner() if args.smoke else GpuRunner(), time.time()
+    for n in [n for n in args.specs.split(",") if n]:
+        doc = load_sweep(n)
+        spec = bench_spec(n, doc, args.smoke)
+        bucket = 64 if args.smoke else doc["bucket"]
+        if args.smoke:
+            spec = spec.replace(tune=dict(spec.tune.to_dict(), seqlens=[bucket], batch_tokens=128))
+        base = default_config(spec, target="cpu" if args.smoke else None, seqlen=bucket)
+        points = space_points(spec, runner, base, [])[:4 if args.smoke else None]
+        out = dict(what="Exhaustive sweep of today's forward space (issue 16's search-quality table)",
+                   command=" ".join([sys.argv[0], *(args.argv or [])]), environment=environment(),
+                   timing_label=runner.timing_label, spec=spec.to_dict(), spec_key=spec.key, bucket=bucket,
+                   phase="fwd", default=base.to_dict(), records=[])
+        gpu = runner.env.gpu.split()[1].lower() if len(runner.env.gpu.split()) > 1 else "cpu"
+        path = args.sweep_dir / f"{time.strftime('%Y-%m-%d')}-{gpu}-sweep-{n}-fwd{bucket}.json"
+        t0 = time.time()
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                                 initargs=(args.smoke,)) as pool:
+            checked = list(pool.map(_sweep_point, [(spec.to_dict(), bucket, p) for p in points]))
+        out["check_wall_s"] = round(time.time() - t0, 1)
+        print(f"{n}: {len(points)} points checked in {out['check_wall_s']} s", flush=True)
+        work = runner.workload(spec, bucket, spec.tune.batch_tokens)
+        kernel = AttentionKernel(spec, base)
+        t0 = time.time()
+        for data, (status, status_full, error, seconds) in zip(points, checked):
+            config = KernelConfig.from_dict(data)
+            rec = dict(config=config.to_dict(), status=status, status_full=status_full, error=error,
+                       check_s=round(seconds, 2), ms=None, rounds=[])
+            if status == "ok":
+                timed = runner.measure(kernel, config, "fwd", work, TrialRecord(bucket, "fwd", config.to_dict(), "ok"))
+                rec["status"], rec["error"] = timed.status, timed.error
+                if timed.status == "ok":
+                    rec["rounds"] = [timed.ms]
+            out["records"].append(rec)
+        ranked = sorted((r for r in out["records"] if r["rounds"]), key=lambda r: r["rounds"][0])[:args.top]
+        for _ in range(args.repeats):  # the fastest again, interleaved: the table's best is not one noisy reading
+            for r in ranked:
+                config = KernelConfig.from_dict(r["config"])
+                timed = runner.measure(kernel, config, "fwd", work, TrialRecord(bucket, "fwd", r["config"], "ok"))
+                if timed.status == "ok":
+                    r["rounds"].append(timed.ms)
+        for r in out["records"]:
+            r["ms"] = statistics.median(r["rounds"]) if r["rounds"] else None
+        out["timing_wall_s"] = round(time.time() - t0, 1)
+        ok = sorted((r for r in out["records"] if r["ms"] is not None), key=lambda r: r["ms"])
+        spread = [statistics.pstdev(r["rounds"]) / statistics.mean(r["rounds"]) for r in ranked if len(r["rounds"]) > 1]
+        out["summary"] = dict(points=len(points), timed=len(ok), best_ms=ok[0]["ms"] if ok else None,
+                              best=ok[0]["config"] if ok else None,
+                              statuses={s: sum(r["status"] == s for r in out["records"]) for s in
+                                        sorted({r["status"] for r in out["records"]})},
+                              full_failures=sum(r["status"] == "ok" and r["status_full"] != "ok"
+                                                for r in out["records"]),
+                              repeat_rel_stdev_median=statistics.median(spread) if spread else None)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1, default=str))
+        print(n, json.dumps(out["summary"]), f"timing {out['timing_wall_s']} s -> {path}", flush=True)
+        if time.time() - started > args.budget_s:
+            print("budget spent: the remaining specs are left out", flush=True)
+            break
+
+
+# ----------------------------------------------------------------------------- the replay (CPU)
+def replay(args):
+    """The tuner's own search (flashgen.tuner.tune: sampler, warm starts from tuning_db/, trial
+    verification, final round on the full grid; `--no-default`) run on the CPU against a GPU
+    sweep's table: a trial's status and time are the sweep's for that point (optionally with
+    the sweep's measured repeat noise). Gap = chosen point's sweep time / the sweep's best - 1."""
+    import random as random_module
+
+    import optuna
+
+    from flashgen import AttentionSpec
+    from flashgen.db import EnvInfo, ResultStore, TrialRecord
+    from flashgen.space import DeviceLimits
+    from flashgen.tuner import GpuRunner, TuneOptions, Workload, tune
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+
+    class ReplayRunner(GpuRunner):
+        """A GpuRunner whose kernels are the sweep's records: nothing is compiled or run."""
+
+        def __init__(self, doc, noise: float, seed: int):
+            super().__init__()
+            env = doc["environment"]
+            self.table = {forward_key(r["config"]): r for r in doc["records"]}
+            self.env = EnvInfo(gpu=env["gpu"], capability=env["capability"], sm_count=env["sm_count"],
+                               memory_gib=env["memory_gib"], torch=env["torch"], triton=env["triton"],
+                               cuda=env.get("cuda"), flashgen="", templates="")
+            self.limits = DeviceLimits(env["gpu"], 232448.0, hopper=env["capability"] == "9.0")
+            self.noise, self.rng, self.missing = noise, random_module.Random(seed), 0
+
+        def workload(self, spec, bucket, batch_tokens):
+            return Workload(bucket, 1, bucket, (), {}, 1)
+
+        def evaluate(self, kernel, config, phase, work, *, timeout_s=60.0, full=False):
+            d = config.to_dict()
+            r = self.table.get(forward_key(d))
+            if r is None:  # not a point of the swept space (its status is unknown): counted, never chosen
+                self.missing += 1
+                return TrialRecord(work.bucket, phase, d, "error", error="not in the sweep")
+            status = r["status_full"] if full and r["status"] == "ok" else r["status"]
+            if status != "ok" or r["ms"] is None:
+                return TrialRecord(work.bucket, phase, d, status if status != "ok" else "error", error=r["error"])
+            ms = r["ms"] * (1.0 + self.rng.gauss(0.0, self.noise)) if self.noise else r["ms"]
+            return TrialRecord(work.bucket, phase, d, "ok", ms=ms, tflops=1.0)
+
+    result = dict(what=replay.__doc__.split("\n\n")[0].replace("\n", " "),
+                  command=" ".join([sys.argv[0], *(args.argv or [])]), rows=[])
+    for path in args.replay:
+        doc = json.loads(Path(path).read_text())
+        spec = AttentionSpec.from_dict(doc["spec"])
+        timed = {forward_key(r["config"]): r["ms"] for r in doc["records"] if r["ms"] is not None and r["status_full"] == "ok"}
+        best = min(timed.values())
+        valid = sum(r["status"] == "ok" for r in doc["records"])
+        n_trials = max(1, int(valid * args.fraction))  # at most the fraction
+        noise = doc["summary"]["repeat_rel_stdev_median"] or 0.0
+        for start, count in (("warm", args.seeds), ("scratch", args.scratch_seeds)):
+            for sigma in {"measured": (noise,), "none": (0.0,), "both": (0.0, noise)}[args.noise]:
+                gaps, trials, missing = [], [], 0
+                with tempfile.TemporaryDirectory(dir=SCRATCH) as tmp, no_warm_starts(start == "scratch"):
+                    for seed in range(count):
+                        runner = ReplayRunner(doc, sigma, seed)
+                        store = ResultStore(f"sqlite:///{tmp}/{start}-{sigma}-{seed}.sqlite")
+                        (res,) = tune(spec, runner, store, TuneOptions(trials=n_trials, seed=seed, phases=("fwd",),
+                                                                        enqueue_default=False))
+                        study = store.open_study(spec, runner.env, res.bucket, "fwd")
+                        trials.append(sum(1 for t in study.trials if "record" in t.user_attrs
+                                          and not t.user_attrs.get("final")
+                                          and t.user_attrs["record"]["status"] != "restricted"))
+                        store.close()
+                        found = timed.get(forward_key(res.found.config)) if res.found else None
+                        gaps.append(found / best - 1 if found else float("inf"))
+                        missing += runner.missing
+                row = dict(spec=doc["spec"]["name"], sweep=str(path), bucket=doc["bucket"], start=start,
+                           noise=round(sigma, 4), seeds=count, valid_points=valid, trials=n_trials,
+                           trials_fraction=round(n_trials / valid, 3), trials_run_median=statistics.median(trials),
+                           best_ms=best, median_gap=statistics.median(gaps), worst_gap=max(gaps),
+                           within_2pct=sum(g <= WITHIN for g in gaps), gaps=[round(g, 5) for g in gaps],
+                           missing_points=missing)
+                result["rows"].append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "gaps"}), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+        lines = ["# Search quality: the tuner's search replayed on today's exhaustive H100 sweeps", "",
+                 result["what"], "", f"Command: `{result['command']}`", "",
+                 "| spec | start | noise | seeds | trials (of valid points) | median gap | worst | within 2% |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for r in result["rows"]:
+            lines.append(f"| {r['spec']} | {r['start']} | {r['noise']:.2%} | {r['seeds']} | {r['trials']} of "
+                         f"{r['valid_points']} ({r['trials_fraction']:.0%}) | {r['median_gap']:.2%} | "
+                         f"{r['worst_gap']:.2%} | {r['within_2pct']}/{r['seeds']} |")
+        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return result
 
 
 # ----------------------------------------------------------------------------- CPU estimate
