@@ -397,6 +397,8 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
 
     if spec_unserved(spec) is not None or shape.narrow(seqlen):
         return None
+    if spec.mask is not None:
+        return _hopper_ws_masked_default(spec, d, shape, seqlen)
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
     tile = dict(HOPPER_DEFAULT_TILE)
@@ -406,6 +408,13 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
         return dict(tile, num_stages=3)
     if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):
         return tile
+    return None
+
+
+def _hopper_ws_masked_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
+    """The Gluon forward for a spec with a mask pattern (documents, prefix-LM, windows, chunks) where
+    the H100 measured it faster than the portable default on the user path, else None: not measured
+    yet, so None (benchmarks/results/2026-11-23-h100-hopper-masks.md)."""
     return None
 
 

@@ -121,6 +121,17 @@ def main(only=()) -> int:
                       hopper_regs=232)),
         ("hopper_ws hd128, ping-pong", dict(head_dim=128, num_heads=4),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
+        # the Gluon forward with a mask pattern (templates/hopper/masks.j2): causal documents (binary
+        # searches, a named tensor) on two consumers; prefix-LM with per-batch lengths under ping-pong;
+        # chunks and-ed with a window (floor division) on one consumer with the pipelined Q K^T
+        ("hopper_ws masked documents gqa, 2 consumers", dict(head_dim=128, num_heads=8, num_kv_heads=2,
+                                                             mask={"document": {"ids": "doc"}}),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")),
+        ("hopper_ws masked prefix-LM lengths, ping-pong", dict(head_dim=128, num_heads=4, mask={"prefix_lm": "plen"}),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
+        ("hopper_ws masked chunks and window hd64, 1 consumer, overlap",
+         dict(head_dim=64, num_heads=4, mask={"and": [{"chunked": 96}, {"sliding_window": {"left": 40}}]}),
+         KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, family="hopper_ws", hopper_overlap=True)),
         # the Gluon dK/dV kernel (hopper_bwd): causal GQA hd128 (64-row query tiles) under the Gluon
         # forward; hd64 (128-row query tiles) under the portable forward
         ("hopper_bwd gqa causal hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
@@ -165,7 +176,8 @@ def main(only=()) -> int:
         h, hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q = torch.randn(2, h, seqlen, d).to(spec.torch_dtype)
         k = torch.randn(2, hk, seqlen, d).to(spec.torch_dtype)
-        tensors = {"doc": torch.zeros(2, 300, dtype=torch.int32)} if "doc" in module.TENSORS else {}
+        tensors = {name: t for name, t in (("doc", torch.zeros(2, 300, dtype=torch.int32)),
+                                           ("plen", torch.full((2,), 70, dtype=torch.int32))) if name in module.TENSORS}
         kw = dict(tensors=tensors)
         if varlen:  # packed (tokens, heads, dim): two sequences of 300
             q, k = q.transpose(1, 2).reshape(600, h, d), k.transpose(1, 2).reshape(600, hk, d)
