@@ -51,7 +51,7 @@ def test_fp8_is_served_by_the_forward_only():
     (dict(dtype="bf16", head_dim=96), "head_dim 96"),
     (dict(dtype="bf16", head_dim=256), "head_dim 256"),
     (dict(dtype="bf16", head_dim=128, head_dim_v=64), "head_dim_v 64"),
-    (dict(dtype="bf16", head_dim=64, mask={"sliding_window": {"left": 128}}), "mask"),
+    (dict(dtype="bf16", head_dim=64, mask={"sink": {"tokens": 4, "window": 128}}), "mask: pattern 'sink'"),
     (dict(dtype="bf16", head_dim=64, score_mod={"softcap": 30.0}), "score modifier"),
     (dict(dtype="bf16", head_dim=64, dropout_p=0.1), "dropout_p 0.1"),
     (dict(dtype="bf16", head_dim=64, target="a100"), "target 'a100'"),
@@ -132,7 +132,7 @@ def test_256_key_blocks_are_for_fp8_only():
 
 
 def test_unserved_spec_is_a_config_error_naming_the_family():
-    spec = AttentionSpec(dtype="bf16", head_dim=64, mask={"sliding_window": {"left": 128}})
+    spec = AttentionSpec(dtype="bf16", head_dim=64, mask={"sink": {"tokens": 4, "window": 128}})
     with pytest.raises(ConfigError, match="'family'.*mask"):
         render(spec, KernelConfig(**HOPPER))
     render(spec, KernelConfig(**dict(HOPPER, family="portable")))  # the portable family serves it
