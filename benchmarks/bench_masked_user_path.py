@@ -299,11 +299,16 @@ HOPPER_VARIANTS = {  # name -> forward knobs over the default config (its backwa
 
 
 def hopper_providers(x: Inputs, variants):
-    """(source, callable, description, kernel or None): the default, each Gluon variant, Flex."""
+    """(source, callable, description, kernel or None): the default, the portable family's default
+    where the default is the Gluon forward ("portable", what users got before), each Gluon
+    variant, Flex."""
     seqlen = x.q.shape[2]
     default = flashgen.compile(x.spec)
     base = default.config_for(seqlen)
     out = [("default", lambda q, k, v: default(q, k, v, **x.tensors), str(base), default)]
+    if base.family == "hopper_ws":
+        before = flashgen.compile(x.spec, flashgen.default_config(x.spec, seqlen=seqlen, hopper_ws=False))
+        out.append(("portable", lambda q, k, v: before(q, k, v, **x.tensors), str(before.config_for(seqlen)), before))
     for name in variants:
         cfg = base.replace(**HOPPER_VARIANTS[name])
         kernel = flashgen.compile(x.spec, cfg)

@@ -412,9 +412,20 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
 
 
 def _hopper_ws_masked_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
-    """The Gluon forward for a spec with a mask pattern (documents, prefix-LM, windows, chunks) where
-    the H100 measured it faster than the portable default on the user path, else None: not measured
-    yet, so None (benchmarks/results/2026-11-23-h100-hopper-masks.md)."""
+    """The Gluon forward for a spec with a mask pattern where the H100 measured it faster than the
+    portable default on the user path (eager forward), else None. H100 bf16 hd128, 16 heads, 16384
+    tokens, TFLOP/s Gluon 128x128 3 stages / portable default (benchmarks/results/2026-11-23-h100-
+    hopper-masks.md, run 1): prefix-LM 512 S=4096 516 / 466, S=16384 548 / 532 (ping-pong 566); 4
+    causal documents S=16384 478 / 460, 16 documents 278 / 279 (ping-pong 283). Not taken (slower):
+    documents at S=4096 (4: 278-292 / 304, 16: 100-113 / 139), chunks of 1024 (291-308 / 341-343),
+    window 256 (168-196 / 218-222): bands and short documents give each tile a few key blocks,
+    where the partitions' set-up is not paid back, as for plain causal S=1024. Unmeasured (hd64,
+    non-causal documents, calls under 4096 tokens) keeps the portable default; prefix-LM's 8192
+    bucket follows its neighbours, as the unmasked defaults' do."""
+    if d != 128 or shape.band is not None or not shape.causal:
+        return None
+    if (shape.documents and seqlen >= 16384) or (not shape.documents and seqlen >= 4096):
+        return dict(HOPPER_DEFAULT_TILE, num_stages=3)
     return None
 
 
