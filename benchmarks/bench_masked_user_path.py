@@ -228,6 +228,15 @@ def _warm_case(name: str, seqlen: int) -> None:
                 step(attn, x, mode)()
 
 
+def warm_then_ready(args, jobs) -> None:
+    """Warm the compiles of the jobs (said line by line), then make the output folder."""
+    t0 = time.time()
+    for line in warm_up(jobs, 1 if args.dry else args.workers):
+        print("warm", line, flush=True)
+    print(f"warm-up {time.time() - t0:.0f}s", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+
 def warm_up(jobs, workers: int) -> list[str]:
     """Run jobs [(picklable fn, args)] in `workers` processes (spawned: each its own CUDA context)."""
     if workers <= 1 or not jobs:
@@ -253,16 +262,19 @@ def measure(attn, x: Inputs, mode: str, ref: SliceReference, flops: float, what:
         return {"config": what, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
+def measured_modes(x: Inputs, provs, modes):
+    """Per mode: (mode, {source: measure(...)}) of each provider (source, callable, description, ...),
+    checked on a slice of the reference first."""
+    ref = SliceReference(x)
+    for mode in modes:
+        flops = pairs_flops(x.pairs, x.spec.head_dim, mode=mode)
+        yield mode, {source: measure(attn, x, mode, ref, flops, what) for source, attn, what, *_ in provs}
+
+
 def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> list[dict]:
     x = make_inputs(case, seqlen)
-    ref = SliceReference(x)
     rows = []
-    provs = providers(x, with_load)
-    for mode in modes:
-        flops = pairs_flops(x.pairs, case.head_dim, mode=mode)
-        measured = {}
-        for source, attn, what in provs:
-            measured[source] = measure(attn, x, mode, ref, flops, what)
+    for mode, measured in measured_modes(x, providers(x, with_load), modes):
         flex = measured.get("flex", {})
         for source in ("default", "load"):
             ours = measured.get(source)
@@ -328,12 +340,9 @@ def _gluon_path(kernel, seqlen) -> bool | None:
 
 def run_hopper_case(case: Case, seqlen: int, modes=("fwd",), variants=tuple(HOPPER_VARIANTS)) -> list[dict]:
     x = make_inputs(case, seqlen)
-    ref = SliceReference(x)
     rows = []
     provs = hopper_providers(x, variants)
-    for mode in modes:
-        flops = pairs_flops(x.pairs, case.head_dim, mode=mode)
-        measured = {source: measure(attn, x, mode, ref, flops, what) for source, attn, what, _ in provs}
+    for mode, measured in measured_modes(x, provs, modes):
         flex, default = measured["flex"], measured["default"]
         for source, _, _, kernel in provs:
             got = measured[source]
@@ -358,9 +367,9 @@ def _warm_hopper(name: str, seqlen: int, modes, variants) -> None:
 
 
 def hopper_markdown(rows, env) -> str:
-    lines = [f"# Masked forward on the Gluon warp-specialized family vs today's default and FlexAttention "
-             f"({env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, {env['date']})", "",
-             f"{DTYPE}, {HEADS} heads, {TOKENS} tokens per batch, hd128; TFLOP/s over visible pairs; eager do_bench "
+    lines = [title("Masked forward on the Gluon warp-specialized family vs today's default and FlexAttention", env),
+             "", f"{DTYPE}, {HEADS} heads, {TOKENS} tokens per batch, hd128; TFLOP/s over visible pairs; eager do_bench"
+             " "
              "medians of the user call (flashgen.compile(spec, config)(q, k, v, **tensors); host time included); "
              "gpu ms = CUDA-graph replay. default = today's default config (portable for masks); hw_* = the Gluon "
              "forward with the default's backward. Every row was checked on a slice before it was timed.", "",
@@ -380,12 +389,7 @@ def hopper_main(args, env, gpu) -> None:
     variants = args.hopper or list(HOPPER_VARIANTS)
     names = [c for c in args.cases if c in HOPPER_CASES] if args.cases != [c.name for c in CASES] else HOPPER_CASES
     todo = [(c, s) for c in CASES if c.name in names for s in (args.seqlens or c.seqlens)]
-    jobs = [(_warm_hopper, (c.name, s, tuple(args.modes), tuple(variants))) for c, s in todo]
-    t0 = time.time()
-    for line in warm_up(jobs, 1 if args.dry else args.workers):
-        print("warm", line, flush=True)
-    print(f"warm-up {time.time() - t0:.0f}s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    warm_then_ready(args, [(_warm_hopper, (c.name, s, tuple(args.modes), tuple(variants))) for c, s in todo])
     stem = args.out / f"{env['date']}-{gpu}-hopper-masks"
     rows = []
     for case, seqlen in todo:
@@ -501,9 +505,13 @@ def example_markdown(rows) -> list[str]:
     return lines
 
 
+def title(what: str, env) -> str:
+    """A results file's first line: what, on which GPU and versions, when."""
+    return f"# {what} ({env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, {env['date']})"
+
+
 def markdown(rows, env) -> str:
-    lines = [f"# What a user gets: masked attention and short causal, flashgen vs FlexAttention "
-             f"({env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, {env['date']})", "",
+    lines = [title("What a user gets: masked attention and short causal, flashgen vs FlexAttention", env), "",
              f"{DTYPE}, {HEADS} heads, {TOKENS} tokens per batch; TFLOP/s over visible pairs; eager do_bench medians "
              "(host time included); gpu = the same call replayed from a CUDA graph. default = untuned "
              "(flashgen.compile / flashgen.attention without a tuned result); load = flashgen.load (shipped "
@@ -558,13 +566,8 @@ def main():
     examples = [] if args.no_load else example_paths(args.examples)
     # the example specs between the short cases and the 16384-token ones
     todo = [t for t in todo if t[1] <= 4096] + examples + [t for t in todo if t[1] > 4096]
-    t0 = time.time()
-    jobs = [(_warm_example, (str(t),)) if isinstance(t, Path) else (_warm_case, (t[0].name, t[1]))
-            for t in todo]
-    for line in warm_up(jobs, 1 if args.dry else args.workers):
-        print("warm", line, flush=True)
-    print(f"warm-up {time.time() - t0:.0f}s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    warm_then_ready(args, [(_warm_example, (str(t),)) if isinstance(t, Path) else (_warm_case, (t[0].name, t[1]))
+                           for t in todo])
     stem = args.out / f"{env['date']}-{gpu}-masked-user-path"
     rows = []
     for item in todo:

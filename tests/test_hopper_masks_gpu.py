@@ -15,13 +15,10 @@ from flashgen.runtime.hopper import HopperPlan
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
 from .helpers import make_qkv, poisoned_outputs
+from .test_hopper_ws_gpu import BASE, sm90  # the unmasked family's tests: its base config, the sm90 skip
 
 pytestmark = pytest.mark.gpu
 
-sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="needs an sm90 GPU (H100/H200)")
-
-BASE = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2)
 KNOBS = {"base": {}, "pingpong": dict(hopper_pingpong=True), "overlap": dict(hopper_overlap=True),
          "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s3": dict(BLOCK_N=64, num_stages=3)}
 MASKS = {  # name -> (mask, spec causal, seqlen_q == seqlen_k needed)

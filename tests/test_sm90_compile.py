@@ -68,7 +68,7 @@ def test_kernels_compile_for_sm90(tmp_path):
         assert any(entry.startswith(line) for entry in lines), (line, proc.stdout)
     # the Gluon forward with mask patterns (documents' searches, per-batch prefix lengths, floor
     # division; two consumers, ping-pong, one consumer with overlap): the masked call takes it
-    for line in ("ok hopper_ws masked documents gqa, 2 consumers forward: _attn_fwd_hopper_ws: 12 warps",
-                 "ok hopper_ws masked prefix-LM lengths, ping-pong forward: _attn_fwd_hopper_ws: 12 warps",
-                 "ok hopper_ws masked chunks and window hd64, 1 consumer, overlap forward: _attn_fwd_hopper_ws: 8 warps"):
+    for case, warps in (("documents gqa, 2 consumers", 12), ("prefix-LM lengths, ping-pong", 12),
+                        ("chunks and window hd64, 1 consumer, overlap", 8)):
+        line = f"ok hopper_ws masked {case} forward: _attn_fwd_hopper_ws: {warps} warps"
         assert any(entry.startswith(line) for entry in lines), (line, proc.stdout)

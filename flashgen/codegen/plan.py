@@ -145,8 +145,9 @@ def _near_search(code: str, edge_searches: dict, searches: dict, lang=TRITON) ->
         first, last = sorted((edge.name, other.name), key=EDGE_ORDER.get)
         base = (f"{tensor_pointer(t)} + {h}clamp({triton_expr(batch, BLOCK_EDGE_NAMES, dialect=lang)}, "
                 f"{tensor_size(t, 0)}) * {tensor_stride(t, 0)}")
-        return (f"{h}search_near({base}, {tensor_stride(t, 1)}, {triton_expr(node.value, BLOCK_EDGE_NAMES, dialect=lang)}, "
-                f"{triton_expr(known.value, BLOCK_EDGE_NAMES, dialect=lang)}, {name}, {h}clamp({first}, {size}) + 1, "
+        value, known_value = (triton_expr(x.value, BLOCK_EDGE_NAMES, dialect=lang) for x in (node, known))
+        return (f"{h}search_near({base}, {tensor_stride(t, 1)}, {value}, {known_value}, {name}, "
+                f"{h}clamp({first}, {size}) + 1, "
                 f"{h}clamp({last}, {size}) + 1, RIGHT={node.right})")
     return None
 

@@ -93,8 +93,9 @@ def written_terms(node) -> int:
 
 def _element_offset(node: Load, names, hoist, dialect: Dialect) -> str:
     """The clamped element offset of a tensor load: sum of clamp(index_d) * stride_d."""
-    return " + ".join(f"{dialect.helper}clamp({triton_expr(i, names, hoist, dialect)}, {tensor_size(node.tensor, d)}) * "
-                      f"{tensor_stride(node.tensor, d)}" for d, i in enumerate(node.index))
+    t = node.tensor
+    return " + ".join(f"{dialect.helper}clamp({triton_expr(i, names, hoist, dialect)}, {tensor_size(t, d)}) * "
+                      f"{tensor_stride(t, d)}" for d, i in enumerate(node.index))
 
 
 def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | None = None,

@@ -254,5 +254,6 @@ class HopperPlan:
             lse = torch.empty(base.lse_shape, dtype=torch.float32, device=base.device)
         # a mask's named tensors (document ids, ...) after the scalars, as the portable forward takes them
         extra = base.launcher.tensor_args(base.launcher.tensor_views(tensors)) if base.named else ()
-        self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *extra, *fp8_args)  # FP8: descales and their strides
+        # FP8: the descales and their strides last
+        self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *extra, *fp8_args)
         return out, lse
