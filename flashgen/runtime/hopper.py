@@ -7,6 +7,10 @@ asks ``hopper_forward.plan(...)`` first: a call the family cannot serve (see ``c
 runs the portable forward instead. What a *spec* needs for the family is ``spec_unserved``: the
 config check (config.KernelConfig.check_family), the tuner's space and the defaults all ask it.
 
+Mask patterns whose key range is one segment (mask_unserved: documents, prefix-LM, windows, chunks,
+and-ed) take the same kernel with the mask hooks of templates/hopper/masks.j2; their named tensors
+(document ids, prefix lengths) follow the scalars in the launch, as in the portable forward's.
+
 FP8 e4m3 specs (forward only) take the same kernel with FP8 operands: V is read seq-contiguous
 through transposed_descriptor (the launcher's FP8 path already makes that copy of V), the (batch, KV
 head) descales are the launch's last arguments; a call whose V^T strides the copy engine cannot take
