@@ -207,20 +207,14 @@ def test_block_ranges_hold_exactly_what_each_consumer_sees(mask, causal, seqlen_
 def test_a_standalone_masked_module_imports_and_falls_back(tmp_path):
     # `flashgen generate` files need only torch and triton: the masked Gluon kernel and hopper.py's
     # mask rule come pasted in; on the CPU the call runs the portable forward, with the same tensors
-    import importlib.util
-    import re
-
     from flashgen.verify import assert_attention_close
 
+    from .test_hopper_ws import standalone_module
+
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, mask=DOCS)
-    source = render(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)))
-    assert not re.search(r"^\s*(from|import) flashgen", source, re.M) and "def _hw_visible(" in source
-    path = tmp_path / "standalone_hopper_masks.py"
-    path.write_text(source)
-    module_spec = importlib.util.spec_from_file_location("standalone_hopper_masks", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    assert module._LAUNCHER.hopper_forward.spec_reason is None  # the module's SPEC dict is served
+    module = standalone_module(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)),
+                               tmp_path / "standalone_hopper_masks.py")
+    assert module._LAUNCHER.hopper_forward.spec_reason is None and hasattr(module, "_hw_visible")
     q, k, v = make_qkv(1, 4, 2, 40, 40, 64, dtype=torch.float16, device="cpu")
     doc = torch.tensor([[0] * 7 + [1] * 30 + [2] * 3], dtype=torch.int32)
     out, lse = module.forward(q, k, v, tensors={"doc": doc})

@@ -294,20 +294,27 @@ def test_fp8_defaults_take_the_family_where_it_measured_faster():
     assert config(128, False, 16384, dtype="fp8_e5m2")[0] == config(128, False, 16384, target="a100")[0] == "portable"
 
 
-def test_standalone_module_carries_the_family_host_side(tmp_path):
-    # `flashgen generate` files need only torch and triton: runtime/hopper.py is pasted in, and its
-    # names leave host.py's (LAYOUTS, ...) and the kernels' constants (RCP_LN2, ...) as they were
+def standalone_module(spec, config, path):
+    """The standalone module `flashgen generate` writes for (spec, config), written to path and imported;
+    it must import nothing from flashgen."""
     import importlib.util
     import re
 
-    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
-    source = render(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)))
+    source = render(spec, config)
     assert not re.search(r"^\s*(from|import) flashgen", source, re.M) and "class HopperForward" in source
-    path = tmp_path / "standalone_hopper_ws.py"
     path.write_text(source)
-    module_spec = importlib.util.spec_from_file_location("standalone_hopper_ws", path)
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
+    return module
+
+
+def test_standalone_module_carries_the_family_host_side(tmp_path):
+    # `flashgen generate` files need only torch and triton: runtime/hopper.py is pasted in, and its
+    # names leave host.py's (LAYOUTS, ...) and the kernels' constants (RCP_LN2, ...) as they were
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
+    module = standalone_module(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)),
+                               tmp_path / "standalone_hopper_ws.py")
     assert module.LAYOUTS == ("bhsd", "bshd", "thd") and isinstance(module._LAUNCHER.hopper_forward,
                                                                      module.HopperForward)
     q, k, v = make_qkv(1, 4, 2, 33, 47, 64, dtype=torch.float16, device="cpu")
