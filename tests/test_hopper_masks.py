@@ -170,8 +170,8 @@ def _helpers_on_cpu(module):
     ({"prefix_lm": 90}, False),
     ({"and": [{"chunked": 96}, {"sliding_window": {"left": 40}}]}, True),
 ])
-@pytest.mark.parametrize("seqlen_q, seqlen_k", [(300, 300), (129, 333), (333, 75)])
-@pytest.mark.parametrize("block_m, block_n", [(128, 128), (64, 64)])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, block_m, block_n", [(300, 300, 128, 128), (129, 333, 64, 64),
+                                                                  (333, 75, 128, 64)])
 def test_block_ranges_hold_exactly_what_each_consumer_sees(mask, causal, seqlen_q, seqlen_k, block_m, block_n):
     spec = AttentionSpec(dtype="fp16", head_dim=64, mask=mask, causal=causal)
     module = flashgen.compile(spec, KernelConfig(**dict(HOPPER, BLOCK_M=block_m, BLOCK_N=block_n))).module()
