@@ -19,9 +19,12 @@ the on-disk caches (Triton's, inductor's); the timed process then loads them.
 
 - ``example:<spec>`` rows: ``flashgen.load`` of every example spec with tuned results against its
   default, at each bucket it is tuned for (run_example).
+- ``--hopper``: the Gluon warp-specialized forward (family hopper_ws) on the masked cases, each
+  variant of HOPPER_VARIANTS given as the config (the default's backward kept) beside the default
+  and Flex, same process, same inputs (run_hopper_case; <date>-<gpu>-hopper-masks.{json,md}).
 
     PYTHONPATH=. python3 benchmarks/bench_masked_user_path.py [--quick] [--out benchmarks/results]
-        [--gpu-name h200] [--examples NAME ...]
+        [--gpu-name h200] [--examples NAME ...] [--hopper [VARIANT ...]]
 """
 
 from __future__ import annotations
@@ -225,6 +228,15 @@ def _warm_case(name: str, seqlen: int) -> None:
                 step(attn, x, mode)()
 
 
+def warm_then_ready(args, jobs) -> None:
+    """Warm the compiles of the jobs (said line by line), then make the output folder."""
+    t0 = time.time()
+    for line in warm_up(jobs, 1 if args.dry else args.workers):
+        print("warm", line, flush=True)
+    print(f"warm-up {time.time() - t0:.0f}s", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+
 def warm_up(jobs, workers: int) -> list[str]:
     """Run jobs [(picklable fn, args)] in `workers` processes (spawned: each its own CUDA context)."""
     if workers <= 1 or not jobs:
@@ -250,16 +262,19 @@ def measure(attn, x: Inputs, mode: str, ref: SliceReference, flops: float, what:
         return {"config": what, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
+def measured_modes(x: Inputs, provs, modes):
+    """Per mode: (mode, {source: measure(...)}) of each provider (source, callable, description, ...),
+    checked on a slice of the reference first."""
+    ref = SliceReference(x)
+    for mode in modes:
+        flops = pairs_flops(x.pairs, x.spec.head_dim, mode=mode)
+        yield mode, {source: measure(attn, x, mode, ref, flops, what) for source, attn, what, *_ in provs}
+
+
 def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> list[dict]:
     x = make_inputs(case, seqlen)
-    ref = SliceReference(x)
     rows = []
-    provs = providers(x, with_load)
-    for mode in modes:
-        flops = pairs_flops(x.pairs, case.head_dim, mode=mode)
-        measured = {}
-        for source, attn, what in provs:
-            measured[source] = measure(attn, x, mode, ref, flops, what)
+    for mode, measured in measured_modes(x, providers(x, with_load), modes):
         flex = measured.get("flex", {})
         for source in ("default", "load"):
             ours = measured.get(source)
@@ -282,6 +297,111 @@ def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> li
                     row["gpu_ratio_vs_flex"] = flex["gpu_ms"] / ours["gpu_ms"]
             rows.append(row)
     return rows
+
+
+# ----------------------------------------------------------------------------- the Gluon forward on masks
+HOPPER_CASES = ("document_4", "document_16", "prefix_lm_512", "sliding_window_256", "chunked_1024")
+_GLUON = dict(family="hopper_ws", BLOCK_M=128, num_warps=4, tma=False, warp_specialize=False)
+HOPPER_VARIANTS = {  # name -> forward knobs over the default config (its backward kept)
+    "hw_n128_s2": dict(_GLUON, BLOCK_N=128, num_stages=2),
+    "hw_n128_s3": dict(_GLUON, BLOCK_N=128, num_stages=3),
+    "hw_pingpong": dict(_GLUON, BLOCK_N=128, num_stages=2, hopper_pingpong=True),
+    "hw_n64_s3": dict(_GLUON, BLOCK_N=64, num_stages=3),
+}
+
+
+def hopper_providers(x: Inputs, variants):
+    """(source, callable, description, kernel or None): the default, the portable family's default
+    where the default is the Gluon forward ("portable", what users got before), each Gluon
+    variant, Flex."""
+    seqlen = x.q.shape[2]
+    default = flashgen.compile(x.spec)
+    base = default.config_for(seqlen)
+    out = [("default", lambda q, k, v: default(q, k, v, **x.tensors), str(base), default)]
+    if base.family == "hopper_ws":
+        before = flashgen.compile(x.spec, flashgen.default_config(x.spec, seqlen=seqlen, hopper_ws=False))
+        out.append(("portable", lambda q, k, v: before(q, k, v, **x.tensors), str(before.config_for(seqlen)), before))
+    for name in variants:
+        cfg = base.replace(**HOPPER_VARIANTS[name])
+        kernel = flashgen.compile(x.spec, cfg)
+        out.append((name, lambda q, k, v, kernel=kernel: kernel(q, k, v, **x.tensors), str(cfg), kernel))
+    out.append(("flex", flex_mods(x.spec, x.q, x.k, x.tensors), "FlexAttention, compiled, block mask", None))
+    return out
+
+
+def _gluon_path(kernel, seqlen) -> bool | None:
+    """Whether the kernel's calls ran the Gluon forward (a HopperPlan among its call plans)."""
+    if kernel is None:
+        return None
+    from flashgen.runtime.hopper import HopperPlan
+
+    return any(isinstance(p, HopperPlan) for p in kernel.module(kernel.config_for(seqlen))._LAUNCHER.plans.values())
+
+
+def run_hopper_case(case: Case, seqlen: int, modes=("fwd",), variants=tuple(HOPPER_VARIANTS)) -> list[dict]:
+    x = make_inputs(case, seqlen)
+    rows = []
+    provs = hopper_providers(x, variants)
+    for mode, measured in measured_modes(x, provs, modes):
+        flex, default = measured["flex"], measured["default"]
+        for source, _, _, kernel in provs:
+            got = measured[source]
+            row = {"case": case.name, "seqlen": seqlen, "batch": x.batch, "head_dim": case.head_dim, "mode": mode,
+                   "source": source, "config": got["config"], "gluon_forward": _gluon_path(kernel, seqlen),
+                   "tflops": got.get("tflops"), "ms": got.get("ms"), "gpu_ms": got.get("gpu_ms")}
+            if "error" in got:
+                row["error"] = got["error"]
+            for name, other in (("flex", flex), ("default", default)):
+                if got.get("tflops") and other.get("tflops"):
+                    row[f"ratio_vs_{name}"] = got["tflops"] / other["tflops"]
+            rows.append(row)
+    return rows
+
+
+def _warm_hopper(name: str, seqlen: int, modes, variants) -> None:
+    case = next(c for c in CASES if c.name == name)
+    x = make_inputs(case, seqlen)
+    for _, attn, _, _ in hopper_providers(x, variants):
+        for mode in modes:
+            step(attn, x, mode)()
+
+
+def hopper_markdown(rows, env) -> str:
+    lines = [title("Masked forward on the Gluon warp-specialized family vs today's default and FlexAttention", env),
+             "", f"{DTYPE}, {HEADS} heads, {TOKENS} tokens per batch, hd128; TFLOP/s over visible pairs; eager do_bench"
+             " "
+             "medians of the user call (flashgen.compile(spec, config)(q, k, v, **tensors); host time included); "
+             "gpu ms = CUDA-graph replay. default = today's default config (portable for masks); hw_* = the Gluon "
+             "forward with the default's backward. Every row was checked on a slice before it was timed.", "",
+             "| case | S | mode | source | TFLOP/s | x default | x Flex | gpu ms | Gluon path | config |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    cell = lambda v, f="{:.0f}": f.format(v) if v else "-"  # noqa: E731
+    for r in rows:
+        note = r["config"] + (f" ERROR: {r['error'][:160]}" if r.get("error") else "")
+        lines.append(f"| {r['case']} | {r['seqlen']} | {r['mode']} | {r['source']} | {cell(r['tflops'])} | "
+                     f"{cell(r.get('ratio_vs_default'), '{:.3f}')} | {cell(r.get('ratio_vs_flex'), '{:.3f}')} | "
+                     f"{cell(r['gpu_ms'], '{:.3f}')} | {r['gluon_forward']} | {note} |")
+    return "\n".join(lines) + "\n"
+
+
+def hopper_main(args, env, gpu) -> None:
+    """--hopper: run_hopper_case over HOPPER_CASES (or --cases) at each length, compiles warmed first."""
+    variants = args.hopper or list(HOPPER_VARIANTS)
+    names = [c for c in args.cases if c in HOPPER_CASES] if args.cases != [c.name for c in CASES] else HOPPER_CASES
+    todo = [(c, s) for c in CASES if c.name in names for s in (args.seqlens or c.seqlens)]
+    warm_then_ready(args, [(_warm_hopper, (c.name, s, tuple(args.modes), tuple(variants))) for c, s in todo])
+    stem = args.out / f"{env['date']}-{gpu}-hopper-masks"
+    rows = []
+    for case, seqlen in todo:
+        new = run_hopper_case(case, seqlen, tuple(args.modes), variants)
+        rows += new
+        for r in new:
+            print(f"{r['case']} {r['seqlen']} {r['mode']} {r['source']}: {r['tflops']} x default "
+                  f"{r.get('ratio_vs_default')} x flex {r.get('ratio_vs_flex')} gluon {r['gluon_forward']} "
+                  f"{r.get('error', '')}", flush=True)
+        stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # a cut run keeps
+        stem.with_suffix(".md").write_text(hopper_markdown(rows, env))
+    print(hopper_markdown(rows, env))
 
 
 # ----------------------------------------------------------------------------- the example specs' tuned results
@@ -385,9 +505,13 @@ def example_markdown(rows) -> list[str]:
     return lines
 
 
+def title(what: str, env) -> str:
+    """A results file's first line: what, on which GPU and versions, when."""
+    return f"# {what} ({env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, {env['date']})"
+
+
 def markdown(rows, env) -> str:
-    lines = [f"# What a user gets: masked attention and short causal, flashgen vs FlexAttention "
-             f"({env.get('gpu')}, torch {env['torch']}, triton {env['triton']}, {env['date']})", "",
+    lines = [title("What a user gets: masked attention and short causal, flashgen vs FlexAttention", env), "",
              f"{DTYPE}, {HEADS} heads, {TOKENS} tokens per batch; TFLOP/s over visible pairs; eager do_bench medians "
              "(host time included); gpu = the same call replayed from a CUDA graph. default = untuned "
              "(flashgen.compile / flashgen.attention without a tuned result); load = flashgen.load (shipped "
@@ -427,23 +551,23 @@ def main():
                              "(default: every one with tuned results; none: --examples with no name)")
     parser.add_argument("--gpu-name", help="the GPU's name in the output files' names (default: the device's, "
                                            "e.g. h100, h200)")
+    parser.add_argument("--hopper", nargs="*", default=None, choices=list(HOPPER_VARIANTS),
+                        help="time the Gluon forward's variants (default: all) on the masked cases instead")
+    parser.add_argument("--seqlens", nargs="+", type=int, help="--hopper: these lengths (default: the cases')")
     args = parser.parse_args()
     if args.dry:
         dry_run()
     env = {**environment(), "date": time.strftime("%Y-%m-%d")}
     gpu = args.gpu_name or env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0]
+    if args.hopper is not None:
+        return hopper_main(args, env, gpu)
     todo = [(c, s) for c in CASES if c.name in args.cases for s in c.seqlens if not args.quick or (c.name, s) in QUICK]
     todo.sort(key=lambda cs: cs[1] > 4096)  # the longest last: a run cut short keeps the most cases
     examples = [] if args.no_load else example_paths(args.examples)
     # the example specs between the short cases and the 16384-token ones
     todo = [t for t in todo if t[1] <= 4096] + examples + [t for t in todo if t[1] > 4096]
-    t0 = time.time()
-    jobs = [(_warm_example, (str(t),)) if isinstance(t, Path) else (_warm_case, (t[0].name, t[1]))
-            for t in todo]
-    for line in warm_up(jobs, 1 if args.dry else args.workers):
-        print("warm", line, flush=True)
-    print(f"warm-up {time.time() - t0:.0f}s", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    warm_then_ready(args, [(_warm_example, (str(t),)) if isinstance(t, Path) else (_warm_case, (t[0].name, t[1]))
+                           for t in todo])
     stem = args.out / f"{env['date']}-{gpu}-masked-user-path"
     rows = []
     for item in todo:

@@ -397,6 +397,8 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
 
     if spec_unserved(spec) is not None or shape.narrow(seqlen):
         return None
+    if spec.mask is not None:
+        return _hopper_ws_masked_default(spec, d, shape, seqlen)
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
     tile = dict(HOPPER_DEFAULT_TILE)
@@ -406,6 +408,25 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
         return dict(tile, num_stages=3)
     if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):
         return tile
+    return None
+
+
+def _hopper_ws_masked_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
+    """The Gluon forward for a spec with a mask pattern where the H100 measured it faster than the
+    portable default on the user path, else None (benchmarks/results/2026-11-23-h100-hopper-masks.md;
+    bf16 hd128, 16 heads, 16384 tokens, eager do_bench ms, two runs): prefix-LM 512 forward S=4096
+    0.541 / 0.600 and 0.542 / 0.586 (Gluon 128x128 3 stages / portable default), S=16384 2.010 /
+    2.071 and 1.917 / 2.055; fwd+bwd (run 2) 2.550 / 2.574 and 8.747 / 9.673 (graph replay 2.545 /
+    2.612, 8.740 / 9.015). So causal-shaped masks without a band or documents (prefix-LM; the
+    shape plain causal has, where the family is the default at 4096+) at 4096+ tokens.
+    Not taken: causal documents at S=16384 (4 documents forward 0.576 / 0.598 and 0.561 / 0.587, 16
+    documents 0.248 / 0.246 and 0.254 / 0.248: the lengths are known only at run time, and the
+    family wins on long ones only; fwd+bwd 2.526 / 2.554 and 0.927 / 0.923), documents at S=4096
+    (4: 0.91-0.96x, 16: 0.72-0.81x), chunks of 1024 (0.84-0.90x), window 256 (0.76-0.88x): bands and
+    short documents give each tile a few key blocks, where the partitions' set-up is not paid
+    back, as for plain causal S=1024. Unmeasured (hd64, under 4096 tokens) keeps the portable one."""
+    if d == 128 and shape.causal and shape.band is None and not shape.documents and seqlen >= 4096:
+        return dict(HOPPER_DEFAULT_TILE, num_stages=3)
     return None
 
 

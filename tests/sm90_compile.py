@@ -121,6 +121,20 @@ def main(only=()) -> int:
                       hopper_regs=232)),
         ("hopper_ws hd128, ping-pong", dict(head_dim=128, num_heads=4),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
+        # the Gluon forward with a mask pattern (templates/hopper/masks.j2; forward only: the backward is
+        # the portable one, compiled above): causal documents (binary searches, a named tensor) on two
+        # consumers; prefix-LM with per-batch lengths under ping-pong; chunks and-ed with a window
+        # (floor division) on one consumer with the pipelined Q K^T
+        ("hopper_ws masked documents gqa, 2 consumers", dict(head_dim=128, num_heads=8, num_kv_heads=2,
+                                                             mask={"document": {"ids": "doc"}}, forward_only=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")),
+        ("hopper_ws masked prefix-LM lengths, ping-pong", dict(head_dim=128, num_heads=4, mask={"prefix_lm": "plen"},
+                                                               forward_only=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
+        ("hopper_ws masked chunks and window hd64, 1 consumer, overlap",
+         dict(head_dim=64, num_heads=4, mask={"and": [{"chunked": 96}, {"sliding_window": {"left": 40}}]},
+              forward_only=True),
+         KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, family="hopper_ws", hopper_overlap=True)),
         # the Gluon dK/dV kernel (hopper_bwd): causal GQA hd128 (64-row query tiles) under the Gluon
         # forward; hd64 (128-row query tiles) under the portable forward
         ("hopper_bwd gqa causal hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
@@ -154,6 +168,7 @@ def main(only=()) -> int:
     for name, fields, config in cases:
         CASE[0] = name
         varlen = fields.pop("varlen", False)
+        forward_only = fields.pop("forward_only", False)
         dtype = fields.pop("dtype", "bf16")
         seqlen = fields.pop("seqlen", 300)
         spec = AttentionSpec(dtype=dtype, backward=dtype == "bf16", **fields)
@@ -165,7 +180,8 @@ def main(only=()) -> int:
         h, hk, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         q = torch.randn(2, h, seqlen, d).to(spec.torch_dtype)
         k = torch.randn(2, hk, seqlen, d).to(spec.torch_dtype)
-        tensors = {"doc": torch.zeros(2, 300, dtype=torch.int32)} if "doc" in module.TENSORS else {}
+        tensors = {name: t for name, t in (("doc", torch.zeros(2, 300, dtype=torch.int32)),
+                                           ("plen", torch.full((2,), 70, dtype=torch.int32))) if name in module.TENSORS}
         kw = dict(tensors=tensors)
         if varlen:  # packed (tokens, heads, dim): two sequences of 300
             q, k = q.transpose(1, 2).reshape(600, h, d), k.transpose(1, 2).reshape(600, hk, d)
@@ -179,7 +195,7 @@ def main(only=()) -> int:
                   ("backward", lambda: module.backward(q, q, k, k, q, lse, **kw)))
         if config.family == "hopper_ws" or config.hopper_bwd:  # autograd's path: the backward reads the forward's plan
             phases += (("training step", lambda: training_step(module._LAUNCHER, q, k, tensors)),)
-        for phase, run in phases[:1] if spec.fp8 else phases:
+        for phase, run in phases[:1] if spec.fp8 or forward_only else phases:
             COMPILED.clear()
             try:
                 run()

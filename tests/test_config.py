@@ -59,11 +59,11 @@ def test_defaults_per_bucket_follow_the_mask_shape_on_sm90():
         if s <= SMALL_CALL:  # host-bound calls: no descriptors
             assert fwd({}, s) == (*long[:3], False, True)
             continue
-        # plain hd128 and causal hd128 at 4096+: the Gluon family (config._hopper_ws_default); masks
-        # keep the old default
+        # plain hd128 and causal hd128 at 4096+: the Gluon family (config._hopper_ws_default); so is
+        # prefix-LM at 4096+ (config._hopper_ws_masked_default); documents keep the old default
         assert default_config(_spec(), seqlen=s).family == "hopper_ws"
         if s >= 4096:
-            assert fwd({"mask": {"prefix_lm": 512}}, s) == long
+            assert default_config(_spec(mask={"prefix_lm": 512}), seqlen=s).family == "hopper_ws"
             assert default_config(_spec(causal=True), seqlen=s).family == "hopper_ws"
     hd64 = default_config(_spec(head_dim=64, causal=True), seqlen=1024)
     assert (hd64.BLOCK_M, hd64.BLOCK_N, hd64.num_warps, hd64.tma) == (64, 64, 4, False)

@@ -51,7 +51,7 @@ def test_fp8_is_served_by_the_forward_only():
     (dict(dtype="bf16", head_dim=96), "head_dim 96"),
     (dict(dtype="bf16", head_dim=256), "head_dim 256"),
     (dict(dtype="bf16", head_dim=128, head_dim_v=64), "head_dim_v 64"),
-    (dict(dtype="bf16", head_dim=64, mask={"sliding_window": {"left": 128}}), "mask"),
+    (dict(dtype="bf16", head_dim=64, mask={"sink": {"tokens": 4, "window": 128}}), "mask: pattern 'sink'"),
     (dict(dtype="bf16", head_dim=64, score_mod={"softcap": 30.0}), "score modifier"),
     (dict(dtype="bf16", head_dim=64, dropout_p=0.1), "dropout_p 0.1"),
     (dict(dtype="bf16", head_dim=64, target="a100"), "target 'a100'"),
@@ -132,7 +132,7 @@ def test_256_key_blocks_are_for_fp8_only():
 
 
 def test_unserved_spec_is_a_config_error_naming_the_family():
-    spec = AttentionSpec(dtype="bf16", head_dim=64, mask={"sliding_window": {"left": 128}})
+    spec = AttentionSpec(dtype="bf16", head_dim=64, mask={"sink": {"tokens": 4, "window": 128}})
     with pytest.raises(ConfigError, match="'family'.*mask"):
         render(spec, KernelConfig(**HOPPER))
     render(spec, KernelConfig(**dict(HOPPER, family="portable")))  # the portable family serves it
@@ -294,20 +294,27 @@ def test_fp8_defaults_take_the_family_where_it_measured_faster():
     assert config(128, False, 16384, dtype="fp8_e5m2")[0] == config(128, False, 16384, target="a100")[0] == "portable"
 
 
-def test_standalone_module_carries_the_family_host_side(tmp_path):
-    # `flashgen generate` files need only torch and triton: runtime/hopper.py is pasted in, and its
-    # names leave host.py's (LAYOUTS, ...) and the kernels' constants (RCP_LN2, ...) as they were
+def standalone_module(spec, config, path):
+    """The standalone module `flashgen generate` writes for (spec, config), written to path and imported;
+    it must import nothing from flashgen."""
     import importlib.util
     import re
 
-    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
-    source = render(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)))
+    source = render(spec, config)
     assert not re.search(r"^\s*(from|import) flashgen", source, re.M) and "class HopperForward" in source
-    path = tmp_path / "standalone_hopper_ws.py"
     path.write_text(source)
-    module_spec = importlib.util.spec_from_file_location("standalone_hopper_ws", path)
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
+    return module
+
+
+def test_standalone_module_carries_the_family_host_side(tmp_path):
+    # `flashgen generate` files need only torch and triton: runtime/hopper.py is pasted in, and its
+    # names leave host.py's (LAYOUTS, ...) and the kernels' constants (RCP_LN2, ...) as they were
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
+    module = standalone_module(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)),
+                               tmp_path / "standalone_hopper_ws.py")
     assert module.LAYOUTS == ("bhsd", "bshd", "thd") and isinstance(module._LAUNCHER.hopper_forward,
                                                                      module.HopperForward)
     q, k, v = make_qkv(1, 4, 2, 33, 47, 64, dtype=torch.float16, device="cpu")

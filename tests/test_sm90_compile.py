@@ -26,8 +26,9 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
     # 17 + an FP8 forward + 3 hopper_ws and 2 hopper_bwd cases (forward, backward, and a training step:
-    # autograd's path) + a hopper_ws FP8 forward + the two FP8 forwards at hd256 (promoted q.k)
-    assert len([line for line in lines if line.startswith("ok ")]) == 36, proc.stdout
+    # autograd's path) + a hopper_ws FP8 forward + the two FP8 forwards at hd256 (promoted q.k) + 3
+    # masked hopper_ws forwards
+    assert len([line for line in lines if line.startswith("ok ")]) == 39, proc.stdout
     # the Q-outer forward with TMA and warp specialization, every backward, the masked specs (a pattern, a
     # block map, documents), packed sequences and the persistent dK/dV grid
     for case in ("TMA + warp specialization", "sliding window + softcap", "custom expression (block map)",
@@ -64,4 +65,10 @@ def test_kernels_compile_for_sm90(tmp_path):
     # the portable forward's max_num_imprecise_acc) lowers on both kernels
     for line in ("ok hopper_ws fp8 e4m3 causal hd256, promoted q.k forward: _attn_fwd_hopper_ws: 12 warps",
                  "ok fp8 e4m3 gqa causal hd256, promoted q.k, TMA + warp specialization forward: _attn_fwd: 8 warps"):
+        assert any(entry.startswith(line) for entry in lines), (line, proc.stdout)
+    # the Gluon forward with mask patterns (documents' searches, per-batch prefix lengths, floor
+    # division; two consumers, ping-pong, one consumer with overlap): the masked call takes it
+    for case, warps in (("documents gqa, 2 consumers", 12), ("prefix-LM lengths, ping-pong", 12),
+                        ("chunks and window hd64, 1 consumer, overlap", 8)):
+        line = f"ok hopper_ws masked {case} forward: _attn_fwd_hopper_ws: {warps} warps"
         assert any(entry.startswith(line) for entry in lines), (line, proc.stdout)

@@ -2,7 +2,8 @@
 
 The masks package lowers a spec's mask and score modifier to expressions (``masks.lower``);
 this writes them as Triton: the expressions each jit helper returns and the parameters the
-named tensors are threaded through. Built from the spec by ``plan_for(spec)`` (cached), never
+named tensors are threaded through; ``dialect="gluon"`` writes the mask's for the Gluon kernels
+(templates/hopper/masks.j2: ``gl`` and the _hw_ helpers). Built from the spec by ``plan_for(spec)`` (cached), never
 stored on it: the spec says what to compute, the plan is how this code generator writes it.
 """
 
@@ -13,7 +14,7 @@ from functools import lru_cache
 
 from .. import masks
 from ..expr.ir import Load, Search, Var, reads_var, tensors_of, walk
-from ..expr.to_triton import tensor_params, tensor_pointer, tensor_size, tensor_stride, triton_expr
+from ..expr.to_triton import GLUON, TRITON, tensor_params, tensor_pointer, tensor_size, tensor_stride, triton_expr
 
 # What each IR variable is called where the template uses the expression: in a tile of
 # (query rows x key columns) ...
@@ -24,6 +25,8 @@ BLOCK_EDGE_NAMES = {"b": "off_b", "h": "off_h", "r0": "r0", "r1": "r1", "c0": "c
                     "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}
 # A block's first and last edge, in order: r0 <= r1, c0 <= c1.
 EDGE_ORDER = {"r0": 0, "r1": 1, "c0": 0, "c1": 1}
+# The templates name the expression printer's dialect: the portable kernels' and the Gluon kernels'.
+DIALECTS = {"triton": TRITON, "gluon": GLUON}
 
 
 class KernelPlan:
@@ -58,10 +61,10 @@ class KernelPlan:
         return "".join(f", g_{t.name}" for t in self.grad_tensors)
 
     # -- expressions
-    def visible_code(self) -> str:
+    def visible_code(self, dialect: str = "triton") -> str:
         if self.predicate is None:
             return "cols < seqlen_k"
-        return f"(cols < seqlen_k) & ({triton_expr(self.predicate, TILE_NAMES)})"
+        return f"(cols < seqlen_k) & ({triton_expr(self.predicate, TILE_NAMES, dialect=DIALECTS[dialect])})"
 
     def score_code(self) -> str:
         return triton_expr(self.score_ir, TILE_NAMES)
@@ -86,25 +89,26 @@ class KernelPlan:
         return any(code.startswith("_search_near(") for d in ("kv", "q") if not self.block_map
                    for seg in self.segments(d) for _, code in seg.searches)
 
-    def segments(self, direction: str) -> list[SegmentEdges]:
+    def segments(self, direction: str, dialect: str = "triton") -> list[SegmentEdges]:
         """The edges of each segment of a block's visible range (see masks.tree.segments) over
         the block's first and last row (``direction`` "kv": r0, r1) or key ("q": c0, c1), with
         the binary searches they need (common/segments.j2 writes the assignments)."""
+        lang = DIALECTS[dialect]
         searches: dict[str, str] = {}  # search expression -> the name its result is given
         edge_searches = {}  # search expression -> its Search node, where its value is the row at a block edge
         out = []
         for seg in (self.kv_segments if direction == "kv" else self.q_segments):
             for node in (n for x in seg for n in walk(x) if _edge_search(n)):
-                edge_searches[triton_expr(node, BLOCK_EDGE_NAMES)] = node
+                edge_searches[triton_expr(node, BLOCK_EDGE_NAMES, dialect=lang)] = node
             new: list[tuple[str, str]] = []
 
             def hoist(code: str) -> str:  # each distinct search once, named in order: s0, s1, ...
                 if code not in searches:
                     searches[code] = f"s{len(searches)}"
-                    new.append((searches[code], _near_search(code, edge_searches, searches) or code))
+                    new.append((searches[code], _near_search(code, edge_searches, searches, lang) or code))
                 return searches[code]
 
-            edges = [triton_expr(x, BLOCK_EDGE_NAMES, hoist) for x in seg]
+            edges = [triton_expr(x, BLOCK_EDGE_NAMES, hoist, lang) for x in seg]
             out.append(SegmentEdges(tuple(new), *edges))
         return out
 
@@ -116,7 +120,7 @@ def _edge_search(node) -> bool:
             and node.value.index[1].name in EDGE_ORDER)
 
 
-def _near_search(code: str, edge_searches: dict, searches: dict) -> str | None:
+def _near_search(code: str, edge_searches: dict, searches: dict, lang=TRITON) -> str | None:
     """The search `code` narrowed by one already made at the block's other edge, or None.
 
     In a sorted row, with positions x <= y: the searches of T[x] and T[y] agree when the two
@@ -137,13 +141,14 @@ def _near_search(code: str, edge_searches: dict, searches: dict) -> str | None:
         # the later edge's first index >= its element; the earlier edge's first index > its element
         if EDGE_ORDER[edge.name] - EDGE_ORDER[other.name] != (-1 if node.right else 1):
             continue
-        t, size = node.tensor, tensor_size(node.tensor, 1)
+        t, size, h = node.tensor, tensor_size(node.tensor, 1), lang.helper
         first, last = sorted((edge.name, other.name), key=EDGE_ORDER.get)
-        base = (f"{tensor_pointer(t)} + _clamp({triton_expr(batch, BLOCK_EDGE_NAMES)}, {tensor_size(t, 0)}) * "
-                f"{tensor_stride(t, 0)}")
-        return (f"_search_near({base}, {tensor_stride(t, 1)}, {triton_expr(node.value, BLOCK_EDGE_NAMES)}, "
-                f"{triton_expr(known.value, BLOCK_EDGE_NAMES)}, {name}, _clamp({first}, {size}) + 1, "
-                f"_clamp({last}, {size}) + 1, RIGHT={node.right})")
+        base = (f"{tensor_pointer(t)} + {h}clamp({triton_expr(batch, BLOCK_EDGE_NAMES, dialect=lang)}, "
+                f"{tensor_size(t, 0)}) * {tensor_stride(t, 0)}")
+        value, known_value = (triton_expr(x.value, BLOCK_EDGE_NAMES, dialect=lang) for x in (node, known))
+        return (f"{h}search_near({base}, {tensor_stride(t, 1)}, {value}, {known_value}, {name}, "
+                f"{h}clamp({first}, {size}) + 1, "
+                f"{h}clamp({last}, {size}) + 1, RIGHT={node.right})")
     return None
 
 

@@ -5,11 +5,14 @@ to the Triton name it has where the expression is used (``q_idx`` is ``rows`` in
 A named tensor ``doc`` reaches a kernel as the parameters ``t_doc`` (its pointer),
 ``t_doc_s0, ...`` (strides) and ``t_doc_n0, ...`` (sizes): ``tensor_params`` lists them.
 Numbers are written by formatting the plain value, never by a user object's ``repr``.
+``dialect=GLUON`` writes the same expression for a Gluon kernel (templates/hopper/), which can
+call neither ``tl`` nor common/math.j2's @triton.jit helpers: ``gl`` and their gluon.jit ports.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from .ir import Bin, Const, Fn, Load, Neg, Not, Search, Var, fold, kind
@@ -21,6 +24,24 @@ MAX_TERMS = 4096
 
 TRITON_FUNCTIONS = {"abs": "tl.abs", "min": "tl.minimum", "max": "tl.maximum", "exp": "tl.exp", "tanh": "_tanh",
                     "where": "tl.where"}
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """The names an expression is written with: the language module (``tl``) and the prefix of the
+    jit helpers it calls (``_`` for common/math.j2's _clamp, _fdiv, _fmod, _tanh, _search)."""
+
+    lang: str
+    helper: str
+
+    def function(self, name: str) -> str:
+        """An IR function's name in this dialect (TRITON_FUNCTIONS written for it)."""
+        triton = TRITON_FUNCTIONS[name]
+        return self.lang + triton[2:] if triton.startswith("tl.") else self.helper + triton[1:]
+
+
+TRITON = Dialect("tl", "_")
+GLUON = Dialect("gl", "_hw_")  # templates/hopper/masks.j2 holds the _hw_ helpers
 
 
 def tensor_pointer(tensor: str) -> str:
@@ -70,42 +91,48 @@ def written_terms(node) -> int:
     return fold(node, count)
 
 
-def _element_offset(node: Load, names, hoist) -> str:
+def _element_offset(node: Load, names, hoist, dialect: Dialect) -> str:
     """The clamped element offset of a tensor load: sum of clamp(index_d) * stride_d."""
-    return " + ".join(f"_clamp({triton_expr(i, names, hoist)}, {tensor_size(node.tensor, d)}) * "
-                      f"{tensor_stride(node.tensor, d)}" for d, i in enumerate(node.index))
+    t = node.tensor
+    return " + ".join(f"{dialect.helper}clamp({triton_expr(i, names, hoist, dialect)}, {tensor_size(t, d)}) * "
+                      f"{tensor_stride(t, d)}" for d, i in enumerate(node.index))
 
 
-def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | None = None) -> str:
+def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | None = None,
+                dialect: Dialect = TRITON) -> str:
     """Triton source for an IR node. `hoist(code) -> name`, when given, turns each binary
     search into a statement of its own and the expression refers to its result by name."""
+    def write(x):
+        return triton_expr(x, names, hoist, dialect)
+
+    lang, helper = dialect.lang, dialect.helper
     if isinstance(node, Const):
         return triton_literal(node.value)
     if isinstance(node, Var):
         return names[node.name]
     if isinstance(node, Load):
-        return f"tl.load({tensor_pointer(node.tensor)} + {_element_offset(node, names, hoist)})"
+        return f"{lang}.load({tensor_pointer(node.tensor)} + {_element_offset(node, names, hoist, dialect)})"
     if isinstance(node, Search):
         t = node.tensor
-        code = (f"_search({tensor_pointer(t)} + _clamp({names['b']}, {tensor_size(t, 0)}) * {tensor_stride(t, 0)}, "
-                f"{tensor_stride(t, 1)}, {tensor_size(t, 1)}, "
-                f"{triton_expr(node.value, names, hoist)}, RIGHT={node.right})")
+        code = (f"{helper}search({tensor_pointer(t)} + {helper}clamp({names['b']}, {tensor_size(t, 0)}) * "
+                f"{tensor_stride(t, 0)}, {tensor_stride(t, 1)}, {tensor_size(t, 1)}, "
+                f"{write(node.value)}, RIGHT={node.right})")
         return hoist(code) if hoist else code
     if isinstance(node, Not):
-        return f"~({triton_expr(node.a, names, hoist)})"
+        return f"~({write(node.a)})"
     if isinstance(node, Neg):
-        return f"-({triton_expr(node.a, names, hoist)})"
+        return f"-({write(node.a)})"
     if isinstance(node, Bin):
-        a, b = triton_expr(node.a, names, hoist), triton_expr(node.b, names, hoist)
+        a, b = write(node.a), write(node.b)
         if node.op in ("//", "%"):
             if _floor_in_float(node):
-                quotient = f"tl.floor(({a}) / ({b}))"
+                quotient = f"{lang}.floor(({a}) / ({b}))"
                 return quotient if node.op == "//" else f"(({a}) - ({b}) * {quotient})"
-            return f"{'_fdiv' if node.op == '//' else '_fmod'}({a}, {b})"  # floor semantics for either sign
+            return f"{helper}{'fdiv' if node.op == '//' else 'fmod'}({a}, {b})"  # floor semantics for either sign
         if node.op == "/" and kind(node.a) == "int" and kind(node.b) == "int":
             return f"(({a}) * 1.0 / ({b}))"  # true division of integers
         return f"({a} {node.op} {b})"
     if isinstance(node, Fn):
-        return f"{TRITON_FUNCTIONS[node.name]}({', '.join(triton_expr(x, names, hoist) for x in node.args)})"
+        return f"{dialect.function(node.name)}({', '.join(write(x) for x in node.args)})"
     raise TypeError(node)
 

@@ -7,6 +7,10 @@ asks ``hopper_forward.plan(...)`` first: a call the family cannot serve (see ``c
 runs the portable forward instead. What a *spec* needs for the family is ``spec_unserved``: the
 config check (config.KernelConfig.check_family), the tuner's space and the defaults all ask it.
 
+Mask patterns whose key range is one segment (mask_unserved: documents, prefix-LM, windows, chunks,
+and-ed) take the same kernel with the mask hooks of templates/hopper/masks.j2; their named tensors
+(document ids, prefix lengths) follow the scalars in the launch, as in the portable forward's.
+
 FP8 e4m3 specs (forward only) take the same kernel with FP8 operands: V is read seq-contiguous
 through transposed_descriptor (the launcher's FP8 path already makes that copy of V), the (batch, KV
 head) descales are the launch's last arguments; a call whose V^T strides the copy engine cannot take
@@ -71,8 +75,9 @@ served_layouts = ("bhsd", "bshd")  # packed 'thd' (varlen) runs the portable for
 def spec_unserved(spec, *, backward=False) -> str | None:
     """Why the hopper_ws family cannot serve this spec (an AttentionSpec or a module's SPEC
     dict), or None when it can. Served: fp16/bf16 (and fp8_e4m3 for the forward: backward=False),
-    head_dim == head_dim_v in served_head_dims, no mask or bottom-right causal, no score modifier,
-    no dropout, an sm90 target or 'auto'. backward=True: the Gluon dK/dV kernel's rule (hopper_bwd)."""
+    head_dim == head_dim_v in served_head_dims, bottom-right causal or not, a mask of the built-in
+    patterns mask_unserved takes (fp16/bf16), no score modifier, no dropout, an sm90 target or
+    'auto'. backward=True: the Gluon dK/dV kernel's rule (hopper_bwd: no mask pattern)."""
     get = spec.get if isinstance(spec, dict) else (lambda name: getattr(spec, name))
     if get("dtype") not in served_dtypes:
         return f"dtype {get('dtype')!r} (served: {', '.join(served_dtypes)})"
@@ -81,14 +86,35 @@ def spec_unserved(spec, *, backward=False) -> str | None:
     head_dims = fp8_head_dims if get("dtype") in forward_only_dtypes else served_head_dims
     if get("head_dim") != get("head_dim_v") or get("head_dim") not in head_dims:
         return f"head_dim {get('head_dim')}/head_dim_v {get('head_dim_v')} (served: equal, one of {head_dims})"
-    if get("mask") is not None:
-        return "a mask pattern or expression (served: none, or causal: true)"
+    if get("mask") is not None and (backward or get("dtype") in forward_only_dtypes):
+        return ("a mask pattern or expression (the Gluon dK/dV serves none, or causal: true)" if backward else
+                f"a mask pattern with dtype {get('dtype')!r} (served with fp16, bf16)")
+    if get("mask") is not None and (reason := mask_unserved(get("mask"))):
+        return reason
     if get("score_mod") is not None:
         return "a score modifier (served: none)"
     if get("dropout_p"):
         return f"dropout_p {get('dropout_p')} (served: 0)"
     if get("target") not in ("auto", "h100", "h200"):
         return f"target {get('target')!r} (served: an sm90 GPU, h100/h200, or auto)"
+    return None
+
+
+# The mask patterns the forward serves: those whose key range is one segment (runtime of one block's
+# visible keys: a sink's two segments, an `or`'s and a custom expression's block map are not written).
+served_patterns = ("causal", "sliding_window", "chunked", "prefix_lm", "document")
+
+
+def mask_unserved(mask) -> str | None:
+    """Why the forward cannot serve this mask (a MaskNode or its dict form, as a module's SPEC holds
+    it), or None: built-in patterns of served_patterns, alone or and-ed (one key segment per row)."""
+    data = mask.to_dict() if hasattr(mask, "to_dict") else mask
+    (kind, value), = data.items() if len(data) == 1 else (("expr", None),)
+    if kind == "and":
+        return next((reason for child in value if (reason := mask_unserved(child))), None)
+    if kind not in served_patterns:
+        what = "a custom expression" if kind == "expr" else f"pattern {kind!r}"
+        return f"mask: {what} (served: {', '.join(served_patterns)}, alone or and-ed)"
     return None
 
 
@@ -230,5 +256,8 @@ class HopperPlan:
             out = torch.empty(base.o_shape, dtype=base.dtype, device=base.device)
         if lse is None:
             lse = torch.empty(base.lse_shape, dtype=torch.float32, device=base.device)
-        self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *fp8_args)  # FP8: descales and their strides
+        # a mask's named tensors (document ids, ...) after the scalars, as the portable forward takes them
+        extra = base.launcher.tensor_args(base.launcher.tensor_views(tensors)) if base.named else ()
+        # FP8: the descales and their strides last
+        self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *extra, *fp8_args)
         return out, lse

@@ -1,0 +1,221 @@
+"""Mask patterns in the Hopper warp-specialized forward (family hopper_ws) without a GPU: which
+masks it serves, the rendering (unmasked kernels untouched, the mask code in Gluon), a masked call's
+launch, and the block ranges and visibility the kernel computes, run on the CPU.
+
+Gluon kernels do not run under Triton's interpreter, so the range helpers of a rendered module
+(templates/hopper/masks.j2) are run here as plain Python with `gl` replaced by torch ops: every
+integer division they make has operands >= 0, where Python's and Triton's // agree. The kernel
+itself is compiled for sm90 by tests/test_sm90_compile.py and run by tests/test_hopper_masks_gpu.py."""
+
+import types
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, ConfigError, KernelConfig
+from flashgen.codegen.plan import plan_for
+from flashgen.codegen.render import render
+from flashgen.expr.ir import Bin, Fn, Load, Search, Var
+from flashgen.expr.to_torch import evaluate
+from flashgen.expr.to_triton import GLUON, triton_expr
+from flashgen.runtime import hopper
+from flashgen.space import DeviceLimits, forward_space
+
+from .helpers import make_qkv
+
+HOPPER = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2)
+H100 = DeviceLimits("NVIDIA H100", 232448.0, hopper=True)
+DOCS = {"document": {"ids": "doc"}}
+
+
+@pytest.mark.parametrize("mask", [
+    DOCS, {"document": {"ids": "doc", "causal": False}}, {"prefix_lm": 512}, {"prefix_lm": "plen"},
+    {"sliding_window": {"left": 256, "right": 0}}, {"chunked": 1024},
+    {"and": [{"chunked": 96}, {"sliding_window": {"left": 40}}]},
+])
+def test_served_masks_have_one_key_segment(mask):
+    for causal in (False, True):
+        spec = AttentionSpec(dtype="bf16", head_dim=128, mask=mask, causal=causal)
+        assert hopper.spec_unserved(spec) is None and hopper.spec_unserved(spec.to_dict()) is None
+        # what the kernel is written for: one key range per block of rows, no block map
+        assert len(plan_for(spec).kv_segments) == 1
+        KernelConfig(**HOPPER).check_spec(spec)
+
+
+@pytest.mark.parametrize("fields, reason", [
+    (dict(mask={"sink": {"tokens": 4, "window": 64}}), "pattern 'sink'"),
+    (dict(mask={"or": [{"sliding_window": {"left": 8}}, {"prefix_lm": 4}]}), "pattern 'or'"),
+    (dict(mask="q_idx >= kv_idx"), "a custom expression"),
+    (dict(mask={"and": [{"chunked": 64}, {"expr": "kv_idx % 2 == 0"}]}), "a custom expression"),
+    (dict(mask={"chunked": 64}, score_mod={"softcap": 30.0}), "score modifier"),
+    (dict(mask={"chunked": 64}, dtype="fp8_e4m3"), "dtype 'fp8_e4m3'"),
+])
+def test_unserved_masks_name_the_reason(fields, reason):
+    spec = AttentionSpec(**{"dtype": "bf16", "head_dim": 128, **fields})
+    for form in (spec, spec.to_dict() | {"head_dim_v": spec.head_dim_v}):  # a module's SPEC dict too
+        got = hopper.spec_unserved(form)
+        assert got is not None and reason in got, got
+    with pytest.raises(ConfigError, match="'family'.*" + reason.split("'")[0]):
+        render(spec, KernelConfig(**HOPPER))
+
+
+def test_the_gluon_backward_still_refuses_masks():
+    spec = AttentionSpec(dtype="bf16", head_dim=128, mask=DOCS, causal=True, backward=True)
+    assert "dK/dV" in hopper.spec_unserved(spec, backward=True)
+    with pytest.raises(ConfigError, match="'hopper_bwd'"):
+        KernelConfig(hopper_bwd=True).check_spec(spec)
+    assert not flashgen.default_config(spec, "h100", 16384).hopper_bwd
+
+
+def test_gluon_dialect_writes_no_triton_names():
+    # Gluon functions cannot call tl or common/math.j2's @triton.jit helpers
+    node = Bin("&", Bin("==", Load("doc", (Var("b"), Var("q_idx"))), Search("doc", Var("kv_idx"), True)),
+               Fn("max", (Bin("//", Var("q_idx"), Var("kv_idx")), Var("kv_idx"))))
+    names = {"b": "off_b", "q_idx": "rows", "kv_idx": "cols"}
+    text = triton_expr(node, names, dialect=GLUON)
+    assert "tl." not in text and "_clamp(" not in text.replace("_hw_clamp(", "")
+    assert all(name in text for name in ("gl.load(", "_hw_search(", "_hw_clamp(", "_hw_fdiv(", "gl.maximum("))
+    assert triton_expr(node, names).count("tl.") == text.count("gl.")  # the same expression
+
+
+def _gluon_source(mask, **fields):
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, mask=mask, **fields)
+    source = render(spec, KernelConfig(**HOPPER), standalone=False)
+    return source[source.index("# Hopper warp-specialized forward"):]
+
+
+def test_masked_render_keeps_the_unmasked_kernel_text():
+    # the mask branches render only for a spec with a mask pattern: the causal kernel (whose hash
+    # keys shipped tuning_db rows) has none of them, and a masked kernel has no Triton call
+    causal = _gluon_source(None, causal=True)
+    assert not any(word in causal for word in ("first_block", "_hw_visible", "n_start", "n_full_lo"))
+    masked = _gluon_source(DOCS, causal=True)
+    assert "tl." not in masked and "@triton.jit" not in masked
+    assert "def _hw_visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc," in masked
+    assert "(first_block + j) * BLOCK_N" in masked and "_hw_search_near(" in masked
+
+
+def test_a_masked_call_passes_its_named_tensors(monkeypatch):
+    # the kernel takes the mask's tensors (ids, their strides and sizes) after the scalars, as the
+    # portable forward does; nothing runs here (the plan is made on the host, its launch recorded)
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, mask=DOCS)
+    module = flashgen.compile(spec, KernelConfig(**HOPPER)).module()
+    module._LAUNCHER.hopper_forward.device_unserved = lambda device: None
+    launched = []
+    monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: lambda *args: launched.append(args))
+    monkeypatch.setattr(module._LAUNCHER.hopper_forward, "descriptor", lambda t, layout, rows, cols: t)
+    q, k, v = make_qkv(2, 4, 2, 45, 45, 64, dtype=torch.float16, device="cpu")
+    doc = torch.tensor([0] * 20 + [1] * 25, dtype=torch.int32)
+    module.forward(q, k, v, tensors={"doc": doc})
+    ((*_, qk_scale, t_doc, s0, s1, n0, n1),) = launched
+    assert qk_scale == pytest.approx(64 ** -0.5 * 1.4426950408889634)
+    assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (45, 1, 1, 45)
+
+
+def test_space_offers_the_family_for_served_masks_only():
+    served = forward_space(AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, mask=DOCS), H100)
+    assert "hopper_ws" in served.params["family"]
+    assert any(p["family"] == "hopper_ws" for p in served.points())
+    sink = AttentionSpec(dtype="bf16", head_dim=128, mask={"sink": {"tokens": 4, "window": 64}})
+    assert "family" not in forward_space(sink, H100).params
+
+
+def test_masked_defaults_take_the_family_where_it_measured_faster():
+    # H100 user path (benchmarks/results/2026-11-23-h100-hopper-masks.md): prefix-LM at 4096+ tokens on
+    # 128x128 tiles and 3 stages; documents (faster with 4 long ones, slower with 16 at 16384), windows,
+    # chunks (slower), hd64 and short calls (unmeasured) keep the portable default
+    def config(mask, seqlen, d=128, target="h100"):
+        return flashgen.default_config(AttentionSpec(dtype="bf16", head_dim=d, num_heads=16, mask=mask), target,
+                                       seqlen)
+
+    for mask, seqlen in (({"prefix_lm": 512}, 4096), ({"prefix_lm": "plen"}, 8192), ({"prefix_lm": 512}, 16384)):
+        got = config(mask, seqlen)
+        assert (got.family, got.BLOCK_M, got.BLOCK_N, got.num_stages, got.hopper_pingpong) == (
+            "hopper_ws", 128, 128, 3, False), (mask, seqlen)
+        assert not got.hopper_bwd  # the Gluon dK/dV serves no mask
+    for mask, seqlen in ((DOCS, 4096), (DOCS, 16384), ({"prefix_lm": 512}, 1024), ({"chunked": 1024}, 16384),
+                         ({"sliding_window": {"left": 256, "right": 0}}, 16384),
+                         ({"document": {"ids": "doc", "causal": False}}, 16384)):
+        assert config(mask, seqlen).family == "portable", (mask, seqlen)
+    assert config({"prefix_lm": 512}, 16384, d=64).family == "portable"
+    assert config({"prefix_lm": 512}, 16384, target="a100").family == "portable"
+
+
+# --------------------------------------------------------------- the range helpers, run on the CPU
+def _t(x):
+    return torch.as_tensor(x)
+
+
+SHIM_GL = types.SimpleNamespace(maximum=lambda a, b: torch.maximum(_t(a), _t(b)),
+                                minimum=lambda a, b: torch.minimum(_t(a), _t(b)),
+                                where=lambda c, a, b: torch.where(_t(c), _t(a), _t(b)), abs=lambda a: torch.abs(_t(a)))
+RANGE_HELPERS = ("_hw_clamp", "_hw_fdiv", "_hw_kv_segments", "_hw_key_blocks", "_hw_consumer_blocks", "_hw_visible")
+
+
+def _helpers_on_cpu(module):
+    """The module's range helpers as Python functions over torch values (`gl` replaced)."""
+    scope = {"gl": SHIM_GL, "_HW_ROWS": 64}
+    for name in RANGE_HELPERS:
+        fn = getattr(module, name).fn
+        scope[name] = types.FunctionType(fn.__code__, scope, name)
+    return types.SimpleNamespace(**{name: scope[name] for name in RANGE_HELPERS})
+
+
+@pytest.mark.parametrize("mask, causal", [
+    ({"sliding_window": {"left": 70, "right": 0}}, False),
+    ({"sliding_window": {"left": 9, "right": 30, "align": "top_left"}}, False),
+    ({"chunked": {"size": 100, "causal": False}}, False),
+    ({"chunked": 150}, False),
+    ({"prefix_lm": 90}, False),
+    ({"and": [{"chunked": 96}, {"sliding_window": {"left": 40}}]}, True),
+])
+@pytest.mark.parametrize("seqlen_q, seqlen_k, block_m, block_n", [(300, 300, 128, 128), (129, 333, 64, 64),
+                                                                  (333, 75, 128, 64)])
+def test_block_ranges_hold_exactly_what_each_consumer_sees(mask, causal, seqlen_q, seqlen_k, block_m, block_n):
+    spec = AttentionSpec(dtype="fp16", head_dim=64, mask=mask, causal=causal)
+    module = flashgen.compile(spec, KernelConfig(**dict(HOPPER, BLOCK_M=block_m, BLOCK_N=block_n))).module()
+    hw = _helpers_on_cpu(module)
+    rows, cols = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)[None, :]
+    env = {"b": 0, "h": 0, "q_idx": rows, "kv_idx": cols, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    visible = torch.as_tensor(evaluate(plan_for(spec).predicate, env, {})).broadcast_to(seqlen_q, seqlen_k)
+    # the kernel's elementwise predicate (boundary blocks) is the reference's
+    assert torch.equal(hw._hw_visible(rows, cols, 0, 0, seqlen_q, seqlen_k), visible)
+    n_key_blocks = -(-seqlen_k // block_n)
+    block_of = torch.arange(seqlen_k) // block_n
+    for start_m in range(0, seqlen_q, block_m):
+        first, _, _, end = (int(x) for x in hw._hw_key_blocks(start_m, min(start_m + block_m, seqlen_q) - 1, 0, 0,
+                                                               seqlen_q, seqlen_k, block_n))
+        n_blocks = end - first
+        tile = visible[start_m:start_m + block_m].any(0)
+        seen = set(block_of[tile].tolist())
+        # the producer loads the blocks some row of the tile sees, and no block past them
+        assert seen <= set(range(first, end)) and 0 <= first <= end and (first == end or end <= n_key_blocks)
+        assert not seen or (first in seen and end - 1 in seen)
+        for row0 in range(start_m, start_m + block_m, 64):
+            start, full_lo, full_hi, stop = (int(x) for x in hw._hw_consumer_blocks(
+                row0, first, n_blocks, 0, 0, seqlen_q, seqlen_k, block_n))
+            own = visible[row0:row0 + 64]  # its rows before seqlen_q
+            assert 0 <= start <= stop <= n_blocks and (row0 < seqlen_q or start == stop)
+            assert set(block_of[own.any(0)].tolist()) <= set(range(first + start, first + stop))
+            # whole blocks (no mask arithmetic; ping-pong runs every position): every row sees every key
+            for j in range(max(full_lo, 0), min(full_hi, n_blocks)):
+                keys = slice((first + j) * block_n, (first + j + 1) * block_n)
+                assert (first + j + 1) * block_n <= seqlen_k and bool(own[:, keys].all()), (row0, j)
+
+
+def test_a_standalone_masked_module_imports_and_falls_back(tmp_path):
+    # `flashgen generate` files need only torch and triton: the masked Gluon kernel and hopper.py's
+    # mask rule come pasted in; on the CPU the call runs the portable forward, with the same tensors
+    from flashgen.verify import assert_attention_close
+
+    from .test_hopper_ws import standalone_module
+
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, mask=DOCS)
+    module = standalone_module(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)),
+                               tmp_path / "standalone_hopper_masks.py")
+    assert module._LAUNCHER.hopper_forward.spec_reason is None and hasattr(module, "_hw_visible")
+    q, k, v = make_qkv(1, 4, 2, 40, 40, 64, dtype=torch.float16, device="cpu")
+    doc = torch.tensor([[0] * 7 + [1] * 30 + [2] * 3], dtype=torch.int32)
+    out, lse = module.forward(q, k, v, tensors={"doc": doc})
+    assert_attention_close(out, lse, q, k, v, causal=False, mask=DOCS, tensors={"doc": doc})

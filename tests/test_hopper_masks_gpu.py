@@ -1,0 +1,141 @@
+"""Mask patterns in the Hopper warp-specialized forward (family hopper_ws) on an sm90 GPU: the
+forward against the reference (../shared/TESTING.md's rule, outputs poisoned with NaN first) on
+fresh random inputs, bf16 and fp16: documents of random lengths (some shorter than a consumer's
+64 rows, one spanning several tiles), causal and not; prefix-LM (a number, per-batch lengths);
+sliding windows (causal, two-sided); chunks; GQA; lengths that are not a multiple of the tile,
+seqlen_q != seqlen_k; each of the family's knobs; rows that see no key; the portable backward on
+its LSE; and bitwise-equal repeated runs."""
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, KernelConfig, default_config
+from flashgen.runtime.hopper import HopperPlan
+from flashgen.verify import assert_attention_close, assert_gradients_close
+
+from .helpers import make_qkv, poisoned_outputs
+from .test_hopper_ws_gpu import BASE, sm90  # the unmasked family's tests: its base config, the sm90 skip
+
+pytestmark = pytest.mark.gpu
+
+KNOBS = {"base": {}, "pingpong": dict(hopper_pingpong=True), "overlap": dict(hopper_overlap=True),
+         "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s3": dict(BLOCK_N=64, num_stages=3)}
+MASKS = {  # name -> (mask, spec causal, seqlen_q == seqlen_k needed)
+    "documents": ({"document": {"ids": "doc"}}, False, True),
+    "documents non-causal": ({"document": {"ids": "doc", "causal": False}}, False, True),
+    "prefix-LM 100": ({"prefix_lm": 100}, False, False),
+    "prefix-LM lengths": ({"prefix_lm": "plen"}, False, False),
+    "window 100": ({"sliding_window": {"left": 100, "right": 0}}, False, False),
+    "window 70/30": ({"sliding_window": {"left": 70, "right": 30}}, False, False),
+    "chunks 200": ({"chunked": 200}, False, False),
+    "chunks 96 non-causal": ({"chunked": {"size": 96, "causal": False}}, False, False),
+    "chunks and window, causal": ({"and": [{"chunked": 300}, {"sliding_window": {"left": 150}}]}, True, False),
+}
+SHAPES = [  # batch, heads, kv heads, seqlen_q, seqlen_k, head dim, layout
+    (2, 8, 2, 1000, 1000, 128, "bhsd"),
+    (1, 4, 4, 777, 777, 64, "bshd"),
+    (2, 6, 2, 333, 777, 128, "bhsd"),
+    (1, 8, 1, 901, 300, 64, "bhsd"),
+]
+
+
+def random_documents(batch, seqlen, generator):
+    """(batch, seqlen) sorted ids of random lengths per row: a few short ones (1 to 40 tokens, under a
+    consumer's 64 rows), one long (over two 128-row tiles) and the rest drawn at random."""
+    rows = []
+    for _ in range(batch):
+        lengths = [int(x) for x in torch.randint(1, 41, (3,), generator=generator)] + [min(300, seqlen // 2)]
+        while sum(lengths) < seqlen:
+            lengths.append(int(torch.randint(1, 200, (1,), generator=generator)))
+        lengths = [lengths[i] for i in torch.randperm(len(lengths), generator=generator).tolist()]
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:seqlen]
+        rows.append(ids)
+    return torch.stack(rows).to(torch.int32)
+
+
+def named_inputs(mask, batch, seqlen_q, generator):
+    tensors = {}
+    if "doc" in str(mask):
+        tensors["doc"] = random_documents(batch, seqlen_q, generator).cuda()
+    if "plen" in str(mask):  # one batch element's prefix past its whole sequence, one of 0
+        tensors["plen"] = torch.tensor([0, seqlen_q + 5][:batch] if batch > 1 else [37], dtype=torch.int32).cuda()
+    return tensors
+
+
+def check_forward(dtype, shape, mask_name, knobs, *, seed=0):
+    batch, heads, kv_heads, sq, sk, d, layout = shape
+    mask, causal, same = MASKS[mask_name]
+    if same:
+        sk = sq
+    spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads, num_kv_heads=kv_heads, mask=mask, causal=causal)
+    module = flashgen.compile(spec, KernelConfig(**{**BASE, **knobs})).module()
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=spec.torch_dtype, device="cuda", layout=layout,
+                       generator=gen)
+    tensors = named_inputs(mask, batch, sq, gen)
+    out, lse = poisoned_outputs(q, heads, sq, d, layout)
+    module.forward(q, k, v, layout=layout, out=out, lse=lse, tensors=tensors)
+    assert any(isinstance(p, HopperPlan) for p in module._LAUNCHER.plans.values()), "not the Gluon forward"
+    # TESTING.md: 2x the same-precision reference's error + its rounding; rows that see no key: 0, -inf
+    assert_attention_close(out, lse, q, k, v, causal=causal, layout=layout, mask=mask, tensors=tensors)
+    return module, (q, k, v, tensors, layout)
+
+
+@sm90
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("dtype, shape", [("bf16", SHAPES[0]), ("bf16", SHAPES[2]), ("bf16", SHAPES[3]),
+                                          ("fp16", SHAPES[1])])
+def test_forward(dtype, shape, mask_name):
+    check_forward(dtype, shape, mask_name, {})
+
+
+@sm90
+@pytest.mark.parametrize("knob", [k for k in KNOBS if k != "base"])
+@pytest.mark.parametrize("mask_name, shape", [("documents", SHAPES[0]), ("window 70/30", SHAPES[3]),
+                                              ("prefix-LM lengths", SHAPES[2])])
+def test_each_knob(mask_name, shape, knob):
+    check_forward("bf16", shape, mask_name, KNOBS[knob], seed=1)
+
+
+@sm90
+def test_rows_that_see_no_key():
+    # bottom-right causal with seqlen_k < seqlen_q: the first 601 rows see nothing (O = 0, LSE = -inf,
+    # checked by the rule), whole tiles and half tiles of them
+    check_forward("bf16", SHAPES[3], "window 100", {})
+    check_forward("bf16", SHAPES[3], "chunks 200", dict(BLOCK_M=64, num_stages=3))
+
+
+@sm90
+def test_repeated_runs_are_bitwise_equal():
+    module, (q, k, v, tensors, layout) = check_forward("bf16", SHAPES[0], "documents", {})
+    first = module.forward(q, k, v, layout=layout, tensors=tensors)
+    for _ in range(3):
+        again = module.forward(q, k, v, layout=layout, tensors=tensors)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@sm90
+@pytest.mark.parametrize("mask_name", ["documents", "prefix-LM 100", "window 70/30"])
+def test_forward_backward(mask_name):
+    # the portable backward on the Gluon forward's O and LSE: module.backward, and autograd through
+    # flashgen.attention with the same config
+    batch, heads, kv_heads, sq, sk, d, layout = SHAPES[0]
+    mask, causal, _ = MASKS[mask_name]
+    spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=heads, num_kv_heads=kv_heads, mask=mask, causal=causal,
+                         backward=True)
+    config = default_config(spec, "h100", sq).replace(tma=False, warp_specialize=False, **BASE)
+    module = flashgen.compile(spec, config).module()
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+    tensors = named_inputs(mask, batch, sq, gen)
+    out, lse = module.forward(q, k, v, tensors=tensors)
+    assert any(isinstance(p, HopperPlan) for p in module._LAUNCHER.plans.values()), "not the Gluon forward"
+    do = torch.randn(q.shape, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    dq, dk, dv, _ = module.backward(do, q, k, v, out, lse, tensors=tensors)
+    # gradients: 3x (TESTING.md)
+    kw = dict(causal=causal, layout=layout, mask=mask, tensors=tensors)
+    assert_gradients_close((dq, dk, dv), q, k, v, do, **kw)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flashgen.attention(*leaves, mask=mask, causal=causal, layout=layout, config=config, **tensors).backward(do)
+    assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, **kw)
