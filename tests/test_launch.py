@@ -284,8 +284,9 @@ def test_a_training_step_keys_and_checks_its_calls_once(monkeypatch):
     launcher = module._LAUNCHER
     launcher.plans.clear()
     keys, reads = [], []
-    plan_key, check = launcher.plan_key, host.check_cu_seqlens
+    plan_key, dense_key, check = launcher.plan_key, launcher.dense_key, host.check_cu_seqlens
     monkeypatch.setattr(launcher, "plan_key", lambda *a: keys.append(a[0][0]) or plan_key(*a))
+    monkeypatch.setattr(launcher, "dense_key", lambda *a: keys.append("dense") or dense_key(*a))
     monkeypatch.setattr(host, "check_cu_seqlens", lambda *a: reads.append(1) or check(*a))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 20, 16, generator=gen).half().requires_grad_() for _ in range(3))
@@ -295,7 +296,7 @@ def test_a_training_step_keys_and_checks_its_calls_once(monkeypatch):
         out = kernel(q, k, v)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
         assert_gradients_close(grads, q, k, v, do, causal=True)
-    assert keys == ["fwd"] * 3
+    assert keys == ["dense"] * 3  # dense q, k, v and nothing else: the flat key (AttentionLauncher.dense_key)
     (plan,) = launcher.plans.values()
     assert len(plan.backward_plans) == 2  # dO contiguous, dO transposed
     monkeypatch.setattr(BoundLaunch, "enabled", False)
@@ -388,8 +389,8 @@ def test_a_bad_call_after_a_good_one_still_names_the_argument():
 
 def test_calls_that_cannot_need_a_gradient_skip_the_autograd_function(monkeypatch):
     applied = []
-    original = ops.AttentionFunction.apply
-    monkeypatch.setattr(ops.AttentionFunction, "apply", lambda *a: applied.append(1) or original(*a))
+    original = ops._apply_function  # AttentionFunction.apply's C++ half, the eager entry
+    monkeypatch.setattr(ops, "_apply_function", lambda *a: applied.append(1) or original(*a))
     q, k, v = (_inputs((1, 2, 9, 16), seed=s) for s in range(3))
     plain = flashgen.attention(q, k, v, causal=True)
     assert not applied and not plain.requires_grad

@@ -251,6 +251,7 @@ class CallPlan:
         self.offsets = offsets  # packed sequences: (total_q, total_k, max_seqlen_q, max_seqlen_k)
         self.no_offsets = launcher.unused_arg(torch.int32, device)  # never read by dense calls
         self.named = bool(launcher.tensor_names)
+        self.plain = seed is not None and offsets is None and not self.named  # nothing per call but the launch
 
     def seed_arg(self, seed):
         return seed if self.seed is None else self.seed
@@ -278,15 +279,23 @@ class ForwardPlan(CallPlan):
         self.buffers = None  # KV-outer: the (rows, BLOCK_DV) shape of its float32 accumulator
         self.softmax_scale = self.dropout_p = None  # the call's scalars (set by forward_plan)
         self.backward_plans = {}  # (dO's tensor_key, deterministic, tensor_grads) -> BackwardPlan of this forward
+        self.out_like_q = False  # out is torch.empty_like(q) (q has out's shape, dtype and contiguous strides)
+        self.direct = False  # plain, one pointer-load launch of the Q-outer kernel (set by forward_plan)
 
     def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=(), *, head=None,
                  launch=None):
         """head, launch: the kernel's leading scalars and the bound launch for this call in place of the
         plan's (a decode-shaped call of another key length: AttentionLauncher.decode_call)."""
-        if out is None:
-            out = torch.empty(self.o_shape, dtype=self.dtype, device=self.device)
+        if out is None:  # empty_like: fewer arguments to parse than torch.empty(shape, dtype=, device=)
+            out = torch.empty_like(q) if self.out_like_q else torch.empty(self.o_shape, dtype=self.dtype,
+                                                                          device=self.device)
         if lse is None:
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+        if self.direct:  # the commonest call: nothing to prepare but the arguments
+            no_offsets = self.no_offsets
+            (launch or self.launch)(q, k, v, out, lse, self.seed, no_offsets, no_offsets, q, k, v, out,
+                                    *(self.head if head is None else head), *self.tail)
+            return out, lse
         if self.launch is None:
             if self.zero_fill:
                 out.zero_(), lse.fill_(float("-inf"))
@@ -315,6 +324,9 @@ class BackwardPlan(CallPlan):
         super().__init__(launcher, layout, q.device, seed=seed, offsets=offsets)
         self.dtype, self.shapes, self.lse_shape = q.dtype, (q.shape, k.shape, v.shape), lse.shape
         self.grads = grads  # {name: shape} of the named tensors differentiated (float32 buffers)
+        self.plain = self.plain and not grads
+        # shared gradient buffers: dq, dk, dv as one (3, ...) allocation, or dk, dv as one (2, ...)
+        self.stacked = (3, *q.shape) if q.shape == k.shape == v.shape else (2, *k.shape) if k.shape == v.shape else None
         self.preprocess = self.dkdv = self.dq = None  # BoundLaunch of each kernel (dq: None when atomic)
         self.preprocess_args = self.dkdv_head = self.dkdv_tail = self.dq_head = self.dq_tail = ()
         self.atomic = False  # dQ accumulated by the dK/dV kernel into a float32 buffer
@@ -327,6 +339,12 @@ class BackwardPlan(CallPlan):
                  shared=False):
         """shared: dq, dk, dv may be views of one allocation (autograd's path; a custom op's outputs
         must not alias one another)."""
+        if self.plain and self.short is not None:  # dense, no dropout, no named tensors: one launch
+            dq, dk, dv = self.gradient_buffers(shared)
+            no_offsets = self.no_offsets
+            self.short(q, k, v, out, do, lse, dk, dv, dq, self.seed, no_offsets, no_offsets, *self.short_head,
+                       *self.short_tail)
+            return dq, dk, dv, {}
         device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
         grads = {name: torch.zeros(shape, dtype=torch.float32, device=device)
                  for name, shape in self.grads.items()} if self.grads else None
@@ -366,16 +384,11 @@ class BackwardPlan(CallPlan):
     def gradient_buffers(self, shared):
         """Uninitialized dq, dk, dv (contiguous); shared: views of one allocation where their shapes are
         equal (one allocator call instead of three: H100 host 13.5 vs 20.5 us)."""
-        (q_shape, k_shape, v_shape), dtype, device = self.shapes, self.dtype, self.device
-
-        def empty(shape):
-            return torch.empty(shape, dtype=dtype, device=device)
-
-        if shared and q_shape == k_shape == v_shape:
-            return empty((3, *q_shape)).unbind(0)
-        if shared and k_shape == v_shape:
-            return (empty(q_shape), *empty((2, *k_shape)).unbind(0))
-        return empty(q_shape), empty(k_shape), empty(v_shape)
+        (q_shape, k_shape, v_shape), dtype, device, stacked = self.shapes, self.dtype, self.device, self.stacked
+        if shared and stacked is not None:
+            views = torch.empty(stacked, dtype=dtype, device=device).unbind(0)
+            return views if stacked[0] == 3 else (torch.empty(q_shape, dtype=dtype, device=device), *views)
+        return tuple(torch.empty(shape, dtype=dtype, device=device) for shape in (q_shape, k_shape, v_shape))
 
     def named_args(self, tensors, grads):
         """The kernels' arguments for the named tensors, and for the gradient buffers of the float ones
