@@ -387,6 +387,23 @@ def test_a_bad_call_after_a_good_one_still_names_the_argument():
         module.backward(out[:, :1], q, k, v, out, lse)
 
 
+def test_a_dense_training_call_keeps_five_tensors_and_out_is_contiguous_in_qs_layout():
+    """A dense call without dropout or named tensors keeps q, k, v, out, lse for its backward (its seed
+    is never read and it has no offsets); packed sequences keep the seed and offsets too. out is
+    contiguous whatever q's strides (torch.empty_like(q) only where q is contiguous itself)."""
+    q, k, v = (_inputs((1, 2, 9, 16), seed=s).clone().requires_grad_() for s in range(3))
+    out = flashgen.attention(q, k, v, causal=True)
+    assert len(out.grad_fn.saved_tensors) == 5
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
+    packed = [t.detach().transpose(1, 2).reshape(9, 2, 16).requires_grad_() for t in (q, k, v)]
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    assert len(flashgen.attention_varlen(*packed, cu, cu, 5, 5, causal=True).grad_fn.saved_tensors) == 8
+    q_t = q.detach().transpose(1, 2).contiguous().transpose(1, 2)  # bhsd view of bshd memory
+    out_t = flashgen.attention(q_t, k, v, causal=True)
+    assert out_t.is_contiguous() and torch.equal(out_t, out)
+
+
 def test_calls_that_cannot_need_a_gradient_skip_the_autograd_function(monkeypatch):
     applied = []
     original = ops._apply_function  # AttentionFunction.apply's C++ half, the eager entry

@@ -345,7 +345,7 @@ class BackwardPlan(CallPlan):
             self.short(q, k, v, out, do, lse, dk, dv, dq, self.seed, no_offsets, no_offsets, *self.short_head,
                        *self.short_tail)
             return dq, dk, dv, {}
-        device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
+        device, q_shape = self.device, self.shapes[0]
         grads = {name: torch.zeros(shape, dtype=torch.float32, device=device)
                  for name, shape in self.grads.items()} if self.grads else None
         dq, dk, dv = self.gradient_buffers(shared)
