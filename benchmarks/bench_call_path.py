@@ -262,8 +262,40 @@ def diagnose(seqlen=128):
     finally:
         BoundLaunch.launch = original
     result["triton-path launches in 10 fwd+bwd steps"] = sorted(set(slow)) or 0
+    result.update(pointer_ints(module, qd, kd, vd))
     print(json.dumps({"diagnose": f"S={seqlen}", **result}), flush=True)
     return result
+
+
+def pointer_ints(module, q, k, v):
+    """The dense forward's bound launch alone (host us, no sync), with its tensor arguments passed as
+    tensors (Triton's C launcher calls data_ptr() and cuPointerGetAttribute on each: 12 here) and as
+    their data_ptr() ints (which it takes as they are); and whether the two give bitwise equal out
+    and lse. A probe for the next cut, not what flashgen does."""
+    from flashgen.runtime.launch import launch_context
+
+    plan = module._LAUNCHER.forward_call_plan(q, k, v, "bhsd", None, None, None, 0.0, None, None, None, None, None,
+                                              None)
+    if not plan.direct:
+        return {"pointer ints probe": "not a direct plan"}
+
+    def args(out, lse):
+        return (q, k, v, out, lse, plan.seed, plan.no_offsets, plan.no_offsets, q, k, v, out, *plan.head, *plan.tail)
+
+    try:
+        outs = [(torch.empty_like(q), torch.empty(plan.lse_shape, device=q.device)) for _ in range(2)]
+        tensors = args(*outs[0])
+        ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args(*outs[1]))
+        plan.launch.run(launch_context(), tensors)
+        plan.launch.run(launch_context(), ints)
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, b) for a, b in zip(*outs))
+        return {"forward launch alone, tensor args": round(host_us(lambda: plan.launch.run(launch_context(), tensors)), 1),
+                "forward launch alone, pointer ints": round(host_us(lambda: plan.launch.run(launch_context(), ints)), 1),
+                "pointer ints bitwise equal": same,
+                "launch_context() alone": round(host_us(launch_context), 2)}
+    except Exception as exc:  # noqa: BLE001 - a probe
+        return {"pointer ints probe": "".join(traceback.format_exception_only(type(exc), exc)).strip()}
 
 
 def kernel_profile(step, steps, top=8, width=60):
