@@ -23,7 +23,7 @@ import os
 import torch
 import triton
 
-from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, tensor_key  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, contiguous_strides, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -60,15 +60,6 @@ def bhsd_order(s, layout):
     if layout == "thd":
         return (0, s[1], s[0], s[2])
     return (s[0], s[1], s[2], s[3]) if layout == "bhsd" else (s[0], s[2], s[1], s[3])
-
-
-def contiguous_strides(shape):
-    """The strides torch.empty(shape) has."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def tma_strides_ok(strides, element_size):
@@ -643,8 +634,7 @@ class AttentionLauncher:
                                        deterministic, tensors, tuple(tensor_grads), cu_seqlens_q, cu_seqlens_k,
                                        offsets[2], offsets[3], {})
             plan.backward_plans[key] = bplan
-        return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True,
-                     shared=True)
+        return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True)
 
     def forward_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs):
@@ -713,8 +703,6 @@ class AttentionLauncher:
             plan.launch = BoundLaunch(self.forward_kernel, grid, dict(
                 flags, TMA=tma, WARP_SPECIALIZE=cfg["warp_specialize"], **launch))
             plan.direct = plan.plain and not tma and not self.fp8
-            plan.out_like_q = (out is None and q.shape == o_shape and q.dtype == self.out_dtype
-                               and q.stride() == o_strides)
         else:
             rows = q.shape[0] if layout == "thd" else batch * seqlen_q
             plan.buffers = (num_heads * rows, self.block_dv)
