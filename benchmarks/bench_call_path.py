@@ -195,8 +195,11 @@ def compile_check():
         return {"ok": False, "error": "".join(traceback.format_exception_only(type(exc), exc)).strip()}
 
 
-class _AllocOnly(torch.autograd.Function):
-    """An autograd.Function that launches nothing: out/lse and dq/dk/dv allocated, as flashgen's."""
+class AllocOnly(torch.autograd.Function):
+    """The autograd floor: an autograd.Function that launches nothing, out/lse and dq/dk/dv allocated,
+    entered and left as flashgen's eager path is (its backward without once_differentiable's wrapper,
+    which flashgen takes only under create_graph; v1-v6's floor had it). benchmarks/call_path_host.py
+    times it too."""
 
     @staticmethod
     def forward(ctx, q, k, v):
@@ -206,7 +209,6 @@ class _AllocOnly(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -234,8 +236,10 @@ def diagnose(seqlen=128):
     module = kernel.module(kernel.config_for(seqlen))
     qd, kd, vd = (t.detach() for t in (q, k, v))
     out, lse = module.forward(qd, kd, vd)
+    launcher = module._LAUNCHER  # the training entries autograd's Function calls, here on the main thread
+    t_out, t_lse, t_plan = launcher.training_forward(qd, kd, vd, "bhsd", 0.0, None, None, None, None, None, None)
     rows = {
-        "autograd floor: allocating Function, fwd+bwd": lambda: torch.autograd.grad(_AllocOnly.apply(q, k, v)[0],
+        "autograd floor: allocating Function, fwd+bwd": lambda: torch.autograd.grad(AllocOnly.apply(q, k, v)[0],
                                                                                    (q, k, v), do),
         "sdpa_flash fwd+bwd": lambda: torch.autograd.grad(sdpa(q, k, v), (q, k, v), do),
         "sdpa_flash fwd+bwd, sdpa_kernel per call": lambda: torch.autograd.grad(sdpa_per_call(q, k, v), (q, k, v), do),
@@ -243,6 +247,12 @@ def diagnose(seqlen=128):
         "flashgen fwd+bwd": lambda: torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do),
         "flashgen module.forward alone": lambda: module.forward(qd, kd, vd),
         "flashgen module.backward alone": lambda: module.backward(do, qd, kd, vd, out, lse),
+        # the step's halves: what the forward costs with autograd recording it, and the backward's host work
+        # without autograd's engine (step - forward - training_backward: the engine, its thread, grad's wrapper)
+        "flashgen forward recorded by autograd": lambda: flashgen.attention(q, k, v, causal=True),
+        "flashgen training_backward alone": lambda: launcher.training_backward(t_plan, do, qd, kd, vd, t_out, t_lse,
+                                                                               None, None, None, None),
+        "autograd floor: forward alone": lambda: AllocOnly.apply(q, k, v),
         "3 x torch.empty(shape, dtype=, device=)": lambda: [torch.empty(q.shape, dtype=q.dtype, device=q.device)
                                                              for _ in range(3)],
         "3 x torch.empty_like(q)": lambda: [torch.empty_like(qd) for _ in range(3)],

@@ -86,22 +86,8 @@ def cases():
     def fwd_bwd():
         torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do)
 
-    class AllocOnly(torch.autograd.Function):
-        """The autograd floor: a Python autograd.Function that launches nothing, allocating what
-        flashgen's does (out, lse; dq, dk, dv), entered and left as flashgen's eager path is (no
-        once_differentiable wrapper). What a step through any Python autograd.Function costs."""
-
-        @staticmethod
-        def forward(ctx, q, k, v):
-            out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-            ctx.save_for_backward(q, k, v, out, lse)
-            ctx.mark_non_differentiable(lse)
-            return out, lse
-
-        @staticmethod
-        def backward(ctx, dout, dlse):
-            q, k, v, out, lse = ctx.saved_tensors
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_call_path import AllocOnly  # an autograd.Function that allocates what flashgen's does
 
     def autograd_floor():
         torch.autograd.grad(AllocOnly.apply(q, k, v)[0], (q, k, v), do)
