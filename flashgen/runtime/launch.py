@@ -251,9 +251,15 @@ def allocator(shape, dtype, device):
     empty_like gives an overlapping input (a zero stride over a dim of 2 or more elements) contiguous
     strides; of one element or none it would keep the zero strides, so those take torch.empty."""
     if math.prod(shape) > 1:
-        template = torch.empty((), dtype=dtype, device=device).expand(shape)
+        base = TEMPLATE_BASES.get((dtype, device))
+        if base is None:
+            base = TEMPLATE_BASES[(dtype, device)] = torch.empty((), dtype=dtype, device=device)
+        template = base.expand(shape)
         return lambda: torch.empty_like(template)
     return lambda: torch.empty(shape, dtype=dtype, device=device)
+
+
+TEMPLATE_BASES = {}  # (dtype, device) -> the 0-d tensor allocator() expands (never read or written)
 
 
 def tensor_key(t):
