@@ -42,7 +42,6 @@ into standalone modules, so its top-level names must not clash with the kernels'
 with an underscore or are upper case) or host.py's.
 """
 
-import math
 import os
 
 import torch
@@ -250,7 +249,7 @@ def allocator(shape, dtype, device):
     host per call against ~10 us for torch.empty(shape, dtype=, device=); bench_call_path --diagnose).
     empty_like gives an overlapping input (a zero stride over a dim of 2 or more elements) contiguous
     strides; of one element or none it would keep the zero strides, so those take torch.empty."""
-    if math.prod(shape) > 1:
+    if torch.Size(shape).numel() > 1:
         base = TEMPLATE_BASES.get((dtype, device))
         if base is None:
             base = TEMPLATE_BASES[(dtype, device)] = torch.empty((), dtype=dtype, device=device)
