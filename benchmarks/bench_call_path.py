@@ -6,7 +6,10 @@ Cases: B=1, H=16, S=128 and 512; then S=1024..16384 at 16384 tokens (B = 16384 /
 through Triton's launch path on every call (flashgen_triton_path: FLASHGEN_BOUND_LAUNCH=0), with
 pointer loads instead of tensor descriptors (flashgen_no_tma) and with the one-launch short backward
 forced off (flashgen_no_short: the call's default config with bwd_short=False, the portable
-preprocess, dK/dV and dQ launches), SDPA flash, cuDNN, FlexAttention compiled. Per provider:
+preprocess, dK/dV and dQ launches), SDPA flash, cuDNN, FlexAttention compiled. The SDPA providers
+choose their backend once around all of their timing (sdpa_kernel entered per call costs ~14 us of
+CPU on the CI machine, more than flashgen's own per-call work: the anchor of v1-v5 paid it on every
+call; that form is kept as provider sdpa_flash_ctx, not the anchor). Per provider:
 host_us (CPU time per call, no sync inside the loop, many calls; forward rows add
 grad_fwd_host_us, the forward with autograd recording) and gpu_ms (triton's do_bench median).
 Every provider's output is checked against SDPA's math before it is timed; each provider records its own error and the run goes on. Last: a torch.compile
@@ -19,6 +22,7 @@ Writes benchmarks/results/<date>-<gpu>-call-path.json and .md (or under --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import re
@@ -39,6 +43,7 @@ from flashgen.config import default_config  # noqa: E402
 from flashgen.runtime.launch import BoundLaunch  # noqa: E402
 
 ANCHOR = "sdpa_flash"
+ANCHORS = (ANCHOR, "sdpa_flash_ctx")  # ratios are given against each one present
 HEADS, DIM = 16, 128
 CASES = [(1, 128), (1, 512)] + [(16384 // s, s) for s in (1024, 2048, 4096, 8192, 16384)]
 
@@ -51,10 +56,14 @@ def providers():
     masks = {}
 
     def sdpa_with(backend):
-        def call(q, k, v):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        def call(q, k, v):  # run_case enters call.context() around everything it times
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        call.context = lambda: sdpa_kernel(backend)
         return call
+
+    def sdpa_per_call(q, k, v):  # the anchor of v1-v5: the backend chosen on every call
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def flex_call(q, k, v):
         key = (q.shape[0], q.shape[2])
@@ -89,8 +98,13 @@ def providers():
 
     return {"flashgen": lambda q, k, v: flashgen.attention(q, k, v, causal=True),
             "flashgen_triton_path": triton_path, "flashgen_no_tma": no_tma, "flashgen_no_short": no_short,
-            "sdpa_flash": sdpa_with(SDPBackend.FLASH_ATTENTION), "cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION),
-            "flex": flex_call}
+            "sdpa_flash": sdpa_with(SDPBackend.FLASH_ATTENTION), "sdpa_flash_ctx": sdpa_per_call,
+            "cudnn": sdpa_with(SDPBackend.CUDNN_ATTENTION), "flex": flex_call}
+
+
+def context(fn):
+    """What a provider's calls run inside (the SDPA backend, chosen once), or a no-op."""
+    return getattr(fn, "context", contextlib.nullcontext)()
 
 
 def host_us(fn, calls=200):
@@ -116,42 +130,51 @@ def graph_ms(step):
         return None
 
 
-def run_case(batch, seqlen, mode, fns, graph=False):
-    from triton.testing import do_bench
-
+def run_case(batch, seqlen, mode, fns, graph=False, reverse=False):
+    """One (case, mode) row: every provider checked and timed in turn (in reverse order when `reverse`:
+    repeats alternate it, so a drift of the host's speed within a row does not favour one provider)."""
     q, k, v = (torch.randn(batch, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     do = torch.randn_like(q)
     with torch.no_grad():
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     row = {"case": f"B={batch} H={HEADS} S={seqlen} hd{DIM} causal bf16", "mode": mode}
-    for name, attn in fns.items():
+    for name in list(fns)[::-1] if reverse else list(fns):
         try:
-            err = (attn(q, k, v).float() - ref).abs().max().item()
-            if not err < 0.05:
-                raise AssertionError(f"max |out - SDPA math| = {err:.4f}")
-            if mode == "forward":
-                def step():
-                    with torch.no_grad():
-                        attn(q, k, v)
-                # the forward of a training step: autograd records it (no backward here)
-                row[f"{name}_grad_fwd_host_us"] = round(host_us(lambda: attn(q, k, v)), 1)
-            else:
-                def step():
-                    torch.autograd.grad(attn(q, k, v), (q, k, v), do)
-            row[f"{name}_host_us"] = round(host_us(step), 1)
-            row[f"{name}_gpu_ms"] = round(do_bench(step, return_mode="median"), 4)
-            if graph and name in ("flashgen", ANCHOR):  # what eager pays beyond its kernels
-                row[f"{name}_graph_ms"] = graph_ms(step)
+            with context(fns[name]):
+                measure(row, name, fns[name], (q, k, v), do, ref, mode, graph)
         except Exception as exc:  # noqa: BLE001 - one provider's failure is recorded, the run goes on
             row.setdefault("errors", {})[name] = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             traceback.print_exc()
-    anchor = row.get(f"{ANCHOR}_gpu_ms")
-    for name in fns:
-        if anchor and row.get(f"{name}_gpu_ms"):
-            row[f"{name}_ratio_vs_{ANCHOR}"] = round(row[f"{name}_gpu_ms"] / anchor, 3)
+    for anchor in ANCHORS:
+        base = row.get(f"{anchor}_gpu_ms")
+        for name in fns:
+            if base and row.get(f"{name}_gpu_ms") and name not in ANCHORS:
+                row[f"{name}_ratio_vs_{anchor}"] = round(row[f"{name}_gpu_ms"] / base, 3)
     print(json.dumps(row), flush=True)
     return row
+
+
+def measure(row, name, attn, qkv, do, ref, mode, graph):
+    """One provider's check against SDPA's math, then its host_us and gpu_ms (and graph_ms), into row."""
+    from triton.testing import do_bench
+
+    err = (attn(*qkv).float() - ref).abs().max().item()
+    if not err < 0.05:
+        raise AssertionError(f"max |out - SDPA math| = {err:.4f}")
+    if mode == "forward":
+        def step():
+            with torch.no_grad():
+                attn(*qkv)
+        # the forward of a training step: autograd records it (no backward here)
+        row[f"{name}_grad_fwd_host_us"] = round(host_us(lambda: attn(*qkv)), 1)
+    else:
+        def step():
+            torch.autograd.grad(attn(*qkv), qkv, do)
+    row[f"{name}_host_us"] = round(host_us(step), 1)
+    row[f"{name}_gpu_ms"] = round(do_bench(step, return_mode="median"), 4)
+    if graph and name in ("flashgen", ANCHOR):  # what eager pays beyond its kernels
+        row[f"{name}_graph_ms"] = graph_ms(step)
 
 
 def compile_check():
@@ -172,8 +195,11 @@ def compile_check():
         return {"ok": False, "error": "".join(traceback.format_exception_only(type(exc), exc)).strip()}
 
 
-class _AllocOnly(torch.autograd.Function):
-    """An autograd.Function that launches nothing: out/lse and dq/dk/dv allocated, as flashgen's."""
+class AllocOnly(torch.autograd.Function):
+    """The autograd floor: an autograd.Function that launches nothing, out/lse and dq/dk/dv allocated,
+    entered and left as flashgen's eager path is (its backward without once_differentiable's wrapper,
+    which flashgen takes only under create_graph; v1-v6's floor had it). benchmarks/call_path_host.py
+    times it too."""
 
     @staticmethod
     def forward(ctx, q, k, v):
@@ -183,7 +209,6 @@ class _AllocOnly(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -191,27 +216,53 @@ class _AllocOnly(torch.autograd.Function):
 
 def diagnose(seqlen=128):
     """Where a fwd+bwd step's host time goes at B=1, S=seqlen: host us per call (no sync) of the
-    autograd floor (a Python autograd.Function that only allocates), SDPA flash, flashgen, and
-    flashgen's forward and backward module calls alone on the main thread (no autograd)."""
+    autograd floor (a Python autograd.Function that only allocates), SDPA flash (its backend chosen
+    once; and chosen per call, as v1-v5's anchor, and that choice alone), flashgen, flashgen's forward
+    and backward module calls alone on the main thread (no autograd), and the allocations a step
+    makes (three gradients by torch.empty with keywords, by empty_like, as views of one tensor)."""
+    from torch.nn.attention import sdpa_kernel, SDPBackend
+
     q, k, v = (torch.randn(1, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     do = torch.randn_like(q)
-    sdpa = providers()["sdpa_flash"]
+    sdpa, sdpa_per_call = providers()["sdpa_flash"], providers()["sdpa_flash_ctx"]
+
+    def choose_flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            pass
     # the module a call of this length runs (its bucket's default; compile(spec).module() alone would be the
     # DEFAULT_SEQLEN bucket's: descriptors and the Gluon dK/dV at hd128 causal, not what S <= 512 runs)
     kernel = flashgen.compile(spec_for(q, k, v, causal=True, softmax_scale=None, layout="bhsd"))
     module = kernel.module(kernel.config_for(seqlen))
     qd, kd, vd = (t.detach() for t in (q, k, v))
     out, lse = module.forward(qd, kd, vd)
+    launcher = module._LAUNCHER  # the training entries autograd's Function calls, here on the main thread
+    t_out, t_lse, t_plan = launcher.training_forward(qd, kd, vd, "bhsd", 0.0, None, None, None, None, None, None)
     rows = {
-        "autograd floor: allocating Function, fwd+bwd": lambda: torch.autograd.grad(_AllocOnly.apply(q, k, v)[0],
+        "autograd floor: allocating Function, fwd+bwd": lambda: torch.autograd.grad(AllocOnly.apply(q, k, v)[0],
                                                                                    (q, k, v), do),
         "sdpa_flash fwd+bwd": lambda: torch.autograd.grad(sdpa(q, k, v), (q, k, v), do),
+        "sdpa_flash fwd+bwd, sdpa_kernel per call": lambda: torch.autograd.grad(sdpa_per_call(q, k, v), (q, k, v), do),
+        "sdpa_kernel enter/exit alone": choose_flash,
         "flashgen fwd+bwd": lambda: torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do),
         "flashgen module.forward alone": lambda: module.forward(qd, kd, vd),
         "flashgen module.backward alone": lambda: module.backward(do, qd, kd, vd, out, lse),
+        # the step's halves: what the forward costs with autograd recording it, and the backward's host work
+        # without autograd's engine (step - forward - training_backward: the engine, its thread, grad's wrapper)
+        "flashgen forward recorded by autograd": lambda: flashgen.attention(q, k, v, causal=True),
+        "flashgen training_backward alone": lambda: launcher.training_backward(t_plan, do, qd, kd, vd, t_out, t_lse,
+                                                                               None, None, None, None),
+        "autograd floor: forward alone": lambda: AllocOnly.apply(q, k, v),
+        "3 x torch.empty(shape, dtype=, device=)": lambda: [torch.empty(q.shape, dtype=q.dtype, device=q.device)
+                                                             for _ in range(3)],
+        "3 x torch.empty_like(q)": lambda: [torch.empty_like(qd) for _ in range(3)],
+        "torch.empty((3, *shape), ...).unbind(0)": lambda: torch.empty((3, *q.shape), dtype=q.dtype,
+                                                                        device=q.device).unbind(0),
     }
-    result = {name: round(host_us(fn), 1) for name, fn in rows.items()}
+    result = {}
+    for name, fn in rows.items():
+        with context(sdpa) if name == "sdpa_flash fwd+bwd" else contextlib.nullcontext():
+            result[name] = round(host_us(fn), 1)
     # launches that took Triton's path (not bound) in 10 more flashgen fwd+bwd steps: expected 0
     original, slow = BoundLaunch.launch, []
     BoundLaunch.launch = lambda self, args: slow.append(self.kernel.__name__) or original(self, args)
@@ -221,8 +272,40 @@ def diagnose(seqlen=128):
     finally:
         BoundLaunch.launch = original
     result["triton-path launches in 10 fwd+bwd steps"] = sorted(set(slow)) or 0
+    result.update(pointer_ints(module, qd, kd, vd))
     print(json.dumps({"diagnose": f"S={seqlen}", **result}), flush=True)
     return result
+
+
+def pointer_ints(module, q, k, v):
+    """The dense forward's bound launch alone (host us, no sync), with its tensor arguments passed as
+    tensors (Triton's C launcher calls data_ptr() and cuPointerGetAttribute on each: 12 here) and as
+    their data_ptr() ints (which it takes as they are); and whether the two give bitwise equal out
+    and lse. A probe for the next cut, not what flashgen does."""
+    from flashgen.runtime.launch import launch_context
+
+    plan = module._LAUNCHER.forward_call_plan(q, k, v, "bhsd", None, None, None, 0.0, None, None, None, None, None,
+                                              None)
+    if not plan.direct:
+        return {"pointer ints probe": "not a direct plan"}
+
+    def args(out, lse):
+        return (q, k, v, out, lse, plan.seed, plan.no_offsets, plan.no_offsets, q, k, v, out, *plan.head, *plan.tail)
+
+    try:
+        outs = [(torch.empty_like(q), torch.empty(plan.lse_shape, device=q.device)) for _ in range(2)]
+        tensors = args(*outs[0])
+        ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args(*outs[1]))
+        plan.launch.run(launch_context(), tensors)
+        plan.launch.run(launch_context(), ints)
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, b) for a, b in zip(*outs))
+        return {"forward launch alone, tensor args": round(host_us(lambda: plan.launch.run(launch_context(), tensors)), 1),
+                "forward launch alone, pointer ints": round(host_us(lambda: plan.launch.run(launch_context(), ints)), 1),
+                "pointer ints bitwise equal": same,
+                "launch_context() alone": round(host_us(launch_context), 2)}
+    except Exception as exc:  # noqa: BLE001 - a probe
+        return {"pointer ints probe": "".join(traceback.format_exception_only(type(exc), exc)).strip()}
 
 
 def kernel_profile(step, steps, top=8, width=60):
@@ -258,9 +341,10 @@ def kernel_times(seqlen, steps=20):
     for name in ("flashgen", "flashgen_no_short", "sdpa_flash"):
         def step(attn=fns[name]):
             torch.autograd.grad(attn(q, k, v), (q, k, v), do)
-        for _ in range(3):
-            step()
-        result[name] = kernel_profile(step, steps)
+        with context(fns[name]):
+            for _ in range(3):
+                step()
+            result[name] = kernel_profile(step, steps)
     print(json.dumps({"kernels": f"S={seqlen}", **result}), flush=True)
     return result
 
@@ -287,7 +371,7 @@ def main():
     if args.providers != "all":
         fns = {name: fns[name] for name in args.providers.split(",")}
     seqlens = {int(s) for s in args.seqlens.split(",")}
-    rows = [dict(run_case(b, s, mode, fns, graph=args.graph and mode == "fwd+bwd"), run=i)
+    rows = [dict(run_case(b, s, mode, fns, graph=args.graph and mode == "fwd+bwd", reverse=i % 2 == 1), run=i)
             for b, s in CASES if s in seqlens for i in range(args.repeat if s <= 512 else 1)
             for mode in ("forward", "fwd+bwd")]
     env = environment()
@@ -307,13 +391,14 @@ def main():
         cells = [f"{r.get(f'{n}_host_us', '-')} / {r.get(f'{n}_gpu_ms', '-')}" for n in names]
         lines.append(f"| {r['case']} | {r['mode']} | " + " | ".join(cells)
                      + f" | {r.get(f'flashgen_ratio_vs_{ANCHOR}', '-')} |")
-    for name in (n for n in names if n.startswith("flashgen")):
-        ratio = f"{name}_ratio_vs_{ANCHOR}"
+    for name, anchor in ((n, a) for a in ANCHORS for n in names if n.startswith("flashgen")):
+        ratio = f"{name}_ratio_vs_{anchor}"
         for case, mode in dict.fromkeys((r["case"], r["mode"]) for r in rows):
             ratios = [r[ratio] for r in rows if (r["case"], r["mode"]) == (case, mode) and ratio in r]
             if len(ratios) > 1:
-                lines.append(f"\n{case} {mode}: {name} / {ANCHOR} median {statistics.median(ratios):.3f} "
-                             f"of {len(ratios)} runs ({', '.join(map(str, ratios))})")
+                lines.append(f"\n{case} {mode}: {name} / {anchor} median {statistics.median(ratios):.3f} "
+                             f"(spread {min(ratios):.3f}-{max(ratios):.3f}) of {len(ratios)} runs "
+                             f"({', '.join(map(str, ratios))})")
     for r in rows:
         if r.get("flashgen_graph_ms") is not None:
             lines.append(f"\n{r['case']} {r['mode']} from a CUDA graph (gpu ms): flashgen {r['flashgen_graph_ms']}, "

@@ -86,6 +86,12 @@ def cases():
     def fwd_bwd():
         torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do)
 
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_call_path import AllocOnly  # an autograd.Function that allocates what flashgen's does
+
+    def autograd_floor():
+        torch.autograd.grad(AllocOnly.apply(q, k, v)[0], (q, k, v), do)
+
     # The same step with the one-launch short backward forced off (the H100 default's other knobs): the
     # preprocess, dK/dV and dQ launches and the delta buffer it saves, in this process beside the default.
     from flashgen.api import spec_for
@@ -175,6 +181,7 @@ def cases():
         return call
 
     return {"forward (no grad)": forward, "forward (grad)": forward_grad, "fwd+bwd": fwd_bwd,
+            "fwd+bwd autograd floor (allocating autograd.Function, no kernels)": autograd_floor,
             "fwd+bwd, bwd_short off (portable backward)": fwd_bwd_portable,
             "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward,
             "generation step (B=4, 16/4 heads, new length)": generation_step,
@@ -184,14 +191,14 @@ def cases():
             "hopper_ws forward S=4096 (causal)": hopper_forward(4096, True)}
 
 
-def per_call_us(call, calls, repeat):
+def per_call_us(call, calls, repeat, clock=time.perf_counter):
     call()
     best = float("inf")
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(calls):
             call()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        best = min(best, (clock() - t0) / calls * 1e6)
     return best
 
 
@@ -201,6 +208,9 @@ def main():
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--profile", help="cProfile this case (bound launches on) instead of timing")
     parser.add_argument("--cases", help="time only the cases whose name contains this text")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by this process's CPU time (time.process_time), not the wall clock: on a "
+                             "shared machine other processes' load then moves the figures less")
     parser.add_argument("--decode-queries", type=int, default=None,
                         help="AttentionLauncher.DECODE_QUERIES (0: no length-free plans, each new length plans afresh)")
     args = parser.parse_args()
@@ -221,7 +231,9 @@ def main():
         profile.runcall(lambda: [call() for _ in range(args.calls)])
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
         return
-    print(f"flashgen host us per call, B={B} H={H} S={S} hd{D} causal bf16 (least of {args.repeat} x {args.calls})")
+    clock = "CPU time" if args.cpu_time else "wall clock"
+    print(f"flashgen host us per call, B={B} H={H} S={S} hd{D} causal bf16 (least of {args.repeat} x {args.calls}, "
+          f"{clock})")
     print("| case | bound launches | Triton's path (FLASHGEN_BOUND_LAUNCH=0) |\n|---|---|---|")
     for name, call in table.items():
         if args.cases and args.cases not in name:
@@ -229,7 +241,8 @@ def main():
         times = []
         for enabled in (True, False):
             BoundLaunch.enabled = enabled
-            times.append(per_call_us(call, args.calls, args.repeat))
+            times.append(per_call_us(call, args.calls, args.repeat,
+                                     time.process_time if args.cpu_time else time.perf_counter))
         BoundLaunch.enabled = True
         print(f"| {name} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
 

@@ -53,6 +53,7 @@ class AttentionKernel:
         self._bucket_ids = {b: self.kernel_id(c) for b, c in self.bucket_configs.items()}
         self._length_ids: dict[int, str] = {}  # sequence length -> its nearest bucket's kernel id (a call's lookup)
         self._names = tuple(spec.tensor_names)  # the named tensors a call passes, in kernel order
+        self._fp8, self._dropout_p = spec.fp8, spec.dropout_p  # read on every call
 
     def config_for(self, seqlen: int) -> KernelConfig:
         """The config a call at this sequence length uses."""
@@ -125,7 +126,7 @@ class AttentionKernel:
         return [tensors[n] for n in self._names]
 
     def _seed(self, dropout_p, device):
-        p = self.spec.dropout_p if dropout_p is None else float(dropout_p)
+        p = self._dropout_p if dropout_p is None else float(dropout_p)
         if p > 0:
             return p, torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
         return p, _unused_seed(device)
@@ -138,13 +139,19 @@ class AttentionKernel:
         Tensors the spec's mask or score_mod reads are passed by name (``document_ids=ids``);
         gradients flow into float ones that require grad. FP8 specs take float32 descale factors
         per (batch, KV head) (q * q_descale is the value meant) and return bf16; no gradient."""
+        return self._call(q, k, v, layout, return_lse, config, dropout_p, deterministic,
+                          (q_descale, k_descale, v_descale), tensors)
+
+    def _call(self, q, k, v, layout, return_lse, config, dropout_p, deterministic, descales, tensors):
+        """__call__ with its arguments by position (flashgen.attention calls it so: no keyword
+        arguments packed and unpacked twice per call)."""
         kernel_id = self._id
         if config is not None or self._bucket_ids:
             seq = 2 if layout == "bhsd" else 1
             kernel_id = self._kernel_id_for(config, max(q.shape[seq], k.shape[seq]) if q.dim() == 4 else q.shape[0])
-        if self.spec.fp8 or q_descale is not None or k_descale is not None or v_descale is not None:
-            out, lse = ops.apply_fp8_attention(q, k, v, (q_descale, k_descale, v_descale), kernel_id=kernel_id,
-                                               layout=layout, tensors=self._tensor_list(tensors))
+        if self._fp8 or descales[0] is not None or descales[1] is not None or descales[2] is not None:
+            out, lse = ops.apply_fp8_attention(q, k, v, descales, kernel_id=kernel_id, layout=layout,
+                                               tensors=self._tensor_list(tensors))
             return (out, lse) if return_lse else out
         p, seed = self._seed(dropout_p, q.device)
         out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout=layout, seed=seed,
@@ -408,17 +415,17 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     ``v_descale`` are float32 factors per (batch, KV head), as FlashAttention-3's (q * q_descale
     is the value meant; None: 1; see flashgen.quantize_fp8); the output is bf16; forward only.
     """
-    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    descales = (q_descale, k_descale, v_descale)
     eager_key, kernel = _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
     if kernel is None:
         key = _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
         if key is not None and config is None and torch.compiler.is_compiling():
-            return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors,
-                                  descales=tuple(descales.values()))
+            return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, descales=descales)
         kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
                        mask=mask, score_mod=score_mod, config=config)
         _remember(eager_key, kernel)
-    return kernel(q, k, v, layout=layout, return_lse=return_lse, deterministic=deterministic, **descales, **tensors)
+    # the bound kernel's config follows the call's length (its buckets), as the kernel's own __call__
+    return kernel._call(q, k, v, layout, return_lse, None, None, deterministic, descales, tensors)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,

@@ -214,7 +214,11 @@ class AttentionFunction(torch.autograd.Function):
     which dominates attention calls of under a millisecond (a sliding window, short documents).
     Under torch.compile the custom ops above are used instead (apply_attention picks). The
     non-tensor arguments travel as one tuple (the module first): autograd.Function.apply pays per
-    argument."""
+    argument. Eager calls enter through _apply_function (Function.apply's C++ half directly).
+
+    A dense call without dropout or named tensors saves q, k, v, out, lse only: its seed is the
+    unused one (the plan passes its own) and it has no offsets, so there is nothing else to keep
+    for the backward (each saved tensor costs a pack and an unpack per step)."""
 
     @staticmethod
     def forward(ctx, q, k, v, seed, cu_q, cu_k, call, *tensors):
@@ -224,7 +228,10 @@ class AttentionFunction(torch.autograd.Function):
         out, lse, ctx.plan = module._LAUNCHER.training_forward(q, k, v, layout, dropout_p, seed,
                                                                _named(module, tensors), cu_q, cu_k,
                                                                max_q if varlen else None, max_k if varlen else None)
-        ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
+        if varlen or dropout_p or tensors:
+            ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
+        else:
+            ctx.save_for_backward(q, k, v, out, lse)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -240,8 +247,14 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def gradients(ctx, dout, dlse):
-        q, k, v, out, lse, seed, cu_q, cu_k, *tensors = ctx.saved_tensors
+        saved = ctx.saved_tensors
         module, layout, dropout_p, deterministic, max_q, max_k = ctx.call
+        if len(saved) == 5:  # dense, no dropout, no named tensors (forward): straight to the plan's backward
+            q, k, v, out, lse = saved
+            dq, dk, dv, _ = module._LAUNCHER.training_backward(ctx.plan, dout, q, k, v, out, lse, None, None, None,
+                                                               None, deterministic=deterministic)
+            return dq, dk, dv, None, None, None, None
+        q, k, v, out, lse, seed, cu_q, cu_k, *tensors = saved
         dq, dk, dv, tensor_grads = _backward_grads(dout, q, k, v, out, lse, seed, tensors, module, layout,
                                                    dropout_p, deterministic, ctx.needs_input_grad[7:], cu_q, cu_k,
                                                    max_q, max_k, ctx.plan)
@@ -249,6 +262,23 @@ class AttentionFunction(torch.autograd.Function):
 
 
 _once_differentiable_backward = torch.autograd.function.once_differentiable(AttentionFunction.gradients)
+# Function.apply's C++ half (what its Python classmethod calls last): the classmethod also binds
+# default arguments (only with a setup_context, which this Function has not), checks for functorch
+# transforms and unwraps dead functorch wrappers among the arguments, ~2 us of a ~50 us step on the
+# CI CPU (benchmarks/call_path_host.py). _apply_function does the last two itself, for q, k, v and
+# the named tensors (the other arguments are flashgen's own), and leaves transforms to apply.
+_c_apply = super(torch.autograd.Function, AttentionFunction).apply
+_transforms_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _apply_function(q, k, v, seed, cu_q, cu_k, call, *tensors):
+    """AttentionFunction.apply(...), the eager path's entry."""
+    if _transforms_active():
+        return AttentionFunction.apply(q, k, v, seed, cu_q, cu_k, call, *tensors)
+    if tensors:
+        tensors = [_unwrap_if_dead(t) for t in tensors]
+    return _c_apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), seed, cu_q, cu_k, call, *tensors)
 
 
 # ----------------------------------------------------------------------------- FP8 (forward only)
@@ -296,7 +326,7 @@ def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor,
     module = kernel_module(kernel_id)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (tensors and any(t.requires_grad for t in tensors))):
-        return AttentionFunction.apply(q, k, v, seed, cu_seqlens_q, cu_seqlens_k,
-                                       (module, layout, dropout_p, deterministic, max_seqlen_q, max_seqlen_k), *tensors)
+        return _apply_function(q, k, v, seed, cu_seqlens_q, cu_seqlens_k,
+                               (module, layout, dropout_p, deterministic, max_seqlen_q, max_seqlen_k), *tensors)
     return _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k)

@@ -284,8 +284,9 @@ def test_a_training_step_keys_and_checks_its_calls_once(monkeypatch):
     launcher = module._LAUNCHER
     launcher.plans.clear()
     keys, reads = [], []
-    plan_key, check = launcher.plan_key, host.check_cu_seqlens
+    plan_key, dense_key, check = launcher.plan_key, launcher.dense_key, host.check_cu_seqlens
     monkeypatch.setattr(launcher, "plan_key", lambda *a: keys.append(a[0][0]) or plan_key(*a))
+    monkeypatch.setattr(launcher, "dense_key", lambda *a: keys.append("dense") or dense_key(*a))
     monkeypatch.setattr(host, "check_cu_seqlens", lambda *a: reads.append(1) or check(*a))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 20, 16, generator=gen).half().requires_grad_() for _ in range(3))
@@ -295,7 +296,7 @@ def test_a_training_step_keys_and_checks_its_calls_once(monkeypatch):
         out = kernel(q, k, v)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
         assert_gradients_close(grads, q, k, v, do, causal=True)
-    assert keys == ["fwd"] * 3
+    assert keys == ["dense"] * 3  # dense q, k, v and nothing else: the flat key (AttentionLauncher.dense_key)
     (plan,) = launcher.plans.values()
     assert len(plan.backward_plans) == 2  # dO contiguous, dO transposed
     monkeypatch.setattr(BoundLaunch, "enabled", False)
@@ -386,10 +387,35 @@ def test_a_bad_call_after_a_good_one_still_names_the_argument():
         module.backward(out[:, :1], q, k, v, out, lse)
 
 
+@pytest.mark.parametrize("shape", [(1, 16, 128, 128), (2, 3, 1, 1), (1, 16, 1, 128), (1, 1, 1, 1), (4, 0, 8), (7,)])
+def test_allocator_gives_contiguous_tensors(shape):
+    # empty_like of an expanded 0-d template where that is contiguous; torch.empty for one element or none
+    for dtype in (torch.float16, torch.float32):
+        t = launch.allocator(shape, dtype, torch.device("cpu"))()
+        assert t.shape == shape and t.dtype == dtype and t.stride() == torch.empty(shape).stride()
+
+
+def test_a_dense_training_call_keeps_five_tensors_and_out_is_contiguous_in_qs_layout():
+    """A dense call without dropout or named tensors keeps q, k, v, out, lse for its backward (its seed
+    is never read and it has no offsets); packed sequences keep the seed and offsets too. out is
+    contiguous whatever q's strides (torch.empty_like(q) only where q is contiguous itself)."""
+    q, k, v = (_inputs((1, 2, 9, 16), seed=s).clone().requires_grad_() for s in range(3))
+    out = flashgen.attention(q, k, v, causal=True)
+    assert len(out.grad_fn.saved_tensors) == 5
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert all(g.is_contiguous() and g._base is None for g in grads)  # three allocations, not views
+    packed = [t.detach().transpose(1, 2).reshape(9, 2, 16).requires_grad_() for t in (q, k, v)]
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    assert len(flashgen.attention_varlen(*packed, cu, cu, 5, 5, causal=True).grad_fn.saved_tensors) == 8
+    q_t = q.detach().transpose(1, 2).contiguous().transpose(1, 2)  # bhsd view of bshd memory
+    out_t = flashgen.attention(q_t, k, v, causal=True)
+    assert out_t.is_contiguous() and torch.equal(out_t, out)
+
+
 def test_calls_that_cannot_need_a_gradient_skip_the_autograd_function(monkeypatch):
     applied = []
-    original = ops.AttentionFunction.apply
-    monkeypatch.setattr(ops.AttentionFunction, "apply", lambda *a: applied.append(1) or original(*a))
+    original = ops._apply_function  # AttentionFunction.apply's C++ half, the eager entry
+    monkeypatch.setattr(ops, "_apply_function", lambda *a: applied.append(1) or original(*a))
     q, k, v = (_inputs((1, 2, 9, 16), seed=s) for s in range(3))
     plain = flashgen.attention(q, k, v, causal=True)
     assert not applied and not plain.requires_grad

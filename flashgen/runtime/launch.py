@@ -234,6 +234,33 @@ def argument_signature(args):
     return tuple(signature)
 
 
+def contiguous_strides(shape):
+    """The strides torch.empty(shape) has."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def allocator(shape, dtype, device):
+    """A function that allocates an uninitialized contiguous tensor of this shape, dtype and device:
+    torch.empty_like of a 0-d tensor expanded to the shape (one argument to parse: ~4 us of the H100
+    host per call against ~10 us for torch.empty(shape, dtype=, device=); bench_call_path --diagnose).
+    empty_like gives an overlapping input (a zero stride over a dim of 2 or more elements) contiguous
+    strides; of one element or none it would keep the zero strides, so those take torch.empty."""
+    if torch.Size(shape).numel() > 1:
+        base = TEMPLATE_BASES.get((dtype, device))
+        if base is None:
+            base = TEMPLATE_BASES[(dtype, device)] = torch.empty((), dtype=dtype, device=device)
+        template = base.expand(shape)
+        return lambda: torch.empty_like(template)
+    return lambda: torch.empty(shape, dtype=dtype, device=device)
+
+
+TEMPLATE_BASES = {}  # (dtype, device) -> the 0-d tensor allocator() expands (never read or written)
+
+
 def tensor_key(t):
     """What a call plan depends on of a tensor argument (None: not given): all but its contents."""
     if t is None:
@@ -251,6 +278,7 @@ class CallPlan:
         self.offsets = offsets  # packed sequences: (total_q, total_k, max_seqlen_q, max_seqlen_k)
         self.no_offsets = launcher.unused_arg(torch.int32, device)  # never read by dense calls
         self.named = bool(launcher.tensor_names)
+        self.plain = seed is not None and offsets is None and not self.named  # nothing per call but the launch
 
     def seed_arg(self, seed):
         return seed if self.seed is None else self.seed
@@ -271,6 +299,8 @@ class ForwardPlan(CallPlan):
     def __init__(self, launcher, layout, q, o_shape, lse_shape, *, seed, offsets):
         super().__init__(launcher, layout, q.device, seed=seed, offsets=offsets)
         self.dtype, self.o_shape, self.lse_shape = launcher.out_dtype, o_shape, lse_shape
+        self.new_out, self.new_lse = allocator(o_shape, self.dtype, self.device), allocator(lse_shape, torch.float32,
+                                                                                           self.device)
         self.zero_fill = False  # packed sequences without keys: out 0, lse -inf
         self.launch = None  # a BoundLaunch of the forward kernel
         self.head = self.tail = ()  # the kernel's arguments before and after the named tensors'
@@ -278,15 +308,21 @@ class ForwardPlan(CallPlan):
         self.buffers = None  # KV-outer: the (rows, BLOCK_DV) shape of its float32 accumulator
         self.softmax_scale = self.dropout_p = None  # the call's scalars (set by forward_plan)
         self.backward_plans = {}  # (dO's tensor_key, deterministic, tensor_grads) -> BackwardPlan of this forward
+        self.direct = False  # plain, one pointer-load launch of the Q-outer kernel (set by forward_plan)
 
     def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=(), *, head=None,
                  launch=None):
         """head, launch: the kernel's leading scalars and the bound launch for this call in place of the
         plan's (a decode-shaped call of another key length: AttentionLauncher.decode_call)."""
         if out is None:
-            out = torch.empty(self.o_shape, dtype=self.dtype, device=self.device)
+            out = self.new_out()
         if lse is None:
-            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device)
+            lse = self.new_lse()
+        if self.direct:  # the commonest call: nothing to prepare but the arguments
+            no_offsets = self.no_offsets
+            (launch or self.launch)(q, k, v, out, lse, self.seed, no_offsets, no_offsets, q, k, v, out,
+                                    *(self.head if head is None else head), *self.tail)
+            return out, lse
         if self.launch is None:
             if self.zero_fill:
                 out.zero_(), lse.fill_(float("-inf"))
@@ -315,6 +351,10 @@ class BackwardPlan(CallPlan):
         super().__init__(launcher, layout, q.device, seed=seed, offsets=offsets)
         self.dtype, self.shapes, self.lse_shape = q.dtype, (q.shape, k.shape, v.shape), lse.shape
         self.grads = grads  # {name: shape} of the named tensors differentiated (float32 buffers)
+        self.plain = self.plain and not grads
+        self.new_dq, self.new_dk, self.new_dv = (allocator(shape, self.dtype, self.device)
+                                                 for shape in (q.shape, k.shape, v.shape))
+        self.new_delta = allocator(lse.shape, torch.float32, self.device)
         self.preprocess = self.dkdv = self.dq = None  # BoundLaunch of each kernel (dq: None when atomic)
         self.preprocess_args = self.dkdv_head = self.dkdv_tail = self.dq_head = self.dq_tail = ()
         self.atomic = False  # dQ accumulated by the dK/dV kernel into a float32 buffer
@@ -323,14 +363,17 @@ class BackwardPlan(CallPlan):
         self.short = None  # bwd_short: a BoundLaunch of the one-launch backward (no other launch then)
         self.short_head = self.short_tail = ()
 
-    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=False,
-                 shared=False):
-        """shared: dq, dk, dv may be views of one allocation (autograd's path; a custom op's outputs
-        must not alias one another)."""
-        device, dtype, (q_shape, k_shape, v_shape) = self.device, self.dtype, self.shapes
+    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=False):
+        if self.plain and self.short is not None:  # dense, no dropout, no named tensors: one launch
+            dq, dk, dv = self.gradient_buffers()
+            no_offsets = self.no_offsets
+            self.short(q, k, v, out, do, lse, dk, dv, dq, self.seed, no_offsets, no_offsets, *self.short_head,
+                       *self.short_tail)
+            return dq, dk, dv, {}
+        device, q_shape = self.device, self.shapes[0]
         grads = {name: torch.zeros(shape, dtype=torch.float32, device=device)
                  for name, shape in self.grads.items()} if self.grads else None
-        dq, dk, dv = self.gradient_buffers(shared)
+        dq, dk, dv = self.gradient_buffers()
         if self.dkdv is None:
             dq.zero_(), dk.zero_(), dv.zero_()
             return self.result(dq, dk, dv, grads, tensors)
@@ -343,7 +386,7 @@ class BackwardPlan(CallPlan):
             self.short(q, k, v, out, do, lse, dk, dv, dq, seed, cu_q, cu_k, *self.short_head, *extra, *grad_args,
                        *self.short_tail)
             return self.result(dq, dk, dv, grads, tensors)
-        delta = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        delta = self.new_delta()
         context = launch_context() if self.dkdv.bindable() else None  # once for the step's three launches
         if self.fused_delta is None:
             self.preprocess.run(context, (out, do, delta, *self.preprocess_args))
@@ -363,19 +406,12 @@ class BackwardPlan(CallPlan):
                                   *self.dq_tail))
         return self.result(dq, dk, dv, grads, tensors)
 
-    def gradient_buffers(self, shared):
-        """Uninitialized dq, dk, dv (contiguous); shared: views of one allocation where their shapes are
-        equal (one allocator call instead of three: H100 host 13.5 vs 20.5 us)."""
-        (q_shape, k_shape, v_shape), dtype, device = self.shapes, self.dtype, self.device
-
-        def empty(shape):
-            return torch.empty(shape, dtype=dtype, device=device)
-
-        if shared and q_shape == k_shape == v_shape:
-            return empty((3, *q_shape)).unbind(0)
-        if shared and k_shape == v_shape:
-            return (empty(q_shape), *empty((2, *k_shape)).unbind(0))
-        return empty(q_shape), empty(k_shape), empty(v_shape)
+    def gradient_buffers(self):
+        """Uninitialized contiguous dq, dk, dv, each its own allocation (three torch.empty_like of
+        templates: 12.4 us of the H100 host, against 17.2 / 12.8 for the views of one (3, ...)
+        allocation this used before and 30.2 for three torch.empty(shape, dtype=, device=);
+        bench_call_path --diagnose, S=128 / 512)."""
+        return self.new_dq(), self.new_dk(), self.new_dv()
 
     def named_args(self, tensors, grads):
         """The kernels' arguments for the named tensors, and for the gradient buffers of the float ones
