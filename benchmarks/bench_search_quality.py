@@ -91,33 +91,44 @@ def _worker_init(smoke: bool):
     _WORKER["works"] = {}
 
 
-def _precompile(task):
-    """Compile and verify one config on the full grid, then run it once at the timing shape:
-    every specialization the tuner's trial and final round will launch is then in Triton's cache."""
-    import torch
-
+def _worker_kernel(spec_dict: dict, bucket: int, data: dict):
+    """In a worker process: the runner, the spec's workload (made once per spec) and the
+    point's kernel and config."""
+    from flashgen import AttentionSpec
     from flashgen.api import AttentionKernel
     from flashgen.config import KernelConfig
 
-    spec_dict, bucket, data, deadline = task
-    if time.time() > deadline:
-        return "skipped", 0.0
-    from flashgen import AttentionSpec
-
-    runner, start = _WORKER["runner"], time.time()
+    runner = _WORKER["runner"]
     spec = AttentionSpec.from_dict(spec_dict)
     work = _WORKER["works"].get(spec.key)
     if work is None:
         work = _WORKER["works"][spec.key] = runner.workload(spec, bucket, spec.tune.batch_tokens)
+    config = KernelConfig.from_dict(data)
+    return runner, work, AttentionKernel(spec, config), config
+
+
+def _run_at_timing_shape(runner, kernel, config, work) -> None:
+    """One forward at the workload's shape, so its timing later finds that specialization compiled."""
+    import torch
+
+    q, k, v, _ = work.tensors
+    runner.forward(kernel, config, q, k, v, work.named)
+    if runner.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _precompile(task):
+    """Compile and verify one config on the full grid, then run it once at the timing shape:
+    every specialization the tuner's trial and final round will launch is then in Triton's cache."""
+    spec_dict, bucket, data, deadline = task
+    if time.time() > deadline:
+        return "skipped", 0.0
+    start = time.time()
     try:
-        config = KernelConfig.from_dict(data)
-        kernel = AttentionKernel(spec, config)
+        runner, work, kernel, config = _worker_kernel(spec_dict, bucket, data)
         rec = runner.prepare(kernel, config, "fwd", work, full=True)
         if rec.status == "ok":
-            q, k, v, _ = work.tensors
-            runner.forward(kernel, config, q, k, v, work.named)
-            if runner.device == "cuda":
-                torch.cuda.synchronize()
+            _run_at_timing_shape(runner, kernel, config, work)
         return rec.status, time.time() - start
     except Exception as err:  # noqa: BLE001 - the tuner types it again when a seed reaches it
         return f"error: {type(err).__name__}", time.time() - start
@@ -509,28 +520,14 @@ def _sweep_point(task):
     """One point of the space, checked as the tuner checks it: verified as a trial verifies
     (prepare) and on the full grid (the final round's check), then run once at the timing shape
     so its timing finds it compiled. Returns (trial status, full-grid status, error, seconds)."""
-    import torch
-
-    from flashgen import AttentionSpec
-    from flashgen.api import AttentionKernel
-    from flashgen.config import KernelConfig
-
     spec_dict, bucket, data = task
-    runner, start = _WORKER["runner"], time.time()
-    spec = AttentionSpec.from_dict(spec_dict)
-    work = _WORKER["works"].get(spec.key)
-    if work is None:
-        work = _WORKER["works"][spec.key] = runner.workload(spec, bucket, spec.tune.batch_tokens)
+    start = time.time()
     try:
-        config = KernelConfig.from_dict(data)
-        kernel = AttentionKernel(spec, config)
+        runner, work, kernel, config = _worker_kernel(spec_dict, bucket, data)
         trial = runner.prepare(kernel, config, "fwd", work)
         full = runner.prepare(kernel, config, "fwd", work, full=True) if trial.status == "ok" else trial
-        if full.status == "ok" or trial.status == "ok":
-            q, k, v, _ = work.tensors
-            runner.forward(kernel, config, q, k, v, work.named)
-            if runner.device == "cuda":
-                torch.cuda.synchronize()
+        if trial.status == "ok":
+            _run_at_timing_shape(runner, kernel, config, work)
         return trial.status, full.status, trial.error or full.error, time.time() - start
     except Exception as err:  # noqa: BLE001 - recorded as the point's status
         return "error", "error", f"{type(err).__name__}: {err}"[:300], time.time() - start
