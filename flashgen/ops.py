@@ -267,18 +267,28 @@ _once_differentiable_backward = torch.autograd.function.once_differentiable(Atte
 # transforms and unwraps dead functorch wrappers among the arguments, ~2 us of a ~50 us step on the
 # CI CPU (benchmarks/call_path_host.py). _apply_function does the last two itself, for q, k, v and
 # the named tensors (the other arguments are flashgen's own), and leaves transforms to apply.
-_c_apply = super(torch.autograd.Function, AttentionFunction).apply
-_transforms_active = torch._C._are_functorch_transforms_active
-_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+# These are torch internals: where a torch lacks one, every call goes through the public apply.
+def _function_entry(function, torch_c):
+    """(C++ apply, transforms-active check, unwrap_if_dead) for `function`, or None where this
+    torch has not all three."""
+    try:
+        return (super(torch.autograd.Function, function).apply, torch_c._are_functorch_transforms_active,
+                torch_c._functorch.unwrap_if_dead)
+    except AttributeError:
+        return None
+
+
+_ENTRY = _function_entry(AttentionFunction, torch._C)
 
 
 def _apply_function(q, k, v, seed, cu_q, cu_k, call, *tensors):
     """AttentionFunction.apply(...), the eager path's entry."""
-    if _transforms_active():
+    if _ENTRY is None or _ENTRY[1]():
         return AttentionFunction.apply(q, k, v, seed, cu_q, cu_k, call, *tensors)
+    c_apply, _, unwrap = _ENTRY
     if tensors:
-        tensors = [_unwrap_if_dead(t) for t in tensors]
-    return _c_apply(_unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v), seed, cu_q, cu_k, call, *tensors)
+        tensors = [unwrap(t) for t in tensors]
+    return c_apply(unwrap(q), unwrap(k), unwrap(v), seed, cu_q, cu_k, call, *tensors)
 
 
 # ----------------------------------------------------------------------------- FP8 (forward only)

@@ -426,6 +426,22 @@ def test_calls_that_cannot_need_a_gradient_skip_the_autograd_function(monkeypatc
     assert applied == [1] and out.requires_grad and torch.equal(out.detach(), plain)
 
 
+def test_the_eager_entry_falls_back_to_apply_where_torch_lacks_its_internals(monkeypatch):
+    import types
+
+    assert ops._function_entry(ops.AttentionFunction, types.SimpleNamespace()) is None  # a torch without them
+    assert ops._function_entry(ops.AttentionFunction, torch._C) is not None  # this torch: the C++ half
+    monkeypatch.setattr(ops, "_ENTRY", None)
+    q, k, v = (_inputs((1, 2, 9, 16), seed=s).requires_grad_() for s in range(3))
+    out = flashgen.attention(q, k, v, causal=True)
+    out.sum().backward()
+    monkeypatch.undo()
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out_ref = flashgen.attention(*ref, causal=True)
+    out_ref.sum().backward()
+    assert torch.equal(out, out_ref) and all(torch.equal(a.grad, b.grad) for a, b in zip((q, k, v), ref))
+
+
 # ---------------------------------------------------------------------------------------------- Triton's own path, on the CPU
 SM90_CHILD = r"""
 import sys
