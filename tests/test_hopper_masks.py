@@ -108,7 +108,9 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     q, k, v = make_qkv(2, 4, 2, 45, 45, 64, dtype=torch.float16, device="cpu")
     doc = torch.tensor([0] * 20 + [1] * 25, dtype=torch.int32)
     module.forward(q, k, v, tensors={"doc": doc})
-    ((*_, qk_scale, t_doc, s0, s1, n0, n1),) = launched
+    ((_, _, _, out, lse, *_, qk_scale, t_doc, s0, s1, n0, n1),) = launched
+    assert out.shape == q.shape and out.dtype == torch.float16 and out.is_contiguous()  # the plan allocates them
+    assert lse.shape == (2, 4, 45) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert qk_scale == pytest.approx(64 ** -0.5 * 1.4426950408889634)
     assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (45, 1, 1, 45)
 

@@ -253,11 +253,10 @@ class HopperPlan:
         """Fill out (q's layout) and lse ((B, H, Sq) float32) for one call; allocated when None."""
         base = self.base
         if out is None:
-            out = torch.empty(base.o_shape, dtype=base.dtype, device=base.device)
+            out = base.new_out()
         if lse is None:
-            lse = torch.empty(base.lse_shape, dtype=torch.float32, device=base.device)
-        # a mask's named tensors (document ids, ...) after the scalars, as the portable forward takes them
-        extra = base.launcher.tensor_args(base.launcher.tensor_views(tensors)) if base.named else ()
+            lse = base.new_lse()
+        # a mask's named tensors (document ids, ...) after the scalars, as the portable forward takes them;
         # FP8: the descales and their strides last
-        self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *extra, *fp8_args)
+        self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *base.tensor_extra(tensors), *fp8_args)
         return out, lse

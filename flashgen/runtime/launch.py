@@ -283,6 +283,10 @@ class CallPlan:
     def seed_arg(self, seed):
         return seed if self.seed is None else self.seed
 
+    def tensor_extra(self, tensors):
+        """The kernel arguments of the named tensors a call passes (a mask's document ids, ...)."""
+        return self.launcher.tensor_args(self.launcher.tensor_views(tensors)) if self.named else ()
+
     def offset_args(self, cu_seqlens_q, cu_seqlens_k, checked=False):
         """The kernels' cu_seqlens arguments; packed offsets are checked on every call (checked:
         by the forward of the same step, on these very tensors)."""
@@ -329,7 +333,7 @@ class ForwardPlan(CallPlan):
             return out, lse
         cu_q, cu_k = self.offset_args(cu_seqlens_q, cu_seqlens_k)
         seed = self.seed_arg(seed)
-        extra = self.launcher.tensor_args(self.launcher.tensor_views(tensors)) if self.named else ()
+        extra = self.tensor_extra(tensors)
         if self.buffers is not None:  # KV-outer: O, m and l round-trip through memory
             rows, block_dv = self.buffers
             acc = torch.zeros((rows, block_dv), dtype=torch.float32, device=self.device)
