@@ -225,7 +225,8 @@ def diagnose(seqlen=128):
     q, k, v = (torch.randn(1, HEADS, seqlen, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     do = torch.randn_like(q)
-    sdpa, sdpa_per_call = providers()["sdpa_flash"], providers()["sdpa_flash_ctx"]
+    fns = providers()
+    sdpa, sdpa_per_call = fns["sdpa_flash"], fns["sdpa_flash_ctx"]
 
     def choose_flash():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

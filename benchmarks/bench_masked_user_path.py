@@ -219,13 +219,17 @@ def _warm(job) -> str:
         return f"FAILED {args}: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
-def _warm_case(name: str, seqlen: int) -> None:
-    case = next(c for c in CASES if c.name == name)
-    x = make_inputs(case, seqlen)
-    for _, attn, _ in providers(x):
+def _run_providers_once(name: str, seqlen: int, provs, modes) -> None:
+    """Run each of the case's providers (provs(inputs): (source, callable or None, ...)) once per mode."""
+    x = make_inputs(next(c for c in CASES if c.name == name), seqlen)
+    for _, attn, *_ in provs(x):
         if attn is not None:
-            for mode in MODES:
+            for mode in modes:
                 step(attn, x, mode)()
+
+
+def _warm_case(name: str, seqlen: int) -> None:
+    _run_providers_once(name, seqlen, providers, MODES)
 
 
 def warm_then_ready(args, jobs) -> None:
@@ -359,11 +363,7 @@ def run_hopper_case(case: Case, seqlen: int, modes=("fwd",), variants=tuple(HOPP
 
 
 def _warm_hopper(name: str, seqlen: int, modes, variants) -> None:
-    case = next(c for c in CASES if c.name == name)
-    x = make_inputs(case, seqlen)
-    for _, attn, _, _ in hopper_providers(x, variants):
-        for mode in modes:
-            step(attn, x, mode)()
+    _run_providers_once(name, seqlen, lambda x: hopper_providers(x, variants), modes)
 
 
 def hopper_markdown(rows, env) -> str:
