@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if "--dry" in sys.argv:  # before flashgen's kernels are decorated: Triton reads it then (dry_run sets it too late)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec  # noqa: E402
