@@ -17,6 +17,16 @@ from .spec import DTYPES, FP8_DTYPES, MAX_HEAD_DIM, AttentionSpec
 _TORCH_DTYPES = {getattr(torch, name): dtype for dtype, name in DTYPES.items()}  # torch dtype -> spec dtype
 
 
+def _constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` at ``import
+    flashgen`` (1.4 s of its 4.4 s on a CPU host; every ``--gpus`` worker and every user program
+    paid it, and eager calls never need dynamo). The decorator only marks the function, and
+    dynamo reads the mark when it traces a call (tests/test_torch_compile.py checks that the
+    mark is the decorator's, and that compiled calls treat these functions as constants)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 _UNUSED_SEEDS: dict[torch.device, torch.Tensor] = {}  # device -> the seed tensor passed when dropout is off
 
 
@@ -358,7 +368,7 @@ def _remember(key, kernel):
         _BOUND[key] = kernel
 
 
-@torch.compiler.assume_constant_result
+@_constant_result
 def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p,
                     mask, score_mod) -> str:
     """Under torch.compile: the kernel id of a call's key (with the default or tuned config; its
@@ -377,7 +387,7 @@ def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout
     return kernel.kernel_id()
 
 
-@torch.compiler.assume_constant_result
+@_constant_result
 def _traced_tensor_names(*key) -> str:
     """Under torch.compile: the named tensors a call's spec reads, in call order, comma-joined."""
     _traced_binding(*key)

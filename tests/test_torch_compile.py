@@ -136,3 +136,27 @@ def test_compiled_call_runs_the_config_of_its_length_bucket():
     out, _ = ops.attn_fwd(q, q, q, seed, [], kid, "bhsd", 0.0, False, None, None, 0, 0)
     ref, _ = flashgen.compile(spec, large).module().forward(q, q, q)
     assert torch.equal(out, ref)
+
+
+def test_import_leaves_dynamo_unloaded_and_marks_as_torch_does():
+    """`import flashgen` does not import torch._dynamo (1.4 s of its import on a CPU host), and the
+    mark that stands in for torch.compiler.assume_constant_result is the decorator's own: if a
+    torch changes what the decorator sets, this fails before a compiled call traces into
+    flashgen's binding."""
+    import subprocess
+    import sys
+
+    from flashgen import api
+
+    code = "import sys, flashgen; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+
+    def ours():
+        pass
+
+    def torchs():
+        pass
+
+    assert vars(api._constant_result(ours)) == vars(torch.compiler.assume_constant_result(torchs)) != {}
+    assert api._traced_binding._dynamo_marked_constant and api._traced_tensor_names._dynamo_marked_constant
