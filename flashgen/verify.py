@@ -10,7 +10,9 @@ The rule, for fp16/bf16 (after flash-attn's own tests)::
 
 with ``ref`` computed in float32 from the same inputs, ``out_pt`` the same reference
 in the kernel's dtype, F = 2 (3 for gradients), and atol at least 1e-5 (see compare). For fp32 the reference is float64 and
-the relative error ||out - ref|| / ||ref|| must stay below 1e-5.
+the relative error ||out - ref|| / ||ref|| must stay below 1e-5; a gradient into a named tensor
+(a bias table, ALiBi slopes), whose few elements each sum many pairs' dS that largely cancel, is
+held per element to 1e-5 of the |dS| terms it summed (check_gradients).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
                         layout: str = "bhsd", compute_dtype: torch.dtype = torch.float32,
                         dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                         mask=None, score_mod=None, tensors=None, return_probs: bool = False,
-                        p_dtype: torch.dtype | None = None, qk=None, pv=None):
+                        p_dtype: torch.dtype | None = None, qk=None, pv=None, score_hook=None):
     """Dense attention in plain PyTorch, computed in ``compute_dtype``.
 
     Matmuls run in compute_dtype; the softmax in float32 (float64 for float64) and is
@@ -61,6 +63,8 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     by 256, rounded to p_dtype, multiplied by V and divided by 256 and the unrounded row sum.
     ``qk`` (B, H, Sq, Sk): the products q k^T when computed elsewhere (FP8 tensor cores);
     ``pv(p8)``: the product of the rounded P with V likewise.
+    ``score_hook(scores)``: called with the scores after the score modifier, before any mask
+    (check_gradients reads the per-pair dS through it).
     """
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -79,6 +83,8 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     if smod is not None:
         named_c = {n: (t.to(soft_dtype) if t.is_floating_point() else t) for n, t in named.items()}
         scores = evaluate(smod, {**env, "score": scores}, named_c).to(soft_dtype)
+    if score_hook is not None:
+        score_hook(scores)
     if causal:
         i = torch.arange(seqlen_q, device=q.device)[:, None]
         j = torch.arange(seqlen_k, device=q.device)[None, :]
@@ -145,9 +151,12 @@ class CheckResult:
 
 
 def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | None, *,
-            factor: float = 2.0, mean_factor: float = 1.1, pt_floor: float = 0.0) -> CheckResult:
+            factor: float = 2.0, mean_factor: float = 1.1, pt_floor: float = 0.0,
+            summed: torch.Tensor | None = None) -> CheckResult:
     """Apply the error rule to one tensor. ``pt`` is the kernel-dtype reference (None for fp32);
-    ``pt_floor`` is a lower bound on its error from a steadier estimate (see check_gradients)."""
+    ``pt_floor`` is a lower bound on its error from a steadier estimate (see check_gradients).
+    ``summed`` (fp32 only): per element, the size of the terms ``ref`` sums before they cancel
+    (see check_gradients); each element's error is taken relative to it (or to |ref|, if larger)."""
     out, ref = out.detach(), ref.detach()
     pt = pt.detach() if pt is not None else None
     finite_ref = torch.isfinite(ref)
@@ -163,6 +172,11 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | 
         if float(r.norm()) == 0.0:  # e.g. dq with a single visible key: exactly 0 in the reference
             max_err = float(err.max())
             return CheckResult(name, max_err <= ATOL_FLOOR, max_err, ATOL_FLOOR, "(absolute, zero reference)")
+        if summed is not None:  # per element, against what it summed (an element that summed nothing: 0)
+            size = torch.maximum(summed.double()[finite_ref].abs(), r.abs())
+            rel = float(torch.where(size > 0, err / size.clamp_min(1e-300), err * math.inf).nan_to_num(0.0).max())
+            return CheckResult(name, rel <= FP32_RTOL, rel, FP32_RTOL,
+                               "(per element, relative to its summed |terms|, fp32 vs float64)")
         rel = float(err.norm() / r.norm())
         return CheckResult(name, rel <= FP32_RTOL, rel, FP32_RTOL, "(relative, fp32 vs float64)")
     p = pt.double()[finite_ref]
@@ -281,23 +295,35 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
               dropout_p=dropout_p, mask=mask, score_mod=score_mod)
     low_precision = q.dtype in (torch.float16, torch.bfloat16)
 
-    def ref_grads(dtype):
+    def ref_grads(dtype, summed=None):
+        """The reference's gradients in dtype; with a list ``summed``, fills it with each named
+        tensor's gradient taken over |dS| (float64 only): for an fp32 kernel, each element of a
+        tensor gradient sums dS times the score's derivative over many pairs, and a row's dS sums
+        to 0, so a bias table's entry for all far keys is mostly cancellation (a correct kernel's
+        error relative to that small sum reached the fp32 bound on about 1 in 100+ fresh inputs).
+        Its fp32 error scales with the size of what it summed, which the |dS| sums measure."""
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         named = dict(tensors or {})
         extra = []
         for name in grad_tensors:
             named[name] = named[name].detach().to(torch.float64 if dtype == torch.float64 else torch.float32)
             extra.append(named[name].requires_grad_())
-        out, _ = reference_attention(*leaves, compute_dtype=dtype, tensors=named, **kw)
-        return torch.autograd.grad(out, leaves + extra, do.to(dtype))
+        scores = []
+        out, _ = reference_attention(*leaves, compute_dtype=dtype, tensors=named, score_hook=scores.append, **kw)
+        grads = torch.autograd.grad(out, leaves + extra + scores, do.to(dtype), retain_graph=summed is not None)
+        if summed is not None and extra:
+            summed += torch.autograd.grad(scores, extra, grads[-1].abs(), allow_unused=True)
+        return grads[:len(leaves) + len(extra)]
 
     names = ("dq", "dk", "dv", *(f"d{n}" for n in grad_tensors))
+    summed = []
     if low_precision:
         refs = ref_grads(torch.float32)
         low = ref_grads(q.dtype)  # tensor grads stay float32, with the kernel dtype's matmul error in them
         pts = [g.to(q.dtype) for g in low[:3]] + list(low[3:])
     else:
-        refs, pts = ref_grads(torch.float64), [None] * len(names)
+        refs, pts = ref_grads(torch.float64, summed), [None] * len(names)
+    summed = [None] * 3 + (summed or [None] * len(grad_tensors))
     # A tensor gradient (an ALiBi slope, a bias table) sums dS over many (query, key) pairs into
     # few elements: its mean error is its max error, so it is held to the max rule's factor. Its
     # own kernel-dtype reference error is a max over those few sums, too noisy a yardstick alone
@@ -308,7 +334,7 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
         dk_scale = float(refs[1].abs().max())
         floor = float((pts[1].float() - refs[1]).abs().max()) / dk_scale if dk_scale > 0 else 0.0
     return [compare(name, g, r, pt, factor=factor, mean_factor=GRAD_MEAN_FACTOR if i < 3 else factor,
-                    pt_floor=0.0 if i < 3 else floor * float(r.abs().max()))
+                    pt_floor=0.0 if i < 3 else floor * float(r.abs().max()), summed=summed[i])
             for i, (name, g, r, pt) in enumerate(zip(names, grads, refs, pts))]
 
 

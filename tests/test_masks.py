@@ -261,6 +261,38 @@ def test_custom_bias_table_indexed_by_expression(device):
                   grad_tensors=("table",), dtype="fp32")
 
 
+def test_fp32_tensor_gradient_rule_is_relative_to_what_each_element_sums():
+    """A bias table's entry for all far keys sums dS over most pairs, and each row's dS sums to 0:
+    the entry is mostly cancellation, and a correct kernel's fp32 error relative to it reached the
+    1e-5 bound on about 1 in 100+ fresh inputs. The rule takes each element's error relative to
+    the |dS| it summed: the float32 reference passes with room, and one pair's term missing from
+    any element still fails it."""
+    from flashgen.verify import check_gradients
+
+    seed, gen = _seeded()
+    sm = "score + table[min(abs(q_idx - kv_idx), 7)]"
+    table = torch.randn(8, generator=gen)
+    q, k, v = _qkv(gen, 2, 2, 1, 45, 45, 32, torch.float64, "cpu")
+    do = torch.randn(2, 2, 45, 32, generator=gen, dtype=torch.float64)
+    leaves = [t.float().requires_grad_() for t in (q, k, v, table)]
+    out, _ = reference_attention(*leaves[:3], score_mod=sm, tensors={"table": leaves[3]}, compute_dtype=torch.float32)
+    grads = torch.autograd.grad(out, leaves, do.float())  # fp32 all through: what a correct kernel's error is
+    rule = dict(causal=False, score_mod=sm, tensors={"table": table}, grad_tensors=("table",))
+    ok = check_gradients(grads, q.float(), k.float(), v.float(), do.float(), **rule)[3]
+    assert ok.ok and ok.max_err < ok.bound / 10, f"seed={seed}: {ok}"
+    scores = []  # the pairs' dS: a kernel that skipped a typical pair (median |dS| of its bucket) loses it
+    leaves64 = [t.detach().requires_grad_() for t in (q, k, v)]
+    out64, _ = reference_attention(*leaves64, score_mod=sm, tensors={"table": table.double()},
+                                   compute_dtype=torch.float64, score_hook=scores.append)
+    ds, = torch.autograd.grad(out64, scores, do)
+    distance = (torch.arange(45)[:, None] - torch.arange(45)[None, :]).abs().clamp(max=7)
+    for element in (3, 7):  # a near entry, and the far one that is mostly cancellation
+        wrong = grads[3].clone()
+        wrong[element] -= float(ds[..., distance == element].abs().median())
+        bad = check_gradients((*grads[:3], wrong), q.float(), k.float(), v.float(), do.float(), **rule)[3]
+        assert not bad.ok, f"seed={seed}: one pair's term missing from dtable[{element}] passed: {bad}"
+
+
 # ----------------------------------------------------------------------------- custom expressions (block map)
 @pytest.mark.parametrize("expr", [
     "(q_idx // 8) >= (kv_idx // 8)",
