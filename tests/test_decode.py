@@ -194,7 +194,7 @@ def test_split_calls_merge_without_a_combine_launch(device):
     launcher.decode(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=3, BLOCK_N=16,
                     fused_combine=False)
     assert len(combine.launches) == 1
-    assert not host_decode.TICKETS[torch.device(device)].any()
+    assert not any(t.any() for (where, _), t in host_decode.TICKETS.items() if where == q.device)
     with pytest.raises(ValueError, match="fused_combine: expected a bool or None .*got .yes."):
         launcher.decode(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=3, fused_combine="yes")
 
@@ -209,7 +209,47 @@ def test_split_tickets_are_made_once_and_not_while_captured(monkeypatch):
     monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: False)
     made = host_decode.split_tickets(cpu, 10)
     assert made.numel() == 1024 and host_decode.split_tickets(cpu, 1024) is made
-    assert host_decode.split_tickets(cpu, 1500).numel() == 2048 and host_decode.TICKETS[cpu].numel() == 2048
+    assert host_decode.split_tickets(cpu, 1500).numel() == 2048 and host_decode.TICKETS[cpu, 0].numel() == 2048
+
+
+def test_split_tickets_are_kept_per_stream(monkeypatch):
+    # Launches on two streams may run at once: each stream counts on its own buffer, and a call
+    # that moves to another stream takes that stream's (on the CPU every call is on stream 0:
+    # the stream is given by hand here).
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(host_decode, "TICKETS", {})
+    monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: False)
+    one, two = host_decode.split_tickets(cpu, 10, stream=11), host_decode.split_tickets(cpu, 10, stream=22)
+    assert one is not two and host_decode.split_tickets(cpu, 10, stream=11) is one
+    for stream in range(host_decode.MAX_TICKET_STREAMS):  # a program making streams without end
+        host_decode.split_tickets(cpu, 10, stream=100 + stream)
+    assert len(host_decode.TICKETS) == host_decode.MAX_TICKET_STREAMS and (cpu, 11) not in host_decode.TICKETS
+
+
+def test_a_fused_decode_call_takes_its_current_streams_tickets(monkeypatch):
+    # Each call of one cached call plan asks which stream is current and launches with that
+    # stream's tickets (the plan keeps its first stream's only while that stream is current).
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    module = flashgen.compile(spec).module()
+    launcher = host_decode.DecodeLauncher(attention=module._LAUNCHER, kernel=module._attn_decode,
+                                          combine_kernel=_Recorder())
+    seed, gen = _seeded()
+    cache = Cache(gen, 3, 2, 16, (37, 1, 20), 48, torch.float16, "cpu")
+    q = torch.randn(3, 2, 4, 16, generator=gen).to(dtype=torch.float16)
+    monkeypatch.setattr(host_decode, "TICKETS", {})
+    streams, made = iter([5, 5, 7, 5]), []
+    monkeypatch.setattr(host_decode, "current_stream", lambda device: next(streams))
+    original = host_decode.split_tickets
+    monkeypatch.setattr(host_decode, "split_tickets",
+                        lambda device, count, stream=None: made.append(stream) or original(device, count, stream))
+    out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=True)
+    for _ in range(4):
+        out, lse = launcher.decode(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=3, BLOCK_N=16,
+                                   fused_combine=True)
+        assert compare("out", out, out_ref, out_pt).ok and compare("lse", lse, lse_ref, lse_pt).ok, f"seed={seed}"
+    assert made == [5, 7, 5]  # stream 5's made once and kept by the plan; 7's; 5's again (found, not made)
+    assert set(host_decode.TICKETS) == {(q.device, 5), (q.device, 7)}
+    assert not any(t.any() for t in host_decode.TICKETS.values())
 
 
 # ----------------------------------------------------------------------------- masks and score modifiers

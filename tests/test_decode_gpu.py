@@ -69,6 +69,35 @@ def test_fused_merge_is_repeatable_under_contention_gpu():
         f"seed={seed}"
 
 
+def test_fused_merges_on_two_streams_at_once_gpu():
+    # Two streams decode at the same time with the one call plan (same shapes, other contents),
+    # 128 splits each, 30 launches queued on each: each stream counts on its own tickets, so every
+    # launch is bitwise its stream's first and right by the rule (one buffer per device let the two
+    # streams' programs take each other's tickets and merge a row block's splits too early).
+    seed, gen = _seeded()
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=32, num_kv_heads=8, causal=True)
+    caches = [Cache(gen, 1, 8, 128, (16381,), 16384, torch.bfloat16, "cuda") for _ in range(2)]
+    qs = [torch.randn(1, 1, 32, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(2)]
+    run = lambda i: flashgen.decode(spec, qs[i], caches[i].k_cache, caches[i].v_cache,  # noqa: E731
+                                    caches[i].cache_seqlens, num_splits=128, BLOCK_N=32, fused_combine=True)
+    firsts = [run(0), run(1)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    outs = [[], []]
+    for _ in range(30):  # interleaved: both streams' queues hold launches at once
+        for i, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                outs[i].append(run(i))
+    torch.cuda.synchronize()
+    for i in range(2):
+        assert all(torch.equal(o, firsts[i]) for o in outs[i]), f"stream {i}, seed={seed}"
+        out_ref, _, out_pt, _ = reference_decode(qs[i], caches[i], causal=True)
+        assert compare("out", firsts[i], out_ref, out_pt).ok, f"seed={seed}"
+    assert {key[1] for key in host_decode.TICKETS if key[0] == qs[0].device} >= \
+        {s.cuda_stream for s in streams}
+    assert not any(t.any() for t in host_decode.TICKETS.values())
+
+
 @pytest.mark.parametrize("name,kw", [
     ("window", dict(mask={"sliding_window": {"left": 511, "right": 0}}, causal=False)),
     ("sinks", dict(mask={"sink": {"tokens": 4, "window": 700}}, causal=False)),

@@ -28,7 +28,8 @@ CUDA graphs: a decode step makes no host decision from tensor contents. The numb
 the grid and every buffer come from shapes (the cache's capacity, never cache_seqlens); the
 kernel reads cache_seqlens on the device. A split call may merge its splits in the split kernel
 (fused_combine): the last program of each row block to finish merges them, found by a ticket
-counter (split_tickets) that every launch leaves at 0, so graph replays need no reset.
+counter (split_tickets, one per device and stream) that every launch leaves at 0, so graph
+replays need no reset.
 
 Host time: everything a call derives from its arguments' shapes, strides, dtypes and devices
 (input checks, the launch plan, the kernels' scalar arguments) is computed once per such
@@ -390,24 +391,39 @@ def check_bounds(device=None):
 
 
 # ----------------------------------------------------------------------------- the fused merge's tickets
-TICKETS = {}  # device -> its int32 tickets, all 0 between launches
+TICKETS = {}  # (device, stream handle) -> its int32 tickets, all 0 between launches
+MAX_TICKET_STREAMS = 64  # buffers kept (4 KiB and up each); a program making streams without end drops the oldest
 
 
-def split_tickets(device, count):
-    """At least count int32 zeros on the device: the tickets a fused split launch counts its
-    finished programs with (one per row block; the last program resets its row block's to 0, so
-    they are 0 again when the launch ends). One buffer per device, made with zeros once and grown
-    by doubling (a grown one replaces it; calls keep the one they had: it stays 0). Launches on
-    one stream never share a ticket at once; launches running concurrently on two streams could,
-    so a call's tickets are for one stream at a time (as a CUDA graph's replays are).
+def current_stream(device) -> int:
+    """The handle of the current stream on `device` (0 off CUDA): Triton's launches go to it, and
+    the fused merge's tickets are kept per stream."""
+    if device.type != "cuda":
+        return 0
+    return triton.runtime.driver.active.get_current_stream(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_tickets(device, count, stream=None):
+    """At least count int32 zeros on the device for launches on `stream` (current_stream(device)
+    when None): the tickets a fused split launch counts its finished programs with (one per row
+    block; the last program resets its row block's to 0, so they are 0 again when the launch
+    ends). One buffer per device and stream, made with zeros once and grown by doubling (a grown
+    one replaces it; calls keep the one they had: it stays 0). Launches on one stream run one
+    after another and never share a ticket at once; launches on two streams may run at the same
+    time, so each stream counts on its own buffer (one buffer per device let two streams' decode
+    steps take each other's tickets and merge splits too early).
     While a CUDA graph is captured (or torch.compile traces) a buffer too small is not grown: the
     call gets zeros of its own, made by the graph (a memset node) at each replay."""
-    tickets = TICKETS.get(device)
+    key = (device, current_stream(device) if stream is None else stream)
+    tickets = TICKETS.get(key)
     if tickets is None or tickets.numel() < count:
         if device_sync_forbidden(device):
             return torch.zeros(count, dtype=torch.int32, device=device)
         size = max(count, 1024, 2 * tickets.numel() if tickets is not None else 0)
-        tickets = TICKETS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+        if tickets is None and len(TICKETS) >= MAX_TICKET_STREAMS:
+            del TICKETS[next(iter(TICKETS))]
+        tickets = TICKETS[key] = torch.zeros(size, dtype=torch.int32, device=device)
     return tickets
 
 
@@ -822,11 +838,15 @@ class DecodeLauncher:
             return out, lse
         part = torch.empty(call.part_numel, dtype=torch.float32, device=call.device) if call.part_numel else out
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
-        tickets = call.tickets
-        if tickets is None and call.plan["fused"]:
-            tickets = split_tickets(call.device, call.plan["grid"][1] * call.plan["grid"][2])
-            if not device_sync_forbidden(call.device):  # a captured call's own zeros are the graph's
-                call.tickets = tickets
+        tickets = None
+        if call.plan["fused"]:  # the call keeps its stream's tickets: (stream, buffer)
+            stream = current_stream(call.device)
+            if call.tickets is not None and call.tickets[0] == stream:
+                tickets = call.tickets[1]
+            else:
+                tickets = split_tickets(call.device, call.plan["grid"][1] * call.plan["grid"][2], stream)
+                if not device_sync_forbidden(call.device):  # a captured call's own zeros are the graph's
+                    call.tickets = (stream, tickets)
         kernel(q, k_cache, v_cache, out, lse_arg, part, seqlens, bt, cbi, record.tensor, q_descale, k_descale,
                v_descale, tickets if tickets is not None else seqlens, *scalars, *self.attention.tensor_args(named))
         if combine is not None:
