@@ -16,6 +16,7 @@ is meant for one tuning thread, as the tuner runs.
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 
@@ -126,32 +127,63 @@ def _ptxas_signal(err) -> str | None:
 
 
 class _CompileWatch:
-    """Knows whether Triton's JIT is compiling, and which kernel, from its pre- and post-compile hooks."""
+    """Knows whether Triton's JIT is compiling in this thread, and which kernel, from its pre- and
+    post-compile hooks. The hooks are Triton's process-wide knobs: they are installed once while
+    any watch is open (the hooks found there are called on, and put back when the last closes),
+    and report to the innermost open watch of the thread that compiles. Watches open in several
+    threads at once (the tuner's final round and recheck verify configs side by side) neither
+    see each other's compiles nor leave a closed watch's hooks installed."""
+
+    _lock = threading.Lock()
+    _open = 0  # watches open, all threads
+    _previous = (None, None)  # the hooks found when the first opened
+    _threads = threading.local()  # .watch: this thread's innermost open watch
 
     def __init__(self):
         self.compiling = False
         self.kernel = None  # the name of the kernel being compiled (or last compiled)
+        self._outer = None
+        self._runtime = None
 
-    def _before(self, **info):
-        self.compiling = True
-        self.kernel = str(info.get("repr") or "").split("[")[0] or None
+    @staticmethod
+    def _before(**info):
+        watch = getattr(_CompileWatch._threads, "watch", None)
+        if watch is not None:
+            watch.compiling = True
+            watch.kernel = str(info.get("repr") or "").split("[")[0] or None
         # A true result from the hook would tell Triton to skip the compile: pass on the earlier hook's.
-        return self._previous[0](**info) if self._previous[0] else None
+        before = _CompileWatch._previous[0]
+        return before(**info) if before else None
 
-    def _after(self, **info):
-        self.compiling = False
-        return self._previous[1](**info) if self._previous[1] else None
+    @staticmethod
+    def _after(**info):
+        watch = getattr(_CompileWatch._threads, "watch", None)
+        if watch is not None:
+            watch.compiling = False
+        after = _CompileWatch._previous[1]
+        return after(**info) if after else None
 
     def __enter__(self):
         import triton
 
         self._runtime = getattr(getattr(triton, "knobs", None), "runtime", None)  # triton >= 3.4
         if self._runtime is not None:
-            self._previous = (self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook)
-            self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._before, self._after
+            with _CompileWatch._lock:
+                if _CompileWatch._open == 0:
+                    _CompileWatch._previous = (self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook)
+                    self._runtime.jit_cache_hook = _CompileWatch._before
+                    self._runtime.jit_post_compile_hook = _CompileWatch._after
+                _CompileWatch._open += 1
+        self._outer = getattr(_CompileWatch._threads, "watch", None)
+        _CompileWatch._threads.watch = self
         return self
 
     def __exit__(self, *exc):
+        _CompileWatch._threads.watch = self._outer
         if self._runtime is not None:
-            self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = self._previous
+            with _CompileWatch._lock:
+                _CompileWatch._open -= 1
+                if _CompileWatch._open == 0:
+                    self._runtime.jit_cache_hook, self._runtime.jit_post_compile_hook = _CompileWatch._previous
+                    _CompileWatch._previous = (None, None)
         return False

@@ -593,22 +593,55 @@ def _stop_if_interrupted(options) -> None:
         raise KeyboardInterrupt
 
 
+def prepare_all(runner, items, prepare, jobs: int, options=None) -> list[TrialRecord]:
+    """prepare(item) -> TrialRecord (Runner.prepare: compile, run and verify) for every item, in
+    ``jobs`` threads (1 under the interpreter, whose kernels run in Python). Triton's compiler and
+    ptxas leave the GIL, so configs compile side by side (4 sm90 forwards compiled on the CI's 2
+    cores: 5.9 s one at a time, 3.3 s in 2 threads). A failure among threads is confirmed alone
+    before it counts (a timeout stretched by the others, say). The runner's compile_verify clock
+    gains the wall time, not the threads' sum. Asks ``options.interrupted`` before each config
+    when one at a time (the interpreter's full-grid checks are long)."""
+    items = list(items)
+    jobs = 1 if runner.interpret else max(1, min(jobs, len(items)))
+    if jobs == 1:
+        out = []
+        for item in items:
+            if options is not None:
+                _stop_if_interrupted(options)
+            out.append(prepare(item))
+        return out
+    from concurrent.futures import ThreadPoolExecutor
+
+    before, start = runner.seconds["compile_verify"], time.monotonic()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        out = list(pool.map(prepare, items))
+    runner.seconds["compile_verify"] = before + time.monotonic() - start
+    return [rec if rec.status == "ok" else prepare(item) for item, rec in zip(items, out)]
+
+
 def _final_choice(runner, kernel, study, space, phase, work, options, base: KernelConfig):
-    """Verify the two fastest configs and the default on the full grid, time them again in
-    one round, keep the fastest. Returns (best, default, found) records from that round (found:
-    the fastest of the search's own two, the default left out unless it is one of them). A config
-    that fails the full grid is added to the study as a failed trial (marked 'final', so it
+    """Verify the two fastest configs and the default on the full grid (compiled side by side in
+    threads: the final round is the part of a study that `--gpus` workers cannot share), time them
+    again in one round, keep the fastest. Returns (best, default, found) records from that round
+    (found: the fastest of the search's own two, the default left out unless it is one of them). A
+    config that fails the full grid is added to the study as a failed trial (marked 'final', so it
     spends no budget), and is then never chosen, in this run or a later one."""
     completed = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
                        key=lambda t: t.value)
-    candidates = [_config_type(phase).from_dict(t.user_attrs["record"]["config"]) for t in completed[:2]]
-    searched = list(candidates)
-    if base not in candidates:
-        candidates.append(base)
+    searched = []  # the two fastest distinct configs (a config measured before is told again: a second trial)
+    for t in completed:
+        config = _config_type(phase).from_dict(t.user_attrs["record"]["config"])
+        if config not in searched:
+            searched.append(config)
+        if len(searched) == 2:
+            break
+    candidates = searched + ([base] if base not in searched else [])
+    prepared = prepare_all(runner, candidates, lambda config: runner.prepare(
+        kernel, config, phase, work, timeout_s=options.timeout_s, full=True), len(candidates), options)
     finalists, default, found = [], None, []
-    for config in candidates:
-        _stop_if_interrupted(options)  # each full-grid check is long under the interpreter
-        rec = runner.evaluate(kernel, config, phase, work, timeout_s=options.timeout_s, full=True)
+    for config, rec in zip(candidates, prepared):
+        _stop_if_interrupted(options)
+        rec = runner.measure(kernel, config, phase, work, rec, timeout_s=options.timeout_s)
         if config == base:
             default = rec
         if rec.status != "ok":  # passed the reduced grid, failed the full one: record, never choose
@@ -661,8 +694,6 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
     ``jobs`` threads (Triton compiles outside the GIL; under the interpreter one at a time);
     the timing runs one config at a time. ``progress(result)`` is called per bucket and phase.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     from .db.env import MODEL_FIELDS, STALE, classify
     from .db.kernels import OTHER_DEFAULT, SAME_DEFAULT, default_status, kernels_of
 
@@ -706,12 +737,7 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
 
     # one at a time unless asked. (The ptxas crash (SIGSEGV) of the H100 recheck of 2026-11-23, with 8
     # threads and alone alike, was not the threads: the full grid's one-key shape, see runtime/host.py.)
-    jobs = 1 if runner.interpret else (jobs or 1)
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        prepared = dict(zip(todo, pool.map(prepare, list(todo))))
-    for item, rec in prepared.items():  # a failure among threads is confirmed alone before it counts
-        if rec.status != "ok" and jobs > 1:
-            prepared[item] = prepare(item)
+    prepared = dict(zip(todo, prepare_all(runner, todo, prepare, jobs or 1)))
     results = []
     for bucket, phase, default, candidates, first, why in plan:
         checked = {c: dataclasses.replace(prepared[(phase, c)], bucket=bucket) for c in [default, *candidates]}

@@ -1,6 +1,7 @@
 """The tuner through the interpreter runner: spaces and restrictions, typed failures, an
 injected wrong kernel never chosen, crash safety and resume, and the CLI end to end."""
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -160,6 +161,51 @@ def test_failures_are_typed_by_the_stage_they_happen_in(where, error, status):
     assert rec.status in STATUSES and rec.ms is None
     # the runner gives Triton's hooks back as it found them
     assert triton.knobs.runtime.jit_cache_hook is None and triton.knobs.runtime.jit_post_compile_hook is None
+
+
+def test_compile_watches_in_threads_see_their_own_compiles_and_give_the_hooks_back():
+    # The tuner verifies configs side by side in threads, each inside launching(): a compile in one
+    # thread is that thread's (another thread's runtime failure stays a runtime failure), an earlier
+    # hook is still called, and Triton's hooks are the ones found once every watch has closed (before,
+    # the watch that closed first put back hooks the other had replaced, and a closed watch's stayed).
+    import threading
+
+    from flashgen.failures import CompilationFailedConfig, RuntimeFailedConfig, launching
+
+    runtime, called = triton.knobs.runtime, []
+    found = (lambda **info: called.append("before"), None)
+    runtime.jit_cache_hook, runtime.jit_post_compile_hook = found
+    opened, compiled = threading.Barrier(2, timeout=10), threading.Barrier(2, timeout=10)
+    outcome = {}
+
+    def thread(name, compiles):
+        try:
+            with launching():
+                opened.wait()  # both watches open
+                if compiles:  # the pre-compile hook, then a compile error: no post-compile hook
+                    runtime.jit_cache_hook(**JIT_INFO)
+                compiled.wait()  # the other thread's compile has begun
+                if not compiles:
+                    opened.wait()  # the compiling thread's watch closes first
+                raise RuntimeError("failed")
+        except (CompilationFailedConfig, RuntimeFailedConfig) as failure:
+            outcome[name] = type(failure).__name__
+        finally:
+            if compiles:
+                opened.wait()
+
+    try:
+        threads = [threading.Thread(target=thread, args=("compiles", True)),
+                   threading.Thread(target=thread, args=("runs", False))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert outcome == {"compiles": "CompilationFailedConfig", "runs": "RuntimeFailedConfig"}
+        assert called == ["before"]
+        assert (runtime.jit_cache_hook, runtime.jit_post_compile_hook) == found
+    finally:
+        runtime.jit_cache_hook = runtime.jit_post_compile_hook = None
 
 
 @needs_interpreter
@@ -919,8 +965,13 @@ def test_final_round_failure_of_a_config_at_a_later_knobs_old_value_is_recorded(
     assert base.bwd_persistent == 0 and "bwd_persistent" not in base.to_dict()
 
     class Runner:
-        def evaluate(self, kernel, config, phase, work, timeout_s, full):
+        interpret, seconds = True, {"compile_verify": 0.0}
+
+        def prepare(self, kernel, config, phase, work, timeout_s, full):
             return TrialRecord(32, phase, config.to_dict(), "timeout", error="full grid too slow")
+
+        def measure(self, kernel, config, phase, work, rec, timeout_s):
+            return rec
 
     study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
     best, default, found = flashgen.tuner._final_choice(Runner(), None, study, space, "bwd", None,
@@ -929,3 +980,51 @@ def test_final_round_failure_of_a_config_at_a_later_knobs_old_value_is_recorded(
     (failed,) = study.trials
     assert failed.state == optuna.trial.TrialState.FAIL and failed.user_attrs["final"]
     assert failed.params["bwd_persistent"] == 0 and failed.params["BLOCK_M1"] == 16
+
+
+def test_the_final_round_checks_the_two_fastest_distinct_configs_side_by_side():
+    # A config measured before is told to the study again (a second COMPLETE trial, 'reused'): the
+    # final round takes the two fastest distinct configs, not one config twice. Their full-grid
+    # checks and the default's run in three threads at once (the barrier passes only so), then each
+    # is timed alone; a check that failed among threads is run again alone before it counts.
+    import threading
+
+    import optuna
+    from flashgen.db import TrialRecord
+
+    spec = AttentionSpec(dtype="fp16", head_dim=32, causal=True)
+    space = forward_space(spec, DeviceLimits("gpu", float("inf")))
+    base = KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    fast, second = base.replace(BLOCK_N=32), base.replace(BLOCK_M=32)
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    dists = {n: optuna.distributions.CategoricalDistribution(list(c)) for n, c in space.params.items()}
+    for config, ms in ((fast, 1.0), (fast, 1.01), (second, 1.5), (base.replace(num_warps=8), 2.0)):
+        study.add_trial(optuna.trial.create_trial(
+            params={n: getattr(config, n) for n in space.params}, distributions=dists, value=ms,
+            user_attrs={"record": dataclasses.asdict(TrialRecord(64, "fwd", config.to_dict(), "ok", ms=ms))}))
+    together = threading.Barrier(3, timeout=10)
+    prepared, timed = [], []
+
+    class Runner:
+        interpret, seconds = False, {"compile_verify": 0.0}
+
+        def prepare(self, kernel, config, phase, work, timeout_s, full):
+            assert full
+            alone = len(prepared) >= 3
+            prepared.append(config)
+            if not alone:
+                together.wait()
+                self.seconds["compile_verify"] += 100.0  # a thread's own clock: not what the run adds
+                if config == second:
+                    return TrialRecord(64, phase, config.to_dict(), "timeout", error="slowed by the others")
+            return TrialRecord(64, phase, config.to_dict(), "ok")
+
+        def measure(self, kernel, config, phase, work, rec, timeout_s):
+            timed.append(config)
+            return dataclasses.replace(rec, ms={fast: 1.2, second: 0.9, base: 1.4}[config])
+
+    runner = Runner()
+    best, default, found = flashgen.tuner._final_choice(runner, None, study, space, "fwd", None, TuneOptions(), base)
+    assert sorted(map(str, prepared[:3])) == sorted(map(str, (fast, second, base))) and prepared[3:] == [second]
+    assert timed == [fast, second, base] and runner.seconds["compile_verify"] < 100
+    assert best.ms == 0.9 and found.ms == 0.9 and default.ms == 1.4
