@@ -638,22 +638,30 @@ def replay(args):
                                memory_gib=env["memory_gib"], torch=env["torch"], triton=env["triton"],
                                cuda=env.get("cuda"), flashgen="", templates="")
             self.limits = DeviceLimits(env["gpu"], 232448.0, hopper=env["capability"] == "9.0")
-            self.noise, self.rng, self.missing = noise, random_module.Random(seed), 0
+            self.noise, self.rng, self.missing = noise, random_module.Random(seed), set()  # configs not in the sweep
 
         def workload(self, spec, bucket, batch_tokens):
             return Workload(bucket, 1, bucket, (), {}, 1)
 
-        def evaluate(self, kernel, config, phase, work, *, timeout_s=60.0, full=False):
+        def prepare(self, kernel, config, phase, work, *, timeout_s=60.0, full=False):
+            """The sweep's check of the point (the trial's grid, or the full grid); the tuner's
+            final round calls it from threads."""
             d = config.to_dict()
             r = self.table.get(forward_key(d))
             if r is None:  # not a point of the swept space (its status is unknown): counted, never chosen
-                self.missing += 1
+                self.missing.add(forward_key(d))  # a set: the final round checks a failure again alone
                 return TrialRecord(work.bucket, phase, d, "error", error="not in the sweep")
             status = r["status_full"] if full and r["status"] == "ok" else r["status"]
             if status != "ok" or r["ms"] is None:
                 return TrialRecord(work.bucket, phase, d, status if status != "ok" else "error", error=r["error"])
-            ms = r["ms"] * (1.0 + self.rng.gauss(0.0, self.noise)) if self.noise else r["ms"]
-            return TrialRecord(work.bucket, phase, d, "ok", ms=ms, tflops=1.0)
+            return TrialRecord(work.bucket, phase, d, "ok", tflops=1.0)
+
+        def measure(self, kernel, config, phase, work, rec, *, start=None, timeout_s=60.0):
+            """The sweep's time of a checked point, with the noise drawn (one at a time, as timing is)."""
+            if rec.status == "ok":
+                ms = self.table[forward_key(rec.config)]["ms"]
+                rec.ms = ms * (1.0 + self.rng.gauss(0.0, self.noise)) if self.noise else ms
+            return rec
 
     result = dict(what=replay.__doc__.split("\n\n")[0].replace("\n", " "),
                   command=" ".join([sys.argv[0], *(args.argv or [])]), rows=[])
@@ -666,6 +674,8 @@ def replay(args):
         n_trials = max(1, int(valid * args.fraction))  # at most the fraction
         noise = doc["summary"]["repeat_rel_stdev_median"] or 0.0
         for start, count in (("warm", args.seeds), ("scratch", args.scratch_seeds)):
+            if count == 0:  # --scratch-seeds 0: the warm-started seeds only
+                continue
             for sigma in {"measured": (noise,), "none": (0.0,), "both": (0.0, noise)}[args.noise]:
                 gaps, trials, missing = [], [], 0
                 with tempfile.TemporaryDirectory(dir=SCRATCH) as tmp, no_warm_starts(start == "scratch"):
@@ -681,7 +691,7 @@ def replay(args):
                         store.close()
                         found = timed.get(forward_key(res.found.config)) if res.found else None
                         gaps.append(found / best - 1 if found else float("inf"))
-                        missing += runner.missing
+                        missing += len(runner.missing)
                 row = dict(spec=doc["spec"]["name"], sweep=str(path), bucket=doc["bucket"], start=start,
                            noise=round(sigma, 4), seeds=count, valid_points=valid, trials=n_trials,
                            trials_fraction=round(n_trials / valid, 3), trials_run_median=statistics.median(trials),
@@ -731,14 +741,19 @@ def simulate(args):
         def workload(self, spec, bucket, batch_tokens):
             return Workload(bucket, 1, bucket, (), {}, 1)
 
-        def evaluate(self, kernel, config, phase, work, *, timeout_s=60.0, full=False):
+        def prepare(self, kernel, config, phase, work, *, timeout_s=60.0, full=False):
             d = config.to_dict()
             self.evaluated.add(json.dumps(d, sort_keys=True))
+            return TrialRecord(work.bucket, phase, d, "ok", tflops=1.0)
+
+        def measure(self, kernel, config, phase, work, rec, *, start=None, timeout_s=60.0):
+            d = rec.config
             ms = self.table.get(tuple(d[k] for k in SWEPT_KNOBS), 10.0)
             ms *= (0.97 if d.get("tma") else 1.0) * (0.98 if d.get("warp_specialize") else 1.0)
             if d.get("family") == "hopper_ws":
                 ms *= 0.9 if (d["BLOCK_M"], d["BLOCK_N"]) == (128, 128) else 1.1
-            return TrialRecord(work.bucket, phase, d, "ok", ms=ms, tflops=1.0)
+            rec.ms = ms
+            return rec
 
     for n in args.specs.split(","):
         doc = load_sweep(n)

@@ -10,8 +10,8 @@ stay readable.
 Triton compiles a kernel on its first launch, so "compile" and "run" happen inside one call.
 ``launching()`` tells them apart by watching Triton's JIT hooks (``jit_cache_hook`` is called
 before a compile, ``jit_post_compile_hook`` after): what fails between the two failed to
-compile. It sets those process-wide hooks for its duration (chaining any already set), so it
-is meant for one tuning thread, as the tuner runs.
+compile. It sets those process-wide hooks while any thread is inside it (chaining any already
+set), and each thread sees its own compiles: the tuner verifies configs in threads side by side.
 """
 
 from __future__ import annotations

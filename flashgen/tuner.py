@@ -593,36 +593,58 @@ def _stop_if_interrupted(options) -> None:
         raise KeyboardInterrupt
 
 
+# What several configs compiled and checked at once can cause one another: a timeout (their
+# compiles share the host's cores), a runtime error (device memory). A failure of another kind
+# (wrong_result above all: a kernel wrong on some inputs must never pass on a second draw) stands.
+_SHARED_FAILURES = ("timeout", "error")
+
+
 def prepare_all(runner, items, prepare, jobs: int, options=None) -> list[TrialRecord]:
     """prepare(item) -> TrialRecord (Runner.prepare: compile, run and verify) for every item, in
     ``jobs`` threads (1 under the interpreter, whose kernels run in Python). Triton's compiler and
     ptxas leave the GIL, so configs compile side by side (4 sm90 forwards compiled on the CI's 2
-    cores: 5.9 s one at a time, 3.3 s in 2 threads). A failure among threads is confirmed alone
-    before it counts (a timeout stretched by the others, say). The runner's compile_verify clock
-    gains the wall time, not the threads' sum. Asks ``options.interrupted`` before each config
-    when one at a time (the interpreter's full-grid checks are long)."""
+    cores: 5.9 s one at a time, 3.3 s in 2 threads). The threads run on the caller's CUDA device
+    (torch's current device is per thread). A timeout or runtime error among threads is confirmed
+    alone before it counts (_SHARED_FAILURES). The runner's compile_verify clock gains the wall
+    time, not the threads' sum. ``options.interrupted`` is asked before each config run alone and
+    before the threads start; a Ctrl-C during them waits for the checks running (threads cannot be
+    stopped) and starts no more."""
     items = list(items)
     jobs = 1 if runner.interpret else max(1, min(jobs, len(items)))
+
+    def alone(item):
+        if options is not None:
+            _stop_if_interrupted(options)
+        return prepare(item)
+
     if jobs == 1:
-        out = []
-        for item in items:
-            if options is not None:
-                _stop_if_interrupted(options)
-            out.append(prepare(item))
-        return out
+        return [alone(item) for item in items]
     from concurrent.futures import ThreadPoolExecutor
 
+    device = torch.cuda.current_device() if runner.device == "cuda" and torch.cuda.is_available() else None
+
+    def threaded(item):
+        if device is not None:
+            torch.cuda.set_device(device)
+        return prepare(item)
+
+    if options is not None:
+        _stop_if_interrupted(options)
     before, start = runner.seconds["compile_verify"], time.monotonic()
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        out = list(pool.map(prepare, items))
-    runner.seconds["compile_verify"] = before + time.monotonic() - start
-    return [rec if rec.status == "ok" else prepare(item) for item, rec in zip(items, out)]
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        out = list(pool.map(threaded, items))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        runner.seconds["compile_verify"] = before + time.monotonic() - start
+    return [alone(item) if rec.status in _SHARED_FAILURES else rec for item, rec in zip(items, out)]
 
 
 def _final_choice(runner, kernel, study, space, phase, work, options, base: KernelConfig):
     """Verify the two fastest configs and the default on the full grid (compiled side by side in
     threads: the final round is the part of a study that `--gpus` workers cannot share), time them
-    again in one round, keep the fastest. Returns (best, default, found) records from that round
+    again in one round, keep the fastest. Each config's compile and check, and its timing, is held
+    to options.timeout_s on its own (the checks run at once). Returns (best, default, found) records from that round
     (found: the fastest of the search's own two, the default left out unless it is one of them). A
     config that fails the full grid is added to the study as a failed trial (marked 'final', so it
     spends no budget), and is then never chosen, in this run or a later one."""
@@ -636,8 +658,10 @@ def _final_choice(runner, kernel, study, space, phase, work, options, base: Kern
         if len(searched) == 2:
             break
     candidates = searched + ([base] if base not in searched else [])
+    # decode's configs share one module (its kernels' first compiles would meet in Triton's JIT): one at a time
+    jobs = len(candidates) if phase_batch(phase) is None else 1
     prepared = prepare_all(runner, candidates, lambda config: runner.prepare(
-        kernel, config, phase, work, timeout_s=options.timeout_s, full=True), len(candidates), options)
+        kernel, config, phase, work, timeout_s=options.timeout_s, full=True), jobs, options)
     finalists, default, found = [], None, []
     for config, rec in zip(candidates, prepared):
         _stop_if_interrupted(options)

@@ -301,7 +301,9 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
         tensor gradient sums dS times the score's derivative over many pairs, and a row's dS sums
         to 0, so a bias table's entry for all far keys is mostly cancellation (a correct kernel's
         error relative to that small sum reached the fp32 bound on about 1 in 100+ fresh inputs).
-        Its fp32 error scales with the size of what it summed, which the |dS| sums measure."""
+        Its fp32 error scales with the size of what it summed, which the |dS| sums measure (the
+        score's derivative keeps its sign: where it changes sign over the pairs, the sum can still
+        cancel, and compare takes |ref| when that is larger)."""
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         named = dict(tensors or {})
         extra = []
@@ -310,7 +312,8 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
             extra.append(named[name].requires_grad_())
         scores = []
         out, _ = reference_attention(*leaves, compute_dtype=dtype, tensors=named, score_hook=scores.append, **kw)
-        grads = torch.autograd.grad(out, leaves + extra + scores, do.to(dtype), retain_graph=summed is not None)
+        grads = torch.autograd.grad(out, leaves + extra + scores, do.to(dtype),
+                                    retain_graph=summed is not None and bool(extra))
         if summed is not None and extra:
             summed += torch.autograd.grad(scores, extra, grads[-1].abs(), allow_unused=True)
         return grads[:len(leaves) + len(extra)]

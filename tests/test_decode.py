@@ -200,8 +200,9 @@ def test_split_calls_merge_without_a_combine_launch(device):
 
 
 def test_split_tickets_are_made_once_and_not_while_captured(monkeypatch):
-    # One zeroed buffer per device, grown by doubling; while a graph is captured a buffer too small
-    # is not grown (the call gets zeros of its own, which the graph makes at each replay).
+    # One zeroed buffer per device and stream, grown by doubling; while a graph is captured the call
+    # gets zeros of its own, which the graph makes at each replay and keeps alive, even where the
+    # stream has a buffer (a graph holding that one would replay into it after it is grown or dropped).
     cpu = torch.device("cpu")
     monkeypatch.setattr(host_decode, "TICKETS", {})
     monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: True)
@@ -209,6 +210,9 @@ def test_split_tickets_are_made_once_and_not_while_captured(monkeypatch):
     monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: False)
     made = host_decode.split_tickets(cpu, 10)
     assert made.numel() == 1024 and host_decode.split_tickets(cpu, 1024) is made
+    monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: True)
+    assert host_decode.split_tickets(cpu, 10) is not made
+    monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: False)
     assert host_decode.split_tickets(cpu, 1500).numel() == 2048 and host_decode.TICKETS[cpu, 0].numel() == 2048
 
 

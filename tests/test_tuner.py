@@ -986,7 +986,7 @@ def test_the_final_round_checks_the_two_fastest_distinct_configs_side_by_side():
     # A config measured before is told to the study again (a second COMPLETE trial, 'reused'): the
     # final round takes the two fastest distinct configs, not one config twice. Their full-grid
     # checks and the default's run in three threads at once (the barrier passes only so), then each
-    # is timed alone; a check that failed among threads is run again alone before it counts.
+    # is timed alone; a timeout among threads is run again alone before it counts, a wrong result not.
     import threading
 
     import optuna
@@ -1006,7 +1006,7 @@ def test_the_final_round_checks_the_two_fastest_distinct_configs_side_by_side():
     prepared, timed = [], []
 
     class Runner:
-        interpret, seconds = False, {"compile_verify": 0.0}
+        interpret, device, seconds = False, "cpu", {"compile_verify": 0.0}
 
         def prepare(self, kernel, config, phase, work, timeout_s, full):
             assert full
@@ -1017,14 +1017,18 @@ def test_the_final_round_checks_the_two_fastest_distinct_configs_side_by_side():
                 self.seconds["compile_verify"] += 100.0  # a thread's own clock: not what the run adds
                 if config == second:
                     return TrialRecord(64, phase, config.to_dict(), "timeout", error="slowed by the others")
+                if config == base:  # never drawn again: a kernel wrong on some inputs must not pass on a second
+                    return TrialRecord(64, phase, config.to_dict(), "wrong_result", error="dq: FAILED")
             return TrialRecord(64, phase, config.to_dict(), "ok")
 
         def measure(self, kernel, config, phase, work, rec, timeout_s):
+            if rec.status != "ok":  # as Runner.measure: a failed check is not timed
+                return rec
             timed.append(config)
             return dataclasses.replace(rec, ms={fast: 1.2, second: 0.9, base: 1.4}[config])
 
     runner = Runner()
     best, default, found = flashgen.tuner._final_choice(runner, None, study, space, "fwd", None, TuneOptions(), base)
     assert sorted(map(str, prepared[:3])) == sorted(map(str, (fast, second, base))) and prepared[3:] == [second]
-    assert timed == [fast, second, base] and runner.seconds["compile_verify"] < 100
-    assert best.ms == 0.9 and found.ms == 0.9 and default.ms == 1.4
+    assert timed == [fast, second] and runner.seconds["compile_verify"] < 100
+    assert best.ms == 0.9 and found.ms == 0.9 and default.status == "wrong_result"

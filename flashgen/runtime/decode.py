@@ -413,13 +413,15 @@ def split_tickets(device, count, stream=None):
     after another and never share a ticket at once; launches on two streams may run at the same
     time, so each stream counts on its own buffer (one buffer per device let two streams' decode
     steps take each other's tickets and merge splits too early).
-    While a CUDA graph is captured (or torch.compile traces) a buffer too small is not grown: the
-    call gets zeros of its own, made by the graph (a memset node) at each replay."""
+    While a CUDA graph is captured (or torch.compile traces) the call gets zeros of its own, made
+    by the graph (a memset node) at each replay and kept alive by the graph's memory pool: a graph
+    that took a stream's buffer would replay into freed memory once that buffer was grown or
+    dropped."""
+    if device_sync_forbidden(device):
+        return torch.zeros(count, dtype=torch.int32, device=device)
     key = (device, current_stream(device) if stream is None else stream)
     tickets = TICKETS.get(key)
     if tickets is None or tickets.numel() < count:
-        if device_sync_forbidden(device):
-            return torch.zeros(count, dtype=torch.int32, device=device)
         size = max(count, 1024, 2 * tickets.numel() if tickets is not None else 0)
         if tickets is None and len(TICKETS) >= MAX_TICKET_STREAMS:
             del TICKETS[next(iter(TICKETS))]
@@ -839,14 +841,15 @@ class DecodeLauncher:
         part = torch.empty(call.part_numel, dtype=torch.float32, device=call.device) if call.part_numel else out
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
         tickets = None
-        if call.plan["fused"]:  # the call keeps its stream's tickets: (stream, buffer)
+        if call.plan["fused"] and not watch:  # captured or traced: zeros of the graph's own
+            tickets = split_tickets(call.device, call.plan["grid"][1] * call.plan["grid"][2])
+        elif call.plan["fused"]:  # the call keeps its stream's tickets: (stream, buffer)
             stream = current_stream(call.device)
             if call.tickets is not None and call.tickets[0] == stream:
                 tickets = call.tickets[1]
             else:
                 tickets = split_tickets(call.device, call.plan["grid"][1] * call.plan["grid"][2], stream)
-                if not device_sync_forbidden(call.device):  # a captured call's own zeros are the graph's
-                    call.tickets = (stream, tickets)
+                call.tickets = (stream, tickets)
         kernel(q, k_cache, v_cache, out, lse_arg, part, seqlens, bt, cbi, record.tensor, q_descale, k_descale,
                v_descale, tickets if tickets is not None else seqlens, *scalars, *self.attention.tensor_args(named))
         if combine is not None:
