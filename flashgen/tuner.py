@@ -204,9 +204,10 @@ class Runner:
             if masks.lower(spec.mask_node, spec.score_mod).same_seqlen:  # a document mask indexes one id tensor by query and key
                 seqlen_k = seqlen_q
             gen = torch.Generator().manual_seed(random.randrange(2**31))
-            q, k, v, do = qkv_do(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
-            named = named_tensors(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
             where = f"at (batch {batch}, seqlen_q {seqlen_q}, seqlen_k {seqlen_k})"
+            with stage(RuntimeFailedConfig):  # device memory taken (by checks running at once): a typed 'error'
+                q, k, v, do = qkv_do(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
+                named = named_tensors(spec, batch, seqlen_q, seqlen_k, device=self.device, generator=gen)
             try:  # Triton compiles per specialization (a length of 1 is a constant): say which shape failed
                 with launching():
                     out, lse = self.forward(kernel, config, q, k, v, named)
@@ -232,8 +233,9 @@ class Runner:
         spec, q_len = kernel.spec, work.tensors[0].shape[1]
         for batch, kv in self.decode_full_verify_shapes if full else self.decode_verify_shapes:
             gen = torch.Generator().manual_seed(random.randrange(2**31))
-            q, k, v, _ = qkv_do(spec, batch, q_len, kv, device=self.device, generator=gen)
-            named = named_tensors(spec, batch, q_len, kv, device=self.device, generator=gen)
+            with stage(RuntimeFailedConfig):  # device memory taken: a typed 'error', as in verify
+                q, k, v, _ = qkv_do(spec, batch, q_len, kv, device=self.device, generator=gen)
+                named = named_tensors(spec, batch, q_len, kv, device=self.device, generator=gen)
             q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
             with launching():
                 out, lse = self.decode(kernel, config, q, k, v, named)

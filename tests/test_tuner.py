@@ -163,6 +163,22 @@ def test_failures_are_typed_by_the_stage_they_happen_in(where, error, status):
     assert triton.knobs.runtime.jit_cache_hook is None and triton.knobs.runtime.jit_post_compile_hook is None
 
 
+@needs_interpreter
+def test_verification_inputs_that_do_not_fit_are_a_typed_failure(monkeypatch):
+    # The final round checks configs side by side: device memory taken by the others, when a check
+    # draws its inputs, is the config's 'error' (run again alone by prepare_all), not a crashed tune.
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    runner = InterpretRunner()
+    spec = SPEC.replace(backward=False)
+    kernel = flashgen.AttentionKernel(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16))
+    work = runner.workload(spec, 16, 16)
+    monkeypatch.setattr(flashgen.tuner, "qkv_do", no_memory)
+    rec = runner.prepare(kernel, kernel.config, "fwd", work, full=True)
+    assert rec.status == "error" and "out of memory" in rec.error, rec
+
+
 def test_compile_watches_in_threads_see_their_own_compiles_and_give_the_hooks_back():
     # The tuner verifies configs side by side in threads, each inside launching(): a compile in one
     # thread is that thread's (another thread's runtime failure stays a runtime failure), an earlier
