@@ -174,7 +174,7 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | 
             return CheckResult(name, max_err <= ATOL_FLOOR, max_err, ATOL_FLOOR, "(absolute, zero reference)")
         if summed is not None:  # per element, against what it summed (an element that summed nothing: 0)
             size = torch.maximum(summed.double()[finite_ref].abs(), r.abs())
-            rel = float(torch.where(size > 0, err / size.clamp_min(1e-300), err * math.inf).nan_to_num(0.0).max())
+            rel = float(torch.where(size > 0, err / size, torch.where(err > 0, math.inf, 0.0)).max())
             return CheckResult(name, rel <= FP32_RTOL, rel, FP32_RTOL,
                                "(per element, relative to its summed |terms|, fp32 vs float64)")
         rel = float(err.norm() / r.norm())
@@ -295,38 +295,38 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
               dropout_p=dropout_p, mask=mask, score_mod=score_mod)
     low_precision = q.dtype in (torch.float16, torch.bfloat16)
 
-    def ref_grads(dtype, summed=None):
-        """The reference's gradients in dtype; with a list ``summed``, fills it with each named
-        tensor's gradient taken over |dS| (float64 only): for an fp32 kernel, each element of a
-        tensor gradient sums dS times the score's derivative over many pairs, and a row's dS sums
-        to 0, so a bias table's entry for all far keys is mostly cancellation (a correct kernel's
-        error relative to that small sum reached the fp32 bound on about 1 in 100+ fresh inputs).
-        Its fp32 error scales with the size of what it summed, which the |dS| sums measure (the
-        score's derivative keeps its sign: where it changes sign over the pairs, the sum can still
-        cancel, and compare takes |ref| when that is larger)."""
+    def ref_grads(dtype, with_sums=False):
+        """(the reference's gradients in dtype, sums): with ``with_sums`` (float64) and named tensors
+        to differentiate, sums holds each one's gradient taken over |dS| (else None). For an fp32
+        kernel, each element of a tensor gradient sums dS times the score's derivative over many
+        pairs, and a row's dS sums to 0, so a bias table's entry for all far keys is mostly
+        cancellation (a correct kernel's error relative to that small sum reached the fp32 bound
+        on about 1 in 100+ fresh inputs). Its fp32 error scales with the size of what it summed,
+        which the |dS| sums measure (the score's derivative keeps its sign: where it changes sign
+        over the pairs, the sum can still cancel, and compare takes |ref| when that is larger)."""
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         named = dict(tensors or {})
         extra = []
         for name in grad_tensors:
             named[name] = named[name].detach().to(torch.float64 if dtype == torch.float64 else torch.float32)
             extra.append(named[name].requires_grad_())
-        scores = []
-        out, _ = reference_attention(*leaves, compute_dtype=dtype, tensors=named, score_hook=scores.append, **kw)
-        grads = torch.autograd.grad(out, leaves + extra + scores, do.to(dtype),
-                                    retain_graph=summed is not None and bool(extra))
-        if summed is not None and extra:
-            summed += torch.autograd.grad(scores, extra, grads[-1].abs(), allow_unused=True)
-        return grads[:len(leaves) + len(extra)]
+        scores = []  # the scores after the score modifier, when the sums are wanted: their gradient is dS
+        out, _ = reference_attention(*leaves, compute_dtype=dtype, tensors=named,
+                                     score_hook=scores.append if with_sums and extra else None, **kw)
+        grads = torch.autograd.grad(out, leaves + extra + scores, do.to(dtype), retain_graph=bool(scores))
+        if not scores:
+            return grads, None
+        return grads[:-1], torch.autograd.grad(scores, extra, grads[-1].abs(), allow_unused=True)
 
     names = ("dq", "dk", "dv", *(f"d{n}" for n in grad_tensors))
-    summed = []
+    sums = None
     if low_precision:
-        refs = ref_grads(torch.float32)
-        low = ref_grads(q.dtype)  # tensor grads stay float32, with the kernel dtype's matmul error in them
+        refs, _ = ref_grads(torch.float32)
+        low, _ = ref_grads(q.dtype)  # tensor grads stay float32, with the kernel dtype's matmul error in them
         pts = [g.to(q.dtype) for g in low[:3]] + list(low[3:])
     else:
-        refs, pts = ref_grads(torch.float64, summed), [None] * len(names)
-    summed = [None] * 3 + (summed or [None] * len(grad_tensors))
+        (refs, sums), pts = ref_grads(torch.float64, with_sums=True), [None] * len(names)
+    summed = [None] * 3 + list(sums or [None] * len(grad_tensors))
     # A tensor gradient (an ALiBi slope, a bias table) sums dS over many (query, key) pairs into
     # few elements: its mean error is its max error, so it is held to the max rule's factor. Its
     # own kernel-dtype reference error is a max over those few sums, too noisy a yardstick alone
