@@ -365,10 +365,13 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
                 # chunks of 1024: 64x64 with descriptors 0.143 / 0.297 / 0.193 (vs 0.200 / 0.328 / 0.228)
                 return cfg(64, 32, 4, 3) if shape.band <= 192 else cfg(64, 64, 4, 3, tma=True)
             if shape.documents:
-                # document lengths are known only at run time; by the length: 4 or 16 documents at
-                # S=4096 run best at 64x32 (0.238 / 0.119 ms vs 0.246 / 0.170), 4 documents at
-                # S=16384 at 128x128 with descriptors (0.613 vs 0.738; 16 documents 0.254 vs 0.235)
-                return cfg(64, 32, 4, 3) if seqlen <= 4096 else cfg(128, 128, 8, 3, tma=True)
+                # document lengths are known only at run time. 64x64 with descriptors, once its
+                # boundary loop reads the ids at 2 stages (prefill/q_outer.j2: two programs per SM,
+                # not one), is the fastest or tied at every length measured (H100, CUDA-graph us,
+                # 2026-11-23, .gpu probe in benchmarks/NOTES.md): 4 documents at S=4096 220 vs 246
+                # for 64x32 and 245 for 128x128; 16 at S=16384 224 vs 247 / 247; 16 at S=4096 (256
+                # tokens each) 123 vs 121 / 158; the same causal work unmasked takes 208.
+                return cfg(64, 64, 4, 3, tma=True)
             if shape.causal and seqlen <= 2048:
                 return cfg(64, 64, 4, 3, tma=True)  # causal S=1024: 0.186 ms vs 0.221 for 128x128
             return dict(cfg(128, 128, 8, 3, tma=True), warp_specialize=True)

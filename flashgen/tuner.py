@@ -624,6 +624,12 @@ def prepare_all(runner, items, prepare, jobs: int, options=None) -> list[TrialRe
     from concurrent.futures import ThreadPoolExecutor
 
     device = torch.cuda.current_device() if runner.device == "cuda" and torch.cuda.is_available() else None
+    if device is not None:
+        # set_device to the device a new thread already names makes no context current there, so the
+        # backward's first cuBLAS call says so and makes the primary context current itself (harmless;
+        # printed once per tune, in the user's terminal)
+        warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context",
+                                category=UserWarning)
 
     def threaded(item):
         if device is not None:

@@ -59,12 +59,14 @@ class Sm90Driver:
 CASE = [""]  # the case being compiled
 COMPILED = []
 BINARIES = {}  # (case, kernel name) -> the compiled binary's hash
+SHARED = {}  # (case, kernel name) -> the compiled kernel's shared memory, bytes
 
 
 def _compile_only(run):
     def compile_run(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         BINARIES[(CASE[0], self.__name__)] = kernel.hash
+        SHARED[(CASE[0], self.__name__)] = kernel.metadata.shared
         COMPILED.append(f"{self.__name__}: {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B smem, "
                         f"{len(kernel.asm['cubin'])} B cubin")
         return kernel
@@ -88,6 +90,7 @@ def main(only=()) -> int:
     import flashgen
     from flashgen import AttentionSpec, KernelConfig
 
+    DOCUMENT_TILES = KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, tma=True)
     hopper = KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, warp_specialize=True,
                           bwd_tma=True)
     cases = [
@@ -102,6 +105,11 @@ def main(only=()) -> int:
                                                score_mod={"softcap": 30.0}), hopper),
         ("custom expression (block map), TMA", dict(head_dim=64, num_heads=4, causal=True,
                                                     mask={"expr": "(q_idx - kv_idx) % 64 == 0"}), hopper),
+        # documents' default forward tiles beside plain causal's: the boundary loop's staged id reads
+        # must not take shared memory past the unmasked kernel's (main() compares them)
+        ("causal, 64x64 TMA", dict(head_dim=128, num_heads=4, causal=True, forward_only=True), DOCUMENT_TILES),
+        ("causal documents, 64x64 TMA", dict(head_dim=128, num_heads=4, mask={"document": {"ids": "doc"}},
+                                             forward_only=True), DOCUMENT_TILES),
         ("documents, FA1 loop order", dict(head_dim=96, num_heads=4, mask={"document": {"ids": "doc"}}),
          KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, loop_order="kv_outer")),
         # bwd_persistent: the dK/dV kernel's loop over key blocks, with tensor descriptors and atomic dQ
@@ -208,6 +216,15 @@ def main(only=()) -> int:
         return 1 if failed else 0
     shared = [kernel for (case, kernel), digest in BINARIES.items()
               if case == "hd64, pointer loads" and BINARIES.get(("hd128, pointer loads", kernel)) == digest]
+    # two 64x64 programs per SM (228 KB, 1 KB of it reserved per program): the documents' forward must
+    # fit as the causal one does (before its boundary loop took 2 stages: 115768 B, one program per SM)
+    causal, documents = (SHARED.get((case, "_attn_fwd")) for case in ("causal, 64x64 TMA",
+                                                                       "causal documents, 64x64 TMA"))
+    if causal is None or documents is None or documents > causal or 2 * (documents + 1024) > 228 * 1024:
+        failed += 1
+        print(f"FAILED documents' shared memory: {documents} B (causal: {causal} B)")
+    else:
+        print(f"ok documents' shared memory: {documents} B, two programs per SM (causal: {causal} B)")
     if shared or not BINARIES:
         failed += 1
         print(f"FAILED constexpr globals: hd64 and hd128 share the binaries of {shared}")

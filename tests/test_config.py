@@ -51,9 +51,9 @@ def test_defaults_per_bucket_follow_the_mask_shape_on_sm90():
         assert fwd({"mask": WINDOW(256)}, s) == fwd({"mask": {"chunked": 1024}}, s) == (64, 64, 4, True, False)
     assert fwd({"mask": WINDOW(4096)}, 16384) == long  # a wide band is a long triangle's business
     assert fwd({"mask": WINDOW(1024)}, 1024) == (64, 64, 4, True, False)  # not narrow at 1024, but short causal
-    # documents: by length; short causal: 64x64; plain and long causal keep the old default
-    assert fwd({"mask": {"document": {}}}, 4096) == (64, 32, 4, False, False)
-    assert fwd({"mask": {"document": {}}}, 16384) == (128, 128, 8, True, False)
+    # documents: 64x64 with descriptors at every length; short causal: 64x64; plain and long causal keep
+    # the old default
+    assert fwd({"mask": {"document": {}}}, 4096) == fwd({"mask": {"document": {}}}, 16384) == (64, 64, 4, True, False)
     assert fwd({"causal": True}, 1024) == (64, 64, 4, True, False)
     for s in DEFAULT_BUCKETS:
         if s <= SMALL_CALL:  # host-bound calls: no descriptors
@@ -170,7 +170,7 @@ def test_tuner_space_has_the_persistent_grid_within_one_sms_resources():
     ({"mask": WINDOW(128)}, 4096, 128),  # 64x32 forward
     ({"mask": WINDOW(256)}, 16384, 128),  # 64x64 with tensor descriptors, TMA backward
     ({"mask": {"document": {}}}, 4096, 128),
-    ({"mask": {"document": {}}}, 16384, 128),  # 128x128 with descriptors, no warp specialization
+    ({"mask": {"document": {}}}, 16384, 128),  # 64x64 with descriptors, its boundary loop at 2 stages
     ({"causal": True}, 1024, 128),
     ({"causal": True}, 1024, 64),
 ], ids=["window-128", "window-256", "documents-4096", "documents-16384", "causal-1024", "causal-1024-hd64"])

@@ -203,6 +203,32 @@ def test_document_blocks_search_the_row_once():
     assert not plan_for(AttentionSpec(head_dim=16, mask={"chunked": 8})).near_searches
 
 
+def test_forward_boundary_loop_reading_ids_per_column_takes_two_stages():
+    # Triton's pipeliner stages a mask's per-column tensor reads (document ids) through shared memory
+    # in the forward's boundary-block loop. Beside 3 stages of 64x64 K/V tiles that took the last
+    # bytes that let an SM run a second program (sm90: 115768 B, one per SM; H100 0.313 vs 0.217 ms on
+    # causal documents, tests/sm90_compile.py checks the bytes). Only such masks render the loop's
+    # own stage count: every other kernel's text, and the hashes its stored results are keyed by, stay.
+    from flashgen.codegen.plan import plan_for
+
+    def staged(mask, stages=3):
+        spec = AttentionSpec(head_dim=16, mask=mask)
+        source = render.render(spec, KernelConfig(BLOCK_M=64, BLOCK_N=64, num_stages=stages))
+        calls = [line.strip() for line in source.splitlines() if "STAGES=" in line]
+        return plan_for(spec).masked_loads_columns, "num_stages=STAGES" in source, calls
+
+    for causal in (True, False):
+        # the whole-block loop keeps the config's stages (None), the boundary loop takes 2
+        assert staged({"document": {"causal": causal}}) == (
+            True, True, ["WARP_SPECIALIZE=WARP_SPECIALIZE, STAGES=None)", "WARP_SPECIALIZE=False, STAGES=2)"])
+    assert staged({"document": {}}, stages=1)[2][-1].endswith("STAGES=1)")  # never more than the config's
+    # read per batch element or not at all: nothing to stage; a block map's listed loop is not pipelined
+    for mask in ({"prefix_lm": "plen"}, {"prefix_lm": 64}, {"sliding_window": {"left": 32}}, {"chunked": 32}):
+        assert staged(mask) == (False, False, []), mask
+    assert staged("d[q_idx] == d[kv_idx]") == (True, False, [])
+    assert staged("w[q_idx] > 0.5")[0] is False
+
+
 def test_document_ids_broadcast_over_the_batch(device):
     check_variant(device, mask={"document": {}}, sq=40, sk=40, tensors={"document_ids": _doc_ids([12, 28])})
 

@@ -84,6 +84,14 @@ class KernelPlan:
         return adds
 
     @property
+    def masked_loads_columns(self) -> bool:
+        """Whether the visibility predicate reads a named tensor per key column (document ids):
+        a load in the forward's boundary-block loop that Triton's pipeliner stages through shared
+        memory beside the K/V buffers (q_outer.j2 gives that loop fewer stages)."""
+        return self.predicate is not None and any(
+            isinstance(n, Load) and any(reads_var(i, "kv_idx") for i in n.index) for n in walk(self.predicate))
+
+    @property
     def near_searches(self) -> bool:
         """Whether some segment edge is a _search_near (segments.j2 renders it only then)."""
         return any(code.startswith("_search_near(") for d in ("kv", "q") if not self.block_map
