@@ -295,10 +295,14 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, st
 def _fwd_blocks(acc, m_i, l_i, q, K, V, lo, hi, lo2, hi2, BLOCKS, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd,
                 stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
                 dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr,
-                DROPOUT: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                DROPOUT: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STAGES: tl.constexpr):
     # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: the two boundary bands
     # of a segment), or (LISTED) the key blocks BLOCKS[lo:hi] of a block map. WARP_SPECIALIZE
     # splits the loop into producer warps (loads) and consumer warps (dots, softmax).
+    # STAGES (None: the config's): the pipeliner also stages the mask's per-column tensor reads
+    # (document ids) through shared memory in the boundary loop; with the K/V buffers of the
+    # config's stages they could take the last bytes that let the SM run another program
+    # (64x64, descriptors, 3 stages: 115768 B, one program per SM; 2 under 114744 B).
     if LISTED:
         for j in range(lo, hi):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, tl.load(BLOCKS + j) * BLOCK_N, rows, offs_n, offs_d,
@@ -306,7 +310,7 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, lo, hi, lo2, hi2, BLOCKS, rows, offs_n, 
                                       seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
                                       BLOCK_N, MASKED, DROPOUT, TMA)
     else:
-        for j in tl.range(lo, hi + (hi2 - lo2), BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        for j in tl.range(lo, hi + (hi2 - lo2), BLOCK_N, num_stages=STAGES, warp_specialize=WARP_SPECIALIZE):
             start_n = tl.where(j < hi, j, j - hi + lo2)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn,
                                       stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
@@ -380,14 +384,14 @@ def _attn_fwd(
                                 stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
                                 sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False,
                                 MASKED=False, DROPOUT=DROPOUT, TMA=TMA,
-                                WARP_SPECIALIZE=WARP_SPECIALIZE)
+                                WARP_SPECIALIZE=WARP_SPECIALIZE, STAGES=None)
     # the boundary blocks below and above them (and the ragged last block), in one loop
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_source, v_source,
                                 lo, full_lo, full_hi, hi, K, rows, offs_n, offs_d, offs_dv,
                                 stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
                                 sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False,
                                 MASKED=True, DROPOUT=DROPOUT, TMA=TMA,
-                                WARP_SPECIALIZE=False)
+                                WARP_SPECIALIZE=False, STAGES=2)
 
     out, lse = _finalize(acc, m_i, l_i)
     row_ok = offs_m < seqlen_q
