@@ -368,9 +368,10 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
                 # document lengths are known only at run time. 64x64 with descriptors, once its
                 # boundary loop reads the ids at 2 stages (prefill/q_outer.j2: two programs per SM,
                 # not one), is the fastest or tied at every length measured (H100, CUDA-graph us,
-                # 2026-11-23, .gpu probe in benchmarks/NOTES.md): 4 documents at S=4096 220 vs 246
-                # for 64x32 and 245 for 128x128; 16 at S=16384 224 vs 247 / 247; 16 at S=4096 (256
-                # tokens each) 123 vs 121 / 158; the same causal work unmasked takes 208.
+                # benchmarks/probe_document_tiles.py, results/masks/2026-11-23-h100-document-tiles.md):
+                # 4 documents at S=4096 220 vs 246 for 64x32 and 245 for 128x128; 16 at S=16384 224
+                # vs 247 / 247; 16 at S=4096 (256 tokens each) 123 vs 121 / 158; the same causal work
+                # unmasked takes 208.
                 return cfg(64, 64, 4, 3, tma=True)
             if shape.causal and seqlen <= 2048:
                 return cfg(64, 64, 4, 3, tma=True)  # causal S=1024: 0.186 ms vs 0.221 for 128x128

@@ -627,7 +627,7 @@ def prepare_all(runner, items, prepare, jobs: int, options=None) -> list[TrialRe
     if device is not None:
         # set_device to the device a new thread already names makes no context current there, so the
         # backward's first cuBLAS call says so and makes the primary context current itself (harmless;
-        # printed once per tune, in the user's terminal)
+        # printed once per tune, in the user's terminal). The filter is process-wide and stays.
         warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context",
                                 category=UserWarning)
 
