@@ -73,17 +73,6 @@ def tma_ready(t):
     return tma_strides_ok(t.stride(), t.element_size()) and t.data_ptr() % 16 == 0
 
 
-def descriptor_reduce_ok(t):
-    """Whether a kernel may add tiles into t through a tensor descriptor (the copy engine's bulk
-    reduce-add): compiled kernels can, and an interpreter that has the op (triton 3.6 to 3.9's
-    have none: the kernels then add through pointers)."""
-    if t.is_cuda or not interpreting():
-        return True
-    from triton.runtime import interpreter
-
-    return hasattr(interpreter.InterpreterBuilder, "create_descriptor_reduce")
-
-
 def tensor_descriptor(t, layout, rows, cols):
     """A (batch, heads, seq, dim) descriptor of t, one (1, 1, rows, cols) tile per load."""
     return TensorDescriptor(t, list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout)), [1, 1, rows, cols])
@@ -789,14 +778,8 @@ class AttentionLauncher:
             maps = self.map_args(*self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M1"], cfg["BLOCK_N1"], q.device,
                                                  named)[2:], batch)
         tma = cfg["bwd_tma"] and layout != "thd" and all(tma_ready(t) for t in (q, k, v, do))
-        # A module rendered with dq_strategy 'atomic' takes the float32 dQ buffer a second time (DQD):
-        # as a descriptor where the call's atomic dQ has TMA (one bulk reduce-add per tile), else as
-        # the tensor itself (read by nothing or through pointers).
-        dq_reduce = self.config["dq_strategy"] == "atomic"
-        plan.dq_arg = ("descriptor" if atomic and tma and descriptor_reduce_ok(q) else "tensor") if dq_reduce else None
         if tma:
-            tiles = ((launch["BLOCK_M"], self.block_d), (launch["BLOCK_M"], self.block_dv))
-            plan.rows = Descriptors(layout, tiles + tiles[:1] if plan.dq_arg == "descriptor" else tiles)
+            plan.rows = Descriptors(layout, ((launch["BLOCK_M"], self.block_d), (launch["BLOCK_M"], self.block_dv)))
         kv_programs = triton.cdiv(seqlen_k, cfg["BLOCK_N1"])
         if cfg.get("bwd_persistent"):  # about bwd_persistent programs per SM, each walking several key blocks
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1

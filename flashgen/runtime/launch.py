@@ -363,7 +363,6 @@ class BackwardPlan(CallPlan):
         self.preprocess_args = self.dkdv_head = self.dkdv_tail = self.dq_head = self.dq_tail = ()
         self.atomic = False  # dQ accumulated by the dK/dV kernel into a float32 buffer
         self.rows = self.tiles = None  # with TMA: Descriptors of (q, do) for dK/dV and of (k, v) for dQ
-        self.dq_arg = None  # a dq_strategy 'atomic' module's DQD: 'descriptor' (in rows) or 'tensor'
         self.fused_delta = None  # bwd_fused_delta: out's strides; the dQ kernel computes delta and runs first
         self.short = None  # bwd_short: a BoundLaunch of the one-launch backward (no other launch then)
         self.short_head = self.short_tail = ()
@@ -400,12 +399,7 @@ class BackwardPlan(CallPlan):
             tiles = (k, v) if self.tiles is None else self.tiles(k, v)
             self.dq.run(context, (q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra,
                                   *self.dq_tail, out, *self.fused_delta))
-        if self.dq_arg == "descriptor":
-            rows = self.rows(q, do, dq_acc)
-        else:
-            rows = (q, do) if self.rows is None else self.rows(q, do)
-            if self.dq_arg is not None:
-                rows = (*rows, dq_acc)
+        rows = (q, do) if self.rows is None else self.rows(q, do)
         self.dkdv.run(context, (q, k, v, do, lse, delta, dk, dv, dq_acc, seed, cu_q, cu_k, *rows, *self.dkdv_head,
                                 *extra, *grad_args, *self.dkdv_tail))
         if self.atomic:
