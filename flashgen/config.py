@@ -94,9 +94,12 @@ class KernelConfig:
     hopper_regs: int = 240  # registers per consumer thread (gl.warp_specialize worker_num_regs)
     hopper_overlap: bool = False  # issue the next block's Q K^T before this block's softmax
     hopper_pingpong: bool = False  # two consumers take turns at the tensor cores (FA3's ping-pong)
+    # one program per SM walking work units of query tiles (a causal unit pairs a heavy tile with a
+    # light one): the set-up is paid once per SM and the next tile's loads overlap this one's end
+    hopper_persistent: bool = False
 
     STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family", "hopper_bwd", "bwd_dq_heavy_first",
-                  "bwd_short")
+                  "bwd_short", "hopper_persistent")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
                 "bwd_tma", "bwd_persistent", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first", "bwd_short")
     # Knobs added after results were stored, with the value that renders the kernels as before
@@ -105,7 +108,7 @@ class KernelConfig:
     # from_dict() reads a missing one as that value.
     LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False, "family": "portable", "hopper_regs": 240,
                    "hopper_overlap": False, "hopper_pingpong": False, "hopper_bwd": False,
-                   "bwd_dq_heavy_first": False, "bwd_short": False}
+                   "bwd_dq_heavy_first": False, "bwd_short": False, "hopper_persistent": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -128,7 +131,7 @@ class KernelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
         for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first",
-                     "hopper_overlap", "hopper_pingpong", "bwd_short"):
+                     "hopper_overlap", "hopper_pingpong", "bwd_short", "hopper_persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.warp_specialize and self.num_warps < 8:
@@ -149,6 +152,10 @@ class KernelConfig:
         if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
             raise ConfigError(f"config knob 'hopper_pingpong': needs two consumers (BLOCK_M=128) and no "
                               f"hopper_overlap, got BLOCK_M={self.BLOCK_M} hopper_overlap={self.hopper_overlap}")
+        if self.hopper_persistent and (self.family != "hopper_ws" or self.hopper_overlap or self.hopper_pingpong):
+            raise ConfigError(f"config knob 'hopper_persistent': needs family 'hopper_ws' without hopper_overlap and "
+                              f"hopper_pingpong, got family={self.family!r} hopper_overlap={self.hopper_overlap} "
+                              f"hopper_pingpong={self.hopper_pingpong}")
         if isinstance(self.hopper_regs, bool) or self.hopper_regs not in HOPPER_REGS:
             raise ConfigError(f"config knob 'hopper_regs': expected one of {HOPPER_REGS}, got {self.hopper_regs!r}")
         if self.family == "hopper_ws":
@@ -187,7 +194,7 @@ class KernelConfig:
         hopper = "".join(f" {name}" for name in ("tma", "warp_specialize") if getattr(self, name))
         if self.family != "portable":
             hopper += (f" {self.family} regs={self.hopper_regs}{' overlap' if self.hopper_overlap else ''}"
-                       f"{' pingpong' if self.hopper_pingpong else ''}")
+                       f"{' pingpong' if self.hopper_pingpong else ''}{' persistent' if self.hopper_persistent else ''}")
         return (f"BLOCK_M={self.BLOCK_M} BLOCK_N={self.BLOCK_N} warps={self.num_warps} "
                 f"stages={self.num_stages} {self.loop_order}{hopper}")
 
@@ -198,6 +205,9 @@ class KernelConfig:
 
         if self.family == "hopper_ws" and (reason := spec_unserved(spec)):
             raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
+        if self.hopper_persistent and (spec.mask is not None or spec.fp8):
+            raise ConfigError(f"config knob 'hopper_persistent': serves specs without a mask pattern in fp16/bf16, "
+                              f"got spec {spec.uri!r}")
         if self.family == "hopper_ws" and self.BLOCK_N == 256 and not spec.fp8:
             raise ConfigError(f"config knob 'BLOCK_N': family 'hopper_ws' takes 256-key blocks for FP8 specs only "
                               f"(P in FP8 takes a quarter of the registers), got 256 for dtype {spec.dtype!r}")
@@ -396,7 +406,15 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     stages); hd64 S=4096 439-446/429, S=16384 461/440, causal S=16384 435/423. Not taken: hd128 causal
     S=1024 (331 vs 354), hd64 S=1024 (347 vs 381; causal 236 vs 301), hd64 causal S=4096 (381 vs 372
     for 3 stages, within the run-to-run spread). Buckets between two measured wins (2048, 8192) and
-    past the longest (32768+) follow them; fp16 runs the same instructions as bf16."""
+    past the longest (32768+) follow them; fp16 runs the same instructions as bf16.
+
+    The persistent grid (hopper_persistent, one program per SM walking work units; 128 x 128, 2
+    stages) where it beat every one-tile variant of the family and the default in one run
+    (benchmarks/results/2026-11-26-h100-hopper-persistent-run2.md, forward TFLOP/s persistent / best
+    one-tile / the default then): hd128 S=1024 518 / 463 / 472, S=4096 582 / 568 / 564; hd128 causal
+    S=1024 365 / 330 / 351 (portable), S=4096 515 / 500 / 489; hd64 causal S=4096 392 / 370 / 369
+    (portable). It loses on long walks (hd128 S=16384 541 vs 623, hd64 S=16384 376 vs 465) and at hd64
+    S=1024 and 4096 (376 / 374 portable, 415 / 432): those keep their defaults, and 8192 follows 16384."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec) is not None or shape.narrow(seqlen):
@@ -406,8 +424,10 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
     tile = dict(HOPPER_DEFAULT_TILE)
-    if d == 128 and not shape.causal and seqlen >= 1024:  # calls of up to 512 tokens: not measured
-        return dict(tile, hopper_pingpong=seqlen <= 4096)
+    if (d == 128 and 1024 <= seqlen <= 4096) or (d == 64 and shape.causal and seqlen == 4096):
+        return dict(tile, hopper_persistent=True)  # calls of up to 512 tokens: not measured
+    if d == 128 and not shape.causal and seqlen >= 1024:
+        return tile
     if d == 128 and seqlen >= 4096:
         return dict(tile, num_stages=3)
     if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):

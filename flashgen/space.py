@@ -90,6 +90,8 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     if hopper_ws:
         params.update(family=("portable", "hopper_ws"), hopper_regs=(232, 240), hopper_overlap=(False, True),
                       hopper_pingpong=(False, True))
+        if spec.mask is None and not spec.fp8:  # the persistent grid serves unmasked fp16/bf16
+            params.update(hopper_persistent=(False, True))
     if spec.fp8:  # the FP8 forward is the Q-outer kernel's; 256-key tiles pay there (hd128: 0.79 vs 0.72 PFLOP/s)
         params.update(loop_order=("q_outer",))
         if not device.interpret:
@@ -115,9 +117,14 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
                                                     and p["num_stages"] in HOPPER_STAGES and p["num_warps"] == 4
                                                     and p["loop_order"] == "q_outer"
                                                     and not (p.get("tma") or p.get("warp_specialize")))),
-            Restriction("family == 'hopper_ws' or (hopper_regs == 240 and not (hopper_overlap or hopper_pingpong))",
+            Restriction("family == 'hopper_ws' or (hopper_regs == 240 and not (hopper_overlap or hopper_pingpong "
+                        "or hopper_persistent))",
                         lambda p: hopper(p) or (p.get("hopper_regs", 240) == 240
-                                                and not (p.get("hopper_overlap") or p.get("hopper_pingpong")))),
+                                                and not (p.get("hopper_overlap") or p.get("hopper_pingpong")
+                                                         or p.get("hopper_persistent")))),
+            Restriction("not hopper_persistent or not (hopper_overlap or hopper_pingpong)",
+                        lambda p: not p.get("hopper_persistent") or not (p.get("hopper_overlap")
+                                                                        or p.get("hopper_pingpong"))),
             Restriction("not hopper_pingpong or (BLOCK_M == 128 and not hopper_overlap)",
                         lambda p: not p.get("hopper_pingpong") or (p["BLOCK_M"] == 128 and not p.get("hopper_overlap"))),
             Restriction(f"family == 'portable' or {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv}) "

@@ -46,6 +46,7 @@ from .config import ConfigError, KernelConfig, default_config
 from .db import EnvInfo, ResultStore, TrialRecord, config_key
 from .db.kernels import default_kernel
 from .decode_space import DecodeConfig, decode_phase, decode_space, phase_batch
+from .runtime.host import ensure_context
 from .failures import (CompilationFailedConfig, FailedConfig, InvalidConfig, RuntimeFailedConfig, TimedOutConfig,
                        WrongResultConfig, launching, stage)
 from .flops import pairs_flops, tflops, visible_count
@@ -624,16 +625,13 @@ def prepare_all(runner, items, prepare, jobs: int, options=None) -> list[TrialRe
     from concurrent.futures import ThreadPoolExecutor
 
     device = torch.cuda.current_device() if runner.device == "cuda" and torch.cuda.is_available() else None
-    if device is not None:
-        # set_device to the device a new thread already names makes no context current there, so the
-        # backward's first cuBLAS call says so and makes the primary context current itself (harmless;
-        # printed once per tune, in the user's terminal). The filter is process-wide and stays.
-        warnings.filterwarnings("ignore", message="Attempting to run cuBLAS, but there was no current CUDA context",
-                                category=UserWarning)
 
     def threaded(item):
         if device is not None:
+            # set_device to the device a new thread already names makes no context current there: the
+            # backward's first cuBLAS call then printed "no current CUDA context" in the user's terminal
             torch.cuda.set_device(device)
+            ensure_context(torch.device("cuda", device))
         return prepare(item)
 
     if options is not None:

@@ -129,6 +129,12 @@ def main(only=()) -> int:
                       hopper_regs=232)),
         ("hopper_ws hd128, ping-pong", dict(head_dim=128, num_heads=4),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
+        # the persistent grid (hopper_persistent): one program per SM walking work units, causal GQA on two
+        # consumers (a unit pairs a heavy and a light tile), hd64 on one
+        ("hopper_ws persistent gqa causal, 2 consumers", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True)),
+        ("hopper_ws persistent hd64, 1 consumer", dict(head_dim=64, num_heads=4),
+         KernelConfig(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, family="hopper_ws", hopper_persistent=True)),
         # the Gluon forward with a mask pattern (templates/hopper/masks.j2; forward only: the backward is
         # the portable one, compiled above): causal documents (binary searches, a named tensor) on two
         # consumers; prefix-LM with per-batch lengths under ping-pong; chunks and-ed with a window

@@ -54,7 +54,8 @@ def test_defaults_per_bucket_follow_the_mask_shape_on_sm90():
     # documents: 64x64 with descriptors at every length; short causal: 64x64; plain and long causal keep
     # the old default
     assert fwd({"mask": {"document": {}}}, 4096) == fwd({"mask": {"document": {}}}, 16384) == (64, 64, 4, True, False)
-    assert fwd({"causal": True}, 1024) == (64, 64, 4, True, False)
+    # causal hd128 at 1024: the Gluon family's persistent grid (tests/test_hopper_ws.py)
+    assert default_config(_spec(causal=True), seqlen=1024).hopper_persistent
     for s in DEFAULT_BUCKETS:
         if s <= SMALL_CALL:  # host-bound calls: no descriptors
             assert fwd({}, s) == (*long[:3], False, True)

@@ -118,6 +118,10 @@ def test_config_knobs():
     (dict(HOPPER, BLOCK_M=64, hopper_pingpong=True), "'hopper_pingpong'"),
     (dict(HOPPER, hopper_pingpong=True, hopper_overlap=True), "'hopper_pingpong'"),
     (dict(HOPPER, loop_order="kv_outer"), "'family'"),
+    (dict(hopper_persistent=True), "'hopper_persistent'"),  # the portable family
+    (dict(HOPPER, hopper_persistent=True, hopper_pingpong=True), "'hopper_persistent'"),
+    (dict(HOPPER, hopper_persistent=True, hopper_overlap=True), "'hopper_persistent'"),
+    (dict(HOPPER, hopper_persistent=1), "'hopper_persistent'"),
 ])
 def test_bad_knobs_are_config_errors(knobs, knob):
     with pytest.raises(ConfigError, match=knob):
@@ -247,6 +251,12 @@ def test_space_offers_the_family_only_where_it_serves():
     assert all(not (p["hopper_overlap"] or p["hopper_pingpong"]) and p["hopper_regs"] == 240
                for p in points if p["family"] == "portable")
     assert any(p["hopper_pingpong"] for p in hw) and not any(p["hopper_pingpong"] and p["BLOCK_M"] == 64 for p in hw)
+    # the persistent grid: with the family only, never beside ping-pong or overlap, for unmasked specs
+    assert any(p["hopper_persistent"] for p in hw)
+    assert not any(p["hopper_persistent"] and (p["hopper_pingpong"] or p["hopper_overlap"]) for p in hw)
+    assert not any(p["hopper_persistent"] for p in points if p["family"] == "portable")
+    masked = forward_space(AttentionSpec(dtype="bf16", head_dim=128, mask={"prefix_lm": 64}), H100)
+    assert "family" in masked.params and "hopper_persistent" not in masked.params
     for spec in (AttentionSpec(dtype="bf16", head_dim=96), AttentionSpec(dtype="fp32", head_dim=64)):
         assert "family" not in forward_space(spec, H100).params
     assert "family" not in forward_space(AttentionSpec(dtype="bf16", head_dim=128),
@@ -258,14 +268,24 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
         spec = AttentionSpec(dtype=fields.pop("dtype", "bf16"), head_dim=d, num_heads=16, causal=causal, **fields)
         return flashgen.default_config(spec, "h100", seqlen)
 
-    # H100 wins (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md)
-    assert family(128, False, 4096).hopper_pingpong and family(128, False, 1024).family == "hopper_ws"
-    assert family(128, False, 16384).family == "hopper_ws" and not family(128, False, 16384).hopper_pingpong
-    assert family(128, True, 4096).num_stages == 3 and family(128, True, 16384).family == "hopper_ws"
-    assert family(64, False, 4096).family == family(64, True, 16384).family == "hopper_ws"
+    # H100 wins (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md; the persistent grid:
+    # 2026-11-26-h100-hopper-persistent-run2.md): persistent for hd128 from 1024 to 4096 tokens, causal
+    # or not, and hd64 causal at 4096; the one-tile grid for longer walks
+    for d, causal, seqlen in ((128, False, 1024), (128, False, 2048), (128, False, 4096), (128, True, 1024),
+                              (128, True, 4096), (64, True, 4096)):
+        got = family(d, causal, seqlen)
+        assert got.family == "hopper_ws" and got.hopper_persistent and got.num_stages == 2, (d, causal, seqlen)
+    for d, causal, seqlen in ((128, False, 8192), (128, False, 16384), (128, True, 16384), (64, False, 4096),
+                              (64, True, 16384)):
+        got = family(d, causal, seqlen)
+        assert got.family == "hopper_ws" and not (got.hopper_persistent or got.hopper_pingpong), (d, causal, seqlen)
+    assert family(128, True, 16384).num_stages == 3 and family(128, False, 16384).num_stages == 2
     assert family(64, False, 4096, dtype="fp16").family == "hopper_ws"
+    # the persistent grid serves neither masks nor FP8: their defaults never take it
+    assert not family(128, True, 4096, mask={"prefix_lm": 512}).hopper_persistent
+    assert not family(128, False, 4096, dtype="fp8_e4m3").hopper_persistent
     # losses, unmeasured short calls, and what the family does not serve: the portable defaults
-    for d, causal, seqlen in ((128, True, 1024), (64, False, 1024), (64, True, 4096), (128, False, 256)):
+    for d, causal, seqlen in ((64, False, 1024), (64, True, 1024), (64, True, 2048), (128, False, 256)):
         assert family(d, causal, seqlen).family == "portable", (d, causal, seqlen)
     assert family(128, False, 4096, mask={"sliding_window": {"left": 256}}).family == "portable"
     assert family(128, False, 4096, dtype="fp32").family == "portable"
@@ -320,3 +340,82 @@ def test_standalone_module_carries_the_family_host_side(tmp_path):
     q, k, v = make_qkv(1, 4, 2, 33, 47, 64, dtype=torch.float16, device="cpu")
     out, lse = module.forward(q, k, v)  # CPU: the portable forward
     assert_attention_close(out, lse, q, k, v, causal=True)
+
+
+# --------------------------------------------------------------- the persistent grid (hopper_persistent)
+PERSISTENT = dict(HOPPER, hopper_persistent=True)
+
+
+@pytest.mark.parametrize("fields", [dict(dtype="bf16", head_dim=128, mask={"prefix_lm": 64}),
+                                    dict(dtype="fp8_e4m3", head_dim=128)])
+def test_persistent_grid_serves_unmasked_half_precision(fields):
+    spec = AttentionSpec(**fields)
+    with pytest.raises(ConfigError, match="'hopper_persistent'.*without a mask pattern in fp16/bf16"):
+        render(spec, KernelConfig(**PERSISTENT))
+    render(spec, KernelConfig(**HOPPER))  # the one-tile kernel serves it
+
+
+def test_persistent_knob_keeps_the_one_tile_kernel_text():
+    # off, the knob leaves the config's dict (stored and shipped configs keep their ids) and the
+    # kernels' text; on, the persistent partitions are rendered and the one-tile ones are not
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True)
+    assert "hopper_persistent" not in KernelConfig(**HOPPER).to_dict()
+    assert KernelConfig.from_dict(KernelConfig(**PERSISTENT).to_dict()).hopper_persistent
+    assert "hopper_persistent" in KernelConfig.STRUCTURAL and "persistent" in str(KernelConfig(**PERSISTENT))
+    one, many = render(spec, KernelConfig(**HOPPER)), render(spec, KernelConfig(**PERSISTENT))
+    assert "_hw_consumer_persistent" not in one and "q_empty" not in one
+    assert "gl.warp_specialize([\n            (_hw_consumer_persistent" in many
+
+
+def _units_on_cpu(module):
+    """The module's work-unit helpers as Python functions (gl's max/min on ints)."""
+    scope = {"gl": types.SimpleNamespace(maximum=max, minimum=min)}
+    for name in ("_hw_unit_tiles", "_hw_tile", "_hw_tile_blocks"):
+        fn = getattr(module, name).fn
+        scope[name] = types.FunctionType(fn.__code__, scope, name)
+    return types.SimpleNamespace(**scope)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch, heads, seqlen_q, seqlen_k, block_m", [(2, 3, 1000, 1000, 128), (1, 2, 17, 4097, 64),
+                                                                       (3, 1, 777, 301, 128), (1, 1, 1280, 1280, 128)])
+def test_persistent_units_cover_every_tile_once_with_even_work(causal, batch, heads, seqlen_q, seqlen_k, block_m):
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=heads, causal=causal)
+    hw = _units_on_cpu(flashgen.compile(spec, KernelConfig(**dict(PERSISTENT, BLOCK_M=block_m))).module())
+    tiles_m = -(-seqlen_q // block_m)
+    units = batch * heads * ((tiles_m + 1) // 2 if causal else tiles_m)  # as HopperPlan counts them
+    seen, work = [], []
+    for u in range(units):
+        tiles = [hw._hw_tile(u, half, heads, tiles_m, block_m, causal) for half in range(hw._hw_unit_tiles(u, tiles_m,
+                                                                                                           causal))]
+        seen += tiles
+        work.append(sum(hw._hw_tile_blocks(m, seqlen_q, seqlen_k, block_m, 128, causal) for _, _, m in tiles))
+        if len(tiles) == 2:  # the heavier tile of a pair first
+            assert tiles[0][2] > tiles[1][2]
+        # head-major: a unit's tiles read one head, and units of one head are consecutive
+        assert len({(b, h) for b, h, _ in tiles}) == 1
+    assert sorted(seen) == [(b, h, m * block_m) for b in range(batch) for h in range(heads) for m in range(tiles_m)]
+    if causal and tiles_m > 2:  # every pair (but an odd count's middle tile) the same number of key blocks, +-1
+        pairs = [w for u, w in enumerate(work) if hw._hw_unit_tiles(u, tiles_m, causal) == 2]
+        assert max(pairs) - min(pairs) <= 1, pairs
+    if not causal:
+        assert len(set(work)) == 1
+
+
+def test_persistent_plan_launches_one_program_per_sm_at_most(monkeypatch):
+    from flashgen.runtime import host
+
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, causal=True)
+    module = flashgen.compile(spec, KernelConfig(**PERSISTENT)).module()
+    monkeypatch.setattr(hopper, "sm_count", lambda device: 132)
+    q, k, v = make_qkv(2, 4, 4, 1000, 1000, 64, dtype=torch.float16, device="cpu")
+    base = types.SimpleNamespace(o_shape=q.shape, lse_shape=(2, 4, 1000))
+    plan = hopper.HopperPlan(module._LAUNCHER.hopper_forward, base, q, k, "bhsd", None, 0.125,
+                             {**hopper.HopperForward.KNOB_DEFAULTS, **module.CONFIG})
+    units = 2 * 4 * 4  # 8 query tiles of 128 rows: 4 causal pairs per (batch, head)
+    assert plan.launch.grid == (units,) and plan.args[-3:] == (4, 8, units)
+    monkeypatch.setattr(hopper, "sm_count", lambda device: 20)
+    plan = hopper.HopperPlan(module._LAUNCHER.hopper_forward, base, q, k, "bhsd", None, 0.125,
+                             {**hopper.HopperForward.KNOB_DEFAULTS, **module.CONFIG})
+    assert plan.launch.grid == (20,)
+    assert host.sm_count(torch.device("cpu")) == 1

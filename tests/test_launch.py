@@ -718,3 +718,38 @@ def test_gpu_hopper_plan_launches_bound_bitwise_tritons(causal, monkeypatch):
         out_ref, lse_ref = kernel(*x, return_lse=True)
         assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
     assert_attention_close(*bound[1], *inputs[1], causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["portable", "hopper_ws", "hopper_ws persistent"])
+def test_gpu_a_fresh_thread_launches_kernels_with_tensor_descriptors(family):
+    """A serving or data-loading thread that made no CUDA call yet: torch's allocator can serve it
+    memory without one, so it has no current context when Triton fills the descriptors (before
+    host.ensure_context: "Failed to create tensor map descriptor: invalid device context")."""
+    import threading
+
+    if family != "portable" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the hopper_ws family runs on sm90")
+    config = (KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, tma=True) if family == "portable"
+              else KernelConfig(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2,
+                                hopper_persistent=family.endswith("persistent")))
+    kernel = flashgen.compile(AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
+                              config)
+    q, k, v = (torch.randn(2, h, 1000, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+    first = kernel(q, k, v)  # this thread: the plan, its descriptors' templates and the memory are made
+    del first  # its block goes back to the allocator's cache, for the other thread to take without a CUDA call
+    torch.cuda.synchronize()
+    got = {}
+
+    def call():
+        try:
+            got["out"] = kernel(q, k, v)
+            torch.cuda.current_stream().synchronize()
+        except Exception as err:  # noqa: BLE001 - reported below
+            got["error"] = err
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join()
+    assert "error" not in got, got.get("error")
+    assert torch.equal(got["out"], kernel(q, k, v))

@@ -27,8 +27,9 @@ def test_kernels_compile_for_sm90(tmp_path):
     lines = proc.stdout.splitlines()
     # 17 + an FP8 forward + 3 hopper_ws and 2 hopper_bwd cases (forward, backward, and a training step:
     # autograd's path) + a hopper_ws FP8 forward + the two FP8 forwards at hd256 (promoted q.k) + 3
-    # masked hopper_ws forwards + 2 forwards at documents' default tiles (causal, documents)
-    assert len([line for line in lines if line.startswith("ok ")]) == 42, proc.stdout
+    # masked hopper_ws forwards + 2 forwards at documents' default tiles (causal, documents) + 2 persistent
+    # hopper_ws cases (forward, backward, training step each)
+    assert len([line for line in lines if line.startswith("ok ")]) == 48, proc.stdout
     assert any(line.startswith("ok documents' shared memory: ") for line in lines), proc.stdout
     # the Q-outer forward with TMA and warp specialization, every backward, the masked specs (a pattern, a
     # block map, documents), packed sequences and the persistent dK/dV grid
@@ -48,6 +49,11 @@ def test_kernels_compile_for_sm90(tmp_path):
                for line in lines), proc.stdout
     assert any("hopper_ws hd128, ping-pong forward: _attn_fwd_hopper_ws: 12 warps" in line for line in lines), \
         proc.stdout
+    # the persistent grid (hopper_persistent): the same partitions, through ptxas for sm90
+    assert any("hopper_ws persistent gqa causal, 2 consumers forward: _attn_fwd_hopper_ws: 12 warps" in line
+               for line in lines), proc.stdout
+    assert any("hopper_ws persistent hd64, 1 consumer forward: _attn_fwd_hopper_ws: 8 warps" in line
+               for line in lines), proc.stdout
     # the training step runs the Gluon forward, then the portable backward from its plan
     for case in ("hopper_ws gqa causal, 2 consumers", "hopper_ws hd64, 1 consumer, overlap", "hopper_ws hd128, ping-pong"):
         assert any(line.startswith(f"ok {case} training step: _attn_fwd_hopper_ws") and "_attn_bwd_dq" in line

@@ -57,7 +57,7 @@ import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
 from flashgen.runtime.host import AttentionLauncher, device_sync_forbidden  # standalone: host.py precedes
-from flashgen.runtime.host import padded_head_dim  # standalone: host.py precedes
+from flashgen.runtime.host import padded_head_dim, sm_count  # standalone: host.py precedes
 from flashgen.runtime.launch import BoundLaunch, argument_signature  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
@@ -108,16 +108,7 @@ def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, max_splits=MAX_SP
     return 1
 
 
-SM_COUNTS, SMEM_LIMITS = {}, {}
-
-
-def sm_count(device):
-    """The device's multiprocessors (a property query, no synchronisation); the interpreter counts as one."""
-    if device.type != "cuda":
-        return 1
-    if device not in SM_COUNTS:
-        SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return SM_COUNTS[device]
+SMEM_LIMITS = {}
 
 
 def smem_limit(device):

@@ -25,7 +25,7 @@ __future__ import and its top-level names clash neither with host.py's nor with 
 import torch
 import triton
 
-from .host import SEQ_DIMS, BoundLaunch, Descriptors, bhsd_order, bhsd_strides, contiguous_strides  # standalone: host.py precedes
+from .host import SEQ_DIMS, BoundLaunch, Descriptors, bhsd_order, bhsd_strides, contiguous_strides, sm_count  # standalone: host.py precedes
 
 # ---------------------------------------------------------------------------- the 3.6 / 3.9 shim
 # Gluon is experimental: triton 3.6 (the GPU image) and 3.9 (CI) name a few things differently.
@@ -170,13 +170,14 @@ class HopperForward:
     that a one-warp producer fills; hopper_regs registers per consumer thread, PRODUCER_REGS for
     the producer; hopper_overlap pipelines Q K^T of the next block under this block's softmax;
     hopper_pingpong has the two consumers take turns at the tensor cores (one's softmax under the
-    other's MMAs)."""
+    other's MMAs); hopper_persistent launches one program per SM, each walking work units of query
+    tiles (the kernel's comment says which)."""
 
     CONSUMER_ROWS = 64
     RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2)
     PRODUCER_REGS = 24  # the producer warp only issues TMA copies: FA3 gives its warpgroup 24-32 registers
     # knobs of the family a module's CONFIG leaves out at their default (config.KernelConfig.LATER_KNOBS)
-    KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False}
+    KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False, "hopper_persistent": False}
 
     def __init__(self, kernel, spec, config):
         self.kernel = kernel
@@ -236,7 +237,13 @@ class HopperPlan:
                                                 (block_n, head_dim)),
                                        [forward.descriptor, forward.descriptor, v_descriptor])
         self.args = (*o_strides[:3], *lse_strides[:2], seqlen_q, seqlen_k, heads // kv_heads, scale * forward.RCP_LN2)
-        self.launch = BoundLaunch(forward.kernel, (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), heads, batch), dict(
+        tiles_m = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
+        grid = (tiles_m, heads, batch)
+        if cfg["hopper_persistent"]:  # work units (a causal unit: two tiles, one heavy, one light), one program per SM
+            units = batch * heads * ((tiles_m + 1) // 2 if forward.spec["causal"] else tiles_m)
+            grid = (max(1, min(units, sm_count(q.device))),)
+            self.args += (heads, tiles_m, units)
+        self.launch = BoundLaunch(forward.kernel, grid, dict(
             CAUSAL=bool(forward.spec["causal"]), NUM_STAGES=cfg["num_stages"],
             CONSUMERS=cfg["BLOCK_M"] // forward.CONSUMER_ROWS, PRODUCER_REGS=forward.PRODUCER_REGS,
             CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"], PINGPONG=cfg["hopper_pingpong"],

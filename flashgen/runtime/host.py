@@ -19,6 +19,7 @@ bound launches that skip Triton's binder.
 """
 
 import os
+import threading
 
 import torch
 import triton
@@ -73,6 +74,18 @@ def tma_ready(t):
     return tma_strides_ok(t.stride(), t.element_size()) and t.data_ptr() % 16 == 0
 
 
+SM_COUNTS = {}
+
+
+def sm_count(device):
+    """The device's multiprocessors (a property query, no synchronisation); the interpreter counts as one."""
+    if device.type != "cuda":
+        return 1
+    if device not in SM_COUNTS:
+        SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return SM_COUNTS[device]
+
+
 def tensor_descriptor(t, layout, rows, cols):
     """A (batch, heads, seq, dim) descriptor of t, one (1, 1, rows, cols) tile per load."""
     return TensorDescriptor(t, list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout)), [1, 1, rows, cols])
@@ -100,6 +113,24 @@ def seq_contiguous(t, seq_dim):
     return t.movedim(seq_dim, -1).contiguous().movedim(-1, seq_dim)
 
 
+_THREAD = threading.local()  # per thread: the CUDA devices whose context it has made current
+
+
+def ensure_context(device):
+    """Make the device's primary CUDA context current in this thread, once per thread and device.
+    A fresh thread has none until it makes a CUDA runtime call, and torch's caching allocator can
+    serve it memory without one; Triton's launcher then fills tensor descriptors (a driver call)
+    before it makes a context current: "Failed to create tensor map descriptor: invalid device
+    context" from a serving or data-loading thread. A stream query is a runtime call that does not
+    wait."""
+    ready = getattr(_THREAD, "devices", None)
+    if ready is None:
+        ready = _THREAD.devices = set()
+    if device.index not in ready and device.type == "cuda":
+        torch.cuda.current_stream(device).query()
+        ready.add(device.index)
+
+
 class Descriptors:
     """The tensor descriptors of some of a call's tensors, tiled by `blocks` ((rows, cols) each):
     built and checked on the first call of a call plan, then copied onto each later call's
@@ -113,6 +144,7 @@ class Descriptors:
         self.templates = None  # [(class, fields without the base)] of the first call's descriptors
 
     def __call__(self, *tensors):
+        ensure_context(tensors[0].device)
         if self.templates is None:
             made = [make(t, self.layout, *block) for make, t, block in zip(self.makers, tensors, self.blocks)]
             self.templates = [(type(d), {**d.__dict__, "base": None}) for d in made]
