@@ -67,7 +67,11 @@ def worker_times(specs: list[dict], started_at: float, run_end: float) -> dict:
                 compile_verify_s=round(sum(s["seconds"]["compile_verify"] for s in specs), 1),
                 timing_s=round(sum(s["seconds"]["timing"] for s in specs), 1),
                 other_s=round(life - startup - busy, 1), tail_s=round(run_end - last["ended_at"], 1),
-                final_rounds=sum(not r["final_elsewhere"] for r in rows), studies=len(rows))
+                final_rounds=sum(not r["final_elsewhere"] for r in rows), studies=len(rows),
+                per_study=[dict(spec=s["spec"], bucket=r["bucket"], phase=r["phase"],
+                                trials_s=round(r["seconds"].get("trials", 0.0), 1),
+                                final_s=round(r["seconds"].get("final", 0.0), 1), final_elsewhere=r["final_elsewhere"])
+                           for s in specs for r in s["results"]])
 
 
 def run(gpus: int, args) -> dict:
@@ -110,6 +114,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--interpret", action="store_true", help="CPU dry run (not a measurement)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
+    parser.add_argument("--tag", default="", help="appended to the results file's name")
     args = parser.parse_args()
     if args.gpus < 2:
         parser.error(f"--gpus: expected at least 2 (compared with one GPU), got {args.gpus}")
@@ -134,13 +139,15 @@ def main() -> None:
                    mode="cold caches (separate TRITON_CACHE_DIR, FLASHGEN_CACHE_DIR and database per run)"
                         + ("; INTERPRETER: not a measurement" if args.interpret else ""),
                    gpus_1=one, **{f"gpus_{args.gpus}": many}, throughput_ratio=round(ratio, 3))])
-    out = Path(args.out) / f"{date}-{slug}x{args.gpus}-tune-scale.json"
+    out = Path(args.out) / f"{date}-{slug}x{args.gpus}-tune-scale{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     for label, r in (("1 GPU", one), (f"{args.gpus} GPUs", many)):
         print(f"{label}: {r['wall_s']} s, {r['trials']} trials, {r['trials_per_s']} trials/s")
         for i, w in enumerate(r["workers"]):
-            print(f"  worker {i}: " + ", ".join(f"{k} {v}" for k, v in w.items()))
+            print(f"  worker {i}: " + ", ".join(f"{k} {v}" for k, v in w.items() if k != "per_study"))
+            for study in w["per_study"]:
+                print(f"    {study}")
     print(f"throughput_ratio {ratio:.3f}; wrote {out}")
 
 
