@@ -46,11 +46,11 @@ from .config import ConfigError, KernelConfig, default_config
 from .db import EnvInfo, ResultStore, TrialRecord, config_key
 from .db.kernels import default_kernel
 from .decode_space import DecodeConfig, decode_phase, decode_space, phase_batch
-from .runtime.host import ensure_context
 from .failures import (CompilationFailedConfig, FailedConfig, InvalidConfig, RuntimeFailedConfig, TimedOutConfig,
                        WrongResultConfig, launching, stage)
 from .flops import pairs_flops, tflops, visible_count
 from .inputs import named_tensors, qkv_do
+from .runtime.host import ensure_context
 from .space import DeviceLimits, SearchSpace, backward_space, bucket_of, forward_space
 from .spec import AttentionSpec
 from .timing import time_ms, wall_ms
