@@ -14,6 +14,9 @@ process where its time went (from the JSON `flashgen tune --json` prints):
 throughput_ratio = trials_per_s(N GPUs) / trials_per_s(1 GPU); the issue asks for >= 1.8.
 
     python3 benchmarks/bench_tune_scale.py --gpus 2      # on nvidia-h200-x2: 1 GPU, then 2
+    python3 benchmarks/bench_tune_scale.py --gpus 2 --only-one --seqlens 4096 --trials 32 --tag -a
+    python3 benchmarks/bench_tune_scale.py --gpus 2 --one-from <the -a file> --seqlens 4096 --trials 32 --tag -b
+        # the two runs in two commands (each under the device's 10 minutes), on the same machine
     python3 benchmarks/bench_tune_scale.py --interpret --specs a.yaml b.yaml --seqlens 32 --trials 2
         # CPU dry run of the plumbing through Triton's interpreter: NOT a measurement
 
@@ -70,7 +73,10 @@ def worker_times(specs: list[dict], started_at: float, run_end: float) -> dict:
                 final_rounds=sum(not r["final_elsewhere"] for r in rows), studies=len(rows),
                 per_study=[dict(spec=s["spec"], bucket=r["bucket"], phase=r["phase"],
                                 trials_s=round(r["seconds"].get("trials", 0.0), 1),
-                                final_s=round(r["seconds"].get("final", 0.0), 1), final_elsewhere=r["final_elsewhere"])
+                                final_s=round(r["seconds"].get("final", 0.0), 1),
+                                final_compile_verify_s=round(r["seconds"].get("final_compile_verify", 0.0), 1),
+                                final_timing_s=round(r["seconds"].get("final_timing", 0.0), 1),
+                                final_elsewhere=r["final_elsewhere"])
                            for s in specs for r in s["results"]])
 
 
@@ -115,6 +121,9 @@ def main() -> None:
     parser.add_argument("--interpret", action="store_true", help="CPU dry run (not a measurement)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     parser.add_argument("--tag", default="", help="appended to the results file's name")
+    parser.add_argument("--only-one", action="store_true", help="run the 1-GPU side only (ratio left out)")
+    parser.add_argument("--one-from", help="a results file of --only-one on this machine, same case: its 1-GPU "
+                                            "side, and run the N-GPU side only")
     args = parser.parse_args()
     if args.gpus < 2:
         parser.error(f"--gpus: expected at least 2 (compared with one GPU), got {args.gpus}")
@@ -124,31 +133,44 @@ def main() -> None:
     name = gpu_name()
     if not args.interpret and torch.cuda.device_count() < args.gpus:
         raise SystemExit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
-    one, many = run(1, args), run(args.gpus, args)
-    ratio = many["trials_per_s"] / one["trials_per_s"]
     date = datetime.date.today().isoformat()
     found = re.search(r"[A-Z]\d{2,3}", name)
     slug = found.group(0).lower() if found else "cpu"
+    case = f"{' + '.join(Path(s).stem for s in args.specs)}, seqlens {args.seqlens}, {args.trials} trials/study"
+    if args.one_from:
+        (earlier,) = json.loads(Path(args.one_from).read_text())["rows"]
+        if earlier["case"] != case or earlier.get("host") != os.uname().nodename:
+            raise SystemExit(f"--one-from {args.one_from}: its run was {earlier['case']!r} on "
+                             f"{earlier.get('host')}, not {case!r} on {os.uname().nodename}")
+        one = earlier["gpus_1"]
+    else:
+        one = run(1, args)
+    many = None if args.only_one else run(args.gpus, args)
+    ratio = many["trials_per_s"] / one["trials_per_s"] if many else None
     result = dict(
         environment=dict(gpu=f"{args.gpus}x {name}", torch=torch.__version__, triton=triton.__version__, date=date),
         command=f"flashgen tune {' '.join(Path(s).name for s in args.specs)} --seqlens {args.seqlens} "
                 f"--trials {args.trials} --gpus N --db sqlite:///... --json"
                 + (" --interpret" if args.interpret else ""),
-        rows=[dict(case=f"{' + '.join(Path(s).stem for s in args.specs)}, seqlens {args.seqlens}, "
-                        f"{args.trials} trials/study",
+        rows=[dict(case=case, host=os.uname().nodename,
                    mode="cold caches (separate TRITON_CACHE_DIR, FLASHGEN_CACHE_DIR and database per run)"
-                        + ("; INTERPRETER: not a measurement" if args.interpret else ""),
-                   gpus_1=one, **{f"gpus_{args.gpus}": many}, throughput_ratio=round(ratio, 3))])
+                        + ("; INTERPRETER: not a measurement" if args.interpret else "")
+                        + (f"; the 1-GPU side from {Path(args.one_from).name} (an earlier command, same machine)"
+                           if args.one_from else ""),
+                   gpus_1=one, **({f"gpus_{args.gpus}": many} if many else {}),
+                   throughput_ratio=round(ratio, 3) if ratio else None)])
     out = Path(args.out) / f"{date}-{slug}x{args.gpus}-tune-scale{args.tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     for label, r in (("1 GPU", one), (f"{args.gpus} GPUs", many)):
+        if r is None:
+            continue
         print(f"{label}: {r['wall_s']} s, {r['trials']} trials, {r['trials_per_s']} trials/s")
         for i, w in enumerate(r["workers"]):
             print(f"  worker {i}: " + ", ".join(f"{k} {v}" for k, v in w.items() if k != "per_study"))
             for study in w["per_study"]:
                 print(f"    {study}")
-    print(f"throughput_ratio {ratio:.3f}; wrote {out}")
+    print(f"throughput_ratio {ratio:.3f}" if ratio else "throughput_ratio: not measured (--only-one)", f"; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -42,17 +43,26 @@ class _Cli(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except _INPUT_ERRORS as err:
-            raise _BadInput(_one_line(ctx, str(err))) from None
-        except DatabaseError as err:
-            raise click.ClickException(_one_line(ctx, str(err))) from None
-        except SQLAlchemyError as err:  # raised outside ResultStore
-            raise click.ClickException(_one_line(ctx, str(DatabaseError.from_exception(_db_url(ctx), err)))) from None
-        except OSError as err:
-            if err.errno == errno.EPIPE:  # stdout closed by `| head`: click's own handling
+        except (*_INPUT_ERRORS, DatabaseError, SQLAlchemyError, OSError) as err:
+            said = _said(ctx, err)
+            if said is None:
                 raise
-            where = f"{err.filename}: " if err.filename else ""
-            raise click.ClickException(_one_line(ctx, f"{where}{err.strerror or err}")) from None
+            raise said from None
+
+
+def _said(ctx, err: BaseException) -> click.ClickException | None:
+    """The one-line click error for one of flashgen's, the database's or the file system's
+    errors; None for an error that is not the user's to read in one line (a bug, a broken pipe)."""
+    if isinstance(err, _INPUT_ERRORS):
+        return _BadInput(_one_line(ctx, str(err)))
+    if isinstance(err, DatabaseError):
+        return click.ClickException(_one_line(ctx, str(err)))
+    if isinstance(err, SQLAlchemyError):  # raised outside ResultStore
+        return click.ClickException(_one_line(ctx, str(DatabaseError.from_exception(_db_url(ctx), err))))
+    if isinstance(err, OSError) and err.errno != errno.EPIPE:  # EPIPE: stdout closed by `| head`, click's own
+        where = f"{err.filename}: " if err.filename else ""
+        return click.ClickException(_one_line(ctx, f"{where}{err.strerror or err}"))
+    return None
 
 
 def _db_url(ctx) -> str:
@@ -291,7 +301,8 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, n
 
     from .db import ResultStore
 
-    if not interpret and not torch.cuda.is_available():
+    # --gpus: NVML's count, which starts no CUDA here, so that the workers can be forked (is_available starts it)
+    if not interpret and (torch.cuda.device_count() == 0 if gpus > 1 else not torch.cuda.is_available()):
         raise click.UsageError("no CUDA GPU here: tune on a GPU, or pass --interpret to exercise the whole "
                                "path through Triton's interpreter (not a timing)")
     if not interpret and gpus > torch.cuda.device_count():
@@ -527,17 +538,26 @@ def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: boo
 def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> list[dict]:
     """Run the workers, wait for all, return their results; a failed worker is an error that
     names it (its own messages went to stderr as it ran). Worker 0 is this process, on the first
-    GPU it sees, in the specs' order: it has imported torch and flashgen already, so only the
-    others pay a process start (imports, CUDA init; ~5-10 s of a run of a minute or two, when
-    the whole start of the 1-GPU run is that much) and they pay it while worker 0 tunes."""
+    GPU it sees, in the specs' order. The others are forked from it where that is safe (Linux,
+    CUDA not started here): they start with torch, Triton and flashgen imported, in ~1-2 s
+    instead of the ~5-9 s a new process takes to import them, which their GPUs spent idle
+    (issue 16's 2-GPU throughput); elsewhere each is a new `flashgen tune --worker` process."""
     import json
-    import subprocess
 
     started = time.time()
     run = f"{os.getpid()}-{int(started)}"  # this run's id: its workers' final-round claims
     commands = worker_commands(paths, forwarded, seed, gpus, interpret, run=run)
-    procs = [(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True), env["CUDA_VISIBLE_DEVICES"])
-             for cmd, env in commands[1:]]
+    if _can_fork(interpret):
+        sys.stdout.flush(), sys.stderr.flush()
+        store.close()  # no pooled connection crosses the fork (this process opens new ones)
+        procs = [(_ForkedWorker(ctx, i, specs[i % len(specs):] + specs[:i % len(specs)], forwarded, seed + i,
+                                (run, i), interpret, env["CUDA_VISIBLE_DEVICES"]), env["CUDA_VISIBLE_DEVICES"])
+                 for i, (_, env) in enumerate(commands) if i > 0]
+    else:
+        import subprocess
+
+        procs = [(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True), env["CUDA_VISIBLE_DEVICES"])
+                 for cmd, env in commands[1:]]
     own, outputs = [], []
     try:
         for spec in specs:  # worker 0: commands[0]'s order and seed
@@ -569,6 +589,97 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
                          specs=result if isinstance(result, list) else [result]))
     click.echo(f"{gpus} workers finished in {time.time() - started:.0f}s", err=True)
     return docs
+
+
+def _can_fork(interpret: bool) -> bool:
+    """Whether `--gpus` may fork its workers from this process: on Linux, with no CUDA context
+    here (a forked child cannot use one its parent started; the GPU count came from NVML)."""
+    if not sys.platform.startswith("linux") or os.environ.get("FLASHGEN_WORKER_PROCESSES") == "spawn":
+        return False
+    if interpret:
+        return True
+    import torch
+
+    nvml = getattr(torch.cuda, "_device_count_nvml", None)  # the count that left CUDA unstarted
+    return not torch.cuda.is_initialized() and nvml is not None and nvml() > 0
+
+
+class _ForkedWorker:
+    """A `--gpus` worker forked from the command's process, with the interface of the
+    subprocess.Popen it replaces (pid, poll, wait, terminate, communicate, returncode): it
+    tunes ``specs`` on its GPU as worker ``worker`` and sends their results (JSON) back through
+    a pipe; its messages go to the command's stderr as they come."""
+
+    def __init__(self, ctx, number, specs, forwarded, seed, worker, interpret, visible):
+        read, write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            os.close(read)
+            _forked_worker_main(ctx, number, specs, forwarded, seed, worker, interpret, visible, write)
+        os.close(write)
+        self._read, self.returncode = read, None
+
+    def _reap(self, flags: int = 0):
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, flags)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self):
+        return self._reap(os.WNOHANG)
+
+    def wait(self):
+        return self._reap()
+
+    def terminate(self):
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGTERM)
+
+    def communicate(self):
+        with os.fdopen(self._read, "rb") as pipe:
+            data = pipe.read()
+        self.wait()
+        return data.decode(), None
+
+
+def _forked_worker_main(ctx, number, specs, forwarded, seed, worker, interpret, visible, write) -> None:
+    """The body of a forked `--gpus` worker: as `flashgen tune --worker` would run, with errors
+    said in one line (a bug with its traceback), then the process ends (os._exit: nothing of the
+    parent's, its atexit handlers or buffered output, runs twice)."""
+    import json
+
+    from .db import ResultStore
+
+    code = EXIT_FAILURE
+    try:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before this process starts CUDA
+        store = ResultStore(forwarded["db"], heartbeat_s=forwarded["heartbeat"])
+        docs = [_tune_spec(ctx, spec, store, forwarded["trials"], forwarded["timeout"], forwarded["sampler"], seed,
+                           None, interpret, True, worker, no_default=forwarded.get("no_default", False))
+                for spec in specs]
+        with os.fdopen(write, "wb") as pipe:
+            pipe.write(json.dumps(docs).encode())
+        code = 0
+    except click.exceptions.Exit as done:  # interrupted (_tune_spec said so)
+        code = done.exit_code
+    except KeyboardInterrupt:
+        code = EXIT_INTERRUPTED
+    except click.ClickException as err:
+        err.show()
+        code = err.exit_code
+    except BaseException as err:  # noqa: BLE001 - the worker's last word, whatever ended it
+        said = _said(ctx, err)
+        if said is not None:
+            said.show()
+            code = said.exit_code
+        else:
+            import traceback
+
+            traceback.print_exc()
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
 
 
 def _print_stored(store, specs, interpret) -> None:

@@ -553,8 +553,10 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
         return BucketResult(bucket, phase, None, None, len(study.trials), failures, {}, name, resumed, None,
                             len(starts), final_elsewhere=True, seconds=seconds)
     _stop_if_interrupted(options)
-    final_start = time.monotonic()
+    final_start, before = time.monotonic(), dict(runner.seconds)
     best, default, found = _final_choice(runner, kernel, study, space, phase, work, options, base)
+    # the final round's own compile+verify and timing seconds (its serial part when workers share the study)
+    seconds.update({f"final_{k}": round(runner.seconds[k] - before[k], 3) for k in before})
     importances = {}
     completed = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     if len(completed) >= 3:

@@ -638,7 +638,9 @@ def test_worker_commands_one_gpu_each_starting_on_different_specs():
 
 
 @needs_interpreter
-def test_tune_many_specs_over_two_workers(tmp_path):
+@pytest.mark.parametrize("processes", ["fork", "spawn"])
+def test_tune_many_specs_over_two_workers(tmp_path, processes):
+    # fork: worker 1 forked from the command's process (Linux), spawn: a new `flashgen tune --worker`
     import json
 
     import optuna
@@ -650,7 +652,7 @@ def test_tune_many_specs_over_two_workers(tmp_path):
                         f"tune: {{seqlens: [32], trials: 3}}\n")
         paths.append(str(path))
     url = f"sqlite:///{tmp_path / 'many.sqlite'}"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=child_pythonpath(ROOT))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=child_pythonpath(ROOT), FLASHGEN_WORKER_PROCESSES=processes)
     proc = subprocess.run([sys.executable, "-m", "flashgen", "tune", *paths, "--interpret", "--gpus", "2",
                            "--db", url, "--json"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -668,6 +670,8 @@ def test_tune_many_specs_over_two_workers(tmp_path):
                 finals.setdefault((s["spec"], r["bucket"], r["phase"]), []).append(r["final_elsewhere"])
                 assert (r["config"] is None) == r["final_elsewhere"] and r["seconds"]["trials"] > 0
     assert len(finals) == 2 and all(sorted(v) == [False, True] for v in finals.values())
+    if processes == "fork":  # imports inherited: worker 1's runner is ready at once (a new process takes seconds)
+        assert doc["workers"][1]["specs"][0]["runner_ready_at"] - doc["workers"][1]["started_at"] < 2.0
     store = ResultStore(url, create=False)
     here = EnvInfo.current(interpret=True)
     workers = set()
