@@ -205,8 +205,8 @@ class KernelConfig:
 
         if self.family == "hopper_ws" and (reason := spec_unserved(spec)):
             raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
-        if self.hopper_persistent and (spec.mask is not None or spec.fp8):
-            raise ConfigError(f"config knob 'hopper_persistent': serves specs without a mask pattern in fp16/bf16, "
+        if self.hopper_persistent and spec.mask is not None:
+            raise ConfigError(f"config knob 'hopper_persistent': serves specs without a mask pattern, "
                               f"got spec {spec.uri!r}")
         if self.family == "hopper_ws" and self.BLOCK_N == 256 and not spec.fp8:
             raise ConfigError(f"config knob 'BLOCK_N': family 'hopper_ws' takes 256-key blocks for FP8 specs only "
@@ -471,16 +471,27 @@ def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen
     max_num_imprecise_acc, which serializes its MMAs. H100, the lead's run, promoted (plain) TFLOP/s,
     module.forward: Gluon 128 x 64 S=4096 863 (868), causal 768 (770), S=16384 948 (954), causal 872
     (891); Gluon 128 x 128 S=16384 764 (1104); portable 128 x 64 S=4096 700 (897), causal 617 (745),
-    S=16384 causal 738 (901)."""
+    S=16384 causal 738 (901).
+    The persistent grid (hopper_persistent; benchmarks/results/2026-11-26-h100-fp8-persistent.md, H100,
+    flashgen.attention TFLOP/s, persistent / the one-tile default, one run): as in bf16 it wins where
+    walks are short or causal and loses on long plain ones: hd128 S=4096 891 (128x256) / 850, causal
+    691 (128x128) / 661; hd64 causal S=4096 469 / 433, S=16384 543 / 522; hd256 causal S=4096 809 / 720,
+    S=16384 920 (3 stages) / 838; lost: hd128 S=16384 823 / 915, causal 831 / 852, hd64 S=16384 518 /
+    557, hd256 S=16384 870 / 916; hd256 S=4096 872 / 854 (+2%, within a run's noise: not taken). hd64
+    S=4096 plain: the one-tile 128 x 128, 511 against the portable FP8 default's 487."""
     tile = dict(HOPPER_DEFAULT_TILE)
     if d == 128 and seqlen >= 4096:
+        if seqlen <= 4096:  # (8192 keeps the one-tile grid, as bf16's: its walks are long, not measured)
+            return dict(tile, hopper_persistent=True, **({} if shape.causal else dict(BLOCK_N=256)))
         if shape.causal and seqlen < 16384:
             return dict(tile, num_stages=3)
         return dict(tile, BLOCK_N=256)
     if d == 256 and seqlen >= 4096:
+        if shape.causal:
+            return dict(tile, BLOCK_N=64, hopper_persistent=True, num_stages=3 if seqlen >= 16384 else 2)
         return dict(tile, BLOCK_N=64)
-    if seqlen >= 16384 and d == 64:
-        return tile
+    if d == 64 and seqlen >= 4096:
+        return dict(tile, hopper_persistent=True) if shape.causal else tile
     return None
 
 

@@ -90,7 +90,7 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     if hopper_ws:
         params.update(family=("portable", "hopper_ws"), hopper_regs=(232, 240), hopper_overlap=(False, True),
                       hopper_pingpong=(False, True))
-        if spec.mask is None and not spec.fp8:  # the persistent grid serves unmasked fp16/bf16
+        if spec.mask is None:  # the persistent grid serves unmasked specs
             params.update(hopper_persistent=(False, True))
     if spec.fp8:  # the FP8 forward is the Q-outer kernel's; 256-key tiles pay there (hd128: 0.79 vs 0.72 PFLOP/s)
         params.update(loop_order=("q_outer",))

@@ -162,6 +162,11 @@ def main(only=()) -> int:
         ("hopper_ws fp8 e4m3 gqa causal hd128", dict(dtype="fp8_e4m3", head_dim=128, num_heads=8, num_kv_heads=2,
                                                       causal=True, seqlen=304),
          hopper.replace(BLOCK_N=256, num_stages=2, family="hopper_ws")),
+        # ... and on the persistent grid (per tile descales, V^T tiles), causal GQA: a unit's two tiles may
+        # read two KV heads' descales
+        ("hopper_ws fp8 e4m3 persistent gqa causal hd128", dict(dtype="fp8_e4m3", head_dim=128, num_heads=8,
+                                                                 num_kv_heads=2, causal=True, seqlen=304),
+         hopper.replace(BLOCK_N=256, num_stages=2, family="hopper_ws", hopper_persistent=True)),
         # FP8 at head dim 256: the q.k product adds into fp32 every 128 products: the Gluon forward's two
         # slices (128 x 64 tiles: no local memory; at 128 x 128 the second accumulator spills) and the
         # portable forward's tl.dot max_num_imprecise_acc (its hd256 default tiles)

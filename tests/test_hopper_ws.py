@@ -257,6 +257,8 @@ def test_space_offers_the_family_only_where_it_serves():
     assert not any(p["hopper_persistent"] for p in points if p["family"] == "portable")
     masked = forward_space(AttentionSpec(dtype="bf16", head_dim=128, mask={"prefix_lm": 64}), H100)
     assert "family" in masked.params and "hopper_persistent" not in masked.params
+    fp8 = forward_space(AttentionSpec(dtype="fp8_e4m3", head_dim=128, backward=False), H100)
+    assert fp8.params["hopper_persistent"] == (False, True)
     for spec in (AttentionSpec(dtype="bf16", head_dim=96), AttentionSpec(dtype="fp32", head_dim=64)):
         assert "family" not in forward_space(spec, H100).params
     assert "family" not in forward_space(AttentionSpec(dtype="bf16", head_dim=128),
@@ -281,9 +283,8 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
         assert got.family == "hopper_ws" and not (got.hopper_persistent or got.hopper_pingpong), (d, causal, seqlen)
     assert family(128, True, 16384).num_stages == 3 and family(128, False, 16384).num_stages == 2
     assert family(64, False, 4096, dtype="fp16").family == "hopper_ws"
-    # the persistent grid serves neither masks nor FP8: their defaults never take it
+    # the persistent grid serves no mask pattern: its defaults never take it
     assert not family(128, True, 4096, mask={"prefix_lm": 512}).hopper_persistent
-    assert not family(128, False, 4096, dtype="fp8_e4m3").hopper_persistent
     # losses, unmeasured short calls, and what the family does not serve: the portable defaults
     for d, causal, seqlen in ((64, False, 1024), (64, True, 1024), (64, True, 2048), (128, False, 256)):
         assert family(d, causal, seqlen).family == "portable", (d, causal, seqlen)
@@ -298,18 +299,25 @@ def test_fp8_defaults_take_the_family_where_it_measured_faster():
     # H100 FP8 e4m3 (benchmarks/results/2026-11-23-h100-fp8-hopper-ws-probe.md): hd128 at 4096+ tokens
     # (256-key blocks; causal under 16384: 128 keys, 3 stages), hd64 at 16384+, hd256 at 4096+ with
     # 64-key blocks (where its promoted q.k sums fit without spilling; config._hopper_ws_fp8_default);
-    # no ping-pong; the rest (unmeasured, or slower) the portable FP8 forward
+    # no ping-pong; the rest (unmeasured, or slower) the portable FP8 forward. The persistent grid
+    # (2026-11-26-h100-fp8-persistent.md): hd128 at 4096 tokens, hd64 and hd256 causal at 4096+
     def config(d, causal, seqlen, dtype="fp8_e4m3", target="h100"):
         spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=16, causal=causal)
         got = flashgen.default_config(spec, target, seqlen)
-        return (got.family, got.BLOCK_M, got.BLOCK_N, got.num_stages, got.hopper_pingpong)
+        return (got.family, got.BLOCK_M, got.BLOCK_N, got.num_stages, got.hopper_pingpong, got.hopper_persistent)
 
     gluon = ("hopper_ws", 128)
-    assert config(128, False, 4096) == config(128, True, 16384) == (*gluon, 256, 2, False)
-    assert config(128, True, 4096) == config(128, True, 8192) == (*gluon, 128, 3, False)
-    assert config(64, False, 16384) == config(64, True, 32768) == (*gluon, 128, 2, False)
-    assert config(256, False, 16384) == config(256, True, 16384) == config(256, True, 4096) == (*gluon, 64, 2, False)
-    for d, causal, seqlen in ((128, False, 1024), (64, False, 4096), (256, False, 2048)):
+    assert config(128, False, 16384) == config(128, True, 16384) == config(128, False, 8192) == \
+        (*gluon, 256, 2, False, False)
+    assert config(128, False, 4096) == (*gluon, 256, 2, False, True)
+    assert config(128, True, 4096) == (*gluon, 128, 2, False, True)
+    assert config(128, True, 8192) == (*gluon, 128, 3, False, False)
+    assert config(64, False, 16384) == config(64, False, 4096) == (*gluon, 128, 2, False, False)
+    assert config(64, True, 4096) == config(64, True, 32768) == (*gluon, 128, 2, False, True)
+    assert config(256, False, 16384) == config(256, False, 4096) == (*gluon, 64, 2, False, False)
+    assert config(256, True, 4096) == (*gluon, 64, 2, False, True)
+    assert config(256, True, 16384) == (*gluon, 64, 3, False, True)
+    for d, causal, seqlen in ((128, False, 1024), (64, False, 2048), (256, False, 2048)):
         assert config(d, causal, seqlen)[0] == "portable", (d, causal, seqlen)
     assert config(128, False, 16384, dtype="fp8_e5m2")[0] == config(128, False, 16384, target="a100")[0] == "portable"
 
@@ -346,13 +354,16 @@ def test_standalone_module_carries_the_family_host_side(tmp_path):
 PERSISTENT = dict(HOPPER, hopper_persistent=True)
 
 
-@pytest.mark.parametrize("fields", [dict(dtype="bf16", head_dim=128, mask={"prefix_lm": 64}),
-                                    dict(dtype="fp8_e4m3", head_dim=128)])
-def test_persistent_grid_serves_unmasked_half_precision(fields):
-    spec = AttentionSpec(**fields)
-    with pytest.raises(ConfigError, match="'hopper_persistent'.*without a mask pattern in fp16/bf16"):
+def test_persistent_grid_serves_unmasked_specs():
+    spec = AttentionSpec(dtype="bf16", head_dim=128, mask={"prefix_lm": 64})
+    with pytest.raises(ConfigError, match="'hopper_persistent'.*without a mask pattern"):
         render(spec, KernelConfig(**PERSISTENT))
     render(spec, KernelConfig(**HOPPER))  # the one-tile kernel serves it
+    # FP8: per tile, the descales of its (batch, KV head) and V^T tiles
+    fp8 = render(AttentionSpec(dtype="fp8_e4m3", head_dim=128, num_heads=8, num_kv_heads=2, causal=True,
+                               backward=False), KernelConfig(**PERSISTENT))
+    assert "tile_scale = qk_scale * gl.load(Q_DESCALE + descale)" in fp8
+    assert "tma_load(VD, [off_b, off_hk, 0, j * BLOCK_N]" in fp8.split("def _hw_producer_persistent")[1]
 
 
 def test_persistent_knob_keeps_the_one_tile_kernel_text():
