@@ -613,6 +613,25 @@ def test_three_workers_share_one_study_and_a_killed_worker_loses_only_its_trial(
     assert list(ResultStore(shared_url, create=False).best_configs(here, parsed)) == [32]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are Linux's")
+def test_a_forked_worker_that_fails_says_why_in_one_line_and_exits_nonzero(tmp_path, capfd):
+    # the child of `tune --gpus`: a database it cannot open is said as `flashgen tune` would say it
+    # (no traceback), its exit code is the command's, and it sends no results
+    import click
+
+    from flashgen.cli import EXIT_FAILURE, _ForkedWorker
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    forwarded = dict(trials=1, timeout=60.0, sampler="tpe", db=f"sqlite:///{blocker / 'tune.sqlite'}", heartbeat=30)
+    with click.Context(main) as ctx:
+        worker = _ForkedWorker(ctx, 1, [SPEC], forwarded, 1, ("run", 1), True, "1")
+        out, _ = worker.communicate()
+    assert worker.returncode == EXIT_FAILURE and out == ""
+    err = capfd.readouterr().err
+    assert "Error: " in err and "cannot be opened" in err and "Traceback" not in err
+
+
 def test_worker_commands_one_gpu_each_starting_on_different_specs():
     from flashgen.cli import worker_commands
 
