@@ -69,7 +69,7 @@ def bench_case(d, causal, seqlen, deadline):
 
     runs = {"bf16": lambda: flashgen.attention(q16, k16, v16, causal=causal), "fp8 default": fp8}
     for name, knobs in VARIANTS[d].items():
-        config = KernelConfig(**FAMILY, **knobs)
+        config = KernelConfig(**{**FAMILY, **knobs})
         runs[name] = lambda config=config: fp8(config)
     h = slice(0, 2)
     for name, fn in runs.items():
@@ -78,7 +78,7 @@ def bench_case(d, causal, seqlen, deadline):
             continue
         try:
             if name != "bf16":
-                config = None if name == "fp8 default" else KernelConfig(**FAMILY, **VARIANTS[d][name])
+                config = None if name == "fp8 default" else KernelConfig(**{**FAMILY, **VARIANTS[d][name]})
                 out, lse = fp8(config, return_lse=True)
                 checks = check_attention(out[:, h], lse[:, h], q8[:, h], k8[:, h], v8[:, h], causal=causal,
                                          descales=(qd[:, h], kd[:, h], vd[:, h]))
