@@ -394,7 +394,14 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
     previous, previous_hook = signal.signal(signal.SIGINT, on_interrupt), sys.unraisablehook
     sys.unraisablehook = unraisable
     try:
-        results = run_tune(spec, runner, store, options)
+        try:
+            results = run_tune(spec, runner, store, options)
+        except Exception as err:
+            # A Ctrl-C raised inside a library can come out as that library's own error (Optuna's tell,
+            # interrupted in its commit, raised UnboundLocalError from it): still the interrupt.
+            if not interrupted.is_set():
+                raise
+            raise KeyboardInterrupt from err
     except KeyboardInterrupt:
         bar.close()
         click.echo(f"interrupted: the finished trials are kept in {store.display_url}; run the same command again "
@@ -539,9 +546,9 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
     """Run the workers, wait for all, return their results; a failed worker is an error that
     names it (its own messages went to stderr as it ran). Worker 0 is this process, on the first
     GPU it sees, in the specs' order. The others are forked from it where that is safe (Linux,
-    CUDA not started here): they start with torch, Triton and flashgen imported, in ~1-2 s
-    instead of the ~5-9 s a new process takes to import them, which their GPUs spent idle
-    (issue 16's 2-GPU throughput); elsewhere each is a new `flashgen tune --worker` process."""
+    CUDA not started here): they start with torch, Triton and flashgen imported, their runners
+    ready in 0.1-0.2 s instead of the 5-9 s a new process took to import them while its GPU
+    idled (issue 16's 2-GPU throughput); elsewhere each is a new `flashgen tune --worker` process."""
     import json
 
     started = time.time()
@@ -550,7 +557,7 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
     if _can_fork(interpret):
         sys.stdout.flush(), sys.stderr.flush()
         store.close()  # no pooled connection crosses the fork (this process opens new ones)
-        procs = [(_ForkedWorker(ctx, i, specs[i % len(specs):] + specs[:i % len(specs)], forwarded, seed + i,
+        procs = [(_ForkedWorker(ctx, specs[i % len(specs):] + specs[:i % len(specs)], forwarded, seed + i,
                                 (run, i), interpret, env["CUDA_VISIBLE_DEVICES"]), env["CUDA_VISIBLE_DEVICES"])
                  for i, (_, env) in enumerate(commands) if i > 0]
     else:
@@ -610,12 +617,12 @@ class _ForkedWorker:
     tunes ``specs`` on its GPU as worker ``worker`` and sends their results (JSON) back through
     a pipe; its messages go to the command's stderr as they come."""
 
-    def __init__(self, ctx, number, specs, forwarded, seed, worker, interpret, visible):
+    def __init__(self, ctx, specs, forwarded, seed, worker, interpret, visible):
         read, write = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # the child: never returns
             os.close(read)
-            _forked_worker_main(ctx, number, specs, forwarded, seed, worker, interpret, visible, write)
+            _forked_worker_main(ctx, specs, forwarded, seed, worker, interpret, visible, write)
         os.close(write)
         self._read, self.returncode = read, None
 
@@ -630,6 +637,9 @@ class _ForkedWorker:
         return self._reap(os.WNOHANG)
 
     def wait(self):
+        if self._read is not None:  # results nobody will read: a child writing them ends (a broken pipe)
+            os.close(self._read)
+            self._read = None
         return self._reap()
 
     def terminate(self):
@@ -638,12 +648,13 @@ class _ForkedWorker:
 
     def communicate(self):
         with os.fdopen(self._read, "rb") as pipe:
+            self._read = None
             data = pipe.read()
         self.wait()
         return data.decode(), None
 
 
-def _forked_worker_main(ctx, number, specs, forwarded, seed, worker, interpret, visible, write) -> None:
+def _forked_worker_main(ctx, specs, forwarded, seed, worker, interpret, visible, write) -> None:
     """The body of a forked `--gpus` worker: as `flashgen tune --worker` would run, with errors
     said in one line (a bug with its traceback), then the process ends (os._exit: nothing of the
     parent's, its atexit handlers or buffered output, runs twice)."""
@@ -658,9 +669,11 @@ def _forked_worker_main(ctx, number, specs, forwarded, seed, worker, interpret, 
         docs = [_tune_spec(ctx, spec, store, forwarded["trials"], forwarded["timeout"], forwarded["sampler"], seed,
                            None, interpret, True, worker, no_default=forwarded.get("no_default", False))
                 for spec in specs]
+        code = 0
         with os.fdopen(write, "wb") as pipe:
             pipe.write(json.dumps(docs).encode())
-        code = 0
+    except BrokenPipeError:  # the command stopped reading (interrupted, or another worker failed): results are stored
+        pass
     except click.exceptions.Exit as done:  # interrupted (_tune_spec said so)
         code = done.exit_code
     except KeyboardInterrupt:

@@ -419,6 +419,29 @@ def test_ctrl_c_says_how_to_resume_in_one_line(tmp_path):
 
 
 @needs_interpreter
+def test_ctrl_c_that_a_library_turns_into_its_own_error_is_still_an_interrupt(tmp_path, monkeypatch):
+    # Optuna's tell, interrupted inside its commit, raised UnboundLocalError from the KeyboardInterrupt:
+    # the tune printed that traceback; it is the interrupt, said in one line
+    import flashgen.tuner as tuner
+
+    def tune_hit_by_ctrl_c(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the command's own handler raises KeyboardInterrupt here
+            time.sleep(5)
+        except KeyboardInterrupt:
+            updated_state = None
+            raise UnboundLocalError("cannot access local variable 'updated_state'") from None
+        return updated_state
+
+    monkeypatch.setattr(tuner, "tune", tune_hit_by_ctrl_c)
+    cmd, _, _ = _tune_cmd(tmp_path, tmp_path / "i.sqlite")
+    result = CliRunner().invoke(main, cmd[3:])
+    assert result.exit_code == 130, result.output
+    assert "run the same command again" in result.output and "Traceback" not in result.output
+    assert not isinstance(result.exception, UnboundLocalError)
+
+
+@needs_interpreter
 def test_two_tunes_on_one_fresh_database_both_finish(tmp_path):
     # Before: one of them crashed ("table flashgen_meta already exists", or a journal deleted
     # under the other's feet). Now they share the study: both finish, every trial is stored.
@@ -625,7 +648,7 @@ def test_a_forked_worker_that_fails_says_why_in_one_line_and_exits_nonzero(tmp_p
     blocker.write_text("")
     forwarded = dict(trials=1, timeout=60.0, sampler="tpe", db=f"sqlite:///{blocker / 'tune.sqlite'}", heartbeat=30)
     with click.Context(main) as ctx:
-        worker = _ForkedWorker(ctx, 1, [SPEC], forwarded, 1, ("run", 1), True, "1")
+        worker = _ForkedWorker(ctx, [SPEC], forwarded, 1, ("run", 1), True, "1")
         out, _ = worker.communicate()
     assert worker.returncode == EXIT_FAILURE and out == ""
     err = capfd.readouterr().err
