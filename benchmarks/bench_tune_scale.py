@@ -14,8 +14,8 @@ process where its time went (from the JSON `flashgen tune --json` prints):
 throughput_ratio = trials_per_s(N GPUs) / trials_per_s(1 GPU); the issue asks for >= 1.8.
 
     python3 benchmarks/bench_tune_scale.py --gpus 2      # on a 2-GPU machine: 1 GPU, then 2 (~10 minutes)
-    python3 benchmarks/bench_tune_scale.py --gpus 2 --only-one --seqlens 4096 --trials 32 --tag -a
-    python3 benchmarks/bench_tune_scale.py --gpus 2 --one-from <the -a file> --seqlens 4096 --trials 32 --tag -b
+    python3 benchmarks/bench_tune_scale.py --gpus 2 --only-one --seqlens 4096 --trials 32 --tag=-a
+    python3 benchmarks/bench_tune_scale.py --gpus 2 --one-from <the -a file> --seqlens 4096 --trials 32 --tag=-b
         # the two runs in two commands (each under the device's 10 minutes), on the same machine
     python3 benchmarks/bench_tune_scale.py --interpret --specs a.yaml b.yaml --seqlens 32 --trials 2
         # CPU dry run of the plumbing through Triton's interpreter: NOT a measurement

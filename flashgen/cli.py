@@ -518,6 +518,13 @@ def _print_recheck(doc: dict) -> None:
                    f"{cell(r['stored_ms'], 9)} {cell(r['default_ms'], 10)}  {r['kept']}{note}")
 
 
+def worker_order(specs: list, worker: int) -> list:
+    """The specs in the order worker ``worker`` takes them: starting at spec ``worker`` (so the
+    workers begin on different specs, then help with the rest through the shared studies)."""
+    start = worker % len(specs)
+    return specs[start:] + specs[:start]
+
+
 def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: bool, environ=None, run: str = "run"):
     """(command, environment) of each `--gpus` worker: worker i sees one GPU (the i-th of
     CUDA_VISIBLE_DEVICES, or GPU i), starts at spec i (so the workers begin on different
@@ -528,7 +535,7 @@ def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: boo
         [str(i) for i in range(gpus)]
     out = []
     for i in range(gpus):
-        order = paths[i % len(paths):] + paths[:i % len(paths)]
+        order = worker_order(paths, i)
         cmd = [sys.executable, "-m", "flashgen", "tune", *order, "--gpus", "1", "--seed", str(seed + i), "--json",
                "--worker", f"{run}:{i}"]
         for name, value in forwarded.items():
@@ -557,7 +564,7 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
     if _can_fork(interpret):
         sys.stdout.flush(), sys.stderr.flush()
         store.close()  # no pooled connection crosses the fork (this process opens new ones)
-        procs = [(_ForkedWorker(ctx, specs[i % len(specs):] + specs[:i % len(specs)], forwarded, seed + i,
+        procs = [(_ForkedWorker(ctx, worker_order(specs, i), forwarded, seed + i,
                                 (run, i), interpret, env["CUDA_VISIBLE_DEVICES"]), env["CUDA_VISIBLE_DEVICES"])
                  for i, (_, env) in enumerate(commands) if i > 0]
     else:
@@ -678,11 +685,8 @@ def _forked_worker_main(ctx, specs, forwarded, seed, worker, interpret, visible,
         code = done.exit_code
     except KeyboardInterrupt:
         code = EXIT_INTERRUPTED
-    except click.ClickException as err:
-        err.show()
-        code = err.exit_code
     except BaseException as err:  # noqa: BLE001 - the worker's last word, whatever ended it
-        said = _said(ctx, err)
+        said = err if isinstance(err, click.ClickException) else _said(ctx, err)
         if said is not None:
             said.show()
             code = said.exit_code
