@@ -217,44 +217,16 @@ def test_forward_boundary_loop_reading_ids_per_column_takes_two_stages():
         calls = [line.strip() for line in source.splitlines() if "STAGES=" in line]
         return plan_for(spec).masked_loads_columns, "num_stages=STAGES" in source, calls
 
-    # the whole-block loop keeps the config's stages (None), the boundary loop takes 2; causal
-    # documents' diagonal blocks test kv <= q alone (KernelPlan.edge_mask), no ids: the config's
-    assert staged({"document": {"causal": False}}) == (
-        True, True, ["WARP_SPECIALIZE=WARP_SPECIALIZE, STAGES=None)", "WARP_SPECIALIZE=False, STAGES=2)"])
-    assert staged({"document": {}}) == (
-        True, True, ["WARP_SPECIALIZE=WARP_SPECIALIZE, STAGES=None)", "WARP_SPECIALIZE=False, STAGES=2)",
-                     "WARP_SPECIALIZE=False, STAGES=None)"])
-    assert staged({"document": {}}, stages=1)[2][1].endswith("STAGES=1)")  # never more than the config's
+    for causal in (True, False):
+        # the whole-block loop keeps the config's stages (None), the boundary loop takes 2
+        assert staged({"document": {"causal": causal}}) == (
+            True, True, ["WARP_SPECIALIZE=WARP_SPECIALIZE, STAGES=None)", "WARP_SPECIALIZE=False, STAGES=2)"])
+    assert staged({"document": {}}, stages=1)[2][-1].endswith("STAGES=1)")  # never more than the config's
     # read per batch element or not at all: nothing to stage; a block map's listed loop is not pipelined
     for mask in ({"prefix_lm": "plen"}, {"prefix_lm": 64}, {"sliding_window": {"left": 32}}, {"chunked": 32}):
         assert staged(mask) == (False, False, []), mask
     assert staged("d[q_idx] == d[kv_idx]") == (True, False, [])
     assert staged("w[q_idx] > 0.5")[0] is False
-
-
-def test_boundary_blocks_test_one_bound_only_where_the_predicate_reads_ids():
-    # KernelPlan.edge_mask: past a query block's whole key blocks a causal document's pairs can fail
-    # only kv <= q (the document's start lies before them), and before a key block's whole query
-    # blocks only q >= kv: those loops test that bound alone, without the ids. Masks whose predicate
-    # reads no tensor per row or key keep one boundary loop (their text and stored results stay).
-    from flashgen.codegen.plan import EDGE_KV, EDGE_Q, plan_for
-
-    def edges(mask):
-        plan = plan_for(AttentionSpec(head_dim=16, mask=mask))
-        return [(e.side, e.masked, e.code) if e else None for e in (plan.edge_mask("kv"), plan.edge_mask("q"))]
-
-    assert edges({"document": {}}) == [("above", EDGE_KV, "(cols < seqlen_k) & ((cols < (rows + 1)))"),
-                                       ("below", EDGE_Q, "(cols < seqlen_k) & ((rows >= cols))")]
-    # and-ed with a window: the window's lower bound joins the ids' side, the upper bounds stay cheap
-    kv, q = edges({"and": [{"document": {}}, {"sliding_window": {"left": 8, "right": 0}}]})
-    assert kv[0] == "above" and "tl.minimum" in kv[2] and q[0] == "below" and "tl.maximum" in q[2]
-    # both bounds read the ids (bidirectional documents), or none does, or two ranges, or a block map
-    for mask in ({"document": {"causal": False}}, {"prefix_lm": "plen"}, {"prefix_lm": 64}, {"chunked": 32},
-                 {"sliding_window": {"left": 32}}, {"sink": {"tokens": 4, "window": 8}},
-                 {"or": [{"document": {}}, {"chunked": 32}]}, "d[q_idx] == d[kv_idx]"):
-        assert edges(mask) == [None, None], mask
-    source = render.render(AttentionSpec(head_dim=16, mask={"chunked": 32}), KernelConfig())
-    assert "_visible_at" not in source and "edge_cut" not in source
 
 
 def test_document_ids_broadcast_over_the_batch(device):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .. import masks
-from ..expr.ir import Bin, Load, Search, Var, reads_var, substitute, tensors_of, walk
+from ..expr.ir import Load, Search, Var, reads_var, tensors_of, walk
 from ..expr.to_triton import GLUON, TRITON, tensor_params, tensor_pointer, tensor_size, tensor_stride, triton_expr
 
 # What each IR variable is called where the template uses the expression: in a tile of
@@ -25,11 +25,6 @@ BLOCK_EDGE_NAMES = {"b": "off_b", "h": "off_h", "r0": "r0", "r1": "r1", "c0": "c
                     "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}
 # A block's first and last edge, in order: r0 <= r1, c0 <= c1.
 EDGE_ORDER = {"r0": 0, "r1": 1, "c0": 0, "c1": 1}
-# The MASKED value of a boundary-block loop (walk_blocks.j2) that tests one bound of the mask's
-# range instead of the whole predicate (mask.j2 _visible_at): the blocks above a query block's
-# whole key blocks (EDGE_KV), the blocks below a key block's whole query blocks (EDGE_Q). False /
-# True: no mask arithmetic / the predicate.
-EDGE_KV, EDGE_Q = 2, 3
 # The templates name the expression printer's dialect: the portable kernels' and the Gluon kernels'.
 DIALECTS = {"triton": TRITON, "gluon": GLUON}
 
@@ -96,37 +91,6 @@ class KernelPlan:
         return self.predicate is not None and any(
             isinstance(n, Load) and any(reads_var(i, "kv_idx") for i in n.index) for n in walk(self.predicate))
 
-    def edge_mask(self, axis: str) -> EdgeMask | None:
-        """How the boundary blocks on one side of the whole ones test visibility with one bound
-        instead of the predicate, or None (every boundary block evaluates the predicate).
-
-        When the mask's range per position is exact (masks.tree.bounds: a row sees exactly the keys
-        lo(r) <= kv < hi(r)) and the block has whole blocks, every pair of a boundary block above
-        them meets lo (the block lies past lo of every row) and one below them meets hi: there the
-        predicate is the other bound alone. Taken only where that saves work: the predicate reads a
-        tensor per row or key (document ids) and one bound reads none (a document's causal diagonal
-        ``kv < r + 1``: documents' diagonal blocks then cost what causal's do). axis "kv": a block of
-        query rows walking keys; "q": a block of keys walking query rows."""
-        bounds = self.lowered.kv_bounds if axis == "kv" else self.lowered.q_bounds
-        segments = self.kv_segments if axis == "kv" else self.q_segments
-        if (self.block_map or bounds is None or len(segments) != 1 or self.predicate is None
-                or not _per_position(self.predicate)):
-            return None
-        lo, hi = bounds
-        if _per_position(lo) == _per_position(hi):
-            return None
-        own, other = (Var("q_idx"), Var("kv_idx")) if axis == "kv" else (Var("kv_idx"), Var("q_idx"))
-        below = not _per_position(lo)  # the cheap bound is lo: it can fail only below the whole blocks
-        bound = substitute(lo if below else hi, {"r" if axis == "kv" else "c": own})
-        test = Bin(">=", other, bound) if below else Bin("<", other, bound)
-        return EdgeMask("below" if below else "above", EDGE_KV if axis == "kv" else EDGE_Q,
-                        f"(cols < seqlen_k) & ({triton_expr(test, TILE_NAMES)})")
-
-    @property
-    def edge_masks(self) -> bool:
-        """Whether some boundary loop tests one bound (mask.j2 renders _visible_at only then)."""
-        return any(self.edge_mask(axis) is not None for axis in ("kv", "q"))
-
     @property
     def near_searches(self) -> bool:
         """Whether some segment edge is a _search_near (segments.j2 renders it only then)."""
@@ -155,12 +119,6 @@ class KernelPlan:
             edges = [triton_expr(x, BLOCK_EDGE_NAMES, hoist, lang) for x in seg]
             out.append(SegmentEdges(tuple(new), *edges))
         return out
-
-
-def _per_position(node) -> bool:
-    """Whether the expression reads a tensor per query row or key (not a per-batch scalar)."""
-    return any(isinstance(n, Search) or isinstance(n, Load) and any(
-        reads_var(i, v) for i in n.index for v in ("q_idx", "kv_idx", "r", "c")) for n in walk(node))
 
 
 def _edge_search(node) -> bool:
@@ -213,16 +171,6 @@ class SegmentEdges:
     hi: str
     full_lo: str
     full_hi: str
-
-
-@dataclass(frozen=True)
-class EdgeMask:
-    """A boundary loop's one-bound visibility (KernelPlan.edge_mask): on which side of the whole
-    blocks it holds, the MASKED value its loop passes, and the test as Triton over the tile."""
-
-    side: str  # "above" (past the whole blocks) or "below" (before them)
-    masked: int  # EDGE_KV or EDGE_Q
-    code: str
 
 
 @dataclass(frozen=True)

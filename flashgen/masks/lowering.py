@@ -18,7 +18,7 @@ from ..expr.derivative import derivative
 from ..expr.ir import MAX_DEPTH, Load, Var, depth, tensors_of, walk
 from ..expr.to_triton import MAX_TERMS, tensor_params, written_terms
 from .score_mods import ScoreModNode, score_ir
-from .tree import MaskNode, bounds, contains_kind, full_segments, predicate, segments
+from .tree import MaskNode, contains_kind, full_segments, predicate, segments
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,6 @@ class Lowered:
     q_segments: list | None
     tensors: tuple[NamedTensor, ...]  # sorted by name
     same_seqlen: bool  # a document mask indexes one id tensor by query and by key
-    # (lo, hi) of the exact range one query row (kv) or key (q) sees, see tree.bounds; None: not one range
-    kv_bounds: tuple | None = None
-    q_bounds: tuple | None = None
 
     @property
     def block_map(self) -> bool:
@@ -131,6 +128,5 @@ def lower(mask: MaskNode | None, score_mod: ScoreModNode | None) -> Lowered:
         grad_sites = _grad_sites(score, set(score_tensors))
         for site in grad_sites:
             check_size("score_mod", site.derivative, f"the derivative for tensor {site.tensor!r}")
-    kv_bounds, q_bounds = (bounds(mask, "kv"), bounds(mask, "q")) if mask is not None else (None, None)
     return Lowered(mask, score_mod, pred, score, score_derivative, grad_sites, kv_segments, q_segments, tensors,
-                   mask is not None and contains_kind(mask, "document"), kv_bounds, q_bounds)
+                   mask is not None and contains_kind(mask, "document"))

@@ -132,29 +132,6 @@ def segments(node: MaskNode, direction: str):
     return out
 
 
-def bounds(node: MaskNode, direction: str):
-    """(lo, hi) over one position when the node's visible set is exactly one range per position,
-    else None. direction "kv": query row r (Var r) sees exactly the keys lo <= kv < hi; "q": key c
-    (Var c) is seen by exactly the rows lo <= q < hi. A pattern with one interval gives it (its
-    interval is exact: test_mask_patterns checks each against its predicate); an and of such nodes
-    their intersection; anything else (an or, a sink's two ranges, an expression) None."""
-    if node.kind == "and":
-        parts = [bounds(c, direction) for c in node.children]
-        if any(p is None for p in parts):
-            return None
-        lo, hi = parts[0]
-        for p_lo, p_hi in parts[1:]:
-            lo, hi = fmax(lo, p_lo), fmin(hi, p_hi)
-        return lo, hi
-    if node.kind not in PATTERNS:
-        return None
-    intervals = PATTERNS[node.kind].intervals(node.param)
-    if len(intervals) != 1:
-        return None
-    iv, = intervals
-    return (iv.lo, iv.hi) if direction == "kv" else (iv.qlo, iv.qhi)
-
-
 def full_segments(direction: str):
     """The one segment of an unmasked kernel: every key (or query row)."""
     n = SK if direction == "kv" else SQ

@@ -122,19 +122,6 @@ def _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_do
 
 
 @triton.jit
-def _visible_at(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, MASKED: tl.constexpr):
-    # _visible in a boundary loop: where the loop's blocks can fail only one bound of the mask's
-    # range (MASKED 2 / 3: see KernelPlan.edge_mask), that bound alone.
-    if MASKED == 2:
-        visible = (cols < seqlen_k) & ((cols < (rows + 1)))
-    elif MASKED == 3:
-        visible = (cols < seqlen_k) & ((rows >= cols))
-    else:
-        visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1)
-    return visible
-
-
-@triton.jit
 def _kv_segments(r0, r1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1):
     # Query rows [r0, r1] see keys in [lo, hi); every one of them sees all of [flo, fhi).
     s0 = _search(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, t_doc_n1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(r0, t_doc_n1) * t_doc_s1), RIGHT=False)
@@ -215,7 +202,7 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, rows, cols, off_b, off_h, seqle
     qk = qk * qk_scale
     if MASKED:
         # Only boundary tiles get here.
-        qk = tl.where(_visible_at(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, MASKED), qk, float("-inf"))
+        qk = tl.where(_visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row with every key masked so far keeps m = -inf; subtract 0 instead (no NaN).
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -398,22 +385,13 @@ def _attn_fwd(
                                 sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False,
                                 MASKED=False, DROPOUT=DROPOUT, TMA=TMA,
                                 WARP_SPECIALIZE=WARP_SPECIALIZE, STAGES=None)
-    # the boundary blocks below them through the predicate; above them (and the ragged last block)
-    # only the mask's upper bound can fail (KernelPlan.edge_mask): there it alone is tested. Without
-    # whole blocks (or on a ragged program) every boundary block takes the predicate.
-    edge_cut = tl.where(full_lo < full_hi, full_hi, hi)
+    # the boundary blocks below and above them (and the ragged last block), in one loop
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_source, v_source,
-                                lo, full_lo, full_hi, edge_cut, K, rows, offs_n, offs_d, offs_dv,
+                                lo, full_lo, full_hi, hi, K, rows, offs_n, offs_d, offs_dv,
                                 stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
                                 sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False,
                                 MASKED=True, DROPOUT=DROPOUT, TMA=TMA,
                                 WARP_SPECIALIZE=False, STAGES=2)
-    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_source, v_source,
-                                edge_cut, hi, hi, hi, K, rows, offs_n, offs_d, offs_dv,
-                                stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
-                                sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False,
-                                MASKED=2, DROPOUT=DROPOUT, TMA=TMA,
-                                WARP_SPECIALIZE=False, STAGES=None)
 
     out, lse = _finalize(acc, m_i, l_i)
     row_ok = offs_m < seqlen_q
@@ -471,7 +449,7 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * RCP_LN2)
     pT = tl.math.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse_log2[None, :])
     if MASKED:
-        visible = _visible_at(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, MASKED)
+        visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1)
         pT = tl.where(visible, pT, 0.0)
     else:
         visible = (rows < seqlen_q) & (cols < seqlen_k)
@@ -583,18 +561,9 @@ def _attn_bwd_dkdv(
                                 seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_M,
                                 LISTED=False, MASKED=False, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
                                 TENSOR_GRADS=TENSOR_GRADS, TMA=TMA)
-        # the boundary blocks below them, where only the mask's lower bound can fail (KernelPlan.edge_mask):
-        # it alone is tested; above them (and the ragged last block) the predicate. Without whole blocks
-        # (or on a ragged program) every boundary block takes the predicate.
-        edge_cut = tl.where(full_lo < full_hi, full_lo, lo)
+        # the boundary blocks below and above them (and the ragged last block), in one loop
         dk, dv = _bwd_kv_blocks(dk, dv, k, v, q_source, do_source, LSE + row0, DELTA + row0, dq_head, seed, row0,
-                                lo, edge_cut, edge_cut, edge_cut, Q, offs_n, offs_d, offs_dv,
-                                stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q,
-                                seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_M,
-                                LISTED=False, MASKED=3, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
-                                TENSOR_GRADS=TENSOR_GRADS, TMA=TMA)
-        dk, dv = _bwd_kv_blocks(dk, dv, k, v, q_source, do_source, LSE + row0, DELTA + row0, dq_head, seed, row0,
-                                edge_cut, full_lo, full_hi, hi, Q, offs_n, offs_d, offs_dv,
+                                lo, full_lo, full_hi, hi, Q, offs_n, offs_d, offs_dv,
                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q,
                                 seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_M,
                                 LISTED=False, MASKED=True, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
@@ -617,7 +586,7 @@ def _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, start_n, rows, off
     cols = (start_n + offs_n)[None, :]
     p = tl.math.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse_log2[:, None])
     if MASKED:
-        visible = _visible_at(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, MASKED)
+        visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1)
         p = tl.where(visible, p, 0.0)
     else:
         visible = (rows < seqlen_q) & (cols < seqlen_k)
@@ -712,19 +681,11 @@ def _attn_bwd_dq(
                        stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
                        qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False, MASKED=False,
                        DROPOUT=DROPOUT, TMA=TMA)
-    # the boundary blocks below them through the predicate; above them (and the ragged last block)
-    # only the mask's upper bound can fail (KernelPlan.edge_mask): there it alone is tested. Without
-    # whole blocks (or on a ragged program) every boundary block takes the predicate.
-    edge_cut = tl.where(full_lo < full_hi, full_hi, hi)
+    # the boundary blocks below and above them (and the ragged last block), in one loop
     dq = _bwd_q_blocks(dq, q, do, lse_log2, delta, k_source, v_source, seed, row0,
-                       lo, full_lo, full_hi, edge_cut, K, rows, offs_n, offs_d, offs_dv,
+                       lo, full_lo, full_hi, hi, K, rows, offs_n, offs_d, offs_dv,
                        stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
                        qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False, MASKED=True,
-                       DROPOUT=DROPOUT, TMA=TMA)
-    dq = _bwd_q_blocks(dq, q, do, lse_log2, delta, k_source, v_source, seed, row0,
-                       edge_cut, hi, hi, hi, K, rows, offs_n, offs_d, offs_dv,
-                       stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
-                       qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False, MASKED=2,
                        DROPOUT=DROPOUT, TMA=TMA)
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqm
@@ -993,19 +954,11 @@ def _attn_decode(
                                         stride_vb, num_pages, off_b, heads, seqlen_q, seqlen_k, sm_scale,
                                         qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, MASKED=False, PAGED=PAGED,
                                         PAGE_SIZE=PAGE_SIZE, PREFETCH=PREFETCH, V_CVT=V_CVT)
-    # the boundary blocks below them through the predicate; above them (and the ragged last block)
-    # only the mask's upper bound can fail (KernelPlan.edge_mask): there it alone is tested. Without
-    # whole blocks (or on a ragged program) every boundary block takes the predicate.
-    edge_cut = tl.where(full_lo < full_hi, full_hi, hi)
-    acc, m_i, l_i, bad = _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, full_lo, full_hi, edge_cut, rows,
+    # the boundary blocks below and above them (and the ragged last block), in one loop
+    acc, m_i, l_i, bad = _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, full_lo, full_hi, hi, rows,
                                         offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb,
                                         stride_vb, num_pages, off_b, heads, seqlen_q, seqlen_k, sm_scale,
                                         qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, MASKED=True, PAGED=PAGED,
-                                        PAGE_SIZE=PAGE_SIZE, PREFETCH=PREFETCH, V_CVT=V_CVT)
-    acc, m_i, l_i, bad = _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, edge_cut, hi, hi, hi, rows,
-                                        offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb,
-                                        stride_vb, num_pages, off_b, heads, seqlen_q, seqlen_k, sm_scale,
-                                        qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, MASKED=2, PAGED=PAGED,
                                         PAGE_SIZE=PAGE_SIZE, PREFETCH=PREFETCH, V_CVT=V_CVT)
     if PAGED:
         if bad != NO_BAD_PAGE:
