@@ -1,0 +1,213 @@
+"""What the document predicate costs in the boundary blocks (issue 15), on the GPU.
+
+Causal documents' backward runs 2-8% slower than plain causal on the same work (the H100, default
+configs; results/2026-11-26-h100-document-edges.md). Testing ``kv <= q`` alone in a loop of its own
+(aff8400) lost more to the extra loop than it saved. This bounds what any cheaper predicate can
+gain: the documents' kernels rendered with causal's predicate in place of theirs (exact on these
+block-aligned documents, where a boundary block lies in one document: the ids agree on every pair
+it holds), the segments' searches and everything else unchanged:
+
+- per case: forward and backward GPU time (each call replayed from a CUDA graph; median ms), for
+  ``predicate`` (today's kernels), ``causal_predicate`` (the ids' test left out) and ``causal``
+  (the causal spec at the document length, the same configs);
+- each variant checked against the other on the same inputs first (outputs and gradients equal
+  to bf16 rounding: the two compute the same pairs);
+- rounds alternate the variants' order.
+
+    PYTHONPATH=. python3 benchmarks/probe_document_predicate.py [--rounds 3] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if "--dry" in sys.argv:  # before Triton decorates flashgen's kernels
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from flashgen import AttentionSpec  # noqa: E402
+from flashgen.bench import environment  # noqa: E402
+from flashgen.codegen import render  # noqa: E402
+from flashgen.codegen.cache import cached_source_path, import_path  # noqa: E402
+from flashgen.codegen.plan import KernelPlan  # noqa: E402
+from flashgen.config import default_config  # noqa: E402
+from flashgen.flops import pairs_flops, tflops, visible_count  # noqa: E402
+from flashgen.inputs import named_tensors  # noqa: E402
+
+TOKENS, HEADS, HEAD_DIM, DTYPE, DEVICE = 16384, 16, 128, "bf16", "cuda"
+VARIANTS = []  # more variants of the documents' kernels (--variants), e.g. search256
+CASES = [("document_4", 4096, 4), ("document_16", 4096, 16), ("document_4", 16384, 4), ("document_16", 16384, 16)]
+
+
+def build(spec: AttentionSpec, seqlen: int, variant: str = "predicate"):
+    """The default config's module for spec at seqlen: as rendered (predicate), with causal's
+    predicate (causal_predicate), or with a wider binary search (search<N>: N probes per level)."""
+    cfg = default_config(spec, seqlen=seqlen)
+    saved = KernelPlan.visible_code
+    if variant == "causal_predicate":
+        KernelPlan.visible_code = lambda self, dialect="triton": "(cols < seqlen_k) & (cols <= rows)"
+    try:
+        source = render.render(spec, cfg, standalone=False)
+    finally:
+        KernelPlan.visible_code = saved
+    if variant.startswith("search"):
+        width = int(variant[len("search"):])
+        old = ("    probes = tl.arange(0, 64)\n", "        step = (hi - lo + 63) // 64\n")
+        assert all(line in source for line in old), "the search's text moved"
+        source = source.replace(old[0], f"    probes = tl.arange(0, {width})\n").replace(
+            old[1], f"        step = (hi - lo + {width - 1}) // {width}\n")
+    return import_path(cached_source_path(f"{spec.uri}-{variant}", source)), cfg
+
+
+def graph_ms(fn) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
+
+
+def dry_run() -> None:
+    """Shake the script out on the CPU (Triton's interpreter, fp16, 2 heads, hd32, 1/32 of the
+    lengths); the figures mean nothing."""
+    global TOKENS, HEADS, HEAD_DIM, DTYPE, DEVICE, graph_ms
+    TOKENS, HEADS, HEAD_DIM, DTYPE, DEVICE = 512, 2, 32, "fp16", "cpu"
+    CASES[:] = [(n, s // 32, d) for n, s, d in CASES[:2]]
+
+    def graph_ms(fn):  # noqa: F811 (the CPU's wall time)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def run_case(name: str, seqlen: int, documents: int, rounds: int) -> dict:
+    batch = max(1, TOKENS // seqlen)
+    doc_len = seqlen // documents
+    spec = AttentionSpec(name=name, dtype=DTYPE, head_dim=HEAD_DIM, num_heads=HEADS, backward=True,
+                         mask={"document": {}})
+    gen = torch.Generator(device=DEVICE).manual_seed(seqlen + documents)
+
+    def randn(b, s):
+        return torch.randn(b, HEADS, s, HEAD_DIM, device=DEVICE, generator=gen).to(spec.torch_dtype)
+
+    q, k, v, do = (randn(batch, seqlen) for _ in range(4))
+    tensors = named_tensors(spec, batch, seqlen, documents=documents, device=DEVICE)
+    pairs = visible_count(spec, batch, seqlen, seqlen, tensors, device=DEVICE)
+    # causal on the same work: each document as a sequence of its own
+    causal = AttentionSpec(name="causal", dtype=DTYPE, head_dim=HEAD_DIM, num_heads=HEADS, backward=True,
+                           causal=True)
+    split = [t.reshape(batch, HEADS, documents, doc_len, HEAD_DIM).transpose(1, 2).reshape(
+        batch * documents, HEADS, doc_len, HEAD_DIM).contiguous() for t in (q, k, v, do)]
+    variants = {}
+    for label in ("predicate", "causal_predicate", *VARIANTS):
+        module, cfg = build(spec, seqlen, label)
+        variants[label] = (module, (q, k, v, do), tensors, cfg)
+    # the causal kernels at the documents' configs (the same tiles), on the documents' length
+    cmod = render.build_module(causal, default_config(spec, seqlen=seqlen))
+    variants["causal"] = (cmod, tuple(split), {}, default_config(spec, seqlen=seqlen))
+
+    def calls(label):
+        module, (qq, kk, vv, dd), tt, _ = variants[label]
+        out, lse = module.forward(qq, kk, vv, tensors=tt)
+
+        def fwd():
+            return module.forward(qq, kk, vv, tensors=tt)
+
+        def bwd():
+            return module.backward(dd, qq, kk, vv, out, lse, tensors=tt)
+
+        return fwd, bwd, out, lse
+
+    checks = {}
+    results = {label: calls(label) for label in variants}
+    (o1, _), (o2, _) = results["predicate"][0](), results["causal_predicate"][0]()
+    g1, g2 = results["predicate"][1](), results["causal_predicate"][1]()
+    checks["out_max_diff"] = float((o1.float() - o2.float()).abs().max())
+    checks["grad_max_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(g1[:3], g2[:3]))
+    for label in VARIANTS:  # the same blocks and pairs as today's kernels: equal bit for bit
+        (o3, _), g3 = results[label][0](), results[label][1]()
+        checks[f"{label}_max_diff"] = max(float((a.float() - b.float()).abs().max())
+                                          for a, b in zip((o1, *g1[:3]), (o3, *g3[:3])))
+    times = {label: {"fwd": [], "bwd": []} for label in variants}
+    order = list(variants)
+    for r in range(rounds):
+        for label in (order if r % 2 == 0 else order[::-1]):
+            fwd, bwd, _, _ = results[label]
+            times[label]["fwd"].append(graph_ms(fwd))
+            times[label]["bwd"].append(graph_ms(bwd))
+    fwd_flops, bwd_flops = pairs_flops(pairs, HEAD_DIM, mode="fwd"), pairs_flops(pairs, HEAD_DIM, mode="fwd_bwd")
+    row = {"case": name, "seqlen": seqlen, "batch": batch, "document_tokens": doc_len, "checks": checks,
+           "config": str(variants["predicate"][3]), "backward": variants["predicate"][3].describe_backward()}
+    for label in variants:
+        f, b = statistics.median(times[label]["fwd"]), statistics.median(times[label]["bwd"])
+        row[label] = {"fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": f + b, "fwd_tflops": tflops(fwd_flops, f),
+                      "fwd_bwd_tflops": tflops(bwd_flops, f + b), "spread_bwd": [min(times[label]["bwd"]),
+                                                                               max(times[label]["bwd"])]}
+    row["bwd_ratio_causal_predicate_vs_predicate"] = row["predicate"]["bwd_ms"] / row["causal_predicate"]["bwd_ms"]
+    row["fwd_ratio_causal_predicate_vs_predicate"] = row["predicate"]["fwd_ms"] / row["causal_predicate"]["fwd_ms"]
+    row["bwd_ratio_causal_vs_predicate"] = row["predicate"]["bwd_ms"] / row["causal"]["bwd_ms"]
+    return row
+
+
+def markdown(rows, env) -> str:
+    lines = [f"# Documents' predicate: its cost in the boundary blocks ({env.get('gpu')}, torch {env.get('torch')}, "
+             f"triton {env.get('triton')}, {env.get('date')})", "",
+             "bf16, hd128, 16 heads, 16384 tokens per batch, default configs; GPU ms per call replayed from a CUDA "
+             "graph (median of the rounds). predicate = today's kernels, causal pred. = the same kernels with "
+             "causal's predicate (no ids read in boundary blocks; exact on these documents), causal = plain causal on "
+             "each document as its own sequence (same configs). Ratios: time / the other's.", "",
+             "| case | S | doc tokens | fwd predicate / causal pred. / causal | bwd predicate / causal pred. / causal | "
+             "bwd predicate / causal pred. | bwd predicate / causal | max diff out, grads |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        e, p, c = r["predicate"], r["causal_predicate"], r["causal"]
+        lines.append(f"| {r['case']} | {r['seqlen']} | {r['document_tokens']} | {e['fwd_ms']:.3f} / {p['fwd_ms']:.3f} / "
+                     f"{c['fwd_ms']:.3f} | {e['bwd_ms']:.3f} / {p['bwd_ms']:.3f} / {c['bwd_ms']:.3f} | "
+                     f"{r['bwd_ratio_causal_predicate_vs_predicate']:.3f} | {r['bwd_ratio_causal_vs_predicate']:.3f} | "
+                     f"{r['checks']['out_max_diff']:.2g}, {r['checks']['grad_max_diff']:.2g} |")
+    if VARIANTS:
+        lines += ["", "Other variants of the documents' kernels (search<N>: the binary searches of the segments "
+                  "N-way, one vector load per level), GPU ms and today's / theirs:", "",
+                  "| case | S | variant | fwd ms | bwd ms | fwd ratio | bwd ratio | max diff vs today's |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            for label in VARIANTS:
+                x, p = r[label], r["predicate"]
+                lines.append(f"| {r['case']} | {r['seqlen']} | {label} | {x['fwd_ms']:.3f} | {x['bwd_ms']:.3f} | "
+                             f"{p['fwd_ms'] / x['fwd_ms']:.3f} | {p['bwd_ms'] / x['bwd_ms']:.3f} | "
+                             f"{r['checks'][label + '_max_diff']:.2g} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--variants", nargs="*", default=[], help="also time these (search<N>: N-way searches)")
+    parser.add_argument("--dry", action="store_true", help=dry_run.__doc__.split(":")[0])
+    args = parser.parse_args()
+    if args.dry:
+        dry_run()
+    VARIANTS[:] = args.variants
+    env = {**environment(), "date": time.strftime("%Y-%m-%d")}
+    gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0]
+    stem = args.out / f"{env['date']}-{gpu}-document-predicate{args.tag}"
+    rows = []
+    for name, seqlen, documents in CASES:
+        t0 = time.time()
+        rows.append(run_case(name, seqlen, documents, args.rounds))
+        print(json.dumps(rows[-1]), f"{time.time() - t0:.0f}s", flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+        stem.with_suffix(".md").write_text(markdown(rows, env))
+    print(markdown(rows, env))
+
+
+if __name__ == "__main__":
+    main()
