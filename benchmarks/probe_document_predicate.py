@@ -19,8 +19,6 @@ it holds), the segments' searches and everything else unchanged:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,16 +32,16 @@ if "--dry" in sys.argv:  # before Triton decorates flashgen's kernels
     os.environ["TRITON_INTERPRET"] = "1"
 
 from flashgen import AttentionSpec  # noqa: E402
-from flashgen.bench import environment  # noqa: E402
 from flashgen.codegen import render  # noqa: E402
 from flashgen.codegen.cache import cached_source_path, import_path  # noqa: E402
 from flashgen.codegen.plan import KernelPlan  # noqa: E402
 from flashgen.config import default_config  # noqa: E402
 from flashgen.flops import pairs_flops, tflops, visible_count  # noqa: E402
 from flashgen.inputs import named_tensors  # noqa: E402
+from flashgen.timing import wall_ms  # noqa: E402
+from probes import graph_ms, run_probe, table_head  # noqa: E402
 
 TOKENS, HEADS, HEAD_DIM, DTYPE, DEVICE = 16384, 16, 128, "bf16", "cuda"
-VARIANTS = []  # more variants of the documents' kernels (--variants), e.g. search256
 CASES = [("document_4", 4096, 4), ("document_16", 4096, 16), ("document_4", 16384, 4), ("document_16", 16384, 16)]
 
 
@@ -67,12 +65,6 @@ def build(spec: AttentionSpec, seqlen: int, variant: str = "predicate"):
     return import_path(cached_source_path(f"{spec.uri}-{variant}", source)), cfg
 
 
-def graph_ms(fn) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
-
-
 def dry_run() -> None:
     """Shake the script out on the CPU (Triton's interpreter, fp16, 2 heads, hd32, 1/32 of the
     lengths); the figures mean nothing."""
@@ -80,13 +72,11 @@ def dry_run() -> None:
     TOKENS, HEADS, HEAD_DIM, DTYPE, DEVICE = 512, 2, 32, "fp16", "cpu"
     CASES[:] = [(n, s // 32, d) for n, s, d in CASES[:2]]
 
-    def graph_ms(fn):  # noqa: F811 (the CPU's wall time)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
+    graph_ms = wall_ms
 
 
-def run_case(name: str, seqlen: int, documents: int, rounds: int) -> dict:
+def run_case(case, args) -> dict:
+    (name, seqlen, documents), rounds, more = case, args.rounds, args.variants
     batch = max(1, TOKENS // seqlen)
     doc_len = seqlen // documents
     spec = AttentionSpec(name=name, dtype=DTYPE, head_dim=HEAD_DIM, num_heads=HEADS, backward=True,
@@ -105,7 +95,7 @@ def run_case(name: str, seqlen: int, documents: int, rounds: int) -> dict:
     split = [t.reshape(batch, HEADS, documents, doc_len, HEAD_DIM).transpose(1, 2).reshape(
         batch * documents, HEADS, doc_len, HEAD_DIM).contiguous() for t in (q, k, v, do)]
     variants = {}
-    for label in ("predicate", "causal_predicate", *VARIANTS):
+    for label in ("predicate", "causal_predicate", *more):
         module, cfg = build(spec, seqlen, label)
         variants[label] = (module, (q, k, v, do), tensors, cfg)
     # the causal kernels at the documents' configs (the same tiles), on the documents' length
@@ -130,7 +120,7 @@ def run_case(name: str, seqlen: int, documents: int, rounds: int) -> dict:
     g1, g2 = results["predicate"][1](), results["causal_predicate"][1]()
     checks["out_max_diff"] = float((o1.float() - o2.float()).abs().max())
     checks["grad_max_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(g1[:3], g2[:3]))
-    for label in VARIANTS:  # the same blocks and pairs as today's kernels: equal bit for bit
+    for label in more:  # the same blocks and pairs as today's kernels: equal bit for bit
         (o3, _), g3 = results[label][0](), results[label][1]()
         checks[f"{label}_max_diff"] = max(float((a.float() - b.float()).abs().max())
                                           for a, b in zip((o1, *g1[:3]), (o3, *g3[:3])))
@@ -143,7 +133,8 @@ def run_case(name: str, seqlen: int, documents: int, rounds: int) -> dict:
             times[label]["bwd"].append(graph_ms(bwd))
     fwd_flops, bwd_flops = pairs_flops(pairs, HEAD_DIM, mode="fwd"), pairs_flops(pairs, HEAD_DIM, mode="fwd_bwd")
     row = {"case": name, "seqlen": seqlen, "batch": batch, "document_tokens": doc_len, "checks": checks,
-           "config": str(variants["predicate"][3]), "backward": variants["predicate"][3].describe_backward()}
+           "variants": list(more), "config": str(variants["predicate"][3]),
+           "backward": variants["predicate"][3].describe_backward()}
     for label in variants:
         f, b = statistics.median(times[label]["fwd"]), statistics.median(times[label]["bwd"])
         row[label] = {"fwd_ms": f, "bwd_ms": b, "fwd_bwd_ms": f + b, "fwd_tflops": tflops(fwd_flops, f),
@@ -156,27 +147,29 @@ def run_case(name: str, seqlen: int, documents: int, rounds: int) -> dict:
 
 
 def markdown(rows, env) -> str:
-    lines = [f"# Documents' predicate: its cost in the boundary blocks ({env.get('gpu')}, torch {env.get('torch')}, "
-             f"triton {env.get('triton')}, {env.get('date')})", "",
-             "bf16, hd128, 16 heads, 16384 tokens per batch, default configs; GPU ms per call replayed from a CUDA "
-             "graph (median of the rounds). predicate = today's kernels, causal pred. = the same kernels with "
-             "causal's predicate (no ids read in boundary blocks; exact on these documents), causal = plain causal on "
-             "each document as its own sequence (same configs). Ratios: time / the other's.", "",
-             "| case | S | doc tokens | fwd predicate / causal pred. / causal | bwd predicate / causal pred. / causal | "
-             "bwd predicate / causal pred. | bwd predicate / causal | max diff out, grads |", "|---|---|---|---|---|---|---|---|"]
+    lines = table_head(
+        "Documents' predicate: its cost in the boundary blocks", env,
+        "bf16, hd128, 16 heads, 16384 tokens per batch, default configs; GPU ms per call replayed from a CUDA graph "
+        "(median of the rounds). predicate = today's kernels, causal pred. = the same kernels with causal's "
+        "predicate (no ids read in boundary blocks; exact on these documents), causal = plain causal on each "
+        "document as its own sequence (same configs). Ratios: time / the other's.",
+        ["case", "S", "doc tokens", "fwd predicate / causal pred. / causal", "bwd predicate / causal pred. / causal",
+         "bwd predicate / causal pred.", "bwd predicate / causal", "max diff out, grads"])
     for r in rows:
         e, p, c = r["predicate"], r["causal_predicate"], r["causal"]
-        lines.append(f"| {r['case']} | {r['seqlen']} | {r['document_tokens']} | {e['fwd_ms']:.3f} / {p['fwd_ms']:.3f} / "
-                     f"{c['fwd_ms']:.3f} | {e['bwd_ms']:.3f} / {p['bwd_ms']:.3f} / {c['bwd_ms']:.3f} | "
-                     f"{r['bwd_ratio_causal_predicate_vs_predicate']:.3f} | {r['bwd_ratio_causal_vs_predicate']:.3f} | "
+        lines.append(f"| {r['case']} | {r['seqlen']} | {r['document_tokens']} | {e['fwd_ms']:.3f} / "
+                     f"{p['fwd_ms']:.3f} / {c['fwd_ms']:.3f} | {e['bwd_ms']:.3f} / {p['bwd_ms']:.3f} / "
+                     f"{c['bwd_ms']:.3f} | {r['bwd_ratio_causal_predicate_vs_predicate']:.3f} | "
+                     f"{r['bwd_ratio_causal_vs_predicate']:.3f} | "
                      f"{r['checks']['out_max_diff']:.2g}, {r['checks']['grad_max_diff']:.2g} |")
-    if VARIANTS:
+    more = rows[0].get("variants", []) if rows else []
+    if more:
         lines += ["", "Other variants of the documents' kernels (search<N>: the binary searches of the segments "
                   "N-way, one vector load per level), GPU ms and today's / theirs:", "",
                   "| case | S | variant | fwd ms | bwd ms | fwd ratio | bwd ratio | max diff vs today's |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            for label in VARIANTS:
+            for label in more:
                 x, p = r[label], r["predicate"]
                 lines.append(f"| {r['case']} | {r['seqlen']} | {label} | {x['fwd_ms']:.3f} | {x['bwd_ms']:.3f} | "
                              f"{p['fwd_ms'] / x['fwd_ms']:.3f} | {p['bwd_ms'] / x['bwd_ms']:.3f} | "
@@ -184,30 +177,11 @@ def markdown(rows, env) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--tag", default="")
+
+
+def add_arguments(parser) -> None:
     parser.add_argument("--variants", nargs="*", default=[], help="also time these (search<N>: N-way searches)")
-    parser.add_argument("--dry", action="store_true", help=dry_run.__doc__.split(":")[0])
-    args = parser.parse_args()
-    if args.dry:
-        dry_run()
-    VARIANTS[:] = args.variants
-    env = {**environment(), "date": time.strftime("%Y-%m-%d")}
-    gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0]
-    stem = args.out / f"{env['date']}-{gpu}-document-predicate{args.tag}"
-    rows = []
-    for name, seqlen, documents in CASES:
-        t0 = time.time()
-        rows.append(run_case(name, seqlen, documents, args.rounds))
-        print(json.dumps(rows[-1]), f"{time.time() - t0:.0f}s", flush=True)
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
-        stem.with_suffix(".md").write_text(markdown(rows, env))
-    print(markdown(rows, env))
 
 
 if __name__ == "__main__":
-    main()
+    run_probe(__doc__.split("\n")[0], "document-predicate", CASES, run_case, markdown, dry_run, add_arguments)

@@ -1,0 +1,55 @@
+"""What the one-question probes (probe_document_predicate.py, probe_masked_loop_stages.py) share: GPU
+time of a call replayed from a CUDA graph, and the run: parse the common arguments, take each case in
+turn, keep every finished row in <date>-<gpu>-<topic><tag>.{json,md} (a run cut short keeps them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+from flashgen.bench import environment
+
+
+def graph_ms(fn) -> float:
+    """fn's kernels alone: a CUDA graph of repeated calls replayed, median ms per call."""
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
+
+
+def table_head(title: str, env: dict, note: str, columns: list[str]) -> list[str]:
+    """A results file's first lines: its title with the machine, a note, a markdown table's header."""
+    return [f"# {title} ({env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date')})",
+            "", note, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def run_probe(description: str, topic: str, cases: list, run_case: Callable, markdown: Callable,
+              dry_run: Callable, add_arguments: Callable | None = None):
+    """The probe's command line: --rounds, --out, --tag, --dry and the probe's own (add_arguments);
+    run_case(case, args) -> row for each case (after --dry has shortened them), markdown(rows, env)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--dry", action="store_true", help=dry_run.__doc__.split(":")[0])
+    if add_arguments:
+        add_arguments(parser)
+    args = parser.parse_args()
+    if args.dry:
+        dry_run()
+    env = {**environment(), "date": time.strftime("%Y-%m-%d")}
+    gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0]
+    stem = args.out / f"{env['date']}-{gpu}-{topic}{args.tag}"
+    rows = []
+    for case in cases:
+        t0 = time.time()
+        rows.append(run_case(case, args))
+        print(json.dumps(rows[-1]), f"{time.time() - t0:.0f}s", flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
+        stem.with_suffix(".md").write_text(markdown(rows, env))
+    print(markdown(rows, env))
+    return args
