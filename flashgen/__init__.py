@@ -12,6 +12,13 @@ from .sdpa import scaled_dot_product_attention  # noqa: E402
 from .kvcache import decode  # noqa: E402
 from .quant import dequantize_fp8, quantize_fp8  # noqa: E402
 
+from .config import interpreting as _interpreting  # noqa: E402
+
+if _interpreting():
+    from .runtime.interpret import patch_language_once_per_launch
+
+    patch_language_once_per_launch()
+
 __all__ = [
     "AttentionSpec", "SpecError", "TuneSpec", "KernelConfig", "ConfigError", "default_config",
     "AttentionKernel", "attention", "attention_varlen", "compile", "mask", "score_mod", "Mask", "ScoreMod", "load", "FlashgenFallbackWarning", "__version__",
