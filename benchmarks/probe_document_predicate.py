@@ -39,7 +39,7 @@ from flashgen.config import default_config  # noqa: E402
 from flashgen.flops import pairs_flops, tflops, visible_count  # noqa: E402
 from flashgen.inputs import named_tensors  # noqa: E402
 from flashgen.timing import wall_ms  # noqa: E402
-from probes import graph_ms, run_probe, table_head  # noqa: E402
+from probes import graph_ms, interleaved_ms, max_abs_diff, run_probe, table_head  # noqa: E402
 
 TOKENS, HEADS, HEAD_DIM, DTYPE, DEVICE = 16384, 16, 128, "bf16", "cuda"
 CASES = [("document_4", 4096, 4), ("document_16", 4096, 16), ("document_4", 16384, 4), ("document_16", 16384, 16)]
@@ -118,19 +118,12 @@ def run_case(case, args) -> dict:
     results = {label: calls(label) for label in variants}
     (o1, _), (o2, _) = results["predicate"][0](), results["causal_predicate"][0]()
     g1, g2 = results["predicate"][1](), results["causal_predicate"][1]()
-    checks["out_max_diff"] = float((o1.float() - o2.float()).abs().max())
-    checks["grad_max_diff"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(g1[:3], g2[:3]))
+    checks["out_max_diff"] = max_abs_diff((o1,), (o2,))
+    checks["grad_max_diff"] = max_abs_diff(g1[:3], g2[:3])
     for label in more:  # the same blocks and pairs as today's kernels: equal bit for bit
         (o3, _), g3 = results[label][0](), results[label][1]()
-        checks[f"{label}_max_diff"] = max(float((a.float() - b.float()).abs().max())
-                                          for a, b in zip((o1, *g1[:3]), (o3, *g3[:3])))
-    times = {label: {"fwd": [], "bwd": []} for label in variants}
-    order = list(variants)
-    for r in range(rounds):
-        for label in (order if r % 2 == 0 else order[::-1]):
-            fwd, bwd, _, _ = results[label]
-            times[label]["fwd"].append(graph_ms(fwd))
-            times[label]["bwd"].append(graph_ms(bwd))
+        checks[f"{label}_max_diff"] = max_abs_diff((o1, *g1[:3]), (o3, *g3[:3]))
+    times = interleaved_ms(results, rounds, graph_ms)
     fwd_flops, bwd_flops = pairs_flops(pairs, HEAD_DIM, mode="fwd"), pairs_flops(pairs, HEAD_DIM, mode="fwd_bwd")
     row = {"case": name, "seqlen": seqlen, "batch": batch, "document_tokens": doc_len, "checks": checks,
            "variants": list(more), "config": str(variants["predicate"][3]),

@@ -35,7 +35,7 @@ from flashgen.codegen.cache import cached_source_path, import_path  # noqa: E402
 from flashgen.config import default_config  # noqa: E402
 from flashgen.inputs import named_tensors  # noqa: E402
 from flashgen.timing import wall_ms  # noqa: E402
-from probes import graph_ms, run_probe, table_head  # noqa: E402
+from probes import graph_ms, interleaved_ms, max_abs_diff, run_probe, table_head  # noqa: E402
 
 TOKENS, HEADS, DTYPE, DEVICE = 16384, 16, "bf16", "cuda"
 # (name, spec fields, seqlen, documents)
@@ -93,16 +93,9 @@ def run_case(case, args) -> dict:
         calls[label] = (lambda m=module: m.forward(q, k, v, tensors=tensors),
                         lambda m=module, o=out, s=lse: m.backward(do, q, k, v, o, s, tensors=tensors), cfg)
     results = {label: (fwd()[0], bwd()[:3]) for label, (fwd, bwd, _) in calls.items()}
-    diff = max(float((a.float() - b.float()).abs().max())
-               for a, b in zip((results["default"][0], *results["default"][1]),
-                               (results["masked_s1"][0], *results["masked_s1"][1])))
-    times = {label: {"fwd": [], "bwd": []} for label in calls}
-    order = list(calls)
-    for r in range(rounds):
-        for label in (order if r % 2 == 0 else order[::-1]):
-            fwd, bwd, _ = calls[label]
-            times[label]["fwd"].append(graph_ms(fwd))
-            times[label]["bwd"].append(graph_ms(bwd))
+    diff = max_abs_diff((results["default"][0], *results["default"][1]),
+                        (results["masked_s1"][0], *results["masked_s1"][1]))
+    times = interleaved_ms(calls, rounds, graph_ms)
     cfg = calls["default"][2]
     row = {"case": name, "seqlen": seqlen, "batch": batch, "head_dim": spec.head_dim, "max_diff": diff,
            "config": str(cfg), "backward": cfg.describe_backward()}

@@ -20,6 +20,24 @@ def graph_ms(fn) -> float:
     return float(triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median"))
 
 
+def interleaved_ms(calls: dict, rounds: int, timer=graph_ms) -> dict:
+    """{label: {"fwd": [ms per round], "bwd": [...]}} of calls {label: (fwd, bwd, ...)}, each round
+    timing every label's forward then backward, the labels' order reversed every other round."""
+    times = {label: {"fwd": [], "bwd": []} for label in calls}
+    order = list(calls)
+    for r in range(rounds):
+        for label in (order if r % 2 == 0 else order[::-1]):
+            fwd, bwd = calls[label][:2]
+            times[label]["fwd"].append(timer(fwd))
+            times[label]["bwd"].append(timer(bwd))
+    return times
+
+
+def max_abs_diff(a, b) -> float:
+    """The largest |x - y| over paired tensors (outputs, gradients) of two variants."""
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+
+
 def table_head(title: str, env: dict, note: str, columns: list[str]) -> list[str]:
     """A results file's first lines: its title with the machine, a note, a markdown table's header."""
     return [f"# {title} ({env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date')})",
