@@ -306,13 +306,17 @@ def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> li
 
 
 # ----------------------------------------------------------------------------- the Gluon forward on masks
-HOPPER_CASES = ("document_4", "document_16", "prefix_lm_512", "sliding_window_256", "chunked_1024")
+HOPPER_CASES = ("document_4", "document_16", "prefix_lm_512", "sliding_window_256", "sliding_window_1024",
+                "chunked_1024")
 _GLUON = dict(family="hopper_ws", BLOCK_M=128, num_warps=4, tma=False, warp_specialize=False)
 HOPPER_VARIANTS = {  # name -> forward knobs over the default config (its backward kept)
     "hw_n128_s2": dict(_GLUON, BLOCK_N=128, num_stages=2),
     "hw_n128_s3": dict(_GLUON, BLOCK_N=128, num_stages=3),
     "hw_pingpong": dict(_GLUON, BLOCK_N=128, num_stages=2, hopper_pingpong=True),
     "hw_n64_s3": dict(_GLUON, BLOCK_N=64, num_stages=3),
+    # FA3's intra-warpgroup overlap (hopper_overlap; no longer serialized by ptxas, 2026-11-26)
+    "hw_overlap_s2": dict(_GLUON, BLOCK_N=128, num_stages=2, hopper_overlap=True),
+    "hw_overlap_s3": dict(_GLUON, BLOCK_N=128, num_stages=3, hopper_overlap=True),
 }
 
 

@@ -40,18 +40,25 @@ FAMILY = dict(family="hopper_ws", BLOCK_M=128, num_warps=4)
 VARIANTS = {  # head dim -> name -> knobs over FAMILY (the one-tile FP8 defaults' tiles and their persistent twins)
     64: {"128x128 s2": dict(BLOCK_N=128, num_stages=2), "128x128 s2 persistent": dict(BLOCK_N=128, num_stages=2,
                                                                                      hopper_persistent=True),
-         "128x128 s3 persistent": dict(BLOCK_N=128, num_stages=3, hopper_persistent=True)},
+         "128x128 s3 persistent": dict(BLOCK_N=128, num_stages=3, hopper_persistent=True),
+         "128x128 s2 persistent overlap": dict(BLOCK_N=128, num_stages=2, hopper_persistent=True, hopper_overlap=True)},
     128: {"128x256 s2": dict(BLOCK_N=256, num_stages=2), "128x128 s3": dict(BLOCK_N=128, num_stages=3),
           "128x256 s2 persistent": dict(BLOCK_N=256, num_stages=2, hopper_persistent=True),
           "128x128 s2 persistent": dict(BLOCK_N=128, num_stages=2, hopper_persistent=True),
-          "128x128 s3 persistent": dict(BLOCK_N=128, num_stages=3, hopper_persistent=True)},
+          "128x128 s3 persistent": dict(BLOCK_N=128, num_stages=3, hopper_persistent=True),
+          # FA3's intra-warpgroup overlap (hopper_overlap)
+          "128x256 s2 overlap": dict(BLOCK_N=256, num_stages=2, hopper_overlap=True),
+          "128x128 s2 persistent overlap": dict(BLOCK_N=128, num_stages=2, hopper_persistent=True, hopper_overlap=True),
+          "128x256 s2 persistent overlap": dict(BLOCK_N=256, num_stages=2, hopper_persistent=True,
+                                                hopper_overlap=True)},
     256: {"128x64 s2": dict(BLOCK_N=64, num_stages=2), "128x64 s2 persistent": dict(BLOCK_N=64, num_stages=2,
                                                                                    hopper_persistent=True),
-          "128x64 s3 persistent": dict(BLOCK_N=64, num_stages=3, hopper_persistent=True)},
+          "128x64 s3 persistent": dict(BLOCK_N=64, num_stages=3, hopper_persistent=True),
+          "128x64 s2 persistent overlap": dict(BLOCK_N=64, num_stages=2, hopper_persistent=True, hopper_overlap=True)},
 }
 
 
-def bench_case(d, causal, seqlen, deadline):
+def bench_case(d, causal, seqlen, deadline, variants=None):
     heads, batch = 2048 // d, TOKENS // seqlen
     row = dict(case=f"hd{d} S={seqlen} B={batch} H={heads} {'causal' if causal else 'full'}", mode="fwd",
                head_dim=d, seqlen=seqlen, causal=causal)
@@ -69,6 +76,8 @@ def bench_case(d, causal, seqlen, deadline):
 
     runs = {"bf16": lambda: flashgen.attention(q16, k16, v16, causal=causal), "fp8 default": fp8}
     for name, knobs in VARIANTS[d].items():
+        if variants and name not in variants:
+            continue
         config = KernelConfig(**{**FAMILY, **knobs})
         runs[name] = lambda config=config: fp8(config)
     h = slice(0, 2)
@@ -104,6 +113,8 @@ def main():
     parser.add_argument("--head-dims", default="128,64,256")
     parser.add_argument("--seqlens", default="4096,16384")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; cases past it are left out")
+    parser.add_argument("--variants", nargs="*", default=[], metavar="NAME",
+                        help="variant names to time (default: every one of the head dim's)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = parser.parse_args()
@@ -112,7 +123,7 @@ def main():
     for d in map(int, args.head_dims.split(",")):
         for causal in (False, True):
             for seqlen in map(int, args.seqlens.split(",")):
-                rows.append(bench_case(d, causal, seqlen, deadline))
+                rows.append(bench_case(d, causal, seqlen, deadline, args.variants))
                 print(json.dumps(rows[-1]), flush=True)
                 torch.cuda.empty_cache()
     env = environment()

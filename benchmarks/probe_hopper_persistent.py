@@ -7,7 +7,7 @@ against before it is timed), flashgen (flashgen.attention with its defaults: wha
 the family forced at 128 x 128 tiles with each VARIANTS entry, one-tile and persistent. TFLOP/s
 over visible pairs (do_bench median), ratio_vs_cudnn.
 
-    python3 benchmarks/probe_hopper_persistent.py [--cases hd128] [--budget SECONDS] [--tag TAG]
+    python3 benchmarks/probe_hopper_persistent.py [--cases hd128] [--variants NAME ...] [--budget SECONDS] [--tag TAG]
 
 Writes benchmarks/results/<date>-<gpu>-hopper-persistent<TAG>.{json,md}.
 """
@@ -37,19 +37,23 @@ FAMILY = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_sta
 VARIANTS = {  # name -> knobs over FAMILY
     "ws": {}, "ws s3": dict(num_stages=3), "ws pingpong": dict(hopper_pingpong=True),
     "persistent": dict(hopper_persistent=True), "persistent s3": dict(hopper_persistent=True, num_stages=3),
+    # FA3's intra-warpgroup overlap (hopper_overlap: S_j and P_{j-1} V_{j-1} issued back to back)
+    "ws overlap": dict(hopper_overlap=True), "ws s3 overlap": dict(num_stages=3, hopper_overlap=True),
+    "persistent overlap": dict(hopper_persistent=True, hopper_overlap=True),
+    "persistent s3 overlap": dict(hopper_persistent=True, num_stages=3, hopper_overlap=True),
 }
 TOLERANCE = 3e-2  # max |out - cuDNN's| (bf16 outputs of O(1))
 
 
-def bench_case(d, causal, seqlen, deadline):
+def bench_case(d, causal, seqlen, deadline, variants):
     heads, batch = 2048 // d, 16384 // seqlen
     gen = torch.Generator(device="cuda").manual_seed(seqlen * 7 + d + causal)
     q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16, generator=gen)
                for _ in range(3))
     cudnn = sdpa_runner(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
     runs = {"cudnn": lambda: cudnn(q, k, v, causal), "flashgen": lambda: flashgen.attention(q, k, v, causal=causal)}
-    for name, knobs in VARIANTS.items():
-        config = KernelConfig(**{**FAMILY, **knobs})
+    for name in variants:
+        config = KernelConfig(**{**FAMILY, **VARIANTS[name]})
         runs[name] = lambda config=config: flashgen.attention(q, k, v, causal=causal, config=config)
 
     def first_call(fn):
@@ -89,6 +93,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", default=[], help="case-name words to keep (e.g. hd128 causal)")
     parser.add_argument("--budget", type=float, default=400.0, help="seconds; later cases are skipped")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME",
+                        help=f"variants to time (default: all of {', '.join(VARIANTS)})")
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = parser.parse_args()
@@ -102,7 +108,7 @@ def main():
         name = f"hd{d} S={seqlen}{' causal' if causal else ''}"
         if (args.cases and not all(w in name for w in args.cases)) or time.time() > deadline:
             continue
-        rows.append(bench_case(d, causal, seqlen, deadline))
+        rows.append(bench_case(d, causal, seqlen, deadline, args.variants))
         print(name, "|", " | ".join(f"{k}: {v.get('tflops', v.get('error', '')[:50])} ({v.get('ratio_vs_cudnn', '-')})"
                                     for k, v in rows[-1].items() if isinstance(v, dict)), flush=True)
         names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
@@ -115,7 +121,8 @@ def main():
                 f"{row[n]['tflops']} ({row[n]['ratio_vs_cudnn']})" if "tflops" in row[n] else row[n]["error"][:40]
                 for n in names) + " |")
         out.with_suffix(".md").write_text("\n".join(lines) + "\n")  # after each case: a cut run keeps its rows
-        out.with_suffix(".json").write_text(json.dumps(dict(environment=env, variants=VARIANTS, rows=rows),
+        out.with_suffix(".json").write_text(json.dumps(dict(environment=env, variants={n: VARIANTS[n] for n in args.variants},
+                                                            rows=rows),
                                                        indent=1) + "\n")
     print(f"wrote {out}.json/.md")
 

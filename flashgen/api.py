@@ -243,6 +243,7 @@ def _spec(*, dtype, head_dim, head_dim_v, num_heads, num_kv_heads, causal, softm
 # kernel id by a function dynamo runs once at trace time and treats as a constant.
 _BOUND: dict[tuple, AttentionKernel] = {}
 _PLAIN = (type(None), bool, int, float, str)
+_FROZEN = object()  # ends a raw eager key whose mask and score_mod were pattern dicts, frozen by _freeze
 
 
 def _static_int(n, limit: int = 1 << 12) -> int:
@@ -356,15 +357,19 @@ def _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, scor
         head = 2 if layout == "bshd" else 1
         key = (q.dtype, q.shape[-1], v.shape[-1], q.shape[head], k.shape[head], layout, causal, softmax_scale,
                dropout_p, mask, score_mod, config)
-        return key, _BOUND.get(key)
-    except (AttributeError, IndexError, TypeError):  # not tensors, too few dims, an unhashable mask
+        try:
+            return key, _BOUND.get(key)
+        except TypeError:  # a pattern dict (compat's windows, the transformers integration): frozen, marked so
+            key = (*key[:9], _freeze(mask), _freeze(score_mod), config, _FROZEN)
+            return key, _BOUND.get(key)
+    except (AttributeError, IndexError, TypeError):  # not tensors, too few dims, not a pattern
         return None, None
 
 
 def _remember(key, kernel):
-    """Bind an eager call's raw key, when all of it is plain values (a mask given as a function or
-    Mask object is built afresh per call, as it may differ)."""
-    if key is not None and all(isinstance(part, _PLAIN) for part in key[5:11]):
+    """Bind an eager call's raw key, when all of it is plain values or frozen pattern dicts (a mask
+    given as a function or Mask object is built afresh per call, as it may differ)."""
+    if key is not None and (key[-1] is _FROZEN or all(isinstance(part, _PLAIN) for part in key[5:11])):
         _BOUND[key] = kernel
 
 

@@ -152,10 +152,9 @@ class KernelConfig:
         if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
             raise ConfigError(f"config knob 'hopper_pingpong': needs two consumers (BLOCK_M=128) and no "
                               f"hopper_overlap, got BLOCK_M={self.BLOCK_M} hopper_overlap={self.hopper_overlap}")
-        if self.hopper_persistent and (self.family != "hopper_ws" or self.hopper_overlap or self.hopper_pingpong):
-            raise ConfigError(f"config knob 'hopper_persistent': needs family 'hopper_ws' without hopper_overlap and "
-                              f"hopper_pingpong, got family={self.family!r} hopper_overlap={self.hopper_overlap} "
-                              f"hopper_pingpong={self.hopper_pingpong}")
+        if self.hopper_persistent and (self.family != "hopper_ws" or self.hopper_pingpong):
+            raise ConfigError(f"config knob 'hopper_persistent': needs family 'hopper_ws' without hopper_pingpong, "
+                              f"got family={self.family!r} hopper_pingpong={self.hopper_pingpong}")
         if isinstance(self.hopper_regs, bool) or self.hopper_regs not in HOPPER_REGS:
             raise ConfigError(f"config knob 'hopper_regs': expected one of {HOPPER_REGS}, got {self.hopper_regs!r}")
         if self.family == "hopper_ws":
@@ -414,7 +413,15 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     one-tile / the default then): hd128 S=1024 518 / 463 / 472, S=4096 582 / 568 / 564; hd128 causal
     S=1024 365 / 330 / 351 (portable), S=4096 515 / 500 / 489; hd64 causal S=4096 392 / 370 / 369
     (portable). It loses on long walks (hd128 S=16384 541 vs 623, hd64 S=16384 376 vs 465) and at hd64
-    S=1024 and 4096 (376 / 374 portable, 415 / 432): those keep their defaults, and 8192 follows 16384."""
+    S=1024 and 4096 (376 / 374 portable, 415 / 432): those keep their defaults, and 8192 follows 16384.
+
+    FA3's intra-warpgroup overlap (hopper_overlap: S_j and P_{j-1} V_{j-1} issued back to back, block
+    j's softmax under P_{j-1} V_{j-1}) where it gained in two runs or by 3%+ in one (benchmarks/results/
+    2026-11-26-h100-hopper-persistent-overlap{,-causal,-hd64}.md, forward TFLOP/s with / without, the
+    default then in brackets): hd128 causal S=4096 on the persistent grid 525 / 512 and 528 (504), S=16384
+    594 / 570 and 595 (567-573); hd128 S=16384 one-tile 629 / 611 (610); hd64 causal S=16384 one-tile 432 /
+    405 (414). It lost at hd128 S=1024 (482 / 493 persistent), hd128 S=16384 persistent (547 / 613), hd64
+    S=1024-16384 plain (-1 to -9%) and on FP8 (the wider tiles spill): those keep their defaults."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec) is not None or shape.narrow(seqlen):
@@ -424,12 +431,14 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
     tile = dict(HOPPER_DEFAULT_TILE)
+    if d == 128 and shape.causal and seqlen >= 4096:
+        return dict(tile, hopper_persistent=True, hopper_overlap=True)
     if (d == 128 and 1024 <= seqlen <= 4096) or (d == 64 and shape.causal and seqlen == 4096):
         return dict(tile, hopper_persistent=True)  # calls of up to 512 tokens: not measured
     if d == 128 and not shape.causal and seqlen >= 1024:
-        return tile
-    if d == 128 and seqlen >= 4096:
-        return dict(tile, num_stages=3)
+        return dict(tile, hopper_overlap=True)  # 8192 and longer (4096 and shorter: persistent, above)
+    if d == 64 and shape.causal and seqlen >= 16384:
+        return dict(tile, hopper_overlap=True)
     if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):
         return tile
     return None

@@ -7,6 +7,7 @@ import torch
 
 import flashgen
 from flashgen import AttentionSpec
+from flashgen.verify import reference_attention
 
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
@@ -128,21 +129,27 @@ def test_one_off_call_falls_back_silently_when_results_cannot_be_read(monkeypatc
 
 
 def test_a_bound_call_is_one_lookup_and_function_masks_are_not_kept(monkeypatch):
-    """After its first call, an eager call is found by its raw arguments (no _call_key, no spec);
-    masks given as functions are not kept as keys (each would be a new key)."""
+    """After its first call, an eager call is found by its raw arguments (no _call_key, no spec),
+    pattern dicts too (compat's windows, the transformers integration: frozen into the key, so a
+    dict changed in place is a new key); masks given as functions are not kept as keys (each
+    would be a new key)."""
     from flashgen import api
 
     monkeypatch.setattr(api, "_BOUND", {})
     q = t(1, 2, 9, 16)
-    flashgen.attention(q, q, q, causal=True, mask={"sliding_window": {"left": 4}})  # a dict: no raw key
+    window = {"sliding_window": {"left": 4}}
+    first = flashgen.attention(q, q, q, causal=True, mask=window)
     flashgen.attention(q, q, q, causal=True)
     keys = []
     original = api._call_key
     monkeypatch.setattr(api, "_call_key", lambda *a: keys.append(1) or original(*a))
     flashgen.attention(q, q, q, causal=True)
+    assert torch.equal(flashgen.attention(q, q, q, causal=True, mask={"sliding_window": {"left": 4}}), first)
     assert not keys
-    flashgen.attention(q, q, q, causal=True, mask={"sliding_window": {"left": 4}})
-    assert keys == [1]  # a pattern dict is frozen by _call_key, then found
+    window["sliding_window"]["left"] = 1  # the same dict, another pattern: bound afresh, not the old kernel
+    narrow = flashgen.attention(q, q, q, causal=True, mask=window)
+    assert keys == [1]
+    torch.testing.assert_close(narrow, reference_attention(q, q, q, causal=True, mask=window)[0].half(), atol=2e-3, rtol=2e-3)
     before = len(api._BOUND)
     flashgen.attention(q, q, q, mask=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
     assert len(api._BOUND) == before

@@ -81,7 +81,8 @@ def test_outlier_channels(shape, causal):
 @sm90
 @pytest.mark.parametrize("knobs", [dict(BLOCK_N=128), dict(hopper_pingpong=True), dict(BLOCK_N=128, num_stages=3),
                                    dict(BLOCK_N=64, num_stages=4), dict(BLOCK_M=64, num_stages=3),
-                                   dict(hopper_persistent=True), dict(BLOCK_M=64, num_stages=3, hopper_persistent=True)],
+                                   dict(hopper_persistent=True), dict(BLOCK_M=64, num_stages=3, hopper_persistent=True),
+                                   dict(hopper_overlap=True), dict(BLOCK_N=128, hopper_persistent=True, hopper_overlap=True)],
                          ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_each_technique(knobs, causal):
@@ -89,16 +90,17 @@ def test_each_technique(knobs, causal):
 
 
 @sm90
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("programs", [1, 7, 1000])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], SHAPES[4]], ids=["hd128-gqa", "hd64-gqa", "hd256"])
-def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, programs):
+def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, programs, overlap):
     # hopper_persistent on FP8 with the grid cut to `programs` programs: each walks many work units
     # (1000: more programs than units), and each tile takes its own (batch, KV head) descales
     from flashgen.runtime import hopper
 
     monkeypatch.setattr(hopper, "sm_count", lambda device: programs)
-    check(shape, causal, dict(hopper_persistent=True))
+    check(shape, causal, dict(hopper_persistent=True, hopper_overlap=overlap))
 
 
 @sm90

@@ -120,7 +120,6 @@ def test_config_knobs():
     (dict(HOPPER, loop_order="kv_outer"), "'family'"),
     (dict(hopper_persistent=True), "'hopper_persistent'"),  # the portable family
     (dict(HOPPER, hopper_persistent=True, hopper_pingpong=True), "'hopper_persistent'"),
-    (dict(HOPPER, hopper_persistent=True, hopper_overlap=True), "'hopper_persistent'"),
     (dict(HOPPER, hopper_persistent=1), "'hopper_persistent'"),
 ])
 def test_bad_knobs_are_config_errors(knobs, knob):
@@ -251,9 +250,9 @@ def test_space_offers_the_family_only_where_it_serves():
     assert all(not (p["hopper_overlap"] or p["hopper_pingpong"]) and p["hopper_regs"] == 240
                for p in points if p["family"] == "portable")
     assert any(p["hopper_pingpong"] for p in hw) and not any(p["hopper_pingpong"] and p["BLOCK_M"] == 64 for p in hw)
-    # the persistent grid: with the family only, never beside ping-pong or overlap, for unmasked specs
-    assert any(p["hopper_persistent"] for p in hw)
-    assert not any(p["hopper_persistent"] and (p["hopper_pingpong"] or p["hopper_overlap"]) for p in hw)
+    # the persistent grid: with the family only, never beside ping-pong, for unmasked specs; overlapped or not
+    assert any(p["hopper_persistent"] and p["hopper_overlap"] for p in hw)
+    assert not any(p["hopper_persistent"] and p["hopper_pingpong"] for p in hw)
     assert not any(p["hopper_persistent"] for p in points if p["family"] == "portable")
     masked = forward_space(AttentionSpec(dtype="bf16", head_dim=128, mask={"prefix_lm": 64}), H100)
     assert "family" in masked.params and "hopper_persistent" not in masked.params
@@ -271,17 +270,20 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
         return flashgen.default_config(spec, "h100", seqlen)
 
     # H100 wins (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md; the persistent grid:
-    # 2026-11-26-h100-hopper-persistent-run2.md): persistent for hd128 from 1024 to 4096 tokens, causal
-    # or not, and hd64 causal at 4096; the one-tile grid for longer walks
-    for d, causal, seqlen in ((128, False, 1024), (128, False, 2048), (128, False, 4096), (128, True, 1024),
-                              (128, True, 4096), (64, True, 4096)):
+    # 2026-11-26-h100-hopper-persistent-run2.md; FA3's overlap: -persistent-overlap*.md): persistent
+    # for hd128 from 1024 to 4096 tokens and hd64 causal at 4096, overlapped for hd128 causal from 4096
+    # on; the one-tile grid for longer walks, overlapped at hd128 plain and hd64 causal
+    for d, causal, seqlen, overlap in ((128, False, 1024, False), (128, False, 2048, False), (128, False, 4096, False),
+                                       (128, True, 1024, False), (128, True, 4096, True), (128, True, 16384, True),
+                                       (64, True, 4096, False)):
         got = family(d, causal, seqlen)
         assert got.family == "hopper_ws" and got.hopper_persistent and got.num_stages == 2, (d, causal, seqlen)
-    for d, causal, seqlen in ((128, False, 8192), (128, False, 16384), (128, True, 16384), (64, False, 4096),
-                              (64, True, 16384)):
+        assert got.hopper_overlap == overlap, (d, causal, seqlen)
+    for d, causal, seqlen, overlap in ((128, False, 8192, True), (128, False, 16384, True), (64, False, 4096, False),
+                                       (64, False, 16384, False), (64, True, 16384, True)):
         got = family(d, causal, seqlen)
         assert got.family == "hopper_ws" and not (got.hopper_persistent or got.hopper_pingpong), (d, causal, seqlen)
-    assert family(128, True, 16384).num_stages == 3 and family(128, False, 16384).num_stages == 2
+        assert got.hopper_overlap == overlap and got.num_stages == 2, (d, causal, seqlen)
     assert family(64, False, 4096, dtype="fp16").family == "hopper_ws"
     # the persistent grid serves no mask pattern: its defaults never take it
     assert not family(128, True, 4096, mask={"prefix_lm": 512}).hopper_persistent

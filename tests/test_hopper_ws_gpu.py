@@ -22,7 +22,8 @@ BASE = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stage
 TECHNIQUES = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": dict(hopper_pingpong=True),
               "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s4": dict(BLOCK_N=64, num_stages=4),
               "persistent": dict(hopper_persistent=True),
-              "persistent, one consumer": dict(BLOCK_M=64, num_stages=3, hopper_persistent=True)}
+              "persistent, one consumer": dict(BLOCK_M=64, num_stages=3, hopper_persistent=True),
+              "persistent, overlap": dict(hopper_persistent=True, hopper_overlap=True)}
 SHAPES = [  # batch, heads, kv heads, seqlen_q, seqlen_k, head dim, layout
     (2, 8, 2, 1000, 1000, 128, "bhsd"),
     (1, 4, 4, 333, 777, 64, "bshd"),
@@ -104,10 +105,11 @@ def test_default_takes_the_family_where_it_is_the_default(head_dim, causal, seql
 
 
 @sm90
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("programs", [1, 7, 1000])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], (3, 4, 4, 1280, 1280, 64, "bhsd")])
-def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, programs):
+def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, programs, overlap):
     # hopper_persistent with the grid cut to `programs` programs: each walks many work units, so the
     # K/V ring's positions and Q's phases run on across tiles (a wrong phase hangs or reads a stale
     # tile); 1000: more programs than units. The output against the reference; two runs bitwise equal.
@@ -116,7 +118,7 @@ def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, program
     monkeypatch.setattr(hopper, "sm_count", lambda device: programs)
     batch, heads, kv_heads, sq, sk, d, layout = shape
     spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=heads, num_kv_heads=kv_heads, causal=causal)
-    module = flashgen.compile(spec, KernelConfig(**BASE, hopper_persistent=True)).module()
+    module = flashgen.compile(spec, KernelConfig(**BASE, hopper_persistent=True, hopper_overlap=overlap)).module()
     module._LAUNCHER.plans.clear()  # plans made by another case fixed their grid with its program count
     q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=torch.bfloat16, device="cuda", layout=layout)
     out, lse = poisoned_outputs(q, heads, sq, d, layout)

@@ -304,6 +304,23 @@ def test_timed_source_is_what_each_phase_runs():
         R.timed_source(source, "decode")
 
 
+def test_timed_source_holds_the_gluon_kernels_handed_to_the_launcher():
+    """The Hopper family's Gluon kernels are attached to the launcher after it is made
+    (_LAUNCHER.hopper_forward / hopper_backward): a stored result of a hopper_ws or hopper_bwd
+    config was timed on them, so their text is part of its phase's hash (an edit of the Gluon
+    forward leaves a result measured on the old one unserved)."""
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=4, causal=True, backward=True)
+    config = KernelConfig(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, hopper_bwd=True)
+    source = R.render(spec, config, standalone=False)
+    fwd, bwd = R.timed_source(source, "fwd"), R.timed_source(source, "bwd")
+    assert "def _attn_fwd_hopper_ws(" in fwd and "def _hw_consumer(" in fwd and "def _attn_bwd_dkdv_hopper(" not in fwd
+    assert "def _attn_bwd_dkdv_hopper(" in bwd and "def _hb_consumer(" in bwd and "def _attn_fwd_hopper_ws(" not in bwd
+    portable = R.timed_source(R.render(spec, KernelConfig(BLOCK_M=64, BLOCK_N=64), standalone=False), "fwd")
+    assert "hopper" not in portable
+    edited = source.replace("def _hw_softmax(", "def _hw_softmax_edited(").replace("_hw_softmax(qk", "_hw_softmax_edited(qk")
+    assert R.timed_source(edited, "fwd") != fwd and R.timed_source(edited, "bwd") == bwd
+
+
 def test_kernel_hash_follows_the_kernels_not_the_names_or_tiles():
     fwd = R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG, "fwd")
     assert len(fwd) == 16 and fwd != R.kernel_hash(KERNEL_SPEC, KERNEL_CONFIG, "bwd")

@@ -105,9 +105,9 @@ def templates_hash() -> str:
 
 # What each tuned phase times, as the rendered module hands it to its launcher
 # (runtime/host.py AttentionLauncher): the arguments that name the phase's kernels.
-TIMED_KERNELS = {
-    "fwd": ("forward_kernel", "block_map_kernel"),
-    "bwd": ("preprocess_kernel", "dkdv_kernel", "dq_kernel", "short_kernel", "block_map_kernel"),
+TIMED_KERNELS = {  # the launcher's keyword arguments, and the Gluon kernels handed to it after (_LAUNCHER.hopper_*)
+    "fwd": ("forward_kernel", "block_map_kernel", "hopper_forward"),
+    "bwd": ("preprocess_kernel", "dkdv_kernel", "dq_kernel", "short_kernel", "block_map_kernel", "hopper_backward"),
 }
 LAUNCHER = "_LAUNCHER"  # the module global holding the AttentionLauncher
 
@@ -127,14 +127,18 @@ def timed_source(source: str, phase: str) -> str:
         raise ValueError(f"phase: expected one of {', '.join(TIMED_KERNELS)}, got {phase!r}")
     tree = ast.parse(source)
     lines = source.splitlines()
-    jit, constants = {}, {}
+    jit, constants, attached = {}, {}, {}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and any(_is_jit(d) for d in node.decorator_list):
             jit[node.name] = node
         elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             constants[node.targets[0].id] = node
+        elif (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute)
+              and isinstance(node.targets[0].value, ast.Name) and node.targets[0].value.id == LAUNCHER
+              and isinstance(node.value, ast.Call) and node.value.args and isinstance(node.value.args[0], ast.Name)):
+            attached[node.targets[0].attr] = node.value.args[0]  # _LAUNCHER.hopper_forward = HopperForward(kernel, ...)
     launcher = constants[LAUNCHER].value
-    arguments = {kw.arg: kw.value for kw in launcher.keywords}
+    arguments = {**attached, **{kw.arg: kw.value for kw in launcher.keywords}}
     settings = [f"{name}={ast.literal_eval(value)!r}" for name, value in sorted(arguments.items())
                 if isinstance(value, ast.Constant)]
     todo = [arguments[name].id for name in TIMED_KERNELS[phase] if name in arguments]

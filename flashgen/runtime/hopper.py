@@ -34,8 +34,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
-                                                                  warpgroup_mma, warpgroup_mma_init,
-                                                                  warpgroup_mma_wait)
+                                                                  warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
     # 3.9 renamed tma.async_copy_global_to_shared to tma.async_load (the old name warns)
@@ -57,7 +56,7 @@ except ImportError as err:  # no Gluon: the module still imports; the family is 
             return None
 
     gluon = gl = _Absent()
-    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = tma_load = None
+    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = tma_load = None
     GluonTensorDescriptor = None
 
 gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "torch.float8_e4m3fn": gl.float8e4nv}
