@@ -92,7 +92,7 @@ class KernelConfig:
     # hopper_ws reads BLOCK_M (64 x consumers), BLOCK_N, num_stages (its K/V ring) and these two:
     family: str = "portable"
     hopper_regs: int = 240  # registers per consumer thread (gl.warp_specialize worker_num_regs)
-    hopper_overlap: bool = False  # issue the next block's Q K^T before this block's softmax
+    hopper_overlap: bool = False  # FA3's overlap: S_j issued beside P_{j-1} V_{j-1}, the softmax under P V
     hopper_pingpong: bool = False  # two consumers take turns at the tensor cores (FA3's ping-pong)
     # one program per SM walking work units of query tiles (a causal unit pairs a heavy tile with a
     # light one): the set-up is paid once per SM and the next tile's loads overlap this one's end

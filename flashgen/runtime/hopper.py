@@ -167,7 +167,7 @@ class HopperForward:
     """Launches a module's rendered Gluon forward (_attn_fwd_hopper_ws): BLOCK_M // 64 consumer
     warpgroups of 64 query rows each, K/V through a num_stages-deep ring of BLOCK_N-key slots
     that a one-warp producer fills; hopper_regs registers per consumer thread, PRODUCER_REGS for
-    the producer; hopper_overlap pipelines Q K^T of the next block under this block's softmax;
+    the producer; hopper_overlap runs each block's softmax under the previous block's P V (FA3's order);
     hopper_pingpong has the two consumers take turns at the tensor cores (one's softmax under the
     other's MMAs); hopper_persistent launches one program per SM, each walking work units of query
     tiles (the kernel's comment says which)."""
