@@ -41,6 +41,9 @@ VARIANTS = {  # name -> knobs over FAMILY
     "ws overlap": dict(hopper_overlap=True), "ws s3 overlap": dict(num_stages=3, hopper_overlap=True),
     "persistent overlap": dict(hopper_persistent=True, hopper_overlap=True),
     "persistent s3 overlap": dict(hopper_persistent=True, num_stages=3, hopper_overlap=True),
+    # FA3's ping-pong on the persistent grid (turns counted on across tiles)
+    "persistent pingpong": dict(hopper_persistent=True, hopper_pingpong=True),
+    "persistent s3 pingpong": dict(hopper_persistent=True, num_stages=3, hopper_pingpong=True),
 }
 TOLERANCE = 3e-2  # max |out - cuDNN's| (bf16 outputs of O(1))
 

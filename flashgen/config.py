@@ -152,9 +152,8 @@ class KernelConfig:
         if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
             raise ConfigError(f"config knob 'hopper_pingpong': needs two consumers (BLOCK_M=128) and no "
                               f"hopper_overlap, got BLOCK_M={self.BLOCK_M} hopper_overlap={self.hopper_overlap}")
-        if self.hopper_persistent and (self.family != "hopper_ws" or self.hopper_pingpong):
-            raise ConfigError(f"config knob 'hopper_persistent': needs family 'hopper_ws' without hopper_pingpong, "
-                              f"got family={self.family!r} hopper_pingpong={self.hopper_pingpong}")
+        if self.hopper_persistent and self.family != "hopper_ws":
+            raise ConfigError(f"config knob 'hopper_persistent': needs family 'hopper_ws', got {self.family!r}")
         if isinstance(self.hopper_regs, bool) or self.hopper_regs not in HOPPER_REGS:
             raise ConfigError(f"config knob 'hopper_regs': expected one of {HOPPER_REGS}, got {self.hopper_regs!r}")
         if self.family == "hopper_ws":

@@ -122,8 +122,6 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
                         lambda p: hopper(p) or (p.get("hopper_regs", 240) == 240
                                                 and not (p.get("hopper_overlap") or p.get("hopper_pingpong")
                                                          or p.get("hopper_persistent")))),
-            Restriction("not (hopper_persistent and hopper_pingpong)",
-                        lambda p: not (p.get("hopper_persistent") and p.get("hopper_pingpong"))),
             Restriction("not hopper_pingpong or (BLOCK_M == 128 and not hopper_overlap)",
                         lambda p: not p.get("hopper_pingpong") or (p["BLOCK_M"] == 128 and not p.get("hopper_overlap"))),
             Restriction(f"family == 'portable' or {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv}) "

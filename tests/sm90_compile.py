@@ -161,6 +161,9 @@ def main(only=()) -> int:
         ("hopper_ws persistent causal hd128, overlap", dict(head_dim=128, num_heads=4, causal=True, forward_only=True),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
                       hopper_overlap=True)),
+        ("hopper_ws persistent gqa hd128, ping-pong", dict(head_dim=128, num_heads=8, num_kv_heads=2, forward_only=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
+                      hopper_pingpong=True)),
         # the Gluon forward with a mask pattern (templates/hopper/masks.j2; forward only: the backward is
         # the portable one, compiled above): causal documents (binary searches, a named tensor) on two
         # consumers; prefix-LM with per-batch lengths under ping-pong; chunks and-ed with a window

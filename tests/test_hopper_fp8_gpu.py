@@ -82,7 +82,8 @@ def test_outlier_channels(shape, causal):
 @pytest.mark.parametrize("knobs", [dict(BLOCK_N=128), dict(hopper_pingpong=True), dict(BLOCK_N=128, num_stages=3),
                                    dict(BLOCK_N=64, num_stages=4), dict(BLOCK_M=64, num_stages=3),
                                    dict(hopper_persistent=True), dict(BLOCK_M=64, num_stages=3, hopper_persistent=True),
-                                   dict(hopper_overlap=True), dict(BLOCK_N=128, hopper_persistent=True, hopper_overlap=True)],
+                                   dict(hopper_overlap=True), dict(BLOCK_N=128, hopper_persistent=True, hopper_overlap=True),
+                                   dict(BLOCK_N=128, hopper_persistent=True, hopper_pingpong=True)],
                          ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_each_technique(knobs, causal):

@@ -119,7 +119,6 @@ def test_config_knobs():
     (dict(HOPPER, hopper_pingpong=True, hopper_overlap=True), "'hopper_pingpong'"),
     (dict(HOPPER, loop_order="kv_outer"), "'family'"),
     (dict(hopper_persistent=True), "'hopper_persistent'"),  # the portable family
-    (dict(HOPPER, hopper_persistent=True, hopper_pingpong=True), "'hopper_persistent'"),
     (dict(HOPPER, hopper_persistent=1), "'hopper_persistent'"),
 ])
 def test_bad_knobs_are_config_errors(knobs, knob):
@@ -250,9 +249,9 @@ def test_space_offers_the_family_only_where_it_serves():
     assert all(not (p["hopper_overlap"] or p["hopper_pingpong"]) and p["hopper_regs"] == 240
                for p in points if p["family"] == "portable")
     assert any(p["hopper_pingpong"] for p in hw) and not any(p["hopper_pingpong"] and p["BLOCK_M"] == 64 for p in hw)
-    # the persistent grid: with the family only, never beside ping-pong, for unmasked specs; overlapped or not
+    # the persistent grid: with the family only, for unmasked specs; overlapped, ping-ponged or neither
     assert any(p["hopper_persistent"] and p["hopper_overlap"] for p in hw)
-    assert not any(p["hopper_persistent"] and p["hopper_pingpong"] for p in hw)
+    assert any(p["hopper_persistent"] and p["hopper_pingpong"] for p in hw)
     assert not any(p["hopper_persistent"] for p in points if p["family"] == "portable")
     masked = forward_space(AttentionSpec(dtype="bf16", head_dim=128, mask={"prefix_lm": 64}), H100)
     assert "family" in masked.params and "hopper_persistent" not in masked.params

@@ -23,7 +23,8 @@ TECHNIQUES = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": dict
               "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s4": dict(BLOCK_N=64, num_stages=4),
               "persistent": dict(hopper_persistent=True),
               "persistent, one consumer": dict(BLOCK_M=64, num_stages=3, hopper_persistent=True),
-              "persistent, overlap": dict(hopper_persistent=True, hopper_overlap=True)}
+              "persistent, overlap": dict(hopper_persistent=True, hopper_overlap=True),
+              "persistent, pingpong": dict(hopper_persistent=True, hopper_pingpong=True)}
 SHAPES = [  # batch, heads, kv heads, seqlen_q, seqlen_k, head dim, layout
     (2, 8, 2, 1000, 1000, 128, "bhsd"),
     (1, 4, 4, 333, 777, 64, "bshd"),
@@ -105,11 +106,11 @@ def test_default_takes_the_family_where_it_is_the_default(head_dim, causal, seql
 
 
 @sm90
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("knob", ["", "hopper_overlap", "hopper_pingpong"])
 @pytest.mark.parametrize("programs", [1, 7, 1000])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], (3, 4, 4, 1280, 1280, 64, "bhsd")])
-def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, programs, overlap):
+def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, programs, knob):
     # hopper_persistent with the grid cut to `programs` programs: each walks many work units, so the
     # K/V ring's positions and Q's phases run on across tiles (a wrong phase hangs or reads a stale
     # tile); 1000: more programs than units. The output against the reference; two runs bitwise equal.
@@ -118,7 +119,8 @@ def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, program
     monkeypatch.setattr(hopper, "sm_count", lambda device: programs)
     batch, heads, kv_heads, sq, sk, d, layout = shape
     spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=heads, num_kv_heads=kv_heads, causal=causal)
-    module = flashgen.compile(spec, KernelConfig(**BASE, hopper_persistent=True, hopper_overlap=overlap)).module()
+    knobs = {knob: True} if knob else {}
+    module = flashgen.compile(spec, KernelConfig(**BASE, hopper_persistent=True, **knobs)).module()
     module._LAUNCHER.plans.clear()  # plans made by another case fixed their grid with its program count
     q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=torch.bfloat16, device="cuda", layout=layout)
     out, lse = poisoned_outputs(q, heads, sq, d, layout)
