@@ -369,7 +369,7 @@ def _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, scor
 def _remember(key, kernel):
     """Bind an eager call's raw key, when all of it is plain values or frozen pattern dicts (a mask
     given as a function or Mask object is built afresh per call, as it may differ)."""
-    if key is not None and (key[-1] is _FROZEN or all(isinstance(part, _PLAIN) for part in key[5:11])):
+    if key is not None and all(isinstance(part, _PLAIN) for part in key[5:9 if key[-1] is _FROZEN else 11]):
         _BOUND[key] = kernel
 
 
