@@ -7,6 +7,7 @@ and 128, causal or not, S = 1024, 4096, 16384. Providers, one process:
   portable     the same call with the portable family's default config at that length
   cudnn        SDPA pinned to cuDNN;  flex: FlexAttention compiled (static shapes)
   hopper_bwd   fwd+bwd only: the default config with the Gluon dK/dV kernel forced (config.hopper_bwd)
+  hopper_bwd_atomic  the same with dQ added from that kernel (dq_strategy 'atomic': no dQ kernel)
   portable_bwd fwd+bwd only: the default config with the portable dK/dV kernel
 Forward and fwd+bwd TFLOP/s (FLOPs over the visible pairs), ratio_vs_cudnn and ratio_vs_flex of
 each flashgen provider. Every provider's output (and gradients) is checked against cuDNN's
@@ -14,12 +15,13 @@ before it is timed; a mismatch is recorded instead of a time. With --variants th
 knob variants are timed too (forward), for the defaults and benchmarks/NOTES.md.
 
     python3 benchmarks/bench_hopper_ws.py [--no-flex] [--variants] [--fwd-bwd-only] [--budget SECONDS]
-    python3 benchmarks/bench_hopper_ws.py --backward [--budget SECONDS]
+    python3 benchmarks/bench_hopper_ws.py --backward [--dq separate,atomic] [--tiles all|default] [--budget SECONDS]
 
-Writes benchmarks/results/<date>-h100-hopper-ws.{json,md} (--fwd-bwd-only: -hopper-bwd-fwdbwd). --backward instead times the backward
-alone per case (dK/dV kernel: the Gluon one at each tile of BACKWARD_TILES against the portable one,
-as the backward's time less that of the same plan with its dK/dV launch skipped; cuDNN's backward as
-its fwd+bwd less its forward) and writes <date>-h100-hopper-bwd.{json,md}.
+Writes benchmarks/results/<date>-<gpu>-hopper-ws.{json,md} (--fwd-bwd-only: -hopper-bwd-fwdbwd). --backward instead times the backward
+alone per case (dK/dV kernel: the Gluon one at each tile of BACKWARD_TILES, with dQ from the separate
+kernel and added from it, against the portable one, as the backward's time less that of the same plan
+with its dK/dV launch skipped; cuDNN's backward as its fwd+bwd less its forward) and writes
+<date>-<gpu>-hopper-bwd.{json,md}. --tag TAG appends TAG to each file name.
 """
 
 from __future__ import annotations
@@ -76,9 +78,11 @@ def providers(spec, seqlen, causal, use_flex):
         out["flex"] = lambda q, k, v: flex(q, k, v, causal)
     default = default_config(spec, seqlen=seqlen)
     if spec_unserved(spec) is None:
-        for name, flag in (("hopper_bwd", True), ("portable_bwd", False)):  # the backward's choice (fwd+bwd rows)
-            out[name] = lambda q, k, v, cfg=default.replace(hopper_bwd=flag): flashgen.attention(q, k, v, causal=causal,
-                                                                                                config=cfg)
+        for name, knobs in (("hopper_bwd", dict(hopper_bwd=True, dq_strategy="separate")),
+                            ("hopper_bwd_atomic", dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)),
+                            ("portable_bwd", dict(hopper_bwd=False, dq_strategy="separate"))):  # the backward's choice
+            out[name] = lambda q, k, v, cfg=default.replace(**knobs): flashgen.attention(q, k, v, causal=causal,
+                                                                                        config=cfg)
     return out, forced
 
 
@@ -122,7 +126,7 @@ def bench_case(d, causal, seqlen, use_flex, variants, modes=("fwd", "fwd_bwd")):
                 row[name] = {"ms": ms, "tflops": tflops(flops[mode], ms), "max_err_vs_cudnn": err}
             except Exception as exc:  # noqa: BLE001 - one failing provider must not end the run
                 row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
-        for name in ("flashgen", "hopper_ws", "portable", "hopper_bwd", "portable_bwd"):
+        for name in ("flashgen", "hopper_ws", "portable", "hopper_bwd", "hopper_bwd_atomic", "portable_bwd"):
             for anchor in ("cudnn", "flex"):
                 a, b = row.get(name, {}).get("tflops"), row.get(anchor, {}).get("tflops")
                 if a and b:
@@ -146,7 +150,17 @@ def bench_case(d, causal, seqlen, use_flex, variants, modes=("fwd", "fwd_bwd")):
     return rows
 
 
-def backward_case(d, causal, seqlen):
+class _NoLaunch:
+    """A backward plan's dK/dV launch skipped (its bound-launch interface, launching nothing)."""
+
+    def bindable(self):
+        return False
+
+    def run(self, context, args):
+        return None
+
+
+def backward_case(d, causal, seqlen, strategies=("separate", "atomic"), every_tile=True):
     """--backward: one case's backward alone, per dK/dV kernel (see the module docstring)."""
     heads, batch = 2048 // d, 16384 // seqlen
     spec = AttentionSpec(name="bench", dtype="bf16", head_dim=d, num_heads=heads, causal=causal, backward=True)
@@ -167,13 +181,15 @@ def backward_case(d, causal, seqlen):
     cudnn_ms = time_ms(cudnn_step) - time_ms(lambda: cudnn(q, k, v, causal))
     row["cudnn"] = {"ms": cudnn_ms, "tflops": tflops(flops, cudnn_ms)}
     default = default_config(spec, seqlen=seqlen)
-    kernels = [("portable", False, None)] + [(f"gluon m{m} c{c} s{st}", True, (m, c, st))
-                                             for m, c, st in BACKWARD_TILES[d]]
-    for name, flag, tiles in kernels:
+    shipped = HopperBackward.TILES[d]
+    kernels = [("portable", False, None, "separate")] + [
+        (f"gluon m{m} c{c} s{st}{' atomic dQ' if dq == 'atomic' else ''}", True, (m, c, st), dq)
+        for m, c, st in (BACKWARD_TILES[d] if every_tile else [shipped]) for dq in strategies]
+    for name, flag, tiles, dq in kernels:
         try:
-            if tiles:
-                HopperBackward.TILES[d] = tiles
-            module = flashgen.compile(spec, default.replace(hopper_bwd=flag)).module()
+            HopperBackward.TILES[d] = tiles or shipped
+            atomic = dict(dq_strategy="atomic", bwd_fused_delta=False) if dq == "atomic" else {}
+            module = flashgen.compile(spec, default.replace(hopper_bwd=flag, **atomic)).module()
             module._LAUNCHER.plans.clear()  # (the plans of this module's earlier cases)
             out, lse = module.forward(q, k, v)
             call = lambda: module.backward(do, q, k, v, out, lse)  # noqa: E731
@@ -187,12 +203,13 @@ def backward_case(d, causal, seqlen):
                 row[name] = {"error": f"max|grad - cudnn| = {err:.3g}"}
                 continue
             ms = time_ms(call)
-            dkdv, plan.dkdv = plan.dkdv, lambda *args: None  # the same backward without its dK/dV launch
+            dkdv, plan.dkdv = plan.dkdv, _NoLaunch()  # the same backward without its dK/dV launch
             rest_ms = time_ms(call)
             plan.dkdv = dkdv
             row[name] = {"ms": ms, "tflops": tflops(flops, ms), "dkdv_ms": ms - rest_ms, "max_err_vs_cudnn": err}
         except Exception as exc:  # noqa: BLE001 - one failing kernel must not end the run
             row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    HopperBackward.TILES[d] = shipped
     print(json.dumps(row, default=str), flush=True)
     return [row]
 
@@ -216,15 +233,16 @@ def backward_markdown(rows, env):
 
 
 def markdown(rows, env):
-    names = ("flashgen", "hopper_ws", "portable", "hopper_bwd", "portable_bwd", "cudnn", "flex")
+    names = ("flashgen", "hopper_ws", "portable", "hopper_bwd", "hopper_bwd_atomic", "portable_bwd", "cudnn", "flex")
     lines = [f"GPU: {env.get('gpu')} | torch {env['torch']} | triton {env['triton']}. bf16, 16384 tokens, hidden "
              f"2048. TFLOP/s over visible pairs (do_bench median); ratios of each flashgen provider to cuDNN / Flex.",
              "", "| case | mode | " + " | ".join(names) + " | flashgen/cuDNN | hopper_ws/cuDNN | hopper_bwd/cuDNN "
-             "| flashgen/Flex | hopper_ws/Flex | hopper_bwd/Flex |", "|---" * (len(names) + 8) + "|"]
+             "| hopper_bwd_atomic/cuDNN | flashgen/Flex | hopper_ws/Flex | hopper_bwd/Flex | hopper_bwd_atomic/Flex |",
+             "|---" * (len(names) + 10) + "|"]
     for r in rows:
         tf = [f"{r[n]['tflops']:.0f}" if "tflops" in r.get(n, {}) else ("err" if n in r else "-") for n in names]
         ratio = [f"{r.get(f'ratio_vs_{a}', {}).get(n, float('nan')):.2f}" for a in ("cudnn", "flex")
-                 for n in ("flashgen", "hopper_ws", "hopper_bwd")]
+                 for n in ("flashgen", "hopper_ws", "hopper_bwd", "hopper_bwd_atomic")]
         lines.append(f"| {r['case']} | {r['mode']} | " + " | ".join(tf) + " | " + " | ".join(ratio) + " |")
     var = [r for r in rows if r.get("variants")]
     if var:
@@ -243,6 +261,10 @@ def main():
     ap.add_argument("--seqlens", default="4096,16384,1024", help="comma-separated sequence lengths, in order")
     ap.add_argument("--backward", action="store_true", help="time the backward alone per dK/dV kernel instead")
     ap.add_argument("--fwd-bwd-only", action="store_true", help="time fwd+bwd rows only (no forward rows)")
+    ap.add_argument("--dq", default="separate,atomic", help="--backward: the Gluon kernel's dQ strategies to time")
+    ap.add_argument("--tiles", choices=("all", "default"), default="all",
+                    help="--backward: the Gluon kernel at every tile of BACKWARD_TILES, or its shipped ones")
+    ap.add_argument("--tag", default="", help="appended to the results' file names")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     env = environment()
@@ -254,17 +276,18 @@ def main():
             print(f"budget spent: stopped before hd{d} S={seqlen} causal={causal}")
             break
         if args.backward:
-            rows += backward_case(d, causal, seqlen)
+            rows += backward_case(d, causal, seqlen, tuple(args.dq.split(",")), args.tiles == "all")
         else:
             rows += bench_case(d, causal, seqlen, not args.no_flex, args.variants,
                                ("fwd_bwd",) if args.fwd_bwd_only else ("fwd", "fwd_bwd"))
         name = "hopper-bwd" if args.backward else "hopper-bwd-fwdbwd" if args.fwd_bwd_only else "hopper-ws"
-        write(Path(args.out), env, rows, name, render)  # after each case: a run cut short keeps what it measured
+        write(Path(args.out), env, rows, name + args.tag, render)  # after each case: a run cut short keeps what it measured
     print(render(rows, env))
 
 
 def write(out, env, rows, name, render):
-    stem = out / f"{datetime.date.today().isoformat()}-h100-{name}"
+    gpu = str(env.get("gpu") or "cpu").lower().replace("nvidia ", "").split()[0]  # h100, h200
+    stem = out / f"{datetime.date.today().isoformat()}-{gpu}-{name}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps({"environment": env, "knobs": HOPPER_KNOBS,
                                                      "backward_tiles": BACKWARD_TILES, "rows": rows},

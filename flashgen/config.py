@@ -69,9 +69,11 @@ class KernelConfig:
     bwd_fused_delta: bool = False
     # dK/dV from the Gluon warp-specialized sm90 kernel (templates/hopper/backward.j2: a TMA producer
     # warp feeding (Q, dO) tiles to two consumer warpgroups of 64 keys each; runtime/hopper_bwd.py),
-    # where it serves the call; preprocess and dQ stay portable. Rendered only when on. It computes no
-    # dQ: with dq_strategy 'atomic' (the config's or a call's) the portable dK/dV runs, as where the
-    # call is not served, so a default with it on takes .replace(dq_strategy="atomic").
+    # where it serves the call; preprocess and dQ stay portable. Rendered only when on. With
+    # dq_strategy 'atomic' in the config it adds dQ itself (FA3's five MMAs per pair: dS^T through
+    # shared memory, relaxed float32 atomics; the default at hd64 causal from 16384 tokens, where the
+    # H100 measured it faster); a call whose dQ strategy differs from the config's (a call's
+    # dq_strategy, deterministic=True) runs the portable dK/dV, as where the call is not served.
     hopper_bwd: bool = False
     # dQ programs in reverse query-block order: with a causal-like mask the last query blocks see
     # the most keys, so they start first and the kernel's tail is made of short programs (the
@@ -319,6 +321,8 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
     forward, backward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws), _backward_defaults(spec, arch, d, shape, seqlen)
     if arch == "sm90" and _hopper_bwd_default(spec, d, shape, seqlen):
         backward["hopper_bwd"] = True
+    if arch == "sm90" and _hopper_atomic_dq_default(spec, d, shape, seqlen):
+        backward.update(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)
     if seqlen <= SMALL_CALL:
         # A call this short is host-bound: building tensor descriptors costs more host time than the
         # copy engine saves (H100, B=1 H=16 S=128 hd128 causal: forward 68 vs 41 us of host per call,
@@ -513,6 +517,19 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
     from .runtime.hopper import spec_unserved
 
     return spec_unserved(spec, backward=True) is None and d == 128 and shape.causal and seqlen >= 4096
+
+
+def _hopper_atomic_dq_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> bool:
+    """The Gluon dK/dV kernel adding dQ itself (hopper_bwd with dq_strategy 'atomic': five MMAs per
+    pair, no dQ kernel) where the H100 measured it faster than the portable backward in both runs
+    (benchmarks/results/2026-11-26-h100-hopper-bwd-atomic-dq-rows{,-run2}.md, bf16, 16384 tokens):
+    hd64 causal S=16384, backward 7.43 / 7.91 and 7.47 / 7.91 ms (atomic / portable), fwd+bwd 392 / 372
+    TFLOP/s. Elsewhere its float32 adds cost what the recomputed S and dP save or more (backward time,
+    portable / atomic): hd64 plain S=16384 1.00-1.01x, hd128 plain 0.97x, hd128 causal 0.96-0.98x,
+    4096 tokens and fewer 0.80-0.98x."""
+    from .runtime.hopper import spec_unserved
+
+    return spec_unserved(spec, backward=True) is None and d == 64 and shape.causal and seqlen >= 16384
 
 
 def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:

@@ -196,11 +196,10 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         restrictions.append(Restriction("not bwd_short or dq_strategy == 'separate'",
                                         lambda p: not p.get("bwd_short") or p["dq_strategy"] == "separate"))
     if hopper_bwd:
+        # with dq_strategy 'atomic' the Gluon kernel adds dQ itself (no dQ kernel): both are offered
         restrictions += [
-            Restriction("not hopper_bwd or (dq_strategy == 'separate' and BLOCK_M1 == 64 and BLOCK_N1 == 64 "
-                        "and bwd_persistent == 0)",
-                        lambda p: not p.get("hopper_bwd") or (p["dq_strategy"] == "separate" and p["BLOCK_M1"] == 64
-                                                              and p["BLOCK_N1"] == 64
+            Restriction("not hopper_bwd or (BLOCK_M1 == 64 and BLOCK_N1 == 64 and bwd_persistent == 0)",
+                        lambda p: not p.get("hopper_bwd") or (p["BLOCK_M1"] == 64 and p["BLOCK_N1"] == 64
                                                               and not p.get("bwd_persistent"))),
         ]
     return SearchSpace("bwd", params, restrictions + [

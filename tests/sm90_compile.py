@@ -184,6 +184,10 @@ def main(only=()) -> int:
          hopper.replace(num_stages=2, family="hopper_ws", hopper_bwd=True)),
         ("hopper_bwd hd64", dict(head_dim=64, num_heads=4), KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8,
                                                                         num_stages=3, hopper_bwd=True)),
+        # ... with dQ added from it (dq_strategy 'atomic': both consumers' dS^T through shared memory, read
+        # back transposed into registers as the dQ MMAs' A operands; K's 64-column panels as B)
+        ("hopper_bwd atomic dQ gqa causal hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
+         hopper.replace(num_stages=2, family="hopper_ws", hopper_bwd=True, dq_strategy="atomic")),
         # the Gluon forward on FP8 e4m3 (V read seq-contiguous through a transposed descriptor; 304 keys: a
         # multiple of 16, the copy engine's stride rule for that V), causal GQA hd128 with 256-key blocks
         # (hd64 ping-pong and hd256 128x64/128x128 were compiled once by hand, triton 3.6 and 3.9, and ran on

@@ -39,17 +39,21 @@ def test_bad_knobs_are_config_errors(knobs, words):
         KernelConfig(**knobs)
 
 
-def test_atomic_dq_runs_the_portable_dkdv(monkeypatch):
-    # A default with hopper_bwd on, dQ switched to atomic (tests/test_backward_gpu.py does so): accepted,
-    # and the step runs the portable dK/dV, which accumulates dQ.
-    cfg = KernelConfig(hopper_bwd=True).replace(dq_strategy="atomic")
-    module = flashgen.compile(SERVED, cfg).module()
-    monkeypatch.setattr(module._LAUNCHER.hopper_backward, "device_unserved", lambda device: None)
+def test_a_call_whose_dq_strategy_differs_from_the_kernels_runs_the_portable_dkdv(monkeypatch):
+    # The kernel adds dQ only where it was rendered to (dq_strategy 'atomic' in the config): a separate-dQ
+    # kernel called with dq_strategy 'atomic', and an atomic one called deterministic, run the portable dK/dV.
     q, k, v = make_qkv(1, 2, 1, 20, 20, 64, dtype=torch.float16, device="cpu", layout="bshd")
-    out, lse = module.forward(q, k, v, layout="bshd", softmax_scale=0.5)
-    module.backward(torch.randn_like(out), q, k, v, out, lse, layout="bshd", softmax_scale=0.5)
-    (plan,) = backward_plans(module)
-    assert plan.atomic and not isinstance(plan.dkdv, hopper_bwd.HopperDkdv)
+    for cfg, call in ((KernelConfig(hopper_bwd=True), dict(dq_strategy="atomic")),
+                      (KernelConfig(hopper_bwd=True, dq_strategy="atomic"), dict(deterministic=True))):
+        module = flashgen.compile(SERVED, cfg).module()
+        module._LAUNCHER.plans.clear()  # (a plan of another test's call on this module)
+        monkeypatch.setattr(module._LAUNCHER.hopper_backward, "device_unserved", lambda device: None)
+        out, lse = module.forward(q, k, v, layout="bshd", softmax_scale=0.5)
+        do = torch.randn_like(out)
+        grads = module.backward(do, q, k, v, out, lse, layout="bshd", softmax_scale=0.5, **call)[:3]
+        (plan,) = backward_plans(module)
+        assert plan.atomic == ("dq_strategy" in call) and not isinstance(plan.dkdv, hopper_bwd.HopperDkdv)
+        assert_gradients_close(grads, q, k, v, do, causal=True, layout="bshd", softmax_scale=0.5)
 
 
 def test_unserved_spec_is_a_config_error_naming_the_knob():
@@ -67,10 +71,10 @@ def test_render_adds_the_kernel_beside_the_portable_backward():
     assert "_attn_bwd_dkdv_hopper" not in off and "hopper_backward" not in off
 
 
-@pytest.mark.parametrize("family", ["portable", "hopper_ws"])
+@pytest.mark.parametrize("family", ["portable", "hopper_ws", "atomic dQ"])
 def test_standalone_module_carries_the_host_side_once(family):
-    config = KernelConfig(hopper_bwd=True) if family == "portable" else KernelConfig(
-        BLOCK_M=128, BLOCK_N=128, family="hopper_ws", hopper_bwd=True)
+    config = {"portable": KernelConfig(hopper_bwd=True), "atomic dQ": KernelConfig(hopper_bwd=True, dq_strategy="atomic"),
+              "hopper_ws": KernelConfig(BLOCK_M=128, BLOCK_N=128, family="hopper_ws", hopper_bwd=True)}[family]
     source = render(SERVED, config)
     ast.parse(source)
     assert not any(line.lstrip().startswith(("from flashgen", "import flashgen")) for line in source.splitlines())
@@ -84,6 +88,9 @@ def test_backward_call_unserved():
     ok = lambda device: None  # noqa: E731 - as if on an sm90 GPU
     assert hopper_bwd.backward_call_unserved(q, k, v, do, "bhsd", device_check=ok) is None
     assert "atomic" in hopper_bwd.backward_call_unserved(q, k, v, do, "bhsd", atomic=True, device_check=ok)
+    assert "separate" in hopper_bwd.backward_call_unserved(q, k, v, do, "bhsd", rendered_atomic=True, device_check=ok)
+    assert hopper_bwd.backward_call_unserved(q, k, v, do, "bhsd", atomic=True, rendered_atomic=True,
+                                             device_check=ok) is None
     assert "layout 'thd'" in hopper_bwd.backward_call_unserved(q[0], k[0], v[0], do[0], "thd", device_check=ok)
     assert "dropout_p" in hopper_bwd.backward_call_unserved(q, k, v, do, "bhsd", dropout_p=0.1, device_check=ok)
     odd = do.transpose(2, 3).contiguous().transpose(2, 3)  # dim not contiguous
@@ -125,6 +132,7 @@ class RecordingKernel:
 
 def test_a_served_call_swaps_the_dkdv_launch_planned_once(monkeypatch):
     module = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True)).module()
+    module._LAUNCHER.plans.clear()  # (a plan of another test's call on this module)
     hopper = module._LAUNCHER.hopper_backward
     kernel = RecordingKernel()
     made = []  # the Gluon descriptors built (the plan's first call), not copied (later calls)
@@ -156,13 +164,36 @@ def test_a_served_call_swaps_the_dkdv_launch_planned_once(monkeypatch):
         assert bool((dk == 1).all()) and bool((dv == 2).all())  # the Gluon launch's dk, dv are what backward returns
 
 
+def test_an_atomic_kernel_gets_the_float32_dq_buffer_and_no_dq_launch(monkeypatch):
+    # dq_strategy 'atomic' in the config: the rendered kernel adds dQ (its extra arguments: the plan's
+    # float32 buffer in q's shape and its (batch, head, seq) strides); the plan runs no dQ kernel and
+    # copies the buffer into dq
+    module = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True, dq_strategy="atomic")).module()
+    module._LAUNCHER.plans.clear()  # (a plan of another test's call on this module)
+    hopper = module._LAUNCHER.hopper_backward
+    kernel = RecordingKernel()
+    monkeypatch.setattr(hopper, "kernel", kernel)
+    monkeypatch.setattr(hopper, "device_unserved", lambda device: None)
+    monkeypatch.setattr(module._LAUNCHER, "interpreting", lambda: True)
+    q, k, v = make_qkv(1, 2, 1, 20, 20, 64, dtype=torch.float16, device="cpu", layout="bshd")
+    out, lse = module.forward(q, k, v, layout="bshd", softmax_scale=0.5)
+    dq, dk, dv, _ = module.backward(torch.randn_like(out), q, k, v, out, lse, layout="bshd", softmax_scale=0.5)
+    (plan,) = backward_plans(module)
+    assert isinstance(plan.dkdv, hopper_bwd.HopperDkdv) and plan.atomic and plan.dq is None
+    ((grid, args, constexprs),) = kernel.launches
+    buffer = args[21]
+    assert buffer.dtype == torch.float32 and buffer.shape == q.shape and buffer.is_contiguous()
+    assert args[22:] == (2560, 64, 128)  # (batch, head, seq) strides of the buffer in bshd
+    assert bool((dq == 0).all()) and bool((dk == 1).all())  # the recorded kernel added nothing to the zeroed buffer
+
+
 def test_space_offers_the_kernel_only_where_it_serves():
     space = backward_space(SERVED, H100)
     assert space.params["hopper_bwd"] == (False, True)
     on = [p for p in space.points() if p["hopper_bwd"]]
-    # one point per dQ-side choice: the portable dK/dV's own knobs stay put, no atomic dQ
-    assert on and all(p["dq_strategy"] == "separate" and (p["BLOCK_M1"], p["BLOCK_N1"], p["bwd_persistent"])
-                      == (64, 64, 0) for p in on)
+    # the portable dK/dV's own knobs stay put; dQ from the separate kernel or added from this one
+    assert on and all((p["BLOCK_M1"], p["BLOCK_N1"], p["bwd_persistent"]) == (64, 64, 0) for p in on)
+    assert {p["dq_strategy"] for p in on} == {"separate", "atomic"}
     assert "hopper_bwd" not in backward_space(AttentionSpec(dtype="bf16", head_dim=96), H100).params
     assert "hopper_bwd" not in backward_space(SERVED, DeviceLimits("NVIDIA A100", 166912.0)).params
 
@@ -172,11 +203,13 @@ def test_space_offers_the_kernel_only_where_it_serves():
     (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, True),
     (dict(head_dim=128, num_heads=16, causal=True), "h100", 2048, False),  # S=1024 slower: the portable kernel
     (dict(head_dim=128, num_heads=16), "h100", 16384, False),  # slower
-    (dict(head_dim=64, num_heads=32, causal=True), "h100", 16384, False),
+    (dict(head_dim=64, num_heads=32, causal=True), "h100", 16384, "atomic"),  # adding dQ itself
+    (dict(head_dim=64, num_heads=32, causal=True), "h100", 8192, False),
+    (dict(head_dim=64, num_heads=32), "h100", 16384, False),
     (dict(head_dim=128, num_heads=16, causal=True), "a100", 16384, False),  # not sm90
     (dict(head_dim=128, num_heads=16, mask={"sliding_window": {"left": 128}}), "h100", 16384, False),  # unserved
 ])
 def test_sm90_default_takes_the_kernel_where_it_measured_faster(fields, target, seqlen, on):
     config = default_config(AttentionSpec(dtype="bf16", backward=True, **fields), target, seqlen)
-    assert config.hopper_bwd is on
-    assert config.dq_strategy == "separate"
+    assert config.hopper_bwd is bool(on)
+    assert config.dq_strategy == ("atomic" if on == "atomic" else "separate")

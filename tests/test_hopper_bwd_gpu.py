@@ -2,7 +2,8 @@
 on fresh random inputs (TESTING.md's 3x rule for gradients), lengths that are not multiples of
 the tiles, seqlen_q != seqlen_k both ways, GQA, both dense layouts, causal or not, under the
 portable forward and under the Gluon forward (family hopper_ws), through module.backward and
-through flashgen.attention's autograd; and each of the kernel's tiles per head dim."""
+through flashgen.attention's autograd; and each of the kernel's tiles per head dim. Each with dQ
+from the separate kernel and (dq_strategy 'atomic') added from this one."""
 
 import pytest
 import torch
@@ -29,8 +30,10 @@ SHAPES = [  # batch, heads, kv heads, seqlen_q, seqlen_k, head dim, layout
 ]
 
 
-def took_gluon_dkdv(module) -> bool:
+def took_gluon_dkdv(module, atomic=False) -> bool:
+    """A backward plan of module ran the Gluon dK/dV kernel (atomic: and it added dQ: no dQ kernel)."""
     return any(isinstance(plan, BackwardPlan) and isinstance(plan.dkdv, HopperDkdv)
+               and plan.atomic == atomic and (plan.dq is None) == atomic
                for plan in module._LAUNCHER.plans.values())
 
 
@@ -46,7 +49,7 @@ def check_backward(dtype, shape, causal, config_knobs, *, autograd=False):
     out, lse = module.forward(q, k, v, layout=layout)
     do = torch.randn_like(out)
     grads = module.backward(do, q, k, v, out, lse, layout=layout)[:3]
-    assert took_gluon_dkdv(module)
+    assert took_gluon_dkdv(module, atomic=config.dq_strategy == "atomic")
     # gradients: 3x the same-precision reference's error + its rounding (TESTING.md)
     assert_gradients_close(grads, q, k, v, do, causal=causal, layout=layout)
     if autograd:  # flashgen.attention's autograd op: training_forward, then training_backward on its plan
@@ -65,10 +68,27 @@ def test_gradients(dtype, shape, causal):
 
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gradients_atomic_dq(shape, causal):
+    # dQ added from the Gluon dK/dV kernel (64 columns per MMA, relaxed float32 atomics)
+    check_backward("bf16", shape, causal, dict(family="portable", tma=False, warp_specialize=False, hopper_bwd=True,
+                                               dq_strategy="atomic"))
+
+
+@sm90
+def test_gradients_atomic_dq_fp16():
+    check_backward("fp16", SHAPES[0], True, dict(family="portable", tma=False, warp_specialize=False,
+                                                 hopper_bwd=True, dq_strategy="atomic"))
+
+
+@sm90
+@pytest.mark.parametrize("dq_strategy", ["separate", "atomic"])
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES[:3])
-def test_under_the_gluon_forward_and_autograd(shape, causal):
+def test_under_the_gluon_forward_and_autograd(shape, causal, dq_strategy):
     check_backward("bf16", shape, causal, dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4,
-                                               num_stages=2, tma=False, warp_specialize=False, hopper_bwd=True),
+                                               num_stages=2, tma=False, warp_specialize=False, hopper_bwd=True,
+                                               dq_strategy=dq_strategy),
                    autograd=True)
 
 
@@ -77,10 +97,12 @@ def test_under_the_gluon_forward_and_autograd(shape, causal):
     (SHAPES[1], (64, 2, 3)), (SHAPES[1], (64, 1, 2)), (SHAPES[1], (128, 2, 2)), (SHAPES[2], (64, 2, 3)),
 ])
 @pytest.mark.parametrize("causal", [False, True])
-def test_each_tile(monkeypatch, shape, tiles, causal):
+@pytest.mark.parametrize("dq_strategy", ["separate", "atomic"])
+def test_each_tile(monkeypatch, shape, tiles, causal, dq_strategy):
     # the kernel's tiles are class data (HopperBackward.TILES, per head dim): each choice stays exact
     monkeypatch.setitem(HopperBackward.TILES, shape[5], tiles)
-    check_backward("bf16", shape, causal, dict(family="portable", tma=False, warp_specialize=False, hopper_bwd=True))
+    check_backward("bf16", shape, causal, dict(family="portable", tma=False, warp_specialize=False, hopper_bwd=True,
+                                               dq_strategy=dq_strategy))
 
 
 @sm90
@@ -91,21 +113,30 @@ def test_unserved_calls_run_the_portable_dkdv():
     out, lse = module.forward(q, k, v)
     do = torch.randn_like(out)
     grads = module.backward(do, q, k, v, out, lse, dq_strategy="atomic")[:3]  # atomic dQ: not served
-    assert not took_gluon_dkdv(module)
+    assert not took_gluon_dkdv(module) and not took_gluon_dkdv(module, atomic=True)
+    assert_gradients_close(grads, q, k, v, do, causal=True)
+    # and the other way: a kernel rendered to add dQ, called deterministic (separate dQ kernel)
+    module = flashgen.compile(spec, KernelConfig(hopper_bwd=True, dq_strategy="atomic")).module()
+    out, lse = module.forward(q, k, v)
+    grads = module.backward(do, q, k, v, out, lse, deterministic=True)[:3]
+    assert not took_gluon_dkdv(module) and not took_gluon_dkdv(module, atomic=True)
     assert_gradients_close(grads, q, k, v, do, causal=True)
 
 
 @sm90
-def test_default_takes_it_where_it_is_the_default():
-    # hd128 causal at 16384 tokens (config._hopper_bwd_default); two heads: the float32 reference fits
-    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=2, causal=True, backward=True)
+@pytest.mark.parametrize("head_dim, dq_strategy", [(128, "separate"), (64, "atomic")])
+def test_default_takes_it_where_it_is_the_default(head_dim, dq_strategy):
+    # causal at 16384 tokens: hd128 with the separate dQ kernel (config._hopper_bwd_default), hd64 adding
+    # dQ from it (config._hopper_atomic_dq_default); two heads: the float32 reference fits
+    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=2, causal=True, backward=True)
     kernel = flashgen.compile(spec)
     config = kernel.config_for(16384)
     assert config == default_config(spec, "h100", 16384) and config.hopper_bwd
+    assert config.dq_strategy == dq_strategy
     module = kernel.module(config)
-    q, k, v = make_qkv(1, 2, 2, 16384, 16384, 128, dtype=torch.bfloat16, device="cuda")
+    q, k, v = make_qkv(1, 2, 2, 16384, 16384, head_dim, dtype=torch.bfloat16, device="cuda")
     out, lse = module.forward(q, k, v)
     do = torch.randn_like(out)
     grads = module.backward(do, q, k, v, out, lse)[:3]
-    assert took_gluon_dkdv(module)
+    assert took_gluon_dkdv(module, atomic=dq_strategy == "atomic")
     assert_gradients_close(grads, q, k, v, do, causal=True)

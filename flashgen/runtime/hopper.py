@@ -39,6 +39,8 @@ try:
 
     # 3.9 renamed tma.async_copy_global_to_shared to tma.async_load (the old name warns)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # a barrier of the calling partition's warps: gl.thread_barrier in 3.6, gl.barrier in 3.9
+    warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
     gluon_available = True
 except ImportError as err:  # no Gluon: the module still imports; the family is never served
     gluon_available = False
@@ -56,7 +58,7 @@ except ImportError as err:  # no Gluon: the module still imports; the family is 
             return None
 
     gluon = gl = _Absent()
-    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = tma_load = None
+    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = tma_load = warps_barrier = None
     GluonTensorDescriptor = None
 
 gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "torch.float8_e4m3fn": gl.float8e4nv}

@@ -6,7 +6,9 @@ on); the module hands it to HopperBackward, and AttentionLauncher.backward_plan 
 ``hopper_backward.serve(plan, ...)`` last: on a call it serves, the plan's dK/dV launch becomes
 this kernel's; the preprocess (delta) and the dQ kernel stay the portable ones. A call it
 cannot serve (``call_unserved``) keeps the portable dK/dV. The spec rules are the hopper_ws
-forward's (hopper.spec_unserved); the device and call rules too, plus dO's and no atomic dQ.
+forward's (hopper.spec_unserved); the device and call rules too, plus dO's, and a call's dQ strategy
+the one the kernel was rendered for (dq_strategy 'atomic': this kernel adds dQ into the plan's
+float32 buffer, and the plan runs no dQ kernel).
 
 Plain Python over torch and triton, and the Gluon shim of runtime/hopper.py. `flashgen generate`
 pastes it verbatim (less the import marked below) after hopper.py into a standalone module.
@@ -20,14 +22,18 @@ from flashgen.runtime.hopper import HopperForward, bhsd_order, call_unserved, de
 from flashgen.runtime.host import BoundLaunch, Descriptors, contiguous_strides  # standalone: hopper.py precedes (host.py before it)
 from flashgen.runtime.hopper import fence_async_shared, gl, gluon, mbarrier, tma_load  # noqa: F401 standalone: hopper.py precedes
 from flashgen.runtime.hopper import warpgroup_mma, warpgroup_mma_wait  # noqa: F401 standalone: hopper.py precedes
+from flashgen.runtime.hopper import warps_barrier  # noqa: F401 standalone: hopper.py precedes
 
 
-def backward_call_unserved(q, k, v, do, layout, *, dropout_p=0.0, atomic=False, device_check=None) -> str | None:
+def backward_call_unserved(q, k, v, do, layout, *, dropout_p=0.0, atomic=False, rendered_atomic=False,
+                           device_check=None) -> str | None:
     """Why this backward call cannot run the Gluon dK/dV kernel (then the portable one runs), or
     None: the forward's call rules (dense layout, TMA-ready q/k/v, no dropout, an sm90 device),
-    dO TMA-ready too, and dQ from the separate kernel (dq_strategy 'atomic' adds dQ from dK/dV)."""
-    if atomic:
-        return "dq_strategy 'atomic' (served: 'separate' or deterministic: this kernel computes no dQ)"
+    dO TMA-ready too, and the call's dQ strategy the one the kernel was rendered for (atomic: the
+    kernel adds dQ itself, with dq_strategy 'atomic' in the config; separate: the dQ kernel does)."""
+    if atomic != rendered_atomic:
+        return (f"a call with dq_strategy {'atomic' if atomic else 'separate'!r} (or deterministic) on a kernel "
+                f"rendered for dq_strategy {'atomic' if rendered_atomic else 'separate'!r}")
     return (call_unserved(q, k, v, layout, dropout_p=dropout_p, device_check=device_check)
             or tensor_unserved("do", do))
 
@@ -52,6 +58,7 @@ class HopperBackward:
     def __init__(self, kernel, spec, config):
         self.kernel, self.spec, self.config = kernel, spec, config
         self.spec_reason = spec_unserved(spec, backward=True)
+        self.atomic = config["dq_strategy"] == "atomic"  # rendered with dQ added from this kernel
 
     def serve(self, plan, q, k, v, do, layout, scale, dropout_p):
         """Swap this kernel in for the portable dK/dV launch of a launch.BackwardPlan when the call is
@@ -59,7 +66,8 @@ class HopperBackward:
         if plan.dkdv is None:  # nothing to compute (zero gradients): nothing to swap
             return "an empty call"
         reason = self.spec_reason or backward_call_unserved(q, k, v, do, layout, dropout_p=dropout_p,
-                                                            atomic=plan.atomic, device_check=self.device_unserved)
+                                                            atomic=plan.atomic, rendered_atomic=self.atomic,
+                                                            device_check=self.device_unserved)
         if reason is None:
             plan.dkdv = HopperDkdv(self, q, k, layout, scale, plan.dkdv)
             plan.rows = None  # the portable kernel's (Q, dO) descriptors: this kernel makes its own
@@ -88,13 +96,21 @@ class HopperDkdv:
         grad_strides = bhsd_order(contiguous_strides(k.shape), layout)[:3]
         self.args = (heads * seqlen_q, seqlen_q, *grad_strides, *grad_strides, seqlen_q, seqlen_k, heads // kv_heads,
                      scale * backward.RCP_LN2, scale)
+        # dq_strategy 'atomic': the plan's float32 dQ buffer (contiguous in q's shape) follows
+        self.dq_strides = bhsd_order(contiguous_strides(q.shape), layout)[:3] if backward.atomic else None
         grid = (triton.cdiv(seqlen_k, backward.CONSUMER_ROWS * consumers), kv_heads, batch)
         self.launch = BoundLaunch(backward.kernel, grid, dict(
             CAUSAL=bool(backward.spec["causal"]), NUM_STAGES=stages, CONSUMERS=consumers,
             PRODUCER_REGS=backward.PRODUCER_REGS, CONSUMER_REGS=backward.CONSUMER_REGS, num_warps=4))
 
     def __call__(self, q, k, v, do, lse, delta, dk, dv, *portable_args):
-        return self.launch(*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args)
+        return self.launch(*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args,
+                           *self.dq_args(portable_args))
+
+    def dq_args(self, portable_args):
+        """The float32 dQ buffer and its strides where the kernel adds dQ (the portable dK/dV's
+        argument after dv), else nothing."""
+        return () if self.dq_strides is None else (portable_args[0], *self.dq_strides)
 
     def bindable(self):
         """launch.BackwardPlan takes launch_context() once for the step's launches when its dK/dV
@@ -103,4 +119,5 @@ class HopperDkdv:
 
     def run(self, context, args):
         q, k, v, do, lse, delta, dk, dv = args[:8]
-        return self.launch.run(context, (*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args))
+        return self.launch.run(context, (*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args,
+                                         *self.dq_args(args[8:])))
