@@ -526,7 +526,8 @@ def _hopper_atomic_dq_default(spec: AttentionSpec, d: int, shape: MaskShape, seq
     hd64 causal S=16384, backward 7.43 / 7.91 and 7.47 / 7.91 ms (atomic / portable), fwd+bwd 392 / 372
     TFLOP/s. Elsewhere its float32 adds cost what the recomputed S and dP save or more (backward time,
     portable / atomic): hd64 plain S=16384 1.00-1.01x, hd128 plain 0.97x, hd128 causal 0.96-0.98x,
-    4096 tokens and fewer 0.80-0.98x."""
+    4096 tokens and fewer 0.80-0.98x. (Calls bucketed to 16384 take it, from about 11.6k tokens, and
+    longer buckets too: measured at 16384 only, bf16.)"""
     from .runtime.hopper import spec_unserved
 
     return spec_unserved(spec, backward=True) is None and d == 64 and shape.causal and seqlen >= 16384
@@ -552,8 +553,9 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape,
         # 64x64 tiles everywhere (backward sweeps of 2026-11-22-h100-backward-hopper*.md); 3 stages
         # at hd 64. Tensor descriptors: full attention and, at hd128, every mask shape of the
         # masked-defaults sweep (0-14% less GPU time: windows of 128 to 1024, documents, chunks,
-        # prefix-LM, causal S=1024). Atomic dQ (1.4-2.1x slower) and the persistent dK/dV grid
-        # (bwd_persistent, 1.1-1.5x slower) lost in every case of that sweep: tuner knobs only.
+        # prefix-LM, causal S=1024). The portable kernel's atomic dQ (1.4-2.1x slower) and the
+        # persistent dK/dV grid (bwd_persistent, 1.1-1.5x slower) lost in every case of that sweep:
+        # tuner knobs only (the Gluon kernel's atomic dQ: _hopper_atomic_dq_default).
         if d > 64 and (shape.narrow(seqlen) or shape.documents):
             # Short walks per block: delta from the dQ kernel (bwd_fused_delta) saves the preprocess
             # pass, 3-9% of the backward (masks/2026-11-22-h100-masked-defaults-sweep-v2-*.md: windows

@@ -40,7 +40,7 @@ try:
     # 3.9 renamed tma.async_copy_global_to_shared to tma.async_load (the old name warns)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     # a barrier of the calling partition's warps: gl.thread_barrier in 3.6, gl.barrier in 3.9
-    warps_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    warps_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
     gluon_available = True
 except ImportError as err:  # no Gluon: the module still imports; the family is never served
     gluon_available = False

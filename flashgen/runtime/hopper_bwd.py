@@ -4,7 +4,8 @@ serves, its tiles, and its launch in place of the portable dK/dV kernel.
 The kernel is rendered from templates/hopper/backward.j2 into the module (only when the knob is
 on); the module hands it to HopperBackward, and AttentionLauncher.backward_plan asks
 ``hopper_backward.serve(plan, ...)`` last: on a call it serves, the plan's dK/dV launch becomes
-this kernel's; the preprocess (delta) and the dQ kernel stay the portable ones. A call it
+this kernel's; the preprocess (delta) and the dQ kernel stay the portable ones (with dq_strategy
+'atomic' the kernel adds dQ itself and no dQ kernel runs). A call it
 cannot serve (``call_unserved``) keeps the portable dK/dV. The spec rules are the hopper_ws
 forward's (hopper.spec_unserved); the device and call rules too, plus dO's, and a call's dQ strategy
 the one the kernel was rendered for (dq_strategy 'atomic': this kernel adds dQ into the plan's
