@@ -404,6 +404,7 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
             raise KeyboardInterrupt from err
     except KeyboardInterrupt:
         bar.close()
+        store.stop_heartbeats()  # a trial's heartbeat thread the Ctrl-C left running would keep the process alive
         click.echo(f"interrupted: the finished trials are kept in {store.display_url}; run the same command again "
                    "to go on from them", err=True)
         ctx.exit(EXIT_INTERRUPTED)

@@ -958,3 +958,21 @@ def test_a_tune_against_the_current_default_replaces_a_result_against_an_older_o
     assert kept is not None and kept["config"]["BLOCK_M"] == 64
     (row,) = store.all_best()
     assert (row["config"]["BLOCK_M"], row["default_kernel"]) == (64, _default_of())
+
+
+def test_stop_heartbeats_ends_a_trial_heartbeat_a_ctrl_c_left_running(tmp_path):
+    # Optuna's heartbeat thread (not a daemon) of a trial whose end a Ctrl-C skipped: the interrupted
+    # tune's exit would wait for it forever; stop_heartbeats stops it (and finds none the second time)
+    from optuna.storages._heartbeat import HeartbeatThread
+
+    store = ResultStore(f"sqlite:///{tmp_path / 'results.sqlite'}", heartbeat_s=30)
+    study = store.open_study(SPEC, env(), 1024, "fwd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trial = study.ask()
+    beat = HeartbeatThread(trial._trial_id, store.optuna_storage())
+    beat.start()  # ... and never joined: the Ctrl-C came before the trial's try-block
+    assert beat._thread.is_alive()
+    assert ResultStore.stop_heartbeats() == 1
+    assert not beat._thread.is_alive()
+    assert ResultStore.stop_heartbeats() == 0

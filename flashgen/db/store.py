@@ -283,6 +283,26 @@ class ResultStore:
                 raise DatabaseError(self.url, f"cannot open Optuna's tables: {_describe(err)}") from None
         return self._optuna
 
+    @staticmethod
+    def stop_heartbeats(timeout_s: float = 5.0) -> int:
+        """Stop the heartbeat threads of trials a Ctrl-C cut short, before the process exits; returns
+        how many were running. Optuna starts a trial's heartbeat thread (not a daemon) and joins it
+        when the trial ends; a KeyboardInterrupt landing between the start and the trial's own
+        try-block leaves it running, recording a heartbeat every heartbeat_s, and the interpreter's
+        exit waits for it forever (an interrupted `flashgen tune` that printed its message and never
+        exited, under CI's load)."""
+        import threading
+
+        from optuna.storages._heartbeat import HeartbeatThread
+
+        record = HeartbeatThread._record_heartbeat
+        beating = [t for t in threading.enumerate() if getattr(t, "_target", None) is record and t.is_alive()]
+        for thread in beating:
+            thread._args[2].set()  # (trial_id, heartbeat, stop_event): the event its loop waits on
+        for thread in beating:
+            thread.join(timeout_s)
+        return len(beating)
+
     def _heartbeat(self) -> dict:
         """A running trial writes a heartbeat every heartbeat_s; one silent for 3x that (its
         worker killed) is failed by the next trial any worker starts, and retried once more
