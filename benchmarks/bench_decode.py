@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec  # noqa: E402
-from flashgen.bench import environment  # noqa: E402
+from flashgen.bench import environment, gpu_tag  # noqa: E402
 from flashgen.compat import flash_attn_with_kvcache  # noqa: E402
 from flashgen.timing import time_ms, wall_ms  # noqa: E402
 
@@ -552,7 +552,7 @@ def main(argv=None):
         dtype, device, timer = torch.bfloat16, "cuda", time_ms
     kw = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device, smoke=args.smoke,
               timer=timer, fp8=args.fp8)
-    gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0] if env.get("gpu") else "cpu"
+    gpu = gpu_tag(env)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, default_config  # noqa: E402
-from flashgen.bench import environment, flex_runner, sdpa_runner  # noqa: E402
+from flashgen.bench import environment, flex_runner, gpu_tag, sdpa_runner  # noqa: E402
 from flashgen.flops import attention_flops, tflops  # noqa: E402
 from flashgen.runtime.hopper import spec_unserved  # noqa: E402
 from flashgen.runtime.hopper_bwd import HopperBackward, HopperDkdv  # noqa: E402
@@ -286,8 +286,7 @@ def main():
 
 
 def write(out, env, rows, name, render):
-    gpu = str(env.get("gpu") or "cpu").lower().replace("nvidia ", "").split()[0]  # h100, h200
-    stem = out / f"{datetime.date.today().isoformat()}-{gpu}-{name}"
+    stem = out / f"{datetime.date.today().isoformat()}-{gpu_tag(env)}-{name}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps({"environment": env, "knobs": HOPPER_KNOBS,
                                                      "backward_tiles": BACKWARD_TILES, "rows": rows},

@@ -47,7 +47,7 @@ if "--dry" in sys.argv:  # before flashgen's kernels are decorated: Triton reads
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec  # noqa: E402
-from flashgen.bench import environment, flex_mods  # noqa: E402
+from flashgen.bench import environment, flex_mods, gpu_tag  # noqa: E402
 from flashgen.flops import pairs_flops, tflops, visible_count  # noqa: E402
 from flashgen.inputs import named_tensors  # noqa: E402
 from flashgen.timing import time_ms, wall_ms  # noqa: E402
@@ -564,7 +564,7 @@ def main():
     if args.dry:
         dry_run()
     env = {**environment(), "date": time.strftime("%Y-%m-%d")}
-    gpu = args.gpu_name or env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0]
+    gpu = args.gpu_name or gpu_tag(env)
     if args.hopper is not None:
         return hopper_main(args, env, gpu)
     todo = [(c, s) for c in CASES if c.name in args.cases for s in c.seqlens if not args.quick or (c.name, s) in QUICK]

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from flashgen.bench import environment
+from flashgen.bench import environment, gpu_tag
 
 
 def graph_ms(fn) -> float:
@@ -59,7 +59,7 @@ def run_probe(description: str, topic: str, cases: list, run_case: Callable, mar
     if args.dry:
         dry_run()
     env = {**environment(), "date": time.strftime("%Y-%m-%d")}
-    gpu = env.get("gpu", "cpu").lower().replace("nvidia ", "").split()[0]
+    gpu = gpu_tag(env)
     stem = args.out / f"{env['date']}-{gpu}-{topic}{args.tag}"
     rows = []
     for case in cases:

@@ -38,6 +38,11 @@ def environment() -> dict:
     return env
 
 
+def gpu_tag(env: dict) -> str:
+    """The GPU's short name for results' file names (<date>-<gpu>-<topic>): 'h100', 'h200', 'cpu'."""
+    return str(env.get("gpu") or "cpu").lower().replace("nvidia ", "").split()[0]
+
+
 # ----------------------------------------------------------------------------- anchors
 def sdpa_runner(backend):
     """PyTorch SDPA pinned to one backend (FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION)."""

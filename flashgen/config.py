@@ -319,10 +319,8 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
     seqlen = DEFAULT_SEQLEN if seqlen is None else seqlen
     shape = mask_shape(spec)
     forward, backward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws), _backward_defaults(spec, arch, d, shape, seqlen)
-    if arch == "sm90" and _hopper_bwd_default(spec, d, shape, seqlen):
-        backward["hopper_bwd"] = True
-    if arch == "sm90" and _hopper_atomic_dq_default(spec, d, shape, seqlen):
-        backward.update(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)
+    if arch == "sm90":
+        backward.update(_hopper_bwd_default(spec, d, shape, seqlen))
     if seqlen <= SMALL_CALL:
         # A call this short is host-bound: building tensor descriptors costs more host time than the
         # copy engine saves (H100, B=1 H=16 S=128 hd128 causal: forward 68 vs 41 us of host per call,
@@ -507,30 +505,30 @@ def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen
     return None
 
 
-def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> bool:
-    """The Gluon dK/dV kernel (hopper_bwd) where the H100 measured it faster than the portable dK/dV
-    kernel in every run (benchmarks/results/2026-11-23-h100-hopper-bwd*.md, bf16, 16384 tokens):
-    hd128 causal S=16384, whole backward 6.44 / 6.47 ms and 6.33 / 6.61 (Gluon / portable), fwd+bwd
-    456 / 438 TFLOP/s; S=4096, backward 1.90 / 1.93 ms, fwd+bwd 403 / 383. Everywhere else it tied
-    or lost (hd128 S=16384 plain 452 / 463 fwd+bwd, hd64 1-11% slower, S=1024 2-13% slower), so
-    those and calls of 2048 tokens and fewer keep the portable kernel."""
+def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict:
+    """The backward knobs of the Gluon dK/dV kernel (hopper_bwd) where the H100 measured it faster
+    than the portable backward in every run, else {} (bf16, 16384 tokens):
+    - with the separate dQ kernel (benchmarks/results/2026-11-23-h100-hopper-bwd*.md): hd128 causal
+      S=16384, whole backward 6.44 / 6.47 ms and 6.33 / 6.61 (Gluon / portable), fwd+bwd 456 / 438
+      TFLOP/s; S=4096, backward 1.90 / 1.93 ms, fwd+bwd 403 / 383. Elsewhere it tied or lost (hd128
+      S=16384 plain 452 / 463 fwd+bwd, hd64 1-11% slower, S=1024 2-13% slower).
+    - adding dQ itself (dq_strategy 'atomic': five MMAs per pair, no dQ kernel; benchmarks/results/
+      2026-11-26-h100-hopper-bwd-atomic-dq-rows{,-run2}.md): hd64 causal S=16384, backward 7.43 / 7.91
+      and 7.47 / 7.91 ms (atomic / portable), fwd+bwd 392 / 372 TFLOP/s. Elsewhere its float32 adds
+      cost what the recomputed S and dP save or more (backward time, portable / atomic): hd64 plain
+      S=16384 1.00-1.01x, hd128 plain 0.97x, hd128 causal 0.96-0.98x, 4096 tokens and fewer
+      0.80-0.98x. (Calls bucketed to 16384 take it, from about 11.6k tokens, and longer buckets too:
+      measured at 16384 only, bf16.)
+    Those others, and calls of 2048 tokens and fewer, keep the portable kernels."""
     from .runtime.hopper import spec_unserved
 
-    return spec_unserved(spec, backward=True) is None and d == 128 and shape.causal and seqlen >= 4096
-
-
-def _hopper_atomic_dq_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> bool:
-    """The Gluon dK/dV kernel adding dQ itself (hopper_bwd with dq_strategy 'atomic': five MMAs per
-    pair, no dQ kernel) where the H100 measured it faster than the portable backward in both runs
-    (benchmarks/results/2026-11-26-h100-hopper-bwd-atomic-dq-rows{,-run2}.md, bf16, 16384 tokens):
-    hd64 causal S=16384, backward 7.43 / 7.91 and 7.47 / 7.91 ms (atomic / portable), fwd+bwd 392 / 372
-    TFLOP/s. Elsewhere its float32 adds cost what the recomputed S and dP save or more (backward time,
-    portable / atomic): hd64 plain S=16384 1.00-1.01x, hd128 plain 0.97x, hd128 causal 0.96-0.98x,
-    4096 tokens and fewer 0.80-0.98x. (Calls bucketed to 16384 take it, from about 11.6k tokens, and
-    longer buckets too: measured at 16384 only, bf16.)"""
-    from .runtime.hopper import spec_unserved
-
-    return spec_unserved(spec, backward=True) is None and d == 64 and shape.causal and seqlen >= 16384
+    if spec_unserved(spec, backward=True) is not None or not shape.causal:
+        return {}
+    if d == 128 and seqlen >= 4096:
+        return dict(hopper_bwd=True)
+    if d == 64 and seqlen >= 16384:
+        return dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)
+    return {}
 
 
 def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int) -> dict:
@@ -555,7 +553,7 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape,
         # masked-defaults sweep (0-14% less GPU time: windows of 128 to 1024, documents, chunks,
         # prefix-LM, causal S=1024). The portable kernel's atomic dQ (1.4-2.1x slower) and the
         # persistent dK/dV grid (bwd_persistent, 1.1-1.5x slower) lost in every case of that sweep:
-        # tuner knobs only (the Gluon kernel's atomic dQ: _hopper_atomic_dq_default).
+        # tuner knobs only (the Gluon kernel's atomic dQ: _hopper_bwd_default).
         if d > 64 and (shape.narrow(seqlen) or shape.documents):
             # Short walks per block: delta from the dQ kernel (bwd_fused_delta) saves the preprocess
             # pass, 3-9% of the backward (masks/2026-11-22-h100-masked-defaults-sweep-v2-*.md: windows

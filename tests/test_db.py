@@ -971,7 +971,7 @@ def test_stop_heartbeats_ends_a_trial_heartbeat_a_ctrl_c_left_running(tmp_path):
         warnings.simplefilter("ignore", UserWarning)
         trial = study.ask()
     beat = HeartbeatThread(trial._trial_id, store.optuna_storage())
-    beat.start()  # ... and never joined: the Ctrl-C came before the trial's try-block
+    beat.start()  # ... and never stopped: the Ctrl-C came inside the heartbeat's __enter__
     assert beat._thread.is_alive()
     assert ResultStore.stop_heartbeats() == 1
     assert not beat._thread.is_alive()

@@ -147,8 +147,8 @@ def test_unserved_calls_run_the_portable_dkdv():
 @sm90
 @pytest.mark.parametrize("head_dim, dq_strategy", [(128, "separate"), (64, "atomic")])
 def test_default_takes_it_where_it_is_the_default(head_dim, dq_strategy):
-    # causal at 16384 tokens: hd128 with the separate dQ kernel (config._hopper_bwd_default), hd64 adding
-    # dQ from it (config._hopper_atomic_dq_default); two heads: the float32 reference fits
+    # causal at 16384 tokens (config._hopper_bwd_default): hd128 with the separate dQ kernel, hd64 adding
+    # dQ from it; two heads: the float32 reference fits
     spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=2, causal=True, backward=True)
     kernel = flashgen.compile(spec)
     config = kernel.config_for(16384)

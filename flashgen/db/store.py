@@ -286,11 +286,12 @@ class ResultStore:
     @staticmethod
     def stop_heartbeats(timeout_s: float = 5.0) -> int:
         """Stop the heartbeat threads of trials a Ctrl-C cut short, before the process exits; returns
-        how many were running. Optuna starts a trial's heartbeat thread (not a daemon) and joins it
-        when the trial ends; a KeyboardInterrupt landing between the start and the trial's own
-        try-block leaves it running, recording a heartbeat every heartbeat_s, and the interpreter's
-        exit waits for it forever (an interrupted `flashgen tune` that printed its message and never
-        exited, under CI's load)."""
+        how many were running. Optuna starts a trial's heartbeat thread (not a daemon) in a
+        with-statement's __enter__ and stops it in its __exit__; a KeyboardInterrupt landing in
+        __enter__ after the thread started (no __exit__ then), or in __exit__ before the stop event is
+        set, leaves it recording a heartbeat every heartbeat_s, and the interpreter's exit waits for it
+        forever (an interrupted `flashgen tune` that printed its message and never exited, under CI's
+        load)."""
         import threading
 
         from optuna.storages._heartbeat import HeartbeatThread
