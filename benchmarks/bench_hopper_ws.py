@@ -188,7 +188,8 @@ def backward_case(d, causal, seqlen, strategies=("separate", "atomic"), every_ti
     for name, flag, tiles, dq in kernels:
         try:
             HopperBackward.TILES[d] = tiles or shipped
-            atomic = dict(dq_strategy="atomic", bwd_fused_delta=False) if dq == "atomic" else {}
+            # (the strategy named: a default may add dQ from the dK/dV kernel, config._hopper_bwd_default)
+            atomic = dict(dq_strategy="atomic", bwd_fused_delta=False) if dq == "atomic" else dict(dq_strategy="separate")
             module = flashgen.compile(spec, default.replace(hopper_bwd=flag, **atomic)).module()
             module._LAUNCHER.plans.clear()  # (the plans of this module's earlier cases)
             out, lse = module.forward(q, k, v)

@@ -305,11 +305,12 @@ def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> li
     return rows
 
 
-# ----------------------------------------------------------------------------- the Gluon forward on masks
+# ----------------------------------------------------------------------------- the Gluon kernels on masks
 HOPPER_CASES = ("document_4", "document_16", "prefix_lm_512", "sliding_window_256", "sliding_window_1024",
                 "chunked_1024")
 _GLUON = dict(family="hopper_ws", BLOCK_M=128, num_warps=4, tma=False, warp_specialize=False)
-HOPPER_VARIANTS = {  # name -> forward knobs over the default config (its backward kept)
+HOPPER_VARIANTS = {  # name -> knobs over the default config: hw_* the Gluon forward (the default's backward
+    # kept), hb_* the Gluon dK/dV kernel (the default's forward kept), dQ separate or added from it
     "hw_n128_s2": dict(_GLUON, BLOCK_N=128, num_stages=2),
     "hw_n128_s3": dict(_GLUON, BLOCK_N=128, num_stages=3),
     "hw_pingpong": dict(_GLUON, BLOCK_N=128, num_stages=2, hopper_pingpong=True),
@@ -317,6 +318,8 @@ HOPPER_VARIANTS = {  # name -> forward knobs over the default config (its backwa
     # FA3's intra-warpgroup overlap (hopper_overlap; no longer serialized by ptxas, 2026-11-26)
     "hw_overlap_s2": dict(_GLUON, BLOCK_N=128, num_stages=2, hopper_overlap=True),
     "hw_overlap_s3": dict(_GLUON, BLOCK_N=128, num_stages=3, hopper_overlap=True),
+    "hb_separate": dict(hopper_bwd=True),
+    "hb_atomic": dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False),
 }
 
 
@@ -339,13 +342,21 @@ def hopper_providers(x: Inputs, variants):
     return out
 
 
-def _gluon_path(kernel, seqlen) -> bool | None:
-    """Whether the kernel's calls ran the Gluon forward (a HopperPlan among its call plans)."""
+def _gluon_path(kernel, seqlen) -> str | None:
+    """Which Gluon kernels the kernel's calls ran: 'fwd' (a HopperPlan among its call plans), 'dkdv' (a
+    backward plan's HopperDkdv), both ('fwd+dkdv') or neither ('')."""
     if kernel is None:
         return None
     from flashgen.runtime.hopper import HopperPlan
+    from flashgen.runtime.hopper_bwd import HopperDkdv
 
-    return any(isinstance(p, HopperPlan) for p in kernel.module(kernel.config_for(seqlen))._LAUNCHER.plans.values())
+    plans = list(kernel.module(kernel.config_for(seqlen))._LAUNCHER.plans.values())
+    # (a training step's backward plans hang off its forward's plan)
+    backward = plans + [b for p in plans for b in getattr(p, "backward_plans", {}).values()]
+    ran = [name for name, took in (("fwd", any(isinstance(p, HopperPlan) for p in plans)),
+                                   ("dkdv", any(isinstance(getattr(p, "dkdv", None), HopperDkdv) for p in backward)))
+           if took]
+    return "+".join(ran)
 
 
 def run_hopper_case(case: Case, seqlen: int, modes=("fwd",), variants=tuple(HOPPER_VARIANTS)) -> list[dict]:
@@ -373,12 +384,13 @@ def _warm_hopper(name: str, seqlen: int, modes, variants) -> None:
 
 
 def hopper_markdown(rows, env) -> str:
-    lines = [title("Masked forward on the Gluon warp-specialized family vs today's default and FlexAttention", env),
+    lines = [title("Masked attention on the Gluon warp-specialized kernels vs today's default and FlexAttention", env),
              "", f"{DTYPE}, {HEADS} heads, {TOKENS} tokens per batch, hd128; TFLOP/s over visible pairs; eager do_bench"
              " "
              "medians of the user call (flashgen.compile(spec, config)(q, k, v, **tensors); host time included); "
-             "gpu ms = CUDA-graph replay. default = today's default config (portable for masks); hw_* = the Gluon "
-             "forward with the default's backward. Every row was checked on a slice before it was timed.", "",
+             "gpu ms = CUDA-graph replay. default = today's default config; hw_* = the Gluon forward with the default's "
+             "backward; hb_* = the Gluon dK/dV kernel (dQ separate or added from it) with the default's forward. "
+             "Every row was checked on a slice before it was timed.", "",
              "| case | S | mode | source | TFLOP/s | x default | x Flex | gpu ms | Gluon path | config |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     cell = lambda v, f="{:.0f}": f.format(v) if v else "-"  # noqa: E731
@@ -396,7 +408,7 @@ def hopper_main(args, env, gpu) -> None:
     names = [c for c in args.cases if c in HOPPER_CASES] if args.cases != [c.name for c in CASES] else HOPPER_CASES
     todo = [(c, s) for c in CASES if c.name in names for s in (args.seqlens or c.seqlens)]
     warm_then_ready(args, [(_warm_hopper, (c.name, s, tuple(args.modes), tuple(variants))) for c, s in todo])
-    stem = args.out / f"{env['date']}-{gpu}-hopper-masks"
+    stem = args.out / f"{env['date']}-{gpu}-hopper-masks{args.tag}"
     rows = []
     for case, seqlen in todo:
         new = run_hopper_case(case, seqlen, tuple(args.modes), variants)
@@ -558,8 +570,9 @@ def main():
     parser.add_argument("--gpu-name", help="the GPU's name in the output files' names (default: the device's, "
                                            "e.g. h100, h200)")
     parser.add_argument("--hopper", nargs="*", default=None, choices=list(HOPPER_VARIANTS),
-                        help="time the Gluon forward's variants (default: all) on the masked cases instead")
+                        help="time the Gluon kernels' variants (default: all) on the masked cases instead")
     parser.add_argument("--seqlens", nargs="+", type=int, help="--hopper: these lengths (default: the cases')")
+    parser.add_argument("--tag", default="", help="appended to the output files' names")
     args = parser.parse_args()
     if args.dry:
         dry_run()
@@ -574,7 +587,7 @@ def main():
     todo = [t for t in todo if t[1] <= 4096] + examples + [t for t in todo if t[1] > 4096]
     warm_then_ready(args, [(_warm_example, (str(t),)) if isinstance(t, Path) else (_warm_case, (t[0].name, t[1]))
                            for t in todo])
-    stem = args.out / f"{env['date']}-{gpu}-masked-user-path"
+    stem = args.out / f"{env['date']}-{gpu}-masked-user-path{args.tag}"
     rows = []
     for item in todo:
         t1 = time.time()

@@ -14,7 +14,13 @@ it holds), the segments' searches and everything else unchanged:
   to bf16 rounding: the two compute the same pairs);
 - rounds alternate the variants' order.
 
-    PYTHONPATH=. python3 benchmarks/probe_document_predicate.py [--rounds 3] [--out benchmarks/results]
+--gluon runs every variant's backward on the Gluon dK/dV kernel (hopper_bwd; its masks since
+2026-11-27), where documents ran 0.85-0.94x the portable default while causal gains: variant
+``masked_causal`` (causal written as the pattern prefix_lm 0, the mask path's arithmetic ranges and
+predicate, no ids and no searches, on the causal inputs) separates what the mask path costs from
+what the documents' searches and ids cost.
+
+    PYTHONPATH=. python3 benchmarks/probe_document_predicate.py [--rounds 3] [--gluon] [--variants masked_causal]
 """
 
 from __future__ import annotations
@@ -45,10 +51,23 @@ TOKENS, HEADS, HEAD_DIM, DTYPE, DEVICE = 16384, 16, 128, "bf16", "cuda"
 CASES = [("document_4", 4096, 4), ("document_16", 4096, 16), ("document_4", 16384, 4), ("document_16", 16384, 16)]
 
 
-def build(spec: AttentionSpec, seqlen: int, variant: str = "predicate"):
+GLUON_FORWARD = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=3, tma=False,
+                     warp_specialize=False)  # prefix-LM's Gluon default (config._hopper_ws_default)
+
+
+def config(spec: AttentionSpec, seqlen: int, gluon: bool = False, gluon_forward: bool = False):
+    """The documents' default config at seqlen (gluon: with the Gluon dK/dV kernel; gluon_forward:
+    the Gluon forward at 128x128, 3 stages)."""
+    cfg = default_config(spec, seqlen=seqlen)
+    cfg = cfg.replace(**GLUON_FORWARD) if gluon_forward else cfg
+    return cfg.replace(hopper_bwd=True) if gluon else cfg
+
+
+def build(spec: AttentionSpec, seqlen: int, variant: str = "predicate", gluon: bool = False,
+          gluon_forward: bool = False):
     """The default config's module for spec at seqlen: as rendered (predicate), with causal's
     predicate (causal_predicate), or with a wider binary search (search<N>: N probes per level)."""
-    cfg = default_config(spec, seqlen=seqlen)
+    cfg = config(spec, seqlen, gluon, gluon_forward)
     saved = KernelPlan.visible_code
     if variant == "causal_predicate":
         KernelPlan.visible_code = lambda self, dialect="triton": "(cols < seqlen_k) & (cols <= rows)"
@@ -95,12 +114,17 @@ def run_case(case, args) -> dict:
     split = [t.reshape(batch, HEADS, documents, doc_len, HEAD_DIM).transpose(1, 2).reshape(
         batch * documents, HEADS, doc_len, HEAD_DIM).contiguous() for t in (q, k, v, do)]
     variants = {}
-    for label in ("predicate", "causal_predicate", *more):
-        module, cfg = build(spec, seqlen, label)
+    gluon, gluon_forward = getattr(args, "gluon", False), getattr(args, "gluon_forward", False)
+    for label in ("predicate", "causal_predicate", *(m for m in more if m != "masked_causal")):
+        module, cfg = build(spec, seqlen, label, gluon, gluon_forward)
         variants[label] = (module, (q, k, v, do), tensors, cfg)
     # the causal kernels at the documents' configs (the same tiles), on the documents' length
-    cmod = render.build_module(causal, default_config(spec, seqlen=seqlen))
-    variants["causal"] = (cmod, tuple(split), {}, default_config(spec, seqlen=seqlen))
+    cfg = config(spec, seqlen, gluon, gluon_forward)
+    variants["causal"] = (render.build_module(causal, cfg), tuple(split), {}, cfg)
+    if "masked_causal" in more:  # causal through the mask path: prefix_lm 0
+        masked = AttentionSpec(name="masked_causal", dtype=DTYPE, head_dim=HEAD_DIM, num_heads=HEADS, backward=True,
+                               mask={"prefix_lm": 0})
+        variants["masked_causal"] = (render.build_module(masked, cfg), tuple(split), {}, cfg)
 
     def calls(label):
         module, (qq, kk, vv, dd), tt, _ = variants[label]
@@ -120,9 +144,11 @@ def run_case(case, args) -> dict:
     g1, g2 = results["predicate"][1](), results["causal_predicate"][1]()
     checks["out_max_diff"] = max_abs_diff((o1,), (o2,))
     checks["grad_max_diff"] = max_abs_diff(g1[:3], g2[:3])
-    for label in more:  # the same blocks and pairs as today's kernels: equal bit for bit
+    for label in more:  # the same blocks and pairs as today's kernels: equal bit for bit (masked_causal: as causal)
+        base = results["causal"] if label == "masked_causal" else results["predicate"]
+        (o0, _), g0 = base[0](), base[1]()
         (o3, _), g3 = results[label][0](), results[label][1]()
-        checks[f"{label}_max_diff"] = max_abs_diff((o1, *g1[:3]), (o3, *g3[:3]))
+        checks[f"{label}_max_diff"] = max_abs_diff((o0, *g0[:3]), (o3, *g3[:3]))
     times = interleaved_ms(results, rounds, graph_ms)
     fwd_flops, bwd_flops = pairs_flops(pairs, HEAD_DIM, mode="fwd"), pairs_flops(pairs, HEAD_DIM, mode="fwd_bwd")
     row = {"case": name, "seqlen": seqlen, "batch": batch, "document_tokens": doc_len, "checks": checks,
@@ -158,7 +184,8 @@ def markdown(rows, env) -> str:
     more = rows[0].get("variants", []) if rows else []
     if more:
         lines += ["", "Other variants of the documents' kernels (search<N>: the binary searches of the segments "
-                  "N-way, one vector load per level), GPU ms and today's / theirs:", "",
+                  "N-way, one vector load per level; masked_causal: causal as the pattern prefix_lm 0, on causal's "
+                  "inputs, its max diff against causal's), GPU ms and today's / theirs:", "",
                   "| case | S | variant | fwd ms | bwd ms | fwd ratio | bwd ratio | max diff vs today's |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in rows:
@@ -173,7 +200,11 @@ def markdown(rows, env) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--variants", nargs="*", default=[], help="also time these (search<N>: N-way searches)")
+    parser.add_argument("--variants", nargs="*", default=[], help="also time these (search<N>: N-way searches; "
+                                                                     "masked_causal: causal through the mask path)")
+    parser.add_argument("--gluon", action="store_true", help="every variant's dK/dV on the Gluon kernel (hopper_bwd)")
+    parser.add_argument("--gluon-forward", action="store_true", help="every variant's forward on the Gluon kernel "
+                                                                     "(family hopper_ws, 128x128, 3 stages)")
 
 
 if __name__ == "__main__":

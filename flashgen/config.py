@@ -519,11 +519,19 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
       S=16384 1.00-1.01x, hd128 plain 0.97x, hd128 causal 0.96-0.98x, 4096 tokens and fewer
       0.80-0.98x. (Calls bucketed to 16384 take it, from about 11.6k tokens, and longer buckets too:
       measured at 16384 only, bf16.)
+    - masks (the kernel walks each key block's query rows of the pattern; benchmarks/results/
+      2026-11-27-h100-hopper-masks-hb{,-run2}.md, fwd+bwd GPU ms, Gluon / the default's portable dK/dV):
+      prefix-LM 512 at hd128 8192 tokens 4.627 / 4.711, 16384 8.497 / 8.901 and 8.512 / 8.713 (4096:
+      2.521 / 2.535, a tie). Slower elsewhere: documents 0.85-0.94x (4 or 16, 4096-16384 tokens), window
+      1024 0.95-0.97x, chunks of 1024 0.94-0.95x; adding dQ itself 0.70-0.90x everywhere.
     Those others, and calls of 2048 tokens and fewer, keep the portable kernels."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec, backward=True) is not None or not shape.causal:
         return {}
+    if spec.mask is not None:
+        prefix_lm = spec.mask.kind == "prefix_lm"
+        return dict(hopper_bwd=True) if prefix_lm and d == 128 and seqlen >= 8192 else {}
     if d == 128 and seqlen >= 4096:
         return dict(hopper_bwd=True)
     if d == 64 and seqlen >= 16384:

@@ -188,6 +188,17 @@ def main(only=()) -> int:
         # back transposed into registers as the dQ MMAs' A operands; K's 64-column panels as B)
         ("hopper_bwd atomic dQ gqa causal hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
          hopper.replace(num_stages=2, family="hopper_ws", hopper_bwd=True, dq_strategy="atomic")),
+        # ... with a mask pattern (its row range per key block, _hw_visible on the S^T registers): causal
+        # documents GQA under the portable forward (masks.j2 rendered for the backward alone), prefix-LM
+        # lengths under the Gluon forward (masks.j2 once for both), a window hd64 adding dQ itself
+        ("hopper_bwd masked documents gqa hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True,
+                                                       mask={"document": {"ids": "doc"}}),
+         KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, hopper_bwd=True)),
+        ("hopper_bwd masked prefix-LM lengths hd128", dict(head_dim=128, num_heads=4, mask={"prefix_lm": "plen"}),
+         hopper.replace(num_stages=2, family="hopper_ws", hopper_bwd=True)),
+        ("hopper_bwd masked window hd64, atomic dQ", dict(head_dim=64, num_heads=4, mask={"sliding_window": {"left": 100}}),
+         KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, hopper_bwd=True, dq_strategy="atomic",
+                      bwd_fused_delta=False)),
         # the Gluon forward on FP8 e4m3 (V read seq-contiguous through a transposed descriptor; 304 keys: a
         # multiple of 16, the copy engine's stride rule for that V), causal GQA hd128 with 256-key blocks
         # (hd64 ping-pong and hd256 128x64/128x128 were compiled once by hand, triton 3.6 and 3.9, and ran on

@@ -188,6 +188,33 @@ def test_an_atomic_kernel_gets_the_float32_dq_buffer_and_no_dq_launch(monkeypatc
     assert bool((dq == 0).all()) and bool((dk == 1).all())  # the recorded kernel added nothing to the zeroed buffer
 
 
+def test_a_masked_call_passes_its_named_tensors(monkeypatch):
+    # a mask's tensors (document ids, their strides and sizes) follow the scalars (and the atomic dQ
+    # buffer's), taken from the portable dK/dV launch's arguments, whose place in them the plan says
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=2, num_kv_heads=1, causal=True, backward=True,
+                         mask={"document": {"ids": "doc"}})
+    doc = torch.tensor([[0] * 7 + [1] * 13], dtype=torch.int32)
+    for knobs, tail in ((dict(dq_strategy="separate"), 13), (dict(dq_strategy="atomic", bwd_fused_delta=False), 17)):
+        module = flashgen.compile(spec, KernelConfig(hopper_bwd=True, **knobs)).module()
+        module._LAUNCHER.plans.clear()
+        hopper = module._LAUNCHER.hopper_backward
+        assert hopper.named_args == 5
+        kernel = RecordingKernel()
+        monkeypatch.setattr(hopper, "kernel", kernel)
+        monkeypatch.setattr(hopper, "device_unserved", lambda device: None)
+        monkeypatch.setattr(module._LAUNCHER, "interpreting", lambda: True)
+        q, k, v = make_qkv(1, 2, 1, 20, 20, 64, dtype=torch.float16, device="cpu", layout="bshd")
+        out, lse = module.forward(q, k, v, layout="bshd", softmax_scale=0.5, tensors={"doc": doc})
+        module.backward(torch.randn_like(out), q, k, v, out, lse, layout="bshd", softmax_scale=0.5,
+                        tensors={"doc": doc})
+        ((_, args, _),) = kernel.launches
+        assert args[:8][6].shape == k.shape and len(args) == 8 + tail + 5
+        t_doc, s0, s1, n0, n1 = args[-5:]
+        assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (20, 1, 1, 20), args[-5:]
+        assert args[19:21] == (0.5 * hopper.RCP_LN2, 0.5)  # the scalars; then the atomic buffer's four
+        assert tail == 13 or (args[21].dtype == torch.float32 and args[22:25] == (2560, 64, 128))
+
+
 def test_space_offers_the_kernel_only_where_it_serves():
     space = backward_space(SERVED, H100)
     assert space.params["hopper_bwd"] == (False, True)
@@ -208,7 +235,13 @@ def test_space_offers_the_kernel_only_where_it_serves():
     (dict(head_dim=64, num_heads=32, causal=True), "h100", 8192, False),
     (dict(head_dim=64, num_heads=32), "h100", 16384, False),
     (dict(head_dim=128, num_heads=16, causal=True), "a100", 16384, False),  # not sm90
-    (dict(head_dim=128, num_heads=16, mask={"sliding_window": {"left": 128}}), "h100", 16384, False),  # unserved
+    # masks: served (tests/test_hopper_masks_gpu.py), a default only where measured faster
+    (dict(head_dim=128, num_heads=16, mask={"sliding_window": {"left": 128}}), "h100", 16384, False),
+    (dict(head_dim=128, num_heads=16, causal=True, mask={"document": {"ids": "doc"}}), "h100", 16384, False),
+    (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 16384, True),  # measured faster
+    (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 8192, True),
+    (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 4096, False),  # a tie
+    (dict(head_dim=64, num_heads=32, mask={"prefix_lm": 512}), "h100", 16384, False),  # unmeasured
 ])
 def test_sm90_default_takes_the_kernel_where_it_measured_faster(fields, target, seqlen, on):
     config = default_config(AttentionSpec(dtype="bf16", backward=True, **fields), target, seqlen)

@@ -82,10 +82,12 @@ def test_gradients_atomic_dq_fp16():
 
 
 @sm90
-def test_atomic_dq_padding_keys_add_nothing():
+@pytest.mark.parametrize("causal", [False, True])
+def test_atomic_dq_padding_keys_add_nothing(causal):
     # Keys past seqlen_k (the last key block's, zero-filled) have S = 0 where every real score is very
     # negative: P there is exp(-LSE), far past fp16's range. Their dS must not reach dQ (inf x K's 0 = NaN).
-    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=2, backward=True)
+    # (Non-causal: masked by their own test; causal: by the diagonal's.)
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=2, causal=causal, backward=True)
     config = default_config(spec, "h100", 333).replace(bwd_short=False, family="portable", tma=False,
                                                        warp_specialize=False, hopper_bwd=True, dq_strategy="atomic")
     module = flashgen.compile(spec, config).module()
@@ -99,7 +101,7 @@ def test_atomic_dq_padding_keys_add_nothing():
     grads = module.backward(do, q, k, v, out, lse)[:3]
     assert took_gluon_dkdv(module, atomic=True)
     assert all(bool(torch.isfinite(g).all()) for g in grads)
-    assert_gradients_close(grads, q, k, v, do, causal=False)
+    assert_gradients_close(grads, q, k, v, do, causal=causal)
 
 
 @sm90
@@ -145,11 +147,12 @@ def test_unserved_calls_run_the_portable_dkdv():
 
 
 @sm90
-@pytest.mark.parametrize("head_dim, dq_strategy", [(128, "separate"), (64, "atomic")])
-def test_default_takes_it_where_it_is_the_default(head_dim, dq_strategy):
-    # causal at 16384 tokens (config._hopper_bwd_default): hd128 with the separate dQ kernel, hd64 adding
-    # dQ from it; two heads: the float32 reference fits
-    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=2, causal=True, backward=True)
+@pytest.mark.parametrize("head_dim, dq_strategy, mask", [(128, "separate", None), (64, "atomic", None),
+                                                         (128, "separate", {"prefix_lm": 512})])
+def test_default_takes_it_where_it_is_the_default(head_dim, dq_strategy, mask):
+    # at 16384 tokens (config._hopper_bwd_default): causal hd128 with the separate dQ kernel, hd64 adding
+    # dQ from it, prefix-LM hd128; two heads: the float32 reference fits
+    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=2, causal=mask is None, mask=mask, backward=True)
     kernel = flashgen.compile(spec)
     config = kernel.config_for(16384)
     assert config == default_config(spec, "h100", 16384) and config.hopper_bwd
@@ -160,4 +163,4 @@ def test_default_takes_it_where_it_is_the_default(head_dim, dq_strategy):
     do = torch.randn_like(out)
     grads = module.backward(do, q, k, v, out, lse)[:3]
     assert took_gluon_dkdv(module, atomic=dq_strategy == "atomic")
-    assert_gradients_close(grads, q, k, v, do, causal=True)
+    assert_gradients_close(grads, q, k, v, do, causal=mask is None, mask=mask)

@@ -60,12 +60,21 @@ def test_unserved_masks_name_the_reason(fields, reason):
         render(spec, KernelConfig(**HOPPER))
 
 
-def test_the_gluon_backward_still_refuses_masks():
-    spec = AttentionSpec(dtype="bf16", head_dim=128, mask=DOCS, causal=True, backward=True)
-    assert "dK/dV" in hopper.spec_unserved(spec, backward=True)
-    with pytest.raises(ConfigError, match="'hopper_bwd'"):
+@pytest.mark.parametrize("mask", [
+    DOCS, {"prefix_lm": "plen"}, {"sliding_window": {"left": 256, "right": 0}}, {"chunked": {"size": 96, "causal": False}},
+    {"and": [{"chunked": 96}, {"sliding_window": {"left": 40}}]},
+])
+def test_the_gluon_backward_serves_the_forwards_masks(mask):
+    # the dK/dV kernel walks, per key block, the query rows that see it: one segment for these masks too
+    for causal in (False, True):
+        spec = AttentionSpec(dtype="bf16", head_dim=128, mask=mask, causal=causal, backward=True)
+        assert hopper.spec_unserved(spec, backward=True) is None and len(plan_for(spec).q_segments) == 1
         KernelConfig(hopper_bwd=True).check_spec(spec)
-    assert not flashgen.default_config(spec, "h100", 16384).hopper_bwd
+    # a default only where measured faster: prefix-LM at hd128 from 8192 tokens (tests/test_hopper_bwd.py)
+    assert flashgen.default_config(spec, "h100", 16384).hopper_bwd is ("prefix_lm" in mask)
+    sink = AttentionSpec(dtype="bf16", head_dim=128, mask={"sink": {"tokens": 4, "window": 64}}, backward=True)
+    with pytest.raises(ConfigError, match="'hopper_bwd'.*pattern 'sink'"):
+        KernelConfig(hopper_bwd=True).check_spec(sink)
 
 
 def test_gluon_dialect_writes_no_triton_names():
@@ -135,7 +144,7 @@ def test_masked_defaults_take_the_family_where_it_measured_faster():
         got = config(mask, seqlen)
         assert (got.family, got.BLOCK_M, got.BLOCK_N, got.num_stages, got.hopper_pingpong) == (
             "hopper_ws", 128, 128, 3, False), (mask, seqlen)
-        assert not got.hopper_bwd  # the Gluon dK/dV serves no mask
+        assert got.hopper_bwd is (seqlen >= 8192)  # the Gluon dK/dV: prefix-LM from 8192 tokens
     for mask, seqlen in ((DOCS, 4096), (DOCS, 16384), ({"prefix_lm": 512}, 1024), ({"chunked": 1024}, 16384),
                          ({"sliding_window": {"left": 256, "right": 0}}, 16384),
                          ({"document": {"ids": "doc", "causal": False}}, 16384)):
@@ -155,13 +164,13 @@ SHIM_GL = types.SimpleNamespace(maximum=lambda a, b: torch.maximum(_t(a), _t(b))
 RANGE_HELPERS = ("_hw_clamp", "_hw_fdiv", "_hw_kv_segments", "_hw_key_blocks", "_hw_consumer_blocks", "_hw_visible")
 
 
-def _helpers_on_cpu(module):
+def _helpers_on_cpu(module, names=RANGE_HELPERS):
     """The module's range helpers as Python functions over torch values (`gl` replaced)."""
     scope = {"gl": SHIM_GL, "_HW_ROWS": 64}
-    for name in RANGE_HELPERS:
+    for name in names:
         fn = getattr(module, name).fn
         scope[name] = types.FunctionType(fn.__code__, scope, name)
-    return types.SimpleNamespace(**{name: scope[name] for name in RANGE_HELPERS})
+    return types.SimpleNamespace(**{name: scope[name] for name in names})
 
 
 @pytest.mark.parametrize("mask, causal", [
@@ -204,6 +213,42 @@ def test_block_ranges_hold_exactly_what_each_consumer_sees(mask, causal, seqlen_
             for j in range(max(full_lo, 0), min(full_hi, n_blocks)):
                 keys = slice((first + j) * block_n, (first + j + 1) * block_n)
                 assert (first + j + 1) * block_n <= seqlen_k and bool(own[:, keys].all()), (row0, j)
+
+
+@pytest.mark.parametrize("mask, causal", [
+    ({"sliding_window": {"left": 70, "right": 0}}, False),
+    ({"sliding_window": {"left": 9, "right": 30, "align": "top_left"}}, False),
+    ({"chunked": {"size": 100, "causal": False}}, False),
+    ({"prefix_lm": 90}, True),
+    ({"and": [{"chunked": 96}, {"sliding_window": {"left": 40}}]}, True),
+])
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(300, 300), (129, 333), (333, 75)])
+def test_query_block_ranges_hold_exactly_what_each_key_block_is_seen_by(mask, causal, seqlen_q, seqlen_k):
+    # the Gluon dK/dV kernel (hopper_bwd): a program of 128 keys walks the query blocks [first, end), each
+    # of its consumers (64 keys) runs [full_lo, full_hi) without mask arithmetic
+    spec = AttentionSpec(dtype="fp16", head_dim=64, mask=mask, causal=causal, backward=True)
+    module = flashgen.compile(spec, KernelConfig(hopper_bwd=True)).module()
+    names = ("_hw_clamp", "_hw_fdiv", "_hw_q_segments", "_hw_query_blocks")
+    hw = _helpers_on_cpu(module, names)
+    rows, cols = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)[None, :]
+    env = {"b": 0, "h": 0, "q_idx": rows, "kv_idx": cols, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    visible = torch.as_tensor(evaluate(plan_for(spec).predicate, env, {})).broadcast_to(seqlen_q, seqlen_k)
+    for block_m in (64, 128):
+        block_of = torch.arange(seqlen_q) // block_m
+        for start_n in range(0, seqlen_k, 128):
+            first, _, _, end = (int(x) for x in hw._hw_query_blocks(start_n, min(start_n + 128, seqlen_k) - 1, 0, 0,
+                                                                     seqlen_q, seqlen_k, block_m))
+            seen = set(block_of[visible[:, start_n:start_n + 128].any(1)].tolist())
+            assert seen <= set(range(first, end)) and 0 <= first <= end <= -(-seqlen_q // block_m)
+            assert not seen or (first in seen and end - 1 in seen)
+            for key0 in range(start_n, min(start_n + 128, seqlen_k), 64):
+                _, full_lo, full_hi, _ = (int(x) for x in hw._hw_query_blocks(
+                    key0, min(key0 + 64, seqlen_k) - 1, 0, 0, seqlen_q, seqlen_k, block_m))
+                if key0 + 64 > seqlen_k:  # the kernel's rule: a consumer reaching past seqlen_k masks every block
+                    full_hi = full_lo
+                for blk in range(full_lo, full_hi):
+                    tile = visible[blk * block_m:(blk + 1) * block_m, key0:key0 + 64]
+                    assert (blk + 1) * block_m <= seqlen_q and bool(tile.all()), (key0, blk)
 
 
 def test_a_standalone_masked_module_imports_and_falls_back(tmp_path):

@@ -139,3 +139,39 @@ def test_forward_backward(mask_name):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     flashgen.attention(*leaves, mask=mask, causal=causal, layout=layout, config=config, **tensors).backward(do)
     assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, **kw)
+
+
+@sm90
+@pytest.mark.parametrize("dq_strategy", ["separate", "atomic"])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("dtype, shape", [("bf16", SHAPES[0]), ("bf16", SHAPES[2]), ("bf16", SHAPES[3]),
+                                          ("fp16", SHAPES[1])])
+def test_gluon_backward(dtype, shape, mask_name, dq_strategy):
+    # the Gluon dK/dV kernel (hopper_bwd) on the pattern's query rows per key block, the pattern's
+    # predicate on the boundary blocks; dQ from the portable kernel or added from this one
+    from .test_hopper_bwd_gpu import took_gluon_dkdv
+
+    batch, heads, kv_heads, sq, sk, d, layout = shape
+    mask, causal, same = MASKS[mask_name]
+    if same:
+        sk = sq
+    spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads, num_kv_heads=kv_heads, mask=mask, causal=causal,
+                         backward=True)
+    atomic = dict(dq_strategy="atomic", bwd_fused_delta=False) if dq_strategy == "atomic" else {}
+    config = default_config(spec, "h100", sq).replace(bwd_short=False, hopper_bwd=True, **atomic)
+    module = flashgen.compile(spec, config).module()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=spec.torch_dtype, device="cuda", layout=layout,
+                       generator=gen)
+    tensors = named_inputs(mask, batch, sq, gen)
+    out, lse = module.forward(q, k, v, layout=layout, tensors=tensors)
+    do = torch.randn(out.shape, generator=gen).to(device="cuda", dtype=out.dtype)
+    grads = module.backward(do, q, k, v, out, lse, layout=layout, tensors=tensors)[:3]
+    assert took_gluon_dkdv(module, atomic=bool(atomic)), "not the Gluon dK/dV kernel"
+    # gradients: 3x the same-precision reference's error + its rounding (TESTING.md)
+    kw = dict(causal=causal, layout=layout, mask=mask, tensors=tensors)
+    assert_gradients_close(grads, q, k, v, do, **kw)
+    if shape is SHAPES[0]:  # flashgen.attention's autograd on the same config
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        flashgen.attention(*leaves, mask=mask, causal=causal, layout=layout, config=config, **tensors).backward(do)
+        assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, **kw)

@@ -78,7 +78,8 @@ def spec_unserved(spec, *, backward=False) -> str | None:
     dict), or None when it can. Served: fp16/bf16 (and fp8_e4m3 for the forward: backward=False),
     head_dim == head_dim_v in served_head_dims, bottom-right causal or not, a mask of the built-in
     patterns mask_unserved takes (fp16/bf16), no score modifier, no dropout, an sm90 target or
-    'auto'. backward=True: the Gluon dK/dV kernel's rule (hopper_bwd: no mask pattern)."""
+    'auto'. backward=True: the Gluon dK/dV kernel's rule (hopper_bwd: fp16/bf16; the same masks,
+    whose row range per key block is one segment too: an and of intervals is one)."""
     get = spec.get if isinstance(spec, dict) else (lambda name: getattr(spec, name))
     if get("dtype") not in served_dtypes:
         return f"dtype {get('dtype')!r} (served: {', '.join(served_dtypes)})"
@@ -87,9 +88,8 @@ def spec_unserved(spec, *, backward=False) -> str | None:
     head_dims = fp8_head_dims if get("dtype") in forward_only_dtypes else served_head_dims
     if get("head_dim") != get("head_dim_v") or get("head_dim") not in head_dims:
         return f"head_dim {get('head_dim')}/head_dim_v {get('head_dim_v')} (served: equal, one of {head_dims})"
-    if get("mask") is not None and (backward or get("dtype") in forward_only_dtypes):
-        return ("a mask pattern or expression (the Gluon dK/dV serves none, or causal: true)" if backward else
-                f"a mask pattern with dtype {get('dtype')!r} (served with fp16, bf16)")
+    if get("mask") is not None and get("dtype") in forward_only_dtypes:
+        return f"a mask pattern with dtype {get('dtype')!r} (served with fp16, bf16)"
     if get("mask") is not None and (reason := mask_unserved(get("mask"))):
         return reason
     if get("score_mod") is not None:

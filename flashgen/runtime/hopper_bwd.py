@@ -56,10 +56,11 @@ class HopperBackward:
     # hopper.device_unserved; tests/sm90_compile.py replaces it to compile for sm90 with CPU tensors
     device_unserved = staticmethod(device_unserved)
 
-    def __init__(self, kernel, spec, config):
+    def __init__(self, kernel, spec, config, named_args=0):
         self.kernel, self.spec, self.config = kernel, spec, config
         self.spec_reason = spec_unserved(spec, backward=True)
         self.atomic = config["dq_strategy"] == "atomic"  # rendered with dQ added from this kernel
+        self.named_args = named_args  # a mask's named tensors' arguments (pointers, strides, sizes) it takes
 
     def serve(self, plan, q, k, v, do, layout, scale, dropout_p):
         """Swap this kernel in for the portable dK/dV launch of a launch.BackwardPlan when the call is
@@ -70,8 +71,8 @@ class HopperBackward:
                                                             atomic=plan.atomic, rendered_atomic=self.atomic,
                                                             device_check=self.device_unserved)
         if reason is None:
-            plan.dkdv = HopperDkdv(self, q, k, layout, scale, plan.dkdv)
             plan.rows = None  # the portable kernel's (Q, dO) descriptors: this kernel makes its own
+            plan.dkdv = HopperDkdv(self, q, k, layout, scale, plan.dkdv, len(plan.dkdv_head))
         return reason
 
 
@@ -82,10 +83,14 @@ class HopperDkdv:
     Q, dO in the ring's query rows) built on the plan's first call and copied onto each later call's
     tensors (host.Descriptors); the launch through a BoundLaunch, as HopperPlan does for the forward.
     Called as the portable BoundLaunch it replaces: q, k, v, do, lse, delta, dk, dv first, then that
-    kernel's other arguments, which this one does not take."""
+    kernel's other arguments, of which this one takes the float32 dQ buffer (dq_strategy 'atomic')
+    and a mask's named tensors (launch.BackwardPlan passes dq_acc, seed, cu_q, cu_k, Q and dO, the
+    plan's dkdv_head (head_args of them), then the named tensors' arguments)."""
 
-    def __init__(self, backward, q, k, layout, scale, portable):
+    def __init__(self, backward, q, k, layout, scale, portable, head_args=0):
         self.portable = portable  # the portable dK/dV launch it replaces
+        named_start = 6 + head_args  # in the arguments after dv
+        self.named = slice(named_start, named_start + backward.named_args)
         block_m, consumers, stages = backward.TILES[backward.spec["head_dim"]]
         batch, heads, seqlen_q, head_dim = bhsd_order(q.shape, layout)
         _, kv_heads, seqlen_k, _ = bhsd_order(k.shape, layout)
@@ -106,12 +111,13 @@ class HopperDkdv:
 
     def __call__(self, q, k, v, do, lse, delta, dk, dv, *portable_args):
         return self.launch(*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args,
-                           *self.dq_args(portable_args))
+                           *self.tail_args(portable_args))
 
-    def dq_args(self, portable_args):
-        """The float32 dQ buffer and its strides where the kernel adds dQ (the portable dK/dV's
-        argument after dv), else nothing."""
-        return () if self.dq_strides is None else (portable_args[0], *self.dq_strides)
+    def tail_args(self, portable_args):
+        """What this kernel takes of the portable dK/dV's arguments after dv: the float32 dQ buffer
+        (the first of them) and its strides where the kernel adds dQ, then a mask's named tensors."""
+        dq = () if self.dq_strides is None else (portable_args[0], *self.dq_strides)
+        return (*dq, *portable_args[self.named])
 
     def bindable(self):
         """launch.BackwardPlan takes launch_context() once for the step's launches when its dK/dV
@@ -121,4 +127,4 @@ class HopperDkdv:
     def run(self, context, args):
         q, k, v, do, lse, delta, dk, dv = args[:8]
         return self.launch.run(context, (*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args,
-                                         *self.dq_args(args[8:])))
+                                         *self.tail_args(args[8:])))
