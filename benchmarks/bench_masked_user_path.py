@@ -87,6 +87,9 @@ CASES = [
     Case("causal_hd64", {"causal": True}, (1024,), head_dim=64),
     Case("causal_hd128", {"causal": True}, (1024,), head_dim=128),
 ]
+# timed only when named (--cases): packed short documents at a long length, where the Gluon kernels' fixed
+# costs weigh most
+EXTRA_CASES = [Case("document_64", {"mask": {"document": {}}}, (16384,), documents=64)]
 QUICK = {("sliding_window_256", 4096), ("document_4", 4096), ("chunked_1024", 4096), ("prefix_lm_512", 16384),
          ("causal_hd64", 1024), ("causal_hd128", 1024)}
 
@@ -97,7 +100,8 @@ def dry_run() -> None:
     global TOKENS, HEADS, DTYPE, EXAMPLE_SHORTEN, time_ms, gpu_ms
     os.environ["TRITON_INTERPRET"] = "1"
     TOKENS, HEADS, DTYPE, EXAMPLE_SHORTEN = 256, 2, "fp16", 32
-    CASES[:] = [dataclasses.replace(c, seqlens=tuple(s // 32 for s in c.seqlens)) for c in CASES]
+    for cases in (CASES, EXTRA_CASES):
+        cases[:] = [dataclasses.replace(c, seqlens=tuple(s // 32 for s in c.seqlens)) for c in cases]
     time_ms = wall_ms
     gpu_ms = lambda fn, rep=0: wall_ms(fn)  # noqa: E731
 
@@ -223,7 +227,7 @@ def _warm(job) -> str:
 
 def _run_providers_once(name: str, seqlen: int, provs, modes) -> None:
     """Run each of the case's providers (provs(inputs): (source, callable or None, ...)) once per mode."""
-    x = make_inputs(next(c for c in CASES if c.name == name), seqlen)
+    x = make_inputs(next(c for c in CASES + EXTRA_CASES if c.name == name), seqlen)
     for _, attn, *_ in provs(x):
         if attn is not None:
             for mode in modes:
@@ -307,7 +311,7 @@ def run_case(case: Case, seqlen: int, modes=MODES, with_load: bool = True) -> li
 
 # ----------------------------------------------------------------------------- the Gluon kernels on masks
 HOPPER_CASES = ("document_4", "document_16", "prefix_lm_512", "sliding_window_256", "sliding_window_1024",
-                "chunked_1024")
+                "chunked_1024", "document_64")
 _GLUON = dict(family="hopper_ws", BLOCK_M=128, num_warps=4, tma=False, warp_specialize=False)
 HOPPER_VARIANTS = {  # name -> knobs over the default config: hw_* the Gluon forward (the default's backward
     # kept), hb_* the Gluon dK/dV kernel (the default's forward kept), dQ separate or added from it
@@ -320,6 +324,7 @@ HOPPER_VARIANTS = {  # name -> knobs over the default config: hw_* the Gluon for
     "hw_overlap_s3": dict(_GLUON, BLOCK_N=128, num_stages=3, hopper_overlap=True),
     "hb_separate": dict(hopper_bwd=True),
     "hb_atomic": dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False),
+    "hw_hb": dict(_GLUON, BLOCK_N=128, num_stages=3, hopper_bwd=True),  # both Gluon kernels
 }
 
 
@@ -405,8 +410,8 @@ def hopper_markdown(rows, env) -> str:
 def hopper_main(args, env, gpu) -> None:
     """--hopper: run_hopper_case over HOPPER_CASES (or --cases) at each length, compiles warmed first."""
     variants = args.hopper or list(HOPPER_VARIANTS)
-    names = [c for c in args.cases if c in HOPPER_CASES] if args.cases != [c.name for c in CASES] else HOPPER_CASES
-    todo = [(c, s) for c in CASES if c.name in names for s in (args.seqlens or c.seqlens)]
+    names = [c for c in args.cases if c in HOPPER_CASES] if args.cases != [c.name for c in CASES] else HOPPER_CASES[:-1]
+    todo = [(c, s) for c in CASES + EXTRA_CASES if c.name in names for s in (args.seqlens or c.seqlens)]
     warm_then_ready(args, [(_warm_hopper, (c.name, s, tuple(args.modes), tuple(variants))) for c, s in todo])
     stem = args.out / f"{env['date']}-{gpu}-hopper-masks{args.tag}"
     rows = []
@@ -580,7 +585,8 @@ def main():
     gpu = args.gpu_name or gpu_tag(env)
     if args.hopper is not None:
         return hopper_main(args, env, gpu)
-    todo = [(c, s) for c in CASES if c.name in args.cases for s in c.seqlens if not args.quick or (c.name, s) in QUICK]
+    todo = [(c, s) for c in CASES + EXTRA_CASES if c.name in args.cases for s in c.seqlens
+            if not args.quick or (c.name, s) in QUICK]
     todo.sort(key=lambda cs: cs[1] > 4096)  # the longest last: a run cut short keeps the most cases
     examples = [] if args.no_load else example_paths(args.examples)
     # the example specs between the short cases and the 16384-token ones

@@ -131,6 +131,13 @@ class RecordingKernel:
         return launch
 
 
+class RecordingRanges(RecordingKernel):
+    """Stands in for a block-range kernel: records its launches, writes nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.launches.append((grid, args, constexprs))
+
+
 def test_a_served_call_swaps_the_dkdv_launch_planned_once(monkeypatch):
     module = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True)).module()
     module._LAUNCHER.plans.clear()  # (a plan of another test's call on this module)
@@ -199,8 +206,10 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
         module._LAUNCHER.plans.clear()
         hopper = module._LAUNCHER.hopper_backward
         assert hopper.named_args == 5
-        kernel = RecordingKernel()
+        kernel, ranges = RecordingKernel(), RecordingRanges()
+        assert hopper.ranges is module._hw_bwd_ranges  # documents' rows come from a table a small kernel fills
         monkeypatch.setattr(hopper, "kernel", kernel)
+        monkeypatch.setattr(hopper, "ranges", ranges)
         monkeypatch.setattr(hopper, "device_unserved", lambda device: None)
         monkeypatch.setattr(module._LAUNCHER, "interpreting", lambda: True)
         q, k, v = make_qkv(1, 2, 1, 20, 20, 64, dtype=torch.float16, device="cpu", layout="bshd")
@@ -208,8 +217,12 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
         module.backward(torch.randn_like(out), q, k, v, out, lse, layout="bshd", softmax_scale=0.5,
                         tensors={"doc": doc})
         ((_, args, _),) = kernel.launches
-        assert args[:8][6].shape == k.shape and len(args) == 8 + tail + 5
-        t_doc, s0, s1, n0, n1 = args[-5:]
+        ((grid, (table, *ranges_args), constexprs),) = ranges.launches  # (key blocks, batch): 6 ints each
+        assert grid == (1, 1) and constexprs == dict(BLOCK_M=64, CONSUMERS=2, num_warps=4)
+        assert table.dtype == torch.int32 and table.shape == (6,) and args[-1] is table
+        assert ranges_args[:2] == [20, 20] and ranges_args[2] is args[-6]
+        assert args[:8][6].shape == k.shape and len(args) == 8 + tail + 5 + 1
+        t_doc, s0, s1, n0, n1 = args[-6:-1]
         assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (20, 1, 1, 20), args[-5:]
         assert args[19:21] == (0.5 * hopper.RCP_LN2, 0.5)  # the scalars; then the atomic buffer's four
         assert tail == 13 or (args[21].dtype == torch.float32 and args[22:25] == (2560, 64, 128))

@@ -107,17 +107,26 @@ def test_masked_render_keeps_the_unmasked_kernel_text():
 
 def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     # the kernel takes the mask's tensors (ids, their strides and sizes) after the scalars, as the
-    # portable forward does; nothing runs here (the plan is made on the host, its launch recorded)
+    # portable forward does, then (documents: ranges found by binary searches) the block-range table a
+    # small kernel fills first over (tiles, batch); nothing runs here (the plans are made on the host,
+    # their launches recorded)
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, mask=DOCS)
     module = flashgen.compile(spec, KernelConfig(**HOPPER)).module()
+    assert module._LAUNCHER.hopper_forward.ranges is module._hw_fwd_ranges
     module._LAUNCHER.hopper_forward.device_unserved = lambda device: None
     launched = []
-    monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: lambda *args: launched.append(args))
+    monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: lambda *args: launched.append(
+        (kernel, grid, constexprs, args)))
     monkeypatch.setattr(module._LAUNCHER.hopper_forward, "descriptor", lambda t, layout, rows, cols: t)
     q, k, v = make_qkv(2, 4, 2, 45, 45, 64, dtype=torch.float16, device="cpu")
     doc = torch.tensor([0] * 20 + [1] * 25, dtype=torch.int32)
     module.forward(q, k, v, tensors={"doc": doc})
-    ((_, _, _, out, lse, *_, qk_scale, t_doc, s0, s1, n0, n1),) = launched
+    (ranges, grid, constexprs, (table, *ranges_args)), (kernel, _, _, args) = launched
+    assert ranges is module._hw_fwd_ranges and kernel is module._attn_fwd_hopper_ws
+    assert grid == (1, 2) and constexprs == dict(BLOCK_M=128, BLOCK_N=128, CONSUMERS=2, num_warps=4)
+    assert table.dtype == torch.int32 and table.shape == (2 * 1 * (2 + 4 * 2),)  # (batch, tiles) x 10
+    (_, _, _, out, lse, *_, qk_scale, t_doc, s0, s1, n0, n1, passed) = args
+    assert passed is table and ranges_args[:2] == [45, 45] and ranges_args[2] is t_doc
     assert out.shape == q.shape and out.dtype == torch.float16 and out.is_contiguous()  # the plan allocates them
     assert lse.shape == (2, 4, 45) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert qk_scale == pytest.approx(64 ** -0.5 * 1.4426950408889634)

@@ -319,6 +319,12 @@ def test_timed_source_holds_the_gluon_kernels_handed_to_the_launcher():
     assert "hopper" not in portable
     edited = source.replace("def _hw_softmax(", "def _hw_softmax_edited(").replace("_hw_softmax(qk", "_hw_softmax_edited(qk")
     assert R.timed_source(edited, "fwd") != fwd and R.timed_source(edited, "bwd") == bwd
+    # documents: each Gluon kernel's block-range kernel (HopperForward(..., ranges=...)) is its phase's too
+    docs = spec.replace(causal=False, mask={"document": {"ids": "doc"}})
+    source = R.render(docs, config, standalone=False)
+    fwd, bwd = R.timed_source(source, "fwd"), R.timed_source(source, "bwd")
+    assert "def _hw_fwd_ranges(" in fwd and "def _hw_bwd_ranges(" not in fwd
+    assert "def _hw_bwd_ranges(" in bwd and "def _hw_fwd_ranges(" not in bwd
 
 
 def test_kernel_hash_follows_the_kernels_not_the_names_or_tiles():

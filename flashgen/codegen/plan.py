@@ -97,6 +97,14 @@ class KernelPlan:
         return any(code.startswith("_search_near(") for d in ("kv", "q") if not self.block_map
                    for seg in self.segments(d) for _, code in seg.searches)
 
+    def searches(self, direction: str) -> bool:
+        """Whether a block's range in ``direction`` ("kv": a row block's keys, "q": a key block's rows)
+        takes binary searches (document ids): the Gluon kernels then read their blocks' ranges from a
+        table a small kernel fills first (hopper/masks.j2), where each program's searches would run
+        before its first loads; masks whose ranges read a head are left to compute them in place."""
+        return (self.predicate is not None and not self.block_map and not self.mask_uses_h
+                and any(seg.searches for seg in self.segments(direction)))
+
     def segments(self, direction: str, dialect: str = "triton") -> list[SegmentEdges]:
         """The edges of each segment of a block's visible range (see masks.tree.segments) over
         the block's first and last row (``direction`` "kv": r0, r1) or key ("q": c0, c1), with

@@ -136,12 +136,16 @@ def timed_source(source: str, phase: str) -> str:
         elif (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Attribute)
               and isinstance(node.targets[0].value, ast.Name) and node.targets[0].value.id == LAUNCHER
               and isinstance(node.value, ast.Call) and node.value.args and isinstance(node.value.args[0], ast.Name)):
-            attached[node.targets[0].attr] = node.value.args[0]  # _LAUNCHER.hopper_forward = HopperForward(kernel, ...)
+            # _LAUNCHER.hopper_forward = HopperForward(kernel, ..., ranges=kernel2): the kernels it launches
+            attached[node.targets[0].attr] = [node.value.args[0]] + [kw.value for kw in node.value.keywords
+                                                                     if isinstance(kw.value, ast.Name)]
     launcher = constants[LAUNCHER].value
-    arguments = {**attached, **{kw.arg: kw.value for kw in launcher.keywords}}
+    arguments = {kw.arg: kw.value for kw in launcher.keywords}
     settings = [f"{name}={ast.literal_eval(value)!r}" for name, value in sorted(arguments.items())
                 if isinstance(value, ast.Constant)]
-    todo = [arguments[name].id for name in TIMED_KERNELS[phase] if name in arguments]
+    arguments.update({name: names for name, names in attached.items()})
+    todo = [n.id for name in TIMED_KERNELS[phase] if name in arguments
+            for n in (arguments[name] if isinstance(arguments[name], list) else [arguments[name]])]
     reached: dict[str, ast.stmt] = {}
     while todo:
         name = todo.pop()

@@ -180,10 +180,11 @@ class HopperForward:
     # knobs of the family a module's CONFIG leaves out at their default (config.KernelConfig.LATER_KNOBS)
     KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False, "hopper_persistent": False}
 
-    def __init__(self, kernel, spec, config):
+    def __init__(self, kernel, spec, config, ranges=None):
         self.kernel = kernel
         self.spec, self.config = spec, config
         self.spec_reason = spec_unserved(spec)
+        self.ranges = ranges  # a mask's _hw_fwd_ranges (documents): each call fills its block-range table first
 
     @staticmethod
     def device_unserved(device):
@@ -244,11 +245,18 @@ class HopperPlan:
             units = batch * heads * ((tiles_m + 1) // 2 if forward.spec["causal"] else tiles_m)
             grid = (max(1, min(units, sm_count(q.device))),)
             self.args += (heads, tiles_m, units)
+        consumers = cfg["BLOCK_M"] // forward.CONSUMER_ROWS
         self.launch = BoundLaunch(forward.kernel, grid, dict(
             CAUSAL=bool(forward.spec["causal"]), NUM_STAGES=cfg["num_stages"],
-            CONSUMERS=cfg["BLOCK_M"] // forward.CONSUMER_ROWS, PRODUCER_REGS=forward.PRODUCER_REGS,
+            CONSUMERS=consumers, PRODUCER_REGS=forward.PRODUCER_REGS,
             CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"], PINGPONG=cfg["hopper_pingpong"],
             num_warps=4))
+        self.ranges = None  # a mask's block-range table: (batch, tiles) x (2 + 4 per consumer) int32, per call
+        if forward.ranges is not None:
+            self.ranges = BoundLaunch(forward.ranges, (tiles_m, batch), dict(
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, CONSUMERS=consumers, num_warps=4))
+            self.ranges_shape, self.device = (batch * tiles_m * (2 + 4 * consumers),), q.device
+            self.seqlens = (seqlen_q, seqlen_k)
 
     def __getattr__(self, name):
         """The rest of the call's plan (offsets, softmax_scale, dropout_p, backward_plans: what
@@ -264,7 +272,12 @@ class HopperPlan:
             out = base.new_out()
         if lse is None:
             lse = base.new_lse()
-        # a mask's named tensors (document ids, ...) after the scalars, as the portable forward takes them;
-        # FP8: the descales and their strides last
-        self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *base.tensor_extra(tensors), *fp8_args)
+        # a mask's named tensors (document ids, ...) after the scalars, as the portable forward takes them
+        # (and its block-range table, filled first); FP8: the descales and their strides last
+        named = base.tensor_extra(tensors)
+        if self.ranges is not None:
+            table = torch.empty(self.ranges_shape, dtype=torch.int32, device=self.device)
+            self.ranges(table, *self.seqlens, *named)
+            named = (*named, table)
+        self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *named, *fp8_args)
         return out, lse

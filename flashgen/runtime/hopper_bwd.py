@@ -15,6 +15,7 @@ Plain Python over torch and triton, and the Gluon shim of runtime/hopper.py. `fl
 pastes it verbatim (less the import marked below) after hopper.py into a standalone module.
 """
 
+import torch
 import triton
 
 # (the names the kernel template imports from here are the shim's; one line each, so that the
@@ -56,8 +57,9 @@ class HopperBackward:
     # hopper.device_unserved; tests/sm90_compile.py replaces it to compile for sm90 with CPU tensors
     device_unserved = staticmethod(device_unserved)
 
-    def __init__(self, kernel, spec, config, named_args=0):
+    def __init__(self, kernel, spec, config, named_args=0, ranges=None):
         self.kernel, self.spec, self.config = kernel, spec, config
+        self.ranges = ranges  # a mask's _hw_bwd_ranges (documents): each call fills its block-range table first
         self.spec_reason = spec_unserved(spec, backward=True)
         self.atomic = config["dq_strategy"] == "atomic"  # rendered with dQ added from this kernel
         self.named_args = named_args  # a mask's named tensors' arguments (pointers, strides, sizes) it takes
@@ -104,20 +106,32 @@ class HopperDkdv:
                      scale * backward.RCP_LN2, scale)
         # dq_strategy 'atomic': the plan's float32 dQ buffer (contiguous in q's shape) follows
         self.dq_strides = bhsd_order(contiguous_strides(q.shape), layout)[:3] if backward.atomic else None
-        grid = (triton.cdiv(seqlen_k, backward.CONSUMER_ROWS * consumers), kv_heads, batch)
-        self.launch = BoundLaunch(backward.kernel, grid, dict(
+        key_blocks = triton.cdiv(seqlen_k, backward.CONSUMER_ROWS * consumers)
+        self.launch = BoundLaunch(backward.kernel, (key_blocks, kv_heads, batch), dict(
             CAUSAL=bool(backward.spec["causal"]), NUM_STAGES=stages, CONSUMERS=consumers,
             PRODUCER_REGS=backward.PRODUCER_REGS, CONSUMER_REGS=backward.CONSUMER_REGS, num_warps=4))
+        self.ranges = None  # a mask's block-range table: (batch, key blocks) x (2 + 2 per consumer) int32, per call
+        if backward.ranges is not None:
+            self.ranges = BoundLaunch(backward.ranges, (key_blocks, batch), dict(BLOCK_M=block_m, CONSUMERS=consumers,
+                                                                                 num_warps=4))
+            self.ranges_shape, self.device = (batch * key_blocks * (2 + 2 * consumers),), q.device
+            self.seqlens = (seqlen_q, seqlen_k)
 
     def __call__(self, q, k, v, do, lse, delta, dk, dv, *portable_args):
         return self.launch(*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args,
                            *self.tail_args(portable_args))
 
-    def tail_args(self, portable_args):
+    def tail_args(self, portable_args, context=None):
         """What this kernel takes of the portable dK/dV's arguments after dv: the float32 dQ buffer
-        (the first of them) and its strides where the kernel adds dQ, then a mask's named tensors."""
+        (the first of them) and its strides where the kernel adds dQ, then a mask's named tensors (and
+        its block-range table, filled here first: launched with `context`, as run's launch)."""
         dq = () if self.dq_strides is None else (portable_args[0], *self.dq_strides)
-        return (*dq, *portable_args[self.named])
+        named = portable_args[self.named]
+        if self.ranges is not None:
+            table = torch.empty(self.ranges_shape, dtype=torch.int32, device=self.device)
+            self.ranges.run(context, (table, *self.seqlens, *named))
+            named = (*named, table)
+        return (*dq, *named)
 
     def bindable(self):
         """launch.BackwardPlan takes launch_context() once for the step's launches when its dK/dV
@@ -127,4 +141,4 @@ class HopperDkdv:
     def run(self, context, args):
         q, k, v, do, lse, delta, dk, dv = args[:8]
         return self.launch.run(context, (*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args,
-                                         *self.tail_args(args[8:])))
+                                         *self.tail_args(args[8:], context)))
