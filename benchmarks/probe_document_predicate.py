@@ -168,10 +168,12 @@ def run_case(case, args) -> dict:
 def markdown(rows, env) -> str:
     lines = table_head(
         "Documents' predicate: its cost in the boundary blocks", env,
-        "bf16, hd128, 16 heads, 16384 tokens per batch, default configs; GPU ms per call replayed from a CUDA graph "
-        "(median of the rounds). predicate = today's kernels, causal pred. = the same kernels with causal's "
+        "bf16, hd128, 16 heads, 16384 tokens per batch, default configs (or, where the configs below say "
+        "hopper_ws / hopper_bwd, the Gluon kernels: --gluon-forward, --gluon); GPU ms per call replayed from a CUDA "
+        "graph (median of the rounds). predicate = today's kernels, causal pred. = the same kernels with causal's "
         "predicate (no ids read in boundary blocks; exact on these documents), causal = plain causal on each "
-        "document as its own sequence (same configs). Ratios: time / the other's.",
+        "document as its own sequence (same configs). Ratios: time / the other's. Configs: "
+        + "; ".join(sorted({f"{r['config']} | {r['backward']}" for r in rows})) + ".",
         ["case", "S", "doc tokens", "fwd predicate / causal pred. / causal", "bwd predicate / causal pred. / causal",
          "bwd predicate / causal pred.", "bwd predicate / causal", "max diff out, grads"])
     for r in rows:
