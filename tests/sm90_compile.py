@@ -191,12 +191,15 @@ def main(only=()) -> int:
         # ... with a mask pattern (its row range per key block, _hw_visible on the S^T registers): causal
         # documents GQA under the portable forward (masks.j2 rendered for the backward alone), prefix-LM
         # lengths under the Gluon forward (masks.j2 once for both), a window hd64 adding dQ itself
+        # (the backward alone: the forwards and autograd's path are the unmasked cases' and the masked forwards')
         ("hopper_bwd masked documents gqa hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True,
-                                                       mask={"document": {"ids": "doc"}}),
+                                                       mask={"document": {"ids": "doc"}}, backward_only=True),
          KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, hopper_bwd=True)),
-        ("hopper_bwd masked prefix-LM lengths hd128", dict(head_dim=128, num_heads=4, mask={"prefix_lm": "plen"}),
+        ("hopper_bwd masked prefix-LM lengths hd128", dict(head_dim=128, num_heads=4, mask={"prefix_lm": "plen"},
+                                                           backward_only=True),
          hopper.replace(num_stages=2, family="hopper_ws", hopper_bwd=True)),
-        ("hopper_bwd masked window hd64, atomic dQ", dict(head_dim=64, num_heads=4, mask={"sliding_window": {"left": 100}}),
+        ("hopper_bwd masked window hd64, atomic dQ", dict(head_dim=64, num_heads=4, mask={"sliding_window": {"left": 100}},
+                                                          backward_only=True),
          KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, hopper_bwd=True, dq_strategy="atomic",
                       bwd_fused_delta=False)),
         # the Gluon forward on FP8 e4m3 (V read seq-contiguous through a transposed descriptor; 304 keys: a
@@ -232,6 +235,7 @@ def main(only=()) -> int:
         CASE[0] = name
         varlen = fields.pop("varlen", False)
         forward_only = fields.pop("forward_only", False)
+        backward_only = fields.pop("backward_only", False)  # (a kernel compiled elsewhere in its other phases)
         dtype = fields.pop("dtype", "bf16")
         seqlen = fields.pop("seqlen", 300)
         spec = AttentionSpec(dtype=dtype, backward=dtype == "bf16", **fields)
@@ -258,7 +262,7 @@ def main(only=()) -> int:
                   ("backward", lambda: module.backward(q, q, k, k, q, lse, **kw)))
         if config.family == "hopper_ws" or config.hopper_bwd:  # autograd's path: the backward reads the forward's plan
             phases += (("training step", lambda: training_step(module._LAUNCHER, q, k, tensors)),)
-        for phase, run in phases[:1] if spec.fp8 or forward_only else phases:
+        for phase, run in phases[:1] if spec.fp8 or forward_only else phases[1:2] if backward_only else phases:
             COMPILED.clear()
             try:
                 run()
