@@ -170,7 +170,8 @@ def _t(x):
 SHIM_GL = types.SimpleNamespace(maximum=lambda a, b: torch.maximum(_t(a), _t(b)),
                                 minimum=lambda a, b: torch.minimum(_t(a), _t(b)),
                                 where=lambda c, a, b: torch.where(_t(c), _t(a), _t(b)), abs=lambda a: torch.abs(_t(a)))
-RANGE_HELPERS = ("_hw_clamp", "_hw_fdiv", "_hw_kv_segments", "_hw_key_blocks", "_hw_consumer_blocks", "_hw_visible")
+RANGE_HELPERS = ("_hw_clamp", "_hw_fdiv", "_hw_kv_segments", "_hw_blocks", "_hw_key_blocks", "_hw_consumer_blocks",
+                 "_hw_visible")
 
 
 def _helpers_on_cpu(module, names=RANGE_HELPERS):
@@ -237,7 +238,7 @@ def test_query_block_ranges_hold_exactly_what_each_key_block_is_seen_by(mask, ca
     # of its consumers (64 keys) runs [full_lo, full_hi) without mask arithmetic
     spec = AttentionSpec(dtype="fp16", head_dim=64, mask=mask, causal=causal, backward=True)
     module = flashgen.compile(spec, KernelConfig(hopper_bwd=True)).module()
-    names = ("_hw_clamp", "_hw_fdiv", "_hw_q_segments", "_hw_query_blocks")
+    names = ("_hw_clamp", "_hw_fdiv", "_hw_q_segments", "_hw_blocks", "_hw_query_blocks")
     hw = _helpers_on_cpu(module, names)
     rows, cols = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)[None, :]
     env = {"b": 0, "h": 0, "q_idx": rows, "kv_idx": cols, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}

@@ -165,6 +165,27 @@ def tensor_unserved(name, t) -> str | None:
     return None
 
 
+class RangeTable:
+    """A mask's block-range table (documents): the Gluon kernels read each program's block ranges from
+    it instead of searching the ids themselves. `entries` int32 per (block, batch element) of the
+    range kernel's grid (`blocks`, batch), filled on every call before the kernel that reads it."""
+
+    def __init__(self, kernel, blocks, batch, entries, seqlens, device, constexprs):
+        self.launch = BoundLaunch(kernel, (blocks, batch), dict(constexprs, num_warps=4))
+        self.shape, self.seqlens, self.device = (batch * blocks * entries,), seqlens, device
+
+    def fill(self, named, context=None):
+        """The named tensors' arguments with this call's table, filled, after them (launched with
+        `context`, launch_context()'s answer, where the caller took it once for its launches)."""
+        table = torch.empty(self.shape, dtype=torch.int32, device=self.device)
+        args = (table, *self.seqlens, *named)
+        if context is None:
+            self.launch(*args)
+        else:
+            self.launch.run(context, args)
+        return (*named, table)
+
+
 class HopperForward:
     """Launches a module's rendered Gluon forward (_attn_fwd_hopper_ws): BLOCK_M // 64 consumer
     warpgroups of 64 query rows each, K/V through a num_stages-deep ring of BLOCK_N-key slots
@@ -251,12 +272,10 @@ class HopperPlan:
             CONSUMERS=consumers, PRODUCER_REGS=forward.PRODUCER_REGS,
             CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"], PINGPONG=cfg["hopper_pingpong"],
             num_warps=4))
-        self.ranges = None  # a mask's block-range table: (batch, tiles) x (2 + 4 per consumer) int32, per call
-        if forward.ranges is not None:
-            self.ranges = BoundLaunch(forward.ranges, (tiles_m, batch), dict(
-                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, CONSUMERS=consumers, num_warps=4))
-            self.ranges_shape, self.device = (batch * tiles_m * (2 + 4 * consumers),), q.device
-            self.seqlens = (seqlen_q, seqlen_k)
+        # a mask's block-range table: first and end block per tile, then four ranges per consumer
+        self.ranges = None if forward.ranges is None else RangeTable(
+            forward.ranges, tiles_m, batch, 2 + 4 * consumers, (seqlen_q, seqlen_k), q.device,
+            dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, CONSUMERS=consumers))
 
     def __getattr__(self, name):
         """The rest of the call's plan (offsets, softmax_scale, dropout_p, backward_plans: what
@@ -276,8 +295,6 @@ class HopperPlan:
         # (and its block-range table, filled first); FP8: the descales and their strides last
         named = base.tensor_extra(tensors)
         if self.ranges is not None:
-            table = torch.empty(self.ranges_shape, dtype=torch.int32, device=self.device)
-            self.ranges(table, *self.seqlens, *named)
-            named = (*named, table)
+            named = self.ranges.fill(named)
         self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *named, *fp8_args)
         return out, lse

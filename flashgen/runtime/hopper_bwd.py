@@ -20,7 +20,7 @@ import triton
 
 # (the names the kernel template imports from here are the shim's; one line each, so that the
 # standalone paste drops them all)
-from flashgen.runtime.hopper import HopperForward, bhsd_order, call_unserved, device_unserved, spec_unserved, tensor_unserved  # standalone: hopper.py precedes
+from flashgen.runtime.hopper import HopperForward, RangeTable, bhsd_order, call_unserved, device_unserved, spec_unserved, tensor_unserved  # standalone: hopper.py precedes
 from flashgen.runtime.host import BoundLaunch, Descriptors, contiguous_strides  # standalone: hopper.py precedes (host.py before it)
 from flashgen.runtime.hopper import fence_async_shared, gl, gluon, mbarrier, tma_load  # noqa: F401 standalone: hopper.py precedes
 from flashgen.runtime.hopper import warpgroup_mma, warpgroup_mma_wait  # noqa: F401 standalone: hopper.py precedes
@@ -110,12 +110,10 @@ class HopperDkdv:
         self.launch = BoundLaunch(backward.kernel, (key_blocks, kv_heads, batch), dict(
             CAUSAL=bool(backward.spec["causal"]), NUM_STAGES=stages, CONSUMERS=consumers,
             PRODUCER_REGS=backward.PRODUCER_REGS, CONSUMER_REGS=backward.CONSUMER_REGS, num_warps=4))
-        self.ranges = None  # a mask's block-range table: (batch, key blocks) x (2 + 2 per consumer) int32, per call
-        if backward.ranges is not None:
-            self.ranges = BoundLaunch(backward.ranges, (key_blocks, batch), dict(BLOCK_M=block_m, CONSUMERS=consumers,
-                                                                                 num_warps=4))
-            self.ranges_shape, self.device = (batch * key_blocks * (2 + 2 * consumers),), q.device
-            self.seqlens = (seqlen_q, seqlen_k)
+        # a mask's block-range table: first and end query block per key block, then two per consumer
+        self.ranges = None if backward.ranges is None else RangeTable(
+            backward.ranges, key_blocks, batch, 2 + 2 * consumers, (seqlen_q, seqlen_k), q.device,
+            dict(BLOCK_M=block_m, CONSUMERS=consumers))
 
     def __call__(self, q, k, v, do, lse, delta, dk, dv, *portable_args):
         return self.launch(*self.descriptors(k, v, q, do), lse, delta, dk, dv, *self.args,
@@ -128,9 +126,7 @@ class HopperDkdv:
         dq = () if self.dq_strides is None else (portable_args[0], *self.dq_strides)
         named = portable_args[self.named]
         if self.ranges is not None:
-            table = torch.empty(self.ranges_shape, dtype=torch.int32, device=self.device)
-            self.ranges.run(context, (table, *self.seqlens, *named))
-            named = (*named, table)
+            named = self.ranges.fill(named, context)
         return (*dq, *named)
 
     def bindable(self):
