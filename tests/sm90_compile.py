@@ -17,6 +17,7 @@ shared binary, and 3 when this Triton's internals are not the ones this script d
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 import triton
@@ -264,13 +265,14 @@ def main(only=()) -> int:
             phases += (("training step", lambda: training_step(module._LAUNCHER, q, k, tensors)),)
         for phase, run in phases[:1] if spec.fp8 or forward_only else phases[1:2] if backward_only else phases:
             COMPILED.clear()
+            start = time.perf_counter()
             try:
                 run()
             except Exception as err:  # noqa: BLE001 - report every case, then fail
                 failed += 1
                 print(f"FAILED {name} {phase}: {type(err).__name__}: {str(err)[:4000]}")
                 continue
-            print(f"ok {name} {phase}: " + "; ".join(COMPILED))
+            print(f"ok {name} {phase}: " + "; ".join(COMPILED) + f" ({time.perf_counter() - start:.1f} s)")
     # FA3's overlap keeps its MMAs asynchronous only if ptxas does not serialize them (C7514)
     overlapped = {case: ptx for (case, _), ptx in PTX.items() if "overlap" in case}
     notes = {case: note for case, ptx in overlapped.items() if (note := serialized_wgmma(ptx))}
