@@ -1,8 +1,8 @@
 """KernelConfig: the knobs the tuner searches, and the heuristic defaults.
 
-``loop_order``, ``bwd_persistent``, ``bwd_fused_delta``, ``bwd_dq_heavy_first``, ``bwd_short`` and ``family``
-change the rendered source (they are *structural*); every other knob is a ``tl.constexpr`` or a launch option of
-the same kernel.
+``loop_order``, ``bwd_persistent``, ``bwd_fused_delta``, ``bwd_dq_heavy_first``, ``bwd_heavy_first``, ``bwd_short``
+and ``family`` change the rendered source (they are *structural*); every other knob is a ``tl.constexpr`` or a launch
+option of the same kernel.
 """
 
 from __future__ import annotations
@@ -79,6 +79,14 @@ class KernelConfig:
     # the most keys, so they start first and the kernel's tail is made of short programs (the
     # Q-outer forward does the same).
     bwd_dq_heavy_first: bool = False
+    # The backward's programs launched heaviest first over the whole grid (FA3's longest-first
+    # schedule): the dK/dV kernel's key blocks in ascending order and the dQ kernel's query blocks
+    # in descending order, each block's (head, batch) programs together. The default order runs
+    # every block of one (head, batch) before the next, so with causal walks the last heads' longest
+    # programs start last and run alone at the end (few, long programs: GQA, short sequences). The
+    # dQ order supersedes bwd_dq_heavy_first's per-head one; a persistent dK/dV grid (bwd_persistent)
+    # keeps its own.
+    bwd_heavy_first: bool = False
     # The whole backward in one launch (templates/backward/short.j2): program i of (batch, KV head)
     # computes dK/dV of key block i (delta recomputed from each O/dO tile it loads) and then dQ of
     # query block i for every query head of the group, both on the BLOCK_M1 x BLOCK_N1 tiling: no
@@ -101,16 +109,18 @@ class KernelConfig:
     hopper_persistent: bool = False
 
     STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family", "hopper_bwd", "bwd_dq_heavy_first",
-                  "bwd_short", "hopper_persistent")
+                  "bwd_heavy_first", "bwd_short", "hopper_persistent")
     BACKWARD = ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages", "dq_strategy",
-                "bwd_tma", "bwd_persistent", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first", "bwd_short")
+                "bwd_tma", "bwd_persistent", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first", "bwd_heavy_first",
+                "bwd_short")
     # Knobs added after results were stored, with the value that renders the kernels as before
     # they existed: to_dict() leaves them out at that value, so the configs stored, shipped and
     # hashed before them keep their kernel ids and their rendered text byte for byte, and
     # from_dict() reads a missing one as that value.
     LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False, "family": "portable", "hopper_regs": 240,
                    "hopper_overlap": False, "hopper_pingpong": False, "hopper_bwd": False,
-                   "bwd_dq_heavy_first": False, "bwd_short": False, "hopper_persistent": False}
+                   "bwd_dq_heavy_first": False, "bwd_heavy_first": False, "bwd_short": False,
+                   "hopper_persistent": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -133,7 +143,7 @@ class KernelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
         for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first",
-                     "hopper_overlap", "hopper_pingpong", "bwd_short", "hopper_persistent"):
+                     "bwd_heavy_first", "hopper_overlap", "hopper_pingpong", "bwd_short", "hopper_persistent"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.warp_specialize and self.num_warps < 8:
@@ -222,7 +232,9 @@ class KernelConfig:
                 f"{' tma' if self.bwd_tma else ''}"
                 f"{f' persistent={self.bwd_persistent}' if self.bwd_persistent else ''}"
                 f"{' fused_delta' if self.bwd_fused_delta else ''}{' hopper_bwd' if self.hopper_bwd else ''}"
-                f"{' dq_heavy_first' if self.bwd_dq_heavy_first else ''}{' short' if self.bwd_short else ''}")
+                f"{' dq_heavy_first' if self.bwd_dq_heavy_first else ''}"
+                f"{' heavy_first' if self.bwd_heavy_first else ''}"
+                f"{' short' if self.bwd_short else ''}")
 
 
 def interpreting() -> bool:
@@ -577,6 +589,17 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape,
             # 0.347 ms (fused delta, heavy first) / 0.343 (fused delta) / 0.353 (heavy first, preprocess);
             # 0.365 for the old default in the first sweep; user path fwd+bwd GPU 0.486 vs 0.503 ms
             return dict(cfg(64, 64, 64, 64, 4, 3), bwd_tma=False, bwd_fused_delta=True, bwd_dq_heavy_first=True)
+        if shape == MaskShape(causal=True) and d == 128 and spec.num_kv_heads < spec.num_heads and seqlen >= 2048:
+            # Causal GQA: a (KV head, batch) group's dK/dV programs walk every query head of the group,
+            # few and long, and the default order left the last groups' longest to run alone at the end:
+            # the whole backward heaviest first in chunks of about 256 programs (bwd_heavy_first;
+            # benchmarks/results/2026-11-27-h100-heavy-first.md, backward ms order off / heavy first, H100,
+            # 3 interleaved rounds): 16 / 4 heads B=4 S=2048 (Llama's layers) 0.607 / 0.518, B=2 S=4096
+            # 1.143 / 0.959, 32 / 8 heads B=4 S=2048 1.095 / 1.031; gqa-causal's recheck (32 / 8, 16384
+            # tokens) 3.711 / 3.583 at 4096 and 13.22 / 12.91 at 16384. At 1024 tokens the runs disagreed
+            # (0.454 / 0.497, 0.457 / 0.319) and without GQA it moved -3% to +6% (16 heads, 16384 tokens):
+            # left off there.
+            heavy_first = dict(bwd_heavy_first=True)
         return dict(cfg(64, 64, 64, 64, 4, 3 if d <= 64 else 2), bwd_tma=spec.mask_node is None or d > 64,
                     **heavy_first)
     return cfg(32, 64, 64, 32, 4, 2)

@@ -158,6 +158,9 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
                       bwd_persistent=(0, 1, 2), bwd_fused_delta=(False, True))
     if device.hopper:
         params.update(bwd_tma=(False, True))
+    # The launch order: heaviest first over the grid (causal-like masks: few, long programs at the start).
+    if mask_shape(spec).causal:
+        params.update(bwd_heavy_first=(False, True))
     # The one-launch backward (bwd_short), except for custom expressions (a block map: no short kernel).
     short = not mask_shape(spec).custom
     if short:

@@ -118,8 +118,9 @@ def main(only=()) -> int:
     hopper = KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, warp_specialize=True,
                           bwd_tma=True)
     cases = [
+        # (the backward launched heaviest first: bwd_heavy_first, the sm90 default for causal GQA)
         ("gqa causal, TMA + warp specialization", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
-         hopper),
+         hopper.replace(bwd_heavy_first=True)),
         ("hd64, pointer loads", dict(head_dim=64, num_heads=4), KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8,
                                                                             num_stages=3, dq_strategy="atomic")),
         # the same kernel text as hd64's: only the HEAD_DIM/BLOCK_D globals differ
@@ -190,12 +191,13 @@ def main(only=()) -> int:
         ("hopper_bwd atomic dQ gqa causal hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
          hopper.replace(num_stages=2, family="hopper_ws", hopper_bwd=True, dq_strategy="atomic")),
         # ... with a mask pattern (its row range per key block, _hw_visible on the S^T registers): causal
-        # documents GQA under the portable forward (masks.j2 rendered for the backward alone), prefix-LM
-        # lengths under the Gluon forward (masks.j2 once for both), a window hd64 adding dQ itself
-        # (the backward alone: the forwards and autograd's path are the unmasked cases' and the masked forwards')
+        # documents GQA (launched heaviest first) under the portable forward (masks.j2 rendered for the
+        # backward alone), prefix-LM lengths under the Gluon forward (masks.j2 once for both), a window
+        # hd64 adding dQ itself (the backward alone: the forwards and autograd's path are the unmasked
+        # cases' and the masked forwards')
         ("hopper_bwd masked documents gqa hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True,
                                                        mask={"document": {"ids": "doc"}}, backward_only=True),
-         KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, hopper_bwd=True)),
+         KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, hopper_bwd=True, bwd_heavy_first=True)),
         ("hopper_bwd masked prefix-LM lengths hd128", dict(head_dim=128, num_heads=4, mask={"prefix_lm": "plen"},
                                                            backward_only=True),
          hopper.replace(num_stages=2, family="hopper_ws", hopper_bwd=True)),

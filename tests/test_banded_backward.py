@@ -300,21 +300,30 @@ def test_dq_heavy_first_backward_matches_reference(device):
                   config=SMALL.replace(bwd_dq_heavy_first=True, bwd_fused_delta=True))
 
 
-def test_dq_heavy_first_over_packed_sequences(device):
-    # Packed sequences: the reversed grid still returns early past each sequence's end, and the
-    # same programs compute the same blocks in the same order of keys: bitwise equal.
-    for g, r in zip(*_packed_grads(device, SMALL.replace(bwd_dq_heavy_first=True))):
+@pytest.mark.parametrize("knob", ["bwd_dq_heavy_first", "bwd_heavy_first"])
+def test_launch_orders_over_packed_sequences_are_bitwise_the_default_order(device, knob):
+    # Packed sequences: the reordered grids still return early past each sequence's end, and the
+    # same programs compute the same blocks in the same order of their walks (separate dQ: no
+    # atomics): bitwise equal.
+    for g, r in zip(*_packed_grads(device, SMALL.replace(**{knob: True}))):
         assert torch.equal(g, r)
+
+
+def _order_knob(name: str) -> KernelConfig:
+    """Checks a launch-order knob as a config knob (a bool, left out of stored configs when off,
+    said by describe_backward) and returns a config with it on."""
+    with pytest.raises(ConfigError, match=f"config knob '{name}'.*got 1"):
+        KernelConfig(**{name: 1})
+    assert name not in KernelConfig().to_dict()  # stored configs and kernel ids as before
+    on = KernelConfig(**{name: True})
+    assert KernelConfig.from_dict(on.to_dict()) == on and f" {name[4:]}" in on.describe_backward()
+    return on
 
 
 def test_dq_heavy_first_knob_renders_only_when_on_and_is_a_mask_default():
     from flashgen.config import default_config
 
-    with pytest.raises(ConfigError, match="config knob 'bwd_dq_heavy_first'.*got 1"):
-        KernelConfig(bwd_dq_heavy_first=1)
-    assert "bwd_dq_heavy_first" not in KernelConfig().to_dict()  # stored configs and kernel ids as before
-    on = KernelConfig(bwd_dq_heavy_first=True)
-    assert KernelConfig.from_dict(on.to_dict()) == on and "dq_heavy_first" in on.describe_backward()
+    on = _order_knob("bwd_dq_heavy_first")
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=2, mask={"chunked": 256}, backward=True)
     reversed_blk = "blk = tl.num_programs(0) - 1 - tl.program_id(0)"
     dq_kernel = lambda cfg: render.render(spec, cfg).split("def _attn_bwd_dq(")[1].split("@triton.jit")[0]  # noqa: E731
@@ -343,3 +352,63 @@ def test_gpu_dq_heavy_first_backward_bf16(fields):
     check_variant("cuda", **fields, sq=1500, sk=1500, dtype="bf16", heads=(8, 2), d=128,
                   config=KernelConfig(BLOCK_M=64, BLOCK_N=64, num_stages=3, BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64,
                                       BLOCK_N2=64, bwd_tma=True, bwd_fused_delta=True, bwd_dq_heavy_first=True))
+
+
+# ----------------------------------------------------------------------------- heaviest first over the grid
+@pytest.mark.parametrize("name,dq_strategy", [("causal", "atomic"), ("causal-rows-see-nothing", "separate"),
+                                               ("documents", "separate")])
+def test_heavy_first_backward_matches_reference(device, name, dq_strategy):
+    # bwd_heavy_first: both kernels' grids remapped (key block slowest, heads and batch fastest);
+    # every (block, head, batch) is still computed exactly once: GQA 4/2, two batch elements, ragged
+    # and unequal lengths
+    _, fields, sq, sk, tensors = next(c for c in CASES if c[0] == name)
+    check_variant(device, **fields, tensors=tensors, sq=sq, sk=sk, dtype="fp16", heads=(4, 2),
+                  config=SMALL.replace(bwd_heavy_first=True, dq_strategy=dq_strategy))
+
+
+def test_heavy_first_knob_renders_only_when_on():
+    on = _order_knob("bwd_heavy_first")
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=4, num_kv_heads=2, causal=True, backward=True)
+    source = render.render(spec, on)
+    assert source.count("launched = tl.program_id(0) + tl.num_programs(0)") == 2  # the dK/dV and dQ kernels
+    assert "launched = " not in render.render(spec, KernelConfig())
+
+
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize("grid", [(16, 16, 3), (100, 3, 5), (300, 2, 2), (7, 1, 1), (32, 4, 4), (1, 40, 9)])
+def test_heavy_first_order_takes_every_program_once_heaviest_first_in_chunks(grid, descending):
+    # the macro's statements run as Python over every launch index of grids with several chunks
+    # (a partial last one included): a bijection onto (block, head, batch); within each chunk the
+    # blocks go heaviest first, every group of the chunk taking a block before any takes the next
+    import types
+
+    macro = render._environment().get_template("common/launch_order.j2").module.heaviest_first
+    code = str(macro("tl", "blk", "head", "batch", descending=descending))
+    n0, n1, n2 = grid
+    seen = []
+    for launched in range(n0 * n1 * n2):
+        pid = (launched % n0, launched // n0 % n1, launched // (n0 * n1))
+        tl = types.SimpleNamespace(program_id=lambda i, pid=pid: pid[i], num_programs=lambda i: grid[i],
+                                   maximum=max, minimum=min)
+        scope = {"tl": tl}
+        exec(code.strip().replace("\n    ", "\n"), scope)  # noqa: S102 - the template's own statements
+        seen.append((scope["blk"], scope["head"], scope["batch"]))
+    assert sorted(seen) == [(b, h, z) for b in range(n0) for h in range(n1) for z in range(n2)]
+    chunk = max(256 // n0, 1)
+    for start in range(0, len(seen), chunk * n0):
+        blocks = [b for b, _, _ in seen[start:start + chunk * n0]]
+        assert blocks == sorted(blocks, reverse=descending), grid  # heaviest first within the chunk
+        groups = {(h, z) for _, h, z in seen[start:start + chunk * n0]}
+        assert len(groups) == min(chunk, n1 * n2 - start // n0)  # a chunk's groups: `chunk` of them
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hopper_bwd", [False, True])
+@pytest.mark.parametrize("sq,sk", [(1500, 1500), (700, 2100), (4097, 4097)])
+def test_gpu_heavy_first_backward_bf16(sq, sk, hopper_bwd):
+    # causal GQA 8/2 (the default's case), two batch elements: at 4097 tokens the portable dK/dV grid
+    # (65 key blocks of 64, 4 groups) runs two chunks of groups, 3 and 1; the Gluon dK/dV kernel where
+    # it serves
+    check_variant("cuda", causal=True, tensors={}, sq=sq, sk=sk, dtype="bf16", heads=(8, 2), d=128,
+                  config=KernelConfig(BLOCK_M=64, BLOCK_N=64, num_stages=3, BLOCK_M1=64, BLOCK_N1=64,
+                                      bwd_tma=True, bwd_heavy_first=True, hopper_bwd=hopper_bwd))
