@@ -325,6 +325,7 @@ HOPPER_VARIANTS = {  # name -> knobs over the default config: hw_* the Gluon for
     "hb_separate": dict(hopper_bwd=True),
     "hb_atomic": dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False),
     "hw_hb": dict(_GLUON, BLOCK_N=128, num_stages=3, hopper_bwd=True),  # both Gluon kernels
+    "heavy_first": dict(bwd_heavy_first=True),  # the default's kernels, the backward launched heaviest first
 }
 
 

@@ -85,7 +85,7 @@ class KernelConfig:
     # every block of one (head, batch) before the next, so with causal walks the last heads' longest
     # programs start last and run alone at the end (few, long programs: GQA, short sequences). The
     # dQ order supersedes bwd_dq_heavy_first's per-head one; a persistent dK/dV grid (bwd_persistent)
-    # keeps its own.
+    # and the one-launch backward (bwd_short) keep their own.
     bwd_heavy_first: bool = False
     # The whole backward in one launch (templates/backward/short.j2): program i of (batch, KV head)
     # computes dK/dV of key block i (delta recomputed from each O/dO tile it loads) and then dQ of
@@ -598,7 +598,7 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape,
             # 1.143 / 0.959, 32 / 8 heads B=4 S=2048 1.095 / 1.031; gqa-causal's recheck (32 / 8, 16384
             # tokens) 3.711 / 3.583 at 4096 and 13.22 / 12.91 at 16384. At 1024 tokens the runs disagreed
             # (0.454 / 0.497, 0.457 / 0.319) and without GQA it moved -3% to +6% (16 heads, 16384 tokens):
-            # left off there.
+            # left off there. (Calls bucketed to 2048 take it: from about 1450 tokens.)
             heavy_first = dict(bwd_heavy_first=True)
         return dict(cfg(64, 64, 64, 64, 4, 3 if d <= 64 else 2), bwd_tma=spec.mask_node is None or d > 64,
                     **heavy_first)

@@ -192,6 +192,10 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         return n == 0 or device.interpret or (regs <= REGISTERS_PER_SM and n * smem(p) <= device.smem_bytes)
 
     restrictions = []
+    if short and "bwd_heavy_first" in params:
+        # the one-launch kernel keeps its own order (causal programs of equal work): no second point
+        restrictions.append(Restriction("not (bwd_short and bwd_heavy_first)",
+                                        lambda p: not (p.get("bwd_short") and p.get("bwd_heavy_first"))))
     if short:
         # Its dQ is separate. (It reads only the M1 x N1 tiles and warps/stages: points differing in the
         # other backward knobs time the same kernel. Not restricted to one of them: a sampler would then
