@@ -140,12 +140,10 @@ def timed_source(source: str, phase: str) -> str:
             attached[node.targets[0].attr] = [node.value.args[0]] + [kw.value for kw in node.value.keywords
                                                                      if isinstance(kw.value, ast.Name)]
     launcher = constants[LAUNCHER].value
-    arguments = {kw.arg: kw.value for kw in launcher.keywords}
-    settings = [f"{name}={ast.literal_eval(value)!r}" for name, value in sorted(arguments.items())
-                if isinstance(value, ast.Constant)]
-    arguments.update({name: names for name, names in attached.items()})
-    todo = [n.id for name in TIMED_KERNELS[phase] if name in arguments
-            for n in (arguments[name] if isinstance(arguments[name], list) else [arguments[name]])]
+    settings = [f"{kw.arg}={ast.literal_eval(kw.value)!r}" for kw in sorted(launcher.keywords, key=lambda kw: kw.arg)
+                if isinstance(kw.value, ast.Constant)]
+    kernels = {**{kw.arg: [kw.value] for kw in launcher.keywords}, **attached}  # name -> the kernels it launches
+    todo = [n.id for name in TIMED_KERNELS[phase] for n in kernels.get(name, ())]
     reached: dict[str, ast.stmt] = {}
     while todo:
         name = todo.pop()

@@ -15,7 +15,6 @@ Plain Python over torch and triton, and the Gluon shim of runtime/hopper.py. `fl
 pastes it verbatim (less the import marked below) after hopper.py into a standalone module.
 """
 
-import torch
 import triton
 
 # (the names the kernel template imports from here are the shim's; one line each, so that the
