@@ -411,7 +411,9 @@ def hopper_markdown(rows, env) -> str:
 def hopper_main(args, env, gpu) -> None:
     """--hopper: run_hopper_case over HOPPER_CASES (or --cases) at each length, compiles warmed first."""
     variants = args.hopper or list(HOPPER_VARIANTS)
-    names = [c for c in args.cases if c in HOPPER_CASES] if args.cases != [c.name for c in CASES] else HOPPER_CASES[:-1]
+    default = [c.name for c in CASES]  # (EXTRA_CASES run only when named)
+    names = [c for c in args.cases if c in HOPPER_CASES] if args.cases != default else [c for c in HOPPER_CASES
+                                                                                        if c in default]
     todo = [(c, s) for c in CASES + EXTRA_CASES if c.name in names for s in (args.seqlens or c.seqlens)]
     warm_then_ready(args, [(_warm_hopper, (c.name, s, tuple(args.modes), tuple(variants))) for c, s in todo])
     stem = args.out / f"{env['date']}-{gpu}-hopper-masks{args.tag}"
