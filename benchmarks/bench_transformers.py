@@ -8,8 +8,9 @@ intermediate 5632, vocab 32000, bf16), run with ``attn_implementation`` = flashg
 * ``prefill``: a no-grad forward of the same batch, after checking both paths' logits agree;
 * ``generate``: greedy generation of 128 new tokens after a 128-token prompt, batch 4 (dynamic
   KV cache, exactly 128 tokens each: no EOS), whole ``generate`` call, median of a few; then the
-  same with flashgen's decode-shaped calls on its split-KV decode kernel (``generate (decode kernel)``,
-  ``flashgen.integrations.transformers.decode_calls``);
+  same with flashgen's decode-shaped calls through flashgen.attention instead of the integration's
+  direct decode route (``generate (through flashgen.attention)``,
+  ``flashgen.integrations.transformers.decode_calls = False``);
 * ``compile_train_step``: ``torch.compile(model, fullgraph=True)`` (inductor on the GPU,
   aot_eager on the CPU) then the training step, compiled both ways; a failure to compile is
   recorded with its error.
@@ -232,17 +233,17 @@ def benchmark(args) -> dict:
         if len(tokens) == 2:  # bf16 roundings may flip a near-tie; report how many tokens agree
             row["same_tokens_fraction"] = float((tokens["flashgen"] == tokens["sdpa"]).float().mean())
 
-        def generate_decode_kernel(impl):  # the same, flashgen's decode steps on its split-KV decode kernel
+        def generate_through_attention(impl):  # the same, flashgen's decode steps through flashgen.attention
             from flashgen.integrations import transformers as integration
 
-            default, integration.decode_calls = integration.decode_calls, True
+            default, integration.decode_calls = integration.decode_calls, False
             try:
                 return generate(impl)
             finally:
                 integration.decode_calls = default
 
-        run_mode(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate (decode kernel)",
-                 generate_decode_kernel)
+        run_mode(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate (through flashgen.attention)",
+                 generate_through_attention)
 
     if "compile_train_step" not in args.skip:
         backend = "inductor" if args.device == "cuda" else "aot_eager"

@@ -118,6 +118,7 @@ def cases():
     # (B, H_kv, S, D) cache, S one longer each step, so each call's metadata is new: its plans are
     # forgotten before every call (compiled kernels stay shared by specialization).
     from flashgen import ops
+    from flashgen.runtime import host
 
     q1 = torch.randn(4, 1, 16, D, dtype=torch.bfloat16)
     caches = [torch.randn(4, 4, 129 + i, D, dtype=torch.bfloat16).transpose(1, 2) for i in range(32)]
@@ -125,10 +126,11 @@ def cases():
 
     def forget_plans():
         """Forget each module's call plans of exact metadata (a new length's), not the length-free
-        plans of decode-shaped calls (AttentionLauncher.decode_call): those a generation loop keeps."""
+        plans of decode-shaped calls or their routes to the decode kernel (AttentionLauncher.decode_call):
+        those a generation loop keeps."""
         for module in ops._MODULES.values():
             plans = module._LAUNCHER.plans
-            for key in [key for key in plans if key is None or key[0] != "decode"]:
+            for key in [key for key in plans if key is None or key[0] not in ("decode", host.DECODER)]:
                 del plans[key]
 
     def generation_step():
@@ -137,8 +139,19 @@ def cases():
         with torch.no_grad():
             flashgen.attention(q1, cache, cache, causal=True, layout="bshd")
 
+    # The same over caches of 4097..4160 keys: past AttentionLauncher.DECODER_KEYS, on the split-KV
+    # decode kernel (before session 16, the prefill kernel's Gluon plans, one per length).
+    long_storage = torch.randn(4 * 4 * 4160 * D, dtype=torch.bfloat16)
+    long_caches = [long_storage[:4 * 4 * n * D].view(4, 4, n, D).transpose(1, 2) for n in range(4097, 4161)]
+
+    def long_generation_step():
+        forget_plans()
+        cache = long_caches[next(steps) % len(long_caches)]
+        with torch.no_grad():
+            flashgen.attention(q1, cache, cache, causal=True, layout="bshd")
+
     # The same step through the transformers integration (flashgen.integrations.transformers), on each
-    # of its routes: the prefill kernel (the default) and the split-KV decode kernel (decode_calls).
+    # of its routes: through flashgen.attention and to the split-KV decode kernel (decode_calls, the default).
     # query (B, H, 1, D), key/value (B, H_kv, S, D) as DynamicCache's torch.cat makes them (contiguous,
     # strides depending on S; views of one buffer here). Each call is a new length. Prefill route: S
     # cycles through 129..512 (a 128-token prompt and its generation; longer caches give the prefill
@@ -185,6 +198,7 @@ def cases():
             "fwd+bwd, bwd_short off (portable backward)": fwd_bwd_portable,
             "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward,
             "generation step (B=4, 16/4 heads, new length)": generation_step,
+            "generation step over 4097+ keys": long_generation_step,
             "transformers generation step, prefill kernel": transformers_step(False),
             "transformers generation step, decode kernel (decode_calls)": transformers_step(True),
             "hopper_ws forward S=1024 (full)": hopper_forward(1024, False),

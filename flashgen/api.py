@@ -429,6 +429,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     FP8 (q, k, v in torch.float8_e4m3fn or float8_e5m2): ``q_descale``, ``k_descale``,
     ``v_descale`` are float32 factors per (batch, KV head), as FlashAttention-3's (q * q_descale
     is the value meant; None: 1; see flashgen.quantize_fp8); the output is bf16; forward only.
+    Calls without a gradient of up to 16 queries over more than 512 keys (a generation step over a KV
+    cache) run on the split-KV decode kernel (flashgen.decode's), which reads K/V once per KV group and
+    splits the keys over the SMs, for a spec it serves (no dropout, document ids or named tensors).
     """
     descales = (q_descale, k_descale, v_descale)
     eager_key, kernel = _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)

@@ -14,7 +14,7 @@ _spec = importlib.util.spec_from_file_location("bench_transformers", ROOT / "ben
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-MODES = ["prefill", "train_step", "generate", "generate (decode kernel)", "compile_train_step"]
+MODES = ["prefill", "train_step", "generate", "generate (through flashgen.attention)", "compile_train_step"]
 
 
 @pytest.mark.slow

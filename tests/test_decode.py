@@ -17,7 +17,7 @@ import flashgen
 from flashgen import AttentionSpec
 from flashgen.compat import flash_attn_with_kvcache
 from flashgen.runtime import decode as host_decode
-from flashgen.verify import compare, reference_attention
+from flashgen.verify import assert_attention_close, compare, reference_attention
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -896,3 +896,76 @@ def test_new_cache_lengths_launch_their_own_strides_and_lengths(monkeypatch):
     fresh = _bound_launcher(monkeypatch)[0]
     monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: True)
     assert fresh.seqlens_arg(5, 2, 16, torch.device("cpu")).tolist() == [5, 5] and not fresh.lengths
+
+
+# ----------------------------------------------------------------------------- flashgen.attention's decode-shaped calls
+@pytest.mark.parametrize("layout,sq,kw", [
+    ("bshd", 3, dict(causal=True)),  # GQA, several queries aligned bottom-right
+    ("bhsd", 1, dict(causal=True)),
+    ("bshd", 2, dict(causal=False, mask={"sliding_window": {"left": 6, "right": 0}})),
+    ("bshd", 1, dict(causal=True, score_mod={"softcap": 3.0})),
+], ids=["bshd-sq3", "bhsd-sq1", "window", "softcap"])
+def test_attention_of_a_few_queries_over_many_keys_runs_the_decode_kernel(device, monkeypatch, layout, sq, kw):
+    # Over more than DECODER_KEYS keys (lowered to 8 here), an inference call of flashgen.attention with a
+    # few queries runs on the split-KV decode kernel (DecodeLauncher.read), checked and planned once for
+    # every length; out and lse against the reference. Up to 8 keys, with fewer keys than queries, or with
+    # a gradient to compute, the prefill kernel runs.
+    from flashgen.runtime.decode import DecodeLauncher
+    from flashgen.runtime.host import AttentionLauncher
+
+    monkeypatch.setattr(AttentionLauncher, "DECODER_KEYS", 8)
+    reads, read = [], DecodeLauncher.read
+    monkeypatch.setattr(DecodeLauncher, "read", lambda self, q, *a, **k: reads.append(q.shape[1]) or read(self, q, *a, **k))
+    seed, gen = _seeded()
+    seq = 1 if layout == "bshd" else 2
+
+    def inputs(seqlen_q, seqlen_k):
+        shape = lambda heads, n: (2, n, heads, 32) if layout == "bshd" else (2, heads, n, 32)  # noqa: E731
+        return [torch.randn(*shape(h, n), generator=gen).to(device=device, dtype=torch.float16)
+                for h, n in ((4, seqlen_q), (2, seqlen_k), (2, seqlen_k))]
+
+    for seqlen_k in (41, 20, 40, 8):  # a new length each call; 8 keys take the prefill kernel
+        q, k, v = inputs(sq, seqlen_k)
+        with torch.no_grad():
+            out, lse = flashgen.attention(q, k, v, layout=layout, return_lse=True, **kw)
+        assert out.shape == q.shape and out.stride() == torch.empty_like(q).stride(), f"seed={seed}"
+        assert lse.shape == (2, 4, sq), f"seed={seed}"
+        assert_attention_close(out, lse, q, k, v, layout=layout, **kw)
+    assert reads == [sq] * 3, reads
+    q, k, v = inputs(sq + 3, sq + 2)  # more queries than keys: the prefill kernel
+    with torch.no_grad():
+        assert_attention_close(*flashgen.attention(q, k, v, layout=layout, return_lse=True, **kw), q, k, v,
+                               layout=layout, **kw)
+    q, k, v = (t.requires_grad_() for t in inputs(sq, 30))  # a gradient: the autograd path
+    flashgen.attention(q, k, v, layout=layout, **kw).sum().backward()
+    assert reads == [sq] * 3 and q.grad is not None and q.shape[seq] == sq
+    with torch.no_grad(), pytest.raises(ValueError, match="^k: expected dtype"):  # errors name flashgen.attention's
+        flashgen.attention(q, k.to(torch.float32), v, layout=layout, **kw)  # arguments, not the cache's
+
+
+def _read_and_decode(device, lengths, misaligned, capacity=80):
+    """DecodeLauncher.read() and decode() of the same calls (a cache one length after another, as a
+    model's growing cache): (read's (out, lse), decode's) per length. misaligned: q and the caches
+    start 2 bytes past a 16-byte boundary (Triton specializes pointers on their alignment)."""
+    seed, gen = _seeded()
+    spec = AttentionSpec(dtype="fp16", head_dim=32, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    launcher = flashgen.kvcache.decode_launcher(flashgen.compile(spec))
+    skip = 1 if misaligned else 0
+    flat = lambda n: torch.randn(n + skip, generator=gen).to(device=device, dtype=torch.float16)[skip:]  # noqa: E731
+    q = flat(2 * 2 * 4 * 32).view(2, 2, 4, 32)
+    k_all, v_all = (flat(2 * 2 * capacity * 32).view(2, 2, capacity, 32) for _ in range(2))  # (B, H_kv, S, D)
+    pairs = []
+    for n in lengths:
+        k, v = k_all[:, :, :n].transpose(1, 2), v_all[:, :, :n].transpose(1, 2)  # (B, S, H_kv, D) views
+        pairs.append((launcher.read(q, k, v, 0.3, return_lse=True),
+                      launcher.decode(q, k, v, None, softmax_scale=0.3, return_lse=True)))
+    return pairs, f"seed={seed}"
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+def test_read_launches_as_decode_does(device, misaligned):
+    # read()'s own launch path (launch_read) against decode()'s on the same calls: bitwise equal, for
+    # lengths in and across length classes, before and after the short key is known.
+    pairs, what = _read_and_decode(device, (37, 38, 64, 65, 20, 80, 37), misaligned)
+    for n, ((out, lse), (out_d, lse_d)) in zip((37, 38, 64, 65, 20, 80, 37), pairs):
+        assert torch.equal(out, out_d) and torch.equal(lse, lse_d), f"{what} length {n}"

@@ -11,7 +11,7 @@ from flashgen.compat import flash_attn_with_kvcache
 from flashgen.runtime import decode as host_decode
 from flashgen.verify import compare
 
-from .test_decode import Cache, _seeded, reference_decode, run_decode
+from .test_decode import Cache, _read_and_decode, _seeded, reference_decode, run_decode
 
 pytestmark = pytest.mark.gpu
 
@@ -246,3 +246,36 @@ def test_graph_replays_record_bounds_for_the_next_eager_call():
     graph.replay()
     with pytest.raises(ValueError, match="cache_seqlens: .*capacity 64, got 70 at index 1"):
         kvcache.check_bounds()
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+def test_read_launches_as_decode_does_gpu(misaligned):
+    # DecodeLauncher.read()'s launch path against decode()'s on a GPU, where the launches are bound
+    # (keyed by pointer alignment and how Triton specializes the lengths): bitwise equal, split calls
+    # (2 elements x 2 KV heads: the heuristic splits) merged in the split kernel included.
+    lengths = (1000, 1001, 4097, 4096, 33, 1024, 1000)
+    pairs, what = _read_and_decode("cuda", lengths, misaligned, capacity=4100)
+    for n, ((out, lse), (out_d, lse_d)) in zip(lengths, pairs):
+        assert torch.equal(out, out_d) and torch.equal(lse, lse_d), f"{what} length {n}"
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_attention_of_one_query_on_the_decode_kernel_compiles_gpu(layout, monkeypatch):
+    # flashgen.attention's inference calls of a few queries over more than DECODER_KEYS keys run on the
+    # decode kernel inside the custom op too: torch.compile(fullgraph=True) with inductor gives eager's
+    # output bitwise (the op's declared output strides are the decode route's), at two cache lengths.
+    from flashgen.runtime.decode import DecodeLauncher
+
+    seed, gen = _seeded()
+    shape = (lambda h, n: (2, h, n, 64)) if layout == "bhsd" else (lambda h, n: (2, n, h, 64))
+    fn = lambda q, k, v: flashgen.attention(q, k, v, causal=True, layout=layout)  # noqa: E731
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    reads, read = [], DecodeLauncher.read
+    monkeypatch.setattr(DecodeLauncher, "read", lambda self, q, *a, **kw: reads.append(1) or read(self, q, *a, **kw))
+    for n in (1000, 1333):
+        q, k, v = (torch.randn(*shape(h, s), generator=gen).to("cuda", torch.bfloat16)
+                   for h, s in ((8, 1), (2, n), (2, n)))
+        with torch.no_grad():
+            want, got = fn(q, k, v), compiled(q, k, v)
+        assert torch.equal(want, got), f"seed={seed} keys {n}"
+    assert len(reads) == 4, reads

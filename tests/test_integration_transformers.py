@@ -111,16 +111,17 @@ def test_generation_steps_run_the_decode_kernel(kind, monkeypatch):
     from flashgen.runtime.decode import DecodeLauncher
 
     monkeypatch.setattr(integration, "decode_calls", True)
-    queries, original, seen = [], DecodeLauncher.decode, set()
+    queries, original, seen = [], DecodeLauncher.read, set()
 
-    def decode(self, q, *args, **kwargs):
+    def read(self, q, *args, **kwargs):
         if id(self) not in seen:  # plans an earlier test left (launchers are cached per kernel) would hide ours
             seen.add(id(self))
             self.calls.clear()
+            self.reads.clear()
         queries.append(q.shape[1])
         return original(self, q, *args, **kwargs)
 
-    monkeypatch.setattr(DecodeLauncher, "decode", decode)
+    monkeypatch.setattr(DecodeLauncher, "read", read)
     # each step's cache is one key longer; the decode launcher keys its calls without the length,
     # so each layer variant's calls are checked and planned once, not once per step
     prepared, prepare = [], DecodeLauncher.prepare

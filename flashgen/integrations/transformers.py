@@ -50,6 +50,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .. import attention, attention_varlen, scaled_dot_product_attention
 from .. import mask as _mask
+from ..kvcache import compat_launcher
 
 __all__ = ["DEFAULT_NAME", "register", "attention_forward", "padding_mask"]
 
@@ -83,13 +84,18 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     return None if bool(attention_mask.all()) else attention_mask
 
 
+def _window(sliding_window):
+    """The keys before the query a sliding_window layer sees (None: no window), the argument checked."""
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window: expected a positive int or None, got {sliding_window!r}")
+    return sliding_window - 1  # transformers' window holds the query and window - 1 keys before it
+
+
 def _variant(is_causal, sliding_window, softcap, s_aux, tensors):
     """(causal, mask, score_mod) for one layer's options; a sink adds its tensor to `tensors`."""
-    window = None
-    if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ValueError(f"sliding_window: expected a positive int or None, got {sliding_window!r}")
-        window = sliding_window - 1  # transformers' window holds the query and window - 1 keys before it
+    window = _window(sliding_window)
     mods = [{"softcap": float(softcap)}] if softcap is not None else []
     causal, mask = is_causal, None
     if s_aux is None:
@@ -150,6 +156,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                       "(paged caches and position biases need a dense mask)")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     dropout = float(dropout)
+    if (attention_mask is None and s_aux is None and kwargs.get("cu_seq_lens_q") is None
+            and _decode_shaped(query, key, value, is_causal, dropout)):  # a generation step: checked first
+        _window(sliding_window)
+        return _decode(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), sliding_window, softcap,
+                       scaling), None
     if attention_mask is not None and attention_mask.dim() == 4:  # a model-specific or user mask
         if sliding_window is not None or softcap is not None or s_aux is not None:
             raise NotImplementedError("attention_mask: a 4-d mask cannot be combined with sliding_window, "
@@ -193,24 +204,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         out = _varlen(flat(q), flat(k), flat(v), *packed, s_aux, kw)
         return out.view(batch, seqlen_q, *out.shape[1:]), None
 
-    if s_aux is None and _decode_shaped(query, key, value, is_causal, dropout):
-        return _decode(q, k, v, sliding_window, softcap, scaling), None
     if s_aux is not None:
         k, v, _ = _with_sink_rows(k, v)
     return attention(q, k, v, layout="bshd", **kw), None
 
 
 DECODE_MAX_QUERIES = 16  # the decode kernel packs a KV group's query rows into one tile; longer: prefill
-# Route decode-shaped calls to flashgen's split-KV decode kernel (True) or the prefill kernel (False,
-# the default). A generation step's cache is one key longer than the last, so every call has new
-# metadata: on the H100 host (Llama 8 layers, B=4, 128 tokens; results/2026-11-22-h100-call-path-
-# transformers-h.md) the prefill kernel's call plans, whose launches adopt the binaries compiled for
-# earlier lengths (runtime/launch.py), took 935.8 ms per generate against the decode launcher's
-# 1096.6 ms, which then re-checked and re-planned every new length; both kernels take microseconds
-# at these lengths. The decode launcher now keys these calls without the cache's length
-# (runtime/decode.py): host time per step on benchmarks/call_path_host.py (launches mocked) 25 us
-# against the prefill route's 61 (was 90). Off until the H100 confirms it end to end.
-decode_calls = False
+# Route decode-shaped calls to flashgen's split-KV decode kernel (True, the default) or to
+# flashgen.attention (False: the prefill kernel's length-free plan up to 512 keys, then the same decode
+# kernel through more host layers). A generation step is host time (its kernels take microseconds), and
+# this route's is the least: DecodeLauncher.read() finds the step's plan by a short key without the
+# cache's length and launches it (launch_read). Host us per call (benchmarks/NOTES.md, session 16).
+decode_calls = True
 
 
 def _decode_shaped(query, key, value, is_causal, dropout):
@@ -227,12 +232,8 @@ def _decode(q, k, v, sliding_window, softcap, scaling):
     """(B, L, H, D) attention of the L newest queries over the whole cache (k, v (B, S, H_kv, D)
     views of transformers' cache), by flashgen's split-KV decode kernel: causal bottom-right, the
     window as flash-attn's (window - 1, 0)."""
-    from ..kvcache import compat_launcher
-
     window = None if sliding_window is None else (sliding_window - 1, 0)
-    launcher = compat_launcher(q, k, v, True, window, softcap, None, scaling)
-    out, _ = launcher.decode(q, k, v, None, softmax_scale=scaling, return_lse=False)
-    return out
+    return compat_launcher(q, k, v, True, window, softcap, None, scaling).read(q, k, v, scaling)[0]
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, s_aux, kw):

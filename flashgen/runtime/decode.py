@@ -58,7 +58,7 @@ import triton.language as tl  # the same module as the kernels' tl in a standalo
 
 from flashgen.runtime.host import AttentionLauncher, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import padded_head_dim, sm_count  # standalone: host.py precedes
-from flashgen.runtime.launch import BoundLaunch, argument_signature  # standalone: host.py precedes
+from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
@@ -434,6 +434,20 @@ def _meta_without_length(t):
     return shape[0], shape[2], shape[3], t.stride(3), t.dtype, t.device
 
 
+def _call_key(free, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx, named, out, lse,
+              return_lse, softmax_scale, BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, check, q_descale,
+              k_descale, v_descale, fused_combine):
+    """DecodeLauncher.calls' key of a call: everything it derives its checks and plan from (free:
+    a length-free call, its caches keyed without their length)."""
+    caches = (_meta_without_length(k_cache), _meta_without_length(v_cache)) if free else \
+        (_meta(k_cache), _meta(v_cache))
+    return (free, _meta(q), *caches, _meta(k), _meta(v), _meta(block_table), _meta(cache_batch_idx),
+            _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens),
+            tuple((n, _meta(t)) for n, t in named.items()) if named else None, _meta(out), _meta(lse),
+            bool(return_lse), softmax_scale, BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, check,
+            _meta(q_descale), _meta(k_descale), _meta(v_descale), fused_combine)
+
+
 class DecodeCall:
     """What a decode call derives from its arguments' shapes, strides, dtypes and devices: its
     checks passed, its launch plan and the kernels' scalar arguments (DecodeLauncher.prepare)."""
@@ -455,10 +469,12 @@ class DecodeLauncher:
 
     def __init__(self, *, attention, kernel, combine_kernel):
         self.attention = attention
+        attention.decoder = self  # its calls of a few queries over more keys run here (AttentionLauncher.decode_call)
         self.spec = attention.spec
         self.kernel, self.combine_kernel, self.append_kernel = kernel, combine_kernel, _decode_append
         self.tuned = None
         self.calls = {}  # call key -> DecodeCall
+        self.reads = {}  # read()'s short key -> the length-free DecodeCall entry of self.calls it stands for
         self.lengths = {}  # (batch, device) -> the table of int cache_seqlens (seqlens_arg)
         self.ones = {}  # (batch, kv heads, device) -> the descale of 1.0 a call without one reads
 
@@ -702,11 +718,15 @@ class DecodeLauncher:
                 BY_HAND=quantize and q.device.type == "cpu", DROP=drop, MIN_NORMAL=min_normal, MAGIC=magic,
                 FP8_MAX=fp8_max, num_warps=4, num_stages=1)
         return DecodeCall(batch=batch, seqlen_q=seqlen_q, capacity=capacity, plan=plan, out_shape=out_shape,
+                          new_out=allocator(out_shape, out_dtype, q.device),
+                          new_lse=allocator(lse_shape, torch.float32, q.device),
+                          new_part=allocator((part_numel,), torch.float32, q.device),
                           out_dtype=out_dtype, lse_shape=lse_shape, write_lse=write_lse, part_numel=part_numel,
                           kernel_scalars=kernel_scalars, scalar_parts=scalar_parts, kernel_constexprs=kernel_constexprs,
                           combine_args=combine_args, combine_constexprs=combine_constexprs, append_args=append_args,
                           append_constexprs=append_constexprs, append_grid=(batch * seqlen_add, 1, 1),
                           descale=descale, record=bounds_record(q.device), device=q.device, check=check, bound={},
+                          lengths={},
                           variants=None, tickets=None)
 
     def bind(self, call):
@@ -732,6 +752,90 @@ class DecodeLauncher:
         caller), and the lengths, the caches' strides and capacity are plain launch arguments
         (decode() passes them, keying bound launches by how Triton specializes them)."""
         return entry.variants.get(self.length_class(entry.plan, capacity))
+
+    def read(self, q, k_cache, v_cache, softmax_scale=None, return_lse=False):
+        """(out (B, Sq, H, Dv), lse (B, H, Sq) or None): decode(q, k_cache, v_cache,
+        softmax_scale=softmax_scale, return_lse=return_lse), the attention of q over every key of a
+        contiguous cache (B, S, H_kv, D), nothing appended: a model's own cache at each generation
+        step (the transformers integration's decode calls, flashgen.attention's calls of a few
+        queries). The same checks, plans and kernels as decode(); a call after the first of its
+        length class is found by a short key (q's metadata, the caches' less their length, the
+        scale, return_lse) and launched, without decode()'s key of every argument."""
+        return_lse = bool(return_lse)
+        try:
+            key = (q.shape, q.stride(), q.dtype, q.device, _meta_without_length(k_cache),
+                   _meta_without_length(v_cache), softmax_scale, return_lse)
+            entry = self.reads.get(key)
+        except (AttributeError, IndexError, TypeError):  # not 4-d tensors: decode() names the argument
+            key = entry = None
+        call = None
+        if entry is not None and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor \
+                and k_cache.shape[1] == v_cache.shape[1] and self.tuned is None:
+            call = self.length_free(entry, k_cache.shape[1])
+        if call is None:  # decode() checks and plans this length class, keyed without the length
+            result = self.decode(q, k_cache, v_cache, softmax_scale=softmax_scale, return_lse=return_lse)
+            if key is not None and self.tuned is None and type(k_cache) is torch.Tensor \
+                    and type(v_cache) is torch.Tensor and not self.attention.tensor_names:
+                entry = self.calls.get(_call_key(True, q, k_cache, v_cache, None, None, None, None, None, None, None,
+                                                 None, return_lse, softmax_scale, None, 0, None, None, None, "async",
+                                                 None, None, None, None))
+                if entry is not None:
+                    if len(self.reads) >= self.MAX_CALLS:
+                        self.reads.clear()
+                    self.reads[key] = entry
+            return result
+        return self.launch_read(call, q, k_cache, v_cache)
+
+    @staticmethod
+    def fused_tickets(call, captured):
+        """The tickets of a call whose split kernel merges its splits: while captured or traced, zeros
+        of the graph's own; else its stream's buffer, kept on the call as (stream, buffer)."""
+        count = call.plan["grid"][1] * call.plan["grid"][2]
+        if captured:
+            return split_tickets(call.device, count)
+        stream = current_stream(call.device)
+        if call.tickets is None or call.tickets[0] != stream:
+            call.tickets = (stream, split_tickets(call.device, count, stream))
+        return call.tickets[1]
+
+    def launch_read(self, call, q, k_cache, v_cache):
+        """launch() of a read() call (a length-free call: no append, cache_seqlens, named tensors,
+        descales or buffers given), with only what such a call needs: the pointers that can be
+        misaligned are q's and the caches' (launch() keys the bound launches with the same bits,
+        the rest being this call's own aligned allocations), the lengths' row is kept per length."""
+        record = call.record
+        if record.words[0] and not device_sync_forbidden(call.device):  # an earlier call met an index out of range
+            record.raise_recorded()
+        capacity = k_cache.shape[1]
+        seqlens = call.lengths.get(capacity)
+        if seqlens is None:
+            seqlens = self.seqlens_arg(None, call.batch, capacity, call.device)
+            if not device_sync_forbidden(call.device):  # captured, it may be a tensor of the graph's own
+                if len(call.lengths) >= self.MAX_CALLS:
+                    call.lengths.clear()
+                call.lengths[capacity] = seqlens
+        k_strides, v_strides = k_cache.stride(), v_cache.stride()
+        head, middle, end = call.scalar_parts
+        align = ((q.data_ptr() & 15 and 1) | (k_cache.data_ptr() & 15 and 2) | (v_cache.data_ptr() & 15 and 4),
+                 argument_signature((*k_strides[:3], *v_strides[:3], capacity)))
+        launches = call.bound.get(align)
+        if launches is None:
+            launches = call.bound[align] = self.bind(call)
+        _, kernel, combine = launches
+        out = call.new_out()
+        lse = call.new_lse() if call.write_lse else None
+        if call.batch * call.seqlen_q == 0:
+            return out, lse
+        part = call.new_part() if call.part_numel else out
+        lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
+        tickets = self.fused_tickets(call, device_sync_forbidden(call.device)) if call.plan["fused"] else seqlens
+        kernel(q, k_cache, v_cache, out, lse_arg, part, seqlens, seqlens, seqlens, record.tensor, seqlens, seqlens,
+               seqlens, tickets, *head, *k_strides, *v_strides, *middle, capacity, *end)
+        if combine is not None:
+            combine(out, lse_arg, part, *call.combine_args)
+        if record.immediate and not device_sync_forbidden(call.device):
+            record.raise_recorded()
+        return out, lse
 
     # ------------------------------------------------------------------ the call
     def decode(self, q, k_cache, v_cache, cache_seqlens=None, *, k=None, v=None, block_table=None,
@@ -759,14 +863,9 @@ class DecodeLauncher:
                 and type(v_cache) is torch.Tensor and k_cache.dim() == 4 and v_cache.dim() == 4
                 and k_cache.shape[1] == v_cache.shape[1])
         try:
-            caches = (_meta_without_length(k_cache), _meta_without_length(v_cache)) if free else \
-                (_meta(k_cache), _meta(v_cache))
-            key = (free, _meta(q), *caches, _meta(k), _meta(v), _meta(block_table),
-                   _meta(cache_batch_idx),
-                   _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens),
-                   tuple((n, _meta(t)) for n, t in named.items()) if named else None, _meta(out), _meta(lse),
-                   bool(return_lse), softmax_scale, BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, check,
-                   _meta(q_descale), _meta(k_descale), _meta(v_descale), fused_combine)
+            key = _call_key(free, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx, named,
+                            out, lse, return_lse, softmax_scale, BLOCK_N, num_splits, num_warps, num_stages,
+                            page_prefetch, check, q_descale, k_descale, v_descale, fused_combine)
         except (AttributeError, TypeError):  # not tensors: prepare() says which argument
             key = None
         call = self.calls.get(key) if key is not None else None
@@ -792,6 +891,13 @@ class DecodeLauncher:
                     entry.variants[self.length_class(call.plan, k_cache.shape[1])] = call
         elif named:
             named = self.attention.named_tensors(named, q.device)
+        return self.launch(call, free, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx,
+                           named, out, lse, q_descale, k_descale, v_descale)
+
+    def launch(self, call, free, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx, named, out,
+               lse, q_descale, k_descale, v_descale):
+        """Allocate and launch a prepared call (decode()'s and read()'s last part): free, a call of a
+        length-free key (the cache's length, strides and capacity are this call's)."""
         record = call.record
         watch = not device_sync_forbidden(call.device)
         if watch and record.words[0]:  # an earlier call met an index out of range
@@ -799,9 +905,9 @@ class DecodeLauncher:
         capacity = k_cache.shape[1] if free else call.capacity
         seqlens = self.seqlens_arg(cache_seqlens, call.batch, capacity, call.device)
         if out is None:
-            out = torch.empty(call.out_shape, dtype=call.out_dtype, device=call.device)
+            out = call.new_out()
         if lse is None and call.write_lse:
-            lse = torch.empty(call.lse_shape, dtype=torch.float32, device=call.device)
+            lse = call.new_lse()
         if call.descale:
             q_descale, k_descale, v_descale = (self.descale_arg(d, call.batch, call.device)
                                                for d in (q_descale, k_descale, v_descale))
@@ -829,20 +935,11 @@ class DecodeLauncher:
             append(k_cache, v_cache, k, v, seqlens, bt, cbi, k_descale, v_descale, *call.append_args)
         if call.batch * call.seqlen_q == 0:
             return out, lse
-        part = torch.empty(call.part_numel, dtype=torch.float32, device=call.device) if call.part_numel else out
+        part = call.new_part() if call.part_numel else out
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
-        tickets = None
-        if call.plan["fused"] and not watch:  # captured or traced: zeros of the graph's own
-            tickets = split_tickets(call.device, call.plan["grid"][1] * call.plan["grid"][2])
-        elif call.plan["fused"]:  # the call keeps its stream's tickets: (stream, buffer)
-            stream = current_stream(call.device)
-            if call.tickets is not None and call.tickets[0] == stream:
-                tickets = call.tickets[1]
-            else:
-                tickets = split_tickets(call.device, call.plan["grid"][1] * call.plan["grid"][2], stream)
-                call.tickets = (stream, tickets)
+        tickets = self.fused_tickets(call, not watch) if call.plan["fused"] else seqlens  # never read unless fused
         kernel(q, k_cache, v_cache, out, lse_arg, part, seqlens, bt, cbi, record.tensor, q_descale, k_descale,
-               v_descale, tickets if tickets is not None else seqlens, *scalars, *self.attention.tensor_args(named))
+               v_descale, tickets, *scalars, *self.attention.tensor_args(named))
         if combine is not None:
             combine(out, lse_arg, part, *call.combine_args)
         if watch and (call.check == "sync" or record.immediate):

@@ -166,6 +166,9 @@ def index_lists(tile_classes):
     return counts.contiguous(), torch.stack(lists, dim=-2).contiguous()
 
 
+DECODER = "decoder"  # AttentionLauncher.plans[(DECODER, decode key)]: whether its calls may run on the decode kernel
+
+
 def device_sync_forbidden(device):
     """True while reading a tensor on `device` from the host would break the caller: a CUDA
     graph being captured (a device->host copy is illegal there) or torch.compile tracing."""
@@ -272,6 +275,7 @@ class AttentionLauncher:
         self.same_seqlen = same_seqlen
         self.unused = {}  # (dtype, device) -> a one-element tensor for arguments a call never reads
         self.plans = {}  # call metadata -> ForwardPlan / BackwardPlan (see plan_key)
+        self.decoder = None  # the module's DecodeLauncher, which sets itself here (decode_call)
 
     def unused_arg(self, dtype, device):
         """A one-element tensor for a kernel argument this call never reads (the seed without
@@ -569,6 +573,10 @@ class AttentionLauncher:
     # those ints and seqlen_k, so it is kept per key *without* them: a new length costs a
     # dictionary hit and the ints spliced into the kernel's arguments, not forward_plan's checks.
     DECODE_QUERIES = 16  # calls of up to this many queries are planned without their key length
+    # Such calls over more keys than this run on the split-KV decode kernel (decodes()); up to it, on the
+    # prefill kernel's length-free plan, whose launch takes less host time (CI CPU, B=4, 16 / 4 heads,
+    # hd128, one query, launches mocked: 34-45 vs 57 us per call), the GPU's work being microseconds.
+    DECODER_KEYS = 512
 
     def decode_key(self, q, k, v, layout, softmax_scale):
         """The length-free key of a dense call of at most DECODE_QUERIES queries (None: not one):
@@ -583,10 +591,26 @@ class AttentionLauncher:
         except (AttributeError, IndexError, TypeError):  # not tensors, or too few dims: the checks name them
             return None
 
+    def decodes(self, q, k, v, layout):
+        """Whether the calls of a decode key (decode_call) run on the split-KV decode kernel (the
+        module's DecodeLauncher.read()) rather than the prefill kernel: a spec the decode kernel
+        serves (no dropout, document ids, named tensors or FP8; its mask and score_mod code are the
+        prefill kernel's, causal aligned bottom-right), K and V with a contiguous last dim (the
+        decode kernel's cache layout), one query in the bhsd layout (whose (B, 1, H, Dv) output is
+        also contiguous as (B, H, 1, Dv)), on a GPU or under the interpreter. The decode kernel
+        reads K/V once per KV group and splits long caches over the SMs; the prefill kernel runs one
+        program per (query block, head) over every key, and its plans of 4096 keys and more (tensor
+        descriptors, the Gluon family) are not length-free: a new plan per generation step."""
+        return ((layout == "bshd" or layout == "bhsd" and q.shape[2] == 1) and k.stride(-1) == 1 and v.stride(-1) == 1
+                and not (self.dropout or self.same_seqlen or self.tensor_names or self.fp8)
+                and (q.is_cuda or self.interpreting()))
+
     def decode_call(self, q, k, v, layout, softmax_scale, seed):
-        """(out, lse) of a decode-shaped call through its length-free plan, or None when the call is
-        not one, or its plan cannot take another length (tensor descriptors, which are built for one
-        shape; the KV-outer order; the hopper_ws family; a mask with a block map): then the exact plan runs."""
+        """(out, lse) of a decode-shaped call, or None when the call is not one, or its plan cannot
+        take another length (tensor descriptors, which are built for one shape; the KV-outer order;
+        the hopper_ws family; a mask with a block map): then the exact plan runs. Over more than
+        DECODER_KEYS keys, the split-KV decode kernel where it serves the call (decodes()); else the
+        prefill kernel's length-free plan."""
         key = self.decode_key(q, k, v, layout, softmax_scale)
         if key is None:
             return None
@@ -594,6 +618,22 @@ class AttentionLauncher:
         seqlen_k = k.shape[seq_dim]
         if seqlen_k == 0 or v.shape[seq_dim] != seqlen_k:
             return None  # nothing to launch, or an error the checks name
+        if seqlen_k > self.DECODER_KEYS and q.shape[seq_dim] <= seqlen_k:  # not rows that see no key
+            routed = self.plans.get((DECODER, key))
+            if routed is None:
+                routed = self.decoder is not None and self.decodes(q, k, v, layout)
+                if routed:  # errors name q, k and v, not the decode kernel's cache arguments
+                    self.check_inputs(q, k, v, layout)
+                self.remember((DECODER, key), routed)
+        else:
+            routed = False
+        if routed:
+            if layout == "bshd":
+                return self.decoder.read(q, k, v, softmax_scale, return_lse=True)
+            out, lse = self.decoder.read(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale,
+                                         return_lse=True)
+            batch, _, heads, dv = out.shape  # one query: (B, 1, H, Dv) holds (B, H, 1, Dv) with the same strides
+            return out.view(batch, heads, 1, dv), lse
         decode = self.plans.get(key)
         if decode is False:
             return None
