@@ -554,7 +554,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
                             len(starts), final_elsewhere=True, seconds=seconds)
     _stop_if_interrupted(options)
     final_start, before = time.monotonic(), dict(runner.seconds)
-    best, default, found = _final_choice(runner, kernel, study, space, phase, work, options, base)
+    best, default, found = _final_choice(runner, kernel, study, space, phase, work, options, base, failures)
     # the final round's own compile+verify and timing seconds (its serial part when workers share the study)
     seconds.update({f"final_{k}": round(runner.seconds[k] - before[k], 3) for k in before})
     importances = {}
@@ -648,14 +648,15 @@ def prepare_all(runner, items, prepare, jobs: int, options=None) -> list[TrialRe
     return [alone(item) if rec.status in _SHARED_FAILURES else rec for item, rec in zip(items, out)]
 
 
-def _final_choice(runner, kernel, study, space, phase, work, options, base: KernelConfig):
+def _final_choice(runner, kernel, study, space, phase, work, options, base: KernelConfig, failures=None):
     """Verify the two fastest configs and the default on the full grid (compiled side by side in
     threads: the final round is the part of a study that `--gpus` workers cannot share), time them
     again in one round, keep the fastest. Each config's compile and check, and its timing, is held
     to options.timeout_s on its own (the checks run at once). Returns (best, default, found) records from that round
     (found: the fastest of the search's own two, the default left out unless it is one of them). A
     config that fails the full grid is added to the study as a failed trial (marked 'final', so it
-    spends no budget), and is then never chosen, in this run or a later one."""
+    spends no budget), and is then never chosen, in this run or a later one; and counted in ``failures``
+    (the bucket's {status: count}) as 'final <status>', so a round in which no config passed says why."""
     completed = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
                        key=lambda t: t.value)
     searched = []  # the two fastest distinct configs (a config measured before is told again: a second trial)
@@ -677,6 +678,8 @@ def _final_choice(runner, kernel, study, space, phase, work, options, base: Kern
         if config == base:
             default = rec
         if rec.status != "ok":  # passed the reduced grid, failed the full one: record, never choose
+            if failures is not None:
+                failures[f"final {rec.status}"] = failures.get(f"final {rec.status}", 0) + 1
             # from the config, not rec.config: to_dict() leaves out a LATER_KNOB at its old value
             # (bwd_persistent 0), which a KeyError here turned into a crashed tune
             params = {n: getattr(config, n) for n in space.params}

@@ -1088,8 +1088,10 @@ def test_the_final_round_checks_the_two_fastest_distinct_configs_side_by_side():
             timed.append(config)
             return dataclasses.replace(rec, ms={fast: 1.2, second: 0.9, base: 1.4}[config])
 
-    runner = Runner()
-    best, default, found = flashgen.tuner._final_choice(runner, None, study, space, "fwd", None, TuneOptions(), base)
+    runner, failures = Runner(), {}
+    best, default, found = flashgen.tuner._final_choice(runner, None, study, space, "fwd", None, TuneOptions(), base,
+                                                        failures)
     assert sorted(map(str, prepared[:3])) == sorted(map(str, (fast, second, base))) and prepared[3:] == [second]
     assert timed == [fast, second] and runner.seconds["compile_verify"] < 100
     assert best.ms == 0.9 and found.ms == 0.9 and default.status == "wrong_result"
+    assert failures == {"final wrong_result": 1}  # a round where nothing passed says why (the CLI prints it)
