@@ -158,9 +158,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     dropout = float(dropout)
     if (attention_mask is None and s_aux is None and kwargs.get("cu_seq_lens_q") is None
             and _decode_shaped(query, key, value, is_causal, dropout)):  # a generation step: checked first
-        _window(sliding_window)
-        return _decode(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), sliding_window, softcap,
-                       scaling), None
+        return _decode(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), _window(sliding_window),
+                       softcap, scaling), None
     if attention_mask is not None and attention_mask.dim() == 4:  # a model-specific or user mask
         if sliding_window is not None or softcap is not None or s_aux is not None:
             raise NotImplementedError("attention_mask: a 4-d mask cannot be combined with sliding_window, "
@@ -228,12 +227,12 @@ def _decode_shaped(query, key, value, is_causal, dropout):
             and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)))
 
 
-def _decode(q, k, v, sliding_window, softcap, scaling):
+def _decode(q, k, v, window, softcap, scaling):
     """(B, L, H, D) attention of the L newest queries over the whole cache (k, v (B, S, H_kv, D)
-    views of transformers' cache), by flashgen's split-KV decode kernel: causal bottom-right, the
-    window as flash-attn's (window - 1, 0)."""
-    window = None if sliding_window is None else (sliding_window - 1, 0)
-    return compat_launcher(q, k, v, True, window, softcap, None, scaling).read(q, k, v, scaling)[0]
+    views of transformers' cache), by flashgen's split-KV decode kernel: causal bottom-right, window
+    (_window's keys before the query, or None) as flash-attn's (window, 0)."""
+    window_size = None if window is None else (window, 0)
+    return compat_launcher(q, k, v, True, window_size, softcap, None, scaling).read(q, k, v, scaling)[0]
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, s_aux, kw):

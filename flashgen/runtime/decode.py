@@ -768,14 +768,13 @@ class DecodeLauncher:
             entry = self.reads.get(key)
         except (AttributeError, IndexError, TypeError):  # not 4-d tensors: decode() names the argument
             key = entry = None
+        plain = type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor and self.tuned is None  # as free
         call = None
-        if entry is not None and type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor \
-                and k_cache.shape[1] == v_cache.shape[1] and self.tuned is None:
+        if entry is not None and plain and k_cache.shape[1] == v_cache.shape[1]:
             call = self.length_free(entry, k_cache.shape[1])
         if call is None:  # decode() checks and plans this length class, keyed without the length
             result = self.decode(q, k_cache, v_cache, softmax_scale=softmax_scale, return_lse=return_lse)
-            if key is not None and self.tuned is None and type(k_cache) is torch.Tensor \
-                    and type(v_cache) is torch.Tensor and not self.attention.tensor_names:
+            if key is not None and plain and not self.attention.tensor_names:
                 entry = self.calls.get(_call_key(True, q, k_cache, v_cache, None, None, None, None, None, None, None,
                                                  None, return_lse, softmax_scale, None, 0, None, None, None, "async",
                                                  None, None, None, None))

@@ -597,13 +597,13 @@ class AttentionLauncher:
         serves (no dropout, document ids, named tensors or FP8; its mask and score_mod code are the
         prefill kernel's, causal aligned bottom-right), K and V with a contiguous last dim (the
         decode kernel's cache layout), one query in the bhsd layout (whose (B, 1, H, Dv) output is
-        also contiguous as (B, H, 1, Dv)), on a GPU or under the interpreter. The decode kernel
-        reads K/V once per KV group and splits long caches over the SMs; the prefill kernel runs one
-        program per (query block, head) over every key, and its plans of 4096 keys and more (tensor
-        descriptors, the Gluon family) are not length-free: a new plan per generation step."""
+        also contiguous as (B, H, 1, Dv)); CPU tensors without the interpreter are check_inputs'
+        error. The decode kernel reads K/V once per KV group and splits long caches over the SMs;
+        the prefill kernel runs one program per (query block, head) over every key, and its plans of
+        4096 keys and more (tensor descriptors, the Gluon family) are not length-free: a new plan per
+        generation step."""
         return ((layout == "bshd" or layout == "bhsd" and q.shape[2] == 1) and k.stride(-1) == 1 and v.stride(-1) == 1
-                and not (self.dropout or self.same_seqlen or self.tensor_names or self.fp8)
-                and (q.is_cuda or self.interpreting()))
+                and not (self.dropout or self.same_seqlen or self.tensor_names or self.fp8))
 
     def decode_call(self, q, k, v, layout, softmax_scale, seed):
         """(out, lse) of a decode-shaped call, or None when the call is not one, or its plan cannot
