@@ -5,7 +5,8 @@ configs; results/2026-11-26-h100-document-edges.md). Testing ``kv <= q`` alone i
 (aff8400) lost more to the extra loop than it saved. This bounds what any cheaper predicate can
 gain: the documents' kernels rendered with causal's predicate in place of theirs (exact on these
 block-aligned documents, where a boundary block lies in one document: the ids agree on every pair
-it holds), the segments' searches and everything else unchanged:
+it holds), the segments' lookups (the ids' runs table since 2026-11-27; binary searches before) and
+everything else unchanged:
 
 - per case: forward and backward GPU time (each call replayed from a CUDA graph; median ms), for
   ``predicate`` (today's kernels), ``causal_predicate`` (the ids' test left out) and ``causal``
@@ -18,14 +19,18 @@ it holds), the segments' searches and everything else unchanged:
 2026-11-27), where documents ran 0.85-0.94x the portable default while causal gains: variant
 ``masked_causal`` (causal written as the pattern prefix_lm 0, the mask path's arithmetic ranges and
 predicate, no ids and no searches, on the causal inputs) separates what the mask path costs from
-what the documents' searches and ids cost.
+what the documents' searches and ids cost. Variant ``arithmetic``: the documents' kernels with
+causal's predicate and each block's range computed from the (known, constant) document length, so
+no id and no table is read: what the range lookups cost beside the predicate.
 
-    PYTHONPATH=. python3 benchmarks/probe_document_predicate.py [--rounds 3] [--gluon] [--variants masked_causal]
+    PYTHONPATH=. python3 benchmarks/probe_document_predicate.py [--rounds 3] [--gluon] \
+        [--variants masked_causal arithmetic]
 """
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import sys
 import time
@@ -63,24 +68,42 @@ def config(spec: AttentionSpec, seqlen: int, gluon: bool = False, gluon_forward:
     return cfg.replace(hopper_bwd=True) if gluon else cfg
 
 
+def arithmetic_segments(source: str, doc_len: int) -> str:
+    """source with the documents' segment lookups (runs table) replaced by arithmetic on a known, constant
+    document length (exact only for documents of doc_len tokens each, block-aligned): no id is
+    read to find a block's range."""
+    kv, q = source.split("def _q_segments", 1)
+    kv_head, kv_body = kv.split("def _kv_segments", 1)
+    searches = {  # the searches' results: kv (first key of r0's / r1's document), q (one past c1's / c0's)
+        "kv": (f"r0 // {doc_len} * {doc_len}", f"r1 // {doc_len} * {doc_len}"),
+        "q": (f"(c1 // {doc_len} + 1) * {doc_len}", f"(c0 // {doc_len} + 1) * {doc_len}")}
+
+    def replace(body, axis):
+        first, second = searches[axis]
+        body, n0 = re.subn(r"^    s0 = .*$", f"    s0 = {first}", body, count=1, flags=re.M)
+        body, n1 = re.subn(r"^    s1 = .*$", f"    s1 = {second}", body, count=1, flags=re.M)
+        assert n0 == n1 == 1, "the segments' lookups moved"
+        return body
+
+    return kv_head + "def _kv_segments" + replace(kv_body, "kv") + "def _q_segments" + replace(q, "q")
+
+
 def build(spec: AttentionSpec, seqlen: int, variant: str = "predicate", gluon: bool = False,
-          gluon_forward: bool = False):
+          gluon_forward: bool = False, doc_len: int = 0):
     """The default config's module for spec at seqlen: as rendered (predicate), with causal's
-    predicate (causal_predicate), or with a wider binary search (search<N>: N probes per level)."""
+    predicate (causal_predicate), with causal's predicate and the segments computed from the known
+    document length doc_len (arithmetic: no id read at all). (The search<N> variants of 2026-11-26
+    widened the segments' binary searches, which the runs tables replaced on 2026-11-27.)"""
     cfg = config(spec, seqlen, gluon, gluon_forward)
     saved = KernelPlan.visible_code
-    if variant == "causal_predicate":
+    if variant in ("causal_predicate", "arithmetic"):
         KernelPlan.visible_code = lambda self, dialect="triton": "(cols < seqlen_k) & (cols <= rows)"
     try:
         source = render.render(spec, cfg, standalone=False)
     finally:
         KernelPlan.visible_code = saved
-    if variant.startswith("search"):
-        width = int(variant[len("search"):])
-        old = ("    probes = tl.arange(0, 64)\n", "        step = (hi - lo + 63) // 64\n")
-        assert all(line in source for line in old), "the search's text moved"
-        source = source.replace(old[0], f"    probes = tl.arange(0, {width})\n").replace(
-            old[1], f"        step = (hi - lo + {width - 1}) // {width}\n")
+    if variant == "arithmetic":
+        source = arithmetic_segments(source, doc_len)
     return import_path(cached_source_path(f"{spec.uri}-{variant}", source)), cfg
 
 
@@ -116,7 +139,7 @@ def run_case(case, args) -> dict:
     variants = {}
     gluon, gluon_forward = getattr(args, "gluon", False), getattr(args, "gluon_forward", False)
     for label in ("predicate", "causal_predicate", *(m for m in more if m != "masked_causal")):
-        module, cfg = build(spec, seqlen, label, gluon, gluon_forward)
+        module, cfg = build(spec, seqlen, label, gluon, gluon_forward, doc_len)
         variants[label] = (module, (q, k, v, do), tensors, cfg)
     # the causal kernels at the documents' configs (the same tiles), on the documents' length
     cfg = config(spec, seqlen, gluon, gluon_forward)
@@ -185,9 +208,9 @@ def markdown(rows, env) -> str:
                      f"{r['checks']['out_max_diff']:.2g}, {r['checks']['grad_max_diff']:.2g} |")
     more = rows[0].get("variants", []) if rows else []
     if more:
-        lines += ["", "Other variants of the documents' kernels (search<N>: the binary searches of the segments "
-                  "N-way, one vector load per level; masked_causal: causal as the pattern prefix_lm 0, on causal's "
-                  "inputs, its max diff against causal's), GPU ms and today's / theirs:", "",
+        lines += ["", "Other variants of the documents' kernels (arithmetic: the segments from the known document "
+                  "length and causal's predicate, no id read; masked_causal: causal as the pattern prefix_lm 0, "
+                  "on causal's inputs, its max diff against causal's), GPU ms and today's / theirs:", "",
                   "| case | S | variant | fwd ms | bwd ms | fwd ratio | bwd ratio | max diff vs today's |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in rows:
@@ -202,8 +225,8 @@ def markdown(rows, env) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--variants", nargs="*", default=[], help="also time these (search<N>: N-way searches; "
-                                                                     "masked_causal: causal through the mask path)")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="also time these (arithmetic: no id read; masked_causal: causal through the mask path)")
     parser.add_argument("--gluon", action="store_true", help="every variant's dK/dV on the Gluon kernel (hopper_bwd)")
     parser.add_argument("--gluon-forward", action="store_true", help="every variant's forward on the Gluon kernel "
                                                                      "(family hopper_ws, 128x128, 3 stages)")

@@ -102,12 +102,12 @@ def test_masked_render_keeps_the_unmasked_kernel_text():
     masked = _gluon_source(DOCS, causal=True)
     assert "tl." not in masked and "@triton.jit" not in masked
     assert "def _hw_visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc," in masked
-    assert "(first_block + j) * BLOCK_N" in masked and "_hw_search_near(" in masked
+    assert "(first_block + j) * BLOCK_N" in masked and "gl.load(runs_doc + " in masked
 
 
 def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     # the kernel takes the mask's tensors (ids, their strides and sizes) after the scalars, as the
-    # portable forward does, then (documents: ranges found by binary searches) the block-range table a
+    # portable forward does (documents: and their runs table), then the block-range table a
     # small kernel fills first over (tiles, batch); nothing runs here (the plans are made on the host,
     # their launches recorded)
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, mask=DOCS)
@@ -125,12 +125,13 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     assert ranges is module._hw_fwd_ranges and kernel is module._attn_fwd_hopper_ws
     assert grid == (1, 2) and constexprs == dict(BLOCK_M=128, BLOCK_N=128, CONSUMERS=2, num_warps=4)
     assert table.dtype == torch.int32 and table.shape == (2 * 1 * (2 + 4 * 2),)  # (batch, tiles) x 10
-    (_, _, _, out, lse, *_, qk_scale, t_doc, s0, s1, n0, n1, passed) = args
+    (_, _, _, out, lse, *_, qk_scale, t_doc, s0, s1, n0, n1, runs, passed) = args
     assert passed is table and ranges_args[:2] == [45, 45] and ranges_args[2] is t_doc
     assert out.shape == q.shape and out.dtype == torch.float16 and out.is_contiguous()  # the plan allocates them
     assert lse.shape == (2, 4, 45) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert qk_scale == pytest.approx(64 ** -0.5 * 1.4426950408889634)
     assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (45, 1, 1, 45)
+    assert runs.tolist() == [[[0] * 20 + [20] * 25], [[20] * 20 + [45] * 25]]  # the ids' runs, this call's
 
 
 def test_space_offers_the_family_for_served_masks_only():

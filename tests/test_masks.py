@@ -16,6 +16,7 @@ import triton.language as tl
 import flashgen
 from flashgen import AttentionSpec, KernelConfig, SpecError
 from flashgen.codegen import render
+from flashgen.runtime.host import runs_table
 from flashgen.verify import (assert_attention_close, assert_gradients_close, reference_attention,
                              reference_varlen)
 
@@ -128,8 +129,8 @@ def test_document_mask(device, lengths, causal):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_document_mask_boundaries_anywhere_in_a_block(device, causal):
     # Random layouts over 16-row blocks: boundaries on block edges, one row before and after
-    # them, several documents inside one block, sparse id values. Each block searches the row
-    # once and finds its other edge's document from there (plan._near_search): every case of
+    # them, several documents inside one block, sparse id values. Each block reads both edges'
+    # documents from the runs table: every case of
     # "same document at both edges" and "a boundary between them" is met.
     rng = random.Random(random.randrange(2**31))
     rows = []
@@ -147,14 +148,14 @@ def test_document_mask_boundaries_anywhere_in_a_block(device, causal):
 
 
 @triton.jit
-def _segments_probe(IDS, ids_s0, ids_s1, ids_n0, ids_n1, OUT, n, BLOCK: tl.constexpr):
+def _segments_probe(IDS, ids_s0, ids_s1, ids_n0, ids_n1, RUNS, OUT, n, BLOCK: tl.constexpr):
     # The document module's _kv_segments and _q_segments of one block (names injected by the test).
     blk = tl.program_id(0)
     off_b = tl.program_id(1)
     first = blk * BLOCK
     last = tl.minimum(first + BLOCK, n) - 1
-    kv = _kv_segments(first, last, off_b, 0, n, n, IDS, ids_s0, ids_s1, ids_n0, ids_n1)  # noqa: F821
-    q = _q_segments(first, last, off_b, 0, n, n, IDS, ids_s0, ids_s1, ids_n0, ids_n1)  # noqa: F821
+    kv = _kv_segments(first, last, off_b, 0, n, n, IDS, ids_s0, ids_s1, ids_n0, ids_n1, RUNS)  # noqa: F821
+    q = _q_segments(first, last, off_b, 0, n, n, IDS, ids_s0, ids_s1, ids_n0, ids_n1, RUNS)  # noqa: F821
     out = OUT + (off_b * tl.num_programs(0) + blk) * 8
     for i in tl.static_range(4):
         tl.store(out + i, kv[i])
@@ -163,9 +164,9 @@ def _segments_probe(IDS, ids_s0, ids_s1, ids_n0, ids_n1, OUT, n, BLOCK: tl.const
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
 def test_document_segments_are_exact(device, causal, monkeypatch):
-    # Every block's segment edges equal the document bounds found by brute force; the edges a
-    # _search_near finds are the whole-block ranges, where an error that narrows them would only
-    # cost speed, so the reference tests could not see it.
+    # Every block's segment edges equal the document bounds found by brute force (read from the
+    # runs table the launcher fills per call); the whole-block ranges are edges where an error that
+    # narrows them would only cost speed, so the reference tests could not see it.
     module = render.build_module(AttentionSpec(dtype="fp32", head_dim=16, mask={"document": {"causal": causal}},
                                                backward=True), SMALL)
     for name in ("_kv_segments", "_q_segments"):
@@ -176,8 +177,8 @@ def test_document_segments_are_exact(device, causal, monkeypatch):
             for _ in range(3)]
     ids = torch.stack(rows).to(device)
     out = torch.zeros(3, -(-n // block), 8, dtype=torch.int32, device=device)
-    _segments_probe[(out.shape[1], 3)](ids, ids.stride(0), ids.stride(1), ids.shape[0], ids.shape[1], out, n,
-                                       BLOCK=block)
+    _segments_probe[(out.shape[1], 3)](ids, ids.stride(0), ids.stride(1), ids.shape[0], ids.shape[1],
+                                       runs_table(ids), out, n, BLOCK=block)
     for b, row in enumerate(rows):
         row = row.tolist()
         start = lambda i: row.index(row[i])  # noqa: E731 (the first row of i's document)
@@ -189,18 +190,35 @@ def test_document_segments_are_exact(device, causal, monkeypatch):
             assert out[b, blk].tolist() == kv + q, (row, blk)
 
 
-def test_document_blocks_search_the_row_once():
-    # A block's two edges: one search over the whole row, the other edge's from it.
+def test_document_blocks_read_their_ranges_from_the_runs_table():
+    # A block's two edges: two lookups in the ids' runs table, no binary search; the table's
+    # pointer is threaded after the ids' own parameters, and only where a pattern searches ids.
     from flashgen.codegen.plan import plan_for
 
-    for causal, count in ((True, 1), (False, 2)):
+    for causal in (True, False):
         plan = plan_for(AttentionSpec(head_dim=16, mask={"document": {"causal": causal}}))
+        assert plan.runs_tensors == ["document_ids"]
+        assert plan.tensor_params.endswith(", t_document_ids_n1, runs_document_ids")
         for direction in ("kv", "q"):
             codes = [code for seg in plan.segments(direction) for _, code in seg.searches]
-            assert sum(c.startswith("_search(") for c in codes) == count
-            assert sum(c.startswith("_search_near(") for c in codes) == count
-        assert plan.near_searches
-    assert not plan_for(AttentionSpec(head_dim=16, mask={"chunked": 8})).near_searches
+            assert len(codes) == (2 if causal else 4) and all(c.startswith("tl.load(runs_document_ids + ")
+                                                              for c in codes), codes
+    for mask in ({"chunked": 8}, "doc[b, q_idx] == doc[b, kv_idx]", {"prefix_lm": "prefix"}):
+        plan = plan_for(AttentionSpec(head_dim=16, mask=mask))
+        assert plan.runs_tensors == [] and "runs_" not in plan.tensor_params
+
+
+def test_runs_table_is_each_elements_search_in_its_row():
+    rng = random.Random(random.randrange(2**31))
+    rows = torch.tensor([sorted(rng.randrange(6) for _ in range(40)) for _ in range(3)], dtype=torch.int64)
+    table = runs_table(rows)
+    assert table.dtype == torch.int32 and table.shape == (2, 3, 40)
+    for b, row in enumerate(rows.tolist()):
+        assert table[0, b].tolist() == [row.index(x) for x in row]
+        assert table[1, b].tolist() == [len(row) - row[::-1].index(x) for x in row]
+    flags = torch.tensor([[False, False, True, True]])  # a bool tensor is searched as 0/1
+    assert runs_table(flags).tolist() == [[[0, 0, 2, 2]], [[2, 2, 4, 4]]]
+    assert runs_table(rows[:, ::2]).tolist() == runs_table(rows[:, ::2].contiguous()).tolist()
 
 
 def test_forward_boundary_loop_reading_ids_per_column_takes_two_stages():

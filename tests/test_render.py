@@ -128,7 +128,7 @@ def test_segments_compute_each_search_once():
     assert (segments[1].lo, segments[1].full_lo) == ("s0", "s1")
     source = R.render(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16), standalone=False)
     body = source.split("def _kv_segments(")[1].split("\n\n")[0]
-    assert body.count(" = _search(") + body.count(" = _search_near(") == 2 and "swap = lo1 < lo0" in body
+    assert body.count(" = tl.load(runs_doc + ") == 2 and "swap = lo1 < lo0" in body
 
 
 @pytest.mark.parametrize("name,spec,config", GOLDEN_CASES, ids=GOLDEN_IDS)

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .. import masks
-from ..expr.ir import Load, Search, Var, reads_var, tensors_of, walk
-from ..expr.to_triton import GLUON, TRITON, tensor_params, tensor_pointer, tensor_size, tensor_stride, triton_expr
+from ..expr.ir import Load, reads_var, tensors_of, walk
+from ..expr.to_triton import (GLUON, TRITON, runs_pointer, runs_search, tensor_params, tensor_size, tensor_stride,
+                              triton_expr)
 
 # What each IR variable is called where the template uses the expression: in a tile of
 # (query rows x key columns) ...
@@ -23,8 +24,6 @@ TILE_NAMES = {"b": "off_b", "h": "off_h", "q_idx": "rows", "kv_idx": "cols", "sc
 # ... and over the edges of a block of rows [r0, r1] or of keys [c0, c1].
 BLOCK_EDGE_NAMES = {"b": "off_b", "h": "off_h", "r0": "r0", "r1": "r1", "c0": "c0", "c1": "c1",
                     "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}
-# A block's first and last edge, in order: r0 <= r1, c0 <= c1.
-EDGE_ORDER = {"r0": 0, "r1": 1, "c0": 0, "c1": 1}
 # The templates name the expression printer's dialect: the portable kernels' and the Gluon kernels'.
 DIALECTS = {"triton": TRITON, "gluon": GLUON}
 
@@ -48,12 +47,19 @@ class KernelPlan:
         self.mask_uses_b = self.predicate is not None and (reads_var(self.predicate, "b")
                                                            or bool(tensors_of(self.predicate)))
         self.mask_uses_h = self.predicate is not None and reads_var(self.predicate, "h")
+        # the sorted tensors (document ids) whose block ranges search a row for one of its own
+        # elements: the launcher fills a runs table of each per call, and a block's range reads two
+        # entries of it where the kernel would run a binary search before its first loads
+        self.runs_tensors = sorted({n.tensor for seg in (*self.kv_segments, *self.q_segments) for x in seg
+                                    for n in walk(x) if runs_search(n)}) if not self.block_map else []
 
     # -- parameters threaded through every jit function that evaluates the mask or the modifier
     @property
     def tensor_params(self) -> str:
-        """``, t_doc, t_doc_s0, ..., t_doc_n0, ...``: every named tensor's pointer, strides and sizes."""
-        return "".join(", " + p for t in self.tensors for p in tensor_params(t.name, t.rank))
+        """``, t_doc, t_doc_s0, ..., t_doc_n0, ..., runs_doc``: every named tensor's pointer, strides and
+        sizes, and its runs table where it has one."""
+        return "".join(", " + p for t in self.tensors for p in tensor_params(t.name, t.rank)
+                       + ([runs_pointer(t.name)] if t.name in self.runs_tensors else []))
 
     @property
     def grad_params(self) -> str:
@@ -91,81 +97,35 @@ class KernelPlan:
         return self.predicate is not None and any(
             isinstance(n, Load) and any(reads_var(i, "kv_idx") for i in n.index) for n in walk(self.predicate))
 
-    @property
-    def near_searches(self) -> bool:
-        """Whether some segment edge is a _search_near (segments.j2 renders it only then)."""
-        return any(code.startswith("_search_near(") for d in ("kv", "q") if not self.block_map
-                   for seg in self.segments(d) for _, code in seg.searches)
-
     def searches(self, direction: str) -> bool:
         """Whether a block's range in ``direction`` ("kv": a row block's keys, "q": a key block's rows)
-        takes binary searches (document ids): the Gluon kernels then read their blocks' ranges from a
-        table a small kernel fills first (hopper/masks.j2), where each program's searches would run
-        before its first loads; masks whose ranges read a head are left to compute them in place."""
+        takes searches of a sorted tensor (document ids: lookups in its runs table, or binary searches):
+        the Gluon kernels then read their blocks' ranges from a table a small kernel fills first
+        (hopper/masks.j2), where each program would read them before its first loads; masks whose
+        ranges read a head are left to compute them in place."""
         return (self.predicate is not None and not self.block_map and not self.mask_uses_h
                 and any(seg.searches for seg in self.segments(direction)))
 
     def segments(self, direction: str, dialect: str = "triton") -> list[SegmentEdges]:
         """The edges of each segment of a block's visible range (see masks.tree.segments) over
         the block's first and last row (``direction`` "kv": r0, r1) or key ("q": c0, c1), with
-        the binary searches they need (common/segments.j2 writes the assignments)."""
-        lang = DIALECTS[dialect]
+        the searches they need (common/segments.j2 writes the assignments): a search of a sorted
+        tensor's own element (document ids) is a lookup in its runs table (to_triton.runs_load)."""
+        lang, runs = DIALECTS[dialect], frozenset(self.runs_tensors)
         searches: dict[str, str] = {}  # search expression -> the name its result is given
-        edge_searches = {}  # search expression -> its Search node, where its value is the row at a block edge
         out = []
         for seg in (self.kv_segments if direction == "kv" else self.q_segments):
-            for node in (n for x in seg for n in walk(x) if _edge_search(n)):
-                edge_searches[triton_expr(node, BLOCK_EDGE_NAMES, dialect=lang)] = node
             new: list[tuple[str, str]] = []
 
-            def hoist(code: str) -> str:  # each distinct search once, named in order: s0, s1, ...
+            def hoist(code: str) -> str:  # each distinct search (or runs lookup) once, named in order: s0, s1, ...
                 if code not in searches:
                     searches[code] = f"s{len(searches)}"
-                    new.append((searches[code], _near_search(code, edge_searches, searches, lang) or code))
+                    new.append((searches[code], code))
                 return searches[code]
 
-            edges = [triton_expr(x, BLOCK_EDGE_NAMES, hoist, lang) for x in seg]
+            edges = [triton_expr(x, BLOCK_EDGE_NAMES, hoist, lang, runs) for x in seg]
             out.append(SegmentEdges(tuple(new), *edges))
         return out
-
-
-def _edge_search(node) -> bool:
-    """A search of the tensor's own element at one edge of the block: Search(T, T[b, edge])."""
-    return (isinstance(node, Search) and isinstance(node.value, Load) and node.value.tensor == node.tensor
-            and len(node.value.index) == 2 and isinstance(node.value.index[1], Var)
-            and node.value.index[1].name in EDGE_ORDER)
-
-
-def _near_search(code: str, edge_searches: dict, searches: dict, lang=TRITON) -> str | None:
-    """The search `code` narrowed by one already made at the block's other edge, or None.
-
-    In a sorted row, with positions x <= y: the searches of T[x] and T[y] agree when the two
-    elements are equal; else the first index >= T[y] and the first index > T[x] both lie in
-    (x, y], within the block. So of a block's two searches (the same tensor, side and batch)
-    one goes over the row and the other only compares two elements (or, across a boundary,
-    searches the block's span): segments.j2's _search_near."""
-    node = edge_searches.get(code)
-    if node is None:
-        return None
-    batch, edge = node.value.index
-    for known_code, name in searches.items():
-        known = edge_searches.get(known_code)
-        if known is None or known == node or (known.tensor, known.right, known.value.index[0]) != (
-                node.tensor, node.right, batch):
-            continue
-        other = known.value.index[1]
-        # the later edge's first index >= its element; the earlier edge's first index > its element
-        if EDGE_ORDER[edge.name] - EDGE_ORDER[other.name] != (-1 if node.right else 1):
-            continue
-        t, size, h = node.tensor, tensor_size(node.tensor, 1), lang.helper
-        first, last = sorted((edge.name, other.name), key=EDGE_ORDER.get)
-        base = (f"{tensor_pointer(t)} + {h}clamp({triton_expr(batch, BLOCK_EDGE_NAMES, dialect=lang)}, "
-                f"{tensor_size(t, 0)}) * {tensor_stride(t, 0)}")
-        value, known_value = (triton_expr(x.value, BLOCK_EDGE_NAMES, dialect=lang) for x in (node, known))
-        return (f"{h}search_near({base}, {tensor_stride(t, 1)}, {value}, {known_value}, {name}, "
-                f"{h}clamp({first}, {size}) + 1, "
-                f"{h}clamp({last}, {size}) + 1, RIGHT={node.right})")
-    return None
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,11 @@ def tensor_size(tensor: str, dim: int) -> str:
     return f"t_{tensor}_n{dim}"
 
 
+def runs_pointer(tensor: str) -> str:
+    """The parameter of a sorted tensor's runs table (see runs_load)."""
+    return f"runs_{tensor}"
+
+
 def tensor_params(tensor: str, rank: int) -> list[str]:
     """The kernel parameters one named tensor is passed as: pointer, strides, sizes."""
     return ([tensor_pointer(tensor)] + [tensor_stride(tensor, d) for d in range(rank)]
@@ -98,12 +103,31 @@ def _element_offset(node: Load, names, hoist, dialect: Dialect) -> str:
                       f"{tensor_stride(t, d)}" for d, i in enumerate(node.index))
 
 
+def runs_search(node) -> bool:
+    """Whether `node` searches a rank-2 tensor's row for one of the row's own elements,
+    Search(T, T[b, x]): a lookup in T's runs table (runs_load) where the plan keeps one."""
+    return (isinstance(node, Search) and isinstance(node.value, Load) and node.value.tensor == node.tensor
+            and len(node.value.index) == 2)
+
+
+def runs_load(node: Search, names, hoist, dialect: Dialect) -> str:
+    """Search(T, T[b, x]) read from T's runs table, an int32 (2, n0, n1) tensor the launcher fills per
+    call (host.runs_table): [0, b, x] the first index of row b holding T[b, x], [1, b, x] the
+    first past it; the search's result in a nondecreasing row (both clamp b and x as the search does)."""
+    t = node.tensor
+    b, x = (f"{dialect.helper}clamp({triton_expr(i, names, hoist, dialect)}, {tensor_size(t, d)})"
+            for d, i in enumerate(node.value.index))
+    side = f"{tensor_size(t, 0)} + " if node.right else ""
+    return f"{dialect.lang}.load({runs_pointer(t)} + ({side}{b}) * {tensor_size(t, 1)} + {x})"
+
+
 def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | None = None,
-                dialect: Dialect = TRITON) -> str:
+                dialect: Dialect = TRITON, runs: frozenset = frozenset()) -> str:
     """Triton source for an IR node. `hoist(code) -> name`, when given, turns each binary
-    search into a statement of its own and the expression refers to its result by name."""
+    search into a statement of its own and the expression refers to its result by name.
+    runs: the tensors whose searches of their own elements read a runs table (runs_load)."""
     def write(x):
-        return triton_expr(x, names, hoist, dialect)
+        return triton_expr(x, names, hoist, dialect, runs)
 
     lang, helper = dialect.lang, dialect.helper
     if isinstance(node, Const):
@@ -114,6 +138,9 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
         return f"{lang}.load({tensor_pointer(node.tensor)} + {_element_offset(node, names, hoist, dialect)})"
     if isinstance(node, Search):
         t = node.tensor
+        if t in runs and runs_search(node):
+            code = runs_load(node, names, hoist, dialect)
+            return hoist(code) if hoist else code
         code = (f"{helper}search({tensor_pointer(t)} + {helper}clamp({names['b']}, {tensor_size(t, 0)}) * "
                 f"{tensor_stride(t, 0)}, {tensor_stride(t, 1)}, {tensor_size(t, 1)}, "
                 f"{write(node.value)}, RIGHT={node.right})")

@@ -217,6 +217,18 @@ def check_tensors(q, k, v, layout):
             raise ValueError(f"{name}: expected a {ndim}-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
 
 
+def runs_table(t):
+    """The runs table of a (rows, n) tensor of nondecreasing rows (document ids): int32 (2, rows, n),
+    [0, b, x] the first index of row b holding t[b, x] and [1, b, x] the first past it, i.e. a
+    binary search of each element in its own row (searchsorted left and right), made once per call
+    so that the kernels read a block's range instead of searching for it (to_triton.runs_load)."""
+    rows = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
+    table = torch.empty((2, *rows.shape), dtype=torch.int32, device=rows.device)
+    torch.searchsorted(rows, rows, out_int32=True, out=table[0])
+    torch.searchsorted(rows, rows, right=True, out_int32=True, out=table[1])
+    return table
+
+
 def check_tensor_names(tensors, names):
     """The named tensors a call passes are exactly the spec's `names` (the one place this is
     checked: the launcher and flashgen.api's call path both use it)."""
@@ -245,7 +257,7 @@ class AttentionLauncher:
     RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2), folded into qk_scale
 
     def __init__(self, *, spec, config, forward_kernel, preprocess_kernel, dkdv_kernel, dq_kernel,
-                 tensor_ranks=None, grad_tensors=(), block_map_kernel=None, map_uses_batch=False,
+                 tensor_ranks=None, grad_tensors=(), runs_tensors=(), block_map_kernel=None, map_uses_batch=False,
                  map_uses_head=False, keep_mask_kernel=None, same_seqlen=False, short_kernel=None):
         version = tuple(int(part) for part in triton.__version__.split(".")[:2])
         if version < MIN_TRITON:
@@ -267,6 +279,7 @@ class AttentionLauncher:
         self.tensor_ranks = dict(tensor_ranks or {})
         self.tensor_names = list(self.tensor_ranks)
         self.grad_tensors = list(grad_tensors)
+        self.runs_tensors = frozenset(runs_tensors)
         self.block_map_kernel = block_map_kernel
         self.map_uses_batch, self.map_uses_head = map_uses_batch, map_uses_head
         self.block_maps = {}  # (batch, heads, seqlens, tiling, device) -> block map, for masks that read no tensor
@@ -348,11 +361,14 @@ class AttentionLauncher:
         return views
 
     def tensor_args(self, tensors):
-        """The kernels' arguments for the named tensors: each tensor, its strides, its shape."""
+        """The kernels' arguments for the named tensors: each tensor, its strides, its shape (and its
+        runs table, filled for this call, where the kernels read one)."""
         args = []
         for name in self.tensor_names:
             t = tensors[name]
             args += [t, *t.stride(), *t.shape]
+            if name in self.runs_tensors:
+                args.append(runs_table(t))
         return args
 
     def knobs(self, overrides):

@@ -56,6 +56,7 @@ CONFIG = {
 TENSORS = ['doc']  # named tensors a call passes by keyword
 TENSOR_RANKS = {"doc": 2}
 GRAD_TENSORS = []  # float tensors gradients flow into
+RUNS_TENSORS = ['doc']  # sorted tensors the kernels also read as runs tables (host.runs_table)
 BLOCK_MAP = False
 
 # The spec's constants, read by the kernels as compile-time globals (tile sizes, warps and
@@ -116,37 +117,27 @@ def _search(PTR, stride, n, value, RIGHT: tl.constexpr):
 
 
 @triton.jit
-def _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1):
+def _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc):
     # Which (query row, key column) pairs are attended; rows and cols broadcast to the tile.
     return (cols < seqlen_k) & (((tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(rows, t_doc_n1) * t_doc_s1) == tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(cols, t_doc_n1) * t_doc_s1)) & (cols <= rows)))
 
 
 @triton.jit
-def _kv_segments(r0, r1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1):
+def _kv_segments(r0, r1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc):
     # Query rows [r0, r1] see keys in [lo, hi); every one of them sees all of [flo, fhi).
-    s0 = _search(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, t_doc_n1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(r0, t_doc_n1) * t_doc_s1), RIGHT=False)
-    s1 = _search_near(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(r1, t_doc_n1) * t_doc_s1), tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(r0, t_doc_n1) * t_doc_s1), s0, _clamp(r0, t_doc_n1) + 1, _clamp(r1, t_doc_n1) + 1, RIGHT=False)
+    s0 = tl.load(runs_doc + (_clamp(off_b, t_doc_n0)) * t_doc_n1 + _clamp(r0, t_doc_n1))
+    s1 = tl.load(runs_doc + (_clamp(off_b, t_doc_n0)) * t_doc_n1 + _clamp(r1, t_doc_n1))
     lo0, hi0, flo0, fhi0 = s0, (r1 + 1), s1, (r0 + 1)
     return lo0, hi0, flo0, fhi0
 
 
 @triton.jit
-def _q_segments(c0, c1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1):
+def _q_segments(c0, c1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc):
     # Keys [c0, c1] are seen by query rows in [lo, hi); every one of those rows sees all of them in [flo, fhi).
-    s0 = _search(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, t_doc_n1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(c1, t_doc_n1) * t_doc_s1), RIGHT=True)
-    s1 = _search_near(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0, t_doc_s1, tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(c0, t_doc_n1) * t_doc_s1), tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(c1, t_doc_n1) * t_doc_s1), s0, _clamp(c0, t_doc_n1) + 1, _clamp(c1, t_doc_n1) + 1, RIGHT=True)
+    s0 = tl.load(runs_doc + (t_doc_n0 + _clamp(off_b, t_doc_n0)) * t_doc_n1 + _clamp(c1, t_doc_n1))
+    s1 = tl.load(runs_doc + (t_doc_n0 + _clamp(off_b, t_doc_n0)) * t_doc_n1 + _clamp(c0, t_doc_n1))
     lo0, hi0, flo0, fhi0 = c0, s0, c1, s1
     return lo0, hi0, flo0, fhi0
-
-
-@triton.jit
-def _search_near(PTR, stride, value, known_value, known, lo, hi, RIGHT: tl.constexpr):
-    # _search of `value` given `known`, the same search of `known_value`, the two values read at
-    # positions lo - 1 and hi - 1 of a sorted row (a block's two edges): equal values share the
-    # answer; else it lies in [lo, hi), so the block's span is searched instead of the whole row.
-    same = value == known_value
-    start = tl.where(same, known, lo)
-    return start + _search(PTR + start * stride, stride, tl.where(same, 0, hi - lo), value, RIGHT=RIGHT)
 
 
 @triton.jit
@@ -195,14 +186,14 @@ def _seq_bounds(CU, off_b, seqlen, total, VARLEN: tl.constexpr):
 
 @triton.jit
 def _online_softmax_step(acc, m_i, l_i, q, k, v, rows, cols, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                         seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, MASKED: tl.constexpr, DROPOUT: tl.constexpr):
+                         seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, MASKED: tl.constexpr, DROPOUT: tl.constexpr):
     # One (BLOCK_M x BLOCK_N) tile: s = q k^T * scale * log2(e); m' = max(m, rowmax s);
     # l' = l * 2^(m - m') + rowsum 2^(s - m'); acc' = acc * 2^(m - m') + 2^(s - m') v.
     qk = tl.dot(q, k, input_precision=DOT_PRECISION)
     qk = qk * qk_scale
     if MASKED:
         # Only boundary tiles get here.
-        qk = tl.where(_visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1), qk, float("-inf"))
+        qk = tl.where(_visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         # A row with every key masked so far keeps m = -inf; subtract 0 instead (no NaN).
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -282,19 +273,19 @@ def _load_seed(SEED, DROPOUT: tl.constexpr):
 
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
-              stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+              stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
               BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
     k, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k,
                     off_b, off_hk, BLOCK_N, BOUNDS=MASKED, TMA=TMA)
     return _online_softmax_step(acc, m_i, l_i, q, k, v, rows, (start_n + offs_n)[None, :], off_b, off_h,
-                                seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+                                seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
                                 MASKED=MASKED, DROPOUT=DROPOUT)
 
 
 @triton.jit
 def _fwd_blocks(acc, m_i, l_i, q, K, V, lo, hi, lo2, hi2, BLOCKS, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd,
                 stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
-                dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr,
+                dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr,
                 DROPOUT: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STAGES: tl.constexpr):
     # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: the two boundary bands
     # of a segment), or (LISTED) the key blocks BLOCKS[lo:hi] of a block map. WARP_SPECIALIZE
@@ -307,14 +298,14 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, lo, hi, lo2, hi2, BLOCKS, rows, offs_n, 
         for j in range(lo, hi):
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, tl.load(BLOCKS + j) * BLOCK_N, rows, offs_n, offs_d,
                                       offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk,
-                                      seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+                                      seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
                                       BLOCK_N, MASKED, DROPOUT, TMA)
     else:
         for j in tl.range(lo, hi + (hi2 - lo2), BLOCK_N, num_stages=STAGES, warp_specialize=WARP_SPECIALIZE):
             start_n = tl.where(j < hi, j, j - hi + lo2)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn,
                                       stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
-                                      sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, MASKED,
+                                      sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N, MASKED,
                                       DROPOUT, TMA)
     return acc, m_i, l_i
 
@@ -327,7 +318,7 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh,
-    num_heads, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+    num_heads, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
     total_q, total_k,  # packed sequences: the tokens of q and k (cu_seqlens offsets are clamped into them)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
@@ -374,7 +365,7 @@ def _attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     (seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi) = _kv_segments(
-        start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1)
+        start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc)
     first_unvisited = 0
     lo, full_lo, full_hi, hi = _span(seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi, first_unvisited,
                                      seqlen_k, BLOCK_N, False)
@@ -382,14 +373,14 @@ def _attn_fwd(
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_source, v_source,
                                 full_lo, full_hi, full_hi, full_hi, K, rows, offs_n, offs_d, offs_dv,
                                 stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
-                                sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False,
+                                sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N, LISTED=False,
                                 MASKED=False, DROPOUT=DROPOUT, TMA=TMA,
                                 WARP_SPECIALIZE=WARP_SPECIALIZE, STAGES=None)
     # the boundary blocks below and above them (and the ragged last block), in one loop
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_source, v_source,
                                 lo, full_lo, full_hi, hi, K, rows, offs_n, offs_d, offs_dv,
                                 stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
-                                sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False,
+                                sm_scale, qk_scale, seed, row0, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N, LISTED=False,
                                 MASKED=True, DROPOUT=DROPOUT, TMA=TMA,
                                 WARP_SPECIALIZE=False, STAGES=2)
 
@@ -429,7 +420,7 @@ def _bwd_preprocess(O, DO, DELTA,
 @triton.jit
 def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_n, offs_d, offs_dv,
                  stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                 off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+                 off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DROPOUT: tl.constexpr,
                  TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr):
     # One K/V block against one query block, in the transposed orientation:
@@ -449,7 +440,7 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * RCP_LN2)
     pT = tl.math.exp2(tl.dot(k, qT, input_precision=DOT_PRECISION) * qk_scale - lse_log2[None, :])
     if MASKED:
-        visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1)
+        visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc)
         pT = tl.where(visible, pT, 0.0)
     else:
         visible = (rows < seqlen_q) & (cols < seqlen_k)
@@ -478,7 +469,7 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
 @triton.jit
 def _bwd_kv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, lo, hi, lo2, hi2, BLOCKS, offs_n, offs_d, offs_dv,
                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
-                   off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+                   off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
                    BLOCK_M: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                    DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr):
     # Query blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_M, or (LISTED) the query blocks BLOCKS[lo:hi].
@@ -487,14 +478,14 @@ def _bwd_kv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, lo, hi, lo2,
             dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, tl.load(BLOCKS + j) * BLOCK_M,
                                   offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
                                   stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
-                                  dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT,
+                                  dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT,
                                   TENSOR_GRADS, TMA)
     else:
         for j in range(lo, hi + (hi2 - lo2), BLOCK_M):
             start_m = tl.where(j < hi, j, j - hi + lo2)
             dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_n, offs_d, offs_dv,
                                   stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h,
-                                  seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+                                  seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
                                   BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT, TENSOR_GRADS, TMA)
     return dk, dv
 
@@ -510,7 +501,7 @@ def _attn_bwd_dkdv(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_lb, stride_lh,
-    num_heads, seqlen_q, seqlen_k, qk_scale, sm_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+    num_heads, seqlen_q, seqlen_k, qk_scale, sm_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
     total_q, total_k,  # packed sequences: the tokens of q and k (cu_seqlens offsets are clamped into them)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
     DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr,
@@ -541,7 +532,7 @@ def _attn_bwd_dkdv(
     seed = _load_seed(SEED, DROPOUT)
     # The query rows that see this key block (the same for every head of the group).
     (seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi) = _q_segments(
-        start_n, tl.minimum(start_n + BLOCK_N, seqlen_k) - 1, off_b, off_hk, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1)
+        start_n, tl.minimum(start_n + BLOCK_N, seqlen_k) - 1, off_b, off_hk, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc)
     for g in range(GQA_GROUP):
         off_h = off_hk * GQA_GROUP + g
         row0 = off_b * stride_lb + off_h * stride_lh + q_start
@@ -558,14 +549,14 @@ def _attn_bwd_dkdv(
         dk, dv = _bwd_kv_blocks(dk, dv, k, v, q_source, do_source, LSE + row0, DELTA + row0, dq_head, seed, row0,
                                 full_lo, full_hi, full_hi, full_hi, Q, offs_n, offs_d, offs_dv,
                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q,
-                                seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_M,
+                                seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_M,
                                 LISTED=False, MASKED=False, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
                                 TENSOR_GRADS=TENSOR_GRADS, TMA=TMA)
         # the boundary blocks below and above them (and the ragged last block), in one loop
         dk, dv = _bwd_kv_blocks(dk, dv, k, v, q_source, do_source, LSE + row0, DELTA + row0, dq_head, seed, row0,
                                 lo, full_lo, full_hi, hi, Q, offs_n, offs_d, offs_dv,
                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q,
-                                seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_M,
+                                seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_M,
                                 LISTED=False, MASKED=True, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
                                 TENSOR_GRADS=TENSOR_GRADS, TMA=TMA)
     dk = dk * sm_scale
@@ -579,14 +570,14 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
                 stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
-                qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+                qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
     kT, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k,
                      off_b, off_hk, BLOCK_N, BOUNDS=MASKED, TMA=TMA)
     cols = (start_n + offs_n)[None, :]
     p = tl.math.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse_log2[:, None])
     if MASKED:
-        visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1)
+        visible = _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc)
         p = tl.where(visible, p, 0.0)
     else:
         visible = (rows < seqlen_q) & (cols < seqlen_k)
@@ -601,7 +592,7 @@ def _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, start_n, rows, off
 @triton.jit
 def _bwd_q_blocks(dq, q, do, lse_log2, delta, K, V, seed, row0, lo, hi, lo2, hi2, BLOCKS, rows, offs_n, offs_d, offs_dv,
                   stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
-                  qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+                  qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
                   BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
                   TMA: tl.constexpr):
     # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N, or (LISTED) the key blocks BLOCKS[lo:hi].
@@ -609,13 +600,13 @@ def _bwd_q_blocks(dq, q, do, lse_log2, delta, K, V, seed, row0, lo, hi, lo2, hi2
         for j in range(lo, hi):
             dq = _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, tl.load(BLOCKS + j) * BLOCK_N, rows, offs_n,
                              offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q,
-                             seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, MASKED, DROPOUT, TMA)
+                             seqlen_k, sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N, MASKED, DROPOUT, TMA)
     else:
         for j in range(lo, hi + (hi2 - lo2), BLOCK_N):
             start_n = tl.where(j < hi, j, j - hi + lo2)
             dq = _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
                              stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
-                             sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, MASKED, DROPOUT, TMA)
+                             sm_scale, qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N, MASKED, DROPOUT, TMA)
     return dq
 
 
@@ -628,7 +619,7 @@ def _attn_bwd_dq(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_lb, stride_lh,
-    num_heads, seqlen_q, seqlen_k, qk_scale, sm_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+    num_heads, seqlen_q, seqlen_k, qk_scale, sm_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
     total_q, total_k,  # packed sequences: the tokens of q and k (cu_seqlens offsets are clamped into them)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
 ):
@@ -671,7 +662,7 @@ def _attn_bwd_dq(
     seed = _load_seed(SEED, DROPOUT)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     (seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi) = _kv_segments(
-        start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1)
+        start_m, tl.minimum(start_m + BLOCK_M, seqlen_q) - 1, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc)
     first_unvisited = 0
     lo, full_lo, full_hi, hi = _span(seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi, first_unvisited,
                                      seqlen_k, BLOCK_N, False)
@@ -679,13 +670,13 @@ def _attn_bwd_dq(
     dq = _bwd_q_blocks(dq, q, do, lse_log2, delta, k_source, v_source, seed, row0,
                        full_lo, full_hi, full_hi, full_hi, K, rows, offs_n, offs_d, offs_dv,
                        stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
-                       qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False, MASKED=False,
+                       qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N, LISTED=False, MASKED=False,
                        DROPOUT=DROPOUT, TMA=TMA)
     # the boundary blocks below and above them (and the ragged last block), in one loop
     dq = _bwd_q_blocks(dq, q, do, lse_log2, delta, k_source, v_source, seed, row0,
                        lo, full_lo, full_hi, hi, K, rows, offs_n, offs_d, offs_dv,
                        stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
-                       qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, LISTED=False, MASKED=True,
+                       qk_scale, dropout_p, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N, LISTED=False, MASKED=True,
                        DROPOUT=DROPOUT, TMA=TMA)
     dq = dq * sm_scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqm
@@ -804,7 +795,7 @@ def _decode_kv_tile(K, V, page, start_n, offs_n, offs_d, offs_dv, stride_kn, str
 @triton.jit
 def _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, hi, lo2, hi2, rows, offs_n, offs_d, offs_dv, stride_kn,
                    stride_kd, stride_vn, stride_vd, stride_kp, stride_vp, num_pages, off_b, heads, seqlen_q,
-                   seqlen_k, sm_scale, qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   seqlen_k, sm_scale, qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, PREFETCH: tl.constexpr, V_CVT: tl.constexpr):
     # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: a segment's two boundary
     # bands). bad: the least bad block table key met so far (see _decode_pages). PREFETCH: the
@@ -835,7 +826,7 @@ def _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, hi, lo2, hi2, rows, offs
         else:
             v = v.to(q.dtype)
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, rows, (start_n + offs_n)[None, :], off_b, heads,
-                                             seqlen_q, seqlen_k, sm_scale, qk_scale, 0, 0, 0.0, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+                                             seqlen_q, seqlen_k, sm_scale, qk_scale, 0, 0, 0.0, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
                                              MASKED=MASKED, DROPOUT=False)
     return acc, m_i, l_i, bad
 
@@ -861,7 +852,7 @@ def _attn_decode(
     stride_lb, stride_lh,
     stride_btb, num_pages, num_kv_heads, cache_batch, capacity, seqlen_q, seqlen_add, num_splits,
     stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
-    sm_scale, qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1,
+    sm_scale, qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BATCH_INDEX: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr, PREFETCH: tl.constexpr,
     DESCALE: tl.constexpr, FP16_DOT: tl.constexpr, V_CVT: tl.constexpr, FUSED: tl.constexpr,
@@ -934,7 +925,7 @@ def _attn_decode(
     r1 = tl.minimum((start_m + BLOCK_M - 1) // GQA_GROUP, seqlen_q - 1)
     # The keys some packed row sees: the hull of the mask's segments for query rows r0..r1.
     (seg0_lo, seg0_hi, seg0_full_lo, seg0_full_hi) = _kv_segments(
-        r0, r1, off_b, off_hk * GQA_GROUP, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1)
+        r0, r1, off_b, off_hk * GQA_GROUP, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc)
     vis_lo = seg0_lo
     vis_hi = seg0_hi
     vis_lo = tl.maximum(vis_lo, 0)
@@ -952,13 +943,13 @@ def _attn_decode(
     acc, m_i, l_i, bad = _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, full_lo, full_hi, full_hi, full_hi, rows,
                                         offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb,
                                         stride_vb, num_pages, off_b, heads, seqlen_q, seqlen_k, sm_scale,
-                                        qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, MASKED=False, PAGED=PAGED,
+                                        qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N, MASKED=False, PAGED=PAGED,
                                         PAGE_SIZE=PAGE_SIZE, PREFETCH=PREFETCH, V_CVT=V_CVT)
     # the boundary blocks below and above them (and the ragged last block), in one loop
     acc, m_i, l_i, bad = _decode_blocks(acc, m_i, l_i, bad, q, K, V, BT, lo, full_lo, full_hi, hi, rows,
                                         offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, stride_kb,
                                         stride_vb, num_pages, off_b, heads, seqlen_q, seqlen_k, sm_scale,
-                                        qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, BLOCK_N, MASKED=True, PAGED=PAGED,
+                                        qk_scale, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc, BLOCK_N, MASKED=True, PAGED=PAGED,
                                         PAGE_SIZE=PAGE_SIZE, PREFETCH=PREFETCH, V_CVT=V_CVT)
     if PAGED:
         if bad != NO_BAD_PAGE:
@@ -1054,6 +1045,7 @@ _LAUNCHER = AttentionLauncher(
     dq_kernel=_attn_bwd_dq,
     tensor_ranks=TENSOR_RANKS,
     grad_tensors=GRAD_TENSORS,
+    runs_tensors=RUNS_TENSORS,
     keep_mask_kernel=_dropout_mask_kernel,
     same_seqlen=True,  # a document mask indexes one id tensor by query and key
 )
