@@ -196,8 +196,9 @@ def test_an_atomic_kernel_gets_the_float32_dq_buffer_and_no_dq_launch(monkeypatc
 
 
 def test_a_masked_call_passes_its_named_tensors(monkeypatch):
-    # a mask's tensors (document ids, their strides and sizes) follow the scalars (and the atomic dQ
-    # buffer's), taken from the portable dK/dV launch's arguments, whose place in them the plan says
+    # a mask's tensors (document ids, their strides and sizes, and the ids' runs table) follow the scalars
+    # (and the atomic dQ buffer's), taken from the portable dK/dV launch's arguments, whose place in them
+    # the plan says
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=2, num_kv_heads=1, causal=True, backward=True,
                          mask={"document": {"ids": "doc"}})
     doc = torch.tensor([[0] * 7 + [1] * 13], dtype=torch.int32)
@@ -205,7 +206,7 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
         module = flashgen.compile(spec, KernelConfig(hopper_bwd=True, **knobs)).module()
         module._LAUNCHER.plans.clear()
         hopper = module._LAUNCHER.hopper_backward
-        assert hopper.named_args == 5
+        assert hopper.named_args == 6
         kernel, ranges = RecordingKernel(), RecordingRanges()
         assert hopper.ranges is module._hw_bwd_ranges  # documents' rows come from a table a small kernel fills
         monkeypatch.setattr(hopper, "kernel", kernel)
@@ -220,10 +221,11 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
         ((grid, (table, *ranges_args), constexprs),) = ranges.launches  # (key blocks, batch): 6 ints each
         assert grid == (1, 1) and constexprs == dict(BLOCK_M=64, CONSUMERS=2, num_warps=4)
         assert table.dtype == torch.int32 and table.shape == (6,) and args[-1] is table
-        assert ranges_args[:2] == [20, 20] and ranges_args[2] is args[-6]
-        assert args[:8][6].shape == k.shape and len(args) == 8 + tail + 5 + 1
-        t_doc, s0, s1, n0, n1 = args[-6:-1]
-        assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (20, 1, 1, 20), args[-5:]
+        assert ranges_args[:2] == [20, 20] and ranges_args[2] is args[-7] and ranges_args[-1] is args[-2]
+        assert args[:8][6].shape == k.shape and len(args) == 8 + tail + 6 + 1
+        t_doc, s0, s1, n0, n1, runs = args[-7:-1]
+        assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (20, 1, 1, 20), args[-6:]
+        assert runs.tolist() == [[[0] * 7 + [7] * 13], [[7] * 7 + [20] * 13]]  # this call's runs of the ids
         assert args[19:21] == (0.5 * hopper.RCP_LN2, 0.5)  # the scalars; then the atomic buffer's four
         assert tail == 13 or (args[21].dtype == torch.float32 and args[22:25] == (2560, 64, 128))
 
