@@ -111,7 +111,7 @@ class KernelPlan:
         the block's first and last row (``direction`` "kv": r0, r1) or key ("q": c0, c1), with
         the searches they need (common/segments.j2 writes the assignments): a search of a sorted
         tensor's own element (document ids) is a lookup in its runs table (to_triton.runs_load)."""
-        lang, runs = DIALECTS[dialect], frozenset(self.runs_tensors)
+        lang = DIALECTS[dialect]
         searches: dict[str, str] = {}  # search expression -> the name its result is given
         out = []
         for seg in (self.kv_segments if direction == "kv" else self.q_segments):
@@ -123,7 +123,7 @@ class KernelPlan:
                     new.append((searches[code], code))
                 return searches[code]
 
-            edges = [triton_expr(x, BLOCK_EDGE_NAMES, hoist, lang, runs) for x in seg]
+            edges = [triton_expr(x, BLOCK_EDGE_NAMES, hoist, lang) for x in seg]
             out.append(SegmentEdges(tuple(new), *edges))
         return out
 

@@ -105,7 +105,7 @@ def _element_offset(node: Load, names, hoist, dialect: Dialect) -> str:
 
 def runs_search(node) -> bool:
     """Whether `node` searches a rank-2 tensor's row for one of the row's own elements,
-    Search(T, T[b, x]): a lookup in T's runs table (runs_load) where the plan keeps one."""
+    Search(T, T[b, x]): a lookup in T's runs table (runs_load)."""
     return (isinstance(node, Search) and isinstance(node.value, Load) and node.value.tensor == node.tensor
             and len(node.value.index) == 2)
 
@@ -122,12 +122,13 @@ def runs_load(node: Search, names, hoist, dialect: Dialect) -> str:
 
 
 def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | None = None,
-                dialect: Dialect = TRITON, runs: frozenset = frozenset()) -> str:
+                dialect: Dialect = TRITON) -> str:
     """Triton source for an IR node. `hoist(code) -> name`, when given, turns each binary
-    search into a statement of its own and the expression refers to its result by name.
-    runs: the tensors whose searches of their own elements read a runs table (runs_load)."""
+    search into a statement of its own and the expression refers to its result by name. A
+    search of a tensor's own element is read from the tensor's runs table (runs_load; the plan
+    threads the table of every tensor it searches so: KernelPlan.runs_tensors)."""
     def write(x):
-        return triton_expr(x, names, hoist, dialect, runs)
+        return triton_expr(x, names, hoist, dialect)
 
     lang, helper = dialect.lang, dialect.helper
     if isinstance(node, Const):
@@ -138,7 +139,7 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
         return f"{lang}.load({tensor_pointer(node.tensor)} + {_element_offset(node, names, hoist, dialect)})"
     if isinstance(node, Search):
         t = node.tensor
-        if t in runs and runs_search(node):
+        if runs_search(node):
             code = runs_load(node, names, hoist, dialect)
             return hoist(code) if hoist else code
         code = (f"{helper}search({tensor_pointer(t)} + {helper}clamp({names['b']}, {tensor_size(t, 0)}) * "
