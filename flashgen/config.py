@@ -500,13 +500,17 @@ def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen
     691 (128x128) / 661; hd64 causal S=4096 469 / 433, S=16384 543 / 522; hd256 causal S=4096 809 / 720,
     S=16384 920 (3 stages) / 838; lost: hd128 S=16384 823 / 915, causal 831 / 852, hd64 S=16384 518 /
     557, hd256 S=16384 870 / 916; hd256 S=4096 872 / 854 (+2%, within a run's noise: not taken). hd64
-    S=4096 plain: the one-tile 128 x 128, 511 against the portable FP8 default's 487."""
+    S=4096 plain: the one-tile 128 x 128, 511 against the portable FP8 default's 487.
+    hd128 causal since FP8's one-compare causal mask (benchmarks/results/2026-11-27-h100-fp8-causal-mask-
+    probe.md, H100, flashgen.attention TFLOP/s, two runs): 128 x 256 persistent S=4096 760 / 756 (128 x
+    128 persistent 724 / 717), S=16384 912 / 911 (one-tile 128 x 256 873 / 875); S=8192 (.scratch knob
+    run, two rounds) 833 / 826 against the one-tile 128 x 128, 3 stages default before it, 728 / 714.
+    Also tried at 4096 and 8192 causal, none faster: 3 stages, 232 registers (within 2%), ping-pong
+    (-18%), overlap (-26%)."""
     tile = dict(HOPPER_DEFAULT_TILE)
     if d == 128 and seqlen >= 4096:
-        if seqlen <= 4096:  # (8192 keeps the one-tile grid, as bf16's: its walks are long, not measured)
-            return dict(tile, hopper_persistent=True, **({} if shape.causal else dict(BLOCK_N=256)))
-        if shape.causal and seqlen < 16384:
-            return dict(tile, num_stages=3)
+        if shape.causal or seqlen <= 4096:  # (plain 8192+ keeps the one-tile grid: long walks, as bf16's)
+            return dict(tile, BLOCK_N=256, hopper_persistent=True)
         return dict(tile, BLOCK_N=256)
     if d == 256 and seqlen >= 4096:
         if shape.causal:

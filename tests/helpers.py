@@ -1,5 +1,6 @@
 """Shared test helpers: fresh random inputs, output buffers poisoned with NaN, child processes."""
 
+import itertools
 import os
 
 import torch
@@ -30,3 +31,14 @@ def poisoned_outputs(q, heads, seqlen_q, head_dim_v, layout):
 def child_pythonpath(*first) -> str:
     """PYTHONPATH for a child process: `first`, then whatever this process was given."""
     return os.pathsep.join([*map(str, first), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
+def half_fractions(binary_factors, rows):
+    """(row index, row, *combination) for each of `rows` with half of the combinations of the
+    two-level `binary_factors`: those of one parity, the parity alternating from row to row. Every
+    row meets each level of each factor, and any two factors meet in all four combinations, for half
+    the cases of the whole product (a resolution-III design per row; with two or more rows both
+    halves run, so the whole product is covered across rows)."""
+    combos = list(itertools.product(*binary_factors))
+    halves = [[c for i, c in enumerate(combos) if bin(i).count("1") % 2 == parity] for parity in (0, 1)]
+    return [(m, row, *combo) for m, row in enumerate(rows) for combo in halves[m % 2]]

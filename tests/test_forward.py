@@ -5,7 +5,6 @@ interpreter's bf16 dot is wrong); on a GPU the same grid runs on the device.
 Every check draws fresh inputs from a new seed, printed on failure.
 """
 
-import itertools
 import random
 
 import pytest
@@ -15,7 +14,7 @@ import flashgen
 from flashgen import KernelConfig
 from flashgen.verify import assert_attention_close
 
-from .helpers import make_qkv, poisoned_outputs
+from .helpers import half_fractions, make_qkv, poisoned_outputs
 
 # (seqlen_q, seqlen_k): not multiples of any block, unequal both ways, single rows.
 SEQLENS = [(1, 1), (17, 17), (113, 113), (33, 70), (70, 33), (1, 57), (57, 1), (97, 130)]
@@ -26,17 +25,18 @@ BLOCKS = [(16, 16), (32, 64), (64, 32), (16, 32)]
 
 
 def _cases():
-    # Loop order x causal x dtype x seqlens in full; the other axes rotate through the cases,
-    # so each value of each axis meets both loop orders, both masks and both dtypes.
+    # Every sequence-length pair with half of (loop order x causal x dtype) (helpers.half_fractions:
+    # every two of them meet in all four combinations); the other axes rotate through the cases, so
+    # each value of each axis meets both loop orders, both masks and both dtypes.
     cases = []
-    for n, (loop_order, causal, dtype, seqlens) in enumerate(
-            itertools.product(["q_outer", "kv_outer"], [False, True], ["fp16", "fp32"], SEQLENS)):
+    for n, (m, seqlens, loop_order, causal, dtype) in enumerate(
+            half_fractions([["q_outer", "kv_outer"], [False, True], ["fp16", "fp32"]], SEQLENS)):
+        hd, heads, layout, blocks = (HEAD_DIMS[n % len(HEAD_DIMS)], HEADS[n % len(HEADS)], LAYOUTS[(n + m) % 2],
+                                     BLOCKS[(n // 2 + m) % len(BLOCKS)])
         cases.append(pytest.param(
-            loop_order, causal, dtype, seqlens, HEAD_DIMS[n % len(HEAD_DIMS)], HEADS[n % len(HEADS)],
-            LAYOUTS[(n // 2) % 2], BLOCKS[n % len(BLOCKS)],
+            loop_order, causal, dtype, seqlens, hd, heads, layout, blocks,
             id=f"{loop_order}-{'causal' if causal else 'full'}-{dtype}-sq{seqlens[0]}-sk{seqlens[1]}"
-               f"-d{HEAD_DIMS[n % len(HEAD_DIMS)][0]}-h{HEADS[n % len(HEADS)][0]}kv{HEADS[n % len(HEADS)][1]}"
-               f"-{LAYOUTS[(n // 2) % 2]}-b{BLOCKS[n % len(BLOCKS)][0]}x{BLOCKS[n % len(BLOCKS)][1]}"))
+               f"-d{hd[0]}-h{heads[0]}kv{heads[1]}-{layout}-b{blocks[0]}x{blocks[1]}"))
     return cases
 
 

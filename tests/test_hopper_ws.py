@@ -298,21 +298,20 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
 
 def test_fp8_defaults_take_the_family_where_it_measured_faster():
     # H100 FP8 e4m3 (benchmarks/results/2026-11-23-h100-fp8-hopper-ws-probe.md): hd128 at 4096+ tokens
-    # (256-key blocks; causal under 16384: 128 keys, 3 stages), hd64 at 16384+, hd256 at 4096+ with
-    # 64-key blocks (where its promoted q.k sums fit without spilling; config._hopper_ws_fp8_default);
-    # no ping-pong; the rest (unmeasured, or slower) the portable FP8 forward. The persistent grid
-    # (2026-11-26-h100-fp8-persistent.md): hd128 at 4096 tokens, hd64 and hd256 causal at 4096+
+    # (256-key blocks), hd64 at 16384+, hd256 at 4096+ with 64-key blocks (where its promoted q.k sums
+    # fit without spilling; config._hopper_ws_fp8_default); no ping-pong; the rest (unmeasured, or
+    # slower) the portable FP8 forward. The persistent grid (2026-11-26-h100-fp8-persistent.md): hd128
+    # at 4096 tokens, hd64 and hd256 causal at 4096+; hd128 causal at 4096+ since the one-compare causal
+    # mask (2026-11-27-h100-fp8-causal-mask.md)
     def config(d, causal, seqlen, dtype="fp8_e4m3", target="h100"):
         spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=16, causal=causal)
         got = flashgen.default_config(spec, target, seqlen)
         return (got.family, got.BLOCK_M, got.BLOCK_N, got.num_stages, got.hopper_pingpong, got.hopper_persistent)
 
     gluon = ("hopper_ws", 128)
-    assert config(128, False, 16384) == config(128, True, 16384) == config(128, False, 8192) == \
-        (*gluon, 256, 2, False, False)
-    assert config(128, False, 4096) == (*gluon, 256, 2, False, True)
-    assert config(128, True, 4096) == (*gluon, 128, 2, False, True)
-    assert config(128, True, 8192) == (*gluon, 128, 3, False, False)
+    assert config(128, False, 16384) == config(128, False, 8192) == (*gluon, 256, 2, False, False)
+    assert config(128, False, 4096) == config(128, True, 4096) == config(128, True, 8192) == \
+        config(128, True, 16384) == (*gluon, 256, 2, False, True)
     assert config(64, False, 16384) == config(64, False, 4096) == (*gluon, 128, 2, False, False)
     assert config(64, True, 4096) == config(64, True, 32768) == (*gluon, 128, 2, False, True)
     assert config(256, False, 16384) == config(256, False, 4096) == (*gluon, 64, 2, False, False)
