@@ -107,6 +107,10 @@ class KernelConfig:
     # one program per SM walking work units of query tiles (a causal unit pairs a heavy tile with a
     # light one): the set-up is paid once per SM and the next tile's loads overlap this one's end
     hopper_persistent: bool = False
+    # O leaves through shared memory and a TMA store (FA3's epilogue): the consumer writes its O tile to
+    # shared memory and goes on while the copy engine stores it, where register stores cost a short walk
+    # up to a sixth of its time (benchmarks/NOTES.md, session 18)
+    hopper_tma_store: bool = False
 
     STRUCTURAL = ("loop_order", "bwd_persistent", "bwd_fused_delta", "family", "hopper_bwd", "bwd_dq_heavy_first",
                   "bwd_heavy_first", "bwd_short", "hopper_persistent")
@@ -120,7 +124,7 @@ class KernelConfig:
     LATER_KNOBS = {"bwd_persistent": 0, "bwd_fused_delta": False, "family": "portable", "hopper_regs": 240,
                    "hopper_overlap": False, "hopper_pingpong": False, "hopper_bwd": False,
                    "bwd_dq_heavy_first": False, "bwd_heavy_first": False, "bwd_short": False,
-                   "hopper_persistent": False}
+                   "hopper_persistent": False, "hopper_tma_store": False}
 
     @classmethod
     def phase_knobs(cls, phase: str) -> tuple[str, ...]:
@@ -143,7 +147,8 @@ class KernelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
         for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first",
-                     "bwd_heavy_first", "hopper_overlap", "hopper_pingpong", "bwd_short", "hopper_persistent"):
+                     "bwd_heavy_first", "hopper_overlap", "hopper_pingpong", "bwd_short", "hopper_persistent",
+                     "hopper_tma_store"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"config knob '{name}': expected true or false, got {getattr(self, name)!r}")
         if self.warp_specialize and self.num_warps < 8:
@@ -164,8 +169,9 @@ class KernelConfig:
         if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
             raise ConfigError(f"config knob 'hopper_pingpong': needs two consumers (BLOCK_M=128) and no "
                               f"hopper_overlap, got BLOCK_M={self.BLOCK_M} hopper_overlap={self.hopper_overlap}")
-        if self.hopper_persistent and self.family != "hopper_ws":
-            raise ConfigError(f"config knob 'hopper_persistent': needs family 'hopper_ws', got {self.family!r}")
+        for name in ("hopper_persistent", "hopper_tma_store"):
+            if getattr(self, name) and self.family != "hopper_ws":
+                raise ConfigError(f"config knob '{name}': needs family 'hopper_ws', got {self.family!r}")
         if isinstance(self.hopper_regs, bool) or self.hopper_regs not in HOPPER_REGS:
             raise ConfigError(f"config knob 'hopper_regs': expected one of {HOPPER_REGS}, got {self.hopper_regs!r}")
         if self.family == "hopper_ws":
@@ -204,7 +210,8 @@ class KernelConfig:
         hopper = "".join(f" {name}" for name in ("tma", "warp_specialize") if getattr(self, name))
         if self.family != "portable":
             hopper += (f" {self.family} regs={self.hopper_regs}{' overlap' if self.hopper_overlap else ''}"
-                       f"{' pingpong' if self.hopper_pingpong else ''}{' persistent' if self.hopper_persistent else ''}")
+                       f"{' pingpong' if self.hopper_pingpong else ''}{' persistent' if self.hopper_persistent else ''}"
+                       f"{' tma_store' if self.hopper_tma_store else ''}")
         return (f"BLOCK_M={self.BLOCK_M} BLOCK_N={self.BLOCK_N} warps={self.num_warps} "
                 f"stages={self.num_stages} {self.loop_order}{hopper}")
 
@@ -444,10 +451,14 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
     tile = dict(HOPPER_DEFAULT_TILE)
+    # O by a TMA store (hopper_tma_store; session 18, .scratch run, H100, 3 rounds, TMA store / register
+    # stores): hd128 S=1024 1.032, causal 1.104, causal S=4096 1.052; not taken: causal S=16384 0.985,
+    # plain S=4096 0.960 (8192: not measured)
+    tma_store = dict(hopper_tma_store=True) if d == 128 and seqlen <= 4096 and (shape.causal or seqlen < 4096) else {}
     if d == 128 and shape.causal and seqlen >= 4096:
-        return dict(tile, hopper_persistent=True, hopper_overlap=True)
+        return dict(tile, hopper_persistent=True, hopper_overlap=True, **tma_store)
     if (d == 128 and 1024 <= seqlen <= 4096) or (d == 64 and shape.causal and seqlen == 4096):
-        return dict(tile, hopper_persistent=True)  # calls of up to 512 tokens: not measured
+        return dict(tile, hopper_persistent=True, **tma_store)  # calls of up to 512 tokens: not measured
     if d == 128 and not shape.causal and seqlen >= 1024:
         return dict(tile, hopper_overlap=True)  # 8192 and longer (4096 and shorter: persistent, above)
     if d == 64 and shape.causal and seqlen >= 16384:
@@ -506,12 +517,15 @@ def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen
     128 persistent 724 / 717), S=16384 912 / 911 (one-tile 128 x 256 873 / 875); S=8192 (.scratch knob
     run, two rounds) 833 / 826 against the one-tile 128 x 128, 3 stages default before it, 728 / 714.
     Also tried at 4096 and 8192 causal, none faster: 3 stages, 232 registers (within 2%), ping-pong
-    (-18%), overlap (-26%)."""
+    (-18%), overlap (-26%).
+    hd128 with O by a TMA store (hopper_tma_store; session 18, .scratch run, H100, 3 rounds, TMA store /
+    register stores): causal S=4096 1.064, S=16384 1.022; plain S=4096 1.032, S=16384 1.021."""
     tile = dict(HOPPER_DEFAULT_TILE)
     if d == 128 and seqlen >= 4096:
+        tile.update(BLOCK_N=256, hopper_tma_store=True)
         if shape.causal or seqlen <= 4096:  # (plain 8192+ keeps the one-tile grid: long walks, as bf16's)
-            return dict(tile, BLOCK_N=256, hopper_persistent=True)
-        return dict(tile, BLOCK_N=256)
+            return dict(tile, hopper_persistent=True)
+        return tile
     if d == 256 and seqlen >= 4096:
         if shape.causal:
             return dict(tile, BLOCK_N=64, hopper_persistent=True, num_stages=3 if seqlen >= 16384 else 2)

@@ -90,6 +90,7 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     if hopper_ws:
         params.update(family=("portable", "hopper_ws"), hopper_regs=(232, 240), hopper_overlap=(False, True),
                       hopper_pingpong=(False, True))
+        params.update(hopper_tma_store=(False, True))
         if spec.mask is None:  # the persistent grid serves unmasked specs
             params.update(hopper_persistent=(False, True))
     if spec.fp8:  # the FP8 forward is the Q-outer kernel's; 256-key tiles pay there (hd128: 0.79 vs 0.72 PFLOP/s)
@@ -118,16 +119,18 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
                                                     and p["loop_order"] == "q_outer"
                                                     and not (p.get("tma") or p.get("warp_specialize")))),
             Restriction("family == 'hopper_ws' or (hopper_regs == 240 and not (hopper_overlap or hopper_pingpong "
-                        "or hopper_persistent))",
+                        "or hopper_persistent or hopper_tma_store))",
                         lambda p: hopper(p) or (p.get("hopper_regs", 240) == 240
                                                 and not (p.get("hopper_overlap") or p.get("hopper_pingpong")
-                                                         or p.get("hopper_persistent")))),
+                                                         or p.get("hopper_persistent") or p.get("hopper_tma_store")))),
             Restriction("not hopper_pingpong or (BLOCK_M == 128 and not hopper_overlap)",
                         lambda p: not p.get("hopper_pingpong") or (p["BLOCK_M"] == 128 and not p.get("hopper_overlap"))),
+            # (+ the O tiles a TMA store leaves from: 16-bit outputs, FP8's too)
             Restriction(f"family == 'portable' or {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv}) "
-                        f"<= {device.smem_bytes:g}",
+                        f"+ hopper_tma_store*2*BLOCK_M*{bdv} <= {device.smem_bytes:g}",
                         lambda p: not hopper(p) or elem * (p["BLOCK_M"] * bd + p["num_stages"] * p["BLOCK_N"]
-                                                           * (bd + bdv)) <= device.smem_bytes),
+                                                           * (bd + bdv))
+                        + bool(p.get("hopper_tma_store")) * 2 * p["BLOCK_M"] * bdv <= device.smem_bytes),
         ]
     return SearchSpace("fwd", params, restrictions + [
         Restriction(f"smem = {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv} + BLOCK_M*BLOCK_N) "

@@ -166,6 +166,15 @@ def main(only=()) -> int:
         ("hopper_ws persistent gqa hd128, ping-pong", dict(head_dim=128, num_heads=8, num_kv_heads=2, forward_only=True),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
                       hopper_pingpong=True)),
+        # O through shared memory and a TMA store (hopper_tma_store): the persistent grid's (a tile's store
+        # waited before the next tile writes o_smem) on FP8's causal default and a one-tile masked kernel
+        ("hopper_ws fp8 e4m3 persistent causal hd128, TMA store", dict(dtype="fp8_e4m3", head_dim=128, num_heads=4,
+                                                                     causal=True, seqlen=304),
+         KernelConfig(BLOCK_M=128, BLOCK_N=256, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
+                      hopper_tma_store=True)),
+        ("hopper_ws masked window hd64, 1 consumer, TMA store", dict(head_dim=64, num_heads=4, forward_only=True,
+                                                                     mask={"sliding_window": {"left": 100}}),
+         KernelConfig(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_tma_store=True)),
         # the Gluon forward with a mask pattern (templates/hopper/masks.j2; forward only: the backward is
         # the portable one, compiled above): causal documents (binary searches, a named tensor) on two
         # consumers; prefix-LM with per-batch lengths under ping-pong; chunks and-ed with a window

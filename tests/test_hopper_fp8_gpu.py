@@ -83,7 +83,8 @@ def test_outlier_channels(shape, causal):
                                    dict(BLOCK_N=64, num_stages=4), dict(BLOCK_M=64, num_stages=3),
                                    dict(hopper_persistent=True), dict(BLOCK_M=64, num_stages=3, hopper_persistent=True),
                                    dict(hopper_overlap=True), dict(BLOCK_N=128, hopper_persistent=True, hopper_overlap=True),
-                                   dict(BLOCK_N=128, hopper_persistent=True, hopper_pingpong=True)],
+                                   dict(BLOCK_N=128, hopper_persistent=True, hopper_pingpong=True),
+                                   dict(hopper_tma_store=True), dict(hopper_persistent=True, hopper_tma_store=True)],
                          ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_each_technique(knobs, causal):

@@ -20,7 +20,8 @@ from .test_hopper_ws_gpu import BASE, sm90  # the unmasked family's tests: its b
 pytestmark = pytest.mark.gpu
 
 KNOBS = {"base": {}, "pingpong": dict(hopper_pingpong=True), "overlap": dict(hopper_overlap=True),
-         "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s3": dict(BLOCK_N=64, num_stages=3)}
+         "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s3": dict(BLOCK_N=64, num_stages=3),
+         "tma store": dict(hopper_tma_store=True)}
 MASKS = {  # name -> (mask, spec causal, seqlen_q == seqlen_k needed)
     "documents": ({"document": {"ids": "doc"}}, False, True),
     "documents non-causal": ({"document": {"ids": "doc", "causal": False}}, False, True),

@@ -120,6 +120,8 @@ def test_config_knobs():
     (dict(HOPPER, loop_order="kv_outer"), "'family'"),
     (dict(hopper_persistent=True), "'hopper_persistent'"),  # the portable family
     (dict(HOPPER, hopper_persistent=1), "'hopper_persistent'"),
+    (dict(hopper_tma_store=True), "'hopper_tma_store'"),  # the portable family
+    (dict(HOPPER, hopper_tma_store="yes"), "'hopper_tma_store'"),
 ])
 def test_bad_knobs_are_config_errors(knobs, knob):
     with pytest.raises(ConfigError, match=knob):
@@ -284,6 +286,12 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
         assert got.family == "hopper_ws" and not (got.hopper_persistent or got.hopper_pingpong), (d, causal, seqlen)
         assert got.hopper_overlap == overlap and got.num_stages == 2, (d, causal, seqlen)
     assert family(64, False, 4096, dtype="fp16").family == "hopper_ws"
+    # O by a TMA store (session 18): hd128 up to 2048 tokens, and causal at 4096; not plain 4096 (0.96x),
+    # causal 8192+ (16384: 0.985x), hd64 or the one-tile grids
+    for d, causal, seqlen, tma_store in ((128, False, 1024, True), (128, True, 2048, True), (128, True, 4096, True),
+                                         (128, False, 4096, False), (128, True, 8192, False), (128, True, 16384, False),
+                                         (128, False, 16384, False), (64, True, 4096, False)):
+        assert family(d, causal, seqlen).hopper_tma_store == tma_store, (d, causal, seqlen)
     # the persistent grid serves no mask pattern: its defaults never take it
     assert not family(128, True, 4096, mask={"prefix_lm": 512}).hopper_persistent
     # losses, unmeasured short calls, and what the family does not serve: the portable defaults
@@ -309,6 +317,11 @@ def test_fp8_defaults_take_the_family_where_it_measured_faster():
         return (got.family, got.BLOCK_M, got.BLOCK_N, got.num_stages, got.hopper_pingpong, got.hopper_persistent)
 
     gluon = ("hopper_ws", 128)
+    # hd128 writes O by a TMA store (session 18: +2-6% at 4096 and 16384 tokens, causal or not)
+    fp8 = AttentionSpec(dtype="fp8_e4m3", head_dim=128, num_heads=16)
+    assert all(flashgen.default_config(fp8.replace(causal=causal), "h100", seqlen).hopper_tma_store
+               for causal in (False, True) for seqlen in (4096, 8192, 16384))
+    assert not flashgen.default_config(fp8.replace(head_dim=64, head_dim_v=64), "h100", 16384).hopper_tma_store
     assert config(128, False, 16384) == config(128, False, 8192) == (*gluon, 256, 2, False, False)
     assert config(128, False, 4096) == config(128, True, 4096) == config(128, True, 8192) == \
         config(128, True, 16384) == (*gluon, 256, 2, False, True)
@@ -430,3 +443,51 @@ def test_persistent_plan_launches_one_program_per_sm_at_most(monkeypatch):
                              {**hopper.HopperForward.KNOB_DEFAULTS, **module.CONFIG})
     assert plan.launch.grid == (20,)
     assert host.sm_count(torch.device("cpu")) == 1
+
+
+def test_tma_store_knob_keeps_the_register_store_text_and_renders_the_copy():
+    # off, the knob leaves the config's dict and every kernel's text (stored configs keep their ids);
+    # on, O leaves through o_smem and a TMA store whose descriptor takes O's place, the previous store
+    # waited before o_smem is written again and before the program ends (one-tile and persistent)
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True)
+    assert "hopper_tma_store" not in KernelConfig(**HOPPER).to_dict()
+    on = KernelConfig(**HOPPER, hopper_tma_store=True)
+    assert KernelConfig.from_dict(on.to_dict()).hopper_tma_store and "tma_store" in str(on)
+    for knobs in (HOPPER, PERSISTENT):
+        plain, stored = render(spec, KernelConfig(**knobs)), render(spec, KernelConfig(**knobs, hopper_tma_store=True))
+        assert "o_smem" not in plain and "gl.store(o_ptrs" in plain
+        assert "gl.store(o_ptrs" not in stored and "def _attn_fwd_hopper_ws(QD, KD, VD, OD, O, LSE," in stored
+        assert ("o_smem = gl.allocate_shared_memory(OD.dtype, [CONSUMERS, 1, 1, _HW_ROWS, HEAD_DIM], OD.layout)"
+                in stored)
+        epilogue = stored[stored.index("tma_store_wait(0)\n    warps_barrier()"):]
+        order = [epilogue.index(text) for text in ("o_smem.reshape", "fence_async_shared()", "tma_store(O,")]
+        assert order == sorted(order)
+        consumer = stored[stored.index("def _hw_consumer" + ("_persistent" if knobs is PERSISTENT else "")):]
+        consumer = consumer[:consumer.index("\n@gluon.jit")] if "\n@gluon.jit" in consumer else consumer
+        last = ("the last tile's O has left shared memory before the program ends" if knobs is PERSISTENT else
+                "O has left shared memory before the program ends")
+        assert consumer.rstrip().endswith("tma_store_wait(0)  # " + last)
+
+
+def test_a_tma_store_call_passes_an_o_descriptor(monkeypatch):
+    # the plan makes a fourth descriptor, of this call's out, in consumer rows; a caller's out that
+    # the copy engine cannot take (a 16-byte rule) runs the portable forward
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True)
+    module = flashgen.compile(spec, KernelConfig(**HOPPER, hopper_tma_store=True)).module()
+    module._LAUNCHER.hopper_forward.device_unserved = lambda device: None
+    launched = []
+
+    class Descriptor:
+        def __init__(self, t, layout, rows, cols):
+            self.base, self.block = t, (rows, cols)
+
+    monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: lambda *args: launched.append(args))
+    monkeypatch.setattr(module._LAUNCHER.hopper_forward, "descriptor", Descriptor)
+    q, k, v = make_qkv(2, 4, 2, 45, 61, 64, dtype=torch.float16, device="cpu")
+    out, lse = module.forward(q, k, v)
+    ((qd, kd, vd, od, o, l, *_),) = launched
+    assert od.base is out and o is out and l is lse and od.block == (64, 64)
+    assert (qd.base, kd.base, vd.base) == (q, k, v)
+    odd = torch.empty(2, 4, 45, 68, dtype=torch.float16)[..., :64]  # 136-byte rows: not a 16-byte multiple
+    plan = module._LAUNCHER.hopper_forward.plan
+    assert plan(None, q, k, v, "bhsd", odd, 0.125, 0.0, module.CONFIG) is None

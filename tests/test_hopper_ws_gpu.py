@@ -24,7 +24,12 @@ TECHNIQUES = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": dict
               "persistent": dict(hopper_persistent=True),
               "persistent, one consumer": dict(BLOCK_M=64, num_stages=3, hopper_persistent=True),
               "persistent, overlap": dict(hopper_persistent=True, hopper_overlap=True),
-              "persistent, pingpong": dict(hopper_persistent=True, hopper_pingpong=True)}
+              "persistent, pingpong": dict(hopper_persistent=True, hopper_pingpong=True),
+              # O through shared memory and a TMA store (hopper_tma_store): tails clipped by the copy engine
+              "tma store": dict(hopper_tma_store=True), "pingpong, tma store": dict(hopper_pingpong=True,
+                                                                                    hopper_tma_store=True),
+              "persistent, overlap, tma store": dict(hopper_persistent=True, hopper_overlap=True,
+                                                     hopper_tma_store=True)}
 SHAPES = [  # batch, heads, kv heads, seqlen_q, seqlen_k, head dim, layout
     (2, 8, 2, 1000, 1000, 128, "bhsd"),
     (1, 4, 4, 333, 777, 64, "bshd"),
@@ -106,7 +111,7 @@ def test_default_takes_the_family_where_it_is_the_default(head_dim, causal, seql
 
 
 @sm90
-@pytest.mark.parametrize("knob", ["", "hopper_overlap", "hopper_pingpong"])
+@pytest.mark.parametrize("knob", ["", "hopper_overlap", "hopper_pingpong", "hopper_tma_store"])
 @pytest.mark.parametrize("programs", [1, 7, 1000])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], (3, 4, 4, 1280, 1280, 64, "bhsd")])

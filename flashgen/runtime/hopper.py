@@ -37,8 +37,11 @@ try:
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
 
-    # 3.9 renamed tma.async_copy_global_to_shared to tma.async_load (the old name warns)
+    # 3.9 renamed tma.async_copy_global_to_shared to tma.async_load (the old name warns), and
+    # async_copy_shared_to_global to async_store
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    tma_store_wait = tma.store_wait  # wait until at most n of this thread's TMA stores still read shared memory
     # a barrier of the calling partition's warps: gl.thread_barrier in 3.6, gl.barrier in 3.9
     warps_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
     gluon_available = True
@@ -59,6 +62,7 @@ except ImportError as err:  # no Gluon: the module still imports; the family is 
 
     gluon = gl = _Absent()
     fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = tma_load = warps_barrier = None
+    tma_store = tma_store_wait = None
     GluonTensorDescriptor = None
 
 gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "torch.float8_e4m3fn": gl.float8e4nv}
@@ -193,13 +197,15 @@ class HopperForward:
     the producer; hopper_overlap runs each block's softmax under the previous block's P V (FA3's order);
     hopper_pingpong has the two consumers take turns at the tensor cores (one's softmax under the
     other's MMAs); hopper_persistent launches one program per SM, each walking work units of query
-    tiles (the kernel's comment says which)."""
+    tiles (the kernel's comment says which); hopper_tma_store writes O through shared memory and a
+    TMA store (an O descriptor, whose copy engine rules the call's out must meet)."""
 
     CONSUMER_ROWS = 64
     RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2)
     PRODUCER_REGS = 24  # the producer warp only issues TMA copies: FA3 gives its warpgroup 24-32 registers
     # knobs of the family a module's CONFIG leaves out at their default (config.KernelConfig.LATER_KNOBS)
-    KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False, "hopper_persistent": False}
+    KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False, "hopper_persistent": False,
+                     "hopper_tma_store": False}
 
     def __init__(self, kernel, spec, config, ranges=None):
         self.kernel = kernel
@@ -236,7 +242,10 @@ class HopperForward:
         if self.spec_reason or call_unserved(q, k, v, layout, varlen=varlen, dropout_p=dropout_p, out=out,
                                              device_check=self.device_unserved):
             return None
-        return HopperPlan(self, base, q, k, layout, out, scale, {**self.KNOB_DEFAULTS, **cfg})
+        cfg = {**self.KNOB_DEFAULTS, **cfg}
+        if cfg["hopper_tma_store"] and out is not None and tensor_unserved("out", out):
+            return None  # the caller's out cannot take a TMA store (fresh outputs always can)
+        return HopperPlan(self, base, q, k, layout, out, scale, cfg)
 
 
 class HopperPlan:
@@ -256,9 +265,12 @@ class HopperPlan:
         # Q in one consumer's rows per load; K and V in BLOCK_N-key slots of the ring
         fp8 = forward.spec["dtype"] in forward_only_dtypes  # V^T tiles of the seq-contiguous V
         v_descriptor = forward.transposed_descriptor if fp8 else forward.descriptor
-        self.descriptors = Descriptors(layout, ((forward.CONSUMER_ROWS, head_dim), (block_n, head_dim),
-                                                (block_n, head_dim)),
-                                       [forward.descriptor, forward.descriptor, v_descriptor])
+        blocks = ((forward.CONSUMER_ROWS, head_dim), (block_n, head_dim), (block_n, head_dim))
+        makers = [forward.descriptor, forward.descriptor, v_descriptor]
+        self.tma_store = cfg["hopper_tma_store"]
+        if self.tma_store:  # and O's, one consumer's rows per store
+            blocks, makers = (*blocks, (forward.CONSUMER_ROWS, head_dim)), [*makers, forward.descriptor]
+        self.descriptors = Descriptors(layout, blocks, makers)
         self.args = (*o_strides[:3], *lse_strides[:2], seqlen_q, seqlen_k, heads // kv_heads, scale * forward.RCP_LN2)
         tiles_m = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
         grid = (tiles_m, heads, batch)
@@ -296,5 +308,6 @@ class HopperPlan:
         named = base.tensor_extra(tensors)
         if self.ranges is not None:
             named = self.ranges.fill(named)
-        self.launch(*self.descriptors(q, k, v), out, lse, *self.args, *named, *fp8_args)
+        descriptors = self.descriptors(q, k, v, out) if self.tma_store else self.descriptors(q, k, v)
+        self.launch(*descriptors, out, lse, *self.args, *named, *fp8_args)
         return out, lse
