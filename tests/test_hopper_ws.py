@@ -255,6 +255,13 @@ def test_space_offers_the_family_only_where_it_serves():
     assert any(p["hopper_persistent"] and p["hopper_overlap"] for p in hw)
     assert any(p["hopper_persistent"] and p["hopper_pingpong"] for p in hw)
     assert not any(p["hopper_persistent"] for p in points if p["family"] == "portable")
+    # O by a TMA store: with the family only, where its O tiles fit beside Q and the K/V ring (two
+    # 64 x 128 bf16 tiles: 3 stages of 128-key blocks leave no room at 128 rows, at 64 rows they do)
+    assert any(p["hopper_tma_store"] and p["hopper_persistent"] for p in hw)
+    assert not any(p["hopper_tma_store"] for p in points if p["family"] == "portable")
+    wide = [p for p in hw if p["BLOCK_M"] == 128 and p["BLOCK_N"] == 128 and p["num_stages"] == 3]
+    assert wide and not any(p["hopper_tma_store"] for p in wide)
+    assert any(p["BLOCK_M"] == 64 and p["BLOCK_N"] == 128 and p["num_stages"] == 3 and p["hopper_tma_store"] for p in hw)
     masked = forward_space(AttentionSpec(dtype="bf16", head_dim=128, mask={"prefix_lm": 64}), H100)
     assert "family" in masked.params and "hopper_persistent" not in masked.params
     fp8 = forward_space(AttentionSpec(dtype="fp8_e4m3", head_dim=128, backward=False), H100)
