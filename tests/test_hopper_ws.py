@@ -357,12 +357,16 @@ def standalone_module(spec, config, path):
     return module
 
 
-def test_standalone_module_carries_the_family_host_side(tmp_path):
+@pytest.mark.parametrize("tma_store", [False, True])
+def test_standalone_module_carries_the_family_host_side(tmp_path, tma_store):
     # `flashgen generate` files need only torch and triton: runtime/hopper.py is pasted in, and its
     # names leave host.py's (LAYOUTS, ...) and the kernels' constants (RCP_LN2, ...) as they were
+    # (with the TMA store: its shims, tma_store, tma_store_wait, warps_barrier, come from the paste too)
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
-    module = standalone_module(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)),
+    module = standalone_module(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64, hopper_tma_store=tma_store)),
                                tmp_path / "standalone_hopper_ws.py")
+    source = (tmp_path / "standalone_hopper_ws.py").read_text()
+    assert ("tma_store(O, [off_b.to(gl.int32)" in source) == tma_store and "from flashgen." not in source
     assert module.LAYOUTS == ("bhsd", "bshd", "thd") and isinstance(module._LAUNCHER.hopper_forward,
                                                                      module.HopperForward)
     q, k, v = make_qkv(1, 4, 2, 33, 47, 64, dtype=torch.float16, device="cpu")
