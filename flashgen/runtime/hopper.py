@@ -267,8 +267,7 @@ class HopperPlan:
         v_descriptor = forward.transposed_descriptor if fp8 else forward.descriptor
         blocks = ((forward.CONSUMER_ROWS, head_dim), (block_n, head_dim), (block_n, head_dim))
         makers = [forward.descriptor, forward.descriptor, v_descriptor]
-        self.tma_store = cfg["hopper_tma_store"]
-        if self.tma_store:  # and O's, one consumer's rows per store
+        if cfg["hopper_tma_store"]:  # and O's, one consumer's rows per store
             blocks, makers = (*blocks, (forward.CONSUMER_ROWS, head_dim)), [*makers, forward.descriptor]
         self.descriptors = Descriptors(layout, blocks, makers)
         self.args = (*o_strides[:3], *lse_strides[:2], seqlen_q, seqlen_k, heads // kv_heads, scale * forward.RCP_LN2)
@@ -308,6 +307,6 @@ class HopperPlan:
         named = base.tensor_extra(tensors)
         if self.ranges is not None:
             named = self.ranges.fill(named)
-        descriptors = self.descriptors(q, k, v, out) if self.tma_store else self.descriptors(q, k, v)
-        self.launch(*descriptors, out, lse, *self.args, *named, *fp8_args)
+        # (the descriptors of the first len(blocks) tensors: out's only with the TMA store)
+        self.launch(*self.descriptors(q, k, v, out), out, lse, *self.args, *named, *fp8_args)
         return out, lse

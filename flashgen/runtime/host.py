@@ -132,7 +132,7 @@ def ensure_context(device):
 
 
 class Descriptors:
-    """The tensor descriptors of some of a call's tensors, tiled by `blocks` ((rows, cols) each):
+    """The tensor descriptors of a call's first len(blocks) tensors, tiled by `blocks` ((rows, cols) each):
     built and checked on the first call of a call plan, then copied onto each later call's
     tensors. Those have the first call's shapes, strides, dtype and alignment (the plan's key
     says so), so the checks TensorDescriptor makes when built hold for the copies and are not
