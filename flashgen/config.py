@@ -24,6 +24,7 @@ HOPPER_REGS = (168, 200, 216, 232, 240)  # consumer registers per thread (setmax
 DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
 _WARPS = (1, 2, 4, 8, 16)
+HOPPER_SMEM = 232448  # shared memory per block on sm90 (opt-in), bytes: where the hopper_ws family runs
 PERSISTENT = (0, 1, 2, 3, 4, 8)  # bwd_persistent: dK/dV programs per SM (0: one per key block)
 
 # GPU families by target name; used for the heuristic defaults.
@@ -37,6 +38,19 @@ _ARCH = {
 
 class ConfigError(ValueError):
     """A kernel config knob has an impossible value."""
+
+
+def pad_dim(d: int) -> int:
+    """A head dimension as the kernels tile it (BLOCK_D): the next power of two, at least 16."""
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def hopper_ws_smem(spec: AttentionSpec, block_m: int, block_n: int, num_stages: int, tma_store: bool) -> int:
+    """Bytes of shared memory the Gluon forward (family hopper_ws) takes: its Q tile and num_stages K and V
+    tiles, plus the 16-bit O tiles a TMA store leaves from (P stays in registers)."""
+    bd, bdv = pad_dim(spec.head_dim), pad_dim(spec.head_dim_v)
+    ring = spec.torch_dtype.itemsize * (block_m * bd + num_stages * block_n * (bd + bdv))
+    return ring + tma_store * 2 * block_m * bdv
 
 
 @dataclass(frozen=True)
@@ -228,6 +242,12 @@ class KernelConfig:
         if self.family == "hopper_ws" and self.BLOCK_N == 256 and not spec.fp8:
             raise ConfigError(f"config knob 'BLOCK_N': family 'hopper_ws' takes 256-key blocks for FP8 specs only "
                               f"(P in FP8 takes a quarter of the registers), got 256 for dtype {spec.dtype!r}")
+        if self.family == "hopper_ws" and (need := hopper_ws_smem(spec, self.BLOCK_M, self.BLOCK_N, self.num_stages,
+                                                                  self.hopper_tma_store)) > HOPPER_SMEM:
+            raise ConfigError(f"config knobs 'BLOCK_N', 'num_stages', 'hopper_tma_store': family 'hopper_ws' with "
+                              f"BLOCK_M={self.BLOCK_M} BLOCK_N={self.BLOCK_N} num_stages={self.num_stages} "
+                              f"hopper_tma_store={self.hopper_tma_store} needs {need} bytes of shared memory at head "
+                              f"dim {spec.head_dim} ({spec.dtype}), more than an sm90 block's {HOPPER_SMEM}")
         if self.hopper_bwd and (reason := spec_unserved(spec, backward=True)):
             raise ConfigError(f"config knob 'hopper_bwd': the Gluon dK/dV kernel cannot serve spec {spec.uri!r}: "
                               f"{reason}")
@@ -441,7 +461,18 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     default then in brackets): hd128 causal S=4096 on the persistent grid 525 / 512 and 528 (504), S=16384
     594 / 570 and 595 (567-573); hd128 S=16384 one-tile 629 / 611 (610); hd64 causal S=16384 one-tile 432 /
     405 (414). It lost at hd128 S=1024 (482 / 493 persistent), hd128 S=16384 persistent (547 / 613), hd64
-    S=1024-16384 plain (-1 to -9%) and on FP8 (the wider tiles spill): those keep their defaults."""
+    S=1024-16384 plain (-1 to -9%) and on FP8 (the wider tiles spill): those keep their defaults.
+
+    Since O leaves by a TMA store (hopper_tma_store, session 18), all three together (persistent grid,
+    overlap, TMA store) win where each alone did not: benchmarks/probe_forward_variants.py, H100, three
+    interleaved rounds per case, forward TFLOP/s persistent+overlap+TMA store / the default before it
+    (results/2026-11-27-h100-forward-variants{,-2,-3}.md, one run each): hd128 S=1024 557 / 501, causal
+    408 / 400, causal S=2048 506 / 490, S=4096 610 / 575, S=8192 616 / 595 and causal 590 / 570, S=16384
+    648 / 609 and causal 613 / 587: hd128 takes them from 1024 tokens. hd64 S=1024 391 / 382 and 390 /
+    377, S=2048 407 / 397 (the portable default); hd64 long walks take the TMA store on the one-tile grid:
+    S=16384 458 / 443, causal 437 / 421 and 447 / 428 (overlap), causal S=8192 417 / 397 (portable).
+    Not taken (within 2% or lost): hd64 S=4096 plain (tile 433 either way; all three 414), causal S=1024
+    (portable 293, persistent + TMA store 294), causal S=4096 (persistent 389, all three 380)."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec) is not None or shape.narrow(seqlen):
@@ -451,19 +482,16 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
     tile = dict(HOPPER_DEFAULT_TILE)
-    # O by a TMA store (hopper_tma_store; session 18, .scratch run, H100, 3 rounds, TMA store / register
-    # stores): hd128 S=1024 1.032, causal 1.104, causal S=4096 1.052; not taken: causal S=16384 0.985,
-    # plain S=4096 0.960 (8192: not measured)
-    tma_store = dict(hopper_tma_store=True) if d == 128 and seqlen <= 4096 and (shape.causal or seqlen < 4096) else {}
-    if d == 128 and shape.causal and seqlen >= 4096:
-        return dict(tile, hopper_persistent=True, hopper_overlap=True, **tma_store)
-    if (d == 128 and 1024 <= seqlen <= 4096) or (d == 64 and shape.causal and seqlen == 4096):
-        return dict(tile, hopper_persistent=True, **tma_store)  # calls of up to 512 tokens: not measured
-    if d == 128 and not shape.causal and seqlen >= 1024:
-        return dict(tile, hopper_overlap=True)  # 8192 and longer (4096 and shorter: persistent, above)
-    if d == 64 and shape.causal and seqlen >= 16384:
-        return dict(tile, hopper_overlap=True)
-    if d == 64 and (seqlen >= 16384 or (seqlen >= 4096 and not shape.causal)):
+    all_three = dict(tile, hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)
+    if d == 128 and seqlen >= 1024:
+        return all_three  # calls of up to 512 tokens: not measured
+    if d == 64 and not shape.causal and 1024 <= seqlen <= 2048:
+        return all_three
+    if d == 64 and shape.causal and seqlen == 4096:
+        return dict(tile, hopper_persistent=True)
+    if d == 64 and seqlen >= 8192:
+        return dict(tile, hopper_tma_store=True)
+    if d == 64 and seqlen == 4096:
         return tile
     return None
 

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from .config import ConfigError
+from .config import ConfigError, pad_dim
 from .space import DeviceLimits, Restriction, SearchSpace, bucket_of
 from .spec import AttentionSpec
 
@@ -83,7 +83,7 @@ def decode_space(spec: AttentionSpec, device: DeviceLimits, default: DecodeConfi
     """The decode knobs the tuner searches, with the restriction that the K/V tiles in flight
     fit; the default's values are added to the choices (the tuner always measures it)."""
     elem = 4 if spec.dtype == "fp32" else 2
-    dims = _pad(spec.head_dim) + _pad(spec.head_dim_v)
+    dims = pad_dim(spec.head_dim) + pad_dim(spec.head_dim_v)
     if device.interpret:
         params = dict(num_splits=(1, 2, 3), BLOCK_N=(16, 32), num_warps=(4,), num_stages=(1,), page_prefetch=(True,))
     else:
@@ -95,10 +95,6 @@ def decode_space(spec: AttentionSpec, device: DeviceLimits, default: DecodeConfi
         Restriction(f"smem = {elem}*num_stages*BLOCK_N*{dims} <= {device.smem_bytes:g}",
                     lambda p: elem * p["num_stages"] * p["BLOCK_N"] * dims <= device.smem_bytes),
     ])
-
-
-def _pad(d: int) -> int:
-    return max(16, 1 << (d - 1).bit_length())
 
 
 def buckets(kv_lengths, batches) -> list[tuple[int, int]]:

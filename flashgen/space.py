@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .config import HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_STAGES, mask_shape
+from .config import HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_STAGES, hopper_ws_smem, mask_shape, pad_dim
 from .runtime.hopper import spec_unserved
 from .spec import AttentionSpec
 
@@ -69,13 +69,9 @@ class SearchSpace:
                 yield point
 
 
-def _pad(d: int) -> int:
-    return max(16, 1 << (d - 1).bit_length())
-
-
 def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     elem = spec.torch_dtype.itemsize  # bytes per element: 4 fp32, 2 fp16/bf16, 1 FP8
-    bd, bdv = _pad(spec.head_dim), _pad(spec.head_dim_v)
+    bd, bdv = pad_dim(spec.head_dim), pad_dim(spec.head_dim_v)
     if device.interpret:
         params = dict(BLOCK_M=(16, 32), BLOCK_N=(16, 32), num_warps=(4,), num_stages=(1,),
                       loop_order=("q_outer", "kv_outer"))
@@ -127,9 +123,8 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
             # (+ the O tiles a TMA store leaves from: 16-bit outputs, FP8's too)
             Restriction(f"family == 'portable' or {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv}) "
                         f"+ hopper_tma_store*2*BLOCK_M*{bdv} <= {device.smem_bytes:g}",
-                        lambda p: not hopper(p) or elem * (p["BLOCK_M"] * bd + p["num_stages"] * p["BLOCK_N"]
-                                                           * (bd + bdv))
-                        + bool(p.get("hopper_tma_store")) * 2 * p["BLOCK_M"] * bdv <= device.smem_bytes),
+                        lambda p: not hopper(p) or device.smem_bytes >= hopper_ws_smem(
+                            spec, p["BLOCK_M"], p["BLOCK_N"], p["num_stages"], bool(p.get("hopper_tma_store")))),
         ]
     return SearchSpace("fwd", params, restrictions + [
         Restriction(f"smem = {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv} + BLOCK_M*BLOCK_N) "
@@ -149,7 +144,7 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
 
 def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     elem = spec.torch_dtype.itemsize  # bytes per element: 4 fp32, 2 fp16/bf16, 1 FP8
-    bd, bdv = _pad(spec.head_dim), _pad(spec.head_dim_v)
+    bd, bdv = pad_dim(spec.head_dim), pad_dim(spec.head_dim_v)
     if device.interpret:
         params = dict(BLOCK_M1=(16, 32), BLOCK_N1=(16, 32), BLOCK_M2=(16, 32), BLOCK_N2=(16, 32),
                       bwd_num_warps=(4,), bwd_num_stages=(1,), dq_strategy=("separate", "atomic"),

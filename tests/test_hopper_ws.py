@@ -135,6 +135,23 @@ def test_256_key_blocks_are_for_fp8_only():
     KernelConfig(**dict(HOPPER, BLOCK_N=256)).check_spec(AttentionSpec(dtype="fp8_e4m3", head_dim=128))
 
 
+def test_tiles_past_shared_memory_are_config_errors():
+    # hd128 bf16, 128 x 128, 3 stages: 229376 bytes of Q and the K/V ring fit an sm90 block's 232448, the O tiles
+    # of a TMA store (32768 more) do not: a ConfigError naming the knobs, not Triton's OutOfResources at launch
+    spec = AttentionSpec(dtype="bf16", head_dim=128)
+    fits = KernelConfig(**dict(HOPPER, num_stages=3))
+    assert fits.check_spec(spec) is fits
+    with pytest.raises(ConfigError, match=r"'num_stages'.*'hopper_tma_store'.*262144 bytes.*232448"):
+        fits.replace(hopper_tma_store=True).check_spec(spec)
+    with pytest.raises(ConfigError, match="'BLOCK_N'"):
+        KernelConfig(**dict(HOPPER, BLOCK_N=256, num_stages=4)).check_spec(AttentionSpec(dtype="fp8_e4m3",
+                                                                                         head_dim=256))
+    # the tuner's space rejects the same points (one rule for both)
+    space = forward_space(spec, H100)
+    assert not space.violations(fits.to_dict())
+    assert space.violations(dict(fits.to_dict(), hopper_tma_store=True))
+
+
 def test_unserved_spec_is_a_config_error_naming_the_family():
     spec = AttentionSpec(dtype="bf16", head_dim=64, mask={"sink": {"tokens": 4, "window": 128}})
     with pytest.raises(ConfigError, match="'family'.*mask"):
@@ -277,32 +294,29 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
         spec = AttentionSpec(dtype=fields.pop("dtype", "bf16"), head_dim=d, num_heads=16, causal=causal, **fields)
         return flashgen.default_config(spec, "h100", seqlen)
 
-    # H100 wins (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md; the persistent grid:
-    # 2026-11-26-h100-hopper-persistent-run2.md; FA3's overlap: -persistent-overlap*.md): persistent
-    # for hd128 from 1024 to 4096 tokens and hd64 causal at 4096, overlapped for hd128 causal from 4096
-    # on; the one-tile grid for longer walks, overlapped at hd128 plain and hd64 causal
-    for d, causal, seqlen, overlap in ((128, False, 1024, False), (128, False, 2048, False), (128, False, 4096, False),
-                                       (128, True, 1024, False), (128, True, 4096, True), (128, True, 16384, True),
-                                       (64, True, 4096, False)):
-        got = family(d, causal, seqlen)
-        assert got.family == "hopper_ws" and got.hopper_persistent and got.num_stages == 2, (d, causal, seqlen)
-        assert got.hopper_overlap == overlap, (d, causal, seqlen)
-    for d, causal, seqlen, overlap in ((128, False, 8192, True), (128, False, 16384, True), (64, False, 4096, False),
-                                       (64, False, 16384, False), (64, True, 16384, True)):
-        got = family(d, causal, seqlen)
-        assert got.family == "hopper_ws" and not (got.hopper_persistent or got.hopper_pingpong), (d, causal, seqlen)
-        assert got.hopper_overlap == overlap and got.num_stages == 2, (d, causal, seqlen)
-    assert family(64, False, 4096, dtype="fp16").family == "hopper_ws"
-    # O by a TMA store (session 18): hd128 up to 2048 tokens, and causal at 4096; not plain 4096 (0.96x),
-    # causal 8192+ (16384: 0.985x), hd64 or the one-tile grids
-    for d, causal, seqlen, tma_store in ((128, False, 1024, True), (128, True, 2048, True), (128, True, 4096, True),
-                                         (128, False, 4096, False), (128, True, 8192, False), (128, True, 16384, False),
-                                         (128, False, 16384, False), (64, True, 4096, False)):
-        assert family(d, causal, seqlen).hopper_tma_store == tma_store, (d, causal, seqlen)
+    # H100 wins (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md, -persistent-run2.md, -persistent-
+    # overlap*.md; since the TMA store, 2026-11-27-h100-forward-variants{,-2,-3}.md): hd128 from 1024 tokens,
+    # causal or not, and hd64 plain at 1024-2048 take all three (persistent grid, FA3's overlap, O by a TMA
+    # store); hd64 causal at 4096 the persistent grid alone; hd64 plain at 4096 the one-tile grid; hd64 from
+    # 8192 on the one-tile grid with the TMA store
+    def knobs(got):
+        return got.family, got.num_stages, got.hopper_persistent, got.hopper_overlap, got.hopper_tma_store, \
+            got.hopper_pingpong
+
+    all_three = ("hopper_ws", 2, True, True, True, False)
+    for d, causal, seqlen in [(128, c, s) for c in (False, True) for s in (1024, 2048, 4096, 8192, 16384, 65536)] \
+            + [(64, False, 1024), (64, False, 2048)]:
+        assert knobs(family(d, causal, seqlen)) == all_three, (d, causal, seqlen)
+    assert knobs(family(64, True, 4096)) == ("hopper_ws", 2, True, False, False, False)
+    assert knobs(family(64, False, 4096)) == knobs(family(64, False, 4096, dtype="fp16")) == \
+        ("hopper_ws", 2, False, False, False, False)
+    for d, causal, seqlen in ((64, False, 8192), (64, False, 16384), (64, True, 8192), (64, True, 16384)):
+        assert knobs(family(d, causal, seqlen)) == ("hopper_ws", 2, False, False, True, False), (d, causal, seqlen)
     # the persistent grid serves no mask pattern: its defaults never take it
     assert not family(128, True, 4096, mask={"prefix_lm": 512}).hopper_persistent
     # losses, unmeasured short calls, and what the family does not serve: the portable defaults
-    for d, causal, seqlen in ((64, False, 1024), (64, True, 1024), (64, True, 2048), (128, False, 256)):
+    for d, causal, seqlen in ((64, False, 512), (64, True, 1024), (64, True, 2048), (128, False, 256),
+                              (128, True, 512)):
         assert family(d, causal, seqlen).family == "portable", (d, causal, seqlen)
     assert family(128, False, 4096, mask={"sliding_window": {"left": 256}}).family == "portable"
     assert family(128, False, 4096, dtype="fp32").family == "portable"
