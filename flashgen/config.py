@@ -25,6 +25,7 @@ DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
 _WARPS = (1, 2, 4, 8, 16)
 HOPPER_SMEM = 232448  # shared memory per block on sm90 (opt-in), bytes: where the hopper_ws family runs
+HOPPER_SMEM_RESERVE = 1024  # the Gluon forward's mbarriers and alignment beside its tiles (440-504 bytes measured)
 PERSISTENT = (0, 1, 2, 3, 4, 8)  # bwd_persistent: dK/dV programs per SM (0: one per key block)
 
 # GPU families by target name; used for the heuristic defaults.
@@ -41,16 +42,21 @@ class ConfigError(ValueError):
 
 
 def pad_dim(d: int) -> int:
-    """A head dimension as the kernels tile it (BLOCK_D): the next power of two, at least 16."""
+    """A head dimension as the kernels tile it (BLOCK_D): the next power of two, at least 16 (tl.dot's
+    minimum); runtime/host.padded_head_dim is the same rule for the generated modules, which import nothing
+    from here."""
     return max(16, 1 << (d - 1).bit_length())
 
 
 def hopper_ws_smem(spec: AttentionSpec, block_m: int, block_n: int, num_stages: int, tma_store: bool) -> int:
     """Bytes of shared memory the Gluon forward (family hopper_ws) takes: its Q tile and num_stages K and V
-    tiles, plus the 16-bit O tiles a TMA store leaves from (P stays in registers)."""
+    tiles, the 16-bit O tiles a TMA store leaves from (P stays in registers), and a reserve for its mbarriers
+    (templates/hopper/forward.j2 allocates these; hd128 bf16 128 x 128 x 3 stages with the TMA store asked
+    triton 3.6 for 262648 bytes, 504 beside the tiles' 262144; 2 stages compiled by triton 3.9 to 197048, 440
+    beside 196608). Tile sums are multiples of 4096 bytes, so the reserve refuses nothing that fits."""
     bd, bdv = pad_dim(spec.head_dim), pad_dim(spec.head_dim_v)
     ring = spec.torch_dtype.itemsize * (block_m * bd + num_stages * block_n * (bd + bdv))
-    return ring + tma_store * 2 * block_m * bdv
+    return ring + tma_store * 2 * block_m * bdv + HOPPER_SMEM_RESERVE
 
 
 @dataclass(frozen=True)
@@ -244,7 +250,8 @@ class KernelConfig:
                               f"(P in FP8 takes a quarter of the registers), got 256 for dtype {spec.dtype!r}")
         if self.family == "hopper_ws" and (need := hopper_ws_smem(spec, self.BLOCK_M, self.BLOCK_N, self.num_stages,
                                                                   self.hopper_tma_store)) > HOPPER_SMEM:
-            raise ConfigError(f"config knobs 'BLOCK_N', 'num_stages', 'hopper_tma_store': family 'hopper_ws' with "
+            raise ConfigError(f"config knobs 'BLOCK_M', 'BLOCK_N', 'num_stages', 'hopper_tma_store': family "
+                              f"'hopper_ws' with "
                               f"BLOCK_M={self.BLOCK_M} BLOCK_N={self.BLOCK_N} num_stages={self.num_stages} "
                               f"hopper_tma_store={self.hopper_tma_store} needs {need} bytes of shared memory at head "
                               f"dim {spec.head_dim} ({spec.dtype}), more than an sm90 block's {HOPPER_SMEM}")
@@ -439,7 +446,11 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
 
 def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
     """The Gluon warp-specialized forward (family hopper_ws) where the H100 measured it faster than
-    the portable default, else None. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
+    the portable default, else None. Today's rule (the last paragraph's runs): hd128 from 1024 tokens, causal
+    or not, and hd64 plain at 1024-2048: the persistent grid, FA3's overlap and the TMA store together; hd64
+    above 2048 tokens: one program per tile (plain) or the persistent grid (causal), from 8192 one program
+    per tile with the TMA store; the rest (under 1024 tokens, hd64 causal under 4096) portable. What the
+    paragraphs before it measured led there. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
     (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md): hd128 S=1024 473/457 (ping-pong),
     S=4096 591/545 (ping-pong), S=16384 617-634/534; causal S=4096 513/476 and S=16384 586/545 (3
     stages); hd64 S=4096 439-446/429, S=16384 461/440, causal S=16384 435/423. Not taken: hd128 causal
@@ -485,15 +496,13 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     all_three = dict(tile, hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)
     if d == 128 and seqlen >= 1024:
         return all_three  # calls of up to 512 tokens: not measured
-    if d == 64 and not shape.causal and 1024 <= seqlen <= 2048:
-        return all_three
-    if d == 64 and shape.causal and seqlen == 4096:
-        return dict(tile, hopper_persistent=True)
-    if d == 64 and seqlen >= 8192:
+    if d != 64 or seqlen < 1024:
+        return None
+    if seqlen >= 8192:
         return dict(tile, hopper_tma_store=True)
-    if d == 64 and seqlen == 4096:
-        return tile
-    return None
+    if seqlen > 2048:  # (measured at 4096)
+        return dict(tile, hopper_persistent=True) if shape.causal else tile
+    return None if shape.causal else all_three
 
 
 def _hopper_ws_masked_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:

@@ -14,11 +14,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .config import HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_STAGES, hopper_ws_smem, mask_shape, pad_dim
+from .config import (HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_SMEM, HOPPER_SMEM_RESERVE, HOPPER_STAGES, hopper_ws_smem,
+                     mask_shape, pad_dim)
 from .runtime.hopper import spec_unserved
 from .spec import AttentionSpec
 
-SMEM_LIMITS = {"sm90": 232448, "sm80": 166912, "sm86": 101376, "sm89": 101376}  # bytes per block (opt-in)
+SMEM_LIMITS = {"sm90": HOPPER_SMEM, "sm80": 166912, "sm86": 101376, "sm89": 101376}  # bytes per block (opt-in)
 REGISTERS_PER_SM = 65536  # 32-bit registers per SM, sm80 to sm90
 
 
@@ -120,9 +121,10 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
                                                          or p.get("hopper_persistent") or p.get("hopper_tma_store")))),
             Restriction("not hopper_pingpong or (BLOCK_M == 128 and not hopper_overlap)",
                         lambda p: not p.get("hopper_pingpong") or (p["BLOCK_M"] == 128 and not p.get("hopper_overlap"))),
-            # (+ the O tiles a TMA store leaves from: 16-bit outputs, FP8's too)
+            # (+ the O tiles a TMA store leaves from: 16-bit outputs, FP8's too; config.hopper_ws_smem, which
+            # KernelConfig.check_spec applies to any config)
             Restriction(f"family == 'portable' or {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv}) "
-                        f"+ hopper_tma_store*2*BLOCK_M*{bdv} <= {device.smem_bytes:g}",
+                        f"+ hopper_tma_store*2*BLOCK_M*{bdv} + {HOPPER_SMEM_RESERVE} <= {device.smem_bytes:g}",
                         lambda p: not hopper(p) or device.smem_bytes >= hopper_ws_smem(
                             spec, p["BLOCK_M"], p["BLOCK_N"], p["num_stages"], bool(p.get("hopper_tma_store")))),
         ]

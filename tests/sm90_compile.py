@@ -160,9 +160,11 @@ def main(only=()) -> int:
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True)),
         ("hopper_ws persistent hd64, 1 consumer", dict(head_dim=64, num_heads=4),
          KernelConfig(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, family="hopper_ws", hopper_persistent=True)),
-        ("hopper_ws persistent causal hd128, overlap", dict(head_dim=128, num_heads=4, causal=True, forward_only=True),
+        # (with FA3's overlap and the TMA store: the hd128 default from 1024 tokens, and hd64's at 1024-2048)
+        ("hopper_ws persistent causal hd128, overlap, TMA store", dict(head_dim=128, num_heads=4, causal=True,
+                                                                       forward_only=True),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
-                      hopper_overlap=True)),
+                      hopper_overlap=True, hopper_tma_store=True)),
         ("hopper_ws persistent gqa hd128, ping-pong", dict(head_dim=128, num_heads=8, num_kv_heads=2, forward_only=True),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
                       hopper_pingpong=True)),

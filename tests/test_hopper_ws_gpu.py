@@ -111,7 +111,8 @@ def test_default_takes_the_family_where_it_is_the_default(head_dim, causal, seql
 
 
 @sm90
-@pytest.mark.parametrize("knob", ["", "hopper_overlap", "hopper_pingpong", "hopper_tma_store"])
+@pytest.mark.parametrize("knob", ["", "hopper_overlap", "hopper_pingpong", "hopper_tma_store",
+                                  "hopper_overlap+hopper_tma_store"])  # the last: the hd128 and hd64 defaults
 @pytest.mark.parametrize("programs", [1, 7, 1000])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], (3, 4, 4, 1280, 1280, 64, "bhsd")])
@@ -124,7 +125,7 @@ def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, program
     monkeypatch.setattr(hopper, "sm_count", lambda device: programs)
     batch, heads, kv_heads, sq, sk, d, layout = shape
     spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=heads, num_kv_heads=kv_heads, causal=causal)
-    knobs = {knob: True} if knob else {}
+    knobs = {name: True for name in knob.split("+") if name}
     module = flashgen.compile(spec, KernelConfig(**BASE, hopper_persistent=True, **knobs)).module()
     module._LAUNCHER.plans.clear()  # plans made by another case fixed their grid with its program count
     q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=torch.bfloat16, device="cuda", layout=layout)

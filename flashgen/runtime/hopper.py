@@ -5,7 +5,7 @@ The kernel itself is rendered from templates/hopper/forward.j2 into the module, 
 portable Q-outer forward; the module hands it to HopperForward, and AttentionLauncher.forward
 asks ``hopper_forward.plan(...)`` first: a call the family cannot serve (see ``call_unserved``)
 runs the portable forward instead. What a *spec* needs for the family is ``spec_unserved``: the
-config check (config.KernelConfig.check_family), the tuner's space and the defaults all ask it.
+config check (config.KernelConfig.check_spec), the tuner's space and the defaults all ask it.
 
 Mask patterns whose key range is one segment (mask_unserved: documents, prefix-LM, windows, chunks,
 and-ed) take the same kernel with the mask hooks of templates/hopper/masks.j2; their named tensors
