@@ -36,6 +36,11 @@ VARIANTS = {  # name -> knobs over HOPPER_DEFAULT_TILE
     "persistent_overlap_tma": dict(hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True),
     "overlap_tma": dict(hopper_overlap=True, hopper_tma_store=True),
     "pingpong_tma": dict(hopper_pingpong=True, hopper_tma_store=True),
+    # 64-key blocks (finer causal diagonals, more steps per walk); one 64-row consumer
+    "n64_persistent_tma": dict(BLOCK_N=64, num_stages=4, hopper_persistent=True, hopper_tma_store=True),
+    "n64_persistent_overlap_tma": dict(BLOCK_N=64, num_stages=4, hopper_persistent=True, hopper_overlap=True,
+                                       hopper_tma_store=True),
+    "m64_persistent_tma": dict(BLOCK_M=64, num_stages=3, hopper_persistent=True, hopper_tma_store=True),
     # FP8 only (256-key blocks)
     "n256_tma": dict(BLOCK_N=256, hopper_tma_store=True),
     "n256_persistent_tma": dict(BLOCK_N=256, hopper_persistent=True, hopper_tma_store=True),
