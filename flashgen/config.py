@@ -364,7 +364,8 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
     d = max(spec.head_dim, spec.head_dim_v)
     seqlen = DEFAULT_SEQLEN if seqlen is None else seqlen
     shape = mask_shape(spec)
-    forward, backward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws), _backward_defaults(spec, arch, d, shape, seqlen)
+    forward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws)
+    backward = _backward_defaults(spec, arch, d, shape, seqlen)
     if arch == "sm90":
         backward.update(_hopper_bwd_default(spec, d, shape, seqlen))
     if seqlen <= SMALL_CALL:

@@ -87,8 +87,8 @@ def _configs(rows: dict[int, dict[str, dict]], spec: AttentionSpec, target: str
             used += 1
         if not used:
             continue
-        try:
-            out[bucket] = default_config(spec, target, seqlen=bucket).replace(**knobs)
+        try:  # check_spec: what the kernels for this spec can take (the family, shared memory)
+            out[bucket] = default_config(spec, target, seqlen=bucket).replace(**knobs).check_spec(spec)
         except ConfigError as err:  # each phase's knobs are sound alone, not together
             bad.append(f"bucket {bucket!r}: {err}")
     return out, bad, older

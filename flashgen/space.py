@@ -120,7 +120,8 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
                                                 and not (p.get("hopper_overlap") or p.get("hopper_pingpong")
                                                          or p.get("hopper_persistent") or p.get("hopper_tma_store")))),
             Restriction("not hopper_pingpong or (BLOCK_M == 128 and not hopper_overlap)",
-                        lambda p: not p.get("hopper_pingpong") or (p["BLOCK_M"] == 128 and not p.get("hopper_overlap"))),
+                        lambda p: not p.get("hopper_pingpong")
+                        or (p["BLOCK_M"] == 128 and not p.get("hopper_overlap"))),
             # (+ the O tiles a TMA store leaves from: 16-bit outputs, FP8's too; config.hopper_ws_smem, which
             # KernelConfig.check_spec applies to any config)
             Restriction(f"family == 'portable' or {elem}*(BLOCK_M*{bd} + num_stages*BLOCK_N*{bd + bdv}) "

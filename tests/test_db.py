@@ -391,6 +391,23 @@ def test_malformed_rows_in_the_database_are_skipped_and_reported(tmp_path, monke
     assert result.exit_code == 1 and "field 'config': not JSON" in result.output
 
 
+def test_a_stored_config_the_spec_cannot_take_is_skipped(tmp_path, monkeypatch, fresh_warnings):
+    # sound knobs that this spec's kernels cannot take (check_spec: the Gluon forward's shared memory at hd128)
+    # are skipped like a malformed row, not raised from the first call
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    spec = AttentionSpec(name="dbspec-hd128", dtype="bf16", head_dim=128, num_heads=2)
+    store = ResultStore(f"sqlite:///{tmp_path / 'db.sqlite'}")
+    hopper = dict(CFG, BLOCK_M=128, BLOCK_N=128, num_stages=3, family="hopper_ws")
+    store.set_best(here, spec, 1024, "fwd", dict(hopper, hopper_tma_store=True), 1.0, 1.0)
+    store.set_best(here, spec, 4096, "fwd", hopper, 1.0, 1.0)
+    store.close()
+    with pytest.warns(flashgen.FlashgenFallbackWarning, match="skipping 1 malformed.*1024.*shared memory"):
+        kernel = flashgen.load(spec, db=f"sqlite:///{tmp_path / 'db.sqlite'}")
+    assert kernel.bucket_configs[1024] == default_config(spec, seqlen=1024)
+    assert kernel.bucket_configs[4096].num_stages == 3 and kernel.bucket_configs[4096].family == "hopper_ws"
+
+
 def test_set_best_refuses_a_malformed_result(tmp_path):
     from flashgen.db import ResultRowError
 

@@ -280,7 +280,8 @@ def test_space_offers_the_family_only_where_it_serves():
     assert not any(p["hopper_tma_store"] for p in points if p["family"] == "portable")
     wide = [p for p in hw if p["BLOCK_M"] == 128 and p["BLOCK_N"] == 128 and p["num_stages"] == 3]
     assert wide and not any(p["hopper_tma_store"] for p in wide)
-    assert any(p["BLOCK_M"] == 64 and p["BLOCK_N"] == 128 and p["num_stages"] == 3 and p["hopper_tma_store"] for p in hw)
+    assert any(p["BLOCK_M"] == 64 and p["BLOCK_N"] == 128 and p["num_stages"] == 3 and p["hopper_tma_store"]
+               for p in hw)
     masked = forward_space(AttentionSpec(dtype="bf16", head_dim=128, mask={"prefix_lm": 64}), H100)
     assert "family" in masked.params and "hopper_persistent" not in masked.params
     fp8 = forward_space(AttentionSpec(dtype="fp8_e4m3", head_dim=128, backward=False), H100)
