@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
 from flashgen.api import spec_for  # noqa: E402
-from flashgen.bench import environment  # noqa: E402
+from flashgen.bench import environment, file_tag  # noqa: E402
 from flashgen.config import default_config  # noqa: E402
 from flashgen.runtime.launch import BoundLaunch  # noqa: E402
 
@@ -364,7 +364,7 @@ def main():
                              "the table adds the median ratio")
     parser.add_argument("--graph", action="store_true",
                         help="also flashgen's and the anchor's fwd+bwd replayed from a CUDA graph (graph_ms)")
-    parser.add_argument("--tag", default="", help="appended to the result files' name (e.g. -v2)")
+    parser.add_argument("--tag", default="", type=file_tag, help="file name suffix: v2 (or -v2) writes ...-v2")
     parser.add_argument("--kernels", action="store_true",
                         help="also the GPU time per fwd+bwd step by kernel at S <= 512 (kernel_times())")
     args = parser.parse_args()

@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec  # noqa: E402
-from flashgen.bench import environment, gpu_tag  # noqa: E402
+from flashgen.bench import environment, file_tag, gpu_tag  # noqa: E402
 from flashgen.compat import flash_attn_with_kvcache  # noqa: E402
 from flashgen.timing import time_ms, wall_ms  # noqa: E402
 
@@ -532,7 +532,8 @@ def main(argv=None):
     ap.add_argument("--skip-table", action="store_true", help="only --conversion / --ceiling / --variants")
     ap.add_argument("--fused-combine", action="store_true",
                     help="the table with split calls merged in the split kernel (decode.FUSED_COMBINE = True)")
-    ap.add_argument("--tag", default="", help="appended to the results' file names (2026-11-23-h100-decode-fp8-v2)")
+    ap.add_argument("--tag", default="", type=file_tag,
+                    help="file name suffix: v2 writes 2026-11-23-h100-decode-fp8-v2")
     args = ap.parse_args(argv)
     from flashgen.runtime import decode as host_decode
     if args.fused_combine:
@@ -564,7 +565,7 @@ def main(argv=None):
         finally:
             signal.signal(signal.SIGTERM, previous)
             stem = (f"{time.strftime('%Y-%m-%d')}-{gpu}-decode{'-fp8' if args.fp8 else ''}"
-                    f"{'-smoke' if args.smoke else ''}{'-' + args.tag if args.tag else ''}")
+                    f"{'-smoke' if args.smoke else ''}{args.tag}")
             (out / f"{stem}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
             table = markdown(rows, env)
             (out / f"{stem}.md").write_text(table)
@@ -578,7 +579,7 @@ def main(argv=None):
             json.dumps({"environment": env, "rows": found}, indent=1))
     if args.ceiling:
         found = ceiling(time_ms)
-        (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-ceiling{'-' + args.tag if args.tag else ''}.json").write_text(
+        (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-ceiling{args.tag}.json").write_text(
             json.dumps({"environment": env, "rows": found}, indent=1))
     if args.variants:  # after the table, in the same process; written even when stopped by `timeout`
         found = []
@@ -587,7 +588,7 @@ def main(argv=None):
             variants(time_ms, rows=found)
         finally:
             signal.signal(signal.SIGTERM, previous)
-            (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-variants{'-' + args.tag if args.tag else ''}.json"
+            (out / f"{time.strftime('%Y-%m-%d')}-{gpu}-decode-variants{args.tag}.json"
              ).write_text(json.dumps({"environment": env, "rows": found}, indent=1))
     return rows
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
-from flashgen.bench import environment  # noqa: E402
+from flashgen.bench import environment, file_tag  # noqa: E402
 from flashgen.flops import pairs_flops, visible_pairs  # noqa: E402
 from flashgen.timing import time_ms  # noqa: E402
 from flashgen.verify import check_attention  # noqa: E402
@@ -152,7 +152,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="hd128, S=4096 only")
-    parser.add_argument("--tag", default="", help="file name suffix: --tag v2 writes <date>-<gpu>-fp8-v2.json")
+    parser.add_argument("--tag", default="", type=file_tag,
+                        help="file name suffix: --tag v2 writes <date>-<gpu>-fp8-v2.json")
     parser.add_argument("--no-decode", action="store_true", help="leave out the FP8 KV-cache decode rows")
     args = parser.parse_args()
     cases = [(d, s, c) for d in (64, 128, 256) for s in (4096, 16384) for c in (False, True)]
@@ -175,7 +176,7 @@ def main():
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = f"-{args.tag}" if args.tag else ""
+    tag = args.tag
     (out / f"{date}-{gpu}-fp8{tag}.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
     cols = ["flashgen_fp8", "flashgen_fp8_portable", "flashgen_bf16", "cudnn_fp8", "cudnn_bf16"]
     lines = [f"FP8 forward | {env}", "", "| case | fp8 family | " + " | ".join(f"{c} TFLOP/s" for c in cols)

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, default_config  # noqa: E402
-from flashgen.bench import environment, flex_runner, gpu_tag, sdpa_runner  # noqa: E402
+from flashgen.bench import environment, file_tag, flex_runner, gpu_tag, sdpa_runner  # noqa: E402
 from flashgen.flops import attention_flops, tflops  # noqa: E402
 from flashgen.runtime.hopper import spec_unserved  # noqa: E402
 from flashgen.runtime.hopper_bwd import HopperBackward, HopperDkdv  # noqa: E402
@@ -265,7 +265,7 @@ def main():
     ap.add_argument("--dq", default="separate,atomic", help="--backward: the Gluon kernel's dQ strategies to time")
     ap.add_argument("--tiles", choices=("all", "default"), default="all",
                     help="--backward: the Gluon kernel at every tile of BACKWARD_TILES, or its shipped ones")
-    ap.add_argument("--tag", default="", help="appended to the results' file names")
+    ap.add_argument("--tag", default="", type=file_tag, help="appended to the results' file names")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
     env = environment()

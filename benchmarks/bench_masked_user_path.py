@@ -47,7 +47,7 @@ if "--dry" in sys.argv:  # before flashgen's kernels are decorated: Triton reads
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec  # noqa: E402
-from flashgen.bench import environment, flex_mods, gpu_tag  # noqa: E402
+from flashgen.bench import environment, file_tag, flex_mods, gpu_tag  # noqa: E402
 from flashgen.flops import pairs_flops, tflops, visible_count  # noqa: E402
 from flashgen.inputs import named_tensors  # noqa: E402
 from flashgen.timing import time_ms, wall_ms  # noqa: E402
@@ -580,7 +580,7 @@ def main():
     parser.add_argument("--hopper", nargs="*", default=None, choices=list(HOPPER_VARIANTS),
                         help="time the Gluon kernels' variants (default: all) on the masked cases instead")
     parser.add_argument("--seqlens", nargs="+", type=int, help="--hopper: these lengths (default: the cases')")
-    parser.add_argument("--tag", default="", help="appended to the output files' names")
+    parser.add_argument("--tag", default="", type=file_tag, help="appended to the output files' names")
     args = parser.parse_args()
     if args.dry:
         dry_run()

@@ -49,6 +49,8 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def parse_args(argv=None):
+    from flashgen.bench import file_tag
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="a tiny model and batch (checks the script, not speed)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -56,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="folder for the JSON and table")
     p.add_argument("--skip", nargs="*", default=[], choices=["train_step", "prefill", "generate", "compile_train_step"],
                    help="modes to leave out")
-    p.add_argument("--tag", default="", help="appended to the result files' name (e.g. -v2)")
+    p.add_argument("--tag", default="", type=file_tag, help="file name suffix: v2 (or -v2) writes ...-v2")
     p.add_argument("--profile-train", action="store_true",
                    help="also GPU time per training step by kernel (torch.profiler), both implementations")
     for name, value in FULL.items():  # every size is a flag; --tiny changes the defaults

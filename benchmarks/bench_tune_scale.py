@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 SPECS = [str(ROOT / "examples/specs/mha-hd64.yaml"), str(ROOT / "examples/specs/gqa-causal.yaml")]
 
 
@@ -112,6 +113,8 @@ def gpu_name() -> str:
 
 
 def main() -> None:
+    from flashgen.bench import file_tag
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--specs", nargs="+", default=SPECS)
     # 20 trials per study at one bucket: a 1-GPU run and a 2-GPU run within the device's 10 minutes
@@ -123,7 +126,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--interpret", action="store_true", help="CPU dry run (not a measurement)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
-    parser.add_argument("--tag", default="", help="appended to the results file's name")
+    parser.add_argument("--tag", default="", type=file_tag, help="appended to the results file's name")
     parser.add_argument("--only-one", action="store_true", help="run the 1-GPU side only (ratio left out)")
     parser.add_argument("--one-from", help="a results file of --only-one on this machine, same case: its 1-GPU "
                                             "side, and run the N-GPU side only")

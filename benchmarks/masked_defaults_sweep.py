@@ -34,7 +34,7 @@ import flashgen  # noqa: E402  (first: bench_masked_user_path puts this checkout
 
 import bench_masked_user_path as B  # noqa: E402
 from flashgen import KernelConfig, default_config  # noqa: E402
-from flashgen.bench import environment  # noqa: E402
+from flashgen.bench import environment, file_tag  # noqa: E402
 from flashgen.flops import pairs_flops, tflops  # noqa: E402
 
 
@@ -205,7 +205,7 @@ def main():
     parser.add_argument("--bwd", nargs="*", help="backward config names to time (default: all)")
     parser.add_argument("--root", help="the checkout whose flashgen is timed (default: this one)")
     parser.add_argument("--no-user", action="store_true", help="skip the user-path timings of the default")
-    parser.add_argument("--tag", default="", help="appended to the output files' names")
+    parser.add_argument("--tag", default="", type=file_tag, help="appended to the output files' names")
     args = parser.parse_args()
     SELECTED.update(fwd=args.fwd, bwd=args.bwd)
     print(f"flashgen from {Path(flashgen.__file__).parent}", flush=True)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, KernelConfig  # noqa: E402
-from flashgen.bench import environment  # noqa: E402
+from flashgen.bench import environment, file_tag  # noqa: E402
 from flashgen.flops import pairs_flops, visible_pairs  # noqa: E402
 from flashgen.timing import time_ms  # noqa: E402
 from flashgen.verify import check_attention  # noqa: E402
@@ -74,7 +74,7 @@ def case(dtype: str, seqlen: int, gen) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--tag", default="")
+    parser.add_argument("--tag", default="", type=file_tag)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(3)
     rows = []

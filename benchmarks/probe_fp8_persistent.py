@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import flashgen  # noqa: E402
 from flashgen import KernelConfig  # noqa: E402
-from flashgen.bench import environment  # noqa: E402
+from flashgen.bench import environment, file_tag  # noqa: E402
 from flashgen.flops import pairs_flops, visible_pairs  # noqa: E402
 from flashgen.timing import time_ms  # noqa: E402
 from flashgen.verify import check_attention  # noqa: E402
@@ -115,7 +115,7 @@ def main():
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; cases past it are left out")
     parser.add_argument("--variants", nargs="*", default=[], metavar="NAME",
                         help="variant names to time (default: every one of the head dim's)")
-    parser.add_argument("--tag", default="")
+    parser.add_argument("--tag", default="", type=file_tag)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = parser.parse_args()
     deadline = time.time() + args.budget

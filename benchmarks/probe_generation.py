@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import flashgen  # before bench_transformers, which puts the repository's root first on sys.path
-from flashgen.bench import environment, gpu_tag
+from flashgen.bench import environment, file_tag, gpu_tag
 from flashgen.integrations import transformers as fg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=6, help="interleaved generations per provider and prompt")
     p.add_argument("--no-generate", action="store_true")
     p.add_argument("--no-gpu-time", action="store_true")
-    p.add_argument("--tag", default="")
+    p.add_argument("--tag", default="", type=file_tag)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, KernelConfig  # noqa: E402
-from flashgen.bench import environment, sdpa_runner  # noqa: E402
+from flashgen.bench import environment, file_tag, sdpa_runner  # noqa: E402
 from flashgen.flops import attention_flops, tflops  # noqa: E402
 from flashgen.timing import time_ms  # noqa: E402
 
@@ -98,7 +98,7 @@ def main():
     parser.add_argument("--budget", type=float, default=400.0, help="seconds; later cases are skipped")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS), metavar="NAME",
                         help=f"variants to time (default: all of {', '.join(VARIANTS)})")
-    parser.add_argument("--tag", default="")
+    parser.add_argument("--tag", default="", type=file_tag)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results"))
     args = parser.parse_args()
     deadline = time.time() + args.budget

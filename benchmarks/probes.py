@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from flashgen.bench import environment, gpu_tag
+from flashgen.bench import environment, file_tag, gpu_tag
 
 
 def graph_ms(fn) -> float:
@@ -51,7 +51,7 @@ def run_probe(description: str, topic: str, cases: list, run_case: Callable, mar
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--tag", default="")
+    parser.add_argument("--tag", default="", type=file_tag)
     parser.add_argument("--dry", action="store_true", help=dry_run.__doc__.split(":")[0])
     if add_arguments:
         add_arguments(parser)

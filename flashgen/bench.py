@@ -38,6 +38,12 @@ def environment() -> dict:
     return env
 
 
+def file_tag(tag: str) -> str:
+    """A results file's name suffix from a benchmark's --tag (its argparse type): 'v2' and '-v2' both give
+    '-v2' (argparse takes `--tag v2`; `--tag=-v2` names the same files)."""
+    return "" if not tag else tag if tag.startswith("-") else f"-{tag}"
+
+
 def gpu_tag(env: dict) -> str:
     """The GPU's short name for results' file names (<date>-<gpu>-<topic>): 'h100', 'h200', 'cpu'."""
     return str(env.get("gpu") or "cpu").lower().replace("nvidia ", "").split()[0]

@@ -59,3 +59,15 @@ def test_gpu_names_become_short_file_names():
     assert bench.gpu_slug({"gpu": "NVIDIA H200"}, "cuda") == "h200"
     assert bench.gpu_slug({"gpu": "Some New GPU"}, "cuda") == "some-new-gpu"
     assert bench.gpu_slug({}, "cpu") == "cpu"
+
+
+def test_tag_names_files_with_or_without_its_dash():
+    # every benchmark's --tag goes through flashgen.bench.file_tag: `--tag v2` and `--tag=-v2` name the same files
+    # (argparse reads `--tag -v2` as an option, so the bare form is the one a user types)
+    from flashgen.bench import file_tag
+
+    assert bench.parse_args(["--tag", "v2"]).tag == bench.parse_args(["--tag=-v2"]).tag == "-v2"
+    assert bench.parse_args([]).tag == "" and file_tag("") == ""
+    benchmarks = sorted((ROOT / "benchmarks").glob("*.py"))
+    tagged = [p.name for p in benchmarks if '"--tag"' in p.read_text()]
+    assert tagged and all("type=file_tag" in (ROOT / "benchmarks" / name).read_text() for name in tagged), tagged
