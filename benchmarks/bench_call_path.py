@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import re
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
 from flashgen.api import spec_for  # noqa: E402
-from flashgen.bench import environment, file_tag  # noqa: E402
+from flashgen.bench import environment, file_tag, gpu_tag  # noqa: E402
 from flashgen.config import default_config  # noqa: E402
 from flashgen.runtime.launch import BoundLaunch  # noqa: E402
 
@@ -382,8 +381,7 @@ def main():
         result["diagnose"] = {seqlen: diagnose(seqlen) for seqlen in sorted(seqlens) if seqlen <= 512}
     if args.kernels:
         result["kernels"] = {seqlen: kernel_times(seqlen) for seqlen in sorted(seqlens) if seqlen <= 512}
-    gpu = re.sub(r"[^a-z0-9]+", "-", env.get("gpu", "gpu").lower()).strip("-")
-    out = Path(args.out) / f"{datetime.date.today()}-{gpu}-call-path{args.tag}"
+    out = Path(args.out) / f"{datetime.date.today()}-{gpu_tag(env)}-call-path{args.tag}"
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     names = list(fns)
     lines = ["| case | mode | " + " | ".join(f"{n} host us / gpu ms" for n in names) + f" | flashgen / {ANCHOR} |",
