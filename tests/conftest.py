@@ -27,3 +27,28 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """Where the kernels run: the GPU if there is one, else the CPU through the interpreter."""
     return "cuda" if HAS_GPU else "cpu"
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """An empty-able PostgreSQL database of this pytest-xdist worker's own, on the server that
+    FLASHGEN_TEST_POSTGRES_URL names (.ci/run starts one where it can); None without one. The store
+    tests drop every table around each case, so two workers sharing one database dropped each
+    other's tables mid-test (test_db's concurrent writers deadlocked under `-n 2`)."""
+    base = os.environ.get("FLASHGEN_TEST_POSTGRES_URL")
+    worker_id = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...; unset without workers
+    if not base or not worker_id:
+        return base
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    url = make_url(base)
+    name = f"{url.database}_{worker_id}"
+    engine = create_engine(base, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            if not conn.execute(text("SELECT 1 FROM pg_database WHERE datname = :name"), {"name": name}).scalar():
+                conn.execute(text(f'CREATE DATABASE "{name}"'))
+    finally:
+        engine.dispose()
+    return url.set(database=name).render_as_string(hide_password=False)

@@ -54,13 +54,14 @@ def _record(store, rec: TrialRecord, spec=SPEC, where=None):
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def url(request, tmp_path):
+def url(request, tmp_path, postgres_url):
     """The same storage tests against every backend. PostgreSQL runs where
-    FLASHGEN_TEST_POSTGRES_URL names an empty database (.ci/run starts one when it can)."""
+    FLASHGEN_TEST_POSTGRES_URL names a server (.ci/run starts one when it can): a database of this
+    worker's own (conftest.postgres_url)."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'results.sqlite'}"
         return
-    pg = os.environ.get("FLASHGEN_TEST_POSTGRES_URL")
+    pg = postgres_url
     if not pg:
         pytest.skip("FLASHGEN_TEST_POSTGRES_URL is not set: no PostgreSQL server to test against")
     _drop_all(pg)
@@ -82,6 +83,7 @@ def test_round_trip_and_upsert(url):
     store.set_best(env(), SPEC, 64, "fwd", CFG, 1.4, 1.4, default_ms=2.0)
     assert store.best_configs(env(), SPEC) == {64: {"fwd": dict(config=CFG, ms=1.4, tflops=1.4, default_ms=2.0)}}
     assert store.check() == []
+    store.close()
 
 
 def test_other_schema_version_is_refused_with_the_upgrade_command(url):
@@ -93,6 +95,25 @@ def test_other_schema_version_is_refused_with_the_upgrade_command(url):
     store.close()
     with pytest.raises(SchemaVersionError, match=r"schema version 99.*flashgen db upgrade --db "):
         ResultStore(url)
+
+
+def test_a_refused_database_leaves_no_connection_open(tmp_path, monkeypatch):
+    # a store whose constructor raised has no close(): it closes what it opened (PostgreSQL's connections
+    # would otherwise stay open until garbage collection)
+    from sqlalchemy import text
+    from sqlalchemy.engine import Engine
+
+    url = f"sqlite:///{tmp_path / 'other.sqlite'}"
+    store = ResultStore(url)
+    with store.engine.begin() as conn:
+        conn.execute(text("UPDATE flashgen_meta SET value = '99' WHERE key = 'schema_version'"))
+    store.close()
+    disposed = []
+    real = Engine.dispose
+    monkeypatch.setattr(Engine, "dispose", lambda self, *a, **kw: (disposed.append(self), real(self, *a, **kw)))
+    with pytest.raises(SchemaVersionError):
+        ResultStore(url)
+    assert len(disposed) == 1 and disposed[0].url.database.endswith("other.sqlite")
 
 
 def _writer(url, worker, n):
@@ -119,7 +140,9 @@ def _four_writers(url, target, n):
 
 def test_concurrent_processes_lose_nothing(url):
     _four_writers(url, _writer, 10)
-    assert len(ResultStore(url).trials(env(), SPEC)) == 40
+    store = ResultStore(url)
+    assert len(store.trials(env(), SPEC)) == 40
+    store.close()
 
 
 @pytest.fixture

@@ -566,11 +566,12 @@ def test_interpret_runner_refuses_a_compiled_process(monkeypatch):
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def shared_url(request, tmp_path):
-    """One database for several workers: an SQLite file, or the PostgreSQL server CI starts."""
+def shared_url(request, tmp_path, postgres_url):
+    """One database for several workers: an SQLite file, or this pytest worker's database on the
+    PostgreSQL server CI starts (conftest.postgres_url)."""
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'workers.sqlite'}"
-    pg = os.environ.get("FLASHGEN_TEST_POSTGRES_URL")
+    pg = postgres_url
     if not pg:
         pytest.skip("FLASHGEN_TEST_POSTGRES_URL is not set: no PostgreSQL server to test against")
     from sqlalchemy import MetaData, create_engine

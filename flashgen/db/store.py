@@ -177,14 +177,15 @@ class ResultStore:
             self._optuna = None
             self._check_schema(create)
             self._file_id = _file_id(path)
-        except _OPEN_ERRORS as err:
-            raise DatabaseError(self.url, f"cannot be opened{' for writing' if create else ''}: "
-                                          f"{_describe(err)}") from None
-        except DatabaseError as err:
-            if type(err) is not DatabaseError:
-                raise
-            raise DatabaseError(self.url, f"cannot be opened{' for writing' if create else ''}: "
-                                          f"{err.problem}") from None
+        except BaseException as err:
+            self._abandon()  # the connections opened so far: a store that was never made has no close()
+            if isinstance(err, _OPEN_ERRORS):
+                raise DatabaseError(self.url, f"cannot be opened{' for writing' if create else ''}: "
+                                              f"{_describe(err)}") from None
+            if type(err) is DatabaseError:
+                raise DatabaseError(self.url, f"cannot be opened{' for writing' if create else ''}: "
+                                              f"{err.problem}") from None
+            raise
 
     def __repr__(self) -> str:
         return f"ResultStore({self.display_url!r})"
@@ -194,6 +195,12 @@ class ResultStore:
         self.engine.dispose()
         if self._optuna is not None:
             self._optuna.engine.dispose()
+
+    def _abandon(self) -> None:
+        """close() for a constructor that failed part way: whatever engines it had made."""
+        for engine in (getattr(self, "engine", None), getattr(getattr(self, "_optuna", None), "engine", None)):
+            if engine is not None:
+                engine.dispose()
 
     # ------------------------------------------------------------------ plumbing
     @contextlib.contextmanager
