@@ -450,7 +450,7 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     the portable default, else None. Today's rule (the last paragraph's runs): hd128 from 1024 tokens, causal
     or not, and hd64 plain at 1024-2048: the persistent grid, FA3's overlap and the TMA store together; hd64
     above 2048 tokens: one program per tile (plain) or the persistent grid (causal), from 8192 one program
-    per tile with the TMA store; the rest (under 1024 tokens, hd64 causal under 4096) portable. What the
+    per tile with the TMA store; the rest (under 1024 tokens, hd64 causal up to 2048) portable. What the
     paragraphs before it measured led there. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
     (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md): hd128 S=1024 473/457 (ping-pong),
     S=4096 591/545 (ping-pong), S=16384 617-634/534; causal S=4096 513/476 and S=16384 586/545 (3
