@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
-from flashgen.bench import environment, file_tag  # noqa: E402
+from flashgen.bench import environment, file_tag, fp8_inputs  # noqa: E402
 from flashgen.flops import pairs_flops, visible_pairs  # noqa: E402
 from flashgen.timing import time_ms  # noqa: E402
 from flashgen.verify import check_attention  # noqa: E402
@@ -65,8 +65,7 @@ def run_case(head_dim, seqlen, causal):
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = [torch.randn(batch, heads, seqlen, head_dim, device="cuda", generator=gen) for _ in range(3)]
     q16, k16, v16 = (t.to(torch.bfloat16) for t in x)
-    (q8, qd), (k8, kd) = (flashgen.quantize_fp8(t) for t in x[:2])
-    v8, vd = flashgen.quantize_fp8(x[2], seq_contiguous=True)  # V once in the FP8 MMA's layout
+    q8, k8, v8, (qd, kd, vd) = fp8_inputs(*x)
 
     def fp8_call(config=None):
         return flashgen.attention(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd, config=config)

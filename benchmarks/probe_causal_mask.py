@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec, KernelConfig  # noqa: E402
-from flashgen.bench import environment, file_tag  # noqa: E402
+from flashgen.bench import environment, file_tag, fp8_inputs  # noqa: E402
 from flashgen.flops import pairs_flops, visible_pairs  # noqa: E402
 from flashgen.timing import time_ms  # noqa: E402
 from flashgen.verify import check_attention  # noqa: E402
@@ -44,9 +44,7 @@ def case(dtype: str, seqlen: int, gen) -> dict:
     x = [torch.randn(batch, HEADS, seqlen, HEAD_DIM, device="cuda", generator=gen) for _ in range(3)]
     descales = None
     if dtype == "fp8":
-        (q, qd), (k, kd) = (flashgen.quantize_fp8(t) for t in x[:2])
-        v, vd = flashgen.quantize_fp8(x[2], seq_contiguous=True)
-        descales = (qd, kd, vd)
+        q, k, v, descales = fp8_inputs(*x)
     else:
         q, k, v = (t.to(torch.bfloat16) for t in x)
     kw = dict(zip(("q_descale", "k_descale", "v_descale"), descales)) if descales else {}

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend
 
 import flashgen
 from flashgen import AttentionSpec
-from flashgen.bench import environment, sdpa_runner
+from flashgen.bench import environment, fp8_inputs, sdpa_runner
 from flashgen.config import ConfigError, HOPPER_DEFAULT_TILE
 from flashgen.flops import pairs_flops, visible_pairs
 from flashgen.timing import time_ms
@@ -81,8 +81,7 @@ def main() -> None:
         q16, k16, v16 = (t.to(torch.bfloat16) for t in x)
         q, k, v, kw, descales = q16, k16, v16, {}, {}
         if fp8:
-            (q, qd), (k, kd) = (flashgen.quantize_fp8(t) for t in x[:2])
-            v, vd = flashgen.quantize_fp8(x[2], seq_contiguous=True)
+            q, k, v, (qd, kd, vd) = fp8_inputs(*x)
             kw = dict(q_descale=qd, k_descale=kd, v_descale=vd)
             descales = dict(descales=(qd[:, :2], kd[:, :2], vd[:, :2]))
         flops = B * H * pairs_flops(visible_pairs(S, S, causal), d)

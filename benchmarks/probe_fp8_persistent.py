@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 import flashgen  # noqa: E402
 from flashgen import KernelConfig  # noqa: E402
-from flashgen.bench import environment, file_tag  # noqa: E402
+from flashgen.bench import environment, file_tag, fp8_inputs  # noqa: E402
 from flashgen.flops import pairs_flops, visible_pairs  # noqa: E402
 from flashgen.timing import time_ms  # noqa: E402
 from flashgen.verify import check_attention  # noqa: E402
@@ -66,8 +66,7 @@ def bench_case(d, causal, seqlen, deadline, variants=None):
     gen = torch.Generator(device="cuda").manual_seed(seqlen * 7 + d + causal)
     x = [torch.randn(batch, heads, seqlen, d, device="cuda", generator=gen) for _ in range(3)]
     q16, k16, v16 = (t.to(torch.bfloat16) for t in x)
-    (q8, qd), (k8, kd) = (flashgen.quantize_fp8(t) for t in x[:2])
-    v8, vd = flashgen.quantize_fp8(x[2], seq_contiguous=True)
+    q8, k8, v8, (qd, kd, vd) = fp8_inputs(*x)
     del x
 
     def fp8(config=None, return_lse=False):

@@ -8,6 +8,7 @@ import torch
 
 import flashgen
 from flashgen import AttentionSpec
+from flashgen.bench import fp8_inputs
 from flashgen.flops import pairs_flops, visible_pairs
 from flashgen.timing import time_ms
 from flashgen.verify import check_attention
@@ -24,8 +25,7 @@ for dtype, d, S, causal in CASES:
         continue
     x = [torch.randn(B, H, S, d, device="cuda", generator=gen) for _ in range(3)]
     if dtype == "fp8":
-        (q, qd), (k, kd) = (flashgen.quantize_fp8(t) for t in x[:2])
-        v, vd = flashgen.quantize_fp8(x[2], seq_contiguous=True)
+        q, k, v, (qd, kd, vd) = fp8_inputs(*x)
         kw, ds = dict(q_descale=qd, k_descale=kd, v_descale=vd), dict(descales=(qd[:, :2], kd[:, :2], vd[:, :2]))
     else:
         q, k, v = (t.to(torch.bfloat16) for t in x)

@@ -17,6 +17,7 @@ from .expr.ir import reads_var, tensors_of
 from .expr.to_torch import evaluate, tensors_at_rank
 from .flops import pairs_flops, tflops, visible_count
 from .inputs import named_tensors
+from .quant import quantize_fp8
 from .timing import time_ms
 
 
@@ -36,6 +37,14 @@ def environment() -> dict:
                    capability=f"{props.major}.{props.minor}", memory_gib=round(props.total_memory / 2**30, 1),
                    cuda=torch.version.cuda)
     return env
+
+
+def fp8_inputs(q, k, v):
+    """q, k, v in e4m3 as the FP8 forward takes them (quantize_fp8: a descale per (batch, KV head); V
+    seq-contiguous, the layout the FP8 MMA reads, made once): (q8, k8, v8, (q_descale, k_descale, v_descale))."""
+    (q8, q_descale), (k8, k_descale) = (quantize_fp8(t) for t in (q, k))
+    v8, v_descale = quantize_fp8(v, seq_contiguous=True)
+    return q8, k8, v8, (q_descale, k_descale, v_descale)
 
 
 def file_tag(tag: str) -> str:

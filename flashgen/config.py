@@ -41,20 +41,15 @@ class ConfigError(ValueError):
     """A kernel config knob has an impossible value."""
 
 
-def pad_dim(d: int) -> int:
-    """A head dimension as the kernels tile it (BLOCK_D): the next power of two, at least 16 (tl.dot's
-    minimum); runtime/host.padded_head_dim is the same rule for the generated modules, which import nothing
-    from here."""
-    return max(16, 1 << (d - 1).bit_length())
-
-
 def hopper_ws_smem(spec: AttentionSpec, block_m: int, block_n: int, num_stages: int, tma_store: bool) -> int:
     """Bytes of shared memory the Gluon forward (family hopper_ws) takes: its Q tile and num_stages K and V
     tiles, the 16-bit O tiles a TMA store leaves from (P stays in registers), and a reserve for its mbarriers
     (templates/hopper/forward.j2 allocates these; hd128 bf16 128 x 128 x 3 stages with the TMA store asked
     triton 3.6 for 262648 bytes, 504 beside the tiles' 262144; 2 stages compiled by triton 3.9 to 197048, 440
     beside 196608). Tile sums are multiples of 4096 bytes, so the reserve refuses nothing that fits."""
-    bd, bdv = pad_dim(spec.head_dim), pad_dim(spec.head_dim_v)
+    from .runtime.host import padded_head_dim  # the BLOCK_D render.py gives the kernels
+
+    bd, bdv = padded_head_dim(spec.head_dim), padded_head_dim(spec.head_dim_v)
     ring = spec.torch_dtype.itemsize * (block_m * bd + num_stages * block_n * (bd + bdv))
     return ring + tma_store * 2 * block_m * bdv + HOPPER_SMEM_RESERVE
 

@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from .config import ConfigError, pad_dim
+from .config import ConfigError
+from .runtime.host import padded_head_dim
 from .space import DeviceLimits, Restriction, SearchSpace, bucket_of
 from .spec import AttentionSpec
 
@@ -83,7 +84,7 @@ def decode_space(spec: AttentionSpec, device: DeviceLimits, default: DecodeConfi
     """The decode knobs the tuner searches, with the restriction that the K/V tiles in flight
     fit; the default's values are added to the choices (the tuner always measures it)."""
     elem = 4 if spec.dtype == "fp32" else 2
-    dims = pad_dim(spec.head_dim) + pad_dim(spec.head_dim_v)
+    dims = padded_head_dim(spec.head_dim) + padded_head_dim(spec.head_dim_v)
     if device.interpret:
         params = dict(num_splits=(1, 2, 3), BLOCK_N=(16, 32), num_warps=(4,), num_stages=(1,), page_prefetch=(True,))
     else:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from .config import (HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_SMEM, HOPPER_SMEM_RESERVE, HOPPER_STAGES, hopper_ws_smem,
-                     mask_shape, pad_dim)
+                     mask_shape)
 from .runtime.hopper import spec_unserved
+from .runtime.host import padded_head_dim
 from .spec import AttentionSpec
 
 SMEM_LIMITS = {"sm90": HOPPER_SMEM, "sm80": 166912, "sm86": 101376, "sm89": 101376}  # bytes per block (opt-in)
@@ -72,7 +73,7 @@ class SearchSpace:
 
 def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     elem = spec.torch_dtype.itemsize  # bytes per element: 4 fp32, 2 fp16/bf16, 1 FP8
-    bd, bdv = pad_dim(spec.head_dim), pad_dim(spec.head_dim_v)
+    bd, bdv = padded_head_dim(spec.head_dim), padded_head_dim(spec.head_dim_v)
     if device.interpret:
         params = dict(BLOCK_M=(16, 32), BLOCK_N=(16, 32), num_warps=(4,), num_stages=(1,),
                       loop_order=("q_outer", "kv_outer"))
@@ -147,7 +148,7 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
 
 def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     elem = spec.torch_dtype.itemsize  # bytes per element: 4 fp32, 2 fp16/bf16, 1 FP8
-    bd, bdv = pad_dim(spec.head_dim), pad_dim(spec.head_dim_v)
+    bd, bdv = padded_head_dim(spec.head_dim), padded_head_dim(spec.head_dim_v)
     if device.interpret:
         params = dict(BLOCK_M1=(16, 32), BLOCK_N1=(16, 32), BLOCK_M2=(16, 32), BLOCK_N2=(16, 32),
                       bwd_num_warps=(4,), bwd_num_stages=(1,), dq_strategy=("separate", "atomic"),

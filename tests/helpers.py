@@ -42,3 +42,14 @@ def half_fractions(binary_factors, rows):
     combos = list(itertools.product(*binary_factors))
     halves = [[c for i, c in enumerate(combos) if bin(i).count("1") % 2 == parity] for parity in (0, 1)]
     return [(m, row, *combo) for m, row in enumerate(rows) for combo in halves[m % 2]]
+
+
+def drop_all_tables(url):
+    """Every table of a database: flashgen's, Optuna's and both Alembic version tables."""
+    from sqlalchemy import MetaData, create_engine
+
+    engine = create_engine(url)
+    tables = MetaData()
+    tables.reflect(engine)
+    tables.drop_all(engine)
+    engine.dispose()

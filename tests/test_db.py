@@ -15,6 +15,7 @@ from flashgen.db import layer as layer_mod
 from flashgen.config import KernelConfig, default_config
 from flashgen.loader import lookup
 
+from .helpers import drop_all_tables
 from .test_render import edited_templates  # noqa: F401 (a fixture)
 
 SPEC = AttentionSpec(name="dbspec", dtype="fp16", head_dim=32, num_heads=2, causal=True)
@@ -23,17 +24,6 @@ CFG = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1, loop_order="q_oute
 
 def env():
     return EnvInfo.current(interpret=True)
-
-
-def _drop_all(url):
-    """Every table: flashgen's, Optuna's and both Alembic version tables."""
-    from sqlalchemy import MetaData, create_engine
-
-    engine = create_engine(url)
-    tables = MetaData()
-    tables.reflect(engine)
-    tables.drop_all(engine)
-    engine.dispose()
 
 
 def _record(store, rec: TrialRecord, spec=SPEC, where=None):
@@ -64,9 +54,9 @@ def url(request, tmp_path, postgres_url):
     pg = postgres_url
     if not pg:
         pytest.skip("FLASHGEN_TEST_POSTGRES_URL is not set: no PostgreSQL server to test against")
-    _drop_all(pg)
+    drop_all_tables(pg)
     yield pg
-    _drop_all(pg)
+    drop_all_tables(pg)
 
 
 def test_round_trip_and_upsert(url):

@@ -65,6 +65,19 @@ def test_quantize_roundtrip(layout, block):
     assert xt.stride(2 if layout == "bhsd" else 1) == 1
 
 
+def test_benchmarks_fp8_inputs_are_the_forwards_operands():
+    # flashgen.bench.fp8_inputs (the FP8 benchmarks' inputs): q and k as quantize_fp8 gives them, V in its
+    # seq-contiguous copy, and their descales in q, k, v order
+    from flashgen.bench import fp8_inputs
+
+    q, k, v = (torch.randn(2, 4, 37, 32) * s for s in (1, 2, 3))
+    q8, k8, v8, descales = fp8_inputs(q, k, v)
+    for t, t8, d in zip((q, k, v), (q8, k8, v8), descales):
+        want, want_d = flashgen.quantize_fp8(t)
+        assert torch.equal(t8.float(), want.float()) and torch.equal(d, want_d)
+    assert v8.stride(2) == 1 and q8.stride(3) == 1
+
+
 def test_quantize_errors_name_the_argument():
     x = torch.randn(1, 4, 8, 16)
     with pytest.raises(ValueError, match="group"):

@@ -29,7 +29,7 @@ from flashgen.space import DeviceLimits, backward_space, bucket_of, forward_spac
 import flashgen.tuner
 from flashgen.tuner import InterpretRunner, TuneOptions, candidate, tune
 
-from .helpers import child_pythonpath
+from .helpers import child_pythonpath, drop_all_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 # Tests that tune through the interpreter runner need a process whose kernels are interpreted
@@ -574,13 +574,7 @@ def shared_url(request, tmp_path, postgres_url):
     pg = postgres_url
     if not pg:
         pytest.skip("FLASHGEN_TEST_POSTGRES_URL is not set: no PostgreSQL server to test against")
-    from sqlalchemy import MetaData, create_engine
-
-    engine = create_engine(pg)
-    tables = MetaData()
-    tables.reflect(engine)
-    tables.drop_all(engine)
-    engine.dispose()
+    drop_all_tables(pg)
     return pg
 
 

@@ -178,7 +178,7 @@ class ResultStore:
             self._check_schema(create)
             self._file_id = _file_id(path)
         except BaseException as err:
-            self._abandon()  # the connections opened so far: a store that was never made has no close()
+            self.close()  # the connections opened so far: the caller never gets this store to close
             if isinstance(err, _OPEN_ERRORS):
                 raise DatabaseError(self.url, f"cannot be opened{' for writing' if create else ''}: "
                                               f"{_describe(err)}") from None
@@ -191,13 +191,8 @@ class ResultStore:
         return f"ResultStore({self.display_url!r})"
 
     def close(self) -> None:
-        """Close the pooled connections, flashgen's and Optuna's (the store opens new ones if used again)."""
-        self.engine.dispose()
-        if self._optuna is not None:
-            self._optuna.engine.dispose()
-
-    def _abandon(self) -> None:
-        """close() for a constructor that failed part way: whatever engines it had made."""
+        """Close the pooled connections, flashgen's and Optuna's (the store opens new ones if used again);
+        also those of a constructor that raised part way, before it had made both."""
         for engine in (getattr(self, "engine", None), getattr(getattr(self, "_optuna", None), "engine", None)):
             if engine is not None:
                 engine.dispose()
