@@ -325,6 +325,17 @@ HOPPER_VARIANTS = {  # name -> knobs over the default config: hw_* the Gluon for
     "hb_separate": dict(hopper_bwd=True),
     "hb_atomic": dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False),
     "hw_hb": dict(_GLUON, BLOCK_N=128, num_stages=3, hopper_bwd=True),  # both Gluon kernels
+    # the persistent grid on masks (each tile's key range from the pattern), with the TMA store and FA3's
+    # overlap (hw_all3: the unmasked hd128 default's knobs), and the overlap + TMA store on the one-tile grid
+    "hw_persistent": dict(_GLUON, BLOCK_N=128, num_stages=2, hopper_persistent=True, hopper_tma_store=True),
+    "hw_all3": dict(_GLUON, BLOCK_N=128, num_stages=2, hopper_persistent=True, hopper_overlap=True,
+                    hopper_tma_store=True),
+    "hw_overlap_tma": dict(_GLUON, BLOCK_N=128, num_stages=2, hopper_overlap=True, hopper_tma_store=True),
+    "hw_persistent_s3": dict(_GLUON, BLOCK_N=128, num_stages=3, hopper_persistent=True),
+    "hw_persistent_n64": dict(_GLUON, BLOCK_N=64, num_stages=4, hopper_persistent=True, hopper_tma_store=True),
+    "hw_persistent_n64_s3": dict(_GLUON, BLOCK_N=64, num_stages=3, hopper_persistent=True, hopper_tma_store=True),
+    "hw_all3_n64": dict(_GLUON, BLOCK_N=64, num_stages=4, hopper_persistent=True, hopper_overlap=True,
+                        hopper_tma_store=True),
     "heavy_first": dict(bwd_heavy_first=True),  # the default's kernels, the backward launched heaviest first
 }
 

@@ -237,9 +237,6 @@ class KernelConfig:
 
         if self.family == "hopper_ws" and (reason := spec_unserved(spec)):
             raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
-        if self.hopper_persistent and spec.mask is not None:
-            raise ConfigError(f"config knob 'hopper_persistent': serves specs without a mask pattern, "
-                              f"got spec {spec.uri!r}")
         if self.family == "hopper_ws" and self.BLOCK_N == 256 and not spec.fp8:
             raise ConfigError(f"config knob 'BLOCK_N': family 'hopper_ws' takes 256-key blocks for FP8 specs only "
                               f"(P in FP8 takes a quarter of the registers), got 256 for dtype {spec.dtype!r}")
@@ -482,10 +479,12 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     (portable 293, persistent + TMA store 294), causal S=4096 (persistent 389, all three 380)."""
     from .runtime.hopper import spec_unserved
 
-    if spec_unserved(spec) is not None or shape.narrow(seqlen):
+    if spec_unserved(spec) is not None:
         return None
     if spec.mask is not None:
         return _hopper_ws_masked_default(spec, d, shape, seqlen)
+    if shape.narrow(seqlen):
+        return None
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
     tile = dict(HOPPER_DEFAULT_TILE)
@@ -514,9 +513,36 @@ def _hopper_ws_masked_default(spec: AttentionSpec, d: int, shape: MaskShape, seq
     family wins on long ones only; fwd+bwd 2.526 / 2.554 and 0.927 / 0.923), documents at S=4096
     (4: 0.91-0.96x, 16: 0.72-0.81x), chunks of 1024 (0.84-0.90x), window 256 (0.76-0.88x): bands and
     short documents give each tile a few key blocks, where the partitions' set-up is not paid
-    back, as for plain causal S=1024. Unmeasured (hd64, under 4096 tokens) keeps the portable one."""
-    if d == 128 and shape.causal and shape.band is None and not shape.documents and seqlen >= 4096:
-        return dict(HOPPER_DEFAULT_TILE, num_stages=3)
+    back, as for plain causal S=1024. Unmeasured (hd64, under 4096 tokens) keeps the portable one.
+
+    The persistent grid on masks (session 20: each tile's key range from the pattern, tiles paired heavy
+    with light where the mask is causal-shaped) turned those losses into wins: bench_masked_user_path.py
+    --hopper, H100, bf16 hd128, 16 heads, 16384 tokens per batch, forward GPU ms (CUDA-graph replay) against
+    the default then (results/2026-11-27-h100-hopper-masks-s20{,-2,-3}.md, one run each; two runs where two
+    numbers are given):
+    - prefix-LM 512, the unmasked hd128 default's knobs (persistent + overlap + TMA store, 128 x 128, 2
+      stages): S=4096 0.511, 0.518 / 0.567, 0.572; S=16384 1.825, 1.835 / 1.927, 1.921.
+    - documents, 128 x 64 tiles (finer diagonals and document edges than 128 x 128), 4 stages, persistent +
+      overlap + TMA store / without the overlap / 128 x 128 persistent + TMA store / the portable 64 x 64
+      default: 4 documents @4096 0.190 / 0.193 / 0.198 / 0.214; @16384 0.575 / 0.601 / 0.570 / 0.637;
+      16 @4096 (256 tokens each) 0.120 / 0.113 / 0.139 / 0.122; 16 @16384 0.189 / 0.197 / 0.198 / 0.216;
+      64 @4096 0.105 / 0.106 / 0.112 / 0.106; 64 @16384 0.121 / 0.114 / 0.135 / 0.123. Document lengths
+      are known only at run time: the 128 x 64 tiles are the ones no length measured made slower than the
+      portable default, and with the overlap the fastest in sum (1.20 vs 1.22 ms over the six).
+    - bands (chunks, windows) of 193-2048 keys, 128 x 64, 4 stages, persistent + TMA store: chunks of 1024
+      0.186 / 0.207 (S=4096), 0.187 / 0.208 (S=16384; with the overlap 0.179 and 0.187); window 256 0.132 /
+      0.147 and 0.133 / 0.151; window 1024 0.305 / 0.309 and 0.341 / 0.341. Windows up to 192 keys (the
+      portable 64 x 32 tiles) not measured: they keep it.
+    Calls under 4096 tokens and hd64 keep the portable defaults (not measured)."""
+    if d != 128 or seqlen < 4096:
+        return None
+    narrow_tile = dict(HOPPER_DEFAULT_TILE, BLOCK_N=64, num_stages=4, hopper_persistent=True, hopper_tma_store=True)
+    if shape.documents:
+        return dict(narrow_tile, hopper_overlap=True)
+    if shape.narrow(seqlen):
+        return narrow_tile if 192 < shape.band <= 2048 else None
+    if shape.causal and shape.band is None:
+        return dict(HOPPER_DEFAULT_TILE, hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)
     return None
 
 

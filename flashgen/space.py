@@ -87,9 +87,7 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     hopper_ws = device.hopper and not device.interpret and spec_unserved(spec) is None
     if hopper_ws:
         params.update(family=("portable", "hopper_ws"), hopper_regs=(232, 240), hopper_overlap=(False, True),
-                      hopper_pingpong=(False, True), hopper_tma_store=(False, True))
-        if spec.mask is None:  # the persistent grid serves unmasked specs
-            params.update(hopper_persistent=(False, True))
+                      hopper_pingpong=(False, True), hopper_tma_store=(False, True), hopper_persistent=(False, True))
     if spec.fp8:  # the FP8 forward is the Q-outer kernel's; 256-key tiles pay there (hd128: 0.79 vs 0.72 PFLOP/s)
         params.update(loop_order=("q_outer",))
         if not device.interpret:

@@ -191,6 +191,20 @@ def main(only=()) -> int:
          dict(head_dim=64, num_heads=4, mask={"and": [{"chunked": 96}, {"sliding_window": {"left": 40}}]},
               forward_only=True),
          KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, family="hopper_ws", hopper_overlap=True)),
+        # ... and on the persistent grid (each tile's key blocks from the pattern; causal-shaped masks pair a
+        # heavy tile with a light one): documents GQA with the overlap and the TMA store (the block-range
+        # table per tile), prefix-LM lengths under ping-pong, a two-sided window on one consumer
+        ("hopper_ws persistent masked documents gqa, overlap, TMA store",
+         dict(head_dim=128, num_heads=8, num_kv_heads=2, mask={"document": {"ids": "doc"}}, forward_only=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
+                      hopper_overlap=True, hopper_tma_store=True)),
+        ("hopper_ws persistent masked prefix-LM lengths, ping-pong",
+         dict(head_dim=128, num_heads=4, mask={"prefix_lm": "plen"}, forward_only=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
+                      hopper_pingpong=True)),
+        ("hopper_ws persistent masked window hd64, 1 consumer",
+         dict(head_dim=64, num_heads=4, mask={"sliding_window": {"left": 40, "right": 30}}, forward_only=True),
+         KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, family="hopper_ws", hopper_persistent=True)),
         # the Gluon dK/dV kernel (hopper_bwd): causal GQA hd128 (64-row query tiles) under the Gluon
         # forward; hd64 (128-row query tiles) under the portable forward
         ("hopper_bwd gqa causal hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),

@@ -40,8 +40,8 @@ def test_mask_shape_reads_the_pattern_parameters(fields, shape):
 
 
 def test_defaults_per_bucket_follow_the_mask_shape_on_sm90():
-    def fwd(fields, seqlen):
-        c = default_config(_spec(**fields), seqlen=seqlen)
+    def fwd(fields, seqlen):  # the portable family's default (under the Gluon family's, where that serves)
+        c = default_config(_spec(**fields), seqlen=seqlen, hopper_ws=False)
         return c.BLOCK_M, c.BLOCK_N, c.num_warps, c.tma, c.warp_specialize
 
     long = (128, 128, 8, True, True)  # the plain and long-causal default (hopper_knobs.md)
@@ -60,11 +60,15 @@ def test_defaults_per_bucket_follow_the_mask_shape_on_sm90():
         if s <= SMALL_CALL:  # host-bound calls: no descriptors
             assert fwd({}, s) == (*long[:3], False, True)
             continue
-        # plain hd128 and causal hd128 at 4096+: the Gluon family (config._hopper_ws_default); so is
-        # prefix-LM at 4096+ (config._hopper_ws_masked_default); documents keep the old default
+        # plain hd128 and causal hd128 at 4096+: the Gluon family (config._hopper_ws_default); so are
+        # masks at 4096+ (config._hopper_ws_masked_default) but windows of up to 192 keys
         assert default_config(_spec(), seqlen=s).family == "hopper_ws"
+        masked = {name: default_config(_spec(mask=mask), seqlen=s) for name, mask in (
+            ("prefix", {"prefix_lm": 512}), ("documents", {"document": {}}), ("chunks", {"chunked": 1024}),
+            ("window 256", WINDOW(256)), ("window 128", WINDOW(128)))}
+        assert {name for name, c in masked.items() if c.family == "hopper_ws"} == (
+            {"prefix", "documents", "chunks", "window 256"} if s >= 4096 else set()), s
         if s >= 4096:
-            assert default_config(_spec(mask={"prefix_lm": 512}), seqlen=s).family == "hopper_ws"
             assert default_config(_spec(causal=True), seqlen=s).family == "hopper_ws"
     hd64 = default_config(_spec(head_dim=64, causal=True), seqlen=1024)
     assert (hd64.BLOCK_M, hd64.BLOCK_N, hd64.num_warps, hd64.tma) == (64, 64, 4, False)

@@ -143,24 +143,35 @@ def test_space_offers_the_family_for_served_masks_only():
 
 
 def test_masked_defaults_take_the_family_where_it_measured_faster():
-    # H100 user path (benchmarks/results/2026-11-23-h100-hopper-masks.md): prefix-LM at 4096+ tokens on
-    # 128x128 tiles and 3 stages; documents (faster with 4 long ones, slower with 16 at 16384), windows,
-    # chunks (slower), hd64 and short calls (unmeasured) keep the portable default
+    # H100 user path (config._hopper_ws_masked_default; benchmarks/results/2026-11-27-h100-hopper-masks-s20*.md):
+    # from 4096 tokens at hd128, prefix-LM the unmasked default's knobs (persistent grid, overlap, TMA store on
+    # 128x128 tiles, 2 stages); documents 128x64 tiles, 4 stages, the same three; bands of 193-2048 keys the
+    # 128x64 tiles on the persistent grid with the TMA store, no overlap. Windows of up to 192 keys, hd64 and
+    # calls under 4096 tokens (unmeasured) keep the portable default
     def config(mask, seqlen, d=128, target="h100"):
         return flashgen.default_config(AttentionSpec(dtype="bf16", head_dim=d, num_heads=16, mask=mask), target,
                                        seqlen)
 
+    def knobs(got):
+        return (got.family, got.BLOCK_M, got.BLOCK_N, got.num_stages, got.hopper_persistent, got.hopper_overlap,
+                got.hopper_tma_store, got.hopper_pingpong)
+
     for mask, seqlen in (({"prefix_lm": 512}, 4096), ({"prefix_lm": "plen"}, 8192), ({"prefix_lm": 512}, 16384)):
         got = config(mask, seqlen)
-        assert (got.family, got.BLOCK_M, got.BLOCK_N, got.num_stages, got.hopper_pingpong) == (
-            "hopper_ws", 128, 128, 3, False), (mask, seqlen)
+        assert knobs(got) == ("hopper_ws", 128, 128, 2, True, True, True, False), (mask, seqlen)
         assert got.hopper_bwd is (seqlen >= 8192)  # the Gluon dK/dV: prefix-LM from 8192 tokens
-    for mask, seqlen in ((DOCS, 4096), (DOCS, 16384), ({"prefix_lm": 512}, 1024), ({"chunked": 1024}, 16384),
-                         ({"sliding_window": {"left": 256, "right": 0}}, 16384),
-                         ({"document": {"ids": "doc", "causal": False}}, 16384)):
+    for seqlen in (4096, 8192, 16384):
+        for mask in (DOCS, {"document": {"ids": "doc", "causal": False}}):
+            assert knobs(config(mask, seqlen)) == ("hopper_ws", 128, 64, 4, True, True, True, False), (mask, seqlen)
+        for mask in ({"chunked": 1024}, {"sliding_window": {"left": 256, "right": 0}},
+                     {"sliding_window": {"left": 1024, "right": 0}}):
+            assert knobs(config(mask, seqlen)) == ("hopper_ws", 128, 64, 4, True, False, True, False), (mask, seqlen)
+    for mask, seqlen in ((DOCS, 2048), ({"prefix_lm": 512}, 1024), ({"chunked": 1024}, 2048),
+                         ({"sliding_window": {"left": 128, "right": 0}}, 16384)):
         assert config(mask, seqlen).family == "portable", (mask, seqlen)
-    assert config({"prefix_lm": 512}, 16384, d=64).family == "portable"
-    assert config({"prefix_lm": 512}, 16384, target="a100").family == "portable"
+    for mask in ({"prefix_lm": 512}, DOCS, {"chunked": 1024}):
+        assert config(mask, 16384, d=64).family == "portable"
+        assert config(mask, 16384, target="a100").family == "portable"
 
 
 # --------------------------------------------------------------- the range helpers, run on the CPU

@@ -21,7 +21,11 @@ pytestmark = pytest.mark.gpu
 
 KNOBS = {"base": {}, "pingpong": dict(hopper_pingpong=True), "overlap": dict(hopper_overlap=True),
          "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s3": dict(BLOCK_N=64, num_stages=3),
-         "tma store": dict(hopper_tma_store=True)}
+         "tma store": dict(hopper_tma_store=True), "persistent": dict(hopper_persistent=True),
+         "persistent, one consumer": dict(BLOCK_M=64, num_stages=3, hopper_persistent=True),
+         "persistent, pingpong": dict(hopper_persistent=True, hopper_pingpong=True),
+         "persistent, overlap, tma store": dict(hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)}
+PERSISTENT = KNOBS["persistent, overlap, tma store"]  # the unmasked hd128 default's knobs
 MASKS = {  # name -> (mask, spec causal, seqlen_q == seqlen_k needed)
     "documents": ({"document": {"ids": "doc"}}, False, True),
     "documents non-causal": ({"document": {"ids": "doc", "causal": False}}, False, True),
@@ -97,6 +101,38 @@ def test_forward(dtype, shape, mask_name):
                                               ("prefix-LM lengths", SHAPES[2])])
 def test_each_knob(mask_name, shape, knob):
     check_forward("bf16", shape, mask_name, KNOBS[knob], seed=1)
+
+
+@sm90
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("dtype, shape", [("bf16", SHAPES[0]), ("bf16", SHAPES[3]), ("fp16", SHAPES[1])])
+def test_persistent_grid(dtype, shape, mask_name):
+    # the persistent grid walks every tile of every mask: each tile's key blocks from the pattern, tiles
+    # paired heavy with light where the mask is causal-shaped
+    check_forward(dtype, shape, mask_name, PERSISTENT, seed=4)
+
+
+@sm90
+@pytest.mark.parametrize("programs", [1, 7])
+@pytest.mark.parametrize("mask_name", ["documents", "prefix-LM lengths", "window 70/30", "chunks 96 non-causal"])
+def test_persistent_programs_walk_many_tiles(monkeypatch, mask_name, programs):
+    # the grid cut to `programs` programs: each walks many tiles of different key ranges (documents': the
+    # block-range table per tile), so the ring positions and Q's phases run on across tiles whose ranges
+    # differ (a wrong phase hangs or reads a stale block); then two runs bitwise equal
+    from flashgen.runtime import hopper
+
+    monkeypatch.setattr(hopper, "sm_count", lambda device: programs)
+    mask, causal, _ = MASKS[mask_name]
+    for knobs in (PERSISTENT, KNOBS["persistent, pingpong"]):
+        module, (q, k, v, tensors, layout) = check_forward("bf16", SHAPES[0], mask_name, knobs, seed=5)
+        module._LAUNCHER.plans.clear()  # (a plan made before the patch fixed its grid's size)
+        out, lse = poisoned_outputs(q, q.shape[1], q.shape[2], q.shape[3], layout)
+        module.forward(q, k, v, layout=layout, out=out, lse=lse, tensors=tensors)
+        grid = next(p for p in module._LAUNCHER.plans.values() if isinstance(p, HopperPlan)).launch.grid
+        assert grid == (programs,)
+        assert_attention_close(out, lse, q, k, v, causal=causal, layout=layout, mask=mask, tensors=tensors)
+        again = module.forward(q, k, v, layout=layout, tensors=tensors)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
 
 
 @sm90

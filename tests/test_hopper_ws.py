@@ -270,7 +270,7 @@ def test_space_offers_the_family_only_where_it_serves():
     assert all(not (p["hopper_overlap"] or p["hopper_pingpong"]) and p["hopper_regs"] == 240
                for p in points if p["family"] == "portable")
     assert any(p["hopper_pingpong"] for p in hw) and not any(p["hopper_pingpong"] and p["BLOCK_M"] == 64 for p in hw)
-    # the persistent grid: with the family only, for unmasked specs; overlapped, ping-ponged or neither
+    # the persistent grid: with the family only; overlapped, ping-ponged or neither
     assert any(p["hopper_persistent"] and p["hopper_overlap"] for p in hw)
     assert any(p["hopper_persistent"] and p["hopper_pingpong"] for p in hw)
     assert not any(p["hopper_persistent"] for p in points if p["family"] == "portable")
@@ -283,7 +283,7 @@ def test_space_offers_the_family_only_where_it_serves():
     assert any(p["BLOCK_M"] == 64 and p["BLOCK_N"] == 128 and p["num_stages"] == 3 and p["hopper_tma_store"]
                for p in hw)
     masked = forward_space(AttentionSpec(dtype="bf16", head_dim=128, mask={"prefix_lm": 64}), H100)
-    assert "family" in masked.params and "hopper_persistent" not in masked.params
+    assert "family" in masked.params and masked.params["hopper_persistent"] == (False, True)
     fp8 = forward_space(AttentionSpec(dtype="fp8_e4m3", head_dim=128, backward=False), H100)
     assert fp8.params["hopper_persistent"] == (False, True)
     for spec in (AttentionSpec(dtype="bf16", head_dim=96), AttentionSpec(dtype="fp32", head_dim=64)):
@@ -315,13 +315,12 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
         ("hopper_ws", 2, False, False, False, False)
     for d, causal, seqlen in ((64, False, 8192), (64, False, 16384), (64, True, 8192), (64, True, 16384)):
         assert knobs(family(d, causal, seqlen)) == ("hopper_ws", 2, False, False, True, False), (d, causal, seqlen)
-    # the persistent grid serves no mask pattern: its defaults never take it
-    assert not family(128, True, 4096, mask={"prefix_lm": 512}).hopper_persistent
+    # (masks: tests/test_hopper_masks.py)
     # losses, unmeasured short calls, and what the family does not serve: the portable defaults
     for d, causal, seqlen in ((64, False, 512), (64, True, 1024), (64, True, 2048), (128, False, 256),
                               (128, True, 512)):
         assert family(d, causal, seqlen).family == "portable", (d, causal, seqlen)
-    assert family(128, False, 4096, mask={"sliding_window": {"left": 256}}).family == "portable"
+    assert family(128, False, 4096, mask={"sliding_window": {"left": 100}}).family == "portable"
     assert family(128, False, 4096, dtype="fp32").family == "portable"
     assert family(96, False, 4096).family == "portable"
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16)
@@ -395,11 +394,20 @@ def test_standalone_module_carries_the_family_host_side(tmp_path, tma_store):
 PERSISTENT = dict(HOPPER, hopper_persistent=True)
 
 
-def test_persistent_grid_serves_unmasked_specs():
-    spec = AttentionSpec(dtype="bf16", head_dim=128, mask={"prefix_lm": 64})
-    with pytest.raises(ConfigError, match="'hopper_persistent'.*without a mask pattern"):
-        render(spec, KernelConfig(**PERSISTENT))
-    render(spec, KernelConfig(**HOPPER))  # the one-tile kernel serves it
+def test_persistent_grid_serves_masks_and_fp8():
+    # a mask: each tile's key blocks from the pattern (documents': from the block-range table the launch
+    # fills per tile), the producer loading key block first_block + j at ring position it + j; tiles paired
+    # heavy with light where the mask is causal-shaped (the launcher's CAUSAL on this grid)
+    for mask, paired, ranged in (({"prefix_lm": 64}, True, False), ({"document": {"ids": "doc"}}, True, True),
+                                 ({"document": {"ids": "doc", "causal": False}}, False, True),
+                                 ({"sliding_window": {"left": 40, "right": 30}}, False, False)):
+        source = render(AttentionSpec(dtype="bf16", head_dim=128, mask=mask), KernelConfig(**PERSISTENT))
+        producer = source.split("def _hw_producer_persistent")[1].split("@gluon.jit")[0]
+        assert "first_block, n_blocks = _hw_tile_key_blocks(" in producer
+        assert "tma_load(KD, [off_b, off_hk, (first_block + j) * BLOCK_N, 0]" in producer
+        assert source.rstrip().endswith(f"paired={paired})")
+        assert ("ranges=_hw_fwd_ranges" in source) == ranged
+        assert ("gl.load(RANGES" in source or "RANGES +" in source) == ranged
     # FP8: per tile, the descales of its (batch, KV head) and V^T tiles
     fp8 = render(AttentionSpec(dtype="fp8_e4m3", head_dim=128, num_heads=8, num_kv_heads=2, causal=True,
                                backward=False), KernelConfig(**PERSISTENT))
@@ -471,6 +479,16 @@ def test_persistent_plan_launches_one_program_per_sm_at_most(monkeypatch):
                              {**hopper.HopperForward.KNOB_DEFAULTS, **module.CONFIG})
     assert plan.launch.grid == (20,)
     assert host.sm_count(torch.device("cpu")) == 1
+    # a mask: tiles paired (CAUSAL on this grid) where the mask is causal-shaped, whatever the spec's causal
+    monkeypatch.setattr(hopper, "sm_count", lambda device: 132)
+    for mask, paired in (({"prefix_lm": 64}, True), ({"sliding_window": {"left": 40, "right": 30}}, False)):
+        spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, mask=mask)
+        module = flashgen.compile(spec, KernelConfig(**PERSISTENT)).module()
+        plan = hopper.HopperPlan(module._LAUNCHER.hopper_forward, base, q, k, "bhsd", None, 0.125,
+                                 {**hopper.HopperForward.KNOB_DEFAULTS, **module.CONFIG})
+        units = 2 * 4 * (4 if paired else 8)
+        assert plan.launch.grid == (units,) and plan.args[-3:] == (4, 8, units)
+        assert plan.launch.constexprs["CAUSAL"] is paired
 
 
 def test_tma_store_knob_keeps_the_register_store_text_and_renders_the_copy():

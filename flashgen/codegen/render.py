@@ -19,7 +19,7 @@ from types import ModuleType
 import jinja2
 
 from .. import __version__
-from ..config import KernelConfig
+from ..config import KernelConfig, mask_shape
 from ..expr.to_triton import triton_literal
 from ..runtime import decode, hopper, hopper_bwd, host, launch
 from ..spec import AttentionSpec
@@ -237,6 +237,7 @@ def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, 
         template=template,
         spec=spec,
         plan=plan_for(spec),
+        mask_causal=mask_shape(spec).causal,
         config=config,
         dropout=spec.dropout_p > 0,
         constants=spec_constants(spec),

@@ -207,11 +207,14 @@ class HopperForward:
     KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False, "hopper_persistent": False,
                      "hopper_tma_store": False}
 
-    def __init__(self, kernel, spec, config, ranges=None):
+    def __init__(self, kernel, spec, config, ranges=None, paired=None):
         self.kernel = kernel
         self.spec, self.config = spec, config
         self.spec_reason = spec_unserved(spec)
         self.ranges = ranges  # a mask's _hw_fwd_ranges (documents): each call fills its block-range table first
+        # the persistent grid's work units pair query tile k with tile tiles_m - 1 - k (heavy with light) where
+        # later tiles see more keys: causal specs, and (the renderer's word, paired) causal-shaped masks
+        self.paired = bool(spec["causal"]) if paired is None else paired
 
     @staticmethod
     def device_unserved(device):
@@ -273,13 +276,15 @@ class HopperPlan:
         self.args = (*o_strides[:3], *lse_strides[:2], seqlen_q, seqlen_k, heads // kv_heads, scale * forward.RCP_LN2)
         tiles_m = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
         grid = (tiles_m, heads, batch)
-        if cfg["hopper_persistent"]:  # work units (a causal unit: two tiles, one heavy, one light), one program per SM
-            units = batch * heads * ((tiles_m + 1) // 2 if forward.spec["causal"] else tiles_m)
+        if cfg["hopper_persistent"]:  # work units (a paired unit: two tiles, one heavy, one light), one program per SM
+            units = batch * heads * ((tiles_m + 1) // 2 if forward.paired else tiles_m)
             grid = (max(1, min(units, sm_count(q.device))),)
             self.args += (heads, tiles_m, units)
         consumers = cfg["BLOCK_M"] // forward.CONSUMER_ROWS
         self.launch = BoundLaunch(forward.kernel, grid, dict(
-            CAUSAL=bool(forward.spec["causal"]), NUM_STAGES=cfg["num_stages"],
+            # (CAUSAL: the unmasked kernel's causal mask, and on the persistent grid its tile pairing; a masked
+            # kernel's mask holds causality, so there it only pairs the tiles)
+            CAUSAL=forward.paired if cfg["hopper_persistent"] else bool(forward.spec["causal"]), NUM_STAGES=cfg["num_stages"],
             CONSUMERS=consumers, PRODUCER_REGS=forward.PRODUCER_REGS,
             CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"], PINGPONG=cfg["hopper_pingpong"],
             num_warps=4))
