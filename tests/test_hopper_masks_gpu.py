@@ -136,6 +136,29 @@ def test_persistent_programs_walk_many_tiles(monkeypatch, mask_name, programs):
 
 
 @sm90
+def test_ids_changed_in_place_or_under_a_cuda_graph_get_their_own_ranges():
+    # the runs table is remembered per ids tensor (host.runs_table): an in-place write (a new version)
+    # makes a new one, and a CUDA graph computes its own from the ids' memory on every replay
+    module, (q, k, v, tensors, layout) = check_forward("bf16", SHAPES[0], "documents", PERSISTENT, seed=6)
+    ids = tensors["doc"]
+    other = random_documents(ids.shape[0], ids.shape[1], torch.Generator().manual_seed(7)).cuda()
+    kw = dict(causal=False, layout=layout, mask=MASKS["documents"][0])
+    before = ids.clone()
+    ids.copy_(other)
+    out, lse = module.forward(q, k, v, layout=layout, tensors=tensors)
+    assert_attention_close(out, lse, q, k, v, tensors={"doc": other}, **kw)
+    ids.copy_(before)
+    module.forward(q, k, v, layout=layout, tensors=tensors)  # (warm, and the memo holds the table of `before`)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = module.forward(q, k, v, layout=layout, tensors=tensors)
+    for want in (other, before):
+        ids.copy_(want)
+        graph.replay()
+        assert_attention_close(out, lse, q, k, v, tensors={"doc": want.clone()}, **kw)
+
+
+@sm90
 def test_rows_that_see_no_key():
     # bottom-right causal with seqlen_k < seqlen_q: the first 601 rows see nothing (O = 0, LSE = -inf,
     # checked by the rule), whole tiles and half tiles of them
