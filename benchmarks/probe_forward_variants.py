@@ -41,6 +41,16 @@ VARIANTS = {  # name -> knobs over HOPPER_DEFAULT_TILE
     "n64_persistent_overlap_tma": dict(BLOCK_N=64, num_stages=4, hopper_persistent=True, hopper_overlap=True,
                                        hopper_tma_store=True),
     "m64_persistent_tma": dict(BLOCK_M=64, num_stages=3, hopper_persistent=True, hopper_tma_store=True),
+    # three 64-row consumers (BLOCK_M 192, FA3's hd64 tiles; 160 registers each): head dim 64 only
+    "m192": dict(BLOCK_M=192, hopper_regs=160),
+    "m192_tma": dict(BLOCK_M=192, hopper_regs=160, hopper_tma_store=True),
+    "m192_s3_tma": dict(BLOCK_M=192, hopper_regs=160, num_stages=3, hopper_tma_store=True),
+    "m192_overlap_tma": dict(BLOCK_M=192, hopper_regs=160, hopper_overlap=True, hopper_tma_store=True),
+    "m192_persistent_tma": dict(BLOCK_M=192, hopper_regs=160, hopper_persistent=True, hopper_tma_store=True),
+    "m192_persistent_overlap_tma": dict(BLOCK_M=192, hopper_regs=160, hopper_persistent=True, hopper_overlap=True,
+                                        hopper_tma_store=True),
+    "m192_n64_persistent_tma": dict(BLOCK_M=192, BLOCK_N=64, num_stages=4, hopper_regs=160, hopper_persistent=True,
+                                    hopper_tma_store=True),
     # FP8 only (256-key blocks)
     "n256_tma": dict(BLOCK_N=256, hopper_tma_store=True),
     "n256_persistent_tma": dict(BLOCK_N=256, hopper_persistent=True, hopper_tma_store=True),

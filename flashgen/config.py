@@ -15,12 +15,13 @@ from .spec import AttentionSpec
 
 LOOP_ORDERS = ("q_outer", "kv_outer")
 FAMILIES = ("portable", "hopper_ws")  # hopper_ws: the Gluon warp-specialized sm90 forward (templates/hopper/)
-HOPPER_BLOCK_M = (64, 128)  # hopper_ws: 64 query rows per consumer warpgroup, one or two consumers
+HOPPER_BLOCK_M = (64, 128, 192)  # hopper_ws: 64 query rows per consumer warpgroup, one to three consumers
+HOPPER_THREE_REGS = 160  # three consumers' registers per thread at most: 3 x 128 x 160 + 128 x 24 of the SM's 65536
 HOPPER_BLOCK_N = (64, 128, 256)  # 256: FP8 only (check_spec): 64 x 256 S beside bf16 P and O overflows 240 registers
 HOPPER_STAGES = (2, 3, 4)
 # the hopper_ws defaults' starting point (_hopper_ws_default, _hopper_ws_fp8_default): two 64-row consumers
 HOPPER_DEFAULT_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
-HOPPER_REGS = (168, 200, 216, 232, 240)  # consumer registers per thread (setmaxnreg); the producer keeps 24
+HOPPER_REGS = (160, 168, 200, 216, 232, 240)  # consumer registers per thread (setmaxnreg); the producer keeps 24
 DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
 _WARPS = (1, 2, 4, 8, 16)
@@ -151,6 +152,8 @@ class KernelConfig:
     def __post_init__(self):
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"):
             value = getattr(self, name)
+            if name == "BLOCK_M" and value == 192 and self.family == "hopper_ws":
+                continue  # three 64-row consumers (the family's check below)
             if isinstance(value, bool) or value not in _BLOCKS:
                 raise ConfigError(f"config knob '{name}': expected one of {_BLOCKS}, got {value!r}")
         for name in ("num_warps", "bwd_num_warps"):
@@ -181,6 +184,9 @@ class KernelConfig:
                               f"got dq_strategy={self.dq_strategy!r}")
         if self.family not in FAMILIES:
             raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
+        if self.family == "hopper_ws" and self.BLOCK_M == 192 and self.hopper_regs > HOPPER_THREE_REGS:
+            raise ConfigError(f"config knob 'hopper_regs': three consumers (BLOCK_M=192) take at most "
+                              f"{HOPPER_THREE_REGS} registers each (the SM's 65536 over 512 threads), got {self.hopper_regs}")
         if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
             raise ConfigError(f"config knob 'hopper_pingpong': needs two consumers (BLOCK_M=128) and no "
                               f"hopper_overlap, got BLOCK_M={self.BLOCK_M} hopper_overlap={self.hopper_overlap}")
@@ -237,6 +243,10 @@ class KernelConfig:
 
         if self.family == "hopper_ws" and (reason := spec_unserved(spec)):
             raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
+        if self.family == "hopper_ws" and self.BLOCK_M == 192 and max(spec.head_dim, spec.head_dim_v) > 64:
+            raise ConfigError(f"config knob 'BLOCK_M': family 'hopper_ws' takes three consumers (192) at head dim 64 "
+                              f"only (their S and O accumulators fit {HOPPER_THREE_REGS} registers there), got head "
+                              f"dim {max(spec.head_dim, spec.head_dim_v)}")
         if self.family == "hopper_ws" and self.BLOCK_N == 256 and not spec.fp8:
             raise ConfigError(f"config knob 'BLOCK_N': family 'hopper_ws' takes 256-key blocks for FP8 specs only "
                               f"(P in FP8 takes a quarter of the registers), got 256 for dtype {spec.dtype!r}")
@@ -439,11 +449,11 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
 
 def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
     """The Gluon warp-specialized forward (family hopper_ws) where the H100 measured it faster than
-    the portable default, else None. Today's rule (the last paragraph's runs): hd128 from 1024 tokens, causal
-    or not, and hd64 plain at 1024-2048: the persistent grid, FA3's overlap and the TMA store together; hd64
-    above 2048 tokens: one program per tile (plain) or the persistent grid (causal), from 8192 one program
-    per tile with the TMA store; the rest (under 1024 tokens, hd64 causal up to 2048) portable. What the
-    paragraphs before it measured led there. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
+    the portable default, else None. Today's rule (the last two paragraphs' runs): hd128 from 1024 tokens,
+    causal or not: the persistent grid, FA3's overlap and the TMA store together; hd64 (plain from 1024
+    tokens, causal from 4096): three 64-row consumers with the TMA store, on the persistent grid but for
+    plain calls from 8192 tokens (one program per tile); the rest (under 1024 tokens, hd64 causal up to
+    2048) portable. What the paragraphs before them measured led there. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
     (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md): hd128 S=1024 473/457 (ping-pong),
     S=4096 591/545 (ping-pong), S=16384 617-634/534; causal S=4096 513/476 and S=16384 586/545 (3
     stages); hd64 S=4096 439-446/429, S=16384 461/440, causal S=16384 435/423. Not taken: hd128 causal
@@ -476,7 +486,16 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     377, S=2048 407 / 397 (the portable default); hd64 long walks take the TMA store on the one-tile grid:
     S=16384 458 / 443, causal 437 / 421 and 447 / 428 (overlap), causal S=8192 417 / 397 (portable).
     Not taken (within 2% or lost): hd64 S=4096 plain (tile 433 either way; all three 414), causal S=1024
-    (portable 293, persistent + TMA store 294), causal S=4096 (persistent 389, all three 380)."""
+    (portable 293, persistent + TMA store 294), causal S=4096 (persistent 389, all three 380).
+
+    hd64 since three 64-row consumers (BLOCK_M 192, FA3's hd64 tiles, 160 registers each; session 20,
+    probe_forward_variants.py, H100, two runs, results/2026-11-27-h100-forward-variants-m192{,-2}.md,
+    forward TFLOP/s mean of 3 rounds, the best three-consumer variant / the default before it): plain
+    S=1024 persistent + TMA store 397 / 386 and 392 / 386, S=2048 445 / 408, S=4096 468 / 430; plain
+    S=8192 one tile + TMA store 494 / 423, S=16384 515 / 463 and 501 / 446 (persistent 491, 500); causal
+    S=4096 persistent + TMA store 408 / 389, S=8192 444 / 413, S=16384 476 / 440 and 477 / 427. The
+    overlap lost with three consumers (-5 to -15%), and so did 64-key blocks; causal S=1024 lost every
+    three-consumer variant (213-253 against the portable 290): causal calls up to 2048 tokens stay portable."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec) is not None:
@@ -491,13 +510,10 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     all_three = dict(tile, hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)
     if d == 128 and seqlen >= 1024:
         return all_three  # calls of up to 512 tokens: not measured
-    if d != 64 or seqlen < 1024:
+    if d != 64 or seqlen < 1024 or (shape.causal and seqlen <= 2048):
         return None
-    if seqlen >= 8192:
-        return dict(tile, hopper_tma_store=True)
-    if seqlen > 2048:  # (measured at 4096)
-        return dict(tile, hopper_persistent=True) if shape.causal else tile
-    return None if shape.causal else all_three
+    three = dict(tile, BLOCK_M=192, hopper_regs=HOPPER_THREE_REGS, hopper_tma_store=True)
+    return three if seqlen >= 8192 and not shape.causal else dict(three, hopper_persistent=True)
 
 
 def _hopper_ws_masked_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:

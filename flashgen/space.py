@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .config import (HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_SMEM, HOPPER_SMEM_RESERVE, HOPPER_STAGES, hopper_ws_smem,
+from .config import (HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_SMEM, HOPPER_SMEM_RESERVE, HOPPER_STAGES, HOPPER_THREE_REGS,
+                     hopper_ws_smem,
                      mask_shape)
 from .runtime.hopper import spec_unserved
 from .runtime.host import padded_head_dim
@@ -88,6 +89,10 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     if hopper_ws:
         params.update(family=("portable", "hopper_ws"), hopper_regs=(232, 240), hopper_overlap=(False, True),
                       hopper_pingpong=(False, True), hopper_tma_store=(False, True), hopper_persistent=(False, True))
+    # three 64-row consumers (BLOCK_M 192, FA3's hd64 tiles) at their register budget
+    three = hopper_ws and max(spec.head_dim, spec.head_dim_v) <= 64
+    if three:
+        params.update(BLOCK_M=(*params["BLOCK_M"], 192), hopper_regs=(HOPPER_THREE_REGS, 232, 240))
     if spec.fp8:  # the FP8 forward is the Q-outer kernel's; 256-key tiles pay there (hd128: 0.79 vs 0.72 PFLOP/s)
         params.update(loop_order=("q_outer",))
         if not device.interpret:
@@ -118,6 +123,10 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
                         lambda p: hopper(p) or (p.get("hopper_regs", 240) == 240
                                                 and not (p.get("hopper_overlap") or p.get("hopper_pingpong")
                                                          or p.get("hopper_persistent") or p.get("hopper_tma_store")))),
+            Restriction(f"(BLOCK_M == 192) == (hopper_regs == {HOPPER_THREE_REGS}) and (BLOCK_M != 192 or family == "
+                        f"'hopper_ws')",
+                        lambda p: (p["BLOCK_M"] == 192) == (p.get("hopper_regs") == HOPPER_THREE_REGS)
+                        and (p["BLOCK_M"] != 192 or hopper(p))),
             Restriction("not hopper_pingpong or (BLOCK_M == 128 and not hopper_overlap)",
                         lambda p: not p.get("hopper_pingpong")
                         or (p["BLOCK_M"] == 128 and not p.get("hopper_overlap"))),

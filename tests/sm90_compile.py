@@ -205,6 +205,14 @@ def main(only=()) -> int:
         ("hopper_ws persistent masked window hd64, 1 consumer",
          dict(head_dim=64, num_heads=4, mask={"sliding_window": {"left": 40, "right": 30}}, forward_only=True),
          KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, family="hopper_ws", hopper_persistent=True)),
+        # three 64-row consumers (BLOCK_M 192, FA3's hd64 tiles; 160 registers each): causal GQA on one program
+        # per tile, and on the persistent grid with the overlap and the TMA store (forward and training step)
+        ("hopper_ws hd64 causal gqa, 3 consumers", dict(head_dim=64, num_heads=8, num_kv_heads=2, causal=True,
+                                                        forward_only=True),
+         KernelConfig(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_regs=160)),
+        ("hopper_ws persistent hd64, 3 consumers, overlap, TMA store", dict(head_dim=64, num_heads=4),
+         KernelConfig(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_regs=160,
+                      hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)),
         # the Gluon dK/dV kernel (hopper_bwd): causal GQA hd128 (64-row query tiles) under the Gluon
         # forward; hd64 (128-row query tiles) under the portable forward
         ("hopper_bwd gqa causal hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),

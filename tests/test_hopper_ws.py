@@ -181,6 +181,30 @@ def test_calls_it_cannot_serve_run_the_portable_forward():
     assert_attention_close(out, lse, q, k, v, causal=True)
 
 
+def test_three_consumers_are_head_dim_64_and_fall_back_to_64_row_tiles():
+    # BLOCK_M 192 (three 64-row consumers, FA3's hd64 tiles): the family's only, at 160 registers each, head
+    # dim 64; a call the family cannot serve runs the portable forward on 64-row tiles (192 is no Triton tile)
+    three = dict(HOPPER, BLOCK_M=192, hopper_regs=160)
+    with pytest.raises(ConfigError, match="'BLOCK_M'.*got 192"):
+        KernelConfig(BLOCK_M=192)
+    with pytest.raises(ConfigError, match="'hopper_regs'.*three consumers.*got 232"):
+        KernelConfig(**dict(three, hopper_regs=232))
+    with pytest.raises(ConfigError, match="'hopper_pingpong'"):
+        KernelConfig(**dict(three, hopper_pingpong=True))
+    with pytest.raises(ConfigError, match="'BLOCK_M'.*head dim 64 only.*got head dim 128"):
+        KernelConfig(**three).check_spec(AttentionSpec(dtype="bf16", head_dim=128))
+    assert KernelConfig.from_dict(KernelConfig(**three).to_dict()).BLOCK_M == 192
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
+    source = render(spec, KernelConfig(**three), standalone=False)
+    assert "elif CONSUMERS == 3:" in source and "], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])" in source
+    assert "elif CONSUMERS == 3:" not in render(spec, KernelConfig(**HOPPER), standalone=False)
+    module = flashgen.compile(spec, KernelConfig(**three)).module()
+    q, k, v = make_qkv(1, 4, 2, 45, 61, 64, dtype=torch.float16, device="cpu")
+    out, lse = module.forward(q, k, v)
+    assert not any(isinstance(p, hopper.HopperPlan) for p in module._LAUNCHER.plans.values())
+    assert_attention_close(out, lse, q, k, v, causal=True)
+
+
 def test_a_call_it_serves_gets_its_plan(monkeypatch):
     # the plan is made on the host once per call key; nothing runs here (the kernel runs on an sm90
     # GPU only): its launch and its Gluon descriptors are recorded
@@ -299,22 +323,24 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
 
     # H100 wins (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md, -persistent-run2.md, -persistent-
     # overlap*.md; since the TMA store, 2026-11-27-h100-forward-variants{,-2,-3}.md): hd128 from 1024 tokens,
-    # causal or not, and hd64 plain at 1024-2048 take all three (persistent grid, FA3's overlap, O by a TMA
-    # store); hd64 causal at 4096 the persistent grid alone; hd64 plain at 4096 the one-tile grid; hd64 from
-    # 8192 on the one-tile grid with the TMA store
+    # causal or not, take all three (persistent grid, FA3's overlap, O by a TMA store); hd64 (plain from 1024,
+    # causal from 4096: 2026-11-27-h100-forward-variants-m192{,-2}.md) three 64-row consumers with the TMA
+    # store, on the persistent grid but for plain calls from 8192 tokens
     def knobs(got):
-        return got.family, got.num_stages, got.hopper_persistent, got.hopper_overlap, got.hopper_tma_store, \
-            got.hopper_pingpong
+        return got.family, got.BLOCK_M, got.num_stages, got.hopper_persistent, got.hopper_overlap, \
+            got.hopper_tma_store, got.hopper_pingpong
 
-    all_three = ("hopper_ws", 2, True, True, True, False)
-    for d, causal, seqlen in [(128, c, s) for c in (False, True) for s in (1024, 2048, 4096, 8192, 16384, 65536)] \
-            + [(64, False, 1024), (64, False, 2048)]:
+    all_three = ("hopper_ws", 128, 2, True, True, True, False)
+    for d, causal, seqlen in [(128, c, s) for c in (False, True) for s in (1024, 2048, 4096, 8192, 16384, 65536)]:
         assert knobs(family(d, causal, seqlen)) == all_three, (d, causal, seqlen)
-    assert knobs(family(64, True, 4096)) == ("hopper_ws", 2, True, False, False, False)
-    assert knobs(family(64, False, 4096)) == knobs(family(64, False, 4096, dtype="fp16")) == \
-        ("hopper_ws", 2, False, False, False, False)
-    for d, causal, seqlen in ((64, False, 8192), (64, False, 16384), (64, True, 8192), (64, True, 16384)):
-        assert knobs(family(d, causal, seqlen)) == ("hopper_ws", 2, False, False, True, False), (d, causal, seqlen)
+    for causal, seqlen in ((False, 1024), (False, 2048), (False, 4096), (True, 4096), (True, 8192), (True, 16384),
+                           (True, 65536)):
+        got = family(64, causal, seqlen)
+        assert knobs(got) == ("hopper_ws", 192, 2, True, False, True, False) and got.hopper_regs == 160, (causal,
+                                                                                                          seqlen)
+    for seqlen in (8192, 16384, 65536):
+        assert knobs(family(64, False, seqlen)) == knobs(family(64, False, seqlen, dtype="fp16")) == \
+            ("hopper_ws", 192, 2, False, False, True, False), seqlen
     # (masks: tests/test_hopper_masks.py)
     # losses, unmeasured short calls, and what the family does not serve: the portable defaults
     for d, causal, seqlen in ((64, False, 512), (64, True, 1024), (64, True, 2048), (128, False, 256),

@@ -70,6 +70,40 @@ def test_each_technique(shape, causal, technique):
     check_forward("bf16", shape, causal, TECHNIQUES[technique])
 
 
+THREE = dict(BLOCK_M=192, hopper_regs=160)  # three 64-row consumers (head dim 64)
+
+
+@sm90
+@pytest.mark.parametrize("knobs", [{}, dict(hopper_overlap=True), dict(BLOCK_N=64, num_stages=3),
+                                   dict(hopper_persistent=True), dict(hopper_tma_store=True),
+                                   dict(hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)],
+                         ids=["base", "overlap", "n64 s3", "persistent", "tma store", "persistent, overlap, tma store"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3], (2, 6, 3, 1000, 1000, 64, "bhsd"), (1, 2, 2, 191, 193, 64,
+                                                                                              "bshd")])
+def test_three_consumers(shape, causal, knobs):
+    # BLOCK_M 192: tiles of three consumers, the last ones partly or wholly past seqlen_q (191, 333, 1000 rows)
+    check_forward("bf16", shape, causal, dict(THREE, **knobs))
+
+
+@sm90
+@pytest.mark.parametrize("programs", [1, 7])
+def test_three_consumers_on_a_cut_persistent_grid(monkeypatch, programs):
+    from flashgen.runtime import hopper
+
+    monkeypatch.setattr(hopper, "sm_count", lambda device: programs)
+    for causal in (False, True):
+        spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=4, num_kv_heads=2, causal=causal)
+        module = flashgen.compile(spec, KernelConfig(**{**BASE, **THREE, "hopper_persistent": True, "hopper_overlap": True,
+                                                        "hopper_tma_store": True})).module()
+        module._LAUNCHER.plans.clear()
+        q, k, v = make_qkv(2, 4, 2, 1280, 1280, 64, dtype=torch.bfloat16, device="cuda")
+        out, lse = poisoned_outputs(q, 4, 1280, 64, "bhsd")
+        module.forward(q, k, v, out=out, lse=lse)
+        assert took_hopper_path(module)
+        assert_attention_close(out, lse, q, k, v, causal=causal)
+
+
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES[:3])

@@ -828,6 +828,9 @@ class AttentionLauncher:
             served = hopper.plan(plan, q, k, v, layout, out, scale, dropout_p, cfg, varlen=layout == "thd")
             if served is not None:  # else the portable forward below
                 return served
+            if cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1):  # the family's three consumers (192 rows): 64-row tiles here
+                cfg = dict(cfg, BLOCK_M=64)
+                launch = self.launch_knobs(cfg, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
         flags = dict(VARLEN=layout == "thd", DROPOUT=bool(dropout_p))
         if cfg["loop_order"] == "q_outer":
             grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
