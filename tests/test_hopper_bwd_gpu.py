@@ -43,7 +43,9 @@ def check_backward(dtype, shape, causal, config_knobs, *, autograd=False):
                          backward=True)
     # bwd_short (the one-launch backward, the default for calls of up to 512 tokens) would take the whole
     # backward and leave the Gluon dK/dV kernel nothing to do: off here, where that kernel is under test
-    config = default_config(spec, "h100", sq).replace(bwd_short=False, **config_knobs)
+    # (family "portable" starts from the portable family's forward default: the Gluon one's knobs are its own)
+    base = default_config(spec, "h100", sq, hopper_ws=config_knobs.get("family") != "portable")
+    config = base.replace(bwd_short=False, **config_knobs)
     module = flashgen.compile(spec, config).module()
     q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=spec.torch_dtype, device="cuda", layout=layout)
     out, lse = module.forward(q, k, v, layout=layout)
@@ -89,7 +91,7 @@ def test_atomic_dq_padding_keys_add_nothing(causal, seqlen_q, seqlen_k):
     # negative: P there is exp(-LSE), far past fp16's range. Their dS must not reach dQ (inf x K's 0 = NaN).
     # (Non-causal: masked by their own test; causal: by the diagonal's.)
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=2, causal=causal, backward=True)
-    config = default_config(spec, "h100", 333).replace(bwd_short=False, family="portable", tma=False,
+    config = default_config(spec, "h100", 333, hopper_ws=False).replace(bwd_short=False, family="portable", tma=False,
                                                        warp_specialize=False, hopper_bwd=True, dq_strategy="atomic")
     module = flashgen.compile(spec, config).module()
     gen = torch.Generator(device="cuda").manual_seed(0)
