@@ -186,7 +186,8 @@ class KernelConfig:
             raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
         if self.family == "hopper_ws" and self.BLOCK_M == 192 and self.hopper_regs > HOPPER_THREE_REGS:
             raise ConfigError(f"config knob 'hopper_regs': three consumers (BLOCK_M=192) take at most "
-                              f"{HOPPER_THREE_REGS} registers each (the SM's 65536 over 512 threads), got {self.hopper_regs}")
+                              f"{HOPPER_THREE_REGS} registers each (the SM's 65536 over 512 threads), "
+                              f"got {self.hopper_regs}")
         if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
             raise ConfigError(f"config knob 'hopper_pingpong': needs two consumers (BLOCK_M=128) and no "
                               f"hopper_overlap, got BLOCK_M={self.BLOCK_M} hopper_overlap={self.hopper_overlap}")
@@ -453,7 +454,8 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     causal or not: the persistent grid, FA3's overlap and the TMA store together; hd64 (plain from 1024
     tokens, causal from 4096): three 64-row consumers with the TMA store, on the persistent grid but for
     plain calls from 8192 tokens (one program per tile); the rest (under 1024 tokens, hd64 causal up to
-    2048) portable. What the paragraphs before them measured led there. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
+    2048) portable. What the paragraphs before them measured led there. H100 bf16, 16384 tokens, forward
+    TFLOP/s hopper_ws / portable
     (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md): hd128 S=1024 473/457 (ping-pong),
     S=4096 591/545 (ping-pong), S=16384 617-634/534; causal S=4096 513/476 and S=16384 586/545 (3
     stages); hd64 S=4096 439-446/429, S=16384 461/440, causal S=16384 435/423. Not taken: hd128 causal

@@ -94,8 +94,8 @@ def test_three_consumers_on_a_cut_persistent_grid(monkeypatch, programs):
     monkeypatch.setattr(hopper, "sm_count", lambda device: programs)
     for causal in (False, True):
         spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=4, num_kv_heads=2, causal=causal)
-        module = flashgen.compile(spec, KernelConfig(**{**BASE, **THREE, "hopper_persistent": True, "hopper_overlap": True,
-                                                        "hopper_tma_store": True})).module()
+        knobs = {**BASE, **THREE, "hopper_persistent": True, "hopper_overlap": True, "hopper_tma_store": True}
+        module = flashgen.compile(spec, KernelConfig(**knobs)).module()
         module._LAUNCHER.plans.clear()
         q, k, v = make_qkv(2, 4, 2, 1280, 1280, 64, dtype=torch.bfloat16, device="cuda")
         out, lse = poisoned_outputs(q, 4, 1280, 64, "bhsd")

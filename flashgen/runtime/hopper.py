@@ -293,7 +293,8 @@ class HopperPlan:
         self.launch = BoundLaunch(forward.kernel, grid, dict(
             # (CAUSAL: the unmasked kernel's causal mask, and on the persistent grid its tile pairing; a masked
             # kernel's mask holds causality, so there it only pairs the tiles)
-            CAUSAL=forward.paired if cfg["hopper_persistent"] else bool(forward.spec["causal"]), NUM_STAGES=cfg["num_stages"],
+            CAUSAL=forward.paired if cfg["hopper_persistent"] else bool(forward.spec["causal"]),
+            NUM_STAGES=cfg["num_stages"],
             CONSUMERS=consumers, PRODUCER_REGS=forward.PRODUCER_REGS,
             CONSUMER_REGS=cfg["hopper_regs"], OVERLAP=cfg["hopper_overlap"], PINGPONG=cfg["hopper_pingpong"],
             num_warps=4))
