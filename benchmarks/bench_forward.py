@@ -84,8 +84,8 @@ def bench_case(head_dim, causal, seqlen, tokens, hidden, sweep, kv_outer):
             best = r
     row["flashgen_best"] = best
     if kv_outer:
-        cfg = default.replace(loop_order="kv_outer", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, tma=False,
-                              warp_specialize=False)
+        cfg = default_config(spec, hopper_ws=False).replace(loop_order="kv_outer", BLOCK_M=64, BLOCK_N=64,
+                                                            num_warps=4, num_stages=2, tma=False, warp_specialize=False)
         measure("flashgen_kv_outer", lambda: flashgen.compile(spec, cfg)(q, k, v))
     return row
 

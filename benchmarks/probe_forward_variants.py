@@ -58,8 +58,8 @@ VARIANTS = {  # name -> knobs over HOPPER_DEFAULT_TILE
                                         hopper_tma_store=True),
 }
 # the knobs a default may carry that a variant starts without
-PLAIN = dict(tma=False, warp_specialize=False, hopper_overlap=False, hopper_pingpong=False, hopper_persistent=False,
-             hopper_tma_store=False)
+PLAIN = dict(tma=False, warp_specialize=False, hopper_regs=240, hopper_overlap=False, hopper_pingpong=False,
+             hopper_persistent=False, hopper_tma_store=False)
 CASES = "hd64:1024:plain,hd64:1024:causal,hd64:4096:plain,hd64:4096:causal,hd64:16384:causal,hd128:4096:plain"
 
 

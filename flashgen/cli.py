@@ -20,7 +20,7 @@ import click
 from sqlalchemy.exc import SQLAlchemyError
 
 from . import __version__
-from .config import LOOP_ORDERS, ConfigError, KernelConfig, default_config, detect_target
+from .config import HOPPER_THREE_REGS, LOOP_ORDERS, ConfigError, KernelConfig, default_config, detect_target
 from .codegen.cache import write_atomic
 from .codegen.render import render
 from .db import DatabaseError, ResultRowError, default_url, display_url, hide_password
@@ -162,6 +162,9 @@ def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_sta
         warp_specialize = False  # the default's warp specialization needs 8 warps
     changes = {"loop_order": loop_order, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps,
                "num_stages": num_stages, "tma": tma, "warp_specialize": warp_specialize}
+    if block_m is not None and config.family == "hopper_ws" and (block_m == 192) != (config.BLOCK_M == 192):
+        # three consumers take their own register budget (config.HOPPER_THREE_REGS); one or two the default's
+        changes["hopper_regs"] = HOPPER_THREE_REGS if block_m == 192 else KernelConfig.hopper_regs
     config = config.replace(**{k: v for k, v in changes.items() if v is not None})
     source = render(spec, config)
     if output == "-":

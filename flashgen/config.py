@@ -184,10 +184,13 @@ class KernelConfig:
                               f"got dq_strategy={self.dq_strategy!r}")
         if self.family not in FAMILIES:
             raise ConfigError(f"config knob 'family': expected one of {FAMILIES}, got {self.family!r}")
-        if self.family == "hopper_ws" and self.BLOCK_M == 192 and self.hopper_regs > HOPPER_THREE_REGS:
-            raise ConfigError(f"config knob 'hopper_regs': three consumers (BLOCK_M=192) take at most "
-                              f"{HOPPER_THREE_REGS} registers each (the SM's 65536 over 512 threads), "
-                              f"got {self.hopper_regs}")
+        if self.family == "hopper_ws" and (self.BLOCK_M == 192) != (self.hopper_regs == HOPPER_THREE_REGS):
+            raise ConfigError(f"config knobs 'BLOCK_M', 'hopper_regs': three consumers (BLOCK_M=192) take "
+                              f"{HOPPER_THREE_REGS} registers each (the SM's 65536 over 512 threads) and one or two "
+                              f"take more, got BLOCK_M={self.BLOCK_M} hopper_regs={self.hopper_regs}")
+        if self.BLOCK_M == 192 and self.BLOCK_N == 256:
+            raise ConfigError("config knobs 'BLOCK_M', 'BLOCK_N': three consumers (BLOCK_M=192) take 64- or 128-key "
+                              "blocks (a 64 x 256 S alone fills their registers), got BLOCK_N=256")
         if self.hopper_pingpong and (self.BLOCK_M != 128 or self.hopper_overlap):
             raise ConfigError(f"config knob 'hopper_pingpong': needs two consumers (BLOCK_M=128) and no "
                               f"hopper_overlap, got BLOCK_M={self.BLOCK_M} hopper_overlap={self.hopper_overlap}")
@@ -244,6 +247,9 @@ class KernelConfig:
 
         if self.family == "hopper_ws" and (reason := spec_unserved(spec)):
             raise ConfigError(f"config knob 'family': 'hopper_ws' cannot serve spec {spec.uri!r}: {reason}")
+        if self.family == "hopper_ws" and self.BLOCK_M == 192 and spec.fp8:
+            raise ConfigError(f"config knob 'BLOCK_M': family 'hopper_ws' takes three consumers (192) for fp16/bf16 "
+                              f"(not measured or tested on FP8), got dtype {spec.dtype!r}")
         if self.family == "hopper_ws" and self.BLOCK_M == 192 and max(spec.head_dim, spec.head_dim_v) > 64:
             raise ConfigError(f"config knob 'BLOCK_M': family 'hopper_ws' takes three consumers (192) at head dim 64 "
                               f"only (their S and O accumulators fit {HOPPER_THREE_REGS} registers there), got head "

@@ -90,7 +90,7 @@ def forward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         params.update(family=("portable", "hopper_ws"), hopper_regs=(232, 240), hopper_overlap=(False, True),
                       hopper_pingpong=(False, True), hopper_tma_store=(False, True), hopper_persistent=(False, True))
     # three 64-row consumers (BLOCK_M 192, FA3's hd64 tiles) at their register budget
-    three = hopper_ws and max(spec.head_dim, spec.head_dim_v) <= 64
+    three = hopper_ws and not spec.fp8 and max(spec.head_dim, spec.head_dim_v) <= 64
     if three:
         params.update(BLOCK_M=(*params["BLOCK_M"], 192), hopper_regs=(HOPPER_THREE_REGS, 232, 240))
     if spec.fp8:  # the FP8 forward is the Q-outer kernel's; 256-key tiles pay there (hd128: 0.79 vs 0.72 PFLOP/s)

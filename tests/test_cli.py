@@ -53,6 +53,25 @@ def test_generate_hopper_knobs(tmp_path):
     assert result.exit_code != 0 and "warp_specialize': needs num_warps >= 8, got num_warps=4" in result.output
 
 
+def test_generate_block_m_override_takes_its_register_budget(tmp_path):
+    # hd64's H100 default is three consumers (BLOCK_M 192, 160 registers each): --block-m 128 gives two
+    # consumers the default's registers, and --block-m 192 back gives three theirs
+    spec = str(ROOT / "examples/specs/mha-hd64.yaml")
+    out = tmp_path / "k.py"
+    for block_m, regs in ((None, 160), ("128", None), ("64", None)):
+        args = ["generate", "--spec", spec, "--target", "h100", "-o", str(out)] + (["--block-m", block_m] if block_m
+                                                                                  else [])
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        text = out.read_text()
+        config = text[text.index("CONFIG = {"):].split("}", 1)[0]
+        assert f"'BLOCK_M': {block_m or 192}" in config and "'family': 'hopper_ws'" in config
+        assert (f"'hopper_regs': {regs}" in config) if regs else "'hopper_regs'" not in config  # (240: left out)
+    gqa = str(ROOT / "examples/specs/gqa-causal.yaml")  # hd128: three consumers do not fit its accumulators
+    result = CliRunner().invoke(main, ["generate", "--spec", gqa, "--target", "h100", "--block-m", "192"])
+    assert result.exit_code == 2 and "'BLOCK_M'" in result.output and "head dim 64 only" in result.output
+
+
 def test_generated_module_runs_with_only_torch_and_triton(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text(textwrap.dedent("""\

@@ -142,28 +142,6 @@ def test_space_offers_the_family_for_served_masks_only():
     assert "family" not in forward_space(sink, H100).params
 
 
-def test_range_table_is_made_again_only_for_another_runs_table():
-    # RangeTable.fill serves its last table while the call passes the same runs table object (host.runs_table
-    # hands one back only for the same, unchanged ids); another runs table, or other named tensors, launch
-    from flashgen.runtime.hopper import RangeTable
-    from flashgen.runtime.host import runs_table
-
-    launches = []
-    ranges = RangeTable.__new__(RangeTable)
-    ranges.launch = lambda *args: launches.append(args)
-    ranges.shape, ranges.seqlens, ranges.device, ranges.last = (12,), (6, 6), "cpu", (None, None)
-    ids = torch.tensor([[0, 0, 1, 1, 1, 2]], dtype=torch.int32)
-    named = (ids, 6, 1, 1, 6, runs_table(ids))
-    first = ranges.fill(named)
-    assert ranges.fill((ids, 6, 1, 1, 6, runs_table(ids)))[-1] is first[-1] and len(launches) == 1
-    ids[0, 0] = 0  # an in-place write: a new runs table, so a new range table
-    assert ranges.fill((ids, 6, 1, 1, 6, runs_table(ids)))[-1] is not first[-1] and len(launches) == 2
-    plen = torch.tensor([3], dtype=torch.int32)  # not (ids, their runs table): made every call
-    ranges.fill((ids, 6, 1, 1, 6, runs_table(ids), plen))
-    ranges.fill((ids, 6, 1, 1, 6, runs_table(ids), plen))
-    assert len(launches) == 4
-
-
 def test_masked_defaults_take_the_family_where_it_measured_faster():
     # H100 user path (config._hopper_ws_masked_default; benchmarks/results/2026-11-27-h100-hopper-masks-s20*.md):
     # from 4096 tokens at hd128, prefix-LM the unmasked default's knobs (persistent grid, overlap, TMA store on

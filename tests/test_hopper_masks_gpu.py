@@ -137,8 +137,8 @@ def test_persistent_programs_walk_many_tiles(monkeypatch, mask_name, programs):
 
 @sm90
 def test_ids_changed_in_place_or_under_a_cuda_graph_get_their_own_ranges():
-    # the runs table is remembered per ids tensor (host.runs_table): an in-place write (a new version)
-    # makes a new one, and a CUDA graph computes its own from the ids' memory on every replay
+    # the runs and range tables are made from the ids' memory on every call: an in-place write between
+    # calls, and a CUDA graph replayed over new ids, read the ids they are given
     module, (q, k, v, tensors, layout) = check_forward("bf16", SHAPES[0], "documents", PERSISTENT, seed=6)
     ids = tensors["doc"]
     other = random_documents(ids.shape[0], ids.shape[1], torch.Generator().manual_seed(7)).cuda()
@@ -148,7 +148,7 @@ def test_ids_changed_in_place_or_under_a_cuda_graph_get_their_own_ranges():
     out, lse = module.forward(q, k, v, layout=layout, tensors=tensors)
     assert_attention_close(out, lse, q, k, v, tensors={"doc": other}, **kw)
     ids.copy_(before)
-    module.forward(q, k, v, layout=layout, tensors=tensors)  # (warm, and the memo holds the table of `before`)
+    module.forward(q, k, v, layout=layout, tensors=tensors)  # (warm)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, lse = module.forward(q, k, v, layout=layout, tensors=tensors)

@@ -187,12 +187,18 @@ def test_three_consumers_are_head_dim_64_and_fall_back_to_64_row_tiles():
     three = dict(HOPPER, BLOCK_M=192, hopper_regs=160)
     with pytest.raises(ConfigError, match="'BLOCK_M'.*got 192"):
         KernelConfig(BLOCK_M=192)
-    with pytest.raises(ConfigError, match="'hopper_regs'.*three consumers.*got 232"):
+    with pytest.raises(ConfigError, match="'hopper_regs'.*three consumers.*BLOCK_M=192 hopper_regs=232"):
         KernelConfig(**dict(three, hopper_regs=232))
+    with pytest.raises(ConfigError, match="'hopper_regs'.*BLOCK_M=128 hopper_regs=160"):
+        KernelConfig(**dict(three, BLOCK_M=128))  # (160 starves one or two consumers)
     with pytest.raises(ConfigError, match="'hopper_pingpong'"):
         KernelConfig(**dict(three, hopper_pingpong=True))
+    with pytest.raises(ConfigError, match="'BLOCK_N'.*got BLOCK_N=256"):
+        KernelConfig(**dict(three, BLOCK_N=256))
     with pytest.raises(ConfigError, match="'BLOCK_M'.*head dim 64 only.*got head dim 128"):
         KernelConfig(**three).check_spec(AttentionSpec(dtype="bf16", head_dim=128))
+    with pytest.raises(ConfigError, match="'BLOCK_M'.*fp16/bf16.*'fp8_e4m3'"):
+        KernelConfig(**three).check_spec(AttentionSpec(dtype="fp8_e4m3", head_dim=64, backward=False))
     assert KernelConfig.from_dict(KernelConfig(**three).to_dict()).BLOCK_M == 192
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
     source = render(spec, KernelConfig(**three), standalone=False)
@@ -202,6 +208,15 @@ def test_three_consumers_are_head_dim_64_and_fall_back_to_64_row_tiles():
     q, k, v = make_qkv(1, 4, 2, 45, 61, 64, dtype=torch.float16, device="cpu")
     out, lse = module.forward(q, k, v)
     assert not any(isinstance(p, hopper.HopperPlan) for p in module._LAUNCHER.plans.values())
+    assert_attention_close(out, lse, q, k, v, causal=True)
+    # a call's knob override cannot ask a module for partitions it was not built with (three consumers of a
+    # two-consumer module's kernel would wait forever for the third's releases), nor more registers than fit
+    two = flashgen.compile(spec, KernelConfig(**HOPPER)).module()
+    with pytest.raises(ValueError, match="BLOCK_M: 192 .*built with BLOCK_M=128"):
+        two.forward(q, k, v, BLOCK_M=192)
+    with pytest.raises(ValueError, match="BLOCK_M: 192 .*hopper_regs=240"):
+        module.forward(q, k, v, hopper_regs=240)
+    out, lse = module.forward(q, k, v, BLOCK_M=128, hopper_regs=240)  # (two consumers: rendered too)
     assert_attention_close(out, lse, q, k, v, causal=True)
 
 

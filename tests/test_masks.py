@@ -221,30 +221,6 @@ def test_runs_table_is_each_elements_search_in_its_row():
     assert runs_table(rows[:, ::2]).tolist() == runs_table(rows[:, ::2].contiguous()).tolist()
 
 
-def test_runs_table_is_served_again_only_for_the_same_unchanged_ids():
-    # a model's layers (and a step's forward and backward) pass one ids tensor: one table for them all,
-    # views of it included; any in-place write makes a new one, and so does another tensor (even one at a
-    # freed tensor's id), an inference tensor (no version counter) or another view of the same ids
-    ids = torch.tensor([[0, 0, 1, 1, 1, 2]], dtype=torch.int32)
-    first = runs_table(ids)
-    assert runs_table(ids) is first and runs_table(ids.reshape(1, 1, 6).reshape(1, 6)) is first
-    ids[0, 5] = 1
-    changed = runs_table(ids)
-    assert changed is not first and changed.tolist() == [[[0, 0, 2, 2, 2, 2]], [[2, 2, 6, 6, 6, 6]]]
-    assert runs_table(ids[:, 1:]) is not changed and runs_table(ids[:, 1:]).tolist() == [[[0, 1, 1, 1, 1]],
-                                                                                        [[1, 5, 5, 5, 5]]]
-    for split in range(1, 21):  # freed tensors' ids are reused: a new tensor never gets another's table
-        other = (torch.arange(24) >= split).to(torch.int32)[None]
-        assert runs_table(other).tolist() == [[[0] * split + [split] * (24 - split)],
-                                              [[split] * split + [24] * (24 - split)]]
-        del other
-    with torch.inference_mode():
-        frozen = torch.tensor([[0, 1]], dtype=torch.int32)
-        table = runs_table(frozen)
-        frozen[0, 1] = 0  # in place without a version counter: never served from the memo
-        assert runs_table(frozen) is not table and runs_table(frozen).tolist() == [[[0, 0]], [[2, 2]]]
-
-
 def test_forward_boundary_loop_reading_ids_per_column_takes_two_stages():
     # Triton's pipeliner stages a mask's per-column tensor reads (document ids) through shared memory
     # in the forward's boundary-block loop. Beside 3 stages of 64x64 K/V tiles that took the last

@@ -177,25 +177,16 @@ class RangeTable:
     def __init__(self, kernel, blocks, batch, entries, seqlens, device, constexprs):
         self.launch = BoundLaunch(kernel, (blocks, batch), dict(constexprs, num_warps=4))
         self.shape, self.seqlens, self.device = (batch * blocks * entries,), seqlens, device
-        self.last = (None, None)  # (the runs table the last table was made from, that table)
 
     def fill(self, named, context=None):
         """The named tensors' arguments with this call's table, filled, after them (launched with
-        `context`, launch_context()'s answer, where the caller took it once for its launches).
-        Where the named tensors are one tensor and its runs table (documents), the table made from the
-        same runs table object last time is served again: host.runs_table hands back one object only
-        while the ids are the same, unchanged (and a fresh one under CUDA-graph capture)."""
-        tensors = [x for x in named if isinstance(x, torch.Tensor)]
-        runs = tensors[1] if len(tensors) == 2 and tensors[1].shape == (2, *tensors[0].shape) else None
-        if runs is not None and runs is self.last[0]:
-            return (*named, self.last[1])
+        `context`, launch_context()'s answer, where the caller took it once for its launches)."""
         table = torch.empty(self.shape, dtype=torch.int32, device=self.device)
         args = (table, *self.seqlens, *named)
         if context is None:
             self.launch(*args)
         else:
             self.launch.run(context, args)
-        self.last = (runs, table)
         return (*named, table)
 
 

@@ -20,7 +20,6 @@ bound launches that skip Triton's binder.
 
 import os
 import threading
-import weakref
 
 import torch
 import triton
@@ -221,66 +220,13 @@ def check_tensors(q, k, v, layout):
 def runs_table(t):
     """The runs table of a (rows, n) tensor of nondecreasing rows (document ids): int32 (2, rows, n),
     [0, b, x] the first index of row b holding t[b, x] and [1, b, x] the first past it, i.e. a
-    binary search of each element in its own row (searchsorted left and right), made for a call
-    so that the kernels read a block's range instead of searching for it (to_triton.runs_load).
-    Remembered for the same ids (_RUNS: a model's layers, a step's forward and backward, pass one
-    tensor: one table, not two launches and an allocation per call)."""
-    table = _RUNS.get(t)
-    if table is None:
-        rows = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
-        table = torch.empty((2, *rows.shape), dtype=torch.int32, device=rows.device)
-        torch.searchsorted(rows, rows, out_int32=True, out=table[0])
-        torch.searchsorted(rows, rows, right=True, out_int32=True, out=table[1])
-        _RUNS.put(t, table)
+    binary search of each element in its own row (searchsorted left and right), made once per call
+    so that the kernels read a block's range instead of searching for it (to_triton.runs_load)."""
+    rows = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
+    table = torch.empty((2, *rows.shape), dtype=torch.int32, device=rows.device)
+    torch.searchsorted(rows, rows, out_int32=True, out=table[0])
+    torch.searchsorted(rows, rows, right=True, out_int32=True, out=table[1])
     return table
-
-
-class RunsMemo:
-    """The last few runs tables, each served again while its ids are the same tensor with the same
-    contents: the same root tensor (a view's _base; a weak reference, so a freed tensor's id reused by
-    another is no match), the same view of it, on the same stream, and the same version counter (every
-    in-place write through torch bumps it, as autograd's saved-tensor check relies on). Not served: inference
-    tensors (no version counter) and calls under CUDA-graph capture (a graph must compute its table
-    from its ids' memory when replayed)."""
-
-    SIZE = 8
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.entries = {}  # id(root) -> (weakref to root, view key, version, table), oldest first
-
-    @staticmethod
-    def key(t):
-        root = t if t._base is None else t._base
-        # (and the stream: a table made on another stream may not be written yet where this call runs)
-        stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
-        return root, (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, stream)
-
-    def usable(self, t):
-        return not t.is_inference() and not (t.is_cuda and torch.cuda.is_current_stream_capturing())
-
-    def get(self, t):
-        if not self.usable(t):
-            return None
-        root, view = self.key(t)
-        with self.lock:
-            entry = self.entries.get(id(root))
-        if entry is not None and entry[0]() is root and entry[1] == view and entry[2] == t._version:
-            return entry[3]
-        return None
-
-    def put(self, t, table):
-        if not self.usable(t):
-            return
-        root, view = self.key(t)
-        with self.lock:
-            self.entries.pop(id(root), None)
-            self.entries[id(root)] = (weakref.ref(root), view, t._version, table)
-            while len(self.entries) > self.SIZE:
-                del self.entries[next(iter(self.entries))]
-
-
-_RUNS = RunsMemo()
 
 
 def check_tensor_names(tensors, names):
@@ -433,6 +379,12 @@ class AttentionLauncher:
             if name not in cfg or name in ("loop_order", "bwd_fused_delta", "bwd_short"):
                 raise TypeError(f"unexpected knob {name!r}")
             cfg[name] = value
+        if cfg["BLOCK_M"] == 192 and (self.config["BLOCK_M"] != 192 or cfg.get("hopper_regs", 240) > 160):
+            # three consumers: their partitions are rendered only into a module built with BLOCK_M 192, and
+            # three warpgroups fit the SM's registers at 160 each
+            raise ValueError(f"BLOCK_M: 192 (three consumers) needs a module built with BLOCK_M=192 and hopper_regs "
+                             f"<= 160, got a module built with BLOCK_M={self.config['BLOCK_M']} and hopper_regs="
+                             f"{cfg.get('hopper_regs', 240)}")
         return cfg
 
     @staticmethod
