@@ -21,6 +21,8 @@ HOPPER_BLOCK_N = (64, 128, 256)  # 256: FP8 only (check_spec): 64 x 256 S beside
 HOPPER_STAGES = (2, 3, 4)
 # the hopper_ws defaults' starting point (_hopper_ws_default, _hopper_ws_fp8_default): two 64-row consumers
 HOPPER_DEFAULT_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
+# ... with the persistent grid, FA3's overlap and O by a TMA store: the hd128 default, and prefix-LM masks'
+HOPPER_ALL_THREE = dict(HOPPER_DEFAULT_TILE, hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)
 HOPPER_REGS = (160, 168, 200, 216, 232, 240)  # consumer registers per thread (setmaxnreg); the producer keeps 24
 DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
@@ -514,13 +516,11 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
         return None
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
-    tile = dict(HOPPER_DEFAULT_TILE)
-    all_three = dict(tile, hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)
     if d == 128 and seqlen >= 1024:
-        return all_three  # calls of up to 512 tokens: not measured
+        return dict(HOPPER_ALL_THREE)  # calls of up to 512 tokens: not measured
     if d != 64 or seqlen < 1024 or (shape.causal and seqlen <= 2048):
         return None
-    three = dict(tile, BLOCK_M=192, hopper_regs=HOPPER_THREE_REGS, hopper_tma_store=True)
+    three = dict(HOPPER_DEFAULT_TILE, BLOCK_M=192, hopper_regs=HOPPER_THREE_REGS, hopper_tma_store=True)
     return three if seqlen >= 8192 and not shape.causal else dict(three, hopper_persistent=True)
 
 
@@ -566,7 +566,7 @@ def _hopper_ws_masked_default(spec: AttentionSpec, d: int, shape: MaskShape, seq
     if shape.narrow(seqlen):
         return narrow_tile if 192 < shape.band <= 2048 else None
     if shape.causal and shape.band is None:
-        return dict(HOPPER_DEFAULT_TILE, hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)
+        return dict(HOPPER_ALL_THREE)
     return None
 
 

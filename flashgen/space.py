@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from .config import (HOPPER_BLOCK_M, HOPPER_BLOCK_N, HOPPER_SMEM, HOPPER_SMEM_RESERVE, HOPPER_STAGES, HOPPER_THREE_REGS,
-                     hopper_ws_smem,
-                     mask_shape)
+                     hopper_ws_smem, mask_shape)
 from .runtime.hopper import spec_unserved
 from .runtime.host import padded_head_dim
 from .spec import AttentionSpec
