@@ -620,35 +620,41 @@ def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen
 
 def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict:
     """The backward knobs of the Gluon dK/dV kernel (hopper_bwd) where the H100 measured it faster
-    than the portable backward in every run, else {} (bf16, 16384 tokens):
+    than the portable backward, else {} (bf16, 16 heads x hd128 or 32 x hd64, 16384 tokens):
+    - adding dQ itself (dq_strategy 'atomic': five MMAs per pair, no dQ kernel), its float32 tiles
+      added by the copy engine from shared memory (benchmarks/results/2026-11-27-h100-hopper-bwd-tma
+      {,-1024}.md, whole backward ms, atomic / portable, cuDNN's in brackets): hd128 S=16384 11.71 /
+      12.63 (10.21), causal 5.82 / 6.70 (5.17); S=4096 3.13 / 3.38 (2.79), causal 1.82 / 1.91 (1.56).
+      Not at S=1024 (1.06 / 1.00, causal 0.75 / 0.65: the float32 buffer's zeros and copy, and one
+      program per SM, weigh more than the recomputed S and dP) nor at hd64 (0.99-1.09x the portable's
+      time), except hd64 causal S=16384 (7.43 / 7.91 and 7.47 / 7.91 in two runs of 2026-11-26 with
+      pointer atomics; 7.55 / 7.61 with the copy engine's adds, 2026-11-27).
+      (Calls bucketed to 4096 take it, from about 2900 tokens.) Not with GQA: gqa-causal's recheck
+      (32 query / 8 KV heads, tuning_db's spec) read 4.149 / 14.326 ms at 4096 / 16384 tokens against the
+      stored 3.665 / 13.012; its KV head's programs walk every query head of the group.
     - with the separate dQ kernel (benchmarks/results/2026-11-23-h100-hopper-bwd*.md): hd128 causal
-      S=16384, whole backward 6.44 / 6.47 ms and 6.33 / 6.61 (Gluon / portable), fwd+bwd 456 / 438
-      TFLOP/s; S=4096, backward 1.90 / 1.93 ms, fwd+bwd 403 / 383. Elsewhere it tied or lost (hd128
-      S=16384 plain 452 / 463 fwd+bwd, hd64 1-11% slower, S=1024 2-13% slower).
-    - adding dQ itself (dq_strategy 'atomic': five MMAs per pair, no dQ kernel; benchmarks/results/
-      2026-11-26-h100-hopper-bwd-atomic-dq-rows{,-run2}.md): hd64 causal S=16384, backward 7.43 / 7.91
-      and 7.47 / 7.91 ms (atomic / portable), fwd+bwd 392 / 372 TFLOP/s. Elsewhere its float32 adds
-      cost what the recomputed S and dP save or more (backward time, portable / atomic): hd64 plain
-      S=16384 1.00-1.01x, hd128 plain 0.97x, hd128 causal 0.96-0.98x, 4096 tokens and fewer
-      0.80-0.98x. (Calls bucketed to 16384 take it, from about 11.6k tokens, and longer buckets too:
-      measured at 16384 only, bf16.)
+      S=16384 and 4096 ahead of the portable backward by 1-4%, behind the atomic kernel: GQA's default.
     - masks (the kernel walks each key block's query rows of the pattern; benchmarks/results/
       2026-11-27-h100-hopper-masks-hb{,-run2}.md, fwd+bwd GPU ms, Gluon / the default's portable dK/dV):
       prefix-LM 512 at hd128 8192 tokens 4.627 / 4.711, 16384 8.497 / 8.901 and 8.512 / 8.713 (4096:
       2.521 / 2.535, a tie). Slower elsewhere: documents 0.85-0.94x (4 or 16, 4096-16384 tokens), window
-      1024 0.95-0.97x, chunks of 1024 0.94-0.95x; adding dQ itself 0.70-0.90x everywhere.
+      1024 0.95-0.97x, chunks of 1024 0.94-0.95x. Adding dQ itself 0.80-0.97x of the default's fwd+bwd
+      on every mask, with the copy engine's adds too (-hopper-masks-hb-tma.md).
     Those others, and calls of 2048 tokens and fewer, keep the portable kernels."""
     from .runtime.hopper import spec_unserved
 
-    if spec_unserved(spec, backward=True) is not None or not shape.causal:
+    if spec_unserved(spec, backward=True) is not None:
         return {}
+    atomic = dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)
     if spec.mask is not None:
         prefix_lm = spec.mask.kind == "prefix_lm"
         return dict(hopper_bwd=True) if prefix_lm and d == 128 and seqlen >= 8192 else {}
     if d == 128 and seqlen >= 4096:
-        return dict(hopper_bwd=True)
-    if d == 64 and seqlen >= 16384:
-        return dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)
+        if spec.num_kv_heads == spec.num_heads:
+            return atomic
+        return dict(hopper_bwd=True) if shape.causal else {}
+    if d == 64 and shape.causal and seqlen >= 16384:
+        return atomic
     return {}
 
 

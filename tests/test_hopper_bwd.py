@@ -173,9 +173,9 @@ def test_a_served_call_swaps_the_dkdv_launch_planned_once(monkeypatch):
 
 
 def test_an_atomic_kernel_gets_the_float32_dq_buffer_and_no_dq_launch(monkeypatch):
-    # dq_strategy 'atomic' in the config: the rendered kernel adds dQ (its extra arguments: the plan's
-    # float32 buffer in q's shape and its (batch, head, seq) strides); the plan runs no dQ kernel and
-    # copies the buffer into dq
+    # dq_strategy 'atomic' in the config: the rendered kernel adds dQ (its extra argument: a descriptor of
+    # the plan's float32 buffer in q's shape, one consumer's share of a query block's columns per tile);
+    # the plan runs no dQ kernel and copies the buffer into dq
     module = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True, dq_strategy="atomic")).module()
     module._LAUNCHER.plans.clear()  # (a plan of another test's call on this module)
     hopper = module._LAUNCHER.hopper_backward
@@ -189,9 +189,12 @@ def test_an_atomic_kernel_gets_the_float32_dq_buffer_and_no_dq_launch(monkeypatc
     (plan,) = backward_plans(module)
     assert isinstance(plan.dkdv, hopper_bwd.HopperDkdv) and plan.atomic and plan.dq is None
     ((grid, args, constexprs),) = kernel.launches
-    buffer = args[21]
+    assert len(args) == 22
+    buffer = args[21].base
     assert buffer.dtype == torch.float32 and buffer.shape == q.shape and buffer.is_contiguous()
-    assert args[22:] == (2560, 64, 128)  # (batch, head, seq) strides of the buffer in bshd
+    # (batch, head, seq, dim) over the bshd buffer; 64 query rows x 32 of hd64's columns per consumer
+    assert list(args[21].shape) == [1, 2, 20, 64] and list(args[21].strides) == [2560, 64, 128, 1]
+    assert list(args[21].block_shape) == [1, 1, 64, 32]
     assert bool((dq == 0).all()) and bool((dk == 1).all())  # the recorded kernel added nothing to the zeroed buffer
 
 
@@ -202,7 +205,7 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=2, num_kv_heads=1, causal=True, backward=True,
                          mask={"document": {"ids": "doc"}})
     doc = torch.tensor([[0] * 7 + [1] * 13], dtype=torch.int32)
-    for knobs, tail in ((dict(dq_strategy="separate"), 13), (dict(dq_strategy="atomic", bwd_fused_delta=False), 17)):
+    for knobs, tail in ((dict(dq_strategy="separate"), 13), (dict(dq_strategy="atomic", bwd_fused_delta=False), 14)):
         module = flashgen.compile(spec, KernelConfig(hopper_bwd=True, **knobs)).module()
         module._LAUNCHER.plans.clear()
         hopper = module._LAUNCHER.hopper_backward
@@ -226,8 +229,8 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
         t_doc, s0, s1, n0, n1, runs = args[-7:-1]
         assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (20, 1, 1, 20), args[-6:]
         assert runs.tolist() == [[[0] * 7 + [7] * 13], [[7] * 7 + [20] * 13]]  # this call's runs of the ids
-        assert args[19:21] == (0.5 * hopper.RCP_LN2, 0.5)  # the scalars; then the atomic buffer's four
-        assert tail == 13 or (args[21].dtype == torch.float32 and args[22:25] == (2560, 64, 128))
+        assert args[19:21] == (0.5 * hopper.RCP_LN2, 0.5)  # the scalars; then the atomic buffer's descriptor
+        assert tail == 13 or (args[21].base.dtype == torch.float32 and list(args[21].strides) == [2560, 64, 128, 1])
 
 
 def test_space_offers_the_kernel_only_where_it_serves():
@@ -242,11 +245,14 @@ def test_space_offers_the_kernel_only_where_it_serves():
 
 
 @pytest.mark.parametrize("fields, target, seqlen, on", [
-    (dict(head_dim=128, num_heads=16, causal=True), "h100", 16384, True),  # the cases it measured faster
-    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, True),
+    # the cases it measured faster, adding dQ itself by the copy engine
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 16384, "atomic"),
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, True),  # GQA: dQ separate
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4), "h100", 16384, False),
     (dict(head_dim=128, num_heads=16, causal=True), "h100", 2048, False),  # S=1024 slower: the portable kernel
-    (dict(head_dim=128, num_heads=16), "h100", 16384, False),  # slower
-    (dict(head_dim=64, num_heads=32, causal=True), "h100", 16384, "atomic"),  # adding dQ itself
+    (dict(head_dim=128, num_heads=16), "h100", 16384, "atomic"),
+    (dict(head_dim=128, num_heads=16), "h100", 2048, False),
+    (dict(head_dim=64, num_heads=32, causal=True), "h100", 16384, "atomic"),
     (dict(head_dim=64, num_heads=32, causal=True), "h100", 8192, False),
     (dict(head_dim=64, num_heads=32), "h100", 16384, False),
     (dict(head_dim=128, num_heads=16, causal=True), "a100", 16384, False),  # not sm90

@@ -72,7 +72,8 @@ def test_gradients(dtype, shape, causal):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gradients_atomic_dq(shape, causal):
-    # dQ added from the Gluon dK/dV kernel (64 columns per MMA, relaxed float32 atomics)
+    # dQ added from the Gluon dK/dV kernel (each consumer's share of the columns per MMA, its float32
+    # tile added by the copy engine)
     check_backward("bf16", shape, causal, dict(family="portable", tma=False, warp_specialize=False, hopper_bwd=True,
                                                dq_strategy="atomic"))
 
@@ -150,11 +151,11 @@ def test_unserved_calls_run_the_portable_dkdv():
 
 
 @sm90
-@pytest.mark.parametrize("head_dim, dq_strategy, mask", [(128, "separate", None), (64, "atomic", None),
+@pytest.mark.parametrize("head_dim, dq_strategy, mask", [(128, "atomic", None), (64, "atomic", None),
                                                          (128, "separate", {"prefix_lm": 512})])
 def test_default_takes_it_where_it_is_the_default(head_dim, dq_strategy, mask):
-    # at 16384 tokens (config._hopper_bwd_default): causal hd128 with the separate dQ kernel, hd64 adding
-    # dQ from it, prefix-LM hd128; two heads: the float32 reference fits
+    # at 16384 tokens (config._hopper_bwd_default): causal hd128 and hd64 adding dQ from it, prefix-LM
+    # hd128 with the separate dQ kernel; two heads: the float32 reference fits
     spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=2, causal=mask is None, mask=mask, backward=True)
     kernel = flashgen.compile(spec)
     config = kernel.config_for(16384)

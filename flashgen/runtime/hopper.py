@@ -42,6 +42,19 @@ try:
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     tma_store_wait = tma.store_wait  # wait until at most n of this thread's TMA stores still read shared memory
+    if hasattr(tma, "async_atomic_add"):
+        tma_reduce_add = tma.async_atomic_add  # 3.9: the copy engine adds a shared-memory tile into global memory
+    else:  # 3.6 builds the same op (cp.reduce.async.bulk.tensor .add) but names it nowhere in Python
+        from triton._C.libtriton import ir as triton_ir
+        from triton.experimental.gluon.language._core import builtin as gluon_builtin
+
+        @gluon_builtin
+        def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+            """global[tensor_desc's box at coord] += the shared-memory tile src, by the copy engine;
+            waited as a TMA store (tma_store_wait)."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
     # a barrier of the calling partition's warps: gl.thread_barrier in 3.6, gl.barrier in 3.9
     warps_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
     gluon_available = True
@@ -62,10 +75,11 @@ except ImportError as err:  # no Gluon: the module still imports; the family is 
 
     gluon = gl = _Absent()
     fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = tma_load = warps_barrier = None
-    tma_store = tma_store_wait = None
+    tma_store = tma_store_wait = tma_reduce_add = None
     GluonTensorDescriptor = None
 
-gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "torch.float8_e4m3fn": gl.float8e4nv}
+gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "torch.float8_e4m3fn": gl.float8e4nv,
+                 "torch.float32": gl.float32}
                 if gluon_available else {})
 served_head_dims = (64, 128)  # hd256: the two consumers' S and O accumulators do not fit next to P (not wired)
 served_dtypes = ("fp16", "bf16", "fp8_e4m3")

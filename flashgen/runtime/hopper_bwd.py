@@ -23,7 +23,7 @@ from flashgen.runtime.hopper import HopperForward, RangeTable, bhsd_order, call_
 from flashgen.runtime.host import BoundLaunch, Descriptors, contiguous_strides  # standalone: hopper.py precedes (host.py before it)
 from flashgen.runtime.hopper import fence_async_shared, gl, gluon, mbarrier, tma_load  # noqa: F401 standalone: hopper.py precedes
 from flashgen.runtime.hopper import warpgroup_mma, warpgroup_mma_wait  # noqa: F401 standalone: hopper.py precedes
-from flashgen.runtime.hopper import warps_barrier  # noqa: F401 standalone: hopper.py precedes
+from flashgen.runtime.hopper import tma_reduce_add, tma_store_wait, warps_barrier  # noqa: F401 standalone: hopper.py precedes
 
 
 def backward_call_unserved(q, k, v, do, layout, *, dropout_p=0.0, atomic=False, rendered_atomic=False,
@@ -103,8 +103,10 @@ class HopperDkdv:
         grad_strides = bhsd_order(contiguous_strides(k.shape), layout)[:3]
         self.args = (heads * seqlen_q, seqlen_q, *grad_strides, *grad_strides, seqlen_q, seqlen_k, heads // kv_heads,
                      scale * backward.RCP_LN2, scale)
-        # dq_strategy 'atomic': the plan's float32 dQ buffer (contiguous in q's shape) follows
-        self.dq_strides = bhsd_order(contiguous_strides(q.shape), layout)[:3] if backward.atomic else None
+        # dq_strategy 'atomic': a descriptor of the plan's float32 dQ buffer (in q's shape) follows, one
+        # consumer's share of a query block's columns per tile (at most 64: the tile the consumer stages)
+        dq_cols = min(64, head_dim // consumers)
+        self.dq_descriptor = Descriptors(layout, ((block_m, dq_cols),), [HopperForward.descriptor]) if backward.atomic else None
         key_blocks = triton.cdiv(seqlen_k, backward.CONSUMER_ROWS * consumers)
         self.launch = BoundLaunch(backward.kernel, (key_blocks, kv_heads, batch), dict(
             CAUSAL=bool(backward.spec["causal"]), NUM_STAGES=stages, CONSUMERS=consumers,
@@ -122,7 +124,7 @@ class HopperDkdv:
         """What this kernel takes of the portable dK/dV's arguments after dv: the float32 dQ buffer
         (the first of them) and its strides where the kernel adds dQ, then a mask's named tensors (and
         its block-range table, filled here first: launched with `context`, as run's launch)."""
-        dq = () if self.dq_strides is None else (portable_args[0], *self.dq_strides)
+        dq = () if self.dq_descriptor is None else tuple(self.dq_descriptor(portable_args[0]))
         named = portable_args[self.named]
         if self.ranges is not None:
             named = self.ranges.fill(named, context)
