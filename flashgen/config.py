@@ -620,40 +620,44 @@ def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen
 
 def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict:
     """The backward knobs of the Gluon dK/dV kernel (hopper_bwd) where the H100 measured it faster
-    than the portable backward, else {} (bf16, 16 heads x hd128 or 32 x hd64, 16384 tokens):
-    - adding dQ itself (dq_strategy 'atomic': five MMAs per pair, no dQ kernel), its float32 tiles
-      added by the copy engine from shared memory (benchmarks/results/2026-11-27-h100-hopper-bwd-tma
-      {,-1024}.md, whole backward ms, atomic / portable, cuDNN's in brackets): hd128 S=16384 11.71 /
-      12.63 (10.21), causal 5.82 / 6.70 (5.17); S=4096 3.13 / 3.38 (2.79), causal 1.82 / 1.91 (1.56).
-      Not at S=1024 (1.06 / 1.00, causal 0.75 / 0.65: the float32 buffer's zeros and copy, and one
-      program per SM, weigh more than the recomputed S and dP) nor at hd64 (0.99-1.09x the portable's
-      time), except hd64 causal S=16384 (7.43 / 7.91 and 7.47 / 7.91 in two runs of 2026-11-26 with
-      pointer atomics; 7.55 / 7.61 with the copy engine's adds, 2026-11-27).
-      (Calls bucketed to 4096 take it, from about 2900 tokens.) Not with GQA: gqa-causal's recheck
-      (32 query / 8 KV heads, tuning_db's spec) read 4.149 / 14.326 ms at 4096 / 16384 tokens against the
-      stored 3.665 / 13.012; its KV head's programs walk every query head of the group.
-    - with the separate dQ kernel (benchmarks/results/2026-11-23-h100-hopper-bwd*.md): hd128 causal
-      S=16384 and 4096 ahead of the portable backward by 1-4%, behind the atomic kernel: GQA's default.
-    - masks (the kernel walks each key block's query rows of the pattern; benchmarks/results/
-      2026-11-27-h100-hopper-masks-hb{,-run2}.md, fwd+bwd GPU ms, Gluon / the default's portable dK/dV):
-      prefix-LM 512 at hd128 8192 tokens 4.627 / 4.711, 16384 8.497 / 8.901 and 8.512 / 8.713 (4096:
-      2.521 / 2.535, a tie). Slower elsewhere: documents 0.85-0.94x (4 or 16, 4096-16384 tokens), window
-      1024 0.95-0.97x, chunks of 1024 0.94-0.95x. Adding dQ itself 0.80-0.97x of the default's fwd+bwd
-      on every mask, with the copy engine's adds too (-hopper-masks-hb-tma.md).
-    Those others, and calls of 2048 tokens and fewer, keep the portable kernels."""
+    than the portable backward, else {} (bf16, 16 heads x hd128 or 32 x hd64, 16384 tokens). The kernel
+    as of 2026-11-27: LSE and delta rows through shared memory (the producer loads them), dQ added by the
+    copy engine (dq_strategy 'atomic').
+    - Whole backward ms, atomic / separate dQ / portable, cuDNN's in brackets (benchmarks/results/
+      2026-11-27-h100-hopper-bwd-smem-stats{,-1024}.md): hd128 S=16384 10.86 / 12.03 / 12.67 (10.45),
+      causal 5.96 / 6.16 / 6.78 (5.20); S=4096 2.95 / 3.19 / 3.33 (2.75), causal 1.81 / 1.83 / 1.92 (1.55);
+      S=1024 0.951 / 0.966 / 1.005 (0.819), causal 0.734 / 0.645 / 0.644. hd64 S=16384 13.17 / 13.98 /
+      14.85 (11.98), causal 7.01 / 7.07 / 7.75 (6.29); S=4096 3.52 / 3.60 / 3.92 (3.27), causal 2.08 /
+      2.06 / 2.16 (1.95); S=1024 1.141 / 1.070 / 1.081, causal 0.810 / 0.678 / 0.658. So: dQ added from
+      it at hd128 and hd64 from 4096 tokens, and at hd128 without causality from 1024; the portable
+      kernels below (S=1024's float32 buffer, its zeros and its copy into dQ, weigh more there). (A call
+      takes its nearest bucket's: 2048 tokens, unmeasured, keeps the portable kernels but at hd128
+      without causality.)
+    - Not with GQA: gqa-causal's recheck (32 query / 8 KV heads, tuning_db's spec) read the atomic kernel
+      (before its LSE rows moved to shared memory) at 4.149 / 14.326 ms at 4096 / 16384 tokens against the
+      stored 3.665 / 13.012; its KV head's programs walk every query head of the group. Causal GQA at
+      hd128 from 4096 tokens takes it with the separate dQ kernel (1-4% ahead of the portable backward
+      in 2026-11-23's runs, before the shared-memory LSE rows).
+    - Masks (fwd+bwd GPU ms over the default's, benchmarks/results/2026-11-27-h100-hopper-masks-hb-smem-
+      stats.md): prefix-LM 512 at hd128 1.052x (4096 tokens) and 1.061x (16384) adding dQ, against the
+      shipped tuned results; windows, documents and chunks 0.75-0.94x adding dQ and 0.91-1.04x with the
+      separate dQ kernel (document_4 at 16384 tokens the one above 1.0): they keep the portable kernels.
+      Prefix-LM with GQA takes the separate dQ kernel from 8192 tokens, as measured before."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec, backward=True) is not None:
         return {}
     atomic = dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)
+    gqa = spec.num_kv_heads < spec.num_heads
     if spec.mask is not None:
-        prefix_lm = spec.mask.kind == "prefix_lm"
-        return dict(hopper_bwd=True) if prefix_lm and d == 128 and seqlen >= 8192 else {}
-    if d == 128 and seqlen >= 4096:
-        if spec.num_kv_heads == spec.num_heads:
-            return atomic
-        return dict(hopper_bwd=True) if shape.causal else {}
-    if d == 64 and shape.causal and seqlen >= 16384:
+        if spec.mask.kind != "prefix_lm" or d != 128:
+            return {}
+        if gqa:
+            return dict(hopper_bwd=True) if seqlen >= 8192 else {}
+        return atomic if seqlen >= 4096 else {}
+    if gqa:
+        return dict(hopper_bwd=True) if d == 128 and shape.causal and seqlen >= 4096 else {}
+    if seqlen >= 4096 or (d == 128 and not shape.causal and seqlen >= 1024):
         return atomic
     return {}
 

@@ -245,23 +245,32 @@ def test_space_offers_the_kernel_only_where_it_serves():
 
 
 @pytest.mark.parametrize("fields, target, seqlen, on", [
-    # the cases it measured faster, adding dQ itself by the copy engine
+    # the cases it measured faster, adding dQ itself by the copy engine (config._hopper_bwd_default)
     (dict(head_dim=128, num_heads=16, causal=True), "h100", 16384, "atomic"),
-    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, True),  # GQA: dQ separate
-    (dict(head_dim=128, num_heads=16, num_kv_heads=4), "h100", 16384, False),
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 4096, "atomic"),
     (dict(head_dim=128, num_heads=16, causal=True), "h100", 2048, False),  # S=1024 slower: the portable kernel
     (dict(head_dim=128, num_heads=16), "h100", 16384, "atomic"),
-    (dict(head_dim=128, num_heads=16), "h100", 2048, False),
+    (dict(head_dim=128, num_heads=16), "h100", 1024, "atomic"),
+    (dict(head_dim=128, num_heads=16), "h100", 256, False),
     (dict(head_dim=64, num_heads=32, causal=True), "h100", 16384, "atomic"),
-    (dict(head_dim=64, num_heads=32, causal=True), "h100", 8192, False),
-    (dict(head_dim=64, num_heads=32), "h100", 16384, False),
+    (dict(head_dim=64, num_heads=32, causal=True), "h100", 4096, "atomic"),
+    (dict(head_dim=64, num_heads=32, causal=True), "h100", 2048, False),
+    (dict(head_dim=64, num_heads=32), "h100", 4096, "atomic"),
+    (dict(head_dim=64, num_heads=32), "h100", 1024, False),
     (dict(head_dim=128, num_heads=16, causal=True), "a100", 16384, False),  # not sm90
+    # GQA: causal hd128 with the separate dQ kernel, nothing else
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, True),
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h100", 2048, False),
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4), "h100", 16384, False),
+    (dict(head_dim=64, num_heads=32, num_kv_heads=8, causal=True), "h100", 16384, False),
     # masks: served (tests/test_hopper_masks_gpu.py), a default only where measured faster
     (dict(head_dim=128, num_heads=16, mask={"sliding_window": {"left": 128}}), "h100", 16384, False),
     (dict(head_dim=128, num_heads=16, causal=True, mask={"document": {"ids": "doc"}}), "h100", 16384, False),
-    (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 16384, True),  # measured faster
-    (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 8192, True),
-    (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 4096, False),  # a tie
+    (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 16384, "atomic"),  # measured faster
+    (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 4096, "atomic"),
+    (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 2048, False),
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, mask={"prefix_lm": 512}), "h100", 8192, True),
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, mask={"prefix_lm": 512}), "h100", 4096, False),
     (dict(head_dim=64, num_heads=32, mask={"prefix_lm": 512}), "h100", 16384, False),  # unmeasured
 ])
 def test_sm90_default_takes_the_kernel_where_it_measured_faster(fields, target, seqlen, on):

@@ -152,10 +152,10 @@ def test_unserved_calls_run_the_portable_dkdv():
 
 @sm90
 @pytest.mark.parametrize("head_dim, dq_strategy, mask", [(128, "atomic", None), (64, "atomic", None),
-                                                         (128, "separate", {"prefix_lm": 512})])
+                                                         (128, "atomic", {"prefix_lm": 512})])
 def test_default_takes_it_where_it_is_the_default(head_dim, dq_strategy, mask):
-    # at 16384 tokens (config._hopper_bwd_default): causal hd128 and hd64 adding dQ from it, prefix-LM
-    # hd128 with the separate dQ kernel; two heads: the float32 reference fits
+    # at 16384 tokens (config._hopper_bwd_default): causal hd128 and hd64 and prefix-LM hd128 adding dQ
+    # from it; two heads: the float32 reference fits
     spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=2, causal=mask is None, mask=mask, backward=True)
     kernel = flashgen.compile(spec)
     config = kernel.config_for(16384)
