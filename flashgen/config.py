@@ -641,8 +641,11 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
     - Masks (fwd+bwd GPU ms over the default's, benchmarks/results/2026-11-27-h100-hopper-masks-hb-smem-
       stats.md): prefix-LM 512 at hd128 1.052x (4096 tokens) and 1.061x (16384) adding dQ, against the
       shipped tuned results; windows, documents and chunks 0.75-0.94x adding dQ and 0.91-1.04x with the
-      separate dQ kernel (document_4 at 16384 tokens the one above 1.0): they keep the portable kernels.
-      Prefix-LM with GQA takes the separate dQ kernel from 8192 tokens, as measured before."""
+      separate dQ kernel (document_4 at 16384 tokens the one above 1.0): they keep the portable kernels,
+      but documents from 16384 tokens, with the separate dQ kernel (two more runs, -hopper-masks-doc-hb-
+      run{1,2}.md: 4 documents 1.020x / 1.029x, 16 documents 0.991x / 0.995x; long documents walk
+      causal-like ranges, short ones few blocks). Prefix-LM with GQA takes the separate dQ kernel from
+      8192 tokens, as measured before."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec, backward=True) is not None:
@@ -650,7 +653,11 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
     atomic = dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)
     gqa = spec.num_kv_heads < spec.num_heads
     if spec.mask is not None:
-        if spec.mask.kind != "prefix_lm" or d != 128:
+        if d != 128:
+            return {}
+        if spec.mask.kind == "document":
+            return dict(hopper_bwd=True) if not gqa and seqlen >= 16384 else {}
+        if spec.mask.kind != "prefix_lm":
             return {}
         if gqa:
             return dict(hopper_bwd=True) if seqlen >= 8192 else {}

@@ -265,7 +265,10 @@ def test_space_offers_the_kernel_only_where_it_serves():
     (dict(head_dim=64, num_heads=32, num_kv_heads=8, causal=True), "h100", 16384, False),
     # masks: served (tests/test_hopper_masks_gpu.py), a default only where measured faster
     (dict(head_dim=128, num_heads=16, mask={"sliding_window": {"left": 128}}), "h100", 16384, False),
-    (dict(head_dim=128, num_heads=16, causal=True, mask={"document": {"ids": "doc"}}), "h100", 16384, False),
+    (dict(head_dim=128, num_heads=16, causal=True, mask={"document": {"ids": "doc"}}), "h100", 16384, True),
+    (dict(head_dim=128, num_heads=16, causal=True, mask={"document": {"ids": "doc"}}), "h100", 8192, False),
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True, mask={"document": {"ids": "doc"}}), "h100",
+     16384, False),
     (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 16384, "atomic"),  # measured faster
     (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 4096, "atomic"),
     (dict(head_dim=128, num_heads=16, mask={"prefix_lm": 512}), "h100", 2048, False),
