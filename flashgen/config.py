@@ -85,13 +85,14 @@ class KernelConfig:
     # kernel run before dK/dV: no preprocess pass re-reading O and dO, one launch fewer
     # (separate dQ only: the atomic strategy has no dQ kernel).
     bwd_fused_delta: bool = False
-    # dK/dV from the Gluon warp-specialized sm90 kernel (templates/hopper/backward.j2: a TMA producer
-    # warp feeding (Q, dO) tiles to two consumer warpgroups of 64 keys each; runtime/hopper_bwd.py),
-    # where it serves the call; preprocess and dQ stay portable. Rendered only when on. With
-    # dq_strategy 'atomic' in the config it adds dQ itself (FA3's five MMAs per pair: dS^T through
-    # shared memory, relaxed float32 atomics; the default at hd64 causal from 16384 tokens, where the
-    # H100 measured it faster); a call whose dQ strategy differs from the config's (a call's
-    # dq_strategy, deterministic=True) runs the portable dK/dV, as where the call is not served.
+    # dK/dV from the Gluon warp-specialized sm90 kernel (templates/hopper/backward.j2: a producer warp
+    # feeding (Q, dO) tiles by TMA and their LSE and delta rows to two consumer warpgroups of 64 keys
+    # each; runtime/hopper_bwd.py), where it serves the call; preprocess and dQ stay portable. Rendered
+    # only when on. With dq_strategy 'atomic' in the config it adds dQ itself (FA3's five MMAs per pair:
+    # dS^T through shared memory, each consumer's float32 dQ tile added by the copy engine's bulk
+    # reduce; the sm90 defaults where measured faster: _hopper_bwd_default). A call whose dQ strategy
+    # differs from the config's (a call's dq_strategy, deterministic=True) runs the portable dK/dV, as
+    # where the call is not served; such a call with the config's atomic dQ takes the separate dQ kernel.
     hopper_bwd: bool = False
     # dQ programs in reverse query-block order: with a causal-like mask the last query blocks see
     # the most keys, so they start first and the kernel's tail is made of short programs (the
@@ -655,8 +656,8 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
     if spec.mask is not None:
         if d != 128:
             return {}
-        if spec.mask.kind == "document":
-            return dict(hopper_bwd=True) if not gqa and seqlen >= 16384 else {}
+        if spec.mask.kind == "document":  # causal documents (measured); bidirectional ones keep the portable
+            return dict(hopper_bwd=True) if shape.causal and not gqa and seqlen >= 16384 else {}
         if spec.mask.kind != "prefix_lm":
             return {}
         if gqa:

@@ -56,6 +56,35 @@ def test_a_call_whose_dq_strategy_differs_from_the_kernels_runs_the_portable_dkd
         assert_gradients_close(grads, q, k, v, do, causal=True, layout="bshd", softmax_scale=0.5)
 
 
+def test_a_call_the_atomic_kernel_cannot_serve_takes_the_separate_dq(monkeypatch):
+    # dq_strategy 'atomic' in a hopper_bwd config is that kernel's (the defaults add dQ there): a call it
+    # cannot serve (here: not on an sm90 device; packed varlen too) runs the portable kernels with the
+    # separate dQ kernel, not the portable atomic adds; a call that asks for atomic dQ itself still gets them
+    module = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True, dq_strategy="atomic",
+                                                   bwd_fused_delta=False)).module()
+    q, k, v = make_qkv(1, 2, 1, 20, 20, 64, dtype=torch.float16, device="cpu", layout="bshd")
+    for call, atomic in ((dict(), False), (dict(dq_strategy="atomic"), True)):
+        module._LAUNCHER.plans.clear()
+        out, lse = module.forward(q, k, v, layout="bshd", softmax_scale=0.5)
+        do = torch.randn_like(out)
+        grads = module.backward(do, q, k, v, out, lse, layout="bshd", softmax_scale=0.5, **call)[:3]
+        (plan,) = backward_plans(module)
+        assert plan.atomic is atomic and (plan.dq is None) is atomic
+        assert not isinstance(plan.dkdv, hopper_bwd.HopperDkdv)
+        assert_gradients_close(grads, q, k, v, do, causal=True, layout="bshd", softmax_scale=0.5)
+
+
+def test_without_the_tma_reduce_the_atomic_kernel_serves_nothing(monkeypatch):
+    # a triton whose Gluon can add no shared-memory tile into global memory (runtime/hopper.py's
+    # tma_reduce_add is None): the kernels that add dQ refuse every call; the separate-dQ one is unaffected
+    monkeypatch.setattr(hopper_bwd, "tma_reduce_add", None)
+    module = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True, dq_strategy="atomic")).module()
+    atomic = hopper_bwd.HopperBackward(module._LAUNCHER.hopper_backward.kernel, module.SPEC, module.CONFIG)
+    assert "has no TMA reduce-add" in atomic.spec_reason
+    separate = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True)).module()
+    assert hopper_bwd.HopperBackward(None, separate.SPEC, separate.CONFIG).spec_reason is None
+
+
 def test_unserved_spec_is_a_config_error_naming_the_knob():
     spec = AttentionSpec(dtype="bf16", head_dim=96)
     with pytest.raises(ConfigError, match="'hopper_bwd'.*head_dim 96"):

@@ -42,19 +42,25 @@ try:
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     tma_store_wait = tma.store_wait  # wait until at most n of this thread's TMA stores still read shared memory
-    if hasattr(tma, "async_atomic_add"):
-        tma_reduce_add = tma.async_atomic_add  # 3.9: the copy engine adds a shared-memory tile into global memory
-    else:  # 3.6 builds the same op (cp.reduce.async.bulk.tensor .add) but names it nowhere in Python
-        from triton._C.libtriton import ir as triton_ir
-        from triton.experimental.gluon.language._core import builtin as gluon_builtin
-
-        @gluon_builtin
-        def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-            """global[tensor_desc's box at coord] += the shared-memory tile src, by the copy engine;
-            waited as a TMA store (tma_store_wait)."""
-            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-            _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                      src.handle)
+    # the copy engine adding a shared-memory tile into global memory (cp.reduce.async.bulk.tensor .add):
+    # 3.9's tma.async_atomic_add; 3.6 builds the op but names it nowhere in Python; None without either
+    # (then the Gluon dK/dV kernels that add dQ serve no call: hopper_bwd.HopperBackward)
+    tma_reduce_add = getattr(tma, "async_atomic_add", None)
+    if tma_reduce_add is None:
+        try:
+            from triton._C.libtriton import gluon_ir as triton_gluon_ir
+            from triton._C.libtriton import ir as triton_ir
+            from triton.experimental.gluon.language._core import builtin as gluon_builtin
+        except ImportError:
+            triton_gluon_ir = None
+        if triton_gluon_ir is not None and hasattr(triton_gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
+            @gluon_builtin
+            def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+                """global[tensor_desc's box at coord] += the shared-memory tile src, by the copy engine;
+                waited as a TMA store (tma_store_wait)."""
+                coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+                _semantic.builder.create_async_tma_reduce(triton_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                                          coord, src.handle)
     # a barrier of the calling partition's warps: gl.thread_barrier in 3.6, gl.barrier in 3.9
     warps_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
     gluon_available = True

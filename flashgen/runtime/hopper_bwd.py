@@ -59,18 +59,25 @@ class HopperBackward:
     def __init__(self, kernel, spec, config, named_args=0, ranges=None):
         self.kernel, self.spec, self.config = kernel, spec, config
         self.ranges = ranges  # a mask's _hw_bwd_ranges (documents): each call fills its block-range table first
-        self.spec_reason = spec_unserved(spec, backward=True)
         self.atomic = config["dq_strategy"] == "atomic"  # rendered with dQ added from this kernel
+        self.spec_reason = spec_unserved(spec, backward=True) or (
+            f"dq_strategy 'atomic': triton {triton.__version__} has no TMA reduce-add"
+            if self.atomic and tma_reduce_add is None else None)
         self.named_args = named_args  # a mask's named tensors' arguments (pointers, strides, sizes) it takes
+
+    def unserved(self, q, k, v, do, layout, dropout_p, atomic):
+        """Why a backward call with this dQ strategy (atomic: added from the dK/dV kernel) cannot run
+        this kernel, or None."""
+        return self.spec_reason or backward_call_unserved(q, k, v, do, layout, dropout_p=dropout_p, atomic=atomic,
+                                                          rendered_atomic=self.atomic,
+                                                          device_check=self.device_unserved)
 
     def serve(self, plan, q, k, v, do, layout, scale, dropout_p):
         """Swap this kernel in for the portable dK/dV launch of a launch.BackwardPlan when the call is
         served; returns why not (the plan then runs as made), or None."""
         if plan.dkdv is None:  # nothing to compute (zero gradients): nothing to swap
             return "an empty call"
-        reason = self.spec_reason or backward_call_unserved(q, k, v, do, layout, dropout_p=dropout_p,
-                                                            atomic=plan.atomic, rendered_atomic=self.atomic,
-                                                            device_check=self.device_unserved)
+        reason = self.unserved(q, k, v, do, layout, dropout_p, plan.atomic)
         if reason is None:
             plan.rows = None  # the portable kernel's (Q, dO) descriptors: this kernel makes its own
             plan.dkdv = HopperDkdv(self, q, k, layout, scale, plan.dkdv, len(plan.dkdv_head))
@@ -81,8 +88,9 @@ class HopperDkdv:
     """A backward plan's dK/dV launch on the Gluon kernel, worked out once per launch.BackwardPlan
     (whose key fixes the shapes, strides, dtypes and alignment of q, k, v, dO and the LSE): the grid,
     the scalars and the constexprs here; the four Gluon descriptors (K, V in one consumer's 64 keys,
-    Q, dO in the ring's query rows) built on the plan's first call and copied onto each later call's
-    tensors (host.Descriptors); the launch through a BoundLaunch, as HopperPlan does for the forward.
+    Q, dO in the ring's query rows; a fifth, of the float32 dQ buffer, where it adds dQ) built on the
+    plan's first call and copied onto each later call's tensors (host.Descriptors); the launch through
+    a BoundLaunch, as HopperPlan does for the forward.
     Called as the portable BoundLaunch it replaces: q, k, v, do, lse, delta, dk, dv first, then that
     kernel's other arguments, of which this one takes the float32 dQ buffer (dq_strategy 'atomic')
     and a mask's named tensors (launch.BackwardPlan passes dq_acc, seed, cu_q, cu_k, Q and dO, the
@@ -121,9 +129,9 @@ class HopperDkdv:
                            *self.tail_args(portable_args))
 
     def tail_args(self, portable_args, context=None):
-        """What this kernel takes of the portable dK/dV's arguments after dv: the float32 dQ buffer
-        (the first of them) and its strides where the kernel adds dQ, then a mask's named tensors (and
-        its block-range table, filled here first: launched with `context`, as run's launch)."""
+        """What this kernel takes of the portable dK/dV's arguments after dv: a descriptor of the float32
+        dQ buffer (the first of them) where the kernel adds dQ, then a mask's named tensors (and its
+        block-range table, filled here first: launched with `context`, as run's launch)."""
         dq = () if self.dq_descriptor is None else tuple(self.dq_descriptor(portable_args[0]))
         named = portable_args[self.named]
         if self.ranges is not None:

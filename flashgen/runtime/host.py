@@ -858,7 +858,15 @@ class AttentionLauncher:
         plan.preprocess = BoundLaunch(self.preprocess_kernel, (triton.cdiv(pre_seq, pre["BLOCK_M"]), num_heads,
                                                                pre_batch), dict(BLOCK_M=pre["BLOCK_M"]))
         plan.preprocess_args = (*bhsd_strides(out, layout), *bhsd_strides(do, layout), num_heads, pre_seq)
-        plan.atomic = atomic = cfg["dq_strategy"] == "atomic" and not deterministic
+        atomic = cfg["dq_strategy"] == "atomic" and not deterministic
+        hopper = getattr(self, "hopper_backward", None)  # config knob hopper_bwd: runtime/hopper_bwd.py
+        if (atomic and "dq_strategy" not in knobs and cfg.get("hopper_bwd") and hopper is not None
+                and hopper.unserved(q, k, v, do, layout, dropout_p, True) is not None):
+            # the config's atomic dQ is the Gluon kernel's (its defaults add dQ there): a call that kernel
+            # cannot serve (packed varlen, unaligned strides, another device) takes the portable kernels
+            # with the separate dQ kernel, the portable atomic adds being 1.4-2.1x slower
+            atomic = False
+        plan.atomic = atomic
         if self.short_kernel is not None and not atomic:  # bwd_short: one launch does it all
             return self.short_plan(plan, q, k, v, out, do, layout, cfg, batch, seqlen_q, seqlen_k, total_q, total_k,
                                    scale, dropout_p, tensor_grads)
@@ -904,7 +912,6 @@ class AttentionLauncher:
             plan.dq_tail = (*maps, total_q, total_k)
             if cfg.get("bwd_fused_delta"):
                 plan.fused_delta = bhsd_strides(out, layout)
-        hopper = getattr(self, "hopper_backward", None)  # config knob hopper_bwd: runtime/hopper_bwd.py
         if hopper is not None and cfg.get("hopper_bwd"):
             hopper.serve(plan, q, k, v, do, layout, scale, dropout_p)  # its dK/dV kernel where it serves the call
         return plan
