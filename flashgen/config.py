@@ -632,8 +632,9 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
       2.06 / 2.16 (1.95); S=1024 1.141 / 1.070 / 1.081, causal 0.810 / 0.678 / 0.658. So: dQ added from
       it at hd128 and hd64 from 4096 tokens, and at hd128 without causality from 1024; the portable
       kernels below (S=1024's float32 buffer, its zeros and its copy into dQ, weigh more there). (A call
-      takes its nearest bucket's: 2048 tokens, unmeasured, keeps the portable kernels but at hd128
-      without causality.)
+      takes its nearest bucket's, in log scale: from about 2900 tokens for 4096, and from 513 at hd128
+      without causality, measured at 1024 only; the 2048 bucket, unmeasured, keeps the portable kernels
+      but at hd128 without causality.)
     - Not with GQA: gqa-causal's recheck (32 query / 8 KV heads, tuning_db's spec) read the atomic kernel
       (before its LSE rows moved to shared memory) at 4.149 / 14.326 ms at 4096 / 16384 tokens against the
       stored 3.665 / 13.012; its KV head's programs walk every query head of the group. Causal GQA at
