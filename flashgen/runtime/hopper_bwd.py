@@ -114,7 +114,8 @@ class HopperDkdv:
         # dq_strategy 'atomic': a descriptor of the plan's float32 dQ buffer (in q's shape) follows, one
         # consumer's share of a query block's columns per tile (at most 64: the tile the consumer stages)
         dq_cols = min(64, head_dim // consumers)
-        self.dq_descriptor = Descriptors(layout, ((block_m, dq_cols),), [HopperForward.descriptor]) if backward.atomic else None
+        self.dq_descriptor = (Descriptors(layout, ((block_m, dq_cols),), [HopperForward.descriptor])
+                              if backward.atomic else None)
         key_blocks = triton.cdiv(seqlen_k, backward.CONSUMER_ROWS * consumers)
         self.launch = BoundLaunch(backward.kernel, (key_blocks, kv_heads, batch), dict(
             CAUSAL=bool(backward.spec["causal"]), NUM_STAGES=stages, CONSUMERS=consumers,
