@@ -126,6 +126,13 @@ def test_backward_call_unserved():
     odd = do.transpose(2, 3).contiguous().transpose(2, 3)  # dim not contiguous
     assert "do: strides" in hopper_bwd.backward_call_unserved(q, k, v, odd, "bhsd", device_check=ok)
     assert "device cpu" in hopper_bwd.backward_call_unserved(q, k, v, do, "bhsd")  # the real check, on the CPU
+    # 2^31 LSE rows per batch element (its producer indexes them in 32 bits): the portable kernels, whose
+    # row offsets widen (meta tensors: only their shapes are read)
+    big = torch.empty(1, 2**17, 2**14, 64, dtype=torch.float16, device="meta")
+    kv = torch.empty(1, 2**17, 1, 64, dtype=torch.float16, device="meta")
+    assert "2^31 LSE rows" in hopper_bwd.backward_call_unserved(big, kv, kv, big, "bshd", device_check=ok)
+    assert hopper_bwd.backward_call_unserved(big[:, :-1], kv[:, :-1], kv[:, :-1], big[:, :-1], "bshd",
+                                             device_check=ok) is None
 
 
 def backward_plans(module):

@@ -35,8 +35,12 @@ def backward_call_unserved(q, k, v, do, layout, *, dropout_p=0.0, atomic=False, 
     if atomic != rendered_atomic:
         return (f"a call with dq_strategy {'atomic' if atomic else 'separate'!r} (or deterministic) on a kernel "
                 f"rendered for dq_strategy {'atomic' if rendered_atomic else 'separate'!r}")
-    return (call_unserved(q, k, v, layout, dropout_p=dropout_p, device_check=device_check)
-            or tensor_unserved("do", do))
+    reason = call_unserved(q, k, v, layout, dropout_p=dropout_p, device_check=device_check) or tensor_unserved("do", do)
+    if reason is None:
+        _, heads, seqlen_q, _ = bhsd_order(q.shape, layout)
+        if heads * seqlen_q >= 2**31:  # its producer indexes LSE/delta rows in 32 bits
+            return f"q: {heads} heads x {seqlen_q} queries, 2^31 LSE rows or more"
+    return reason
 
 
 class HopperBackward:

@@ -63,6 +63,16 @@ def bhsd_order(s, layout):
     return (s[0], s[1], s[2], s[3]) if layout == "bhsd" else (s[0], s[2], s[1], s[3])
 
 
+def wide_rows(layout, *shapes_and_strides):
+    """Whether the kernels must take row offsets in 64 bits (their WIDE_ROWS): a row index times its
+    row stride reaches 2^31 elements in one of these tensors, each given as (shape, strides) in the
+    layout's order (a sequence of 1M tokens of 16 x 128 heads; 512K packed tokens of 32 x 128).
+    Below that the products stay 32-bit: the 64-bit ones cost registers (hd64's 64 x 64 forward
+    128 -> 153, one program per SM fewer) and 6% of its time."""
+    dim = SEQ_DIMS[layout]
+    return any(shape[dim] * strides[dim] >= 2**31 for shape, strides in shapes_and_strides)
+
+
 def tma_strides_ok(strides, element_size):
     """Whether the copy engine can walk these strides: 16-byte multiples, a contiguous last dim."""
     return (TensorDescriptor is not None and strides[-1] == 1
@@ -661,6 +671,8 @@ class AttentionLauncher:
             return None
         kb, kh, ks, kd = bhsd_strides(k, layout)
         vb, vh, vs, vd = bhsd_strides(v, layout)
+        if seqlen_k * max(ks, vs) >= 2**31:  # 64-bit rows (wide_rows): the exact plan, made for them
+            return None
         signature = argument_signature((kb, kh, vb, vh, seqlen_k))  # how Triton specializes these ints
         if decode is None:
             plan = self.forward_call_plan(q, k, v, layout, None, None, softmax_scale, 0.0, seed, None, None, None, None,
@@ -783,7 +795,8 @@ class AttentionLauncher:
             if cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1):  # the family's three consumers (192 rows): 64-row tiles here
                 cfg = dict(cfg, BLOCK_M=64)
                 launch = self.launch_knobs(cfg, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
-        flags = dict(VARLEN=layout == "thd", DROPOUT=bool(dropout_p))
+        flags = dict(VARLEN=layout == "thd", DROPOUT=bool(dropout_p), WIDE_ROWS=wide_rows(
+            layout, *((t.shape, t.stride()) for t in (q, k, v)), (o_shape, o_strides)))
         if cfg["loop_order"] == "q_outer":
             grid = (triton.cdiv(seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
             out_size = torch.empty((), dtype=self.out_dtype).element_size()
@@ -867,9 +880,12 @@ class AttentionLauncher:
             # with the separate dQ kernel, the portable atomic adds being 1.4-2.1x slower
             atomic = False
         plan.atomic = atomic
+        # (dq, dk, dv and dQ's float32 buffer: contiguous in q's, k's and v's shapes)
+        wide = wide_rows(layout, *((t.shape, t.stride()) for t in (q, k, v, out, do)),
+                         *((t.shape, contiguous_strides(t.shape)) for t in (q, k, v)))
         if self.short_kernel is not None and not atomic:  # bwd_short: one launch does it all
             return self.short_plan(plan, q, k, v, out, do, layout, cfg, batch, seqlen_q, seqlen_k, total_q, total_k,
-                                   scale, dropout_p, tensor_grads)
+                                   scale, dropout_p, tensor_grads, wide)
         # dQ target: the float32 accumulation buffer (atomic) or dq itself (written once); dq,
         # dk, dv and the buffer are allocated contiguous.
         dq_strides, dk_strides, dv_strides = (bhsd_order(contiguous_strides(t.shape), layout) for t in (q, k, v))
@@ -892,7 +908,7 @@ class AttentionLauncher:
         dkdv_grid = (kv_programs, num_kv_heads, batch)
         plan.dkdv = BoundLaunch(self.dkdv_kernel, dkdv_grid, dict(
             VARLEN=layout == "thd", ATOMIC_DQ=atomic, DROPOUT=bool(dropout_p), TENSOR_GRADS=bool(tensor_grads),
-            TMA=tma, **launch))
+            TMA=tma, WIDE_ROWS=wide, **launch))
         plan.dkdv_head = (*qkv_strides, *dk_strides, *dv_strides, *dq_strides, *lse_strides, *sizes)
         plan.dkdv_tail = (*maps, total_q, total_k)
         if not atomic:
@@ -907,7 +923,7 @@ class AttentionLauncher:
                 plan.tiles = Descriptors(layout, ((launch["BLOCK_N"], self.block_d),
                                                   (launch["BLOCK_N"], self.block_dv)))
             plan.dq = BoundLaunch(self.dq_kernel, (triton.cdiv(seqlen_q, cfg["BLOCK_M2"]), num_heads, batch), dict(
-                VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TMA=dq_tma, **launch))
+                VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TMA=dq_tma, WIDE_ROWS=wide, **launch))
             plan.dq_head = (*qkv_strides, *dq_strides, *lse_strides, *sizes)
             plan.dq_tail = (*maps, total_q, total_k)
             if cfg.get("bwd_fused_delta"):
@@ -917,14 +933,15 @@ class AttentionLauncher:
         return plan
 
     def short_plan(self, plan, q, k, v, out, do, layout, cfg, batch, seqlen_q, seqlen_k, total_q, total_k, scale,
-                   dropout_p, tensor_grads):
+                   dropout_p, tensor_grads, wide):
         """plan (a BackwardPlan) with its one launch of the bwd_short kernel: program i of each (batch,
         KV head) computes dK/dV of key block i and dQ of query block i, on the dK/dV tiling (BLOCK_M1 x
         BLOCK_N1); pointer loads (the kernel has no descriptors): the other backward knobs are unused."""
         launch = self.launch_knobs(cfg, "BLOCK_M1", "BLOCK_N1", "bwd_num_warps", "bwd_num_stages")
         blocks = max(triton.cdiv(seqlen_k, launch["BLOCK_N"]), triton.cdiv(seqlen_q, launch["BLOCK_M"]))
         plan.short = BoundLaunch(self.short_kernel, (blocks, self.num_kv_heads, batch), dict(
-            VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TENSOR_GRADS=bool(tensor_grads), **launch))
+            VARLEN=layout == "thd", DROPOUT=bool(dropout_p), TENSOR_GRADS=bool(tensor_grads), WIDE_ROWS=wide,
+            **launch))
         grad_strides = (bhsd_order(contiguous_strides(t.shape), layout) for t in (k, v, q))  # dk, dv, dq
         lse_strides = (0, q.shape[0]) if layout == "thd" else (self.num_heads * seqlen_q, seqlen_q)
         plan.short_head = (*bhsd_strides(q, layout), *bhsd_strides(k, layout), *bhsd_strides(v, layout),

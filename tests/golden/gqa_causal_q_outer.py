@@ -147,16 +147,28 @@ def _span(lo, hi, full_lo, full_hi, start, n, BLOCK: tl.constexpr, RAGGED):
 
 
 @triton.jit
-def _seq_bounds(CU, off_b, seqlen, total, VARLEN: tl.constexpr):
+def _seq_bounds(CU, off_b, seqlen, total, VARLEN: tl.constexpr, WIDE_ROWS: tl.constexpr):
     # (first row, length) of batch element off_b: packed by cu_seqlens, or dense. The host
     # checks packed offsets, except where it cannot read them (CUDA graph capture, torch.compile):
     # clamped into [0, total] and the length to seqlen (max_seqlen), no offset reaches past the tensors.
     if VARLEN:
         start = tl.minimum(tl.maximum(tl.load(CU + off_b), 0), total)
         end = tl.minimum(tl.maximum(tl.load(CU + off_b + 1), start), total)
-        return start, tl.minimum(end - start, seqlen)
+        return _wide(start, WIDE_ROWS), tl.minimum(end - start, seqlen)
     else:
         return 0, seqlen
+
+
+@triton.jit
+def _wide(rows, WIDE_ROWS: tl.constexpr):
+    # Row indices (or a packed sequence's first row) as the kernels multiply them by a row stride:
+    # int64 where a call's rows reach 2^31 elements (WIDE_ROWS, host.wide_rows: 1M tokens of 16 x 128
+    # heads, 512K packed tokens of 32 x 128), where an int32 product would wrap; else as they are
+    # (the 64-bit products cost registers: 128 -> 153 in hd64's 64 x 64 forward, a program per SM less).
+    if WIDE_ROWS:
+        return tl.cast(rows, tl.int64)
+    else:
+        return rows
 
 
 @triton.jit
@@ -185,7 +197,7 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, rows, cols, off_b, off_h, seqle
 
 @triton.jit
 def _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k, off_b,
-             off_hk, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr, TMA: tl.constexpr):
+             off_hk, BLOCK_N: tl.constexpr, BOUNDS: tl.constexpr, TMA: tl.constexpr, WIDE_ROWS: tl.constexpr):
     # K^T as (BLOCK_D, BLOCK_N) and V as (BLOCK_N, BLOCK_DV); padding reads as 0.
     if TMA:
         # K, V are (batch, kv heads, seq, dim) tensor descriptors: the copy engine fetches the
@@ -194,8 +206,8 @@ def _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, strid
         k = K.load(kv).reshape(BLOCK_N, BLOCK_D).T
         v = V.load(kv).reshape(BLOCK_N, BLOCK_DV)
     else:
-        k_ptrs = K + offs_d[:, None] * stride_kd + (start_n + offs_n)[None, :] * stride_kn
-        v_ptrs = V + (start_n + offs_n)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        k_ptrs = K + offs_d[:, None] * stride_kd + _wide(start_n + offs_n, WIDE_ROWS)[None, :] * stride_kn
+        v_ptrs = V + _wide(start_n + offs_n, WIDE_ROWS)[:, None] * stride_vn + offs_dv[None, :] * stride_vd
         k_mask = offs_d[:, None] < HEAD_DIM
         v_mask = offs_dv[None, :] < HEAD_DIM_V
         if BOUNDS:
@@ -214,13 +226,13 @@ def _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, strid
 
 @triton.jit
 def _load_rows(X, off_b, off_h, start_m, offs_m, offs_d, stride_m, stride_d, seqlen, DIM: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_DIM: tl.constexpr, TMA: tl.constexpr):
+               BLOCK_M: tl.constexpr, BLOCK_DIM: tl.constexpr, TMA: tl.constexpr, WIDE_ROWS: tl.constexpr):
     # Rows [start_m, start_m + BLOCK_M) of one head of Q, dO (or O): (BLOCK_M, BLOCK_DIM), padding 0.
     if TMA:
         x = X.load([off_b.to(tl.int32), off_h.to(tl.int32), start_m, 0]).reshape(BLOCK_M, BLOCK_DIM)
     else:
         mask = (offs_m[:, None] < seqlen) & (offs_d[None, :] < DIM)
-        x = tl.load(X + offs_m[:, None] * stride_m + offs_d[None, :] * stride_d, mask=mask, other=0.0)
+        x = tl.load(X + _wide(offs_m, WIDE_ROWS)[:, None] * stride_m + offs_d[None, :] * stride_d, mask=mask, other=0.0)
     return x
 
 
@@ -245,9 +257,10 @@ def _load_seed(SEED, DROPOUT: tl.constexpr):
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn,
               stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
+              WIDE_ROWS: tl.constexpr):
     k, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k,
-                    off_b, off_hk, BLOCK_N, BOUNDS=MASKED, TMA=TMA)
+                    off_b, off_hk, BLOCK_N, BOUNDS=MASKED, TMA=TMA, WIDE_ROWS=WIDE_ROWS)
     return _online_softmax_step(acc, m_i, l_i, q, k, v, rows, (start_n + offs_n)[None, :], off_b, off_h,
                                 seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
                                 MASKED=MASKED, DROPOUT=DROPOUT)
@@ -257,7 +270,8 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, st
 def _fwd_blocks(acc, m_i, l_i, q, K, V, lo, hi, lo2, hi2, BLOCKS, rows, offs_n, offs_d, offs_dv, stride_kn, stride_kd,
                 stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0,
                 dropout_p, BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr,
-                DROPOUT: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                DROPOUT: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+                WIDE_ROWS: tl.constexpr):
     # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N (one loop: the two boundary bands
     # of a segment), or (LISTED) the key blocks BLOCKS[lo:hi] of a block map. WARP_SPECIALIZE
     # splits the loop into producer warps (loads) and consumer warps (dots, softmax).
@@ -266,14 +280,14 @@ def _fwd_blocks(acc, m_i, l_i, q, K, V, lo, hi, lo2, hi2, BLOCKS, rows, offs_n, 
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, tl.load(BLOCKS + j) * BLOCK_N, rows, offs_n, offs_d,
                                       offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk,
                                       seqlen_q, seqlen_k, sm_scale, qk_scale, seed, row0, dropout_p,
-                                      BLOCK_N, MASKED, DROPOUT, TMA)
+                                      BLOCK_N, MASKED, DROPOUT, TMA, WIDE_ROWS)
     else:
         for j in tl.range(lo, hi + (hi2 - lo2), BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             start_n = tl.where(j < hi, j, j - hi + lo2)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, start_n, rows, offs_n, offs_d, offs_dv, stride_kn,
                                       stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
                                       sm_scale, qk_scale, seed, row0, dropout_p, BLOCK_N, MASKED,
-                                      DROPOUT, TMA)
+                                      DROPOUT, TMA, WIDE_ROWS)
     return acc, m_i, l_i
 
 
@@ -288,7 +302,7 @@ def _attn_fwd(
     num_heads, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
     total_q, total_k,  # packed sequences: the tokens of q and k (cu_seqlens offsets are clamped into them)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, WIDE_ROWS: tl.constexpr,
 ):
     # FlashAttention-2: grid (query blocks, heads, batch); each program keeps its Q tile
     # on chip and streams the K/V tiles it can see through it. With TMA, QD/KD/VD/OD are
@@ -298,8 +312,8 @@ def _attn_fwd(
     start_m = blk * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
-    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, total_q, VARLEN)
-    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, total_k, VARLEN)
+    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, total_q, VARLEN, WIDE_ROWS)
+    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, total_k, VARLEN, WIDE_ROWS)
     if VARLEN:
         if start_m >= seqlen_q:
             return
@@ -321,11 +335,11 @@ def _attn_fwd(
     # Where the K/V tiles come from: their tensor descriptors (TMA) or the pointers.
     if TMA:
         q = _load_rows(QD, off_b, off_h, start_m, offs_m, offs_d, stride_qm, stride_qd, seqlen_q, HEAD_DIM, BLOCK_M,
-                       BLOCK_D, TMA=True)
+                       BLOCK_D, TMA=True, WIDE_ROWS=WIDE_ROWS)
         k_source, v_source = KD, VD
     else:
         q = _load_rows(Q, off_b, off_h, start_m, offs_m, offs_d, stride_qm, stride_qd, seqlen_q, HEAD_DIM, BLOCK_M,
-                       BLOCK_D, TMA=False)
+                       BLOCK_D, TMA=False, WIDE_ROWS=WIDE_ROWS)
         k_source, v_source = K, V
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -341,14 +355,14 @@ def _attn_fwd(
                                 full_lo, full_hi, full_hi, full_hi, K, rows, offs_n, offs_d, offs_dv,
                                 stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
                                 sm_scale, qk_scale, seed, row0, dropout_p, BLOCK_N, LISTED=False,
-                                MASKED=False, DROPOUT=DROPOUT, TMA=TMA,
+                                MASKED=False, DROPOUT=DROPOUT, TMA=TMA, WIDE_ROWS=WIDE_ROWS,
                                 WARP_SPECIALIZE=WARP_SPECIALIZE)
     # the boundary blocks below and above them (and the ragged last block), in one loop
     acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, q, k_source, v_source,
                                 lo, full_lo, full_hi, hi, K, rows, offs_n, offs_d, offs_dv,
                                 stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
                                 sm_scale, qk_scale, seed, row0, dropout_p, BLOCK_N, LISTED=False,
-                                MASKED=True, DROPOUT=DROPOUT, TMA=TMA,
+                                MASKED=True, DROPOUT=DROPOUT, TMA=TMA, WIDE_ROWS=WIDE_ROWS,
                                 WARP_SPECIALIZE=False)
 
     out, lse = _finalize(acc, m_i, l_i)
@@ -359,8 +373,8 @@ def _attn_fwd(
                  out.to(O.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_DV))
     else:
         o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-        tl.store(O + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
-                 mask=o_mask)
+        tl.store(O + _wide(offs_m, WIDE_ROWS)[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                 out.to(O.dtype.element_ty), mask=o_mask)
     tl.store(LSE + offs_m, lse, mask=row_ok)
 
 
@@ -370,16 +384,18 @@ def _bwd_preprocess(O, DO, DELTA,
                     stride_dob, stride_doh, stride_dom, stride_dod,
                     num_heads, seqlen_q,
                     BLOCK_M: tl.constexpr):
-    # delta_i = sum_d dO_id * O_id  (= rowsum(P * dP), the softmax backward's correction)
+    # delta_i = sum_d dO_id * O_id  (= rowsum(P * dP), the softmax backward's correction); rows in 64 bits
+    # (packed batches' rows pass 2^31 elements from 512K tokens of 32 x 128 heads: _wide)
     start_m = tl.program_id(0) * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     mask = (offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < HEAD_DIM_V)
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+    rows = offs_m[:, None].to(tl.int64)
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + rows * stride_om + offs_dv[None, :] * stride_od,
                 mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows * stride_dom
                  + offs_dv[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
     tl.store(DELTA + (off_b * num_heads + off_h) * seqlen_q + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
 
@@ -389,7 +405,7 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
                  stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                  off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
                  BLOCK_M: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr, DROPOUT: tl.constexpr,
-                 TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr):
+                 TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr, WIDE_ROWS: tl.constexpr):
     # One K/V block against one query block, in the transposed orientation:
     # P^T = exp2(K Q^T * scale * log2 e - LSE * log2 e), (BLOCK_N, BLOCK_M).
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -398,9 +414,9 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
     row_ok = offs_m < seqlen_q
     if TMA:
         qT = _load_rows(Q, off_b, off_h, start_m, offs_m, offs_d, stride_qm, stride_qd, seqlen_q, HEAD_DIM, BLOCK_M,
-                        BLOCK_D, TMA=True).T
+                        BLOCK_D, TMA=True, WIDE_ROWS=WIDE_ROWS).T
     else:
-        qT = tl.load(Q + offs_d[:, None] * stride_qd + offs_m[None, :] * stride_qm,
+        qT = tl.load(Q + offs_d[:, None] * stride_qd + _wide(offs_m, WIDE_ROWS)[None, :] * stride_qm,
                      mask=(offs_d[:, None] < HEAD_DIM) & row_ok[None, :], other=0.0)
     lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
     # LSE in base 2; a row that saw no key has LSE -inf and P = 0: subtract +inf instead.
@@ -412,7 +428,7 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
     else:
         visible = (rows < seqlen_q) & (cols < seqlen_k)
     do = _load_rows(DO, off_b, off_h, start_m, offs_m, offs_dv, stride_dom, stride_dod, seqlen_q, HEAD_DIM_V, BLOCK_M,
-                    BLOCK_DV, TMA=TMA)
+                    BLOCK_DV, TMA=TMA, WIDE_ROWS=WIDE_ROWS)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     zT = pT
     dv = tl.dot(zT.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
@@ -422,7 +438,7 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
     if ATOMIC_DQ:
         # dQ = scale * dS K, added into a float32 buffer shared with the other K/V blocks.
         dq = tl.dot(tl.trans(dsT).to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
-        tl.atomic_add(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq,
+        tl.atomic_add(DQ + _wide(offs_m, WIDE_ROWS)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq,
                       mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
     return dk, dv
 
@@ -432,7 +448,7 @@ def _bwd_kv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, lo, hi, lo2,
                    stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd,
                    off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
                    BLOCK_M: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                   DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr):
+                   DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr, WIDE_ROWS: tl.constexpr):
     # Query blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_M, or (LISTED) the query blocks BLOCKS[lo:hi].
     if LISTED:
         for j in range(lo, hi):
@@ -440,14 +456,14 @@ def _bwd_kv_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, lo, hi, lo2,
                                   offs_n, offs_d, offs_dv, stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm,
                                   stride_dqd, off_b, off_h, seqlen_q, seqlen_k, sm_scale, qk_scale,
                                   dropout_p, BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT,
-                                  TENSOR_GRADS, TMA)
+                                  TENSOR_GRADS, TMA, WIDE_ROWS)
     else:
         for j in range(lo, hi + (hi2 - lo2), BLOCK_M):
             start_m = tl.where(j < hi, j, j - hi + lo2)
             dk, dv = _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_n, offs_d, offs_dv,
                                   stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h,
                                   seqlen_q, seqlen_k, sm_scale, qk_scale, dropout_p,
-                                  BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT, TENSOR_GRADS, TMA)
+                                  BLOCK_M, MASKED, ATOMIC_DQ, DROPOUT, TENSOR_GRADS, TMA, WIDE_ROWS)
     return dk, dv
 
 
@@ -465,7 +481,7 @@ def _attn_bwd_dkdv(
     num_heads, seqlen_q, seqlen_k, qk_scale, sm_scale, dropout_p,
     total_q, total_k,  # packed sequences: the tokens of q and k (cu_seqlens offsets are clamped into them)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-    DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr,
+    DROPOUT: tl.constexpr, TENSOR_GRADS: tl.constexpr, TMA: tl.constexpr, WIDE_ROWS: tl.constexpr,
 ):
     # KV-outer: grid (key blocks, KV heads, batch). A program owns one K/V block, keeps
     # dK and dV in registers and walks every query block of every query head that shares
@@ -473,8 +489,8 @@ def _attn_bwd_dkdv(
     start_n = tl.program_id(0) * BLOCK_N
     off_hk = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
-    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, total_q, VARLEN)
-    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, total_k, VARLEN)
+    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, total_q, VARLEN, WIDE_ROWS)
+    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, total_k, VARLEN, WIDE_ROWS)
     if VARLEN:
         if start_n >= seqlen_k:
             return
@@ -484,9 +500,9 @@ def _attn_bwd_dkdv(
     n_ok = offs_n < seqlen_k
     K += off_b * stride_kb + off_hk * stride_kh + k_start * stride_kn
     V += off_b * stride_vb + off_hk * stride_vh + k_start * stride_vn
-    k = tl.load(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+    k = tl.load(K + _wide(offs_n, WIDE_ROWS)[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    v = tl.load(V + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+    v = tl.load(V + _wide(offs_n, WIDE_ROWS)[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
                 mask=n_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -512,18 +528,19 @@ def _attn_bwd_dkdv(
                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q,
                                 seqlen_k, sm_scale, qk_scale, dropout_p, BLOCK_M,
                                 LISTED=False, MASKED=False, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
-                                TENSOR_GRADS=TENSOR_GRADS, TMA=TMA)
+                                TENSOR_GRADS=TENSOR_GRADS, TMA=TMA, WIDE_ROWS=WIDE_ROWS)
         # the boundary blocks below and above them (and the ragged last block), in one loop
         dk, dv = _bwd_kv_blocks(dk, dv, k, v, q_source, do_source, LSE + row0, DELTA + row0, dq_head, seed, row0,
                                 lo, full_lo, full_hi, hi, Q, offs_n, offs_d, offs_dv,
                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_dqm, stride_dqd, off_b, off_h, seqlen_q,
                                 seqlen_k, sm_scale, qk_scale, dropout_p, BLOCK_M,
                                 LISTED=False, MASKED=True, ATOMIC_DQ=ATOMIC_DQ, DROPOUT=DROPOUT,
-                                TENSOR_GRADS=TENSOR_GRADS, TMA=TMA)
+                                TENSOR_GRADS=TENSOR_GRADS, TMA=TMA, WIDE_ROWS=WIDE_ROWS)
     dk = dk * sm_scale
-    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + (k_start + offs_n)[:, None] * stride_dkn
+    key_rows = _wide(k_start + offs_n, WIDE_ROWS)[:, None]
+    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + key_rows * stride_dkn
              + offs_d[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=n_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
-    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + (k_start + offs_n)[:, None] * stride_dvn
+    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + key_rows * stride_dvn
              + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
              mask=n_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
@@ -532,9 +549,10 @@ def _attn_bwd_dkdv(
 def _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
                 stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
                 qk_scale, dropout_p,
-                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr):
+                BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
+                WIDE_ROWS: tl.constexpr):
     kT, v = _load_kv(K, V, start_n, offs_n, offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, seqlen_k,
-                     off_b, off_hk, BLOCK_N, BOUNDS=MASKED, TMA=TMA)
+                     off_b, off_hk, BLOCK_N, BOUNDS=MASKED, TMA=TMA, WIDE_ROWS=WIDE_ROWS)
     cols = (start_n + offs_n)[None, :]
     p = tl.math.exp2(tl.dot(q, kT, input_precision=DOT_PRECISION) * qk_scale - lse_log2[:, None])
     if MASKED:
@@ -552,19 +570,21 @@ def _bwd_q_blocks(dq, q, do, lse_log2, delta, K, V, seed, row0, lo, hi, lo2, hi2
                   stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
                   qk_scale, dropout_p,
                   BLOCK_N: tl.constexpr, LISTED: tl.constexpr, MASKED: tl.constexpr, DROPOUT: tl.constexpr,
-                  TMA: tl.constexpr):
+                  TMA: tl.constexpr, WIDE_ROWS: tl.constexpr):
     # Key blocks [lo, hi) then [lo2, hi2) in steps of BLOCK_N, or (LISTED) the key blocks BLOCKS[lo:hi].
     if LISTED:
         for j in range(lo, hi):
             dq = _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, tl.load(BLOCKS + j) * BLOCK_N, rows, offs_n,
                              offs_d, offs_dv, stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q,
-                             seqlen_k, sm_scale, qk_scale, dropout_p, BLOCK_N, MASKED, DROPOUT, TMA)
+                             seqlen_k, sm_scale, qk_scale, dropout_p, BLOCK_N, MASKED, DROPOUT, TMA,
+                             WIDE_ROWS)
     else:
         for j in range(lo, hi + (hi2 - lo2), BLOCK_N):
             start_n = tl.where(j < hi, j, j - hi + lo2)
             dq = _bwd_q_tile(dq, q, do, lse_log2, delta, K, V, seed, row0, start_n, rows, offs_n, offs_d, offs_dv,
                              stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k,
-                             sm_scale, qk_scale, dropout_p, BLOCK_N, MASKED, DROPOUT, TMA)
+                             sm_scale, qk_scale, dropout_p, BLOCK_N, MASKED, DROPOUT, TMA,
+                             WIDE_ROWS)
     return dq
 
 
@@ -580,6 +600,7 @@ def _attn_bwd_dq(
     num_heads, seqlen_q, seqlen_k, qk_scale, sm_scale, dropout_p,
     total_q, total_k,  # packed sequences: the tokens of q and k (cu_seqlens offsets are clamped into them)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr, DROPOUT: tl.constexpr, TMA: tl.constexpr,
+    WIDE_ROWS: tl.constexpr,
 ):
     # Q-outer, deterministic dQ: grid (query blocks, heads, batch); each program owns a Q
     # block and walks the K/V blocks it sees, exactly as the forward does (with TMA, through
@@ -588,8 +609,8 @@ def _attn_bwd_dq(
     start_m = blk * BLOCK_M
     off_h = tl.program_id(1).to(tl.int64)
     off_b = tl.program_id(2).to(tl.int64)
-    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, total_q, VARLEN)
-    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, total_k, VARLEN)
+    q_start, seqlen_q = _seq_bounds(CU_Q, off_b, seqlen_q, total_q, VARLEN, WIDE_ROWS)
+    k_start, seqlen_k = _seq_bounds(CU_K, off_b, seqlen_k, total_k, VARLEN, WIDE_ROWS)
     if VARLEN:
         if start_m >= seqlen_q:
             return
@@ -603,9 +624,9 @@ def _attn_bwd_dq(
     row_ok = offs_m < seqlen_q
     Q += off_b * stride_qb + off_h * stride_qh + q_start * stride_qm
     DO += off_b * stride_dob + off_h * stride_doh + q_start * stride_dom
-    q = tl.load(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+    q = tl.load(Q + _wide(offs_m, WIDE_ROWS)[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+    do = tl.load(DO + _wide(offs_m, WIDE_ROWS)[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                  mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=0.0)
     # LSE in base 2; a row that saw no key has LSE -inf and P = 0: subtract +inf instead.
@@ -629,15 +650,15 @@ def _attn_bwd_dq(
                        full_lo, full_hi, full_hi, full_hi, K, rows, offs_n, offs_d, offs_dv,
                        stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
                        qk_scale, dropout_p, BLOCK_N, LISTED=False, MASKED=False,
-                       DROPOUT=DROPOUT, TMA=TMA)
+                       DROPOUT=DROPOUT, TMA=TMA, WIDE_ROWS=WIDE_ROWS)
     # the boundary blocks below and above them (and the ragged last block), in one loop
     dq = _bwd_q_blocks(dq, q, do, lse_log2, delta, k_source, v_source, seed, row0,
                        lo, full_lo, full_hi, hi, K, rows, offs_n, offs_d, offs_dv,
                        stride_kn, stride_kd, stride_vn, stride_vd, off_b, off_h, off_hk, seqlen_q, seqlen_k, sm_scale,
                        qk_scale, dropout_p, BLOCK_N, LISTED=False, MASKED=True,
-                       DROPOUT=DROPOUT, TMA=TMA)
+                       DROPOUT=DROPOUT, TMA=TMA, WIDE_ROWS=WIDE_ROWS)
     dq = dq * sm_scale
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + (q_start + offs_m)[:, None] * stride_dqm
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + _wide(q_start + offs_m, WIDE_ROWS)[:, None] * stride_dqm
              + offs_d[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 # The bounds record's kinds (word 0; 0 while nothing is recorded), as flashgen/runtime/decode.py reads them.

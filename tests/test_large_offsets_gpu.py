@@ -1,0 +1,115 @@
+"""Sequences whose row offsets pass 2^31 elements: a row index times its row stride wraps in int32
+(bshd with 16 heads x 128 past 1M tokens; packed 'thd' batches of 32 heads x 128 past 512K tokens),
+so every kernel computes those products in int64. Each call here is cheap (a 256-key window, or
+short packed sequences) but its tensors are large; the rows checked are the farthest from the base
+pointer, against the reference of the small problem they form, on fresh random inputs.
+
+Dense: a sliding window over N = 1.1M tokens, dO zero but for the last R query rows, so the
+gradients are the small problem's: queries [N - R, N) over keys [N - R - W, N); every other dK/dV
+row is 0. Run through the default config and the portable and Gluon backward kernels (both dQ
+strategies), each forward and backward."""
+
+import functools
+import gc
+import random
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import AttentionSpec, default_config
+from flashgen.verify import assert_attention_close, assert_gradients_close
+
+pytestmark = pytest.mark.gpu
+
+
+
+def needs_memory(gib):
+    """Skip unless the GPU has `gib` GiB free now (tensors of 4.5 GB each; `pytest -m gpu -n 14` runs
+    other tests beside these: run this file alone to be sure it runs)."""
+    def mark(test):
+        def run(*args, **kwargs):
+            gc.collect()  # the previous case's tensors, and the memory torch's allocator keeps for them
+            torch.cuda.empty_cache()
+            if not torch.cuda.is_available() or torch.cuda.mem_get_info()[0] < gib * 2**30:
+                pytest.skip(f"needs a CUDA GPU with {gib} GiB free")
+            return test(*args, **kwargs)
+        return functools.wraps(test)(run)
+    return mark
+
+W, R = 256, 512  # window (keys left of the diagonal) and the query rows checked
+WINDOW = {"sliding_window": {"left": W, "right": 0}}
+
+
+def fresh(*shape, gen):
+    return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+
+def dense_configs():
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, mask=WINDOW, backward=True)
+    portable = default_config(spec, "h100", 4096, hopper_ws=False).replace(
+        bwd_short=False, family="portable", tma=False, warp_specialize=False)
+    configs = {"default": None, "portable": portable}
+    if torch.cuda.get_device_capability() == (9, 0):
+        # the Gluon forward storing O from registers (the default stores it by TMA), then the Gluon dK/dV
+        configs["gluon forward"] = portable.replace(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4,
+                                                    num_stages=2, hopper_tma_store=False)
+        configs["gluon dK/dV"] = portable.replace(hopper_bwd=True)
+        configs["gluon dK/dV adding dQ"] = portable.replace(hopper_bwd=True, dq_strategy="atomic",
+                                                            bwd_fused_delta=False)
+    return configs
+
+
+@needs_memory(50)
+@pytest.mark.parametrize("name", ["default", "portable", "gluon forward", "gluon dK/dV", "gluon dK/dV adding dQ"])
+def test_dense_rows_past_2_31_elements(name):
+    configs = dense_configs()
+    if name not in configs:
+        pytest.skip("the Gluon kernels need an sm90 GPU")
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    n, heads, d = 1_100_000, 16, 128
+    q, k, v = (fresh(1, n, heads, d, gen=gen).requires_grad_() for _ in range(3))
+    assert (n - 1) * heads * d > 2**31
+    out = flashgen.attention(q, k, v, layout="bshd", mask=WINDOW, config=configs[name])
+    do = torch.zeros_like(out)
+    do[:, -R:] = fresh(1, R, heads, d, gen=gen)
+    out.backward(do)
+    keys = slice(n - R - W, n)
+    small = [t.detach()[:, s] for t, s in ((q, slice(n - R, n)), (k, keys), (v, keys))]
+    try:
+        assert_attention_close(out.detach()[:, -R:], None, *small, causal=False, layout="bshd", mask=WINDOW)
+        grads = (q.grad[:, -R:], k.grad[:, keys], v.grad[:, keys])
+        assert_gradients_close(grads, *small, do[:, -R:], causal=False, layout="bshd", mask=WINDOW)
+        assert torch.isfinite(out).all()
+        # the rows no nonzero dO reaches: dQ and dK/dV exactly 0
+        assert not q.grad[:, : n - R].any() and not k.grad[:, : n - R - W].any() and not v.grad[:, : n - R - W].any()
+    except AssertionError as err:
+        raise AssertionError(f"{name}, seed {seed}: {err}") from None
+
+
+@needs_memory(36)
+def test_packed_rows_past_2_31_elements():
+    # 540 sequences of 1000 tokens, 32 query heads over 8 KV heads: q, out, dO and dQ hold more than
+    # 2^31 elements and the last sequences start past them (cu_seqlens' offset times the row stride)
+    seed = random.randrange(2**31)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    count, length, heads, kv_heads, d = 540, 1000, 32, 8, 128
+    total = count * length
+    q = fresh(total, heads, d, gen=gen).requires_grad_()
+    k, v = (fresh(total, kv_heads, d, gen=gen).requires_grad_() for _ in range(2))
+    assert (total - length) * heads * d > 2**31
+    cu = torch.arange(0, total + 1, length, device="cuda", dtype=torch.int32)
+    out = flashgen.attention_varlen(q, k, v, cu, cu, length, length, causal=True)
+    do = fresh(total, heads, d, gen=gen)
+    out.backward(do)
+    try:
+        for i in (0, count - 2, count - 1):  # the first sequence, and the two farthest
+            rows = slice(i * length, (i + 1) * length)
+            seq = [t.detach()[rows].transpose(0, 1)[None] for t in (q, k, v)]  # (1, heads, length, d)
+            assert_attention_close(out.detach()[rows].transpose(0, 1)[None], None, *seq, causal=True)
+            grads = tuple(t.grad[rows].transpose(0, 1)[None] for t in (q, k, v))
+            assert_gradients_close(grads, *seq, do[rows].transpose(0, 1)[None], causal=True)
+        assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+    except AssertionError as err:
+        raise AssertionError(f"seed {seed}: {err}") from None
