@@ -9,7 +9,7 @@ from .api import compile_spec as compile  # noqa: E402,A004 (flashgen.compile, p
 from .masks import Mask, ScoreMod, mask, score_mod  # noqa: E402
 from .loader import FlashgenFallbackWarning, load  # noqa: E402
 from .sdpa import scaled_dot_product_attention  # noqa: E402
-from .kvcache import decode  # noqa: E402
+from .kvcache import check_bounds, decode  # noqa: E402
 from .quant import dequantize_fp8, quantize_fp8  # noqa: E402
 
 from .config import interpreting as _interpreting  # noqa: E402
@@ -22,5 +22,5 @@ if _interpreting():
 __all__ = [
     "AttentionSpec", "SpecError", "TuneSpec", "KernelConfig", "ConfigError", "default_config",
     "AttentionKernel", "attention", "attention_varlen", "compile", "mask", "score_mod", "Mask", "ScoreMod", "load", "FlashgenFallbackWarning", "__version__",
-    "scaled_dot_product_attention", "decode", "quantize_fp8", "dequantize_fp8",
+    "scaled_dot_product_attention", "decode", "check_bounds", "quantize_fp8", "dequantize_fp8",
 ]

@@ -27,7 +27,7 @@ import torch
 
 from .api import AttentionKernel, compile_spec
 from .config import KernelConfig
-from .runtime.decode import check_bounds
+from .runtime.host import check_bounds
 from .spec import FP8_DTYPES, AttentionSpec
 
 __all__ = ["decode", "check_bounds", "decode_launcher", "tuned_decode", "compat_launcher", "reload_tuned"]

@@ -206,6 +206,39 @@ def test_varlen_offsets_are_checked_unless_the_host_cannot_read_them(monkeypatch
     assert dense == (2, 37, 53, 0, 0)  # dense: the totals are not used (0: no extra specialization)
 
 
+@pytest.mark.parametrize("offsets_q, offsets_k, maxes, message", [
+    ([0, 5, 12], [0, 5, 12], (7, 7), None),
+    ([0, 5, 12], [2, 5, 12], (7, 7), "cu_seqlens_k: expected the first offset to be 0, got 2"),
+    ([0, 5, 3, 12], [0, 5, 6, 12], (9, 9), "cu_seqlens_q: expected nondecreasing offsets, got 5 then 3 at index 1"),
+    ([0, 5, 12], [0, 5, 40], (7, 35), "cu_seqlens_k: expected offsets within the 12 tokens of k, got last offset 40"),
+    ([0, 5, 12], [0, 5, 12], (6, 7), "max_seqlen_q: expected at least the longest sequence (7 tokens, cu_seqlens_q[2] "
+                                     "- cu_seqlens_q[1]), got 6"),
+    # the longest of two too long (5 tokens at index 2, 14 at index 20: the loop's second step)
+    ([0, 1, 2, 7, *range(8, 25), 38], list(range(0, 22)), (3, 3),
+     "max_seqlen_q: expected at least the longest sequence (14 tokens, cu_seqlens_q[21] - cu_seqlens_q[20]), got 3"),
+    # past the first step of the check's loop (BLOCK 16): the rule broken at index 37
+    ([0] + list(range(1, 38)) + [36, 40], list(range(0, 40)), (3, 3),
+     "cu_seqlens_q: expected nondecreasing offsets, got 37 then 36 at index 37"),
+])
+def test_the_device_check_of_packed_offsets(offsets_q, offsets_k, maxes, message):
+    # What a GPU runs instead of reading the offsets (AttentionLauncher.check_offsets): the first broken
+    # rule in the bounds record, raised by the next call that reads it (here at once, the interpreter
+    # having run the kernel); the host check (the CPU's) says the same.
+    offsets_k = offsets_k + [offsets_k[-1]] * (len(offsets_q) - len(offsets_k))
+    cu_q, cu_k = (torch.tensor(x, dtype=torch.int32) for x in (offsets_q, offsets_k))
+    record = host.BoundsRecord(torch.device("cpu"))
+    host._cu_seqlens_check[(1,)](cu_q, cu_k, record.tensor, len(offsets_q) - 1, 12 if len(offsets_q) < 10 else 40,
+                                 12 if len(offsets_q) < 10 else 40, *maxes, BLOCK=16)
+    if message is None:
+        assert not record.words.any()
+        record.raise_recorded()
+        return
+    with pytest.raises(ValueError) as info:
+        record.raise_recorded()
+    assert str(info.value) == message
+    assert not record.words.any()  # cleared
+
+
 # ---------------------------------------------------------------------------------------------- launches
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_forward_launch_q_outer(layout):

@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
-from flashgen.runtime.host import AttentionLauncher, device_sync_forbidden  # standalone: host.py precedes
+from flashgen.runtime.host import AttentionLauncher, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import padded_head_dim, sm_count  # standalone: host.py precedes
 from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature  # standalone: host.py precedes
 
@@ -311,74 +311,6 @@ def _decode_append(K_CACHE, V_CACHE, K, V, SEQLENS, BT, CACHE_BATCH, K_DESCALE, 
         v = _quantize_fp8(v, vd, V_CACHE.dtype.element_ty, BY_HAND, DROP, MIN_NORMAL, MAGIC, FP8_MAX)
     tl.store(K_CACHE + row * stride_cb + slot * stride_cn + offs_h * stride_ch + offs_d * stride_cd, k, mask=k_mask)
     tl.store(V_CACHE + row * stride_wb + slot * stride_wn + offs_h * stride_wh + offs_dv * stride_wd, v, mask=v_mask)
-
-
-# ----------------------------------------------------------------------------- bounds
-RECORD_WORDS = 5  # kind (0: nothing recorded), batch element, column, value, limit
-
-
-class BoundsRecord:
-    """Where a device's decode kernels write the first out-of-range index they meet (see the
-    module docstring): words [kind, batch element, column (or the keys appended), value,
-    limit], kind 0 while nothing is recorded. On a GPU the words live in pinned host memory
-    that the kernels write directly (mapped, so reading them needs no copy and no wait); on
-    the CPU in an ordinary tensor."""
-
-    def __init__(self, device):
-        self.device = device
-        if device.type == "cuda":
-            self.tensor = torch.zeros(RECORD_WORDS, dtype=torch.int64, pin_memory=True)
-        else:
-            self.tensor = torch.zeros(RECORD_WORDS, dtype=torch.int64, device=device)
-        self.words = self.tensor.numpy()  # the host's view: reads are memory reads
-        # Whether a call raises what its own kernels recorded before it returns: on the CPU they
-        # have run by then; a GPU's have not (only check="sync" waits for them).
-        self.immediate = device.type != "cuda"
-
-    def raise_recorded(self):
-        """Wait for the device, then raise the recorded error (clearing the record); no-op when empty."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if not self.words[0]:
-            return
-        kind, b, j, value, limit = (int(w) for w in self.words)
-        self.words[:] = 0
-        where = f" (met by a decode kernel on {self.device}; that call's outputs are meaningless)" \
-            if self.device.type == "cuda" else ""
-        if kind == 1:
-            raise ValueError(f"cache_seqlens: expected lengths >= 0, got {value} at index {b}{where}")
-        if kind == 2:
-            added = f" + {j} appended" if j else ""
-            raise ValueError(f"cache_seqlens: expected lengths{added} within the cache's capacity {limit}, got "
-                             f"{value}{added} at index {b}{where}")
-        if kind == 3:
-            raise ValueError(f"block_table: expected page indices in [0, {limit}) (the pages of k_cache), got "
-                             f"{value} at [{b}, {j}]{where}")
-        raise ValueError(f"cache_batch_idx: expected indices in [0, {limit}) (the batch of k_cache), got {value} at "
-                         f"index {b}{where}")
-
-
-RECORDS = {}  # device -> its BoundsRecord
-
-
-def bounds_record(device):
-    record = RECORDS.get(device)
-    if record is None:
-        record = RECORDS[device] = BoundsRecord(device)
-    return record
-
-
-def check_bounds(device=None):
-    """An explicit sync point for the bounds rule: wait for the device's decode kernels and raise
-    the ValueError naming the argument if one met an index outside the cache (the CUDA graphs
-    replayed since included). device: default the current CUDA device."""
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    bounds_record(device).raise_recorded()
 
 
 # ----------------------------------------------------------------------------- the fused merge's tickets
