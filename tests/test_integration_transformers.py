@@ -79,6 +79,29 @@ def test_logits_match_transformers_dense_and_padded(kind):
         _assert_close(out[row, real], alone, name=f"logits of row {row}")
 
 
+def test_a_padded_batch_is_packed_once_per_forward(monkeypatch):
+    # The mask hook packs the padding mask once; every layer unpads with it (2 layers: one packing, not one
+    # per layer, each a nonzero and a max: two waits for the GPU). A mask without the hook's packing (one
+    # the layers get copied) is packed by the layer, to the same output.
+    from flashgen.integrations import transformers as integration
+
+    model, gen = _model("llama"), torch.Generator().manual_seed(6)
+    ids, mask = _padded_batch(gen)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    calls, pack = [], integration._packing
+    monkeypatch.setattr(integration, "_packing", lambda keep: calls.append(1) or pack(keep))
+    _logits(model, NAME, torch.float32, ids, attention_mask=mask, position_ids=positions)
+    assert len(calls) == 1
+    q, k, v = (torch.randn(3, h, 21, 16, generator=gen) for h in (4, 2, 2))
+    hooked = integration.padding_mask(3, 21, 21, attention_mask=mask)
+    assert hooked._flashgen_packing is not None and len(calls) == 2
+    layer = torch.nn.Module()
+    out = attention_forward(layer, q, k, v, hooked, is_causal=True)[0]
+    assert len(calls) == 2  # the hook's packing
+    plain = attention_forward(layer, q, k, v, mask.clone(), is_causal=True)[0]
+    assert len(calls) == 3 and torch.equal(out, plain)
+
+
 def test_llama_fp16_logits():
     model, gen = _model("llama"), torch.Generator().manual_seed(2)
     ids = torch.randint(0, VOCAB, (2, 17), generator=gen)

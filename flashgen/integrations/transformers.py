@@ -14,9 +14,9 @@ What each call does, following transformers' own flash-attention path (``_flash_
 * Causal attention is flashgen's ``causal`` aligned bottom-right, which is what a KV cache
   needs: the L new queries are the last L of the S keys (prefill, decode, chunked prefill).
 * Padded batches go through ``flashgen.attention_varlen``: the mask interface hands the
-  attention the 2-d (batch, keys) padding mask (or None when nothing is padded), and the
-  attention packs the real tokens, runs varlen, and scatters the output back (padded query
-  rows are 0). No (B, H, L, S) mask is built. Queries are the last L keys' rows (left padding,
+  attention the 2-d (batch, keys) padding mask (or None when nothing is padded) with its packing
+  (kept tokens, cu_seqlens, longest row) worked out once per forward, and each layer packs the
+  real tokens with it, runs varlen, and scatters the output back (padded query rows are 0). No (B, H, L, S) mask is built. Queries are the last L keys' rows (left padding,
   as transformers assumes), except one query per row in decode. ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` kwargs (padding-free training) and packed ``position_ids`` (batch 1,
   positions restarting) also take the varlen path.
@@ -81,7 +81,14 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]  # sliding-window layers keep the last keys
-    return None if bool(attention_mask.all()) else attention_mask
+    if bool(attention_mask.all()):
+        return None
+    if not torch.compiler.is_compiling():
+        # the packing every layer of this forward unpads with, worked out once (nonzero and the longest
+        # row are two waits for the device): carried by this view, which the hook made and only the
+        # layers see; a mask the layers get otherwise (copied, compiled) is packed by each layer
+        attention_mask._flashgen_packing = _packing(attention_mask.bool())
+    return attention_mask
 
 
 def _window(sliding_window):
@@ -178,7 +185,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             raise ValueError(f"attention_mask: expected a (batch, keys) = {(batch, seqlen_k)} padding mask, "
                              f"got {tuple(attention_mask.shape)}")
         keep = attention_mask.bool()
-        idx_k, cu_k, max_k = _packing(keep)
+        packing = getattr(attention_mask, "_flashgen_packing", None)  # the mask hook's (padding_mask)
+        idx_k, cu_k, max_k = packing if packing is not None else _packing(keep)
         if seqlen_q == seqlen_k:
             idx_q, cu_q, max_q = idx_k, cu_k, max_k
         elif seqlen_q == 1:  # decode: every row's one new token
