@@ -227,7 +227,7 @@ def test_the_device_check_of_packed_offsets(offsets_q, offsets_k, maxes, message
     offsets_k = offsets_k + [offsets_k[-1]] * (len(offsets_q) - len(offsets_k))
     cu_q, cu_k = (torch.tensor(x, dtype=torch.int32) for x in (offsets_q, offsets_k))
     record = host.BoundsRecord(torch.device("cpu"))
-    host._cu_seqlens_check[(1,)](cu_q, cu_k, record.tensor, len(offsets_q) - 1, 12 if len(offsets_q) < 10 else 40,
+    host.cu_seqlens_check[(1,)](cu_q, cu_k, record.tensor, len(offsets_q) - 1, 12 if len(offsets_q) < 10 else 40,
                                  12 if len(offsets_q) < 10 else 40, *maxes, BLOCK=16)
     if message is None:
         assert not record.words.any()

@@ -1,7 +1,8 @@
 """Packed sequences on a GPU: a training step reads nothing back from the device (the offsets are
 checked by a kernel that writes the bounds record, AttentionLauncher.check_offsets), a call with bad
 offsets never reads or writes outside its tensors, and the error naming the argument comes from the
-next packed call (or flashgen.check_bounds()); against the reference on fresh random inputs."""
+first packed call after the check has run (or flashgen.check_bounds()); against the reference on fresh
+random inputs."""
 
 import random
 import re
@@ -67,6 +68,7 @@ def test_bad_offsets_raise_at_the_next_packed_call(bad, message):
     cu_bad = torch.tensor(bad, device="cuda", dtype=torch.int32)
     out = flashgen.attention_varlen(q, k, v, cu, cu_bad, 100, 100)  # clamped: no fault, no wait
     assert out.shape == q.shape
+    torch.cuda.synchronize()  # the check has run (with the host ahead, a later call raises)
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         flashgen.attention_varlen(q, k, v, cu, cu, 100, 100)  # the next packed call reads the record
     flashgen.attention_varlen(q, k, v, cu, cu, 100, 100)  # the record was cleared

@@ -6,7 +6,8 @@ AttentionLauncher from them and exposes the launcher's methods as its forward, b
 block_map and dropout_keep_mask. The modules flashgen builds import this file; the module
 `flashgen generate` writes includes it verbatim, so that file needs only torch and triton.
 This file therefore imports nothing from flashgen, and its top-level names must not clash
-with the kernels' (which all start with an underscore or are upper case).
+with the kernels' (which all start with an underscore or are upper case): its own small
+kernels (cu_seqlens_check) do not start with one.
 
 Layouts: q, k, v, out and dO are 'bhsd' (batch, heads, seq, dim), 'bshd' (batch, seq, heads,
 dim) or packed 'thd' (total tokens, heads, dim) with cu_seqlens offsets; every kernel takes
@@ -189,7 +190,7 @@ def device_sync_forbidden(device):
 
 # ----------------------------------------------------------------------------- bounds
 RECORD_WORDS = 5  # kind (0: nothing recorded), batch element, column, value, limit
-# kinds 1-4: the decode kernels' (templates/decode/split_kv.j2); 5-8: packed offsets (_cu_seqlens_check)
+# kinds 1-4: the decode kernels' (templates/decode/split_kv.j2); 5-8: packed offsets (cu_seqlens_check)
 OFFSETS_FIRST, OFFSETS_ORDER, OFFSETS_TOTAL, OFFSETS_LONGEST = 5, 6, 7, 8
 
 
@@ -272,7 +273,7 @@ def check_bounds(device=None):
 
 
 @triton.jit
-def _cu_seqlens_record(REC, KIND: tl.constexpr, which, i, value, limit):
+def cu_seqlens_record(REC, KIND: tl.constexpr, which, i, value, limit):
     # The first broken rule a launch meets claims the record (word 0 := its kind), then writes its words.
     zero = tl.zeros([], tl.int64)
     if tl.atomic_cas(REC, zero, zero + KIND) == 0:
@@ -283,14 +284,14 @@ def _cu_seqlens_record(REC, KIND: tl.constexpr, which, i, value, limit):
 
 
 @triton.jit
-def _cu_seqlens_rules(CU, REC, which, count, total, longest, BLOCK: tl.constexpr):
+def cu_seqlens_rules(CU, REC, which, count, total, longest, BLOCK: tl.constexpr):
     # One offsets vector (count + 1 entries): first 0, nondecreasing, no sequence over `longest`
     # (max_seqlen), last within the `total` tokens; the first rule broken goes to the record (kinds
     # 5-8: OFFSETS_FIRST, _ORDER, _TOTAL, _LONGEST, written as numbers: a kernel reads no plain global).
     # (In check_cu_seqlens's order, so that both name the same rule first.)
     first = tl.load(CU)
     if first != 0:
-        _cu_seqlens_record(REC, 5, which, 0, first, 0)
+        cu_seqlens_record(REC, 5, which, 0, first, 0)
     for start in range(0, count, BLOCK):
         i = start + tl.arange(0, BLOCK)
         ok = i < count
@@ -298,11 +299,11 @@ def _cu_seqlens_rules(CU, REC, which, count, total, longest, BLOCK: tl.constexpr
         hi = tl.load(CU + i + 1, mask=ok, other=0)
         down = tl.min(tl.where(ok & (hi < lo), i, count))
         if down < count:
-            _cu_seqlens_record(REC, 6, which, down, tl.sum(tl.where(i == down, hi, 0)),
+            cu_seqlens_record(REC, 6, which, down, tl.sum(tl.where(i == down, hi, 0)),
                                tl.sum(tl.where(i == down, lo, 0)))
     last = tl.load(CU + count)
     if last > total:
-        _cu_seqlens_record(REC, 7, which, count, last, total)
+        cu_seqlens_record(REC, 7, which, count, last, total)
     most = tl.load(CU + 1) - first  # the longest sequence, and its index
     at = tl.zeros([], tl.int32)
     for start in range(0, count, BLOCK):
@@ -314,14 +315,14 @@ def _cu_seqlens_rules(CU, REC, which, count, total, longest, BLOCK: tl.constexpr
             at = tl.min(tl.where(length == block_most, i, count))
             most = block_most
     if most > longest:
-        _cu_seqlens_record(REC, 8, which, at, most, longest)
+        cu_seqlens_record(REC, 8, which, at, most, longest)
 
 
 @triton.jit
-def _cu_seqlens_check(CU_Q, CU_K, REC, count, total_q, total_k, max_seqlen_q, max_seqlen_k, BLOCK: tl.constexpr):
+def cu_seqlens_check(CU_Q, CU_K, REC, count, total_q, total_k, max_seqlen_q, max_seqlen_k, BLOCK: tl.constexpr):
     # check_cu_seqlens's rules on the device, no wait: the host reads the record on later calls.
-    _cu_seqlens_rules(CU_Q, REC, 0, count, total_q, max_seqlen_q, BLOCK)
-    _cu_seqlens_rules(CU_K, REC, 1, count, total_k, max_seqlen_k, BLOCK)
+    cu_seqlens_rules(CU_Q, REC, 0, count, total_q, max_seqlen_q, BLOCK)
+    cu_seqlens_rules(CU_K, REC, 1, count, total_k, max_seqlen_k, BLOCK)
 
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
@@ -567,12 +568,14 @@ class AttentionLauncher:
         them into range whatever they hold (_seq_bounds), so a bad offset never reads or writes
         outside q, k, v or out. On the CPU the host checks them (check_cu_seqlens): the call raises.
         On a GPU reading them would wait for the device, every layer of a training step (a packed
-        step of 32 layers measured 1.21x faster without it, H100): a one-program kernel checks them
-        instead and writes the first broken rule to the device's bounds record, which each packed
-        call (and decode call) reads first, without a wait; so the error naming the argument is
-        raised by the next such call after the bad one (whose outputs are meaningless), or by
-        check_bounds(). Under CUDA-graph capture the check is captured with the call and nothing is
-        read; under torch.compile tracing nothing runs."""
+        step of 32 layers: 1.23x faster without it, H100, benchmarks/probe_varlen_check.py): a
+        one-program kernel checks them instead and writes the first broken rule to the device's
+        bounds record, which each packed or decode call reads first, without a wait. So the error
+        naming the argument is raised by the first such call made after the check kernel has run
+        (with the host ahead of the GPU, as in training, that can be layers or steps later: the
+        bad call's outputs, and what was computed from them, are meaningless), or at once by
+        check_bounds(), which waits. Under CUDA-graph capture the check is captured with the call
+        and nothing is read; under torch.compile tracing nothing runs."""
         device = cu_seqlens_q.device
         if device.type != "cuda":
             if not torch.compiler.is_compiling():
@@ -583,15 +586,16 @@ class AttentionLauncher:
         record = bounds_record(device)
         if record.words[0] and not torch.cuda.is_current_stream_capturing():
             record.raise_recorded()  # an earlier call's offsets (or a decode call's indices)
-        scalars = (cu_seqlens_q.numel() - 1, total_q, total_k, max_seqlen_q, max_seqlen_k)
-        key = (device, argument_signature(scalars), cu_seqlens_q.data_ptr() & 15, cu_seqlens_k.data_ptr() & 15)
+        cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # keyed by what is launched
+        scalars = (cu_q.numel() - 1, total_q, total_k, max_seqlen_q, max_seqlen_k)
+        key = (device, argument_signature(scalars), cu_q.data_ptr() & 15, cu_k.data_ptr() & 15)
         launch = self.offset_checks.get(key)
         if launch is None:
             if len(self.offset_checks) >= self.MAX_PLANS:
                 self.offset_checks.clear()
-            launch = self.offset_checks[key] = BoundLaunch(_cu_seqlens_check, (1,), dict(
+            launch = self.offset_checks[key] = BoundLaunch(cu_seqlens_check, (1,), dict(
                 BLOCK=self.OFFSET_CHECK_BLOCK, num_warps=4))
-        launch(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), record.tensor, *scalars)
+        launch(cu_q, cu_k, record.tensor, *scalars)
 
     def varlen_args(self, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim):
         """(batch, seqlen_q, seqlen_k, total_q, total_k): the packed sequences' bounds (totals: the

@@ -150,8 +150,8 @@ def _block_map_kernel(TILE_CLASSES, seqlen_q, seqlen_k, num_b, num_h,
 
 @triton.jit
 def _seq_bounds(CU, off_b, seqlen, total, VARLEN: tl.constexpr, WIDE_ROWS: tl.constexpr):
-    # (first row, length) of batch element off_b: packed by cu_seqlens, or dense. The host
-    # checks packed offsets, except where it cannot read them (CUDA graph capture, torch.compile):
+    # (first row, length) of batch element off_b: packed by cu_seqlens, or dense. Packed offsets are
+    # checked apart (AttentionLauncher.check_offsets: the host on the CPU, a kernel on a GPU, later);
     # clamped into [0, total] and the length to seqlen (max_seqlen), no offset reaches past the tensors.
     if VARLEN:
         start = tl.minimum(tl.maximum(tl.load(CU + off_b), 0), total)
