@@ -76,3 +76,16 @@ def test_bad_offsets_raise_at_the_next_packed_call(bad, message):
     with pytest.raises(ValueError, match="cu_seqlens_k|max_seqlen_k"):
         flashgen.check_bounds()  # the explicit sync point
     flashgen.check_bounds()
+
+
+@needs_gpu
+def test_sync_checks_raise_in_the_bad_call(monkeypatch):
+    # FLASHGEN_SYNC_CHECKS=1 (debugging): the offsets are read on the host, the bad call raises itself
+    from flashgen.runtime.host import AttentionLauncher
+
+    monkeypatch.setattr(AttentionLauncher, "SYNC_CHECKS", True)
+    q, k, v, cu = packed([100, 1, 96], gen=torch.Generator(device="cuda").manual_seed(0))
+    bad = torch.tensor([0, 100, 50, 197], device="cuda", dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_k: expected nondecreasing offsets, got 100 then 50 at index 1$"):
+        flashgen.attention_varlen(q, k, v, cu, bad, 100, 100)
+    flashgen.check_bounds()  # nothing was recorded: no kernel checked

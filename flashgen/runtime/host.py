@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
-from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, contiguous_strides, tensor_key  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, contiguous_strides, env_flag, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -562,6 +562,8 @@ class AttentionLauncher:
         return None if dropout_p else checked
 
     OFFSET_CHECK_BLOCK = 1024  # offsets per step of the check's loop
+    # FLASHGEN_SYNC_CHECKS=1 (debugging): packed offsets read on the host on a GPU too, so the bad call raises
+    SYNC_CHECKS = env_flag("FLASHGEN_SYNC_CHECKS", False)
 
     def check_offsets(self, cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
         """Check packed-sequence offsets (every call: their values differ per call); the kernels clamp
@@ -575,9 +577,10 @@ class AttentionLauncher:
         (with the host ahead of the GPU, as in training, that can be layers or steps later: the
         bad call's outputs, and what was computed from them, are meaningless), or at once by
         check_bounds(), which waits. Under CUDA-graph capture the check is captured with the call
-        and nothing is read; under torch.compile tracing nothing runs."""
+        and nothing is read; under torch.compile tracing nothing runs. SYNC_CHECKS (the environment's
+        FLASHGEN_SYNC_CHECKS=1): the host check on a GPU too, a wait per call, for debugging."""
         device = cu_seqlens_q.device
-        if device.type != "cuda":
+        if device.type != "cuda" or (self.SYNC_CHECKS and not device_sync_forbidden(device)):
             if not torch.compiler.is_compiling():
                 check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
             return
