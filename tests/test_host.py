@@ -239,6 +239,18 @@ def test_the_device_check_of_packed_offsets(offsets_q, offsets_k, maxes, message
     assert not record.words.any()  # cleared
 
 
+def test_check_bounds_without_a_device_checks_every_record(monkeypatch):
+    # Records of two devices (a CPU one and a stand-in for a second): check_bounds() raises what either holds.
+    monkeypatch.setattr(host, "RECORDS", {})
+    records = [host.bounds_record(torch.device("cpu")), host.BoundsRecord(torch.device("cpu"))]
+    host.RECORDS["second device"] = records[1]
+    for record in records:
+        record.words[:] = [host.OFFSETS_FIRST, 1, 0, 3, 0]
+        with pytest.raises(ValueError, match="^cu_seqlens_k: expected the first offset to be 0, got 3$"):
+            host.check_bounds()
+        host.check_bounds()  # cleared
+
+
 # ---------------------------------------------------------------------------------------------- launches
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_forward_launch_q_outer(layout):

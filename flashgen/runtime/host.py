@@ -262,10 +262,14 @@ def bounds_record(device):
 def check_bounds(device=None):
     """An explicit sync point for the bounds rule: wait for the device's kernels and raise the
     ValueError naming the argument if one met an index outside the cache, or packed offsets
-    (cu_seqlens) that break their rules (the CUDA graphs replayed since included). device: default the current CUDA device."""
+    (cu_seqlens) that break their rules (the CUDA graphs replayed since included). device: one
+    device; default every device whose kernels have a record (those flashgen's decode and packed
+    calls ran on), the current CUDA device first."""
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        current = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        for d in sorted(RECORDS, key=lambda d: d != current):
+            RECORDS[d].raise_recorded()
+        return
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
