@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ if "--dry" in sys.argv:  # before Triton decorates flashgen's kernels
 import transformers  # noqa: E402
 
 from flashgen.integrations import transformers as integration  # noqa: E402
-from probes import run_probe, table_head  # noqa: E402
+from probes import alternating, figures, run_probe, step_wall_ms, table_head  # noqa: E402
 
 MODEL = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8, num_attention_heads=16,
              num_key_value_heads=4, max_position_embeddings=4096)
@@ -72,25 +71,11 @@ def run_case(case, args) -> dict:
         model.zero_grad(set_to_none=True)
         model(ids, attention_mask=mask, position_ids=positions, labels=labels).loss.backward()
 
-    def sync():
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-
-    def step_ms(impl):
+    def measure(impl):
         model.set_attn_implementation(impl)
-        for _ in range(2):
-            step()
-        sync()
-        start = time.perf_counter()
-        for _ in range(STEPS):
-            step()
-        sync()
-        return round((time.perf_counter() - start) / STEPS * 1e3, 3)
+        return round(step_wall_ms(step, STEPS), 3)
 
-    times = {impl: [] for impl in IMPLS}
-    for r in range(args.rounds):
-        for impl in (IMPLS if r % 2 == 0 else IMPLS[::-1]):
-            times[impl].append(step_ms(impl))
+    times = alternating(IMPLS, args.rounds, measure)
     now = statistics.median(times["fg_attention"])
     return {"case": case, "mode": "train_step", "rows": list(ROWS), "seqlen": SEQLEN,
             **{f"{impl}_ms": t for impl, t in times.items()},
@@ -106,8 +91,8 @@ def markdown(rows, env) -> str:
                        ["case", "flashgen ms (now)", "flashgen ms (before)", "SDPA ms", "ratio vs before",
                         "ratio vs SDPA"])
     for r in rows:
-        lines.append(f"| {r['case']} | {' / '.join(map(str, r['fg_attention_ms']))} | "
-                     f"{' / '.join(map(str, r['fg_before_ms']))} | {' / '.join(map(str, r['sdpa_ms']))} | "
+        lines.append(f"| {r['case']} | {figures(r['fg_attention_ms'])} | {figures(r['fg_before_ms'])} | "
+                     f"{figures(r['sdpa_ms'])} | "
                      f"{r['ratio_vs_before']} | {r['ratio_vs_sdpa']} |")
     return "\n".join(lines) + "\n"
 

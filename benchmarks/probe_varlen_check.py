@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +25,7 @@ if "--dry" in sys.argv:  # before Triton decorates flashgen's kernels
 
 import flashgen  # noqa: E402
 from flashgen.runtime import host  # noqa: E402
-from probes import run_probe, table_head  # noqa: E402
+from probes import alternating, figures, run_probe, step_wall_ms, table_head  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, STEPS, DTYPE, DEVICE = 16, 4, 128, 32, 10, torch.bfloat16, "cuda"
 CASES = [("6 sequences, 6096 tokens", [512, 1024, 300, 700, 2000, 1560]),
@@ -44,8 +43,8 @@ def dry_run() -> None:
     CASES[:] = [(name, [n // 16 + 1 for n in lengths[:3]]) for name, lengths in CASES]
 
 
-def step_ms(x, w, cu, longest, steps) -> float:
-    """ms per packed step: LAYERS layers of matmul + packed attention, forward and backward."""
+def packed_step(x, w, cu, longest):
+    """A packed step: LAYERS layers of matmul + packed attention, forward and backward."""
     tokens = x.shape[0]
 
     def step():
@@ -56,18 +55,7 @@ def step_ms(x, w, cu, longest, steps) -> float:
             h = flashgen.attention_varlen(q, kv, kv, cu, cu, longest, longest, causal=True).reshape(tokens, -1)
         h.float().sum().backward()
 
-    def sync():
-        if DEVICE == "cuda":
-            torch.cuda.synchronize()
-
-    for _ in range(2):
-        step()
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync()
-    return (time.perf_counter() - start) / steps * 1e3
+    return step
 
 
 def run_case(case, args) -> dict:
@@ -77,12 +65,14 @@ def run_case(case, args) -> dict:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(tokens, width, device=DEVICE, dtype=DTYPE, generator=gen).requires_grad_()
     w = torch.randn(width, width, device=DEVICE, dtype=DTYPE, generator=gen) * width ** -0.5
-    times = {label: [] for label in CHECKS}
+    step = packed_step(x, w, cu, max(lengths))
+
+    def measure(label):
+        host.AttentionLauncher.check_offsets = CHECKS[label]
+        return round(step_wall_ms(step, STEPS), 3)
+
     try:
-        for r in range(args.rounds):
-            for label in (list(CHECKS) if r % 2 == 0 else list(CHECKS)[::-1]):
-                host.AttentionLauncher.check_offsets = CHECKS[label]
-                times[label].append(round(step_ms(x, w, cu, max(lengths), STEPS), 3))
+        times = alternating(CHECKS, args.rounds, measure)
     finally:
         host.AttentionLauncher.check_offsets = CHECKS["device check"]
     row = {"case": name, "mode": "fwd_bwd", "layers": LAYERS, "tokens": tokens, "heads": f"{HEADS}/{KV_HEADS}",
@@ -100,8 +90,8 @@ def markdown(rows, env) -> str:
                        ["case", "device check ms", "host read ms (before)", "unchecked ms", "ratio vs host read",
                         "ratio vs unchecked"])
     for r in rows:
-        lines.append(f"| {r['case']} | {' / '.join(map(str, r['device_check_ms']))} | "
-                     f"{' / '.join(map(str, r['host_read_ms']))} | {' / '.join(map(str, r['unchecked_ms']))} | "
+        lines.append(f"| {r['case']} | {figures(r['device_check_ms'])} | {figures(r['host_read_ms'])} | "
+                     f"{figures(r['unchecked_ms'])} | "
                      f"{r['ratio_vs_host_read']} | {r['ratio_vs_unchecked']} |")
     return "\n".join(lines) + "\n"
 

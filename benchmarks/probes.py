@@ -1,6 +1,8 @@
-"""What the one-question probes (probe_document_predicate.py, probe_masked_loop_stages.py) share: GPU
-time of a call replayed from a CUDA graph, and the run: parse the common arguments, take each case in
-turn, keep every finished row in <date>-<gpu>-<topic><tag>.{json,md} (a run cut short keeps them)."""
+"""What the one-question probes (probe_document_predicate.py, probe_masked_loop_stages.py,
+probe_varlen_check.py, probe_padded_training.py) share: GPU time of a call replayed from a CUDA graph,
+a training step's wall-clock time, rounds in alternating order, and the run: parse the common
+arguments, take each case in turn, keep every finished row in <date>-<gpu>-<topic><tag>.{json,md}
+(a run cut short keeps them)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,37 @@ def interleaved_ms(calls: dict, rounds: int, timer=graph_ms) -> dict:
             times[label]["fwd"].append(timer(fwd))
             times[label]["bwd"].append(timer(bwd))
     return times
+
+
+def step_wall_ms(step: Callable, steps: int, warmup: int = 2) -> float:
+    """ms per step() by the wall clock: `warmup` calls, then `steps` timed with the GPU (if any)
+    synchronized at both ends, so the host's own waits for the device are in the figure."""
+    import torch
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        step()
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def alternating(labels, rounds: int, measure: Callable) -> dict:
+    """{label: [measure(label) per round]}, the labels' order reversed every other round."""
+    labels = list(labels)
+    times = {label: [] for label in labels}
+    for r in range(rounds):
+        for label in (labels if r % 2 == 0 else labels[::-1]):
+            times[label].append(measure(label))
+    return times
+
+
+def figures(values) -> str:
+    """A results table's cell holding each round's figure: 'a / b / c'."""
+    return " / ".join(map(str, values))
 
 
 def max_abs_diff(a, b) -> float:

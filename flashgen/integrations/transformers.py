@@ -16,8 +16,9 @@ What each call does, following transformers' own flash-attention path (``_flash_
 * Padded batches go through ``flashgen.attention_varlen``: the mask interface hands the
   attention the 2-d (batch, keys) padding mask (or None when nothing is padded) with its packing
   (kept tokens, cu_seqlens, longest row) worked out once per forward, and each layer packs the
-  real tokens with it, runs varlen, and scatters the output back (padded query rows are 0). No (B, H, L, S) mask is built. Queries are the last L keys' rows (left padding,
-  as transformers assumes), except one query per row in decode. ``cu_seq_lens_q/k`` and
+  real tokens with it, runs varlen, and scatters the output back (padded query rows are 0). No
+  (B, H, L, S) mask is built. Queries are the last L keys' rows (left padding, as transformers
+  assumes), except one query per row in decode. ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` kwargs (padding-free training) and packed ``position_ids`` (batch 1,
   positions restarting) also take the varlen path.
 * ``sliding_window`` (the key q - sliding_window < kv <= q) is the ``sliding_window`` pattern
@@ -184,16 +185,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if attention_mask.shape != (batch, seqlen_k):
             raise ValueError(f"attention_mask: expected a (batch, keys) = {(batch, seqlen_k)} padding mask, "
                              f"got {tuple(attention_mask.shape)}")
-        keep = attention_mask.bool()
-        packing = getattr(attention_mask, "_flashgen_packing", None)  # the mask hook's (padding_mask)
-        idx_k, cu_k, max_k = packing if packing is not None else _packing(keep)
+        # the mask hook's packing (padding_mask), else this layer's
+        idx_k, cu_k, max_k = getattr(attention_mask, "_flashgen_packing", None) or _packing(attention_mask.bool())
         if seqlen_q == seqlen_k:
             idx_q, cu_q, max_q = idx_k, cu_k, max_k
         elif seqlen_q == 1:  # decode: every row's one new token
             idx_q = torch.arange(batch, device=q.device)
             cu_q, max_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32), 1
         else:  # the new tokens are the last seqlen_q keys (left padding)
-            idx_q, cu_q, max_q = _packing(keep[:, -seqlen_q:])
+            idx_q, cu_q, max_q = _packing(attention_mask[:, -seqlen_q:].bool())
         flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
         q_p, k_p, v_p = flat(q).index_select(0, idx_q), flat(k).index_select(0, idx_k), flat(v).index_select(0, idx_k)
         out = _varlen(q_p, k_p, v_p, cu_q, cu_k, max_q, max_k, s_aux, kw)

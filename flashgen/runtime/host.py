@@ -222,7 +222,8 @@ class BoundsRecord:
             return
         kind, b, j, value, limit = (int(w) for w in self.words)
         self.words[:] = 0
-        where = f" (met by a decode kernel on {self.device}; that call's outputs are meaningless)" \
+        source = "a decode kernel" if kind < OFFSETS_FIRST else "the check of a packed call's offsets"
+        where = f" (met by {source} on {self.device}; that call's outputs are meaningless)" \
             if self.device.type == "cuda" else ""
         if kind == 1:
             raise ValueError(f"cache_seqlens: expected lengths >= 0, got {value} at index {b}{where}")
@@ -237,7 +238,6 @@ class BoundsRecord:
             raise ValueError(f"cache_batch_idx: expected indices in [0, {limit}) (the batch of k_cache), got {value} "
                              f"at index {b}{where}")
         name = ("cu_seqlens_q", "cu_seqlens_k")[b]
-        where = where.replace("a decode kernel", "the check of a packed call's offsets")
         if kind == OFFSETS_FIRST:
             raise ValueError(f"{name}: expected the first offset to be 0, got {value}{where}")
         if kind == OFFSETS_ORDER:
@@ -292,32 +292,33 @@ def cu_seqlens_rules(CU, REC, which, count, total, longest, BLOCK: tl.constexpr)
     # One offsets vector (count + 1 entries): first 0, nondecreasing, no sequence over `longest`
     # (max_seqlen), last within the `total` tokens; the first rule broken goes to the record (kinds
     # 5-8: OFFSETS_FIRST, _ORDER, _TOTAL, _LONGEST, written as numbers: a kernel reads no plain global).
-    # (In check_cu_seqlens's order, so that both name the same rule first.)
+    # One pass over the offsets; the rules recorded in check_cu_seqlens's order, so that both name the
+    # same rule first.
     first = tl.load(CU)
-    if first != 0:
-        cu_seqlens_record(REC, 5, which, 0, first, 0)
+    down, down_lo, down_hi = count, first, first  # the first offset below its predecessor, that pair
+    most, at = tl.load(CU + 1) - first, tl.zeros([], tl.int32)  # the longest sequence, and its index
     for start in range(0, count, BLOCK):
         i = start + tl.arange(0, BLOCK)
         ok = i < count
         lo = tl.load(CU + i, mask=ok, other=0)
         hi = tl.load(CU + i + 1, mask=ok, other=0)
-        down = tl.min(tl.where(ok & (hi < lo), i, count))
-        if down < count:
-            cu_seqlens_record(REC, 6, which, down, tl.sum(tl.where(i == down, hi, 0)),
-                               tl.sum(tl.where(i == down, lo, 0)))
-    last = tl.load(CU + count)
-    if last > total:
-        cu_seqlens_record(REC, 7, which, count, last, total)
-    most = tl.load(CU + 1) - first  # the longest sequence, and its index
-    at = tl.zeros([], tl.int32)
-    for start in range(0, count, BLOCK):
-        i = start + tl.arange(0, BLOCK)
-        ok = i < count
-        length = tl.where(ok, tl.load(CU + i + 1, mask=ok, other=0) - tl.load(CU + i, mask=ok, other=0), most)
+        block_down = tl.min(tl.where(ok & (hi < lo), i, count))
+        if (down == count) & (block_down < count):
+            down = block_down
+            down_lo = tl.sum(tl.where(i == block_down, lo, 0))
+            down_hi = tl.sum(tl.where(i == block_down, hi, 0))
+        length = tl.where(ok, hi - lo, most)
         block_most = tl.max(length)
         if block_most > most:
             at = tl.min(tl.where(length == block_most, i, count))
             most = block_most
+    if first != 0:
+        cu_seqlens_record(REC, 5, which, 0, first, 0)
+    if down < count:
+        cu_seqlens_record(REC, 6, which, down, down_hi, down_lo)
+    last = tl.load(CU + count)
+    if last > total:
+        cu_seqlens_record(REC, 7, which, count, last, total)
     if most > longest:
         cu_seqlens_record(REC, 8, which, at, most, longest)
 
@@ -583,15 +584,15 @@ class AttentionLauncher:
         check_bounds(), which waits. Under CUDA-graph capture the check is captured with the call
         and nothing is read; under torch.compile tracing nothing runs. SYNC_CHECKS (the environment's
         FLASHGEN_SYNC_CHECKS=1): the host check on a GPU too, a wait per call, for debugging."""
-        device = cu_seqlens_q.device
-        if device.type != "cuda" or (self.SYNC_CHECKS and not device_sync_forbidden(device)):
-            if not torch.compiler.is_compiling():
-                check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
-            return
         if torch.compiler.is_compiling():
             return
+        device = cu_seqlens_q.device
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if device.type != "cuda" or (self.SYNC_CHECKS and not capturing):
+            check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
+            return
         record = bounds_record(device)
-        if record.words[0] and not torch.cuda.is_current_stream_capturing():
+        if record.words[0] and not capturing:
             record.raise_recorded()  # an earlier call's offsets (or a decode call's indices)
         cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # keyed by what is launched
         scalars = (cu_q.numel() - 1, total_q, total_k, max_seqlen_q, max_seqlen_k)
@@ -848,7 +849,7 @@ class AttentionLauncher:
             return None
         kb, kh, ks, kd = bhsd_strides(k, layout)
         vb, vh, vs, vd = bhsd_strides(v, layout)
-        if seqlen_k * max(ks, vs) >= 2**31:  # 64-bit rows (wide_rows): the exact plan, made for them
+        if wide_rows(layout, (k.shape, k.stride()), (v.shape, v.stride())):  # the exact plan, made for them
             return None
         signature = argument_signature((kb, kh, vb, vh, seqlen_k))  # how Triton specializes these ints
         if decode is None:
