@@ -237,7 +237,7 @@ def diagnose(seqlen=128):
     qd, kd, vd = (t.detach() for t in (q, k, v))
     out, lse = module.forward(qd, kd, vd)
     launcher = module._LAUNCHER  # the training entries autograd's Function calls, here on the main thread
-    t_out, t_lse, t_plan = launcher.training_forward(qd, kd, vd, "bhsd", 0.0, None, None, None, None, None, None)
+    t_out, t_lse, t_plan, _ = launcher.training_forward(qd, kd, vd, "bhsd", 0.0, None, None, None, None, None, None)
     rows = {
         "autograd floor: allocating Function, fwd+bwd": lambda: torch.autograd.grad(AllocOnly.apply(q, k, v)[0],
                                                                                    (q, k, v), do),

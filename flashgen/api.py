@@ -109,9 +109,9 @@ class AttentionKernel:
             raise ValueError(f"mask: {self.spec.mask_node.to_dict() if self.spec.mask_node else None} skips blocks "
                              "inside the kernel; only custom expressions use a block map")
         cfg = module.CONFIG
-        named = module._tensors(tensors, torch.device(device))
-        return module.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M"], cfg["BLOCK_N"], torch.device(device),
-                                named)
+        device = host.concrete_device(device)  # "cuda" is the current device, where tensors say cuda:0
+        named = module._tensors(tensors, device)
+        return module.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M"], cfg["BLOCK_N"], device, named)
 
     def _kernel_id_for(self, config, seqlen):
         """The kernel id of a call: its config's, the nearest bucket's, or the default's."""

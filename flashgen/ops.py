@@ -125,15 +125,16 @@ def _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_q, cu_k, max_
 
 
 def _backward_grads(do, q, k, v, out, lse, seed, tensors, module, layout, dropout_p, deterministic, wanted,
-                    cu_q, cu_k, max_q, max_k, plan=None):
+                    cu_q, cu_k, max_q, max_k, plan=None, extra=None):
     """(dq, dk, dv, [d tensor in its dtype, or None where not wanted or not differentiable]).
-    plan: the call plan the forward of these tensors returned (module._LAUNCHER.training_forward)."""
+    plan, extra: what the forward of these tensors returned (module._LAUNCHER.training_forward)."""
     names = tuple(n for n, t, w in zip(module.TENSORS, tensors, wanted)
                   if w and t.is_floating_point() and n in module.GRAD_TENSORS) if tensors else ()
     if plan is not None:
         dq, dk, dv, grads = module._LAUNCHER.training_backward(plan, do, q, k, v, out, lse, seed,
                                                                _named(module, tensors), cu_q, cu_k,
-                                                               deterministic=deterministic, tensor_grads=names)
+                                                               deterministic=deterministic, tensor_grads=names,
+                                                               extra=extra)
     else:
         dq, dk, dv, grads = module.backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed,
                                             deterministic=deterministic, tensors=_named(module, tensors),
@@ -225,7 +226,7 @@ class AttentionFunction(torch.autograd.Function):
         module, layout, dropout_p, deterministic, max_q, max_k = call
         # the launcher's training entry: the backward reuses this call's plan (no second key or check)
         varlen = cu_q is not None
-        out, lse, ctx.plan = module._LAUNCHER.training_forward(q, k, v, layout, dropout_p, seed,
+        out, lse, ctx.plan, ctx.extra = module._LAUNCHER.training_forward(q, k, v, layout, dropout_p, seed,
                                                                _named(module, tensors), cu_q, cu_k,
                                                                max_q if varlen else None, max_k if varlen else None)
         if varlen or dropout_p or tensors:
@@ -257,7 +258,7 @@ class AttentionFunction(torch.autograd.Function):
         q, k, v, out, lse, seed, cu_q, cu_k, *tensors = saved
         dq, dk, dv, tensor_grads = _backward_grads(dout, q, k, v, out, lse, seed, tensors, module, layout,
                                                    dropout_p, deterministic, ctx.needs_input_grad[7:], cu_q, cu_k,
-                                                   max_q, max_k, ctx.plan)
+                                                   max_q, max_k, ctx.plan, ctx.extra)
         return (dq, dk, dv, None, None, None, None, *tensor_grads)
 
 

@@ -103,8 +103,8 @@ def training_step(launcher, q, k, tensors):
     from flashgen.runtime.launch import BoundLaunch
 
     BoundLaunch.enabled = False
-    out, lse, plan = launcher.training_forward(q, k, k, "bhsd", 0.0, None, tensors, None, None, None, None)
-    return launcher.training_backward(plan, out, q, k, k, out, lse, None, tensors, None, None)
+    out, lse, plan, extra = launcher.training_forward(q, k, k, "bhsd", 0.0, None, tensors, None, None, None, None)
+    return launcher.training_backward(plan, out, q, k, k, out, lse, None, tensors, None, None, extra=extra)
 
 
 def main(only=()) -> int:

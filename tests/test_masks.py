@@ -148,8 +148,10 @@ def test_document_mask_boundaries_anywhere_in_a_block(device, causal):
 
 
 @triton.jit
-def _segments_probe(IDS, ids_s0, ids_s1, ids_n0, ids_n1, RUNS, OUT, n, BLOCK: tl.constexpr):
-    # The document module's _kv_segments and _q_segments of one block (names injected by the test).
+def _segments_probe(IDS, ids_s0, ids_s1, ids_n0, ids_n1, RUNS, OUT, n, BLOCK: tl.constexpr, CAUSAL: tl.constexpr):
+    # The document module's _kv_segments and _q_segments of one block (names injected by the test;
+    # CAUSAL, unread, makes each module's probe its own compile: on a GPU Triton would otherwise serve
+    # the first module's binary to the second)
     blk = tl.program_id(0)
     off_b = tl.program_id(1)
     first = blk * BLOCK
@@ -178,7 +180,7 @@ def test_document_segments_are_exact(device, causal, monkeypatch):
     ids = torch.stack(rows).to(device)
     out = torch.zeros(3, -(-n // block), 8, dtype=torch.int32, device=device)
     _segments_probe[(out.shape[1], 3)](ids, ids.stride(0), ids.stride(1), ids.shape[0], ids.shape[1],
-                                       runs_table(ids), out, n, BLOCK=block)
+                                       runs_table(ids), out, n, BLOCK=block, CAUSAL=causal)
     for b, row in enumerate(rows):
         row = row.tolist()
         start = lambda i: row.index(row[i])  # noqa: E731 (the first row of i's document)
@@ -742,3 +744,28 @@ def test_pattern_extents_are_range_checked_as_plain_ints():
         AttentionSpec(mask={"sliding_window": {"left": _LyingCompare(10**15), "right": 0}})
     with pytest.raises(SpecError, match="head_dim"):
         AttentionSpec(head_dim=_LyingCompare(10**6))
+
+
+def test_a_document_training_step_searches_the_ids_once(device, monkeypatch):
+    # The forward's runs table of the document ids is the backward's too (the ids are saved for the
+    # backward, so autograd refuses it if they change in place in between): one search per step,
+    # and the gradients still match the reference.
+    from flashgen.runtime import host
+
+    seed, gen = _seeded()
+    calls = []
+    original = host.runs_table
+    monkeypatch.setattr(host, "runs_table", lambda t: calls.append(t) or original(t))
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, mask={"document": {"causal": True}}, backward=True)
+    kernel = flashgen.compile(spec, SMALL)
+    ids = torch.stack([_doc_ids([9, 20, 11]), _doc_ids([30, 10])]).to(device)
+    q, k, v = (t.requires_grad_() for t in _qkv(gen, 2, 2, 2, 40, 40, 16, torch.float16, device))
+    do = torch.randn(q.shape, generator=gen).to(device=device, dtype=torch.float16)
+    out = kernel(q, k, v, document_ids=ids)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert len(calls) == 1, f"seed {seed}: {len(calls)} searches of the ids in one step"
+    assert_gradients_close(grads, q, k, v, do, causal=False, mask=spec.mask, tensors={"document_ids": ids})
+    out = kernel(q, k, v, document_ids=ids)
+    ids[0, 0] = 5  # the ids the forward saw are gone: its table would be stale
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, (q, k, v), do)

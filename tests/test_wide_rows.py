@@ -1,7 +1,8 @@
 """Row offsets past 2^31 elements (host.wide_rows, the kernels' WIDE_ROWS): which calls take the
 64-bit offsets, and that the kernels compiled with them compute what the 32-bit ones do, bitwise, on
 every portable path (both forward loop orders, packed sequences, the separate and atomic dQ, the
-one-launch backward). The calls that need them hold gigabytes: tests/test_large_offsets_gpu.py."""
+one-launch backward, the persistent dK/dV grid with the fused delta). The calls that need them hold
+gigabytes: tests/test_large_offsets_gpu.py."""
 
 import random
 
@@ -45,6 +46,7 @@ CASES = {  # name: (spec fields, config knobs, layout)
     "packed causal": (dict(causal=True, num_heads=2, num_kv_heads=1), {}, "thd"),
     "atomic dQ window": (dict(mask={"sliding_window": {"left": 9, "right": 3}}), dict(dq_strategy="atomic"), "bshd"),
     "one-launch backward": (dict(causal=True, num_heads=4, num_kv_heads=2), dict(bwd_short=True), "bhsd"),
+    "persistent dK/dV, fused delta": (dict(causal=True), dict(bwd_persistent=2, bwd_fused_delta=True), "bshd"),
 }
 
 
@@ -78,3 +80,15 @@ def test_64_bit_rows_compute_the_same(device, monkeypatch, name):
     assert flags[0] and set(flags[0].values()) == {False} and set(flags[1].values()) == {True}, flags
     for a, b, what in zip(*results, ("out", "lse", "dq", "dk", "dv")):
         assert torch.equal(a, b), f"{name}: {what} differs with 64-bit rows"
+
+
+@pytest.mark.parametrize("stride, refused", [(16909321, True), (16909320, False), (1, False)])
+def test_a_head_dim_spanning_2_31_elements_is_refused_by_name(stride, refused):
+    # the head dim's offsets stay 32-bit: 127 x 16909321 is the first to reach 2^31 (the seq-contiguous
+    # V of a 16.9M-key sequence)
+    t = torch.empty_strided((1, 1, 4, 128), (0, 0, 1, stride), device="meta")
+    if refused:
+        with pytest.raises(ValueError, match=rf"^v: head-dim stride {stride} spans 2\^31 elements over head dim 128"):
+            host.check_head_span("v", t)
+    else:
+        host.check_head_span("v", t)

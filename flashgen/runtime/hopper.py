@@ -321,8 +321,9 @@ class HopperPlan:
             raise AttributeError(name)
         return getattr(self.base, name)
 
-    def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=()):
-        """Fill out (q's layout) and lse ((B, H, Sq) float32) for one call; allocated when None."""
+    def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=(), extra=None):
+        """Fill out (q's layout) and lse ((B, H, Sq) float32) for one call; allocated when None. extra: the
+        named tensors' arguments, the portable plan's tensor_extra(tensors), where the caller made them."""
         base = self.base
         if out is None:
             out = base.new_out()
@@ -330,7 +331,7 @@ class HopperPlan:
             lse = base.new_lse()
         # a mask's named tensors (document ids, ...) after the scalars, as the portable forward takes them
         # (and its block-range table, filled first); FP8: the descales and their strides last
-        named = base.tensor_extra(tensors)
+        named = base.tensor_extra(tensors) if extra is None else extra
         if self.ranges is not None:
             named = self.ranges.fill(named)
         # (the descriptors of the first len(blocks) tensors: out's only with the TMA store)

@@ -75,6 +75,15 @@ def wide_rows(layout, *shapes_and_strides):
     return any(shape[dim] * strides[dim] >= 2**31 for shape, strides in shapes_and_strides)
 
 
+def check_head_span(name, t):
+    """The kernels step along the head dim in 32 bits (its index times its stride): refuse a tensor
+    whose head dim spans 2^31 elements (a head-dim stride of 16.8M at head dim 128: a view whose
+    head dim is not its last in memory, such as the seq-contiguous V of a single 16.8M-token sequence)."""
+    if (t.shape[-1] - 1) * t.stride(-1) >= 2**31:
+        raise ValueError(f"{name}: head-dim stride {t.stride(-1)} spans 2^31 elements over head dim {t.shape[-1]} "
+                         f"(the kernels index the head dim in 32 bits); pass {name}.contiguous()")
+
+
 def tma_strides_ok(strides, element_size):
     """Whether the copy engine can walk these strides: 16-byte multiples, a contiguous last dim."""
     return (TensorDescriptor is not None and strides[-1] == 1
@@ -270,10 +279,16 @@ def check_bounds(device=None):
         for d in sorted(RECORDS, key=lambda d: d != current):
             RECORDS[d].raise_recorded()
         return
+    bounds_record(concrete_device(device)).raise_recorded()
+
+
+def concrete_device(device):
+    """torch.device(device), a CUDA device without an index as the current one ("cuda" -> cuda:0 there):
+    what the tensors made on it report as their device."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    bounds_record(device).raise_recorded()
+    return device
 
 
 @triton.jit
@@ -483,6 +498,8 @@ class AttentionLauncher:
                                  f"got {got} from shape {tuple(t.shape)}")
         if k.shape[seq_dim] != v.shape[seq_dim]:
             raise ValueError(f"v: expected seqlen {k.shape[seq_dim]} (the seqlen of k), got {v.shape[seq_dim]}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_head_span(name, t)
         return seq_dim, head_dim
 
     def named_tensors(self, tensors, device):
@@ -896,20 +913,24 @@ class AttentionLauncher:
     # saved-tensor version check refuses them if they were changed in place since).
     def training_forward(self, q, k, v, layout, dropout_p, seed, tensors, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                          max_seqlen_k):
-        """(out, lse, plan) of a forward whose backward is training_backward(plan, ...): the
-        forward() call without out/lse buffers, knobs or FP8 descales."""
+        """(out, lse, plan, extra) of a forward whose backward is training_backward(plan, ..., extra=extra):
+        the forward() call without out/lse buffers, knobs or FP8 descales. extra: the named tensors'
+        kernel arguments this forward launched with (None without named tensors), runs tables of
+        document ids among them: the backward reuses them rather than searching the ids again (autograd
+        refuses the backward if a saved named tensor was changed in place since)."""
         if self.fp8:
             raise ValueError(f"dtype: FP8 attention ({self.spec['dtype']}) is forward-only; gradients need "
                              "fp16 or bf16 inputs")
         plan = self.forward_call_plan(q, k, v, layout, None, None, None, dropout_p, seed, tensors, cu_seqlens_q,
                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        out, lse = plan(q, k, v, None, None, seed, tensors, cu_seqlens_q, cu_seqlens_k)
-        return out, lse, plan
+        extra = plan.tensor_extra(tensors) if tensors else None
+        out, lse = plan(q, k, v, None, None, seed, tensors, cu_seqlens_q, cu_seqlens_k, extra=extra)
+        return out, lse, plan, extra
 
     def training_backward(self, plan, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, *,
-                          deterministic=False, tensor_grads=()):
+                          deterministic=False, tensor_grads=(), extra=None):
         """backward() of a training_forward() call: the same (dq, dk, dv, {name: grad}). q ... cu_seqlens_k
-        are that call's tensors and outputs, unchanged; plan is the plan it returned."""
+        are that call's tensors and outputs, unchanged; plan and extra are what it returned."""
         key = (tensor_key(do), bool(deterministic), tuple(tensor_grads))
         bplan = plan.backward_plans.get(key)
         if bplan is None:
@@ -918,7 +939,8 @@ class AttentionLauncher:
                                        deterministic, tensors, tuple(tensor_grads), cu_seqlens_q, cu_seqlens_k,
                                        offsets[2], offsets[3], {})
             plan.backward_plans[key] = bplan
-        return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True)
+        return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True,
+                     extra=extra)
 
     def forward_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs):
@@ -938,6 +960,8 @@ class AttentionLauncher:
         if out is not None and (tuple(out.shape) != o_shape or out.dtype != self.out_dtype):
             raise ValueError(f"out: expected shape {o_shape} and dtype {self.out_dtype}, got {tuple(out.shape)} "
                              f"{out.dtype}")
+        if out is not None:
+            check_head_span("out", out)
         if lse is not None and (tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous()):
             raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape}")
         plan = ForwardPlan(self, layout, q, o_shape, lse_shape, seed=self.plan_seed(seed, dropout_p, q.device),
@@ -994,6 +1018,8 @@ class AttentionLauncher:
         else:
             rows = q.shape[0] if layout == "thd" else batch * seqlen_q
             plan.buffers = (num_heads * rows, self.block_dv)
+            # the float32 accumulator's rows: a sequence's row index times BLOCK_DV, 64-bit from 2^31 elements
+            flags["WIDE_ROWS"] = flags["WIDE_ROWS"] or seqlen_q * self.block_dv >= 2**31
             plan.launch = BoundLaunch(self.forward_kernel, (num_heads, batch), dict(flags, **launch))
         return plan
 
@@ -1028,6 +1054,8 @@ class AttentionLauncher:
         if do.shape != out.shape or do.dtype != out.dtype or do.device != out.device:
             raise ValueError(f"do: expected shape {tuple(out.shape)} and dtype {out.dtype} (those of out), "
                              f"got {tuple(do.shape)} {do.dtype}")
+        check_head_span("out", out)
+        check_head_span("do", do)
         cfg = self.knobs(knobs)
         batch, seqlen_q, seqlen_k, total_q, total_k = self.varlen_args(
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim)

@@ -315,9 +315,10 @@ class ForwardPlan(CallPlan):
         self.direct = False  # plain, one pointer-load launch of the Q-outer kernel (set by forward_plan)
 
     def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=(), *, head=None,
-                 launch=None):
+                 launch=None, extra=None):
         """head, launch: the kernel's leading scalars and the bound launch for this call in place of the
-        plan's (a decode-shaped call of another key length: AttentionLauncher.decode_call)."""
+        plan's (a decode-shaped call of another key length: AttentionLauncher.decode_call); extra: the
+        named tensors' arguments, tensor_extra(tensors), where the caller made them."""
         if out is None:
             out = self.new_out()
         if lse is None:
@@ -333,7 +334,8 @@ class ForwardPlan(CallPlan):
             return out, lse
         cu_q, cu_k = self.offset_args(cu_seqlens_q, cu_seqlens_k)
         seed = self.seed_arg(seed)
-        extra = self.tensor_extra(tensors)
+        if extra is None:
+            extra = self.tensor_extra(tensors)
         if self.buffers is not None:  # KV-outer: O, m and l round-trip through memory
             rows, block_dv = self.buffers
             acc = torch.zeros((rows, block_dv), dtype=torch.float32, device=self.device)
@@ -367,7 +369,10 @@ class BackwardPlan(CallPlan):
         self.short = None  # bwd_short: a BoundLaunch of the one-launch backward (no other launch then)
         self.short_head = self.short_tail = ()
 
-    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=False):
+    def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=False,
+                 extra=None):
+        """extra: the named tensors' arguments its forward launched with (AttentionLauncher.training_forward),
+        else made here."""
         if self.plain and self.short is not None:  # dense, no dropout, no named tensors: one launch
             dq, dk, dv = self.gradient_buffers()
             no_offsets = self.no_offsets
@@ -385,7 +390,7 @@ class BackwardPlan(CallPlan):
         seed = self.seed_arg(seed)
         if self.layout == "thd":
             dk.zero_(), dv.zero_()  # keys no query block reaches keep 0
-        extra, grad_args = self.named_args(tensors, grads)
+        extra, grad_args = self.named_args(tensors, grads, extra)
         if self.short is not None:
             self.short(q, k, v, out, do, lse, dk, dv, dq, seed, cu_q, cu_k, *self.short_head, *extra, *grad_args,
                        *self.short_tail)
@@ -417,13 +422,13 @@ class BackwardPlan(CallPlan):
         bench_call_path --diagnose, S=128 / 512)."""
         return self.new_dq(), self.new_dk(), self.new_dv()
 
-    def named_args(self, tensors, grads):
-        """The kernels' arguments for the named tensors, and for the gradient buffers of the float ones
-        (the tensor itself where its gradient is not wanted: never written then)."""
+    def named_args(self, tensors, grads, extra=None):
+        """The kernels' arguments for the named tensors (extra where given), and for the gradient buffers
+        of the float ones (the tensor itself where its gradient is not wanted: never written then)."""
         if not self.named:
             return (), ()
         named = self.launcher.tensor_views(tensors)
-        return (self.launcher.tensor_args(named),
+        return (self.launcher.tensor_args(named) if extra is None else extra,
                 [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors])
 
     @staticmethod

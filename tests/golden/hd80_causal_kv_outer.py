@@ -264,7 +264,7 @@ def _kv_outer_visit(Q, ACC, M, L, k, v, start_m, cols, offs_d, offs_dv,
     row_ok = offs_m < seqlen_q
     q = tl.load(Q + _wide(offs_m, WIDE_ROWS)[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    acc_ptrs = ACC + offs_m[:, None] * BLOCK_DV + offs_dv[None, :]
+    acc_ptrs = ACC + _wide(offs_m, WIDE_ROWS)[:, None] * BLOCK_DV + offs_dv[None, :]
     acc = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0)
     m_i = tl.load(M + offs_m, mask=row_ok, other=float("-inf"))
     l_i = tl.load(L + offs_m, mask=row_ok, other=0.0)
@@ -359,7 +359,7 @@ def _attn_fwd_kv_outer(
     for start_m in range(0, seqlen_q, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seqlen_q
-        acc = tl.load(ACC + offs_m[:, None] * BLOCK_DV + offs_dv[None, :], mask=row_ok[:, None], other=0.0)
+        acc = tl.load(ACC + _wide(offs_m, WIDE_ROWS)[:, None] * BLOCK_DV + offs_dv[None, :], mask=row_ok[:, None], other=0.0)
         m_i = tl.load(M + offs_m, mask=row_ok, other=float("-inf"))
         l_i = tl.load(L + offs_m, mask=row_ok, other=0.0)
         out, lse = _finalize(acc, m_i, l_i)
