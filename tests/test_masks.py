@@ -16,7 +16,7 @@ import triton.language as tl
 import flashgen
 from flashgen import AttentionSpec, KernelConfig, SpecError
 from flashgen.codegen import render
-from flashgen.runtime.host import runs_table
+from flashgen.runtime.host import runs_table, runs_table_fill
 from flashgen.verify import (assert_attention_close, assert_gradients_close, reference_attention,
                              reference_varlen)
 
@@ -769,3 +769,23 @@ def test_a_document_training_step_searches_the_ids_once(device, monkeypatch):
     ids[0, 0] = 5  # the ids the forward saw are gone: its table would be stale
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(out, (q, k, v), do)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+def test_the_runs_table_kernel_answers_as_searchsorted(device, dtype):
+    # runs_table's GPU kernel against torch.searchsorted (the CPU's runs_table): nondecreasing rows and
+    # unsorted ones (the same midpoints give the same answers), a strided view, lengths around its block
+    seed, gen = _seeded()
+    for n in (1, 2, 255, 256, 257, 700):
+        sorted_rows = torch.randint(0, 9, (3, n), generator=gen).sort(dim=1).values
+        unsorted = torch.randint(0, 9, (2, n), generator=gen)
+        strided = torch.randint(0, 5, (n, 2), generator=gen).sort(dim=0).values.t()  # column-major rows
+        for rows in (sorted_rows, unsorted, strided):
+            t = rows.to(dtype).to(device)
+            table = torch.full((2, *t.shape), -1, dtype=torch.int32, device=device)
+            runs_table_fill[(triton.cdiv(n, 256), t.shape[0])](t, table, n, t.stride(0), t.stride(1), n.bit_length(),
+                                                                BLOCK=256)
+            c = t.contiguous()
+            want = torch.stack([torch.searchsorted(c, c, out_int32=True),
+                                torch.searchsorted(c, c, right=True, out_int32=True)])
+            assert torch.equal(table.cpu(), want.cpu()), (seed, n, rows.tolist())
