@@ -789,3 +789,20 @@ def test_the_runs_table_kernel_answers_as_searchsorted(device, dtype):
             want = torch.stack([torch.searchsorted(c, c, out_int32=True),
                                 torch.searchsorted(c, c, right=True, out_int32=True)])
             assert torch.equal(table.cpu(), want.cpu()), (seed, n, rows.tolist())
+
+
+def test_runs_table_serves_any_ids_tensor_twice(device):
+    # host.runs_table as the launchers call it (on a GPU: its kernel through a cached bound launch, so a
+    # second call of one metadata key takes the direct launch): bool, strided, expanded and large int64
+    # ids, each twice, against torch.searchsorted
+    seed, gen = _seeded()
+    base = torch.randint(-2**62, 2**62, (3, 300), generator=gen, dtype=torch.int64).sort(dim=1).values
+    cases = [base, base.to(torch.int32).sort(dim=1).values, (base > 0), base.t().contiguous().t(),
+             base[:1].expand(4, 300), base[:, ::2]]
+    for ids in cases:
+        ids = ids.to(device)
+        c = (ids.to(torch.uint8) if ids.dtype == torch.bool else ids).contiguous()
+        want = torch.stack([torch.searchsorted(c, c, out_int32=True),
+                            torch.searchsorted(c, c, right=True, out_int32=True)])
+        for _ in range(2):
+            assert torch.equal(runs_table(ids), want), (seed, ids.dtype, ids.stride())

@@ -92,3 +92,11 @@ def test_a_head_dim_spanning_2_31_elements_is_refused_by_name(stride, refused):
             host.check_head_span("v", t)
     else:
         host.check_head_span("v", t)
+
+
+def test_a_do_spanning_2_31_elements_is_copied_not_refused():
+    # autograd chooses dO's strides: the launcher copies one whose head dim spans 2^31 elements
+    wide = torch.empty_strided((1, 1, 4, 128), (0, 0, 1, 16909321), device="meta")
+    assert host.head_contiguous(wide).stride() == (512, 512, 128, 1)
+    narrow = torch.empty(1, 1, 4, 128, device="meta")
+    assert host.head_contiguous(narrow) is narrow

@@ -84,6 +84,12 @@ def check_head_span(name, t):
                          f"(the kernels index the head dim in 32 bits); pass {name}.contiguous()")
 
 
+def head_contiguous(t):
+    """t, or a contiguous copy of it where its head dim spans 2^31 elements (check_head_span refuses
+    such a tensor): for dO, whose strides autograd chooses, not the caller."""
+    return t.contiguous() if (t.shape[-1] - 1) * t.stride(-1) >= 2**31 else t
+
+
 def tma_strides_ok(strides, element_size):
     """Whether the copy engine can walk these strides: 16-byte multiples, a contiguous last dim."""
     return (TensorDescriptor is not None and strides[-1] == 1
@@ -392,29 +398,30 @@ def runs_table_fill(T, OUT, n, stride_row, stride_col, steps, BLOCK: tl.constexp
     # the row not below T[row, x] and OUT[1, row, x] = the first above it: torch.searchsorted's left and
     # right binary searches over the whole row (`steps` halvings: n.bit_length()), the same midpoints,
     # so the same answers on any row (a run's bounds on a nondecreasing one).
-    row = tl.program_id(1)
+    # (runs_table passes rows whose (n - 1) * stride_col stays below 2^31: the column offsets are 32-bit)
+    row = tl.program_id(1).to(tl.int64)
     x = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = x < n
-    base = T + row.to(tl.int64) * stride_row
+    base = T + row * stride_row
     value = tl.load(base + x * stride_col, mask=ok, other=0)
     lo = tl.zeros([BLOCK], tl.int32)
     hi = lo + n
     lo2 = lo
     hi2 = hi
     for _ in range(steps):
-        mid = (lo + hi) >> 1
+        mid = lo + ((hi - lo) >> 1)
         go = ok & (lo < hi)
         below = tl.load(base + mid * stride_col, mask=go, other=0) < value
         lo = tl.where(go & below, mid + 1, lo)
         hi = tl.where(go & ~below, mid, hi)
-        mid2 = (lo2 + hi2) >> 1
+        mid2 = lo2 + ((hi2 - lo2) >> 1)
         go2 = ok & (lo2 < hi2)
         not_above = tl.load(base + mid2 * stride_col, mask=go2, other=0) <= value
         lo2 = tl.where(go2 & not_above, mid2 + 1, lo2)
         hi2 = tl.where(go2 & ~not_above, mid2, hi2)
     out = OUT + row * n + x
     tl.store(out, lo, mask=ok)
-    tl.store(out + tl.num_programs(1) * n, lo2, mask=ok)
+    tl.store(out + tl.num_programs(1).to(tl.int64) * n, lo2, mask=ok)
 
 
 RUNS_LAUNCHES = {}  # (the ids' metadata) -> BoundLaunch of runs_table_fill
@@ -429,6 +436,8 @@ def runs_table(t):
     On a GPU one launch of runs_table_fill (the two searchsorted calls and the copy to contiguous
     rows were three launches: 23-26 us of an H200 host's 87 us per documents forward)."""
     rows = t.to(torch.uint8) if t.dtype == torch.bool else t
+    if (rows.shape[1] - 1) * abs(rows.stride(1)) >= 2**31:  # a view whose column offsets pass 32 bits
+        rows = rows.contiguous()
     table = torch.empty((2, *rows.shape), dtype=torch.int32, device=rows.device)
     if rows.device.type != "cuda":
         rows = rows.contiguous()
@@ -980,6 +989,7 @@ class AttentionLauncher:
                           deterministic=False, tensor_grads=(), extra=None):
         """backward() of a training_forward() call: the same (dq, dk, dv, {name: grad}). q ... cu_seqlens_k
         are that call's tensors and outputs, unchanged; plan and extra are what it returned."""
+        do = head_contiguous(do)
         key = (tensor_key(do), bool(deterministic), tuple(tensor_grads))
         bplan = plan.backward_plans.get(key)
         if bplan is None:
@@ -1085,6 +1095,8 @@ class AttentionLauncher:
         if self.fp8:
             raise ValueError(f"dtype: FP8 attention ({self.spec['dtype']}) is forward-only; gradients need "
                              "fp16 or bf16 inputs")
+        if isinstance(do, torch.Tensor):
+            do = head_contiguous(do)
         key = self.plan_key(("bwd", layout, softmax_scale, dropout_p, bool(deterministic), tuple(tensor_grads),
                              max_seqlen_q, max_seqlen_k),
                             (q, k, v, do, out, lse, seed, cu_seqlens_q, cu_seqlens_k), tensors, knobs)
