@@ -78,7 +78,7 @@ class AttentionKernel:
     def kernel_id(self, config: KernelConfig | None = None) -> str:
         """The id the custom ops take for this spec with this config (self-describing: see ops.kernel_id)."""
         config = config if config is not None else self.config
-        kid = self._ids.get(config)
+        kid = self._ids.get(_check_config(config))
         if kid is None:
             kid = self._ids[config] = ops.kernel_id(self.spec, config)
         return kid
@@ -186,10 +186,17 @@ class AttentionKernel:
         return f"AttentionKernel({self.spec.uri}, {self.config})"
 
 
+def _check_config(config):
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: expected a flashgen.KernelConfig (KernelConfig(**knobs) or KernelConfig.from_dict), "
+                        f"got {type(config).__name__}")
+    return config
+
+
 def compile_spec(spec: AttentionSpec | str, config: KernelConfig | None = None) -> AttentionKernel:
     """Compile a spec (an AttentionSpec, a YAML path or a dict) into a callable kernel
     (``flashgen.compile``)."""
-    return _compiled(AttentionSpec.coerce(spec), config)
+    return _compiled(AttentionSpec.coerce(spec), None if config is None else _check_config(config))
 
 
 @lru_cache(maxsize=256)

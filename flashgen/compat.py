@@ -13,13 +13,29 @@ combination of these arguments compiles one flashgen spec (cached).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .api import attention, attention_varlen, spec_for
 
 
+def _window(window_size):
+    """(left, right) of flash-attn's window_size: two ints, a negative one unbounded (-1)."""
+    if window_size is None:
+        return -1, -1
+    try:
+        if isinstance(window_size, (str, bytes)) or len(window_size) != 2 or any(isinstance(w, bool) for w in window_size):
+            raise TypeError
+        left, right = (operator.index(w) for w in window_size)
+    except TypeError:
+        raise ValueError(f"window_size: expected (left, right), two ints (negative: unbounded), got {window_size!r}") \
+            from None
+    return max(left, -1), max(right, -1)
+
+
 def _variant(causal, window_size, softcap, alibi_slopes):
-    left, right = (int(window_size[0]), int(window_size[1])) if window_size is not None else (-1, -1)
+    left, right = _window(window_size)
     if causal:
         right = 0
     mask = None
@@ -31,6 +47,9 @@ def _variant(causal, window_size, softcap, alibi_slopes):
         mods.append({"softcap": {"cap": float(softcap)}})
     tensors = {}
     if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes: expected a float32 tensor (heads,) or (batch, heads), got "
+                            f"{type(alibi_slopes).__name__}")
         if alibi_slopes.dtype != torch.float32 or alibi_slopes.dim() not in (1, 2):
             raise ValueError(f"alibi_slopes: expected a float32 tensor (heads,) or (batch, heads), got "
                              f"{tuple(alibi_slopes.shape)} {alibi_slopes.dtype}")

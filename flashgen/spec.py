@@ -42,6 +42,8 @@ _DTYPE_ALIASES = {
 }
 TARGETS = ("auto", "h100", "h200", "a100", "l40s", "l4", "a10g", "rtx4090", "rtx3090", "cpu")
 MAX_HEAD_DIM = 256
+# the largest softmax_scale whose base-2 form (scale x log2(e), what the kernels take) fits float32
+SCALE_LIMIT = 3.4028234663852886e38 / 1.4426950408889634
 MAX_NAME_LENGTH = 100  # the name starts spec.uri, which names files: keep it far below 255 bytes
 # spec.uri names cache files, tuner studies and database rows (256 characters at most), and an
 # or-tree of masks grows it without bound: past MAX_URI_LENGTH it keeps a readable prefix and
@@ -364,8 +366,9 @@ class AttentionSpec:
             masks.lower(self.mask_node, self.score_mod)  # refuses what could not be generated
         if self.softmax_scale is not None:
             scale = _check_float("softmax_scale", self.softmax_scale)
-            if scale <= 0:
-                raise SpecError("softmax_scale", "expected a positive number", self.softmax_scale)
+            if not 0 < scale <= SCALE_LIMIT:  # (the kernels take scale x log2(e) in float32)
+                raise SpecError("softmax_scale", f"expected a positive number of at most {SCALE_LIMIT:.4g}",
+                                self.softmax_scale)
             set_("softmax_scale", scale)
         p = _check_float("dropout_p", self.dropout_p)
         if not 0.0 <= p < 1.0:

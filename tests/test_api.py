@@ -168,3 +168,60 @@ def test_eager_backward_is_once_differentiable():
     # the usual backward (grad mode off inside it): plain gradients
     (dq2,) = torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q,), w.detach())
     assert not dq2.requires_grad and torch.equal(dq.detach(), dq2)
+
+
+def test_a_backward_checks_out_and_lse_by_name():
+    # a wrong lse crashed the process (the kernels read past it) or gave wrong gradients silently
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, backward=True)
+    module = flashgen.compile(spec).module()
+    q = torch.randn(1, 2, 12, 16, device=DEVICE)
+    out, lse = module.forward(q, q, q)
+    do = torch.randn_like(out)
+    for bad, message in ((torch.empty(1, device=DEVICE), r"lse: expected a contiguous float32 tensor of shape \(1, 2, 12\)"),
+                         (lse.int(), r"lse: expected a contiguous float32 tensor of shape \(1, 2, 12\)"),
+                         (None, "lse: expected a torch.Tensor, got None")):
+        with pytest.raises((ValueError, TypeError), match="^" + message):
+            module.backward(do, q, q, q, out, bad)
+    with pytest.raises(ValueError, match=r"^out: expected shape \(1, 2, 12, 16\)"):
+        module.backward(do[..., :8], q, q, q, out[..., :8], lse)
+    module.backward(do, q, q, q, out, lse)
+
+
+def test_packed_calls_refuse_impossible_longest_lengths():
+    q = torch.randn(20, 2, 16, device=DEVICE, dtype=torch.float16)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEVICE)
+    # 0 with tokens in the sequences: the offsets check still runs (before: uninitialized rows came back)
+    with pytest.raises(ValueError, match=r"^max_seqlen_q: expected at least the longest sequence \(13 tokens"):
+        flashgen.attention_varlen(q, q, q, cu, cu, 0, 13)
+    # past every token: refused (before: a grid that long, minutes of empty programs at 10**12)
+    with pytest.raises(ValueError, match=r"^max_seqlen_k: expected at most the 20 tokens of k, got 10000"):
+        flashgen.attention_varlen(q, q, q, cu, cu, 13, 10**4)
+
+
+@pytest.mark.parametrize("scale", [1e39, 3e38, float("inf"), -1.0, 0.0])
+def test_a_softmax_scale_past_float32_is_refused(scale):
+    q = torch.randn(1, 2, 8, 16, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"softmax_scale'?: expected a (positive|finite) number"):
+        flashgen.attention(q, q, q, softmax_scale=scale)
+    module = flashgen.compile(AttentionSpec(head_dim=16, num_heads=2)).module()
+    with pytest.raises(ValueError, match="^softmax_scale: expected a positive number of at most 2.359e"):
+        module.forward(q, q, q, softmax_scale=scale)
+
+
+@pytest.mark.parametrize("config", ["x", {"BLOCK_M": 16}, 3])
+def test_a_config_that_is_not_a_kernel_config_is_refused_by_name(config):
+    q = torch.randn(1, 2, 8, 16, device=DEVICE, dtype=torch.float16)
+    spec = AttentionSpec(head_dim=16, num_heads=2)
+    for call in (lambda: flashgen.attention(q, q, q, config=config), lambda: flashgen.compile(spec, config),
+                 lambda: flashgen.compile(spec)(q, q, q, config=config)):
+        with pytest.raises(TypeError, match="^config: expected a flashgen.KernelConfig"):
+            call()
+
+
+@pytest.mark.parametrize("window_size", [(3,), (float("inf"), 0), 5, ("a", 1), (1.5, 2), (True, 0)])
+def test_a_malformed_window_size_is_refused_by_name(window_size):
+    from flashgen.compat import flash_attn_func
+
+    q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^window_size: expected \(left, right\), two ints"):
+        flash_attn_func(q, q, q, window_size=window_size)

@@ -195,7 +195,7 @@ def test_varlen_offsets_are_checked_unless_the_host_cannot_read_them(monkeypatch
     with pytest.raises(ValueError, match="cu_seqlens_k: expected offsets within the 12 tokens of k, got last offset 40"):
         launcher.check_offsets(good, bad, 12, 12, 7, 35)
     # A planned call checks the offsets' values on every call, not only on its first.
-    kw = dict(layout="thd", cu_seqlens_q=good, max_seqlen_q=7, max_seqlen_k=35)
+    kw = dict(layout="thd", cu_seqlens_q=good, max_seqlen_q=7, max_seqlen_k=12)
     launcher.forward(q, k, k.new_empty(12, 2, 40), cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32), **kw)
     with pytest.raises(ValueError, match="cu_seqlens_k: expected offsets within the 12 tokens of k"):
         launcher.forward(q, k, k.new_empty(12, 2, 40), cu_seqlens_k=bad, **kw)

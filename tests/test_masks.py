@@ -806,3 +806,31 @@ def test_runs_table_serves_any_ids_tensor_twice(device):
                             torch.searchsorted(c, c, right=True, out_int32=True)])
         for _ in range(2):
             assert torch.equal(runs_table(ids), want), (seed, ids.dtype, ids.stride())
+
+
+@pytest.mark.parametrize("kw, message", [
+    # the kernels clamp every index into its tensor: a short tensor would repeat its last element silently
+    (dict(mask={"document": {}}, document_ids=torch.zeros(5, dtype=torch.int32)),
+     r"document_ids: expected size at least 12 \(seqlen_k 12, seqlen_q 12\) or 1 in dim 0, got shape \(5,\)"),
+    (dict(mask={"document": {}}, document_ids=torch.zeros(3, 12, dtype=torch.int32)),
+     r"document_ids: expected size 2 \(the batch\) or 1 in dim 0, got shape \(3, 12\)"),
+    (dict(score_mod={"alibi": {}}, alibi_slopes=torch.ones(3)),
+     r"alibi_slopes: expected size 2 \(the query heads\) or 1 in dim 0, got shape \(3,\)"),
+    (dict(mask="d[q_idx] >= d[kv_idx]", d=torch.zeros(11)),
+     r"d: expected size at least 12 \(seqlen_k 12, seqlen_q 12\) or 1 in dim 0, got shape \(11,\)"),
+])
+def test_a_named_tensor_shorter_than_its_indices_is_refused_by_name(device, kw, message):
+    q = torch.randn(2, 2, 12, 16).to(device=device, dtype=torch.float16)
+    tensors = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    with pytest.raises(ValueError, match="^" + message):
+        flashgen.attention(q, q, q, **tensors)
+
+
+def test_named_tensors_that_fit_or_broadcast_run(device):
+    # sizes the rule accepts: 1 (broadcast), exact, and longer than the sequence along q_idx/kv_idx
+    seed, gen = _seeded()
+    q, k, v = _qkv(gen, 2, 2, 2, 12, 12, 16, torch.float16, device)
+    for d in (torch.zeros(1), torch.arange(12.0), torch.arange(20.0)):
+        d = d.to(device)
+        out = flashgen.attention(q, k, v, mask="d[q_idx] >= d[kv_idx]", d=d)
+        assert_attention_close(out, None, q, k, v, mask="d[q_idx] >= d[kv_idx]", tensors={"d": d}, causal=False)

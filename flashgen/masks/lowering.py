@@ -28,6 +28,30 @@ class NamedTensor:
     name: str
     rank: int  # how many indices the expressions use
     grad: bool  # read by the score modifier: gradients flow into it when it is a float tensor
+    # per dimension, the call sizes it must have (or 1, broadcast): "batch", "heads", "seqlen_q", "seqlen_k",
+    # where every index of that dimension is the plain b, h, q_idx or kv_idx; () where one is an expression
+    # (its indices are clamped into the tensor: no size is implied)
+    sizes: tuple = ()
+
+
+SIZE_OF_VAR = {"b": "batch", "h": "heads", "q_idx": "seqlen_q", "kv_idx": "seqlen_k"}
+
+
+def _index_sizes(exprs, rank: dict) -> dict:
+    """{tensor: per dimension, the sorted call sizes its plain-variable indices imply, or () (see NamedTensor)}."""
+    found: dict = {}
+    for expr in exprs:
+        for n in walk(expr):
+            if isinstance(n, Load):
+                dims = found.setdefault(n.tensor, [set() for _ in range(rank[n.tensor])])
+                for d, index in enumerate(n.index):
+                    if dims[d] is None:
+                        continue
+                    if isinstance(index, Var) and index.name in SIZE_OF_VAR:
+                        dims[d].add(SIZE_OF_VAR[index.name])
+                    else:
+                        dims[d] = None
+    return {name: tuple(tuple(sorted(d)) if d else () for d in dims) for name, dims in found.items()}
 
 
 @dataclass(frozen=True)
@@ -119,8 +143,10 @@ def lower(mask: MaskNode | None, score_mod: ScoreModNode | None) -> Lowered:
     mask_tensors = tensors_of(pred) if pred is not None else {}
     score_tensors = tensors_of(score) if score is not None else {}
     _check_tensors(mask_tensors, score_tensors)
-    tensors = tuple(NamedTensor(n, mask_tensors.get(n, score_tensors.get(n)), n in score_tensors)
-                    for n in sorted(set(mask_tensors) | set(score_tensors)))
+    ranks = {**mask_tensors, **score_tensors}
+    sizes = _index_sizes([e for e in (pred, score) if e is not None], ranks)
+    tensors = tuple(NamedTensor(n, ranks[n], n in score_tensors, sizes.get(n, ()))
+                    for n in sorted(ranks))
     score_derivative, grad_sites = None, ()
     if score is not None:
         score_derivative = derivative(score, Var("score"))

@@ -57,7 +57,7 @@ import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
 from flashgen.runtime.host import AttentionLauncher, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
-from flashgen.runtime.host import padded_head_dim, sm_count  # standalone: host.py precedes
+from flashgen.runtime.host import check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
 from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
@@ -611,7 +611,7 @@ class DecodeLauncher:
         seqlen_add = 0 if k is None else k.shape[1]
         plan = self.plan(batch, seqlen_q, capacity, q.device, knobs, page_size if paged else None,
                          k_cache.dtype.itemsize)
-        scale = spec["softmax_scale"] if softmax_scale is None else float(softmax_scale)
+        scale = spec["softmax_scale"] if softmax_scale is None else check_softmax_scale(softmax_scale)
         out_strides = out.stride() if out is not None else (seqlen_q * num_heads * dv, num_heads * dv, dv, 1)
         write_lse = lse is not None or bool(return_lse)
         rows = batch * seqlen_q * num_heads

@@ -84,6 +84,19 @@ def check_head_span(name, t):
                          f"(the kernels index the head dim in 32 bits); pass {name}.contiguous()")
 
 
+SCALE_LIMIT = 3.4028234663852886e38 / 1.4426950408889634  # the largest scale whose base-2 form fits float32
+
+
+def check_softmax_scale(scale):
+    """A call's softmax_scale (None: the spec's) as a float, refused unless positive and small enough for the
+    kernels' float32 scale in base 2 (scale x log2(e)): a larger one turns every score infinite."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= SCALE_LIMIT:
+        raise ValueError(f"softmax_scale: expected a positive number of at most {SCALE_LIMIT:.4g}, got {scale!r}")
+    return float(scale)
+
+
 def head_contiguous(t):
     """t, or a contiguous copy of it where its head dim spans 2^31 elements (check_head_span refuses
     such a tensor): for dO, whose strides autograd chooses, not the caller."""
@@ -485,7 +498,7 @@ class AttentionLauncher:
 
     def __init__(self, *, spec, config, forward_kernel, preprocess_kernel, dkdv_kernel, dq_kernel,
                  tensor_ranks=None, grad_tensors=(), runs_tensors=(), block_map_kernel=None, map_uses_batch=False,
-                 map_uses_head=False, keep_mask_kernel=None, same_seqlen=False, short_kernel=None):
+                 map_uses_head=False, keep_mask_kernel=None, same_seqlen=False, short_kernel=None, tensor_sizes=None):
         version = tuple(int(part) for part in triton.__version__.split(".")[:2])
         if version < MIN_TRITON:
             raise ImportError(f"triton: this module needs triton >= {'.'.join(map(str, MIN_TRITON))}, "
@@ -505,6 +518,8 @@ class AttentionLauncher:
         self.short_kernel = short_kernel
         self.tensor_ranks = dict(tensor_ranks or {})
         self.tensor_names = list(self.tensor_ranks)
+        # {name: per dimension, the call sizes its plain b/h/q_idx/kv_idx indices imply} (masks.lowering.NamedTensor)
+        self.tensor_sizes = {name: sizes for name, sizes in (tensor_sizes or {}).items() if any(sizes)}
         self.grad_tensors = list(grad_tensors)
         self.runs_tensors = frozenset(runs_tensors)
         self.block_map_kernel = block_map_kernel
@@ -559,6 +574,29 @@ class AttentionLauncher:
         for name, t in (("q", q), ("k", k), ("v", v)):
             check_head_span(name, t)
         return seq_dim, head_dim
+
+    def check_tensor_sizes(self, tensors, named, batch, seqlen_q, seqlen_k):
+        """Refuse a named tensor too small for the indices the expressions give it (the kernels clamp each
+        index into its tensor, so a short one would repeat its last element): a dimension indexed by b or h
+        holds the batch or the query heads (or is 1: broadcast), one indexed by q_idx or kv_idx at least
+        the sequence's length (packed sequences: the longest). tensors: as passed; named: their views."""
+        calls = {"batch": batch, "heads": self.num_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+        for name, sizes in self.tensor_sizes.items():
+            view, given = named[name], tensors[name]
+            skipped = view.dim() - given.dim()  # leading dims the view added (broadcast)
+            for d, names in enumerate(sizes):
+                size = view.shape[d]
+                if not names or size == 1:
+                    continue
+                exact = names[0] in ("batch", "heads")
+                need = calls[names[0]] if exact else max(calls[n] for n in names)
+                if size != need if exact else size < need:
+                    if exact:
+                        rule = f"{need} (the {'batch' if names[0] == 'batch' else 'query heads'})"
+                    else:
+                        rule = f"at least {need} ({', '.join(f'{n} {calls[n]}' for n in names)})"
+                    raise ValueError(f"{name}: expected size {rule} or 1 in dim {d - skipped}, got shape "
+                                     f"{tuple(given.shape)}")
 
     def named_tensors(self, tensors, device):
         """The named tensors, each viewed with the rank the expressions index it with
@@ -697,9 +735,11 @@ class AttentionLauncher:
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.numel()} offsets (as cu_seqlens_q), "
                              f"got {cu_seqlens_k.numel()}")
-        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        for name, m, tokens in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
             if isinstance(m, bool) or not isinstance(m, int) or m < 0:
                 raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
+            if m > tokens:  # no sequence is longer than all the tokens (the grid is sized by it)
+                raise ValueError(f"{name}: expected at most the {tokens} tokens of {name[-1]}, got {m}")
         if self.block_map_kernel is not None or self.same_seqlen:
             raise ValueError("layout: packed sequences ('thd') are not supported with this mask "
                              "(block maps and document masks are per dense batch); use a dense batch")
@@ -1001,35 +1041,47 @@ class AttentionLauncher:
         return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True,
                      extra=extra)
 
+    def check_outputs(self, layout, q, batch, seqlen_q, out, lse):
+        """(out's shape, lse's shape) of a call, after checking the out and lse given (None: allocated)."""
+        num_heads, dv = self.num_heads, self.spec["head_dim_v"]
+        o_shape = {"bhsd": (batch, num_heads, seqlen_q, dv), "bshd": (batch, seqlen_q, num_heads, dv),
+                   "thd": (q.shape[0], num_heads, dv)}[layout]
+        lse_shape = (num_heads, q.shape[0]) if layout == "thd" else (batch, num_heads, seqlen_q)
+        for name, t in (("out", out), ("lse", lse)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if out is not None:
+            if tuple(out.shape) != o_shape or out.dtype != self.out_dtype or out.device != q.device:
+                raise ValueError(f"out: expected shape {o_shape}, dtype {self.out_dtype} and device {q.device}, got "
+                                 f"{tuple(out.shape)} {out.dtype} {out.device}")
+            check_head_span("out", out)
+        if lse is not None and (tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous()
+                                or lse.device != q.device):
+            raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape} on {q.device}, got "
+                             f"{tuple(lse.shape)} {lse.dtype} {lse.device}")
+        return o_shape, lse_shape
+
     def forward_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs):
         """Check a forward call and work out its launch: a ForwardPlan."""
         seq_dim, _ = self.check_inputs(q, k, v, layout)
+        check_softmax_scale(softmax_scale)
         cfg = self.knobs(knobs)
         batch, seqlen_q, seqlen_k, total_q, total_k = self.varlen_args(
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim)
         if self.same_seqlen and seqlen_q != seqlen_k:
             raise ValueError(f"k: a document mask needs seqlen_k == seqlen_q ({seqlen_q}), got {seqlen_k}")
         named = self.named_tensors(tensors, q.device)
+        self.check_tensor_sizes(tensors, named, batch, seqlen_q, seqlen_k)
         num_heads = self.num_heads
-        dv = self.spec["head_dim_v"]
-        o_shape = {"bhsd": (batch, num_heads, seqlen_q, dv), "bshd": (batch, seqlen_q, num_heads, dv),
-                   "thd": (q.shape[0], num_heads, dv)}[layout]
-        lse_shape = (num_heads, q.shape[0]) if layout == "thd" else (batch, num_heads, seqlen_q)
-        if out is not None and (tuple(out.shape) != o_shape or out.dtype != self.out_dtype):
-            raise ValueError(f"out: expected shape {o_shape} and dtype {self.out_dtype}, got {tuple(out.shape)} "
-                             f"{out.dtype}")
-        if out is not None:
-            check_head_span("out", out)
-        if lse is not None and (tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous()):
-            raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape}")
+        o_shape, lse_shape = self.check_outputs(layout, q, batch, seqlen_q, out, lse)
         plan = ForwardPlan(self, layout, q, o_shape, lse_shape, seed=self.plan_seed(seed, dropout_p, q.device),
                            offsets=(total_q, total_k, max_seqlen_q, max_seqlen_k) if layout == "thd" else None)
         plan.softmax_scale, plan.dropout_p = softmax_scale, dropout_p  # what training_backward plans with
-        if batch * num_heads * seqlen_q == 0:
+        if layout == "thd" and (seqlen_q == 0 or seqlen_k == 0):
+            plan.zero_fill = True  # (its calls still check the offsets: a longer sequence than max_seqlen raises)
             return plan
-        if layout == "thd" and seqlen_k == 0:
-            plan.zero_fill = True
+        if batch * num_heads * seqlen_q == 0:
             return plan
         scale = self.spec["softmax_scale"] if softmax_scale is None else softmax_scale
         launch = self.launch_knobs(cfg, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -1112,15 +1164,22 @@ class AttentionLauncher:
                       tensor_grads, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs):
         """Check a backward call and work out its launches: a BackwardPlan."""
         seq_dim, _ = self.check_inputs(q, k, v, layout)
-        if do.shape != out.shape or do.dtype != out.dtype or do.device != out.device:
-            raise ValueError(f"do: expected shape {tuple(out.shape)} and dtype {out.dtype} (those of out), "
-                             f"got {tuple(do.shape)} {do.dtype}")
-        check_head_span("out", out)
-        check_head_span("do", do)
+        check_softmax_scale(softmax_scale)
         cfg = self.knobs(knobs)
         batch, seqlen_q, seqlen_k, total_q, total_k = self.varlen_args(
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim)
+        for name, t in (("out", out), ("lse", lse), ("do", do)):
+            if t is None:  # the forward's outputs and dO: all needed
+                raise TypeError(f"{name}: expected a torch.Tensor, got None")
+        self.check_outputs(layout, q, batch, seqlen_q, out, lse)
+        if not isinstance(do, torch.Tensor):
+            raise TypeError(f"do: expected a torch.Tensor, got {type(do).__name__}")
+        if do.shape != out.shape or do.dtype != out.dtype or do.device != out.device:
+            raise ValueError(f"do: expected shape {tuple(out.shape)} and dtype {out.dtype} (those of out), "
+                             f"got {tuple(do.shape)} {do.dtype}")
+        check_head_span("do", do)
         named = self.named_tensors(tensors, q.device)
+        self.check_tensor_sizes(tensors, named, batch, seqlen_q, seqlen_k)
         for name in tensor_grads:
             if name not in self.grad_tensors:
                 raise ValueError(f"tensor_grads: {name!r} is not a float tensor read by the score_mod "

@@ -329,7 +329,8 @@ class ForwardPlan(CallPlan):
                                     *(self.head if head is None else head), *self.tail)
             return out, lse
         if self.launch is None:
-            if self.zero_fill:
+            if self.zero_fill:  # packed sequences without queries or keys (their offsets checked all the same)
+                self.offset_args(cu_seqlens_q, cu_seqlens_k)
                 out.zero_(), lse.fill_(float("-inf"))
             return out, lse
         cu_q, cu_k = self.offset_args(cu_seqlens_q, cu_seqlens_k)
@@ -384,6 +385,7 @@ class BackwardPlan(CallPlan):
                  for name, shape in self.grads.items()} if self.grads else None
         dq, dk, dv = self.gradient_buffers()
         if self.dkdv is None:
+            self.offset_args(cu_seqlens_q, cu_seqlens_k, offsets_checked)
             dq.zero_(), dk.zero_(), dv.zero_()
             return self.result(dq, dk, dv, grads, tensors)
         cu_q, cu_k = self.offset_args(cu_seqlens_q, cu_seqlens_k, offsets_checked)

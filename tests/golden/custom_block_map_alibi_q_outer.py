@@ -55,6 +55,8 @@ CONFIG = {
 TENSORS = ['keep', 'slopes']  # named tensors a call passes by keyword
 TENSOR_RANKS = {"keep": 2, "slopes": 2}
 GRAD_TENSORS = ['slopes']  # float tensors gradients flow into
+# per named tensor and dimension, the call sizes its plain b/h/q_idx/kv_idx indices imply (host's check_tensor_sizes)
+TENSOR_SIZES = {"keep": [["batch"], ["seqlen_k"]], "slopes": [["batch"], ["heads"]]}
 BLOCK_MAP = True
 
 # The spec's constants, read by the kernels as compile-time globals (tile sizes, warps and
@@ -1033,6 +1035,7 @@ _LAUNCHER = AttentionLauncher(
     dkdv_kernel=_attn_bwd_dkdv,
     dq_kernel=_attn_bwd_dq,
     tensor_ranks=TENSOR_RANKS,
+    tensor_sizes=TENSOR_SIZES,
     grad_tensors=GRAD_TENSORS,
     block_map_kernel=_block_map_kernel,
     map_uses_batch=True,  # the map differs per batch element

@@ -56,6 +56,8 @@ CONFIG = {
 TENSORS = ['doc']  # named tensors a call passes by keyword
 TENSOR_RANKS = {"doc": 2}
 GRAD_TENSORS = []  # float tensors gradients flow into
+# per named tensor and dimension, the call sizes its plain b/h/q_idx/kv_idx indices imply (host's check_tensor_sizes)
+TENSOR_SIZES = {"doc": [["batch"], ["seqlen_k", "seqlen_q"]]}
 RUNS_TENSORS = ['doc']  # sorted tensors the kernels also read as runs tables (host.runs_table)
 BLOCK_MAP = False
 
@@ -1065,6 +1067,7 @@ _LAUNCHER = AttentionLauncher(
     dkdv_kernel=_attn_bwd_dkdv,
     dq_kernel=_attn_bwd_dq,
     tensor_ranks=TENSOR_RANKS,
+    tensor_sizes=TENSOR_SIZES,
     grad_tensors=GRAD_TENSORS,
     runs_tensors=RUNS_TENSORS,
     keep_mask_kernel=_dropout_mask_kernel,

@@ -53,6 +53,8 @@ CONFIG = {
 TENSORS = []  # named tensors a call passes by keyword
 TENSOR_RANKS = {}
 GRAD_TENSORS = []  # float tensors gradients flow into
+# per named tensor and dimension, the call sizes its plain b/h/q_idx/kv_idx indices imply (host's check_tensor_sizes)
+TENSOR_SIZES = {}
 BLOCK_MAP = False
 
 # The spec's constants, read by the kernels as compile-time globals (tile sizes, warps and
@@ -1023,6 +1025,7 @@ _LAUNCHER = AttentionLauncher(
     dkdv_kernel=_attn_bwd_dkdv,
     dq_kernel=_attn_bwd_dq,
     tensor_ranks=TENSOR_RANKS,
+    tensor_sizes=TENSOR_SIZES,
     grad_tensors=GRAD_TENSORS,
     same_seqlen=False,  # a document mask indexes one id tensor by query and key
 )
