@@ -57,6 +57,11 @@ def hopper_ws_smem(spec: AttentionSpec, block_m: int, block_n: int, num_stages: 
     return ring + tma_store * 2 * block_m * bdv + HOPPER_SMEM_RESERVE
 
 
+def _int(value) -> bool:
+    """A knob's value is an int (not a bool, not a float equal to one: 16.0 would reach the kernels)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     # forward
@@ -155,17 +160,17 @@ class KernelConfig:
     def __post_init__(self):
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"):
             value = getattr(self, name)
-            if name == "BLOCK_M" and value == 192 and self.family == "hopper_ws":
+            if name == "BLOCK_M" and _int(value) and value == 192 and self.family == "hopper_ws":
                 continue  # three 64-row consumers (the family's check below)
-            if isinstance(value, bool) or value not in _BLOCKS:
+            if not _int(value) or value not in _BLOCKS:
                 raise ConfigError(f"config knob '{name}': expected one of {_BLOCKS}, got {value!r}")
         for name in ("num_warps", "bwd_num_warps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or value not in _WARPS:
+            if not _int(value) or value not in _WARPS:
                 raise ConfigError(f"config knob '{name}': expected one of {_WARPS}, got {value!r}")
         for name in ("num_stages", "bwd_num_stages"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 8:
+            if not _int(value) or not 1 <= value <= 8:
                 raise ConfigError(f"config knob '{name}': expected an integer from 1 to 8, got {value!r}")
         for name in ("tma", "warp_specialize", "bwd_tma", "bwd_fused_delta", "hopper_bwd", "bwd_dq_heavy_first",
                      "bwd_heavy_first", "hopper_overlap", "hopper_pingpong", "bwd_short", "hopper_persistent",
@@ -200,7 +205,7 @@ class KernelConfig:
         for name in ("hopper_persistent", "hopper_tma_store"):
             if getattr(self, name) and self.family != "hopper_ws":
                 raise ConfigError(f"config knob '{name}': needs family 'hopper_ws', got {self.family!r}")
-        if isinstance(self.hopper_regs, bool) or self.hopper_regs not in HOPPER_REGS:
+        if not _int(self.hopper_regs) or self.hopper_regs not in HOPPER_REGS:
             raise ConfigError(f"config knob 'hopper_regs': expected one of {HOPPER_REGS}, got {self.hopper_regs!r}")
         if self.family == "hopper_ws":
             for name, allowed in (("BLOCK_M", HOPPER_BLOCK_M), ("BLOCK_N", HOPPER_BLOCK_N),
@@ -211,7 +216,7 @@ class KernelConfig:
             if self.loop_order != "q_outer":
                 raise ConfigError(f"config knob 'family': 'hopper_ws' replaces the q_outer forward, got "
                                   f"loop_order={self.loop_order!r}")
-        if isinstance(self.bwd_persistent, bool) or self.bwd_persistent not in PERSISTENT:
+        if not _int(self.bwd_persistent) or self.bwd_persistent not in PERSISTENT:
             raise ConfigError(f"config knob 'bwd_persistent': expected one of {PERSISTENT} (0 = off), "
                               f"got {self.bwd_persistent!r}")
 

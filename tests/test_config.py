@@ -192,3 +192,12 @@ def test_gpu_bucket_defaults_match_reference_bf16(fields, seqlen, head_dim):
     config = default_config(spec, seqlen=seqlen)
     check_variant("cuda", **fields, tensors=tensors, sq=1500, sk=1500, dtype="bf16", heads=(8, 2), d=head_dim,
                   config=config, dq_strategy=config.dq_strategy, loop_order=config.loop_order)
+
+
+@pytest.mark.parametrize("knobs", [dict(BLOCK_N=16.0), dict(num_warps=4.0), dict(bwd_persistent=1.0),
+                                   dict(num_stages=2.0), dict(hopper_regs=240.0)])
+def test_a_float_knob_equal_to_an_allowed_int_is_refused(knobs):
+    # 16.0 == 16 passed the membership test, then reached the kernels as a float
+    name = next(iter(knobs))
+    with pytest.raises(ValueError, match=f"^config knob '{name}': expected"):
+        KernelConfig(**knobs)

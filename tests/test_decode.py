@@ -969,3 +969,15 @@ def test_read_launches_as_decode_does(device, misaligned):
     pairs, what = _read_and_decode(device, (37, 38, 64, 65, 20, 80, 37), misaligned)
     for n, ((out, lse), (out_d, lse_d)) in zip((37, 38, 64, 65, 20, 80, 37), pairs):
         assert torch.equal(out, out_d) and torch.equal(lse, lse_d), f"{what} length {n}"
+
+
+@pytest.mark.parametrize("batch, seqlen_q", [(2, 0), (0, 1)])
+def test_a_decode_with_no_queries_returns_an_empty_output(device, batch, seqlen_q):
+    # (the split heuristic divided by its zero rows: ZeroDivisionError)
+    from flashgen.compat import flash_attn_with_kvcache
+
+    k_cache = torch.randn(batch, 32, 1, 16).to(device=device, dtype=torch.float16)
+    q = torch.randn(batch, seqlen_q, 2, 16).to(device=device, dtype=torch.float16)
+    out = flash_attn_with_kvcache(q, k_cache, k_cache.clone(),
+                                  cache_seqlens=torch.full((batch,), 5, dtype=torch.int32, device=device))
+    assert out.shape == (batch, seqlen_q, 2, 16)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import triton
 
+import flashgen
 from flashgen import AttentionSpec, KernelConfig
 from flashgen.codegen import render
 from flashgen.runtime import host
@@ -195,7 +196,7 @@ def test_varlen_offsets_are_checked_unless_the_host_cannot_read_them(monkeypatch
     with pytest.raises(ValueError, match="cu_seqlens_k: expected offsets within the 12 tokens of k, got last offset 40"):
         launcher.check_offsets(good, bad, 12, 12, 7, 35)
     # A planned call checks the offsets' values on every call, not only on its first.
-    kw = dict(layout="thd", cu_seqlens_q=good, max_seqlen_q=7, max_seqlen_k=12)
+    kw = dict(layout="thd", cu_seqlens_q=good, max_seqlen_q=7, max_seqlen_k=35)
     launcher.forward(q, k, k.new_empty(12, 2, 40), cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32), **kw)
     with pytest.raises(ValueError, match="cu_seqlens_k: expected offsets within the 12 tokens of k"):
         launcher.forward(q, k, k.new_empty(12, 2, 40), cu_seqlens_k=bad, **kw)
@@ -377,3 +378,9 @@ def test_block_map_launch_args_and_cache():
     with pytest.raises(ValueError, match="layout: packed sequences"):
         launcher.forward(*(t[0].transpose(0, 1) for t in (q, k, v)), layout="thd", cu_seqlens_q=torch.tensor([0, 40], dtype=torch.int32),
                          cu_seqlens_k=torch.tensor([0, 40], dtype=torch.int32), max_seqlen_q=40, max_seqlen_k=40)
+
+
+@pytest.mark.parametrize("device", ["x", 5.5])
+def test_check_bounds_names_a_bad_device(device):
+    with pytest.raises(ValueError, match=r"^device: expected a torch.device or a device string"):
+        flashgen.check_bounds(device)

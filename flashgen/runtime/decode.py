@@ -91,7 +91,7 @@ def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, max_splits=MAX_SP
     Otherwise FA3's rule (hopper/heuristics.h): the fewest splits whose wave efficiency
     (programs / SMs over whole waves) is within 85% of the best. Never more than the key blocks,
     the SMs or max_splits."""
-    if total_mblocks >= 0.8 * num_sms:
+    if total_mblocks >= 0.8 * num_sms or total_mblocks == 0:  # (no rows: nothing to split)
         return 1
     max_splits = min(max_splits, num_sms, num_n_blocks)
     one_wave = min(num_sms // max(total_mblocks, 1), max_splits)

@@ -304,7 +304,11 @@ def check_bounds(device=None):
 def concrete_device(device):
     """torch.device(device), a CUDA device without an index as the current one ("cuda" -> cuda:0 there):
     what the tensors made on it report as their device."""
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected a torch.device or a device string such as 'cuda:0', got {device!r}") \
+            from None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -735,15 +739,16 @@ class AttentionLauncher:
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.numel()} offsets (as cu_seqlens_q), "
                              f"got {cu_seqlens_k.numel()}")
-        for name, m, tokens in (("max_seqlen_q", max_seqlen_q, q.shape[0]), ("max_seqlen_k", max_seqlen_k, k.shape[0])):
+        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if isinstance(m, bool) or not isinstance(m, int) or m < 0:
                 raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
-            if m > tokens:  # no sequence is longer than all the tokens (the grid is sized by it)
-                raise ValueError(f"{name}: expected at most the {tokens} tokens of {name[-1]}, got {m}")
         if self.block_map_kernel is not None or self.same_seqlen:
             raise ValueError("layout: packed sequences ('thd') are not supported with this mask "
                              "(block maps and document masks are per dense batch); use a dense batch")
-        return cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k, q.shape[0], k.shape[0]
+        # no sequence is longer than all the tokens: a larger bound (flash-attn takes one) sizes the grid as these
+        # (10**12 launched that many empty programs); the offsets are checked against the bound as given
+        return cu_seqlens_q.numel() - 1, min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0]), q.shape[0], \
+            k.shape[0]
 
     # ------------------------------------------------------------------ block map (custom masks)
     def block_map(self, batch, seqlen_q, seqlen_k, block_m, block_n, device, tensors=None):
