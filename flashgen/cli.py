@@ -194,6 +194,13 @@ def _tuned_config(spec, spec_path, db_url, seqlen) -> KernelConfig:
     return configs[bucket]
 
 
+def _finite(_ctx, param, value):
+    """A float option that must be a number (FloatRange lets nan through: its comparisons are all false)."""
+    if value is not None and value != value:
+        raise click.BadParameter(f"expected a number of seconds, got {value}", param=param)
+    return value
+
+
 def _seqlens(_ctx, _param, value):
     if value is None:
         return None
@@ -228,7 +235,7 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
 @click.option("--seqlens", callback=_seqlens,
               help="Comma-separated sequence lengths to tune (default: the spec's tune.seqlens).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True,
-              help="Seconds one trial may take before it counts as a timeout.")
+              callback=_finite, help="Seconds one trial may take before it counts as a timeout.")
 @click.option("--sampler", type=click.Choice(SAMPLERS), default="tpe", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
 @click.option("--no-default", "no_default", is_flag=True,

@@ -57,6 +57,9 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
     xb = x.float().movedim(head_dim, 1).movedim(seq_dim if seq_dim > head_dim else seq_dim + 1, 2)  # bhsd
     batch = xb.shape[0]
     nblocks = 1 if block is None else -(-seqlen // block)
+    if x.numel() == 0:  # nothing to scale: factors of 1 (a 0-size slice has no largest magnitude)
+        ones = torch.ones((batch, heads // group, nblocks), dtype=torch.float32, device=x.device)
+        return x.to(fp8), (ones[..., 0] if block is None else ones).contiguous()
     size = seqlen if block is None else block
     padded = torch.nn.functional.pad(xb, (0, 0, 0, nblocks * size - seqlen))
     tiles = padded.reshape(batch, heads // group, group, nblocks, size, xb.shape[-1])

@@ -93,7 +93,7 @@ def _as_bhsd(t, lead, heads):
     if t.shape[-3] != heads and t.shape[-3] != 1:
         t = t.repeat_interleave(heads // t.shape[-3], dim=-3)  # enable_gqa, key and value differ
     t = t.expand(*lead, heads, *t.shape[-2:])
-    return t.reshape(-1, *t.shape[-3:])
+    return t.reshape(math.prod(lead), *t.shape[-3:])  # (not -1: a 0-size dim leaves it undetermined)
 
 
 def _mask_terms(attn_mask, query, target):

@@ -412,3 +412,11 @@ def test_tune_no_default_reaches_the_tuner(tmp_path, monkeypatch):
                                            "--db", url, *extra])
         assert result.exit_code == 0, result.output
         assert seen.pop().enqueue_default is enqueued
+
+
+def test_tune_refuses_a_nan_timeout():
+    # click's FloatRange lets nan through (every comparison with it is false)
+    result = CliRunner().invoke(main, ["tune", "--spec", str(ROOT / "examples/specs/small-causal.yaml"), "--interpret",
+                                       "--timeout", "nan"])
+    assert result.exit_code == 2 and "expected a number of seconds, got nan" in result.output
+    assert "Traceback" not in result.output

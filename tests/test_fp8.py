@@ -243,3 +243,12 @@ def test_tuner_verifies_and_stores_an_fp8_spec(tmp_path):
     assert trials and all(t.status == "ok" for t in trials), [t.error for t in trials]
     space = forward_space(spec, DeviceLimits("H100", 232448, hopper=True))
     assert space.params["loop_order"] == ("q_outer",) and 256 in space.params["BLOCK_N"]
+
+
+@pytest.mark.parametrize("shape, block, scales", [((1, 2, 0, 16), None, (1, 2)), ((1, 2, 0, 16), 4, (1, 2, 0)),
+                                                  ((0, 2, 8, 16), None, (0, 2)), ((1, 2, 8, 0), None, (1, 2))])
+def test_quantizing_an_empty_tensor_gives_unit_factors(shape, block, scales):
+    # (a 0-length sequence had no largest magnitude to reduce: IndexError)
+    xq, descale = flashgen.quantize_fp8(torch.randn(shape), block=block)
+    assert xq.shape == shape and xq.dtype == torch.float8_e4m3fn
+    assert descale.shape == scales and bool((descale == 1).all())

@@ -226,3 +226,13 @@ def test_bad_arguments_name_the_argument(args, kw, words):
     with pytest.raises((TypeError, ValueError)) as info:
         flashgen.scaled_dot_product_attention(*args, **kw)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("lq, lk", [(0, 8), (8, 0)])
+def test_zero_length_calls_return_what_torch_does(device, lq, lk):
+    # (a 0-size length made the 4-d flattening's reshape(-1, ...) undetermined: a reshape error)
+    q = torch.randn(1, 2, lq, 16).to(device=device, dtype=torch.float16)
+    k = torch.randn(1, 2, lk, 16).to(device=device, dtype=torch.float16)
+    out = flashgen.scaled_dot_product_attention(q, k, k)
+    assert out.shape == (1, 2, lq, 16)
+    assert not out.isnan().any() and (lk or not out.any())  # no keys: rows of 0 (torch: NaN)
