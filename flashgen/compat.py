@@ -34,7 +34,22 @@ def _window(window_size):
     return max(left, -1), max(right, -1)
 
 
+def _num_splits(num_splits):
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0: chosen per call), got {num_splits!r}")
+    return num_splits
+
+
+def _check_flags(causal, softcap):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected True or False, got {causal!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not 0 <= softcap < float("inf")):
+        raise ValueError(f"softcap: expected a number >= 0 (0 or None: none), got {softcap!r}")
+
+
 def _variant(causal, window_size, softcap, alibi_slopes):
+    _check_flags(causal, softcap)
     left, right = _window(window_size)
     if causal:
         right = 0
@@ -148,11 +163,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                          "q and k before the call")
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad: left-padded caches are not supported by flashgen.compat")
+    _check_flags(causal, softcap)  # (before the launcher's key, which reads them as bool and float)
     launcher = compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slopes, softmax_scale)
     tensors = {"alibi_slopes": alibi_slopes} if alibi_slopes is not None else None
     out, lse = launcher.decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
                                cache_batch_idx=cache_batch_idx, tensors=tensors, return_lse=return_softmax_lse,
-                               num_splits=int(num_splits), check=check, q_descale=q_descale, k_descale=k_descale,
+                               num_splits=_num_splits(num_splits), check=check, q_descale=q_descale, k_descale=k_descale,
                                v_descale=v_descale)
     if not return_softmax_lse:
         return out

@@ -228,3 +228,33 @@ def test_a_malformed_window_size_is_refused_by_name(window_size):
     q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"^window_size: expected \(left, right\), two ints"):
         flash_attn_func(q, q, q, window_size=window_size)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(causal="x"), "^causal: expected True or False, got 'x'"),
+    (dict(softcap="x"), "^softcap: expected a number >= 0"), (dict(softcap=True), "^softcap: expected a number >= 0"),
+    (dict(softcap=-1.0), "^softcap: expected a number >= 0"),
+])
+def test_compat_flags_are_checked_by_name(kw, message):
+    # (causal="x" ran causal; softcap="x" raised float()'s own error)
+    from flashgen.compat import flash_attn_func, flash_attn_with_kvcache
+
+    q = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
+    kc = torch.randn(1, 16, 2, 16, device=DEVICE, dtype=torch.float16)
+    seqlens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    flash_attn_with_kvcache(q[:, :1], kc, kc.clone(), cache_seqlens=seqlens, causal=True)  # a launcher cached first
+    for call in (lambda: flash_attn_func(q, q, q, **kw),
+                 lambda: flash_attn_with_kvcache(q[:, :1], kc, kc.clone(), cache_seqlens=seqlens, **kw)):
+        with pytest.raises((TypeError, ValueError), match=message):
+            call()
+
+
+@pytest.mark.parametrize("num_splits", ["x", 2.7, -1, True])
+def test_compat_num_splits_is_checked_by_name(num_splits):
+    from flashgen.compat import flash_attn_with_kvcache
+
+    q = torch.randn(1, 1, 2, 16, device=DEVICE, dtype=torch.float16)
+    kc = torch.randn(1, 16, 2, 16, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(ValueError, match="^num_splits: expected an int >= 0"):
+        flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=torch.tensor([5], dtype=torch.int32, device=DEVICE),
+                                num_splits=num_splits)
