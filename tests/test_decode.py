@@ -981,3 +981,16 @@ def test_a_decode_with_no_queries_returns_an_empty_output(device, batch, seqlen_
     out = flash_attn_with_kvcache(q, k_cache, k_cache.clone(),
                                   cache_seqlens=torch.full((batch,), 5, dtype=torch.int32, device=device))
     assert out.shape == (batch, seqlen_q, 2, 16)
+
+
+@pytest.mark.parametrize("shape, message", [((3,), r"expected size 2 \(the query heads\)"),
+                                            ((3, 2), r"expected size 2 \(the batch\)")])
+def test_decode_refuses_named_tensors_of_another_batch_or_head_count(device, shape, message):
+    # (the kernels clamp each index: 3 slopes for 2 heads were read as the first 2, silently)
+    from flashgen.compat import flash_attn_with_kvcache
+
+    q = torch.randn(2, 1, 2, 16).to(device=device, dtype=torch.float16)
+    k_cache = torch.randn(2, 16, 2, 16).to(device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match="^alibi_slopes: " + message):
+        flash_attn_with_kvcache(q, k_cache, k_cache.clone(), alibi_slopes=torch.rand(shape, device=device),
+                                cache_seqlens=torch.tensor([5, 7], dtype=torch.int32, device=device))

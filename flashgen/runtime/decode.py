@@ -808,7 +808,8 @@ class DecodeLauncher:
             call = self.prepare(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx,
                                 softmax_scale, out, lse, return_lse, knobs, check,
                                 {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
-            named = self.attention.named_tensors(named, q.device)
+            given, named = named, self.attention.named_tensors(named, q.device)
+            self.attention.check_tensor_sizes(given, named, q.shape[0], None, None)  # batch and heads (keyed)
             if key is not None:
                 entry = self.calls.get(key)
                 if entry is None:

@@ -583,14 +583,15 @@ class AttentionLauncher:
         """Refuse a named tensor too small for the indices the expressions give it (the kernels clamp each
         index into its tensor, so a short one would repeat its last element): a dimension indexed by b or h
         holds the batch or the query heads (or is 1: broadcast), one indexed by q_idx or kv_idx at least
-        the sequence's length (packed sequences: the longest). tensors: as passed; named: their views."""
+        the sequence's length (packed sequences: the longest). tensors: as passed; named: their views.
+        A length given as None is not checked (decode: a query's index is its position in the cache)."""
         calls = {"batch": batch, "heads": self.num_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
         for name, sizes in self.tensor_sizes.items():
             view, given = named[name], tensors[name]
             skipped = view.dim() - given.dim()  # leading dims the view added (broadcast)
             for d, names in enumerate(sizes):
                 size = view.shape[d]
-                if not names or size == 1:
+                if not names or size == 1 or any(calls[n] is None for n in names):
                     continue
                 exact = names[0] in ("batch", "heads")
                 need = calls[names[0]] if exact else max(calls[n] for n in names)
