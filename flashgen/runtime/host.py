@@ -75,11 +75,16 @@ def wide_rows(layout, *shapes_and_strides):
     return any(shape[dim] * strides[dim] >= 2**31 for shape, strides in shapes_and_strides)
 
 
+def head_span_wide(t):
+    """Whether t's head dim spans 2^31 elements, past the kernels' 32-bit head-dim offsets (its index
+    times its stride): a head-dim stride of 16.9M at head dim 128, a view whose head dim is not its
+    last in memory, such as the seq-contiguous V of a single 16.9M-token sequence."""
+    return (t.shape[-1] - 1) * t.stride(-1) >= 2**31
+
+
 def check_head_span(name, t):
-    """The kernels step along the head dim in 32 bits (its index times its stride): refuse a tensor
-    whose head dim spans 2^31 elements (a head-dim stride of 16.8M at head dim 128: a view whose
-    head dim is not its last in memory, such as the seq-contiguous V of a single 16.8M-token sequence)."""
-    if (t.shape[-1] - 1) * t.stride(-1) >= 2**31:
+    """Refuse a tensor whose head dim spans 2^31 elements (head_span_wide), naming it."""
+    if head_span_wide(t):
         raise ValueError(f"{name}: head-dim stride {t.stride(-1)} spans 2^31 elements over head dim {t.shape[-1]} "
                          f"(the kernels index the head dim in 32 bits); pass {name}.contiguous()")
 
@@ -100,7 +105,7 @@ def check_softmax_scale(scale):
 def head_contiguous(t):
     """t, or a contiguous copy of it where its head dim spans 2^31 elements (check_head_span refuses
     such a tensor): for dO, whose strides autograd chooses, not the caller."""
-    return t.contiguous() if (t.shape[-1] - 1) * t.stride(-1) >= 2**31 else t
+    return t.contiguous() if head_span_wide(t) else t
 
 
 def tma_strides_ok(strides, element_size):
