@@ -10,6 +10,7 @@ import torch
 from . import ops
 from .codegen import render
 from .config import KernelConfig, default_config, default_configs
+from .errors import check_flag
 from .runtime import host
 from .space import nearest_bucket
 from .spec import DTYPES, FP8_DTYPES, MAX_HEAD_DIM, AttentionSpec
@@ -155,6 +156,7 @@ class AttentionKernel:
     def _call(self, q, k, v, layout, return_lse, config, dropout_p, deterministic, descales, tensors):
         """__call__ with its arguments by position (flashgen.attention calls it so: no keyword
         arguments packed and unpacked twice per call)."""
+        check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
         kernel_id = self._id
         if config is not None or self._bucket_ids:
             seq = 2 if layout == "bhsd" else 1
@@ -174,6 +176,7 @@ class AttentionKernel:
         """Differentiable attention over packed sequences: q (total_q, heads, head_dim), k and v
         (total_k, kv_heads, head_dim); sequence i is rows cu_seqlens[i]:cu_seqlens[i + 1] (int32).
         Masks apply within each sequence. LSE is (heads, total_q)."""
+        check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
         kernel_id = self._kernel_id_for(config, max(int(max_seqlen_q), int(max_seqlen_k)))
         p, seed = self._seed(dropout_p, q.device)
         out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout="thd", seed=seed,
@@ -408,6 +411,7 @@ def _traced_tensor_names(*key) -> str:
 
 def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=None, descales=(None,) * 3):
     """A call being traced by torch.compile: the custom op with the id resolved at trace time."""
+    check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
     kernel_id = _traced_binding(*key[:-1])
     names = _traced_tensor_names(*key[:-1])
     named = [tensors[name] for name in names.split(",")] if names else []

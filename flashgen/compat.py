@@ -18,6 +18,7 @@ import operator
 import torch
 
 from .api import attention, attention_varlen, spec_for
+from .errors import check_flag
 
 
 def _window(window_size):
@@ -41,8 +42,7 @@ def _num_splits(num_splits):
 
 
 def _check_flags(causal, softcap):
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected True or False, got {causal!r}")
+    check_flag("causal", causal)
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
                                 or not 0 <= softcap < float("inf")):
         raise ValueError(f"softcap: expected a number >= 0 (0 or None: none), got {softcap!r}")
@@ -74,7 +74,7 @@ def _variant(causal, window_size, softcap, alibi_slopes):
 
 
 def _outputs(out, lse, probs, return_attn_probs):
-    if not return_attn_probs:
+    if not check_flag("return_attn_probs", return_attn_probs):
         return out
     lse = torch.where(lse == float("-inf"), float("inf"), lse)  # flash-attn's empty-row LSE
     return out, lse, probs
@@ -107,7 +107,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                          dropout_p=dropout_p, deterministic=deterministic, mask=mask, score_mod=mods, **descales,
                          **tensors)
     probs = None
-    if return_attn_probs:
+    if check_flag("return_attn_probs", return_attn_probs):
         probs = _probs(q, k, v, causal, softmax_scale, dropout_p, mask, mods, tensors, "bshd")
     return _outputs(out, lse, probs, return_attn_probs)
 
@@ -164,6 +164,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_leftpad is not None:
         raise ValueError("cache_leftpad: left-padded caches are not supported by flashgen.compat")
     _check_flags(causal, softcap)  # (before the launcher's key, which reads them as bool and float)
+    check_flag("return_softmax_lse", return_softmax_lse)
     launcher = compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slopes, softmax_scale)
     tensors = {"alibi_slopes": alibi_slopes} if alibi_slopes is not None else None
     out, lse = launcher.decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,

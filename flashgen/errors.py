@@ -1,4 +1,4 @@
-"""The error a bad spec field raises (shared by the spec and the mask compiler)."""
+"""The error a bad spec field raises (shared by the spec and the mask compiler), and the check of a call's flags."""
 
 from __future__ import annotations
 
@@ -17,6 +17,14 @@ MAX_VALUE_REPR = 200
 def short_repr(value: Any) -> str:
     text = _REPR.repr(value)
     return text if len(text) <= MAX_VALUE_REPR else text[:MAX_VALUE_REPR - 3] + "..."
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """A call's flag (return_lse, deterministic, ...): True or False. A truthy string or number is a
+    mistake (return_lse="no" would return the LSE), not a choice, so it is refused by name."""
+    if value is not True and value is not False:
+        raise TypeError(f"{name}: expected True or False, got {short_repr(value)}")
+    return value
 
 
 class SpecError(ValueError):

@@ -27,6 +27,7 @@ import torch
 
 from .api import AttentionKernel, compile_spec
 from .config import KernelConfig
+from .errors import check_flag
 from .runtime.host import check_bounds
 from .spec import FP8_DTYPES, AttentionSpec
 
@@ -114,6 +115,7 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     float8_e5m2, q too; q_descale, k_descale, v_descale: float32 (batch, kv_heads), each only for
     an FP8 tensor (else ValueError naming it); k, v stay in the spec's dtype. Needs sm89+ on a GPU.
     """
+    check_flag("return_lse", return_lse)
     kernel = spec_or_kernel if isinstance(spec_or_kernel, AttentionKernel) else compile_spec(
         AttentionSpec.coerce(spec_or_kernel))
     if kernel.spec.dtype in FP8_DTYPES:

@@ -38,7 +38,7 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
     with the KV heads: pass num_heads // num_kv_heads). Factors: (batch, heads // group), or
     with ``block`` (batch, heads // group, ceil(seq / block)), one per block of tokens. Each
     factor maps its slice's largest magnitude to the FP8 type's largest finite value; an all-zero
-    slice gets factor 1. ``seq_contiguous``: store the result with its sequence dim contiguous
+    slice gets factor 1; x must be finite (ValueError; checking it reads the factors back to the host). ``seq_contiguous``: store the result with its sequence dim contiguous
     (same shape): the layout the FP8 kernels read V in, so a V quantized once this way is not
     copied on every call (quantize V, or a V cache, with it).
     """
@@ -64,6 +64,11 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
     padded = torch.nn.functional.pad(xb, (0, 0, 0, nblocks * size - seqlen))
     tiles = padded.reshape(batch, heads // group, group, nblocks, size, xb.shape[-1])
     amax = tiles.abs().amax(dim=(2, 4, 5))  # (batch, groups, blocks)
+    # an inf would give its slice an infinite factor (every value 0 or NaN): refused by name, reading the factors
+    # back to the host (not while a CUDA graph is captured, where nothing can be read back)
+    if not (amax.is_cuda and torch.cuda.is_current_stream_capturing()) and not bool(torch.isfinite(amax).all()):
+        raise ValueError(f"x: holds inf or NaN (a factor maps a slice's largest magnitude onto {fp8}'s largest "
+                         "finite value, so every value must be finite)")
     descale = torch.where(amax > 0, amax / torch.finfo(fp8).max, torch.ones_like(amax))
     scaled = tiles / descale[:, :, None, :, None, None]
     xq = scaled.reshape(padded.shape)[:, :, :seqlen].to(fp8)

@@ -29,6 +29,7 @@ from . import masks
 from .errors import SpecError
 from .expr.parse import plain_number, plain_str
 from .masks.pattern import check_bool
+from .runtime.host import SCALE_LIMIT  # the largest softmax_scale the kernels' float32 scale x log2(e) holds
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
           "fp8_e5m2": "float8_e5m2"}
@@ -42,8 +43,6 @@ _DTYPE_ALIASES = {
 }
 TARGETS = ("auto", "h100", "h200", "a100", "l40s", "l4", "a10g", "rtx4090", "rtx3090", "cpu")
 MAX_HEAD_DIM = 256
-# the largest softmax_scale whose base-2 form (scale x log2(e), what the kernels take) fits float32
-SCALE_LIMIT = 3.4028234663852886e38 / 1.4426950408889634
 MAX_NAME_LENGTH = 100  # the name starts spec.uri, which names files: keep it far below 255 bytes
 # spec.uri names cache files, tuner studies and database rows (256 characters at most), and an
 # or-tree of masks grows it without bound: past MAX_URI_LENGTH it keeps a readable prefix and

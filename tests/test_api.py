@@ -54,6 +54,20 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         flashgen.attention(*cpu)
 
 
+def test_bf16_under_the_interpreter_is_refused(monkeypatch):
+    # Triton's interpreter computes bf16 dot products wrong (errors of 1e8 on unit inputs): refused, on
+    # every path that runs a kernel, rather than returned
+    from flashgen.kvcache import decode
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    kernel = flashgen.compile(AttentionSpec(dtype="bf16", head_dim=16, num_heads=2))
+    for call in (lambda: flashgen.attention(q, q, q, causal=True), lambda: kernel(q, q, q),
+                 lambda: decode(kernel, q.transpose(1, 2)[:, :1], q.transpose(1, 2), q.transpose(1, 2))):
+        with pytest.raises(ValueError, match=r"^q: dtype torch.bfloat16 under Triton's interpreter"):
+            call()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to mix devices")
 def test_mixed_devices_name_the_argument():
     q = torch.randn(1, 1, 4, 16, dtype=torch.float16, device="cuda")
@@ -258,3 +272,35 @@ def test_compat_num_splits_is_checked_by_name(num_splits):
     with pytest.raises(ValueError, match="^num_splits: expected an int >= 0"):
         flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=torch.tensor([5], dtype=torch.int32, device=DEVICE),
                                 num_splits=num_splits)
+
+
+@pytest.mark.parametrize("value", ["no", 1, 0, None, torch.tensor(True)])
+def test_call_flags_must_be_bools(value):
+    # a truthy string or number passed as a flag is a mistake: return_lse="no" returned the LSE,
+    # deterministic=1 ran the deterministic kernels; each entry point names the flag
+    from flashgen.compat import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+    from flashgen.kvcache import decode
+
+    q = t(1, 2, 8, 16)
+    packed = t(8, 2, 16)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    kernel = flashgen.compile(AttentionSpec(dtype="fp16", head_dim=16, num_heads=2))
+    kc = t(1, 16, 2, 16)
+    seqlens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    calls = {
+        "return_lse": [lambda f: flashgen.attention(q, q, q, return_lse=f), lambda f: kernel(q, q, q, return_lse=f),
+                       lambda f: flashgen.attention_varlen(packed, packed, packed, cu, cu, 8, 8, return_lse=f),
+                       lambda f: decode(kernel, q.transpose(1, 2)[:, :1], kc, kc, seqlens, return_lse=f)],
+        "deterministic": [lambda f: flashgen.attention(q, q, q, deterministic=f),
+                          lambda f: kernel.varlen(packed, packed, packed, cu, cu, 8, 8, deterministic=f)],
+        "return_attn_probs": [lambda f: flash_attn_func(q, q, q, return_attn_probs=f),
+                              lambda f: flash_attn_varlen_func(packed, packed, packed, cu, cu, 8, 8,
+                                                               return_attn_probs=f)],
+        "return_softmax_lse": [lambda f: flash_attn_with_kvcache(q.transpose(1, 2)[:, :1], kc, kc, cache_seqlens=seqlens,
+                                                                 return_softmax_lse=f)],
+    }
+    for name, entries in calls.items():
+        for call in entries:
+            with pytest.raises(TypeError, match=f"^{name}: expected True or False"):
+                call(value)
+            call(False)  # the same call with a bool runs

@@ -252,3 +252,13 @@ def test_quantizing_an_empty_tensor_gives_unit_factors(shape, block, scales):
     xq, descale = flashgen.quantize_fp8(torch.randn(shape), block=block)
     assert xq.shape == shape and xq.dtype == torch.float8_e4m3fn
     assert descale.shape == scales and bool((descale == 1).all())
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_quantizing_a_non_finite_value_is_refused(bad):
+    # an inf gave its slice an infinite factor: every value there came back 0 or NaN, silently
+    x = torch.randn(1, 2, 8, 16)
+    x[0, 1, 3, 5] = bad
+    for block in (None, 4):
+        with pytest.raises(ValueError, match="^x: holds inf or NaN"):
+            flashgen.quantize_fp8(x, block=block)

@@ -19,7 +19,7 @@ from flashgen.codegen.render import render
 from flashgen.expr.ir import Bin, Fn, Load, Search, Var
 from flashgen.expr.to_torch import evaluate
 from flashgen.expr.to_triton import GLUON, triton_expr
-from flashgen.runtime import hopper
+from flashgen.runtime import host, hopper
 from flashgen.space import DeviceLimits, forward_space
 
 from .helpers import make_qkv
@@ -103,14 +103,16 @@ def test_masked_render_keeps_the_unmasked_kernel_text():
     masked = _gluon_source(DOCS, causal=True)
     assert "tl." not in masked and "@triton.jit" not in masked
     assert "def _hw_visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc," in masked
-    assert "(first_block + j) * BLOCK_N" in masked and "gl.load(runs_doc + " in masked
+    assert "(first_block + j) * BLOCK_N" in masked
+    # the forward's kernels read no runs table of the ids: its range kernel searches them (a forward fills none)
+    assert "_hw_search(t_doc + " in masked and "runs_doc + " not in masked
 
 
 def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     # the kernel takes the mask's tensors (ids, their strides and sizes) after the scalars, as the
-    # portable forward does (documents: and their runs table), then the block-range table a
-    # small kernel fills first over (tiles, batch); nothing runs here (the plans are made on the host,
-    # their launches recorded)
+    # portable forward does (documents: and in their runs table's place a dummy, as neither kernel reads
+    # one, so none is filled), then the block-range table a small kernel fills first over (tiles, batch);
+    # nothing runs here (the plans are made on the host, their launches recorded)
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, mask=DOCS)
     module = flashgen.compile(spec, KernelConfig(**HOPPER)).module()
     assert module._LAUNCHER.hopper_forward.ranges is module._hw_fwd_ranges
@@ -119,6 +121,7 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: lambda *args: launched.append(
         (kernel, grid, constexprs, args)))
     monkeypatch.setattr(module._LAUNCHER.hopper_forward, "descriptor", lambda t, layout, rows, cols: t)
+    monkeypatch.setattr(host, "runs_table", lambda t: pytest.fail("a runs table filled for the Gluon forward"))
     q, k, v = make_qkv(2, 4, 2, 45, 45, 64, dtype=torch.float16, device="cpu")
     doc = torch.tensor([0] * 20 + [1] * 25, dtype=torch.int32)
     module.forward(q, k, v, tensors={"doc": doc})
@@ -132,7 +135,7 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     assert lse.shape == (2, 4, 45) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert qk_scale == pytest.approx(64 ** -0.5 * 1.4426950408889634)
     assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (45, 1, 1, 45)
-    assert runs.tolist() == [[[0] * 20 + [20] * 25], [[20] * 20 + [45] * 25]]  # the ids' runs, this call's
+    assert runs is module._LAUNCHER.unused_arg(torch.int32, doc.device)  # the dummy (one element, never read)
 
 
 def test_space_offers_the_family_for_served_masks_only():
@@ -180,11 +183,35 @@ def _t(x):
     return torch.as_tensor(x)
 
 
+class _Pointer:
+    """A named tensor's pointer in the shim: its elements (flat) and an element offset (an int or a tensor)."""
+
+    def __init__(self, flat, offset=0):
+        self.flat, self.offset = flat, offset
+
+    def __add__(self, other):
+        return _Pointer(self.flat, self.offset + other)
+
+    __radd__ = __add__
+
+
+def _load(pointer, mask=None):
+    offset = _t(pointer.offset)
+    if mask is None:
+        return pointer.flat[offset]
+    mask = _t(mask)
+    return torch.where(mask, pointer.flat[torch.where(mask, offset, 0)], 0)
+
+
 SHIM_GL = types.SimpleNamespace(maximum=lambda a, b: torch.maximum(_t(a), _t(b)),
                                 minimum=lambda a, b: torch.minimum(_t(a), _t(b)),
-                                where=lambda c, a, b: torch.where(_t(c), _t(a), _t(b)), abs=lambda a: torch.abs(_t(a)))
-RANGE_HELPERS = ("_hw_clamp", "_hw_fdiv", "_hw_kv_segments", "_hw_blocks", "_hw_key_blocks", "_hw_consumer_blocks",
-                 "_hw_visible")
+                                where=lambda c, a, b: torch.where(_t(c), _t(a), _t(b)), abs=lambda a: torch.abs(_t(a)),
+                                # _hw_search's (document ids)
+                                load=_load, arange=lambda lo, hi, layout=None: torch.arange(lo, hi),
+                                BlockedLayout=lambda *args: None, to_tensor=_t, sum=lambda x, axis: torch.sum(x, axis),
+                                int32=torch.int32)
+RANGE_HELPERS = ("_hw_clamp", "_hw_fdiv", "_hw_search", "_hw_kv_segments", "_hw_blocks", "_hw_key_blocks",
+                 "_hw_consumer_blocks", "_hw_visible")
 
 
 def _helpers_on_cpu(module, names=RANGE_HELPERS):
@@ -209,17 +236,39 @@ def _helpers_on_cpu(module, names=RANGE_HELPERS):
 def test_block_ranges_hold_exactly_what_each_consumer_sees(mask, causal, seqlen_q, seqlen_k, block_m, block_n):
     spec = AttentionSpec(dtype="fp16", head_dim=64, mask=mask, causal=causal)
     module = flashgen.compile(spec, KernelConfig(**dict(HOPPER, BLOCK_M=block_m, BLOCK_N=block_n))).module()
-    hw = _helpers_on_cpu(module)
+    _check_block_ranges(spec, _helpers_on_cpu(module), seqlen_q, seqlen_k, block_m, block_n)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seqlen, block_m, block_n", [(300, 128, 128), (333, 128, 64), (129, 64, 64)])
+def test_document_block_ranges_search_the_ids_themselves(causal, seqlen, block_m, block_n):
+    # documents (ranges from the table _hw_fwd_ranges fills): the range helpers search the ids themselves
+    # and read no runs table (None is passed for it: reading it would raise); random documents, some
+    # shorter than a block, per batch element
+    spec = AttentionSpec(dtype="fp16", head_dim=64, mask={"document": {"ids": "doc", "causal": causal}})
+    module = flashgen.compile(spec, KernelConfig(**dict(HOPPER, BLOCK_M=block_m, BLOCK_N=block_n))).module()
+    assert module._LAUNCHER.hopper_forward.ranges is module._hw_fwd_ranges
+    gen = torch.Generator().manual_seed(seqlen + block_n + causal)
+    ids = torch.stack([torch.sort(torch.randint(0, n, (seqlen,), generator=gen)).values for n in (3, 40)])
+    ids = ids.to(torch.int32)
+    params = (_Pointer(ids.flatten()), *ids.stride(), *ids.shape, None)
+    for b in range(ids.shape[0]):
+        _check_block_ranges(spec, _helpers_on_cpu(module), seqlen, seqlen, block_m, block_n, b, params, {"doc": ids})
+
+
+def _check_block_ranges(spec, hw, seqlen_q, seqlen_k, block_m, block_n, b=0, params=(), tensors=None):
+    """The range helpers hw (_helpers_on_cpu) of batch element b (params: the named tensors' arguments)
+    against the spec's visibility, evaluated by the reference (tensors: the named tensors)."""
     rows, cols = torch.arange(seqlen_q)[:, None], torch.arange(seqlen_k)[None, :]
-    env = {"b": 0, "h": 0, "q_idx": rows, "kv_idx": cols, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
-    visible = torch.as_tensor(evaluate(plan_for(spec).predicate, env, {})).broadcast_to(seqlen_q, seqlen_k)
+    env = {"b": b, "h": 0, "q_idx": rows, "kv_idx": cols, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    visible = torch.as_tensor(evaluate(plan_for(spec).predicate, env, tensors or {})).broadcast_to(seqlen_q, seqlen_k)
     # the kernel's elementwise predicate (boundary blocks) is the reference's
-    assert torch.equal(hw._hw_visible(rows, cols, 0, 0, seqlen_q, seqlen_k), visible)
+    assert torch.equal(hw._hw_visible(rows, cols, b, 0, seqlen_q, seqlen_k, *params), visible)
     n_key_blocks = -(-seqlen_k // block_n)
     block_of = torch.arange(seqlen_k) // block_n
     for start_m in range(0, seqlen_q, block_m):
-        first, _, _, end = (int(x) for x in hw._hw_key_blocks(start_m, min(start_m + block_m, seqlen_q) - 1, 0, 0,
-                                                               seqlen_q, seqlen_k, block_n))
+        first, _, _, end = (int(x) for x in hw._hw_key_blocks(start_m, min(start_m + block_m, seqlen_q) - 1, b, 0,
+                                                               seqlen_q, seqlen_k, block_n, *params))
         n_blocks = end - first
         tile = visible[start_m:start_m + block_m].any(0)
         seen = set(block_of[tile].tolist())
@@ -228,7 +277,7 @@ def test_block_ranges_hold_exactly_what_each_consumer_sees(mask, causal, seqlen_
         assert not seen or (first in seen and end - 1 in seen)
         for row0 in range(start_m, start_m + block_m, 64):
             start, full_lo, full_hi, stop = (int(x) for x in hw._hw_consumer_blocks(
-                row0, first, n_blocks, 0, 0, seqlen_q, seqlen_k, block_n))
+                row0, first, n_blocks, b, 0, seqlen_q, seqlen_k, block_n, *params))
             own = visible[row0:row0 + 64]  # its rows before seqlen_q
             assert 0 <= start <= stop <= n_blocks and (row0 < seqlen_q or start == stop)
             assert set(block_of[own.any(0)].tolist()) <= set(range(first + start, first + stop))

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from .. import masks
 from ..expr.ir import Load, reads_var, tensors_of, walk
-from ..expr.to_triton import (GLUON, TRITON, runs_pointer, runs_search, tensor_params, tensor_size, tensor_stride,
+from ..expr.to_triton import (GLUON, GLUON_SEARCH, TRITON, runs_pointer, runs_search, tensor_params, tensor_size, tensor_stride,
                               triton_expr)
 
 # What each IR variable is called where the template uses the expression: in a tile of
@@ -24,8 +24,9 @@ TILE_NAMES = {"b": "off_b", "h": "off_h", "q_idx": "rows", "kv_idx": "cols", "sc
 # ... and over the edges of a block of rows [r0, r1] or of keys [c0, c1].
 BLOCK_EDGE_NAMES = {"b": "off_b", "h": "off_h", "r0": "r0", "r1": "r1", "c0": "c0", "c1": "c1",
                     "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}
-# The templates name the expression printer's dialect: the portable kernels' and the Gluon kernels'.
-DIALECTS = {"triton": TRITON, "gluon": GLUON}
+# The templates name the expression printer's dialect: the portable kernels', the Gluon kernels', and the
+# Gluon kernels' without runs tables (the forward's range kernel: hopper/masks.j2's _hw_kv_segments).
+DIALECTS = {"triton": TRITON, "gluon": GLUON, "gluon_search": GLUON_SEARCH}
 
 
 class KernelPlan:

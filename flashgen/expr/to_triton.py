@@ -29,10 +29,13 @@ TRITON_FUNCTIONS = {"abs": "tl.abs", "min": "tl.minimum", "max": "tl.maximum", "
 @dataclass(frozen=True)
 class Dialect:
     """The names an expression is written with: the language module (``tl``) and the prefix of the
-    jit helpers it calls (``_`` for common/math.j2's _clamp, _fdiv, _fmod, _tanh, _search)."""
+    jit helpers it calls (``_`` for common/math.j2's _clamp, _fdiv, _fmod, _tanh, _search); ``runs``:
+    whether a search of a sorted tensor's own element reads the tensor's runs table (runs_load), or
+    is a binary search of the row like any other (a kernel the launcher passes no table)."""
 
     lang: str
     helper: str
+    runs: bool = True
 
     def function(self, name: str) -> str:
         """An IR function's name in this dialect (TRITON_FUNCTIONS written for it)."""
@@ -42,6 +45,7 @@ class Dialect:
 
 TRITON = Dialect("tl", "_")
 GLUON = Dialect("gl", "_hw_")  # templates/hopper/masks.j2 holds the _hw_ helpers
+GLUON_SEARCH = Dialect("gl", "_hw_", runs=False)  # the Gluon forward's range kernel: it searches the ids itself
 
 
 def tensor_pointer(tensor: str) -> str:
@@ -126,7 +130,7 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
     """Triton source for an IR node. `hoist(code) -> name`, when given, turns each binary
     search into a statement of its own and the expression refers to its result by name. A
     search of a tensor's own element is read from the tensor's runs table (runs_load; the plan
-    threads the table of every tensor it searches so: KernelPlan.runs_tensors)."""
+    threads the table of every tensor it searches so: KernelPlan.runs_tensors), in a dialect with runs."""
     def write(x):
         return triton_expr(x, names, hoist, dialect)
 
@@ -139,7 +143,7 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
         return f"{lang}.load({tensor_pointer(node.tensor)} + {_element_offset(node, names, hoist, dialect)})"
     if isinstance(node, Search):
         t = node.tensor
-        if runs_search(node):
+        if dialect.runs and runs_search(node):
             code = runs_load(node, names, hoist, dialect)
             return hoist(code) if hoist else code
         code = (f"{helper}search({tensor_pointer(t)} + {helper}clamp({names['b']}, {tensor_size(t, 0)}) * "

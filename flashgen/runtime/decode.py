@@ -57,7 +57,7 @@ import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
 from flashgen.runtime.host import AttentionLauncher, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
-from flashgen.runtime.host import check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
+from flashgen.runtime.host import check_interpretable, check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
 from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
@@ -437,6 +437,7 @@ class DecodeLauncher:
         if q.device.type == "cpu" and not self.attention.interpreting():
             raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on "
                              "the CPU)")
+        check_interpretable(att.dtype)
         if (k is None) != (v is None):
             raise ValueError("k: new keys and values come together; pass both k and v or neither")
         batch, seqlen_q = q.shape[:2]

@@ -330,8 +330,10 @@ class HopperPlan:
         if lse is None:
             lse = base.new_lse()
         # a mask's named tensors (document ids, ...) after the scalars, as the portable forward takes them
-        # (and its block-range table, filled first); FP8: the descales and their strides last
-        named = base.tensor_extra(tensors) if extra is None else extra
+        # (and its block-range table, filled first); FP8: the descales and their strides last. With a range
+        # table neither kernel reads the ids' runs tables (its range kernel searches the ids: hopper/masks.j2),
+        # so a dummy stands in for them unless the caller made them anyway (a training step's, for its backward)
+        named = base.tensor_extra(tensors, runs=self.ranges is None) if extra is None else extra
         if self.ranges is not None:
             named = self.ranges.fill(named)
         # (the descriptors of the first len(blocks) tensors: out's only with the TMA store)

@@ -48,6 +48,14 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_interpretable(dtype):
+    """Refuse bf16 under Triton's interpreter, whose bf16 dot products are wrong (errors of 1e8 on unit
+    inputs, triton 3.9): a silent wrong result otherwise."""
+    if dtype == torch.bfloat16 and interpreting():
+        raise ValueError("q: dtype torch.bfloat16 under Triton's interpreter (TRITON_INTERPRET=1), whose bf16 dot "
+                         "products are wrong; on the CPU use an fp16 or fp32 spec and tensors, or run on a GPU")
+
+
 def padded_head_dim(head_dim):
     """The tile width for a head dim: the next power of two, at least 16 (tl.dot's minimum)."""
     return max(16, triton.next_power_of_2(head_dim))
@@ -565,6 +573,7 @@ class AttentionLauncher:
                 raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
         if q.device.type == "cpu" and not self.interpreting():
             raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on the CPU)")
+        check_interpretable(q.dtype)
         seq_dim, head_dim = {"bhsd": (2, 1), "bshd": (1, 2), "thd": (0, 1)}[layout]
         batch = () if layout == "thd" else (q.shape[0],)
         what = "(heads, head_dim)" if layout == "thd" else "(batch, heads, head_dim)"
@@ -635,18 +644,19 @@ class AttentionLauncher:
         views = {}
         for name, rank in self.tensor_ranks.items():
             t = tensors[name]
-            views[name] = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
+            views[name] = t if t.dim() == rank else t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
         return views
 
-    def tensor_args(self, tensors):
+    def tensor_args(self, tensors, runs=True):
         """The kernels' arguments for the named tensors: each tensor, its strides, its shape (and its
-        runs table, filled for this call, where the kernels read one)."""
+        runs table, filled for this call, where the kernels read one; runs=False: a dummy in its place,
+        for a kernel that reads none)."""
         args = []
         for name in self.tensor_names:
             t = tensors[name]
             args += [t, *t.stride(), *t.shape]
             if name in self.runs_tensors:
-                args.append(runs_table(t))
+                args.append(runs_table(t) if runs else self.unused_arg(torch.int32, t.device))
         return args
 
     def knobs(self, overrides):
@@ -805,18 +815,24 @@ class AttentionLauncher:
         except AttributeError:
             return None
 
-    def dense_key(self, q, k, v, layout, softmax_scale):
-        """plan_key of the commonest call (a training step's forward, a plain eager forward): dense q,
-        k, v and nothing else (no out/lse buffers, dropout, named tensors, knobs, offsets or FP8
-        descales; its seed is never read then). One flat tuple of q's, k's and v's metadata, as
-        tensor_key has it, instead of plan_key's nine tensor_key calls and nested tuples: ~1.5 us
-        less per call on the CI CPU. None where plan_key gives None."""
+    def dense_key(self, q, k, v, layout, softmax_scale, tensors=None):
+        """plan_key of the commonest calls (a training step's forward, a plain eager forward, a mask's
+        with its named tensors): dense q, k, v and the named tensors, nothing else (no out/lse buffers,
+        dropout, knobs, offsets or FP8 descales; its seed is never read then). One flat tuple of the
+        tensors' metadata, as tensor_key has it, instead of plan_key's nine tensor_key calls and nested
+        tuples: ~1.5 us less per call on the CI CPU (~3 with a named tensor). None where plan_key gives None."""
         if not BoundLaunch.enabled:
             return None
         try:
-            return ("dense", layout, softmax_scale, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
-                    q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15,
-                    v.data_ptr() & 15, q.is_cpu and self.interpreting())
+            key = ("dense", layout, softmax_scale, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+                   q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15,
+                   v.data_ptr() & 15, q.is_cpu and self.interpreting())
+            if tensors:
+                if self.block_map_kernel is not None:
+                    return None
+                for name, t in tensors.items():
+                    key += (name, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+            return key
         except AttributeError:
             return None
 
@@ -1000,9 +1016,9 @@ class AttentionLauncher:
     def forward_call_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, fp8_args=(), knobs=None):
         """The ForwardPlan of a call: the cached one of its metadata key, else made (and checked) now."""
-        if (out is None and lse is None and not (dropout_p or tensors or knobs or fp8_args)
+        if (out is None and lse is None and not (dropout_p or knobs or fp8_args)
                 and cu_seqlens_q is None and cu_seqlens_k is None):
-            key = self.dense_key(q, k, v, layout, softmax_scale)
+            key = self.dense_key(q, k, v, layout, softmax_scale, tensors)
         else:
             key = self.plan_key(("fwd", layout, softmax_scale, dropout_p, max_seqlen_q, max_seqlen_k),
                                 (q, k, v, out, lse, seed, cu_seqlens_q, cu_seqlens_k, *fp8_args[:3]), tensors, knobs)

@@ -283,9 +283,10 @@ class CallPlan:
     def seed_arg(self, seed):
         return seed if self.seed is None else self.seed
 
-    def tensor_extra(self, tensors):
-        """The kernel arguments of the named tensors a call passes (a mask's document ids, ...)."""
-        return self.launcher.tensor_args(self.launcher.tensor_views(tensors)) if self.named else ()
+    def tensor_extra(self, tensors, runs=True):
+        """The kernel arguments of the named tensors a call passes (a mask's document ids, ...); runs=False:
+        for kernels that read no runs table (host.AttentionLauncher.tensor_args)."""
+        return self.launcher.tensor_args(self.launcher.tensor_views(tensors), runs) if self.named else ()
 
     def offset_args(self, cu_seqlens_q, cu_seqlens_k, checked=False):
         """The kernels' cu_seqlens arguments; packed offsets are checked on every call (checked:
