@@ -215,8 +215,8 @@ def test_fp8_attention_refuses_gradients_and_stray_descales(device):
         flashgen.attention(x, x, x, k_descale=kd)
 
 
-def test_fp8_attention_compiles_fullgraph():
-    q, k, v, qd, kd, vd = quantized_inputs(1, 2, 2, 24, 24, 32)
+def test_fp8_attention_compiles_fullgraph(device):
+    q, k, v, qd, kd, vd = quantized_inputs(1, 2, 2, 24, 24, 32, device=device)
 
     def fn(q, k, v, qd, kd, vd):
         return flashgen.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)

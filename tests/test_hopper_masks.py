@@ -116,7 +116,8 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, mask=DOCS)
     module = flashgen.compile(spec, KernelConfig(**HOPPER)).module()
     assert module._LAUNCHER.hopper_forward.ranges is module._hw_fwd_ranges
-    module._LAUNCHER.hopper_forward.device_unserved = lambda device: None
+    monkeypatch.setattr(module._LAUNCHER.hopper_forward, "device_unserved", lambda device: None)
+    monkeypatch.setattr(module._LAUNCHER, "interpreting", lambda: True)  # CPU tensors on a GPU machine too
     launched = []
     monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: lambda *args: launched.append(
         (kernel, grid, constexprs, args)))
@@ -323,9 +324,10 @@ def test_query_block_ranges_hold_exactly_what_each_key_block_is_seen_by(mask, ca
                     assert (blk + 1) * block_m <= seqlen_q and bool(tile.all()), (key0, blk)
 
 
-def test_a_standalone_masked_module_imports_and_falls_back(tmp_path):
+def test_a_standalone_masked_module_imports_and_falls_back(tmp_path, device):
     # `flashgen generate` files need only torch and triton: the masked Gluon kernel and hopper.py's
     # mask rule come pasted in; on the CPU the call runs the portable forward, with the same tensors
+    # (on an sm90 GPU the Gluon forward itself)
     from flashgen.verify import assert_attention_close
 
     from .test_hopper_ws import standalone_module
@@ -334,7 +336,7 @@ def test_a_standalone_masked_module_imports_and_falls_back(tmp_path):
     module = standalone_module(spec, KernelConfig(**dict(HOPPER, BLOCK_M=64, BLOCK_N=64)),
                                tmp_path / "standalone_hopper_masks.py")
     assert module._LAUNCHER.hopper_forward.spec_reason is None and hasattr(module, "_hw_visible")
-    q, k, v = make_qkv(1, 4, 2, 40, 40, 64, dtype=torch.float16, device="cpu")
-    doc = torch.tensor([[0] * 7 + [1] * 30 + [2] * 3], dtype=torch.int32)
+    q, k, v = make_qkv(1, 4, 2, 40, 40, 64, dtype=torch.float16, device=device)
+    doc = torch.tensor([[0] * 7 + [1] * 30 + [2] * 3], dtype=torch.int32, device=device)
     out, lse = module.forward(q, k, v, tensors={"doc": doc})
     assert_attention_close(out, lse, q, k, v, causal=False, mask=DOCS, tensors={"doc": doc})
