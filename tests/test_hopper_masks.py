@@ -20,6 +20,7 @@ from flashgen.expr.ir import Bin, Fn, Load, Search, Var
 from flashgen.expr.to_torch import evaluate
 from flashgen.expr.to_triton import GLUON, triton_expr
 from flashgen.runtime import host, hopper
+from flashgen.runtime.host import runs_table
 from flashgen.space import DeviceLimits, forward_space
 
 from .helpers import make_qkv
@@ -121,14 +122,18 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     launched = []
     monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: lambda *args: launched.append(
         (kernel, grid, constexprs, args)))
-    monkeypatch.setattr(module._LAUNCHER.hopper_forward, "descriptor", lambda t, layout, rows, cols: t)
+    class Descriptor:  # (the plan copies its first descriptors' fields onto later calls' tensors)
+        def __init__(self, t, layout, rows, cols):
+            self.base = t
+
+    monkeypatch.setattr(module._LAUNCHER.hopper_forward, "descriptor", Descriptor)
     monkeypatch.setattr(host, "runs_table", lambda t: pytest.fail("a runs table filled for the Gluon forward"))
     q, k, v = make_qkv(2, 4, 2, 45, 45, 64, dtype=torch.float16, device="cpu")
     doc = torch.tensor([0] * 20 + [1] * 25, dtype=torch.int32)
     module.forward(q, k, v, tensors={"doc": doc})
     (ranges, grid, constexprs, (table, *ranges_args)), (kernel, _, _, args) = launched
     assert ranges is module._hw_fwd_ranges and kernel is module._attn_fwd_hopper_ws
-    assert grid == (1, 2) and constexprs == dict(BLOCK_M=128, BLOCK_N=128, CONSUMERS=2, num_warps=4)
+    assert grid == (1, 2) and constexprs == dict(BLOCK_M=128, BLOCK_N=128, CONSUMERS=2, FILL_RUNS=False, num_warps=4)
     assert table.dtype == torch.int32 and table.shape == (2 * 1 * (2 + 4 * 2),)  # (batch, tiles) x 10
     (_, _, _, out, lse, *_, qk_scale, t_doc, s0, s1, n0, n1, runs, passed) = args
     assert passed is table and ranges_args[:2] == [45, 45] and ranges_args[2] is t_doc
@@ -137,6 +142,17 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     assert qk_scale == pytest.approx(64 ** -0.5 * 1.4426950408889634)
     assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (45, 1, 1, 45)
     assert runs is module._LAUNCHER.unused_arg(torch.int32, doc.device)  # the dummy (one element, never read)
+    # a training step's forward: the range kernel's FILL_RUNS launch fills the runs table the backward reads
+    # (allocated here, int32 (2, rows, n)), in place of host.runs_table's launch
+    launched.clear()
+    seed = module._LAUNCHER.unused_arg(torch.int64, doc.device)
+    _, _, _, extra = module._LAUNCHER.training_forward(q, k, v, "bhsd", 0.0, seed, {"doc": doc}, None, None, None, None)
+    (_, _, constexprs, (table, *ranges_args)), (_, _, _, args) = launched
+    assert constexprs["FILL_RUNS"] is True and len(ranges_args) == 2 + len(extra) and args[-1] is table
+    assert all(a is b is c for a, b, c in zip(ranges_args[2:], extra, args[-7:-1]))
+    runs = extra[-1]
+    assert runs.shape == (2, 1, 45) and runs.dtype == torch.int32 and runs is not module._LAUNCHER.unused_arg(
+        torch.int32, doc.device)
 
 
 def test_space_offers_the_family_for_served_masks_only():
@@ -196,12 +212,17 @@ class _Pointer:
     __radd__ = __add__
 
 
-def _load(pointer, mask=None):
+def _load(pointer, mask=None, other=0):
     offset = _t(pointer.offset)
     if mask is None:
         return pointer.flat[offset]
     mask = _t(mask)
-    return torch.where(mask, pointer.flat[torch.where(mask, offset, 0)], 0)
+    return torch.where(mask, pointer.flat[torch.where(mask, offset, 0)], other)
+
+
+def _store(pointer, value, mask):
+    offset, mask = _t(pointer.offset), _t(mask)
+    pointer.flat[offset[mask]] = _t(value)[mask].to(pointer.flat.dtype)
 
 
 SHIM_GL = types.SimpleNamespace(maximum=lambda a, b: torch.maximum(_t(a), _t(b)),
@@ -210,7 +231,9 @@ SHIM_GL = types.SimpleNamespace(maximum=lambda a, b: torch.maximum(_t(a), _t(b))
                                 # _hw_search's (document ids)
                                 load=_load, arange=lambda lo, hi, layout=None: torch.arange(lo, hi),
                                 BlockedLayout=lambda *args: None, to_tensor=_t, sum=lambda x, axis: torch.sum(x, axis),
-                                int32=torch.int32)
+                                int32=torch.int32, int64=torch.int64,
+                                # _hw_runs_fill's
+                                store=_store, zeros=lambda shape, dtype, layout=None: torch.zeros(shape, dtype=dtype))
 RANGE_HELPERS = ("_hw_clamp", "_hw_fdiv", "_hw_search", "_hw_kv_segments", "_hw_blocks", "_hw_key_blocks",
                  "_hw_consumer_blocks", "_hw_visible")
 
@@ -255,6 +278,29 @@ def test_document_block_ranges_search_the_ids_themselves(causal, seqlen, block_m
     params = (_Pointer(ids.flatten()), *ids.stride(), *ids.shape, None)
     for b in range(ids.shape[0]):
         _check_block_ranges(spec, _helpers_on_cpu(module), seqlen, seqlen, block_m, block_n, b, params, {"doc": ids})
+
+
+@pytest.mark.parametrize("ids", [
+    torch.tensor([[0] * 20 + [1] * 25 + [2] * 300, [0] * 200 + [4] * 145]),  # sorted rows, 3 chunks of 128
+    torch.tensor([[3, 1, 2, 2, 0, 7, 7, 7, 1]]),  # an unsorted row: searchsorted's answers all the same
+    torch.tensor([[0] * 130 + [1] * 130]).expand(1, 260),  # one row for the batch (rows=1 < batch)
+    torch.tensor([[0, 0, 1, 1, 1, 2], [5, 6, 6, 6, 7, 7]]).t().contiguous().t(),  # column-major (strided rows)
+    torch.tensor([[True] * 5 + [False] * 4]),
+], ids=["sorted", "unsorted", "shared row", "strided", "bool"])
+def test_the_range_kernel_fills_the_runs_table_as_runs_table(ids):
+    # a training step's forward: _hw_fwd_ranges' FILL_RUNS programs fill the ids' runs table the backward's
+    # kernels read (_hw_runs_fill), where host.runs_table's launch filled it: the same table, the work
+    # spread over programs (tile, b) in 128-element chunks
+    module = flashgen.compile(AttentionSpec(dtype="fp16", head_dim=64, mask=DOCS), KernelConfig(**HOPPER)).module()
+    fill = _helpers_on_cpu(module, ("_hw_runs_fill",))._hw_runs_fill
+    table = torch.full((2, *ids.shape), -1, dtype=torch.int32)
+    storage = ids.as_strided((ids.untyped_storage().nbytes() // ids.element_size(),), (1,), 0)  # the pointer's
+    tiles, batch = 2, 2
+    for b in range(batch):
+        for tile in range(tiles):
+            fill(_Pointer(storage), *ids.stride(), *ids.shape, _Pointer(table.view(-1)), _t(b), tile * 128,
+                 tiles * 128)
+    assert torch.equal(table, runs_table(ids)), ids
 
 
 def _check_block_ranges(spec, hw, seqlen_q, seqlen_k, block_m, block_n, b=0, params=(), tensors=None):

@@ -202,6 +202,42 @@ def test_forward_backward(mask_name):
 
 
 @sm90
+@pytest.mark.parametrize("ids_kind", ["int32", "int64", "shared by the batch", "strided, longer than the sequence"])
+def test_a_training_forward_fills_the_runs_table(ids_kind):
+    # a training step's Gluon forward: its range kernel fills the ids' runs table the backward's kernels
+    # read (FILL_RUNS), in place of host.runs_table's launch; the same table, and the step's gradients
+    from flashgen.runtime import host
+
+    batch, heads, kv_heads, sq, sk, d, layout = SHAPES[0]
+    mask = MASKS["documents"][0]
+    spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=heads, num_kv_heads=kv_heads, mask=mask, backward=True)
+    config = default_config(spec, "h100", sq).replace(tma=False, warp_specialize=False, **BASE, **PERSISTENT)
+    module = flashgen.compile(spec, config).module()
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+    ids = random_documents(batch, sq + 300, gen).cuda()
+    ids = {"int32": ids[:, :sq], "int64": ids[:, :sq].long(), "shared by the batch": ids[:1, :sq],
+           "strided, longer than the sequence": ids.t().contiguous().t()}[ids_kind]
+    calls = []
+    original = host.runs_table
+    host.runs_table = lambda t: calls.append(t) or original(t)
+    try:
+        _, _, plan, extra = module._LAUNCHER.training_forward(q, k, v, layout, 0.0, None, {"doc": ids}, None, None,
+                                                              None, None)
+    finally:
+        host.runs_table = original
+    assert isinstance(plan, HopperPlan) and not calls  # the range kernel's table, no runs_table launch
+    assert torch.equal(extra[-1], original(ids))
+    tensors = {"doc": ids}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    do = torch.randn(q.shape, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    module_out = flashgen.attention(*leaves, mask=mask, layout=layout, config=config, **tensors)
+    module_out.backward(do)
+    assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, causal=False, layout=layout, mask=mask,
+                           tensors=tensors)
+
+
+@sm90
 @pytest.mark.parametrize("dq_strategy", ["separate", "atomic"])
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("dtype, shape", [("bf16", SHAPES[0]), ("bf16", SHAPES[2]), ("bf16", SHAPES[3]),

@@ -252,6 +252,23 @@ def test_check_bounds_without_a_device_checks_every_record(monkeypatch):
         host.check_bounds()  # cleared
 
 
+def test_a_record_is_cleared_kind_last():
+    # a kernel claims the record by a compare-and-swap of its kind (word 0) from 0, then writes the other
+    # words: the host clears those first and the kind last, so no record made once the kind is 0 is wiped
+    writes = []
+
+    class Words(list):
+        def __setitem__(self, index, value):
+            writes.append(index)
+            super().__setitem__(index, [value] * len(self[index]) if isinstance(index, slice) else value)
+
+    record = host.BoundsRecord(torch.device("cpu"))
+    record.words = Words([host.OFFSETS_FIRST, 1, 0, 3, 0])
+    with pytest.raises(ValueError, match="^cu_seqlens_k: expected the first offset to be 0"):
+        record.raise_recorded()
+    assert writes[-1] == 0 and list(record.words) == [0] * 5
+
+
 # ---------------------------------------------------------------------------------------------- launches
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_forward_launch_q_outer(layout):

@@ -237,9 +237,12 @@ def test_static_cache_and_bad_names_are_refused():
     (dict(attention_mask=torch.ones(2, 1, 5, 7, dtype=torch.bool), softcap=5.0),
      "attention_mask: a 4-d mask cannot be combined with sliding_window, softcap or s_aux"),
     (dict(position_bias=torch.zeros(2, 4, 5, 7)), "position_bias: not supported"),
+    (dict(dropout="x"), "dropout: expected a number, got 'x'"),
+    (dict(cu_seq_lens_q=torch.tensor([0, 5]), cu_seq_lens_k=torch.tensor([0, 7]), max_length_q=2.7, max_length_k=7),
+     "max_length_q: expected an integer, got 2.7"),
 ])
 def test_bad_arguments_name_the_argument(kw, words):
     q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 7, 16)
-    with pytest.raises((ValueError, NotImplementedError)) as info:
+    with pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
         attention_forward(torch.nn.Module(), q, k, k, kw.pop("attention_mask", None), **kw)
     assert words in str(info.value)

@@ -45,12 +45,15 @@ as in transformers' flash-attention path.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import attention, attention_varlen, scaled_dot_product_attention
 from .. import mask as _mask
+from ..errors import short_repr
 from ..kvcache import compat_launcher
 
 __all__ = ["DEFAULT_NAME", "register", "attention_forward", "padding_mask"]
@@ -154,6 +157,16 @@ def _packed_positions(position_ids, batch, seqlen):
     return cu, cu, int(cu.diff().max()), int(cu.diff().max())
 
 
+def _number(name, value, kind):
+    """transformers' scalar argument `name` as a float, or an int (kind int: an integer, a 2.7 is not
+    truncated), from a Python number or a one-element tensor; else a TypeError naming it."""
+    try:
+        return float(value) if kind is float else operator.index(value)
+    except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several elements)
+        raise TypeError(f"{name}: expected {'a number' if kind is float else 'an integer'}, got "
+                        f"{short_repr(value)}") from None
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                       softcap=None, s_aux=None, is_causal=None, **kwargs):
     """transformers' attention-function signature: query (B, H, L, D), key/value (B, H_kv, S, D)
@@ -163,7 +176,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             raise NotImplementedError(f"{arg}: not supported by flashgen's transformers attention "
                                       "(paged caches and position biases need a dense mask)")
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    dropout = float(dropout)
+    dropout = _number("dropout", dropout, float)
     if (attention_mask is None and s_aux is None and kwargs.get("cu_seq_lens_q") is None
             and _decode_shaped(query, key, value, is_causal, dropout)):  # a generation step: checked first
         return _decode(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), _window(sliding_window),
@@ -203,7 +216,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     packed = None
     if all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
         packed = (kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
-                  int(kwargs["max_length_q"]), int(kwargs["max_length_k"]))
+                  _number("max_length_q", kwargs["max_length_q"], int), _number("max_length_k", kwargs["max_length_k"], int))
     elif seqlen_q == seqlen_k:
         packed = _packed_positions(kwargs.get("position_ids"), batch, seqlen_q)
     if packed is not None:  # padding-free: sequences concatenated along the token axis

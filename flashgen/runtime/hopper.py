@@ -25,7 +25,7 @@ __future__ import and its top-level names clash neither with host.py's nor with 
 import torch
 import triton
 
-from .host import SEQ_DIMS, BoundLaunch, Descriptors, bhsd_order, bhsd_strides, contiguous_strides, sm_count  # standalone: host.py precedes
+from .host import SEQ_DIMS, BoundLaunch, Descriptors, ForwardPlan, bhsd_order, bhsd_strides, contiguous_strides, empty_runs_table, sm_count  # standalone: host.py precedes
 
 # ---------------------------------------------------------------------------- the 3.6 / 3.9 shim
 # Gluon is experimental: triton 3.6 (the GPU image) and 3.9 (CI) name a few things differently.
@@ -194,19 +194,24 @@ class RangeTable:
     it instead of searching the ids themselves. `entries` int32 per (block, batch element) of the
     range kernel's grid (`blocks`, batch), filled on every call before the kernel that reads it."""
 
-    def __init__(self, kernel, blocks, batch, entries, seqlens, device, constexprs):
-        self.launch = BoundLaunch(kernel, (blocks, batch), dict(constexprs, num_warps=4))
+    def __init__(self, kernel, blocks, batch, entries, seqlens, device, constexprs, fills_runs=False):
+        # fills_runs: the forward's range kernel, whose FILL_RUNS launch (a training step's) also fills the ids'
+        # runs tables among the named tensors' arguments (hopper/masks.j2 _hw_fwd_ranges)
+        self.launches = [BoundLaunch(kernel, (blocks, batch), dict(constexprs, num_warps=4, **(
+            {"FILL_RUNS": fill} if fills_runs else {}))) for fill in ((False, True) if fills_runs else (False,))]
         self.shape, self.seqlens, self.device = (batch * blocks * entries,), seqlens, device
 
-    def fill(self, named, context=None):
+    def fill(self, named, context=None, fill_runs=False):
         """The named tensors' arguments with this call's table, filled, after them (launched with
-        `context`, launch_context()'s answer, where the caller took it once for its launches)."""
+        `context`, launch_context()'s answer, where the caller took it once for its launches); fill_runs:
+        their runs tables are filled too (empty_runs_table's, a training step's)."""
         table = torch.empty(self.shape, dtype=torch.int32, device=self.device)
         args = (table, *self.seqlens, *named)
+        launch = self.launches[fill_runs]
         if context is None:
-            self.launch(*args)
+            launch(*args)
         else:
-            self.launch.run(context, args)
+            launch.run(context, args)
         return (*named, table)
 
 
@@ -312,7 +317,7 @@ class HopperPlan:
         # a mask's block-range table: first and end block per tile, then four ranges per consumer
         self.ranges = None if forward.ranges is None else RangeTable(
             forward.ranges, tiles_m, batch, 2 + 4 * consumers, (seqlen_q, seqlen_k), q.device,
-            dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, CONSUMERS=consumers))
+            dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, CONSUMERS=consumers), fills_runs=True)
 
     def __getattr__(self, name):
         """The rest of the call's plan (offsets, softmax_scale, dropout_p, backward_plans: what
@@ -321,9 +326,23 @@ class HopperPlan:
             raise AttributeError(name)
         return getattr(self.base, name)
 
-    def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=(), extra=None):
+    def training_call(self, q, k, v, seed, tensors, cu_seqlens_q, cu_seqlens_k):
+        """launch.ForwardPlan.training_call: with a block-range table, the range kernel fills the runs tables
+        the step's backward reads (one launch fewer than host.runs_table's), but for bool ids (their runs are
+        searched as uint8 there)."""
+        base, launcher = self.base, self.base.launcher
+        if self.ranges is None or not tensors or any(
+                tensors[name].dtype == torch.bool for name in launcher.runs_tensors):
+            return ForwardPlan.training_call(self, q, k, v, seed, tensors, cu_seqlens_q, cu_seqlens_k)
+        extra = base.tensor_extra(tensors, empty_runs_table)
+        out, lse = self(q, k, v, None, None, seed, tensors, cu_seqlens_q, cu_seqlens_k, extra=extra, fill_runs=True)
+        return out, lse, extra
+
+    def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=(), extra=None,
+                 fill_runs=False):
         """Fill out (q's layout) and lse ((B, H, Sq) float32) for one call; allocated when None. extra: the
-        named tensors' arguments, the portable plan's tensor_extra(tensors), where the caller made them."""
+        named tensors' arguments, the portable plan's tensor_extra(tensors), where the caller made them
+        (fill_runs: with runs tables for the range kernel to fill, training_call's)."""
         base = self.base
         if out is None:
             out = base.new_out()
@@ -332,10 +351,10 @@ class HopperPlan:
         # a mask's named tensors (document ids, ...) after the scalars, as the portable forward takes them
         # (and its block-range table, filled first); FP8: the descales and their strides last. With a range
         # table neither kernel reads the ids' runs tables (its range kernel searches the ids: hopper/masks.j2),
-        # so a dummy stands in for them unless the caller made them anyway (a training step's, for its backward)
-        named = base.tensor_extra(tensors, runs=self.ranges is None) if extra is None else extra
-        if self.ranges is not None:
-            named = self.ranges.fill(named)
+        # so a dummy stands in for them unless the caller made them (a training step's, for its backward)
+        if extra is None:
+            extra = base.tensor_extra(tensors, None if self.ranges is None else base.launcher.unused_runs)
+        named = extra if self.ranges is None else self.ranges.fill(extra, fill_runs=fill_runs)
         # (the descriptors of the first len(blocks) tensors: out's only with the TMA store)
         self.launch(*self.descriptors(q, k, v, out), out, lse, *self.args, *named, *fp8_args)
         return out, lse

@@ -262,7 +262,10 @@ class BoundsRecord:
         if not self.words[0]:
             return
         kind, b, j, value, limit = (int(w) for w in self.words)
-        self.words[:] = 0
+        # the details first, the kind last: while the kind is set no kernel can record (its compare-and-swap
+        # from 0 fails), so a kernel's record made once it is cleared keeps all its words
+        self.words[1:] = 0
+        self.words[0] = 0
         source = "a decode kernel" if kind < OFFSETS_FIRST else "the check of a packed call's offsets"
         where = f" (met by {source} on {self.device}; that call's outputs are meaningless)" \
             if self.device.type == "cuda" else ""
@@ -486,6 +489,12 @@ def runs_table(t):
     return table
 
 
+def empty_runs_table(t):
+    """runs_table(t)'s int32 (2, rows, n) table, allocated for a kernel to fill (the Gluon forward's range
+    kernel in a training step: hopper/masks.j2 _hw_runs_fill)."""
+    return torch.empty((2, *t.shape), dtype=torch.int32, device=t.device)
+
+
 def check_tensor_names(tensors, names):
     """The named tensors a call passes are exactly the spec's `names` (the one place this is
     checked: the launcher and flashgen.api's call path both use it)."""
@@ -647,17 +656,22 @@ class AttentionLauncher:
             views[name] = t if t.dim() == rank else t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
         return views
 
-    def tensor_args(self, tensors, runs=True):
+    def tensor_args(self, tensors, runs=None):
         """The kernels' arguments for the named tensors: each tensor, its strides, its shape (and its
-        runs table, filled for this call, where the kernels read one; runs=False: a dummy in its place,
-        for a kernel that reads none)."""
+        runs table where the kernels read one: runs(t); None: runs_table, the table filled for this call;
+        empty_runs_table for a kernel that fills it, unused_runs for kernels that read none)."""
+        runs = runs or runs_table
         args = []
         for name in self.tensor_names:
             t = tensors[name]
             args += [t, *t.stride(), *t.shape]
             if name in self.runs_tensors:
-                args.append(runs_table(t) if runs else self.unused_arg(torch.int32, t.device))
+                args.append(runs(t))
         return args
+
+    def unused_runs(self, t):
+        """A runs table's dummy (one element, never read): tensor_args' runs for kernels that read none."""
+        return self.unused_arg(torch.int32, t.device)
 
     def knobs(self, overrides):
         """CONFIG with a call's knob overrides (loop_order, bwd_fused_delta and bwd_short are structural:
@@ -1048,8 +1062,7 @@ class AttentionLauncher:
                              "fp16 or bf16 inputs")
         plan = self.forward_call_plan(q, k, v, layout, None, None, None, dropout_p, seed, tensors, cu_seqlens_q,
                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        extra = plan.tensor_extra(tensors) if tensors else None
-        out, lse = plan(q, k, v, None, None, seed, tensors, cu_seqlens_q, cu_seqlens_k, extra=extra)
+        out, lse, extra = plan.training_call(q, k, v, seed, tensors, cu_seqlens_q, cu_seqlens_k)
         return out, lse, plan, extra
 
     def training_backward(self, plan, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, *,

@@ -283,9 +283,9 @@ class CallPlan:
     def seed_arg(self, seed):
         return seed if self.seed is None else self.seed
 
-    def tensor_extra(self, tensors, runs=True):
-        """The kernel arguments of the named tensors a call passes (a mask's document ids, ...); runs=False:
-        for kernels that read no runs table (host.AttentionLauncher.tensor_args)."""
+    def tensor_extra(self, tensors, runs=None):
+        """The kernel arguments of the named tensors a call passes (a mask's document ids, ...); runs: how
+        their runs tables are made (host.AttentionLauncher.tensor_args; None: filled for this call)."""
         return self.launcher.tensor_args(self.launcher.tensor_views(tensors), runs) if self.named else ()
 
     def offset_args(self, cu_seqlens_q, cu_seqlens_k, checked=False):
@@ -314,6 +314,14 @@ class ForwardPlan(CallPlan):
         self.softmax_scale = self.dropout_p = None  # the call's scalars (set by forward_plan)
         self.backward_plans = {}  # (dO's tensor_key, deterministic, tensor_grads) -> BackwardPlan of this forward
         self.direct = False  # plain, one pointer-load launch of the Q-outer kernel (set by forward_plan)
+
+    def training_call(self, q, k, v, seed, tensors, cu_seqlens_q, cu_seqlens_k):
+        """(out, lse, extra) of a training step's forward (host.AttentionLauncher.training_forward): extra, the
+        named tensors' arguments it launched with (None without named tensors), runs tables of document ids
+        among them, which the step's backward reuses."""
+        extra = self.tensor_extra(tensors) if tensors else None
+        out, lse = self(q, k, v, None, None, seed, tensors, cu_seqlens_q, cu_seqlens_k, extra=extra)
+        return out, lse, extra
 
     def __call__(self, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args=(), *, head=None,
                  launch=None, extra=None):
