@@ -9,7 +9,7 @@ from flashgen.expr.derivative import derivative
 from flashgen.expr.ir import MASK_VARS, SCORE_VARS, Const, Load, Var, depth, kind, reads_var, tensors_of, walk
 from flashgen.expr.parse import parse_expr
 from flashgen.expr.to_torch import evaluate, tensors_at_rank
-from flashgen.expr.to_triton import tensor_params, triton_expr, triton_literal
+from flashgen.expr.to_triton import GLUON, tensor_params, triton_expr, triton_literal
 
 TILE = {"b": "off_b", "h": "off_h", "q_idx": "rows", "kv_idx": "cols", "score": "score",
         "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}
@@ -34,6 +34,13 @@ def test_triton_text_of_each_construct():
     assert tensor_params("t", 2) == ["t_t", "t_t_s0", "t_t_s1", "t_t_n0", "t_t_n1"]
     assert [triton_literal(x) for x in (True, 7, 0.1, float("inf"), -float("inf"))] == [
         "True", "7", "0.1", 'float("inf")', 'float("-inf")']
+    # integers past int32: an int64 tensor for the portable kernels (the interpreter casts a plain literal
+    # to the other operand's int32), the plain literal for the Gluon ones (never interpreted)
+    node, _ = parse_expr("kv_idx <= q_idx + 3000000000 + 2147483647 - 2147483648", field="mask.expr",
+                         variables=MASK_VARS)
+    assert triton_expr(node, TILE) == ("(cols <= (((rows + tl.cast(3000000000, tl.int64)) + 2147483647) - "
+                                       "tl.cast(2147483648, tl.int64)))")
+    assert triton_expr(node, TILE, dialect=GLUON) == "(cols <= (((rows + 3000000000) + 2147483647) - 2147483648))"
 
 
 def test_torch_evaluation_clamps_indices_and_broadcasts_ranks():

@@ -343,7 +343,9 @@ def test_fp32_tensor_gradient_rule_is_relative_to_what_each_element_sums():
     "(q_idx // 8) >= (kv_idx // 8)",
     "((q_idx - kv_idx) % 5 == 0) | (kv_idx < 2)",
     "~(kv_idx > q_idx) & (h == 0) | (b == 1) & (q_idx - kv_idx <= 10) & (q_idx >= kv_idx)",
-], ids=["block-causal", "strided", "per-head-per-batch"])
+    # literals past int32 (64-bit arithmetic; the interpreter refused them: tl.cast writes them int64)
+    "(kv_idx - 3000000000 <= q_idx - 3000000000 - 3) | (q_idx * 10000000000 < kv_idx - 40)",
+], ids=["block-causal", "strided", "per-head-per-batch", "64-bit-literals"])
 @pytest.mark.parametrize("loop_order", ["q_outer", "kv_outer"])
 def test_custom_expression_masks(device, expr, loop_order):
     check_variant(device, mask=expr, loop_order=loop_order, sq=45, sk=50)

@@ -17,6 +17,8 @@ from typing import Callable, Mapping
 
 from .ir import Bin, Const, Fn, Load, Neg, Not, Search, Var, fold, kind
 
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
 # The most IR nodes one generated expression may write out. Shared subexpressions are written
 # each time they occur (a nested modifier's derivative repeats what it differentiates, a float
 # `%` writes its operands twice), so the text can grow exponentially with the nesting.
@@ -136,7 +138,12 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
 
     lang, helper = dialect.lang, dialect.helper
     if isinstance(node, Const):
-        return triton_literal(node.value)
+        value = node.value
+        if lang == "tl" and type(value) is int and not INT32_MIN <= value <= INT32_MAX:
+            # a 64-bit tensor: the compiler types such a literal int64 by itself, Triton's interpreter
+            # casts it to the other operand's int32 and fails (Gluon kernels never run there)
+            return f"tl.cast({triton_literal(value)}, tl.int64)"
+        return triton_literal(value)
     if isinstance(node, Var):
         return names[node.name]
     if isinstance(node, Load):
