@@ -98,6 +98,7 @@ class AttentionKernel:
                  dropout_p: float = 0.0, seed: torch.Tensor | None = None, deterministic: bool = False,
                  **tensors):
         """Run the backward kernels directly; returns (dq, dk, dv)."""
+        check_flag("deterministic", deterministic)
         dq, dk, dv, _ = self.module(config).backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p,
                                                      seed=seed, deterministic=deterministic, tensors=tensors)
         return dq, dk, dv

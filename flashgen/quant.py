@@ -65,8 +65,9 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
     tiles = padded.reshape(batch, heads // group, group, nblocks, size, xb.shape[-1])
     amax = tiles.abs().amax(dim=(2, 4, 5))  # (batch, groups, blocks)
     # an inf would give its slice an infinite factor (every value 0 or NaN): refused by name, reading the factors
-    # back to the host (not while a CUDA graph is captured, where nothing can be read back)
-    if not (amax.is_cuda and torch.cuda.is_current_stream_capturing()) and not bool(torch.isfinite(amax).all()):
+    # back to the host (not while a CUDA graph is captured or torch.compile traces, where nothing is read back)
+    if (not torch.compiler.is_compiling() and not (amax.is_cuda and torch.cuda.is_current_stream_capturing())
+            and not bool(torch.isfinite(amax).all())):
         raise ValueError(f"x: holds inf or NaN (a factor maps a slice's largest magnitude onto {fp8}'s largest "
                          "finite value, so every value must be finite)")
     descale = torch.where(amax > 0, amax / torch.finfo(fp8).max, torch.ones_like(amax))

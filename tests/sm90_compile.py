@@ -194,8 +194,9 @@ def main(only=()) -> int:
         # ... and on the persistent grid (each tile's key blocks from the pattern; causal-shaped masks pair a
         # heavy tile with a light one): documents GQA with the overlap and the TMA store (the block-range
         # table per tile), prefix-LM lengths under ping-pong, a two-sided window on one consumer
-        ("hopper_ws persistent masked documents gqa, overlap, TMA store",
-         dict(head_dim=128, num_heads=8, num_kv_heads=2, mask={"document": {"ids": "doc"}}, forward_only=True),
+        ("hopper_ws persistent masked documents gqa, overlap, TMA store",  # (and a training step: the range
+         # kernel's FILL_RUNS launch fills the runs table the portable backward reads)
+         dict(head_dim=128, num_heads=8, num_kv_heads=2, mask={"document": {"ids": "doc"}}, no_backward=True),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
                       hopper_overlap=True, hopper_tma_store=True)),
         ("hopper_ws persistent masked prefix-LM lengths, ping-pong",
@@ -272,6 +273,7 @@ def main(only=()) -> int:
         varlen = fields.pop("varlen", False)
         forward_only = fields.pop("forward_only", False)
         backward_only = fields.pop("backward_only", False)  # (a kernel compiled elsewhere in its other phases)
+        no_backward = fields.pop("no_backward", False)  # the forward and autograd's training step only
         dtype = fields.pop("dtype", "bf16")
         seqlen = fields.pop("seqlen", 300)
         spec = AttentionSpec(dtype=dtype, backward=dtype == "bf16", **fields)
@@ -298,6 +300,8 @@ def main(only=()) -> int:
                   ("backward", lambda: module.backward(q, q, k, k, q, lse, **kw)))
         if config.family == "hopper_ws" or config.hopper_bwd:  # autograd's path: the backward reads the forward's plan
             phases += (("training step", lambda: training_step(module._LAUNCHER, q, k, tensors)),)
+        if no_backward:
+            phases = (phases[0], *phases[2:])
         for phase, run in phases[:1] if spec.fp8 or forward_only else phases[1:2] if backward_only else phases:
             COMPILED.clear()
             start = time.perf_counter()

@@ -62,10 +62,11 @@ def test_bf16_under_the_interpreter_is_refused():
 
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
     kernel = flashgen.compile(AttentionSpec(dtype="bf16", head_dim=16, num_heads=2))
-    for call in (lambda: flashgen.attention(q, q, q, causal=True), lambda: kernel(q, q, q),
-                 lambda: decode(kernel, q.transpose(1, 2)[:, :1], q.transpose(1, 2), q.transpose(1, 2))):
+    for call in (lambda: flashgen.attention(q, q, q, causal=True), lambda: kernel(q, q, q)):
         with pytest.raises(ValueError, match=r"^q: dtype torch.bfloat16 under Triton's interpreter"):
             call()
+    with pytest.raises(ValueError, match=r"^k_cache: dtype torch.bfloat16 under Triton's interpreter"):
+        decode(kernel, q.transpose(1, 2)[:, :1], q.transpose(1, 2), q.transpose(1, 2))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to mix devices")
@@ -293,7 +294,8 @@ def test_call_flags_must_be_bools(value):
                        lambda f: flashgen.attention_varlen(packed, packed, packed, cu, cu, 8, 8, return_lse=f),
                        lambda f: decode(kernel, q.transpose(1, 2)[:, :1], kc, kc, seqlens, return_lse=f)],
         "deterministic": [lambda f: flashgen.attention(q, q, q, deterministic=f),
-                          lambda f: kernel.varlen(packed, packed, packed, cu, cu, 8, 8, deterministic=f)],
+                          lambda f: kernel.varlen(packed, packed, packed, cu, cu, 8, 8, deterministic=f),
+                          lambda f: kernel.backward(q, q, q, q, *kernel.module().forward(q, q, q), deterministic=f)],
         "return_attn_probs": [lambda f: flash_attn_func(q, q, q, return_attn_probs=f),
                               lambda f: flash_attn_varlen_func(packed, packed, packed, cu, cu, 8, 8,
                                                                return_attn_probs=f)],

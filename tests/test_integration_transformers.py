@@ -238,6 +238,7 @@ def test_static_cache_and_bad_names_are_refused():
      "attention_mask: a 4-d mask cannot be combined with sliding_window, softcap or s_aux"),
     (dict(position_bias=torch.zeros(2, 4, 5, 7)), "position_bias: not supported"),
     (dict(dropout="x"), "dropout: expected a number, got 'x'"),
+    (dict(dropout=True), "dropout: expected a number, got True"),
     (dict(cu_seq_lens_q=torch.tensor([0, 5]), cu_seq_lens_k=torch.tensor([0, 7]), max_length_q=2.7, max_length_k=7),
      "max_length_q: expected an integer, got 2.7"),
 ])

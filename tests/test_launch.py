@@ -270,6 +270,26 @@ def test_an_unchanged_call_is_checked_once(monkeypatch):
     assert checks == [1, 1]
 
 
+def test_named_tensor_calls_take_the_flat_key(monkeypatch):
+    # a mask's call with its named tensors keys its plan flat (AttentionLauncher.dense_key): one plan per
+    # metadata of the ids (the same ids again: the same plan), each call right
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, mask={"document": {}}, backward=True)
+    kernel = flashgen.compile(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1))
+    launcher = kernel.module()._LAUNCHER
+    launcher.plans.clear()
+    keys = []
+    plan_key, dense_key = launcher.plan_key, launcher.dense_key
+    monkeypatch.setattr(launcher, "plan_key", lambda *a: keys.append("plan") or plan_key(*a))
+    monkeypatch.setattr(launcher, "dense_key", lambda *a: keys.append("dense") or dense_key(*a))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 20, 16, generator=gen).half() for _ in range(3))
+    ids = torch.tensor([[0] * 8 + [1] * 12, [0] * 15 + [1] * 5], dtype=torch.int32)
+    for doc in (ids, ids, ids[:1], ids.long(), ids.t().contiguous().t()):
+        out = kernel(q, k, v, document_ids=doc)
+        assert_attention_close(out, None, q, k, v, causal=False, mask=spec.mask, tensors={"document_ids": doc})
+    assert keys == ["dense"] * 5 and len(launcher.plans) == 4
+
+
 def test_a_training_step_keys_and_checks_its_calls_once(monkeypatch):
     """An autograd step's backward runs the backward plan hung off its forward's plan: one plan key
     per step (was two: the backward keyed q, k, v, out, lse, ... again) and, for packed sequences,

@@ -86,5 +86,11 @@ def test_kernels_compile_for_sm90(tmp_path):
         head, kernels = f"ok hopper_ws masked {case} forward: ", [f"_attn_fwd_hopper_ws: {warps} warps"]
         kernels += ["_hw_fwd_ranges: 4 warps"] if case.startswith("documents") else []
         assert any(entry.startswith(head) and all(k in entry for k in kernels) for entry in lines), (head, proc.stdout)
+    # a documents training step on the persistent Gluon forward: its range kernel (FILL_RUNS) fills the runs table
+    # the portable backward kernels read
+    head = "ok hopper_ws persistent masked documents gqa, overlap, TMA store training step: "
+    assert any(entry.startswith(head) and all(k in entry for k in ("_hw_fwd_ranges: 4 warps", "_attn_fwd_hopper_ws",
+                                                                   "_attn_bwd_dkdv", "_attn_bwd_dq"))
+               for entry in lines), proc.stdout
     assert any(entry.startswith("ok hopper_bwd masked documents gqa hd128 backward: ") and "_hw_bwd_ranges: 4 warps" in entry
                and "_attn_bwd_dkdv_hopper: 12 warps" in entry for entry in lines), proc.stdout

@@ -140,8 +140,8 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
     if isinstance(node, Const):
         value = node.value
         if lang == "tl" and type(value) is int and not INT32_MIN <= value <= INT32_MAX:
-            # a 64-bit tensor: the compiler types such a literal int64 by itself, Triton's interpreter
-            # casts it to the other operand's int32 and fails (Gluon kernels never run there)
+            # a 64-bit tensor: Triton (compiled and interpreted) casts a plain literal to the other operand's
+            # int32 and fails. (The Gluon kernels serve built-in patterns only, whose extents stay within 2^30.)
             return f"tl.cast({triton_literal(value)}, tl.int64)"
         return triton_literal(value)
     if isinstance(node, Var):

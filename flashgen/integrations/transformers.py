@@ -161,6 +161,8 @@ def _number(name, value, kind):
     """transformers' scalar argument `name` as a float, or an int (kind int: an integer, a 2.7 is not
     truncated), from a Python number or a one-element tensor; else a TypeError naming it."""
     try:
+        if isinstance(value, bool) or isinstance(value, torch.Tensor) and value.dtype == torch.bool:
+            raise TypeError
         return float(value) if kind is float else operator.index(value)
     except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several elements)
         raise TypeError(f"{name}: expected {'a number' if kind is float else 'an integer'}, got "

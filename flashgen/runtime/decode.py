@@ -438,7 +438,7 @@ class DecodeLauncher:
             raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on "
                              "the CPU)")
         if not fp16_dot(k_cache.dtype, att.dtype):  # (an FP8 cache's bf16 products run on fp16 operands)
-            check_interpretable(att.dtype)
+            check_interpretable("k_cache", k_cache.dtype)
         if (k is None) != (v is None):
             raise ValueError("k: new keys and values come together; pass both k and v or neither")
         batch, seqlen_q = q.shape[:2]

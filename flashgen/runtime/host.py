@@ -48,12 +48,12 @@ def interpreting():
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def check_interpretable(dtype):
-    """Refuse bf16 under Triton's interpreter, whose bf16 dot products are wrong (errors of 1e8 on unit
-    inputs, triton 3.9): a silent wrong result otherwise."""
+def check_interpretable(name, dtype):
+    """Refuse bf16 products under Triton's interpreter, whose bf16 dot products are wrong (errors of 1e8 on
+    unit inputs, triton 3.9): a silent wrong result otherwise. name, dtype: the tensor that makes them bf16."""
     if dtype == torch.bfloat16 and interpreting():
-        raise ValueError("q: dtype torch.bfloat16 under Triton's interpreter (TRITON_INTERPRET=1), whose bf16 dot "
-                         "products are wrong; on the CPU use an fp16 or fp32 spec and tensors, or run on a GPU")
+        raise ValueError(f"{name}: dtype torch.bfloat16 under Triton's interpreter (TRITON_INTERPRET=1), whose bf16 "
+                         "dot products are wrong; on the CPU use an fp16 or fp32 spec and tensors, or run on a GPU")
 
 
 def padded_head_dim(head_dim):
@@ -582,7 +582,7 @@ class AttentionLauncher:
                 raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
         if q.device.type == "cpu" and not self.interpreting():
             raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on the CPU)")
-        check_interpretable(q.dtype)
+        check_interpretable("q", q.dtype)
         seq_dim, head_dim = {"bhsd": (2, 1), "bshd": (1, 2), "thd": (0, 1)}[layout]
         batch = () if layout == "thd" else (q.shape[0],)
         what = "(heads, head_dim)" if layout == "thd" else "(batch, heads, head_dim)"
