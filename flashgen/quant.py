@@ -38,9 +38,10 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
     with the KV heads: pass num_heads // num_kv_heads). Factors: (batch, heads // group), or
     with ``block`` (batch, heads // group, ceil(seq / block)), one per block of tokens. Each
     factor maps its slice's largest magnitude to the FP8 type's largest finite value; an all-zero
-    slice gets factor 1; x must be finite (ValueError; checking it reads the factors back to the host). ``seq_contiguous``: store the result with its sequence dim contiguous
-    (same shape): the layout the FP8 kernels read V in, so a V quantized once this way is not
-    copied on every call (quantize V, or a V cache, with it).
+    slice gets factor 1; x must be finite (ValueError; checking it reads the factors back to the
+    host). ``seq_contiguous``: store the result with its sequence dim contiguous (same shape): the
+    layout the FP8 kernels read V in, so a V quantized once this way is not copied on every call
+    (quantize V, or a V cache, with it).
     """
     fp8 = _fp8_dtype(dtype)
     if layout not in _LAYOUT_DIMS:

@@ -197,8 +197,10 @@ class RangeTable:
     def __init__(self, kernel, blocks, batch, entries, seqlens, device, constexprs, fills_runs=False):
         # fills_runs: the forward's range kernel, whose FILL_RUNS launch (a training step's) also fills the ids'
         # runs tables among the named tensors' arguments (hopper/masks.j2 _hw_fwd_ranges)
-        self.launches = [BoundLaunch(kernel, (blocks, batch), dict(constexprs, num_warps=4, **(
-            {"FILL_RUNS": fill} if fills_runs else {}))) for fill in ((False, True) if fills_runs else (False,))]
+        def launch(**fill):
+            return BoundLaunch(kernel, (blocks, batch), dict(constexprs, num_warps=4, **fill))
+
+        self.launches = [launch(FILL_RUNS=False), launch(FILL_RUNS=True)] if fills_runs else [launch()]
         self.shape, self.seqlens, self.device = (batch * blocks * entries,), seqlens, device
 
     def fill(self, named, context=None, fill_runs=False):

@@ -461,6 +461,12 @@ RUNS_LAUNCHES = {}  # (the ids' metadata) -> BoundLaunch of runs_table_fill
 RUNS_BLOCK = 256
 
 
+def empty_runs_table(t):
+    """runs_table(t)'s int32 (2, rows, n) table, allocated for a kernel to fill (the Gluon forward's range
+    kernel in a training step: hopper/masks.j2 _hw_runs_fill)."""
+    return torch.empty((2, *t.shape), dtype=torch.int32, device=t.device)
+
+
 def runs_table(t):
     """The runs table of a (rows, n) tensor of nondecreasing rows (document ids): int32 (2, rows, n),
     [0, b, x] the first index of row b holding t[b, x] and [1, b, x] the first past it, i.e. a
@@ -471,7 +477,7 @@ def runs_table(t):
     rows = t.to(torch.uint8) if t.dtype == torch.bool else t
     if (rows.shape[1] - 1) * abs(rows.stride(1)) >= 2**31:  # a view whose column offsets pass 32 bits
         rows = rows.contiguous()
-    table = torch.empty((2, *rows.shape), dtype=torch.int32, device=rows.device)
+    table = empty_runs_table(rows)
     if rows.device.type != "cuda":
         rows = rows.contiguous()
         torch.searchsorted(rows, rows, out_int32=True, out=table[0])
@@ -487,12 +493,6 @@ def runs_table(t):
                                                   dict(BLOCK=RUNS_BLOCK, num_warps=4))
     launch(rows, table, n, rows.stride(0), rows.stride(1), n.bit_length())
     return table
-
-
-def empty_runs_table(t):
-    """runs_table(t)'s int32 (2, rows, n) table, allocated for a kernel to fill (the Gluon forward's range
-    kernel in a training step: hopper/masks.j2 _hw_runs_fill)."""
-    return torch.empty((2, *t.shape), dtype=torch.int32, device=t.device)
 
 
 def check_tensor_names(tensors, names):
