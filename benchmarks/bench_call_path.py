@@ -205,6 +205,7 @@ class AllocOnly(torch.autograd.Function):
         out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # as flashgen's: no zero-filled dlse
         return out, lse
 
     @staticmethod

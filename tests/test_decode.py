@@ -994,3 +994,31 @@ def test_decode_refuses_named_tensors_of_another_batch_or_head_count(device, sha
     with pytest.raises(ValueError, match="^alibi_slopes: " + message):
         flash_attn_with_kvcache(q, k_cache, k_cache.clone(), alibi_slopes=torch.rand(shape, device=device),
                                 cache_seqlens=torch.tensor([5, 7], dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("expr, name", [("score + bias[kv_idx]", "bias"), ("score + bias[q_idx]", "bias"),
+                                        ("score + bias[h, kv_idx]", "bias")])
+def test_decode_records_named_tensors_shorter_than_the_cache_positions(device, expr, name):
+    # A cache position indexes these dimensions, so the host cannot size-check them (the lengths live on the
+    # device): the kernel records one shorter than an element's keys. Before, its reads were clamped (a
+    # 10-entry bias over 20 keys repeated its last entry, silently).
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, causal=True, score_mod=expr,
+                         backward=False)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 2, 16, generator=gen).to(device=device, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 32, 1, 16, generator=gen).to(device=device, dtype=torch.float16)
+                        for _ in range(2))
+    lengths = torch.tensor([12, 20], dtype=torch.int32, device=device)
+    heads = (2,) if "h," in expr else ()
+    for size in (20, 32, 1):  # the longest element's keys, the capacity, and broadcast
+        bias = torch.randn(*heads, size, generator=gen).to(device)
+        out = flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, check="sync")
+        ref = torch.cat([reference_attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal=True,
+                                             layout="bshd", compute_dtype=torch.float32, score_mod=expr,
+                                             tensors={name: bias})[0] for b, n in enumerate((12, 20))])
+        assert (out.float() - ref).abs().max().item() < 2e-3, size
+    short = torch.randn(*heads, 19).to(device)
+    with pytest.raises(ValueError, match=r"^bias: expected at least 20 entries in dim -1 .*batch element 1 has 20 "
+                                         r"keys\), got 19"):
+        flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=short, check="sync")
+    flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, check="sync")  # the record was cleared

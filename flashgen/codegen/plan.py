@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from .. import masks
+from ..runtime import host
 from ..expr.ir import Load, reads_var, tensors_of, walk
 from ..expr.to_triton import (GLUON, GLUON_SEARCH, TRITON, runs_pointer, runs_search, tensor_params, tensor_size, tensor_stride,
                               triton_expr)
@@ -61,6 +62,14 @@ class KernelPlan:
         sizes, and its runs table where it has one."""
         return "".join(", " + p for t in self.tensors for p in tensor_params(t.name, t.rank)
                        + ([runs_pointer(t.name)] if t.name in self.runs_tensors else []))
+
+    @property
+    def sequence_checks(self) -> list[tuple[str, int, str]]:
+        """[(tensor, dim, its size parameter, check id)]: the named tensors' dimensions that a cache
+        position indexes in decode, which its kernel checks against the cache's length (host.NAMED_SHORT)."""
+        sizes = {t.name: t.sizes for t in self.tensors if any(t.sizes)}
+        ranks = {t.name: t.rank for t in self.tensors}
+        return [(name, d, tensor_size(name, d), check) for name, d, check in host.sequence_checks(sizes, ranks)]
 
     @property
     def grad_params(self) -> str:

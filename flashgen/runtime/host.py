@@ -21,6 +21,7 @@ bound launches that skip Triton's binder.
 
 import os
 import threading
+import zlib
 
 import torch
 import triton
@@ -231,8 +232,26 @@ def device_sync_forbidden(device):
 
 # ----------------------------------------------------------------------------- bounds
 RECORD_WORDS = 5  # kind (0: nothing recorded), batch element, column, value, limit
-# kinds 1-4: the decode kernels' (templates/decode/split_kv.j2); 5-8: packed offsets (cu_seqlens_check)
+# kinds 1-4 and 9: the decode kernels' (templates/decode/split_kv.j2); 5-8: packed offsets (cu_seqlens_check)
 OFFSETS_FIRST, OFFSETS_ORDER, OFFSETS_TOTAL, OFFSETS_LONGEST = 5, 6, 7, 8
+NAMED_SHORT = 9  # a named tensor shorter than the cache positions that index it (column: its sequence_check_id)
+SEQUENCE_CHECKS = {}  # sequence_check_id -> (tensor name, dimension, rank of its view)
+
+
+def sequence_check_id(name, dim, rank):
+    """The id a decode kernel records (NAMED_SHORT) for dimension `dim` of the named tensor `name` (its
+    view has `rank` dimensions) where a cache position indexes it: a 31-bit hash of the three, so the
+    kernel's text can carry it, registered here so that raise_recorded can name the tensor."""
+    check = zlib.crc32(f"{name}/{dim}/{rank}".encode()) & 0x7FFFFFFF
+    SEQUENCE_CHECKS[check] = (name, dim, rank)
+    return check
+
+
+def sequence_checks(tensor_sizes, tensor_ranks):
+    """[(name, dim, id)]: the dimensions of the named tensors that only q_idx and kv_idx index (a decode
+    query's index is its cache position: they must cover the cache's length), ids registered."""
+    return [(name, d, sequence_check_id(name, d, tensor_ranks[name])) for name, sizes in tensor_sizes.items()
+            for d, names in enumerate(sizes) if names and all(n.startswith("seqlen") for n in names)]
 
 
 class BoundsRecord:
@@ -266,7 +285,8 @@ class BoundsRecord:
         # from 0 fails), so a kernel's record made once it is cleared keeps all its words
         self.words[1:] = 0
         self.words[0] = 0
-        source = "a decode kernel" if kind < OFFSETS_FIRST else "the check of a packed call's offsets"
+        source = "a decode kernel" if kind < OFFSETS_FIRST or kind == NAMED_SHORT else \
+            "the check of a packed call's offsets"
         where = f" (met by {source} on {self.device}; that call's outputs are meaningless)" \
             if self.device.type == "cuda" else ""
         if kind == 1:
@@ -281,6 +301,10 @@ class BoundsRecord:
         if kind == 4:
             raise ValueError(f"cache_batch_idx: expected indices in [0, {limit}) (the batch of k_cache), got {value} "
                              f"at index {b}{where}")
+        if kind == NAMED_SHORT:
+            name, dim, rank = SEQUENCE_CHECKS.get(j, ("a named tensor", 0, 0))
+            raise ValueError(f"{name}: expected at least {value} entries in dim {dim - rank} (a cache position "
+                             f"indexes it: batch element {b} has {value} keys), got {limit}{where}")
         name = ("cu_seqlens_q", "cu_seqlens_k")[b]
         if kind == OFFSETS_FIRST:
             raise ValueError(f"{name}: expected the first offset to be 0, got {value}{where}")
@@ -546,6 +570,7 @@ class AttentionLauncher:
         self.tensor_names = list(self.tensor_ranks)
         # {name: per dimension, the call sizes its plain b/h/q_idx/kv_idx indices imply} (masks.lowering.NamedTensor)
         self.tensor_sizes = {name: sizes for name, sizes in (tensor_sizes or {}).items() if any(sizes)}
+        sequence_checks(self.tensor_sizes, self.tensor_ranks)  # registered: decode's records name them
         self.grad_tensors = list(grad_tensors)
         self.runs_tensors = frozenset(runs_tensors)
         self.block_map_kernel = block_map_kernel

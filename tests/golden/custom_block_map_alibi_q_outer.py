@@ -692,6 +692,7 @@ BOUND_NEGATIVE_LENGTH = tl.constexpr(1)
 BOUND_PAST_CAPACITY = tl.constexpr(2)
 BOUND_PAGE = tl.constexpr(3)
 BOUND_CACHE_ROW = tl.constexpr(4)
+BOUND_NAMED_SHORT = tl.constexpr(9)
 NO_BAD_PAGE = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # the least bad (column << 32 | entry) of none
 
 
@@ -883,6 +884,8 @@ def _attn_decode(
     elif reporter & (length + seqlen_add > capacity):
         _record_bound(REC, BOUND_PAST_CAPACITY, off_b, seqlen_add, length, capacity)
     seqlen_k = tl.minimum(tl.maximum(length + seqlen_add, 0), capacity)
+    if reporter & (t_keep_n1 != 1) & (t_keep_n1 < seqlen_k):  # keep's dim 1: a cache position indexes it
+        _record_bound(REC, BOUND_NAMED_SHORT, off_b, 401942466, seqlen_k, t_keep_n1)
     if PAGED:
         BT += off_b * stride_btb
         K += off_hk * stride_kh

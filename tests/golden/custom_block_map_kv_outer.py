@@ -654,6 +654,7 @@ BOUND_NEGATIVE_LENGTH = tl.constexpr(1)
 BOUND_PAST_CAPACITY = tl.constexpr(2)
 BOUND_PAGE = tl.constexpr(3)
 BOUND_CACHE_ROW = tl.constexpr(4)
+BOUND_NAMED_SHORT = tl.constexpr(9)
 NO_BAD_PAGE = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # the least bad (column << 32 | entry) of none
 
 
