@@ -207,7 +207,12 @@ def dequantized(x, descale, layout="bhsd"):
 def fp8_matmul(a, b):
     """a @ b^T for FP8 (B, H, M, K) a and (B, H', N, K) b (H a multiple of H': GQA) on the tensor
     cores (torch._scaled_mm, float32 out), as an FP8 kernel multiplies: Hopper accumulates FP8
-    products with fewer bits than float32, which an exact reference would not show."""
+    products with fewer bits than float32, which an exact reference would not show.
+
+    _scaled_mm multiplies no two e5m2 matrices: for an e5m2 pair each (batch, head) slice of b goes
+    to e4m3 times a power of two (its largest value to [128, 256), the factor undone by _scaled_mm's
+    scale): exact for every element of at least 2^-14 of the slice's largest (e4m3's 3 mantissa bits
+    hold e5m2's 2); smaller ones round by at most 2^-17 of it, far below e5m2's own rounding (2^-3)."""
     group = a.shape[1] // b.shape[1]
     pad = lambda n: -n % 16  # noqa: E731 (_scaled_mm takes multiples of 16)
     m, n, kk = a.shape[2], b.shape[2], a.shape[3]
@@ -215,12 +220,26 @@ def fp8_matmul(a, b):
     b = torch.nn.functional.pad(b.view(torch.uint8), (0, pad(kk), 0, pad(n))).view(b.dtype)
     one = torch.ones((), device=a.device)
     out = torch.empty(a.shape[0], a.shape[1], m, n, device=a.device)
+    e5m2_pair = a.dtype == b.dtype == torch.float8_e5m2
     for i in range(a.shape[0]):
         for h in range(a.shape[1]):
-            prod = torch._scaled_mm(a[i, h].contiguous(), b[i, h // group].contiguous().t(), one, one,
+            b_slice, b_scale = b[i, h // group], one
+            if e5m2_pair:
+                b_slice, b_scale = _e4m3_scaled(b_slice)
+            prod = torch._scaled_mm(a[i, h].contiguous(), b_slice.contiguous().t(), one, b_scale,
                                     out_dtype=torch.float32)
             out[i, h] = prod[:m, :n]
     return out
+
+
+def _e4m3_scaled(x):
+    """(e4m3 y, float32 scale) with y * scale == x for an e5m2 x but for its values under 2^-14 of its
+    largest (see fp8_matmul): y = x * 2^e, its largest in [128, 256)."""
+    largest = x.float().abs().max()
+    if largest == 0:
+        return x.float().to(torch.float8_e4m3fn), torch.ones((), device=x.device)
+    e = 7 - torch.floor(torch.log2(largest))  # largest * 2^e in [2^7, 2^8), under e4m3's 448
+    return (x.float() * torch.exp2(e)).to(torch.float8_e4m3fn), torch.exp2(-e).float()
 
 
 def _per_head(descale, heads, like):

@@ -270,3 +270,20 @@ def test_quantizing_a_non_finite_value_is_refused(bad):
     for block in (None, 4):
         with pytest.raises(ValueError, match="^x: holds inf or NaN"):
             flashgen.quantize_fp8(x, block=block)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 3e3])
+def test_the_e5m2_pairs_reference_operand_is_exact(scale):
+    # verify.fp8_matmul multiplies an e5m2 pair as e5m2 x (e4m3 times a power of two): _scaled_mm takes no
+    # e5m2 pair. Exact for every value of at least 2^-14 of the largest; the rest within 2^-17 of it.
+    from flashgen.verify import _e4m3_scaled
+
+    x = (torch.randn(64, 96, generator=torch.Generator().manual_seed(7)) * scale).to(torch.float8_e5m2)
+    y, factor = _e4m3_scaled(x)
+    assert y.dtype == torch.float8_e4m3fn and factor.dtype == torch.float32
+    back, xf = y.float() * factor, x.float()
+    largest = xf.abs().max()
+    big = xf.abs() >= largest * 2**-14
+    assert torch.equal(back[big], xf[big])
+    assert (back - xf).abs().max() <= largest * 2**-17
+    assert torch.equal(_e4m3_scaled(torch.zeros(3, 3, dtype=torch.float8_e5m2))[0].float(), torch.zeros(3, 3))

@@ -129,3 +129,25 @@ def test_default_path(head_dim, causal, seqlen):
     assert_attention_close(out, lse, q, k, v, causal=causal, descales=(qd, kd, vd))
     user = flashgen.attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
     assert torch.equal(user, out)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs an sm89+ GPU (FP8)")
+@pytest.mark.parametrize("outliers", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_e5m2_runs_the_portable_forward(head_dim, causal, outliers):
+    # e5m2 keeps the portable FP8 forward (runtime/hopper.py): the default call, FlashAttention-3's rule
+    # against a same-precision reference on the tensor cores (verify.fp8_matmul: _scaled_mm takes no
+    # e5m2 pair, so b goes to e4m3 times a power of two)
+    spec = AttentionSpec(dtype="fp8_e5m2", head_dim=head_dim, num_heads=4, num_kv_heads=2, causal=causal)
+    kernel = flashgen.compile(spec)
+    q, k, v, qd, kd, vd = quantized_inputs(2, 4, 2, 333, 784, head_dim, dtype="fp8_e5m2", device="cuda",
+                                           outliers=outliers, seed=3)
+    assert q.dtype == torch.float8_e5m2
+    module = kernel.module(kernel.config_for(784))
+    out, lse = module.forward(q, k, v, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert not took_hopper_path(module)
+    assert_attention_close(out, lse, q, k, v, causal=causal, descales=(qd, kd, vd))
+    user = flashgen.attention(q, k, v, causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert torch.equal(user, out)
