@@ -436,7 +436,7 @@ def hopper_main(args, env, gpu) -> None:
             print(f"{r['case']} {r['seqlen']} {r['mode']} {r['source']}: {r['tflops']} x default "
                   f"{r.get('ratio_vs_default')} x flex {r.get('ratio_vs_flex')} gluon {r['gluon_forward']} "
                   f"{r.get('error', '')}", flush=True)
-        stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # a cut run keeps
+        stem.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))  # a cut run keeps
         stem.with_suffix(".md").write_text(hopper_markdown(rows, env))
     print(hopper_markdown(rows, env))
 
@@ -619,7 +619,7 @@ def main():
             print(f"{r['case']} {r['seqlen']} {r['mode']} {r['source']}: {r.get('tflops', r.get('same_as'))} "
                   f"ratio {ratio:.2f} gpu {r.get('gpu_ms')} {r.get('errors', '')}", flush=True)
         print(f"  {time.time() - t1:.0f}s", flush=True)
-        stem.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))  # a cut run keeps
+        stem.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))  # a cut run keeps
         stem.with_suffix(".md").write_text(markdown(rows, env))
     print(markdown(rows, env))
 

@@ -147,7 +147,7 @@ def main():
     rows = []
 
     def save():  # after every case: a run cut short keeps what it measured
-        (args.out / "masks.json").write_text(json.dumps({"env": env, "rows": rows, "block_map": costs}, indent=1,
+        (args.out / "masks.json").write_text(json.dumps({"environment": env, "rows": rows, "block_map": costs}, indent=1,
                                                         default=str))
         (args.out / "masks.md").write_text(markdown([r for r in rows if "error" not in r], costs, env))
 

@@ -258,7 +258,7 @@ def benchmark(args) -> dict:
 
     env = environment()
     env["transformers"] = transformers.__version__
-    return {"env": env, "config": {k: getattr(args, k) for k in FULL}, "device": args.device, "rows": rows,
+    return {"environment": env, "config": {k: getattr(args, k) for k in FULL}, "device": args.device, "rows": rows,
             **({"train_profile": profiles} if profiles else {})}
 
 
@@ -271,7 +271,7 @@ def gpu_slug(env: dict, device: str) -> str:
 
 
 def markdown(result: dict) -> str:
-    env = result["env"]
+    env = result["environment"]
     lines = [f"transformers Llama, flashgen vs transformers' SDPA attention | {env.get('gpu', 'cpu')} | "
              f"torch {env['torch']} | triton {env['triton']} | transformers {env['transformers']} | "
              f"flashgen {env['flashgen']}", "",
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     result = benchmark(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{datetime.date.today().isoformat()}-{gpu_slug(result['env'], args.device)}-call-path-transformers"
+    stem = f"{datetime.date.today().isoformat()}-{gpu_slug(result['environment'], args.device)}-call-path-transformers"
     if args.tiny:
         stem += "-tiny"
     stem += args.tag

@@ -172,7 +172,7 @@ def table(r) -> str:
 
 
 def markdown(data) -> str:
-    env = data["env"]
+    env = data["environment"]
     lines = [f"# Masked defaults sweep: GPU time per config ({env.get('gpu')}, torch {env['torch']}, "
              f"triton {env['triton']}, {env['date']})", "",
              "bf16, 16 heads, 16384 tokens per batch. ms: CUDA-graph replay of module.forward (fwd) or "
@@ -236,7 +236,7 @@ def main():
         t1 = time.time()
         results.append(sweep_case(case, seqlen, not args.no_user))
         print(table(results[-1]), f"({time.time() - t1:.0f}s)", flush=True)
-        data = {"env": env, "flashgen_root": str(Path(flashgen.__file__).parent.parent), "results": results}
+        data = {"environment": env, "flashgen_root": str(Path(flashgen.__file__).parent.parent), "results": results}
         (args.out / f"masked-defaults-sweep{args.tag}.json").write_text(json.dumps(data, indent=1))
         (args.out / f"masked-defaults-sweep{args.tag}.md").write_text(markdown(data))
 

@@ -23,7 +23,7 @@ def test_tiny_cpu_run_writes_every_row(tmp_path):
                        "--seqlen", "12", "--prompt", "4", "--new-tokens", "2"]) == 0
     (path,) = tmp_path.glob("*-cpu-call-path-transformers-tiny.json")
     result = json.loads(path.read_text())
-    assert result["env"]["transformers"] and result["config"]["layers"] == 2
+    assert result["environment"]["transformers"] and result["config"]["layers"] == 2
     rows = {row["mode"]: row for row in result["rows"]}
     assert list(rows) == MODES
     for mode in MODES[:4]:  # these run both ways on the CPU
@@ -49,7 +49,7 @@ def test_a_failing_part_is_recorded_and_the_run_goes_on():
     row = bench.run_mode(rows, "case", "train_step", measure)
     assert rows == [row] and row["sdpa_ms"] == 2.0 and row["flashgen_ms"] is None and row["ratio_vs_sdpa"] is None
     assert row["error"] == {"flashgen": "RuntimeError: out of memory, say"}
-    assert "RuntimeError: out of memory, say" in bench.markdown({"env": {"torch": "t", "triton": "t",
+    assert "RuntimeError: out of memory, say" in bench.markdown({"environment": {"torch": "t", "triton": "t",
                                                                          "transformers": "t", "flashgen": "f"},
                                                                  "rows": rows})
 
