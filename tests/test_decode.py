@@ -996,12 +996,12 @@ def test_decode_refuses_named_tensors_of_another_batch_or_head_count(device, sha
                                 cache_seqlens=torch.tensor([5, 7], dtype=torch.int32, device=device))
 
 
-@pytest.mark.parametrize("expr, name", [("score + bias[kv_idx]", "bias"), ("score + bias[q_idx]", "bias"),
-                                        ("score + bias[h, kv_idx]", "bias")])
-def test_decode_records_named_tensors_shorter_than_the_cache_positions(device, expr, name):
-    # A cache position indexes these dimensions, so the host cannot size-check them (the lengths live on the
-    # device): the kernel records one shorter than an element's keys. Before, its reads were clamped (a
-    # 10-entry bias over 20 keys repeated its last entry, silently).
+@pytest.mark.parametrize("expr", ["score + bias[kv_idx]", "score + bias[h, kv_idx]",
+                                  "score + bias[kv_idx] + bias[q_idx]"])
+def test_decode_records_named_tensors_shorter_than_the_keys(device, expr):
+    # kv_idx indexes these dimensions: a tensor must cover each element's keys, which the host cannot see
+    # (the lengths live on the device), so the kernel records one shorter than an element's keys. Before,
+    # its reads were clamped (a 10-entry bias over 20 keys repeated its last entry, silently).
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, causal=True, score_mod=expr,
                          backward=False)
     gen = torch.Generator().manual_seed(0)
@@ -1013,12 +1013,35 @@ def test_decode_records_named_tensors_shorter_than_the_cache_positions(device, e
     for size in (20, 32, 1):  # the longest element's keys, the capacity, and broadcast
         bias = torch.randn(*heads, size, generator=gen).to(device)
         out = flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, check="sync")
-        ref = torch.cat([reference_attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal=True,
-                                             layout="bshd", compute_dtype=torch.float32, score_mod=expr,
-                                             tensors={name: bias})[0] for b, n in enumerate((12, 20))])
-        assert (out.float() - ref).abs().max().item() < 2e-3, size
+        _check_rows(out, q, k_cache, v_cache, (12, 20), expr, {"bias": bias})
     short = torch.randn(*heads, 19).to(device)
-    with pytest.raises(ValueError, match=r"^bias: expected at least 20 entries in dim -1 .*batch element 1 has 20 "
-                                         r"keys\), got 19"):
+    with pytest.raises(ValueError, match=r"^bias: expected at least 20 entries in dim -1 \(kv_idx indexes it: batch "
+                                         r"element 1 has 20 keys\), got 19"):
         flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=short, check="sync")
     flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, check="sync")  # the record was cleared
+
+
+def test_decode_checks_named_tensors_of_query_rows_on_the_host(device):
+    # q_idx is a query's row (0 .. seqlen_q - 1; the mask aligns it to the cache): 3 entries serve 3 query
+    # rows over 20 keys (the kernel compares only kv_idx's dimensions with the keys), 2 are refused by name
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, causal=True,
+                         score_mod="score + bias[q_idx]", backward=False)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 3, 2, 16, generator=gen).to(device=device, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 32, 1, 16, generator=gen).to(device=device, dtype=torch.float16)
+                        for _ in range(2))
+    lengths = torch.tensor([12, 20], dtype=torch.int32, device=device)
+    for size in (3, 1):
+        bias = torch.randn(size, generator=gen).to(device)
+        out = flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, check="sync")
+        _check_rows(out, q, k_cache, v_cache, (12, 20), "score + bias[q_idx]", {"bias": bias})
+    with pytest.raises(ValueError, match=r"^bias: expected size at least 3 \(seqlen_q 3\) or 1 in dim 0"):
+        flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=torch.randn(2).to(device), check="sync")
+
+
+def _check_rows(out, q, k_cache, v_cache, lengths, expr, tensors):
+    """Each element's decode rows against the reference over its keys (causal, bottom-right)."""
+    ref = torch.cat([reference_attention(q[b:b + 1], k_cache[b:b + 1, :n], v_cache[b:b + 1, :n], causal=True,
+                                         layout="bshd", compute_dtype=torch.float32, score_mod=expr,
+                                         tensors=tensors)[0] for b, n in enumerate(lengths)])
+    assert (out.float() - ref).abs().max().item() < 2e-3

@@ -287,3 +287,19 @@ def test_the_e5m2_pairs_reference_operand_is_exact(scale):
     assert torch.equal(back[big], xf[big])
     assert (back - xf).abs().max() <= largest * 2**-17
     assert torch.equal(_e4m3_scaled(torch.zeros(3, 3, dtype=torch.float8_e5m2))[0].float(), torch.zeros(3, 3))
+
+
+def test_an_e5m2_pair_multiplies_as_its_values():
+    # verify.fp8_matmul's e5m2 pair (e5m2 x e4m3 times a power of two): the products are exact, so the
+    # result is the float64 matmul's to float32 rounding, whatever the scale direction would get wrong
+    from flashgen.verify import fp8_matmul
+
+    gen = torch.Generator().manual_seed(5)
+    a = (torch.randn(1, 2, 20, 32, generator=gen) * 300).to(torch.float8_e5m2)
+    b = (torch.randn(1, 1, 24, 32, generator=gen) * 0.01).to(torch.float8_e5m2)
+    try:
+        got = fp8_matmul(a, b)
+    except (RuntimeError, NotImplementedError) as err:  # a torch without _scaled_mm on this device
+        pytest.skip(f"torch._scaled_mm: {err}")
+    want = a.double() @ b.double().transpose(-1, -2)
+    assert got.shape == want.shape and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * want.abs().max())

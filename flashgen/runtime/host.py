@@ -234,7 +234,7 @@ def device_sync_forbidden(device):
 RECORD_WORDS = 5  # kind (0: nothing recorded), batch element, column, value, limit
 # kinds 1-4 and 9: the decode kernels' (templates/decode/split_kv.j2); 5-8: packed offsets (cu_seqlens_check)
 OFFSETS_FIRST, OFFSETS_ORDER, OFFSETS_TOTAL, OFFSETS_LONGEST = 5, 6, 7, 8
-NAMED_SHORT = 9  # a named tensor shorter than the cache positions that index it (column: its sequence_check_id)
+NAMED_SHORT = 9  # a named tensor shorter than the cache keys kv_idx indexes it by (column: its sequence_check_id)
 SEQUENCE_CHECKS = {}  # sequence_check_id -> (tensor name, dimension, rank of its view)
 
 
@@ -248,10 +248,11 @@ def sequence_check_id(name, dim, rank):
 
 
 def sequence_checks(tensor_sizes, tensor_ranks):
-    """[(name, dim, id)]: the dimensions of the named tensors that only q_idx and kv_idx index (a decode
-    query's index is its cache position: they must cover the cache's length), ids registered."""
+    """[(name, dim, id)]: the dimensions of the named tensors that kv_idx indexes (with q_idx or alone),
+    which a decode kernel checks against each element's cache length (the host cannot: the lengths live
+    on the device; q_idx, a query's row, the host checks), ids registered."""
     return [(name, d, sequence_check_id(name, d, tensor_ranks[name])) for name, sizes in tensor_sizes.items()
-            for d, names in enumerate(sizes) if names and all(n.startswith("seqlen") for n in names)]
+            for d, names in enumerate(sizes) if "seqlen_k" in names and set(names) <= {"seqlen_k", "seqlen_q"}]
 
 
 class BoundsRecord:
@@ -303,8 +304,8 @@ class BoundsRecord:
                              f"at index {b}{where}")
         if kind == NAMED_SHORT:
             name, dim, rank = SEQUENCE_CHECKS.get(j, ("a named tensor", 0, 0))
-            raise ValueError(f"{name}: expected at least {value} entries in dim {dim - rank} (a cache position "
-                             f"indexes it: batch element {b} has {value} keys), got {limit}{where}")
+            raise ValueError(f"{name}: expected at least {value} entries in dim {dim - rank} (kv_idx indexes it: "
+                             f"batch element {b} has {value} keys), got {limit}{where}")
         name = ("cu_seqlens_q", "cu_seqlens_k")[b]
         if kind == OFFSETS_FIRST:
             raise ValueError(f"{name}: expected the first offset to be 0, got {value}{where}")
@@ -632,22 +633,24 @@ class AttentionLauncher:
         index into its tensor, so a short one would repeat its last element): a dimension indexed by b or h
         holds the batch or the query heads (or is 1: broadcast), one indexed by q_idx or kv_idx at least
         the sequence's length (packed sequences: the longest). tensors: as passed; named: their views.
-        A length given as None is not checked (decode: a query's index is its position in the cache)."""
+        A length given as None is not checked (decode's seqlen_k: the cache's lengths live on the device,
+        so its kernel checks the dimensions kv_idx indexes, sequence_checks)."""
         calls = {"batch": batch, "heads": self.num_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
         for name, sizes in self.tensor_sizes.items():
             view, given = named[name], tensors[name]
             skipped = view.dim() - given.dim()  # leading dims the view added (broadcast)
             for d, names in enumerate(sizes):
                 size = view.shape[d]
-                if not names or size == 1 or any(calls[n] is None for n in names):
+                known = [n for n in names if calls[n] is not None]
+                if not known or size == 1:
                     continue
                 exact = names[0] in ("batch", "heads")
-                need = calls[names[0]] if exact else max(calls[n] for n in names)
+                need = calls[names[0]] if exact else max(calls[n] for n in known)
                 if size != need if exact else size < need:
                     if exact:
                         rule = f"{need} (the {'batch' if names[0] == 'batch' else 'query heads'})"
                     else:
-                        rule = f"at least {need} ({', '.join(f'{n} {calls[n]}' for n in names)})"
+                        rule = f"at least {need} ({', '.join(f'{n} {calls[n]}' for n in known)})"
                     raise ValueError(f"{name}: expected size {rule} or 1 in dim {d - skipped}, got shape "
                                      f"{tuple(given.shape)}")
 

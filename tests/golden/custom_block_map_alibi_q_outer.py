@@ -884,7 +884,7 @@ def _attn_decode(
     elif reporter & (length + seqlen_add > capacity):
         _record_bound(REC, BOUND_PAST_CAPACITY, off_b, seqlen_add, length, capacity)
     seqlen_k = tl.minimum(tl.maximum(length + seqlen_add, 0), capacity)
-    if reporter & (t_keep_n1 != 1) & (t_keep_n1 < seqlen_k):  # keep's dim 1: a cache position indexes it
+    if reporter & (t_keep_n1 != 1) & (t_keep_n1 < seqlen_k):  # keep's dim 1: kv_idx indexes it
         _record_bound(REC, BOUND_NAMED_SHORT, off_b, 401942466, seqlen_k, t_keep_n1)
     if PAGED:
         BT += off_b * stride_btb

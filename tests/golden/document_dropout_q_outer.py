@@ -902,7 +902,7 @@ def _attn_decode(
     elif reporter & (length + seqlen_add > capacity):
         _record_bound(REC, BOUND_PAST_CAPACITY, off_b, seqlen_add, length, capacity)
     seqlen_k = tl.minimum(tl.maximum(length + seqlen_add, 0), capacity)
-    if reporter & (t_doc_n1 != 1) & (t_doc_n1 < seqlen_k):  # doc's dim 1: a cache position indexes it
+    if reporter & (t_doc_n1 != 1) & (t_doc_n1 < seqlen_k):  # doc's dim 1: kv_idx indexes it
         _record_bound(REC, BOUND_NAMED_SHORT, off_b, 1117150904, seqlen_k, t_doc_n1)
     if PAGED:
         BT += off_b * stride_btb
