@@ -64,7 +64,7 @@ class KernelPlan:
                        + ([runs_pointer(t.name)] if t.name in self.runs_tensors else []))
 
     @property
-    def sequence_checks(self) -> list[tuple[str, int, str]]:
+    def sequence_checks(self) -> list[tuple[str, int, str, int]]:
         """[(tensor, dim, its size parameter, check id)]: the named tensors' dimensions that kv_idx
         indexes, which the decode kernel checks against each element's cache length (host.NAMED_SHORT)."""
         sizes = {t.name: t.sizes for t in self.tensors if any(t.sizes)}

@@ -240,7 +240,7 @@ SEQUENCE_CHECKS = {}  # sequence_check_id -> (tensor name, dimension, rank of it
 
 def sequence_check_id(name, dim, rank):
     """The id a decode kernel records (NAMED_SHORT) for dimension `dim` of the named tensor `name` (its
-    view has `rank` dimensions) where a cache position indexes it: a 31-bit hash of the three, so the
+    view has `rank` dimensions) where kv_idx indexes it: a 31-bit hash of the three, so the
     kernel's text can carry it, registered here so that raise_recorded can name the tensor."""
     check = zlib.crc32(f"{name}/{dim}/{rank}".encode()) & 0x7FFFFFFF
     SEQUENCE_CHECKS[check] = (name, dim, rank)
