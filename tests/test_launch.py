@@ -787,3 +787,22 @@ def test_the_backward_is_handed_no_zero_filled_lse_gradient(device, monkeypatch)
     grads = torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do)
     assert seen == [None]
     assert_gradients_close(grads, q, k, v, do, causal=True)
+
+
+def test_an_output_that_reaches_no_loss_gives_no_gradients(device):
+    # With grads unmaterialized, out reaching the loss only through a node that returns no gradient for it
+    # hands the backward dout None: it returns none (before it was handed zeros and launched on them)
+    class Ignore(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            return y.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, grad
+
+    q, k, v = (_inputs((1, 2, 9, 16), seed=s).to(device).requires_grad_() for s in range(3))
+    w = _inputs((1, 2, 9, 16), seed=4).to(device).requires_grad_()
+    dq, dw = torch.autograd.grad(Ignore.apply(flashgen.attention(q, k, v, causal=True), w).sum(), (q, w),
+                                 allow_unused=True)
+    assert dq is None and torch.equal(dw, torch.ones_like(w))
