@@ -222,10 +222,10 @@ def fp8_matmul(a, b):
     out = torch.empty(a.shape[0], a.shape[1], m, n, device=a.device)
     e5m2_pair = a.dtype == b.dtype == torch.float8_e5m2
     for i in range(a.shape[0]):
+        # b's slices as _scaled_mm takes them, once per KV head (a GQA group's query heads share one)
+        slices = [_e4m3_scaled(b[i, j]) if e5m2_pair else (b[i, j], one) for j in range(b.shape[1])]
         for h in range(a.shape[1]):
-            b_slice, b_scale = b[i, h // group], one
-            if e5m2_pair:
-                b_slice, b_scale = _e4m3_scaled(b_slice)
+            b_slice, b_scale = slices[h // group]
             prod = torch._scaled_mm(a[i, h].contiguous(), b_slice.contiguous().t(), one, b_scale,
                                     out_dtype=torch.float32)
             out[i, h] = prod[:m, :n]

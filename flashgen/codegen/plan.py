@@ -67,8 +67,7 @@ class KernelPlan:
     def sequence_checks(self) -> list[tuple[str, int, str, int]]:
         """[(tensor, dim, its size parameter, check id)]: the named tensors' dimensions that kv_idx
         indexes, which the decode kernel checks against each element's cache length (host.NAMED_SHORT)."""
-        sizes = {t.name: t.sizes for t in self.tensors if any(t.sizes)}
-        ranks = {t.name: t.rank for t in self.tensors}
+        sizes, ranks = {t.name: t.sizes for t in self.tensors}, {t.name: t.rank for t in self.tensors}
         return [(name, d, tensor_size(name, d), check) for name, d, check in host.sequence_checks(sizes, ranks)]
 
     @property
