@@ -35,7 +35,7 @@ if "--dry" in sys.argv:  # before Triton decorates flashgen's kernels
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec  # noqa: E402
 from flashgen.timing import wall_ms  # noqa: E402
-from probes import run_probe, table_head  # noqa: E402
+from probes import bshd_inputs, run_probe, table_head  # noqa: E402
 
 DTYPE, DEVICE, HEAD_DIM = torch.bfloat16, "cuda", 128
 # (batch, seqlen, heads, KV heads)
@@ -70,13 +70,7 @@ def run_case(case, args) -> dict:
     spec = AttentionSpec(dtype="fp16" if DTYPE == torch.float16 else "bf16", head_dim=HEAD_DIM, num_heads=heads,
                          num_kv_heads=kv_heads, causal=True)
     base = flashgen.default_config(spec, seqlen=seqlen)
-    gen = torch.Generator(device=DEVICE).manual_seed(seqlen)
-
-    def randn(h):
-        return torch.randn(batch, seqlen, h, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen).requires_grad_()
-
-    q, k, v = randn(heads), randn(kv_heads), randn(kv_heads)
-    do = torch.randn_like(q)
+    q, k, v, do = bshd_inputs(batch, seqlen, heads, kv_heads, HEAD_DIM, DTYPE, DEVICE)
     group = heads // kv_heads
     ref_inputs = [t.detach().transpose(1, 2).float() for t in (q, k, v)]
     ref_inputs = [ref_inputs[0]] + [t.repeat_interleave(group, 1) for t in ref_inputs[1:]]

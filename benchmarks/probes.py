@@ -71,6 +71,19 @@ def max_abs_diff(a, b) -> float:
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
 
 
+def bshd_inputs(batch: int, seqlen: int, heads: int, kv_heads: int, head_dim: int, dtype, device):
+    """q, k, v (bshd, requiring gradients) and dO of one call, seeded by the sequence length."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seqlen)
+
+    def randn(h):
+        return torch.randn(batch, seqlen, h, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+
+    q, k, v = randn(heads), randn(kv_heads), randn(kv_heads)
+    return q, k, v, torch.randn_like(q)
+
+
 def table_head(title: str, env: dict, note: str, columns: list[str]) -> list[str]:
     """A results file's first lines: its title with the machine, a note, a markdown table's header."""
     return [f"# {title} ({env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date')})",

@@ -284,7 +284,9 @@ def test_space_offers_the_kernel_only_where_it_serves():
     # the cases it measured faster, adding dQ itself by the copy engine (config._hopper_bwd_default)
     (dict(head_dim=128, num_heads=16, causal=True), "h100", 16384, "atomic"),
     (dict(head_dim=128, num_heads=16, causal=True), "h100", 4096, "atomic"),
-    (dict(head_dim=128, num_heads=16, causal=True), "h100", 2048, False),  # S=1024 slower: the portable kernel
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 2048, "atomic"),  # since its spills went
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 1024, "atomic"),
+    (dict(head_dim=128, num_heads=16, causal=True), "h100", 256, False),  # the one-launch short backward
     (dict(head_dim=128, num_heads=16), "h100", 16384, "atomic"),
     (dict(head_dim=128, num_heads=16), "h100", 1024, "atomic"),
     (dict(head_dim=128, num_heads=16), "h100", 256, False),
@@ -294,9 +296,10 @@ def test_space_offers_the_kernel_only_where_it_serves():
     (dict(head_dim=64, num_heads=32), "h100", 4096, "atomic"),
     (dict(head_dim=64, num_heads=32), "h100", 1024, False),
     (dict(head_dim=128, num_heads=16, causal=True), "a100", 16384, False),  # not sm90
-    # GQA: causal hd128 with the separate dQ kernel, nothing else
-    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, True),
-    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h100", 2048, False),
+    # GQA: causal hd128 from 2048 tokens, adding dQ; nothing else
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, "atomic"),
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h100", 2048, "atomic"),
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h100", 1024, False),
     (dict(head_dim=128, num_heads=16, num_kv_heads=4), "h100", 16384, False),
     (dict(head_dim=64, num_heads=32, num_kv_heads=8, causal=True), "h100", 16384, False),
     # masks: served (tests/test_hopper_masks_gpu.py), a default only where measured faster

@@ -1,0 +1,132 @@
+"""Which dK/dV kernel the backward's default should take at head dim 128, per case.
+
+Variants of the call's default config (flashgen.default_config at that length), each the whole backward:
+  default    the default as it stands
+  portable   the portable dK/dV kernel, with the separate dQ kernel
+  separate   the Gluon warp-specialized dK/dV kernel (hopper_bwd), with the separate dQ kernel
+  atomic     the Gluon kernel adding dQ itself by the copy engine (dq_strategy 'atomic')
+  cudnn      SDPA pinned to cuDNN (K/V expanded to every query head for GQA)
+Cases: causal and not, 16 heads at 1024-4096 tokens (16384 per batch), and causal GQA (Llama's 16 / 4 heads,
+32 / 8 as tuning_db's gqa-causal spec), bf16, bshd. Every variant's gradients are checked against cuDNN's
+(max abs error in the row); backward ms = fwd+bwd - fwd (do_bench medians, host time included) over
+interleaved rounds.
+
+    PYTHONPATH=. python3 benchmarks/probe_bwd_defaults.py [--rounds 3] [--tag TAG] [--dry]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if "--dry" in sys.argv:  # before Triton decorates flashgen's kernels
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import flashgen  # noqa: E402
+from flashgen import AttentionSpec  # noqa: E402
+from flashgen.timing import wall_ms  # noqa: E402
+from probes import bshd_inputs, max_abs_diff, run_probe, table_head  # noqa: E402
+
+DTYPE, DEVICE, HEAD_DIM = torch.bfloat16, "cuda", 128
+# (batch, seqlen, heads, KV heads, causal)
+CASES = [(16, 1024, 16, 16, True), (8, 2048, 16, 16, True), (4, 4096, 16, 16, True), (16, 1024, 16, 16, False),
+         (8, 2048, 16, 16, False), (4, 2048, 16, 4, True), (8, 1024, 16, 4, True), (2, 4096, 16, 4, True),
+         (4, 2048, 32, 8, True), (4, 4096, 32, 8, True), (1, 16384, 32, 8, True)]
+VARIANTS = {"default": {}, "portable": dict(hopper_bwd=False, dq_strategy="separate"),
+            "separate": dict(hopper_bwd=True, dq_strategy="separate"),
+            "atomic": dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)}
+
+
+def timer(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, rep=60, return_mode="median"))
+
+
+def dry_run() -> None:
+    """Shake the script out on the CPU (Triton's interpreter, fp16, head dim 32, two small cases, the
+    portable kernels only); the figures mean nothing."""
+    global DTYPE, DEVICE, HEAD_DIM, timer
+    DTYPE, DEVICE, HEAD_DIM = torch.float16, "cpu", 32
+    CASES[:] = [(2, 64, 4, 2, True), (1, 96, 2, 2, False)]
+    for name in ("separate", "atomic"):  # no Gluon under the interpreter
+        del VARIANTS[name]
+    timer = wall_ms
+
+
+def reference(q, k, v, do, causal):
+    """Gradients of SDPA on K/V expanded to every query head (float32 on the CPU, cuDNN on the GPU), summed
+    back over each KV head's group, and the cuDNN step's (forward, fwd+bwd) calls on the GPU."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    group = heads // kv_heads
+    dtype = torch.float32 if DEVICE == "cpu" else DTYPE
+    leaves = [t.detach().transpose(1, 2).to(dtype) for t in (q, k, v)]
+    leaves = [leaves[0]] + [t.repeat_interleave(group, 1) for t in leaves[1:]]
+    leaves = [t.contiguous().requires_grad_() for t in leaves]
+    dot = do.transpose(1, 2).to(dtype).contiguous()
+
+    def forward():
+        if DEVICE == "cpu":
+            return F.scaled_dot_product_attention(*leaves, is_causal=causal)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(*leaves, is_causal=causal)
+
+    grads = torch.autograd.grad(forward(), leaves, dot)
+    grads = (grads[0].transpose(1, 2), *(g.unflatten(1, (kv_heads, group)).sum(2).transpose(1, 2) for g in grads[1:]))
+    return grads, (forward, lambda: torch.autograd.grad(forward(), leaves, dot))
+
+
+def run_case(case, args) -> dict:
+    batch, seqlen, heads, kv_heads, causal = case
+    spec = AttentionSpec(dtype="fp16" if DTYPE == torch.float16 else "bf16", head_dim=HEAD_DIM, num_heads=heads,
+                         num_kv_heads=kv_heads, causal=causal)
+    base = flashgen.default_config(spec, seqlen=seqlen)
+    q, k, v, do = bshd_inputs(batch, seqlen, heads, kv_heads, HEAD_DIM, DTYPE, DEVICE)
+    ref_grads, cudnn_calls = reference(q, k, v, do, causal)
+    row = {"case": f"B={batch} S={seqlen} H={heads}/{kv_heads} hd{HEAD_DIM}{' causal' if causal else ''}",
+           "mode": "bwd", "default_config": base.describe_backward()}
+    calls = {}
+    for name, knobs in VARIANTS.items():
+        kernel = flashgen.compile(spec, base.replace(**knobs))
+        grads = torch.autograd.grad(kernel(q, k, v, layout="bshd"), (q, k, v), do)
+        row[f"{name}_max_err"] = round(max_abs_diff(grads, ref_grads), 4)
+        calls[name] = (lambda kernel=kernel: kernel(q, k, v, layout="bshd"),
+                       lambda kernel=kernel: torch.autograd.grad(kernel(q, k, v, layout="bshd"), (q, k, v), do))
+    if DEVICE == "cuda":
+        calls["cudnn"] = cudnn_calls
+    times = {name: [] for name in calls}
+    order = list(calls)
+    for r in range(args.rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            times[name].append(timer(calls[name][1]) - timer(calls[name][0]))
+    for name, bwd in times.items():
+        row[name] = {"bwd_ms": round(statistics.median(bwd), 4), "rounds": [round(b, 4) for b in bwd]}
+    if "cudnn" in calls:
+        for name in VARIANTS:
+            row[f"ratio_vs_cudnn_{name}"] = round(row["cudnn"]["bwd_ms"] / row[name]["bwd_ms"], 3)
+    return row
+
+
+def markdown(rows, env) -> str:
+    names = [n for n in (*VARIANTS, "cudnn") if rows and n in rows[0]]
+    lines = table_head("The backward's dK/dV kernel per case (hd128)", env,
+                       "bf16, bshd; backward ms = fwd+bwd - fwd (do_bench medians over interleaved rounds, host time "
+                       "included) of the call's default config and of it with each dK/dV kernel; '(x)': cuDNN's time "
+                       "over the variant's.",
+                       ["case", "default config", *names, "errors max"])
+    for row in rows:
+        cells = [f"{row[n]['bwd_ms']:.3f}" + (f" ({row[f'ratio_vs_cudnn_{n}']:.3f})" if f"ratio_vs_cudnn_{n}" in row
+                                              else "") for n in names]
+        errors = max(row[f"{n}_max_err"] for n in VARIANTS)
+        lines.append(f"| {row['case']} | {row['default_config']} | " + " | ".join(cells) + f" | {errors:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    run_probe(__doc__.split("\n")[0], "bwd-defaults", CASES, run_case, markdown, dry_run)
