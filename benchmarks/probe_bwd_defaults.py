@@ -12,10 +12,13 @@ Cases: causal and not, 16 heads at 1024-4096 tokens (16384 per batch), and causa
 interleaved rounds.
 
     PYTHONPATH=. python3 benchmarks/probe_bwd_defaults.py [--rounds 3] [--tag TAG] [--dry]
+        [--cases B:S:H:KV:CAUSAL,...] [--variant NAME='{"knob": value}' ...]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import sys
@@ -83,6 +86,7 @@ def reference(q, k, v, do, causal):
 
 
 def run_case(case, args) -> dict:
+    VARIANTS.update(args.variant)
     batch, seqlen, heads, kv_heads, causal = case
     spec = AttentionSpec(dtype="fp16" if DTYPE == torch.float16 else "bf16", head_dim=HEAD_DIM, num_heads=heads,
                          num_kv_heads=kv_heads, causal=causal)
@@ -113,6 +117,31 @@ def run_case(case, args) -> dict:
     return row
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--cases", type=parse_cases, help="batch:seqlen:heads:kv_heads:causal(0/1),... instead of "
+                                                          "the built-in cases")
+    parser.add_argument("--variant", action="append", default=[], type=parse_variant,
+                        help="NAME={json knobs}: another variant of the default config (repeatable)")
+
+
+def parse_cases(text: str) -> list[tuple]:
+    try:
+        return [(*(int(x) for x in c.split(":")[:4]), bool(int(c.split(":")[4]))) for c in text.split(",")]
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected batch:seqlen:heads:kv_heads:causal,..., got {text!r}") from None
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    name, _, knobs = text.partition("=")
+    try:
+        value = json.loads(knobs)
+    except json.JSONDecodeError:
+        value = None
+    if not name or not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected NAME={{json knobs}}, got {text!r}")
+    return name, value
+
+
 def markdown(rows, env) -> str:
     names = [n for n in (*VARIANTS, "cudnn") if rows and n in rows[0]]
     lines = table_head("The backward's dK/dV kernel per case (hd128)", env,
@@ -129,4 +158,8 @@ def markdown(rows, env) -> str:
 
 
 if __name__ == "__main__":
-    run_probe(__doc__.split("\n")[0], "bwd-defaults", CASES, run_case, markdown, dry_run)
+    if "--cases" in " ".join(sys.argv):  # (run_probe takes the case list before it parses the arguments)
+        parser = argparse.ArgumentParser(add_help=False)
+        parser.add_argument("--cases", type=parse_cases)
+        CASES[:] = parser.parse_known_args()[0].cases or CASES
+    run_probe(__doc__.split("\n")[0], "bwd-defaults", CASES, run_case, markdown, dry_run, add_arguments)

@@ -655,14 +655,17 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
       8192 tokens, as measured before.
     - Since the adding kernel's spills went (session 26: K's descriptors for the dQ MMAs made in the loop, not
       hoisted and reloaded from local memory each step; hd128 stack frame 136 -> 64 bytes under triton 3.6),
-      dQ is added from it at hd128 from 1024 tokens causal or not, and for causal GQA at hd128 from 2048
+      dQ is added from it at hd128 from 1024 tokens causal or not, and with GQA from 1024 (from 2048 causal)
       (H200, no H100 lent that session; backward ms, default then / Gluon separate dQ / adding dQ / cuDNN,
-      .scratch probe, median of 3 interleaved rounds, results/2026-11-28-h200-bwd-defaults-s26.md): 16 heads
+      benchmarks/probe_bwd_defaults.py's first version, median of 3 interleaved rounds, results/2026-11-28-
+      h200-bwd-defaults-s26.md and its re-run in -s26.json): 16 heads
       causal S=1024 0.655 / 0.665 / 0.617 / 0.556, S=2048 1.087 / 1.062 / 0.959 / 0.855; GQA causal 16 / 4
       heads B=4 S=2048 (Llama's layers) 0.508 / 0.494 / 0.484 / 0.463, B=2 S=4096 0.870 / 0.875 / 0.831 /
       0.799; 32 / 8 heads B=4 S=2048 1.023 / 0.968 / 0.941 / 0.888, S=4096 3.418 / 3.441 / 3.351 / 3.103,
-      S=16384 12.55 / 12.74 / 11.48 / 10.46. Not taken: GQA causal at 1024 tokens (16 / 4 heads B=8: 0.354 /
-      0.337 / 0.399): the portable kernels stay there."""
+      S=16384 12.55 / 12.74 / 11.48 / 10.46; GQA without causality (-s26-gqa.md, one run) 16 / 4 heads B=8
+      S=1024 0.487 / 0.454 / 0.403 / 0.412, B=4 S=2048 0.887 / 0.843 / 0.722 / 0.727. Not taken: GQA causal at
+      1024 tokens, where three runs disagreed (16 / 4 heads B=8: 0.354 / 0.337 / 0.399, 0.609 / 0.521 / 0.690,
+      0.446 / 0.523 / 0.589; 32 / 8 heads B=4 0.611 / 0.610 / 0.727): the portable kernels stay there."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec, backward=True) is not None:
@@ -680,7 +683,7 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
             return dict(hopper_bwd=True) if seqlen >= 8192 else {}
         return atomic if seqlen >= 4096 else {}
     if gqa:
-        return atomic if d == 128 and shape.causal and seqlen >= 2048 else {}
+        return atomic if d == 128 and seqlen >= (2048 if shape.causal else 1024) else {}
     if seqlen >= 4096 or (d == 128 and seqlen >= 1024):
         return atomic
     return {}
