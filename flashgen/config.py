@@ -665,7 +665,12 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
       S=16384 12.55 / 12.74 / 11.48 / 10.46; GQA without causality (-s26-gqa.md, one run) 16 / 4 heads B=8
       S=1024 0.487 / 0.454 / 0.403 / 0.412, B=4 S=2048 0.887 / 0.843 / 0.722 / 0.727. Not taken: GQA causal at
       1024 tokens, where three runs disagreed (16 / 4 heads B=8: 0.354 / 0.337 / 0.399, 0.609 / 0.521 / 0.690,
-      0.446 / 0.523 / 0.589; 32 / 8 heads B=4 0.611 / 0.610 / 0.727): the portable kernels stay there."""
+      0.446 / 0.523 / 0.589; 32 / 8 heads B=4 0.611 / 0.610 / 0.727): the portable kernels stay there.
+    - hd64 without causality at 1024-2048 tokens: the Gluon kernel with the separate dQ kernel, which read
+      faster than the portable backward in two runs on two GPUs (fwd+bwd TFLOP/s over cuDNN's, bench_hopper_ws,
+      S=1024, 32 heads: H100 0.91 vs 0.89, results/2026-11-27-h100-hopper-ws-s21-smem.md; H200 0.913 vs 0.878,
+      results/2026-11-28-h200-hopper-bwd-fwdbwd-s26.md; adding dQ 0.886). Causal hd64 S=1024 keeps the portable
+      one (H200 0.973 vs 0.959, within a run's spread; H100 whole backward 0.678 vs 0.658)."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec, backward=True) is not None:
@@ -686,6 +691,8 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
         return atomic if d == 128 and seqlen >= (2048 if shape.causal else 1024) else {}
     if seqlen >= 4096 or (d == 128 and seqlen >= 1024):
         return atomic
+    if d == 64 and not shape.causal and seqlen >= 1024:
+        return dict(hopper_bwd=True)  # with the separate dQ kernel (the paragraph above)
     return {}
 
 

@@ -294,7 +294,8 @@ def test_space_offers_the_kernel_only_where_it_serves():
     (dict(head_dim=64, num_heads=32, causal=True), "h100", 4096, "atomic"),
     (dict(head_dim=64, num_heads=32, causal=True), "h100", 2048, False),
     (dict(head_dim=64, num_heads=32), "h100", 4096, "atomic"),
-    (dict(head_dim=64, num_heads=32), "h100", 1024, False),
+    (dict(head_dim=64, num_heads=32), "h100", 1024, True),  # with the separate dQ kernel
+    (dict(head_dim=64, num_heads=32), "h100", 256, False),
     (dict(head_dim=128, num_heads=16, causal=True), "a100", 16384, False),  # not sm90
     # GQA: hd128 from 1024 tokens (causal from 2048), adding dQ; nothing else
     (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, "atomic"),
