@@ -1,6 +1,7 @@
 """Which dK/dV kernel the backward's default should take at head dim 128, per case.
 
-Variants of the call's default config (flashgen.default_config at that length), each the whole backward:
+Variants of the call's default config (flashgen.default_config at that length; each keeps the default's other
+backward knobs: its launch order, fused delta), each the whole backward:
   default    the default as it stands
   portable   the portable dK/dV kernel, with the separate dQ kernel
   separate   the Gluon warp-specialized dK/dV kernel (hopper_bwd), with the separate dQ kernel
@@ -158,8 +159,5 @@ def markdown(rows, env) -> str:
 
 
 if __name__ == "__main__":
-    if "--cases" in " ".join(sys.argv):  # (run_probe takes the case list before it parses the arguments)
-        parser = argparse.ArgumentParser(add_help=False)
-        parser.add_argument("--cases", type=parse_cases)
-        CASES[:] = parser.parse_known_args()[0].cases or CASES
-    run_probe(__doc__.split("\n")[0], "bwd-defaults", CASES, run_case, markdown, dry_run, add_arguments)
+    run_probe(__doc__.split("\n")[0], "bwd-defaults", lambda args: args.cases or CASES, run_case, markdown, dry_run,
+              add_arguments)

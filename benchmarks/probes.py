@@ -90,10 +90,11 @@ def table_head(title: str, env: dict, note: str, columns: list[str]) -> list[str
             "", note, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
-def run_probe(description: str, topic: str, cases: list, run_case: Callable, markdown: Callable,
+def run_probe(description: str, topic: str, cases: list | Callable, run_case: Callable, markdown: Callable,
               dry_run: Callable, add_arguments: Callable | None = None):
     """The probe's command line: --rounds, --out, --tag, --dry and the probe's own (add_arguments);
-    run_case(case, args) -> row for each case (after --dry has shortened them), markdown(rows, env)."""
+    run_case(case, args) -> row for each case (after --dry has shortened them; cases(args) where the
+    probe's arguments choose them), markdown(rows, env)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -108,7 +109,7 @@ def run_probe(description: str, topic: str, cases: list, run_case: Callable, mar
     gpu = gpu_tag(env)
     stem = args.out / f"{env['date']}-{gpu}-{topic}{args.tag}"
     rows = []
-    for case in cases:
+    for case in (cases(args) if callable(cases) else cases):
         t0 = time.time()
         rows.append(run_case(case, args))
         print(json.dumps(rows[-1]), f"{time.time() - t0:.0f}s", flush=True)

@@ -639,12 +639,14 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
       kernels below (S=1024's float32 buffer, its zeros and its copy into dQ, weigh more there). (A call
       takes its nearest bucket's, in log scale: from about 2900 tokens for 4096, and from 513 at hd128
       without causality, measured at 1024 only; the 2048 bucket, unmeasured, keeps the portable kernels
-      but at hd128 without causality.)
+      but at hd128 without causality.) Since session 26 (the last paragraphs): hd128 causal from 2048 and hd64
+      without causality from 1024 too.
     - Not with GQA: gqa-causal's recheck (32 query / 8 KV heads, tuning_db's spec) read the atomic kernel
       (before its LSE rows moved to shared memory) at 4.149 / 14.326 ms at 4096 / 16384 tokens against the
       stored 3.665 / 13.012; its KV head's programs walk every query head of the group. Causal GQA at
       hd128 from 4096 tokens takes it with the separate dQ kernel (1-4% ahead of the portable backward
-      in 2026-11-23's runs, before the shared-memory LSE rows).
+      in 2026-11-23's runs, before the shared-memory LSE rows). Since session 26: GQA without causality at
+      hd128 adds dQ from 1024 tokens (the last paragraphs).
     - Masks (fwd+bwd GPU ms over the default's, benchmarks/results/2026-11-27-h100-hopper-masks-hb-smem-
       stats.md): prefix-LM 512 at hd128 1.052x (4096 tokens) and 1.061x (16384) adding dQ, against the
       shipped tuned results; windows, documents and chunks 0.75-0.94x adding dQ and 0.91-1.04x with the
@@ -655,17 +657,21 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
       8192 tokens, as measured before.
     - Since the adding kernel's spills went (session 26: K's descriptors for the dQ MMAs made in the loop, not
       hoisted and reloaded from local memory each step; hd128 stack frame 136 -> 64 bytes under triton 3.6),
-      dQ is added from it at hd128 from 1024 tokens causal or not, and with GQA from 1024 (from 2048 causal)
-      (H200, no H100 lent that session; backward ms, default then / Gluon separate dQ / adding dQ / cuDNN,
-      benchmarks/probe_bwd_defaults.py's first version, median of 3 interleaved rounds, results/2026-11-28-
-      h200-bwd-defaults-s26.md and its re-run in -s26.json): 16 heads
-      causal S=1024 0.655 / 0.665 / 0.617 / 0.556, S=2048 1.087 / 1.062 / 0.959 / 0.855; GQA causal 16 / 4
-      heads B=4 S=2048 (Llama's layers) 0.508 / 0.494 / 0.484 / 0.463, B=2 S=4096 0.870 / 0.875 / 0.831 /
-      0.799; 32 / 8 heads B=4 S=2048 1.023 / 0.968 / 0.941 / 0.888, S=4096 3.418 / 3.441 / 3.351 / 3.103,
-      S=16384 12.55 / 12.74 / 11.48 / 10.46; GQA without causality (-s26-gqa.md, one run) 16 / 4 heads B=8
-      S=1024 0.487 / 0.454 / 0.403 / 0.412, B=4 S=2048 0.887 / 0.843 / 0.722 / 0.727. Not taken: GQA causal at
-      1024 tokens, where three runs disagreed (16 / 4 heads B=8: 0.354 / 0.337 / 0.399, 0.609 / 0.521 / 0.690,
-      0.446 / 0.523 / 0.589; 32 / 8 heads B=4 0.611 / 0.610 / 0.727): the portable kernels stay there.
+      measured on an H200 (no H100 lent that session; backward ms, the default then / Gluon with the separate
+      dQ / adding dQ / cuDNN, benchmarks/probe_bwd_defaults.py, medians of 3 interleaved rounds; run 1:
+      results/2026-11-28-h200-bwd-defaults-s26-run1.md, run 2: -s26.md, where the default already added dQ):
+      16 heads causal S=2048 1.087 / 1.062 / 0.959 / 0.855 (run 2: 1.088 portable, 0.941-0.950 adding, 0.927):
+      hd128 causal adds dQ from 2048 tokens. Causal S=1024 read 0.655 / 0.665 / 0.617 / 0.556 (run 2: 0.651 /
+      0.635 / 0.601-0.612 / 0.552), but the H100's 0.734 adding vs 0.644 portable before the change (above) is
+      more than the change gained at 4096 (1.12x): left portable until an H100 measures it. GQA without
+      causality (-s26-gqa.md, one run): 16 / 4 heads B=8 S=1024 0.487 / 0.454 / 0.403 / 0.412, B=4 S=2048
+      0.887 / 0.843 / 0.722 / 0.727: adding dQ from 1024 tokens. Not taken: causal GQA, where it read faster
+      from 4096 tokens on the H200 (32 / 8 heads S=16384 12.55 / 12.74 / 11.48 / 10.46, run 2 11.39-11.68
+      adding / 12.51 separate; S=4096 3.418 / 3.441 / 3.351, run 2 3.20-3.36 / 3.42) and at 2048 by less than
+      the runs' spread (16 / 4 heads B=4 0.508 / 0.494 / 0.484, run 2 0.478-0.489 adding / 0.466 separate), but
+      tuning_db's gqa-causal rows were measured on an H100 against today's choice: an H100 recheck decides
+      (flashgen tune --recheck --shipped); at 1024 tokens three runs disagreed (16 / 4 heads B=8: 0.354 /
+      0.337 / 0.399, 0.609 / 0.521 / 0.690, 0.446 / 0.523 / 0.589; 32 / 8 heads B=4 0.611 / 0.610 / 0.727).
     - hd64 without causality at 1024-2048 tokens: the Gluon kernel with the separate dQ kernel, which read
       faster than the portable backward in two runs on two GPUs (fwd+bwd TFLOP/s over cuDNN's, bench_hopper_ws,
       S=1024, 32 heads: H100 0.91 vs 0.89, results/2026-11-27-h100-hopper-ws-s21-smem.md; H200 0.913 vs 0.878,
@@ -688,8 +694,10 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
             return dict(hopper_bwd=True) if seqlen >= 8192 else {}
         return atomic if seqlen >= 4096 else {}
     if gqa:
-        return atomic if d == 128 and seqlen >= (2048 if shape.causal else 1024) else {}
-    if seqlen >= 4096 or (d == 128 and seqlen >= 1024):
+        if d == 128 and not shape.causal and seqlen >= 1024:
+            return atomic
+        return dict(hopper_bwd=True) if d == 128 and shape.causal and seqlen >= 4096 else {}
+    if seqlen >= 4096 or (d == 128 and seqlen >= (2048 if shape.causal else 1024)):
         return atomic
     if d == 64 and not shape.causal and seqlen >= 1024:
         return dict(hopper_bwd=True)  # with the separate dQ kernel (the paragraph above)

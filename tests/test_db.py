@@ -483,10 +483,8 @@ def _as_machine(monkeypatch, here):
     (dict(templates="0" * 16), "tuning_db"),  # other templates, the same kernels: the entries' kernel hashes decide
 ])
 def test_shipped_tuning_db_serves_h100_users(machine, source, monkeypatch, fresh_warnings, tmp_path):
-    # (a spec whose shipped rows were all measured against today's defaults: one whose default has moved since
-    # warns that those rows are not used, test_a_result_is_served_only_while_its_default_is_the_current_one)
     spec = AttentionSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "specs",
-                                                "sliding-window.yaml"))
+                                                "gqa-causal.yaml"))
     here = _h100(**machine)
     _as_machine(monkeypatch, here)
     with warnings.catch_warnings(record=True) as caught:
@@ -509,10 +507,9 @@ def test_shipped_tuning_db_serves_h100_users(machine, source, monkeypatch, fresh
 def test_template_edits_keep_the_shipped_results_until_the_kernels_change(edited_templates, monkeypatch,
                                                                           fresh_warnings, tmp_path):
     # tuning_db/ entries store the hash of the kernels they timed: an edit that leaves them alone
-    # keeps serving H100 users; one that changes them is stale, and the fallback says so. (A spec whose
-    # shipped rows were measured against today's defaults, as in the test above.)
+    # keeps serving H100 users; one that changes them is stale, and the fallback says so.
     spec = AttentionSpec.from_yaml(os.path.join(os.path.dirname(__file__), "..", "examples", "specs",
-                                                "sliding-window.yaml"))
+                                                "gqa-causal.yaml"))
     _as_machine(monkeypatch, _h100())
     none = f"sqlite:///{tmp_path / 'none.sqlite'}"
     edited_templates("common/tiles.j2", "# K^T as (BLOCK_D, BLOCK_N) and V as (BLOCK_N, BLOCK_DV); padding reads as 0.",
@@ -521,7 +518,7 @@ def test_template_edits_keep_the_shipped_results_until_the_kernels_change(edited
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         configs, source = lookup(spec, none)
-    assert source == "tuning_db" and {4096, 16384} <= set(configs)
+    assert source == "tuning_db" and {1024, 4096, 16384} <= set(configs)
     # code both phases run (each loads K/V tiles)
     edited_templates("common/tiles.j2", "    return k, v\n", "    k, v = k, v\n    return k, v\n")
     with pytest.warns(flashgen.FlashgenFallbackWarning, match=r"in tuning_db are stale .*flashgen tune --spec"):
