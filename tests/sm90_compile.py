@@ -16,6 +16,7 @@ shared binary, and 3 when this Triton's internals are not the ones this script d
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -61,7 +62,7 @@ CASE = [""]  # the case being compiled
 COMPILED = []
 BINARIES = {}  # (case, kernel name) -> the compiled binary's hash
 SHARED = {}  # (case, kernel name) -> the compiled kernel's shared memory, bytes
-PTX = {}  # (case, kernel name) -> the Gluon forward's PTX (the wgmma pipelining check)
+PTX = {}  # (case, kernel name) -> the Gluon kernels' PTX (the wgmma pipelining and spill checks)
 
 
 def _compile_only(run):
@@ -69,7 +70,7 @@ def _compile_only(run):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         BINARIES[(CASE[0], self.__name__)] = kernel.hash
         SHARED[(CASE[0], self.__name__)] = kernel.metadata.shared
-        if self.__name__ == "_attn_fwd_hopper_ws":
+        if self.__name__ in ("_attn_fwd_hopper_ws", "_attn_bwd_dkdv_hopper"):
             PTX[(CASE[0], self.__name__)] = kernel.asm["ptx"]
         COMPILED.append(f"{self.__name__}: {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B smem, "
                         f"{len(kernel.asm['cubin'])} B cubin")
@@ -77,11 +78,9 @@ def _compile_only(run):
     return compile_run
 
 
-def serialized_wgmma(ptx: str) -> str | None:
-    """ptxas's C7514 note for this PTX ("wgmma.mma_async instructions are serialized due to non wgmma
-    instructions reading accumulator registers ..."), or None. Triton runs ptxas without -v, so the note
-    (every MMA of the kernel then waits for the one before: the overlapped forward measured 18-27%
-    slower than the plain one while it had it) is asked for here, from Triton's own ptxas."""
+def ptxas_notes(ptx: str) -> list[str]:
+    """The lines Triton's own ptxas prints for this PTX with -v (Triton runs it without: its notes and
+    its register and stack figures are asked for here)."""
     import os
     import subprocess
     import tempfile
@@ -94,7 +93,28 @@ def serialized_wgmma(ptx: str) -> str | None:
             f.write(ptx)
         proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
                               capture_output=True, text=True)
-    return next((line.strip() for line in (proc.stdout + proc.stderr).splitlines() if "C7514" in line), None)
+    return (proc.stdout + proc.stderr).splitlines()
+
+
+def serialized_wgmma(ptx: str) -> str | None:
+    """ptxas's C7514 note for this PTX ("wgmma.mma_async instructions are serialized due to non wgmma
+    instructions reading accumulator registers ..."), or None: every MMA of the kernel then waits for the
+    one before (the overlapped forward measured 18-27% slower than the plain one while it had it)."""
+    return next((line.strip() for line in ptxas_notes(ptx) if "C7514" in line), None)
+
+
+def stack_bytes(ptx: str) -> int | None:
+    """The kernel's stack frame in bytes as ptxas -v reports it (spilled registers live there)."""
+    found = [re.search(r"(\d+) bytes stack frame", line) for line in ptxas_notes(ptx)]
+    return next((int(m.group(1)) for m in found if m), None)
+
+
+# The Gluon dK/dV kernel adding dQ (case "hopper_bwd atomic dQ gqa causal hd128"): its stack frame at most this
+# many bytes per Triton minor. While the dQ MMAs' K descriptors were hoisted out of its loop, ptxas spilled them
+# and every step reloaded them from local memory the L1 could not hold (H200: the backward 1.03-1.13x slower;
+# benchmarks/results/2026-11-28-h200-bwd-spills-s26.md): 136 bytes under triton 3.6, 40 under 3.9; 88 / 24 since.
+ADDING_DKDV_STACK = {(3, 6): 96}
+ADDING_DKDV_STACK_LATER = 32
 
 
 def training_step(launcher, q, k, tensors):
@@ -313,13 +333,27 @@ def main(only=()) -> int:
                 continue
             print(f"ok {name} {phase}: " + "; ".join(COMPILED) + f" ({time.perf_counter() - start:.1f} s)")
     # FA3's overlap keeps its MMAs asynchronous only if ptxas does not serialize them (C7514)
-    overlapped = {case: ptx for (case, _), ptx in PTX.items() if "overlap" in case}
+    overlapped = {case: ptx for (case, kernel), ptx in PTX.items() if "overlap" in case and kernel == "_attn_fwd_hopper_ws"}
     notes = {case: note for case, ptx in overlapped.items() if (note := serialized_wgmma(ptx))}
     if notes or (not overlapped and not only):
         failed += 1
         print(f"FAILED wgmma pipelining: {notes or 'no overlapped Gluon forward compiled'}")
     elif overlapped:
         print(f"ok wgmma pipelining: no serialized wgmma in {len(overlapped)} overlapped Gluon forwards")
+    adding = PTX.get(("hopper_bwd atomic dQ gqa causal hd128", "_attn_bwd_dkdv_hopper"))
+    if adding is not None:
+        minor = tuple(int(x) for x in triton.__version__.split(".")[:2])
+        bound = ADDING_DKDV_STACK.get(minor, ADDING_DKDV_STACK_LATER)
+        stack = stack_bytes(adding)
+        if stack is None or stack > bound:
+            failed += 1
+            print(f"FAILED the adding dK/dV kernel's spills: {stack} bytes of stack (at most {bound} under triton "
+                  f"{triton.__version__}: see ADDING_DKDV_STACK)")
+        else:
+            print(f"ok the adding dK/dV kernel's spills: {stack} bytes of stack (at most {bound})")
+    elif not only:
+        failed += 1
+        print("FAILED the adding dK/dV kernel's spills: its case did not compile")
     if only:
         return 1 if failed else 0
     shared = [kernel for (case, kernel), digest in BINARIES.items()
