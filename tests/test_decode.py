@@ -1021,6 +1021,27 @@ def test_decode_records_named_tensors_shorter_than_the_keys(device, expr):
     flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, check="sync")  # the record was cleared
 
 
+def test_decode_records_a_dimension_both_b_and_kv_idx_index(device):
+    # 2 entries pass the batch's rule on the host (2 elements); kv_idx reads past them were clamped, silently:
+    # the kernel records the dimension against the keys as for kv_idx alone
+    expr = "score + bias[kv_idx] * bias[b]"
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, causal=True, score_mod=expr,
+                         backward=False)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 1, 2, 16, generator=gen).to(device=device, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 32, 1, 16, generator=gen).to(device=device, dtype=torch.float16)
+                        for _ in range(2))
+    lengths = torch.tensor([12, 20], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"^bias: expected at least (12|20) entries in dim -1 \(kv_idx indexes it: "
+                                         r"batch element [01] has (12|20) keys\), got 2"):
+        flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=torch.randn(2).to(device), check="sync")
+    with pytest.raises(ValueError, match=r"^bias: expected size 2 \(the batch\) or 1 in dim 0"):  # the host's rule
+        flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=torch.randn(20).to(device), check="sync")
+    bias = torch.randn(1, generator=gen).to(device)  # broadcast: both rules hold
+    out = flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, check="sync")
+    _check_rows(out, q, k_cache, v_cache, (12, 20), expr, {"bias": bias})
+
+
 def test_decode_checks_named_tensors_of_query_rows_on_the_host(device):
     # q_idx is a query's row (0 .. seqlen_q - 1; the mask aligns it to the cache): 3 entries serve 3 query
     # rows over 20 keys (the kernel compares only kv_idx's dimensions with the keys), 2 are refused by name

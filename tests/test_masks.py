@@ -820,12 +820,25 @@ def test_runs_table_serves_any_ids_tensor_twice(device):
      r"alibi_slopes: expected size 2 \(the query heads\) or 1 in dim 0, got shape \(3,\)"),
     (dict(mask="d[q_idx] >= d[kv_idx]", d=torch.zeros(11)),
      r"d: expected size at least 12 \(seqlen_k 12, seqlen_q 12\) or 1 in dim 0, got shape \(11,\)"),
+    # a dimension that b and kv_idx both index takes both rules (before, the batch's alone: 2 entries
+    # passed and kv_idx read them clamped)
+    (dict(score_mod="score + t[b] * t[kv_idx]", t=torch.zeros(2)),
+     r"t: expected size 2 \(the batch\) and at least 12 \(seqlen_k 12\) or 1 in dim 0, got shape \(2,\)"),
 ])
 def test_a_named_tensor_shorter_than_its_indices_is_refused_by_name(device, kw, message):
     q = torch.randn(2, 2, 12, 16).to(device=device, dtype=torch.float16)
     tensors = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
     with pytest.raises(ValueError, match="^" + message):
         flashgen.attention(q, q, q, **tensors)
+
+
+def test_a_dimension_both_b_and_h_index_takes_both_counts(device):
+    # 2 entries for a batch of 2 and 3 heads: h's reads were clamped to them, silently (the batch's rule alone)
+    q = torch.randn(2, 3, 12, 16).to(device=device, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^t: expected size 2 \(the batch\) and 3 \(the query heads\) or 1 in "
+                                         r"dim 0, got shape \(2,\)"):
+        flashgen.attention(q, q, q, score_mod="score + t[b] + t[h]", t=torch.zeros(2, device=device))
+    flashgen.attention(q, q, q, score_mod="score + t[b] + t[h]", t=torch.zeros(1, device=device))  # broadcast
 
 
 def test_named_tensors_that_fit_or_broadcast_run(device):

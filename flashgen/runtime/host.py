@@ -248,11 +248,11 @@ def sequence_check_id(name, dim, rank):
 
 
 def sequence_checks(tensor_sizes, tensor_ranks):
-    """[(name, dim, id)]: the dimensions of the named tensors that kv_idx indexes (with q_idx or alone),
-    which a decode kernel checks against each element's cache length (the host cannot: the lengths live
-    on the device; q_idx, a query's row, the host checks), ids registered."""
+    """[(name, dim, id)]: the dimensions of the named tensors that kv_idx indexes (alone or beside other
+    indices), which a decode kernel checks against each element's cache length (the host cannot: the
+    lengths live on the device; the others' rules, the host checks), ids registered."""
     return [(name, d, sequence_check_id(name, d, tensor_ranks[name])) for name, sizes in tensor_sizes.items()
-            for d, names in enumerate(sizes) if "seqlen_k" in names and set(names) <= {"seqlen_k", "seqlen_q"}]
+            for d, names in enumerate(sizes) if "seqlen_k" in names]
 
 
 class BoundsRecord:
@@ -632,7 +632,8 @@ class AttentionLauncher:
         """Refuse a named tensor too small for the indices the expressions give it (the kernels clamp each
         index into its tensor, so a short one would repeat its last element): a dimension indexed by b or h
         holds the batch or the query heads (or is 1: broadcast), one indexed by q_idx or kv_idx at least
-        the sequence's length (packed sequences: the longest). tensors: as passed; named: their views.
+        the sequence's length (packed sequences: the longest); one indexed by several, each of their rules.
+        tensors: as passed; named: their views.
         A length given as None is not checked (decode's seqlen_k: the cache's lengths live on the device,
         so its kernel checks the dimensions kv_idx indexes, sequence_checks)."""
         calls = {"batch": batch, "heads": self.num_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
@@ -641,18 +642,19 @@ class AttentionLauncher:
             skipped = view.dim() - given.dim()  # leading dims the view added (broadcast)
             for d, names in enumerate(sizes):
                 size = view.shape[d]
-                known = [n for n in names if calls[n] is not None]
-                if not known or size == 1:
+                if size == 1:
                     continue
-                exact = names[0] in ("batch", "heads")
-                need = calls[names[0]] if exact else max(calls[n] for n in known)
-                if size != need if exact else size < need:
-                    if exact:
-                        rule = f"{need} (the {'batch' if names[0] == 'batch' else 'query heads'})"
-                    else:
-                        rule = f"at least {need} ({', '.join(f'{n} {calls[n]}' for n in known)})"
-                    raise ValueError(f"{name}: expected size {rule} or 1 in dim {d - skipped}, got shape "
-                                     f"{tuple(given.shape)}")
+                # every index of the dimension must be in range: one b or h takes the count exactly, q_idx
+                # and kv_idx at least the length (a dimension several index takes each rule)
+                exact = [n for n in names if n in ("batch", "heads")]
+                longest = [n for n in names if n in ("seqlen_q", "seqlen_k") and calls[n] is not None]
+                need = max((calls[n] for n in longest), default=0)
+                if any(size != calls[n] for n in exact) or size < need:
+                    rules = [f"{calls[n]} (the {'batch' if n == 'batch' else 'query heads'})" for n in exact]
+                    if longest:
+                        rules.append(f"at least {need} ({', '.join(f'{n} {calls[n]}' for n in longest)})")
+                    raise ValueError(f"{name}: expected size {' and '.join(rules)} or 1 in dim {d - skipped}, "
+                                     f"got shape {tuple(given.shape)}")
 
     def named_tensors(self, tensors, device):
         """The named tensors, each viewed with the rank the expressions index it with
