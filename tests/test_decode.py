@@ -1002,13 +1002,7 @@ def test_decode_records_named_tensors_shorter_than_the_keys(device, expr):
     # kv_idx indexes these dimensions: a tensor must cover each element's keys, which the host cannot see
     # (the lengths live on the device), so the kernel records one shorter than an element's keys. Before,
     # its reads were clamped (a 10-entry bias over 20 keys repeated its last entry, silently).
-    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, causal=True, score_mod=expr,
-                         backward=False)
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 1, 2, 16, generator=gen).to(device=device, dtype=torch.float16)
-    k_cache, v_cache = (torch.randn(2, 32, 1, 16, generator=gen).to(device=device, dtype=torch.float16)
-                        for _ in range(2))
-    lengths = torch.tensor([12, 20], dtype=torch.int32, device=device)
+    spec, gen, q, k_cache, v_cache, lengths = _named_tensor_case(expr, 0, 1, device)
     heads = (2,) if "h," in expr else ()
     for size in (20, 32, 1):  # the longest element's keys, the capacity, and broadcast
         bias = torch.randn(*heads, size, generator=gen).to(device)
@@ -1025,13 +1019,7 @@ def test_decode_records_a_dimension_both_b_and_kv_idx_index(device):
     # 2 entries pass the batch's rule on the host (2 elements); kv_idx reads past them were clamped, silently:
     # the kernel records the dimension against the keys as for kv_idx alone
     expr = "score + bias[kv_idx] * bias[b]"
-    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, causal=True, score_mod=expr,
-                         backward=False)
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randn(2, 1, 2, 16, generator=gen).to(device=device, dtype=torch.float16)
-    k_cache, v_cache = (torch.randn(2, 32, 1, 16, generator=gen).to(device=device, dtype=torch.float16)
-                        for _ in range(2))
-    lengths = torch.tensor([12, 20], dtype=torch.int32, device=device)
+    spec, gen, q, k_cache, v_cache, lengths = _named_tensor_case(expr, 2, 1, device)
     with pytest.raises(ValueError, match=r"^bias: expected at least (12|20) entries in dim -1 \(kv_idx indexes it: "
                                          r"batch element [01] has (12|20) keys\), got 2"):
         flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=torch.randn(2).to(device), check="sync")
@@ -1045,19 +1033,25 @@ def test_decode_records_a_dimension_both_b_and_kv_idx_index(device):
 def test_decode_checks_named_tensors_of_query_rows_on_the_host(device):
     # q_idx is a query's row (0 .. seqlen_q - 1; the mask aligns it to the cache): 3 entries serve 3 query
     # rows over 20 keys (the kernel compares only kv_idx's dimensions with the keys), 2 are refused by name
-    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, causal=True,
-                         score_mod="score + bias[q_idx]", backward=False)
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(2, 3, 2, 16, generator=gen).to(device=device, dtype=torch.float16)
-    k_cache, v_cache = (torch.randn(2, 32, 1, 16, generator=gen).to(device=device, dtype=torch.float16)
-                        for _ in range(2))
-    lengths = torch.tensor([12, 20], dtype=torch.int32, device=device)
+    spec, gen, q, k_cache, v_cache, lengths = _named_tensor_case("score + bias[q_idx]", 1, 3, device)
     for size in (3, 1):
         bias = torch.randn(size, generator=gen).to(device)
         out = flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, check="sync")
         _check_rows(out, q, k_cache, v_cache, (12, 20), "score + bias[q_idx]", {"bias": bias})
     with pytest.raises(ValueError, match=r"^bias: expected size at least 3 \(seqlen_q 3\) or 1 in dim 0"):
         flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=torch.randn(2).to(device), check="sync")
+
+
+def _named_tensor_case(expr, seed, seqlen_q, device):
+    """A causal fp16 decode spec with score modifier expr (2 query heads over 1 KV head, hd16), and a call's
+    inputs: seqlen_q new rows of 2 elements over a 32-slot cache holding 12 and 20 keys."""
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, causal=True, score_mod=expr,
+                         backward=False)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, seqlen_q, 2, 16, generator=gen).to(device=device, dtype=torch.float16)
+    k_cache, v_cache = (torch.randn(2, 32, 1, 16, generator=gen).to(device=device, dtype=torch.float16)
+                        for _ in range(2))
+    return spec, gen, q, k_cache, v_cache, torch.tensor([12, 20], dtype=torch.int32, device=device)
 
 
 def _check_rows(out, q, k_cache, v_cache, lengths, expr, tensors):
