@@ -48,7 +48,7 @@ def main() -> None:
     cudnn = sdpa_runner(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
     providers = {"flashgen": lambda q, k, v, causal: flashgen.attention(q, k, v, causal=causal), "cudnn": cudnn}
     for d, causal, seqlen in cases:
-        heads, batch = 2048 // d, 16384 // seqlen
+        heads, batch = 2048 // d, max(1, 16384 // seqlen)  # 16384 tokens per batch (one sequence past that)
         q, k, v = (torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         do = torch.randn_like(q)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
