@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if "--dry" in sys.argv:  # before Triton decorates flashgen's kernels
@@ -35,7 +35,7 @@ if "--dry" in sys.argv:  # before Triton decorates flashgen's kernels
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec  # noqa: E402
 from flashgen.timing import wall_ms  # noqa: E402
-from probes import bshd_inputs, max_abs_diff, run_probe, table_head  # noqa: E402
+from probes import bshd_inputs, expanded_sdpa, max_abs_diff, run_probe, table_head  # noqa: E402
 
 DTYPE, DEVICE, HEAD_DIM = torch.bfloat16, "cuda", 128
 # (batch, seqlen, heads, KV heads, causal)
@@ -64,36 +64,16 @@ def dry_run() -> None:
     timer = wall_ms
 
 
-def reference(q, k, v, do, causal):
-    """Gradients of SDPA on K/V expanded to every query head (float32 on the CPU, cuDNN on the GPU), summed
-    back over each KV head's group, and the cuDNN step's (forward, fwd+bwd) calls on the GPU."""
-    heads, kv_heads = q.shape[2], k.shape[2]
-    group = heads // kv_heads
-    dtype = torch.float32 if DEVICE == "cpu" else DTYPE
-    leaves = [t.detach().transpose(1, 2).to(dtype) for t in (q, k, v)]
-    leaves = [leaves[0]] + [t.repeat_interleave(group, 1) for t in leaves[1:]]
-    leaves = [t.contiguous().requires_grad_() for t in leaves]
-    dot = do.transpose(1, 2).to(dtype).contiguous()
-
-    def forward():
-        if DEVICE == "cpu":
-            return F.scaled_dot_product_attention(*leaves, is_causal=causal)
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(*leaves, is_causal=causal)
-
-    grads = torch.autograd.grad(forward(), leaves, dot)
-    grads = (grads[0].transpose(1, 2), *(g.unflatten(1, (kv_heads, group)).sum(2).transpose(1, 2) for g in grads[1:]))
-    return grads, (forward, lambda: torch.autograd.grad(forward(), leaves, dot))
-
-
 def run_case(case, args) -> dict:
-    VARIANTS.update(args.variant)
     batch, seqlen, heads, kv_heads, causal = case
     spec = AttentionSpec(dtype="fp16" if DTYPE == torch.float16 else "bf16", head_dim=HEAD_DIM, num_heads=heads,
                          num_kv_heads=kv_heads, causal=causal)
     base = flashgen.default_config(spec, seqlen=seqlen)
     q, k, v, do = bshd_inputs(batch, seqlen, heads, kv_heads, HEAD_DIM, DTYPE, DEVICE)
-    ref_grads, cudnn_calls = reference(q, k, v, do, causal)
+    # the reference: float32 math on the CPU; cuDNN on the GPU, which the variants are timed beside
+    on_cpu = DEVICE == "cpu"
+    _, ref_grads, cudnn_calls = expanded_sdpa(q, k, v, do, causal, torch.float32 if on_cpu else DTYPE,
+                                              None if on_cpu else SDPBackend.CUDNN_ATTENTION)
     row = {"case": f"B={batch} S={seqlen} H={heads}/{kv_heads} hd{HEAD_DIM}{' causal' if causal else ''}",
            "mode": "bwd", "default_config": base.describe_backward()}
     calls = {}
@@ -158,6 +138,11 @@ def markdown(rows, env) -> str:
     return "\n".join(lines) + "\n"
 
 
+def chosen(args) -> list[tuple]:
+    """The cases to run, once the arguments are parsed (and the variants they add)."""
+    VARIANTS.update(args.variant)
+    return args.cases or CASES
+
+
 if __name__ == "__main__":
-    run_probe(__doc__.split("\n")[0], "bwd-defaults", lambda args: args.cases or CASES, run_case, markdown, dry_run,
-              add_arguments)
+    run_probe(__doc__.split("\n")[0], "bwd-defaults", chosen, run_case, markdown, dry_run, add_arguments)

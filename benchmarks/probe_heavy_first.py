@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if "--dry" in sys.argv:  # before Triton decorates flashgen's kernels
@@ -35,7 +35,7 @@ if "--dry" in sys.argv:  # before Triton decorates flashgen's kernels
 import flashgen  # noqa: E402
 from flashgen import AttentionSpec  # noqa: E402
 from flashgen.timing import wall_ms  # noqa: E402
-from probes import bshd_inputs, run_probe, table_head  # noqa: E402
+from probes import bshd_inputs, expanded_sdpa, run_probe, table_head  # noqa: E402
 
 DTYPE, DEVICE, HEAD_DIM = torch.bfloat16, "cuda", 128
 # (batch, seqlen, heads, KV heads)
@@ -71,16 +71,7 @@ def run_case(case, args) -> dict:
                          num_kv_heads=kv_heads, causal=True)
     base = flashgen.default_config(spec, seqlen=seqlen)
     q, k, v, do = bshd_inputs(batch, seqlen, heads, kv_heads, HEAD_DIM, DTYPE, DEVICE)
-    group = heads // kv_heads
-    ref_inputs = [t.detach().transpose(1, 2).float() for t in (q, k, v)]
-    ref_inputs = [ref_inputs[0]] + [t.repeat_interleave(group, 1) for t in ref_inputs[1:]]
-    for t in ref_inputs:
-        t.requires_grad_()
-    ref = F.scaled_dot_product_attention(*ref_inputs, is_causal=True)
-    ref_grads = torch.autograd.grad(ref, ref_inputs, do.transpose(1, 2).float())
-    ref_grads = (ref_grads[0].transpose(1, 2),
-                 *(g.unflatten(1, (kv_heads, group)).sum(2).transpose(1, 2) for g in ref_grads[1:]))
-    ref = ref.transpose(1, 2)
+    ref, ref_grads, _ = expanded_sdpa(q, k, v, do, True, torch.float32)
     row = {"case": f"B={batch} S={seqlen} H={heads}/{kv_heads} hd{HEAD_DIM} causal", "mode": "fwd_bwd",
            "default_config": base.describe_backward()}
     calls, first_grads = {}, None
@@ -97,15 +88,7 @@ def run_case(case, args) -> dict:
         calls[name] = (lambda kernel=kernel: kernel(q, k, v, layout="bshd"),
                        lambda kernel=kernel: torch.autograd.grad(kernel(q, k, v, layout="bshd"), (q, k, v), do))
     if DEVICE == "cuda":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        qt, kx, vx = (t.detach().to(DTYPE).requires_grad_() for t in ref_inputs)
-        dot = do.transpose(1, 2).contiguous()
-
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qt, kx, vx, is_causal=True)
-        calls["cudnn"] = (cudnn, lambda: torch.autograd.grad(cudnn(), (qt, kx, vx), dot))
+        calls["cudnn"] = expanded_sdpa(q, k, v, do, True, DTYPE, SDPBackend.CUDNN_ATTENTION)[2]
     times = {name: ([], []) for name in calls}
     order = list(calls)
     for r in range(args.rounds):

@@ -84,6 +84,33 @@ def bshd_inputs(batch: int, seqlen: int, heads: int, kv_heads: int, head_dim: in
     return q, k, v, torch.randn_like(q)
 
 
+def expanded_sdpa(q, k, v, do, causal: bool, dtype, backend=None):
+    """PyTorch SDPA on bshd q, k, v with K and V expanded to every query head (bhsd leaves in `dtype`, under
+    the SDPBackend `backend` if given): its output and (dq, dk, dv) in bshd, dk and dv summed back over each
+    KV head's group, and its (forward, fwd+bwd) calls for timing beside a GQA call's."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    heads, kv_heads = q.shape[2], k.shape[2]
+    group = heads // kv_heads
+    leaves = [t.detach().transpose(1, 2).to(dtype) for t in (q, k, v)]
+    leaves = [leaves[0]] + [t.repeat_interleave(group, 1) for t in leaves[1:]]
+    leaves = [t.contiguous().requires_grad_() for t in leaves]
+    dot = do.transpose(1, 2).to(dtype).contiguous()
+
+    def forward():
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(*leaves, is_causal=causal)
+
+    out = forward()
+    grads = torch.autograd.grad(out, leaves, dot)
+    grads = (grads[0].transpose(1, 2), *(g.unflatten(1, (kv_heads, group)).sum(2).transpose(1, 2) for g in grads[1:]))
+    return out.transpose(1, 2), grads, (forward, lambda: torch.autograd.grad(forward(), leaves, dot))
+
+
 def table_head(title: str, env: dict, note: str, columns: list[str]) -> list[str]:
     """A results file's first lines: its title with the machine, a note, a markdown table's header."""
     return [f"# {title} ({env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date')})",
