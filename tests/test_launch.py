@@ -10,8 +10,10 @@ sm90 in a child process: a bound launch hands CompiledKernel.run the same argume
 JITFunction.run); and the GPU (bound and normal launches bitwise equal, Triton's binder agreeing
 with every bound launch)."""
 
+import functools
 import inspect
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -432,6 +434,33 @@ def test_a_dense_training_call_keeps_five_tensors_and_out_is_contiguous_in_qs_la
     assert out_t.is_contiguous() and torch.equal(out_t, out)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_bhsd_views_of_bshd_memory_keep_their_memory_order(kv_heads):
+    """bhsd-shaped views of (batch, seq, heads, dim) memory, as transformers hands them (its projections
+    viewed and transposed): the call runs as bshd, so out, and in training dq, dk, dv, are bhsd views of
+    bshd memory with the inputs' strides (the caller's out.transpose(1, 2) is contiguous), equal to a
+    contiguous call's; the autograd graph holds the attention node alone. A call refused so is refused in
+    the caller's own layout."""
+    seed = random.randrange(2**31)
+    views = [_inputs((2, 9, h, 16), seed=seed + i).transpose(1, 2).requires_grad_()
+             for i, h in enumerate((2, kv_heads, kv_heads))]
+    plain = [t.detach().contiguous().requires_grad_() for t in views]
+    do = _inputs((2, 9, 2, 16), seed=seed + 3).transpose(1, 2)
+    out, ref = flashgen.attention(*views, causal=True), flashgen.attention(*plain, causal=True)
+    assert out.stride() == views[0].stride() and out.transpose(1, 2).is_contiguous()
+    assert all(fn is None or type(fn).__name__ == "AccumulateGrad" for fn, _ in out.grad_fn.next_functions)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    grads, ref_grads = torch.autograd.grad(out, views, do), torch.autograd.grad(ref, plain, do)
+    for g, r, t in zip(grads, ref_grads, views):
+        assert g.stride() == t.stride(), f"seed={seed}"
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    with torch.no_grad():
+        inference = flashgen.attention(*views, causal=True)
+    assert inference.stride() == views[0].stride() and torch.equal(inference, ref)
+    with pytest.raises(ValueError, match=r"k: expected .* in layout 'bhsd', got \(1, "):
+        flashgen.attention(views[0], views[1][:1], views[2], causal=True)
+
+
 def test_calls_that_cannot_need_a_gradient_skip_the_autograd_function(monkeypatch):
     applied = []
     original = ops._apply_function  # AttentionFunction.apply's C++ half, the eager entry
@@ -606,6 +635,77 @@ def test_bound_launches_pass_what_tritons_path_passes(tmp_path):
     assert all(any(line.startswith(f"ok decode length {s}:") for line in lines) for s in (209, 224, 241)), proc.stdout
 
 
+TRITON36_WRAPPER = """
+def wrap_handle_tensordesc(launcher, tensordesc_indices, tensordesc_meta):
+    def inner(*args):
+        final_args = list(args[:_BASE_ARGS_FORMAT_LEN])
+        tensordesc_idx = 0
+        for i, arg in enumerate(args[_BASE_ARGS_FORMAT_LEN:]):
+            if i in tensordesc_indices:
+                final_args.extend(make_tensordesc_arg(arg, tensordesc_meta[tensordesc_idx]))
+                tensordesc_idx += 1
+            else:
+                final_args.append(arg)
+        return launcher(*final_args)
+    return inner
+"""  # triton 3.6's nvidia driver.py, its shape: the names RawLaunch.of reads
+
+
+def _triton36_launcher(module, slots, record):
+    """A stand-in for triton 3.6's CudaLauncher of a kernel whose arguments `slots` are tensor
+    descriptors, its class and wrapper defined in `module` as 3.6's are in its driver module."""
+    if not hasattr(module, "wrap_handle_tensordesc"):
+        exec(TRITON36_WRAPPER, module.__dict__)
+    made = type("CudaLauncher", (), {"__module__": module.__name__})()
+    made.launch = module.wrap_handle_tensordesc(record, set(slots), [{"block": i} for i in range(len(slots))]) \
+        if slots else functools.partial(record)  # (3.6's C launcher itself: no Python code)
+    made.global_scratch_size = made.profile_scratch_size = 0
+    made.launch_cooperative_grid, made.launch_pdl = False, True
+    return made
+
+
+def test_raw_launch_passes_what_tritons_launcher_passes(monkeypatch):
+    """RawLaunch (triton 3.6's launcher without its Python layers) calls the C launcher with the arguments
+    3.6's wrapper would, each descriptor's expansion made once per base pointer; launchers of another
+    shape get no RawLaunch (Triton's path)."""
+    import types
+
+    fake = types.ModuleType("fake_triton36_driver")
+    made = []
+
+    def make_tensordesc_arg(desc, meta):
+        made.append(desc.base.data_ptr())
+        return [("map", desc.base.data_ptr(), meta["block"]), *desc.shape, *desc.strides]
+
+    fake.make_tensordesc_arg, fake._BASE_ARGS_FORMAT_LEN = make_tensordesc_arg, 13
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    calls = []
+    desc = lambda t: types.SimpleNamespace(base=t, shape=list(t.shape), strides=list(t.stride()))  # noqa: E731
+    compiled = types.SimpleNamespace(function=77, packed_metadata=("meta",))
+    for slots in ((0, 2), ()):
+        compiled._run = _triton36_launcher(fake, slots, lambda *a: calls.append(a))
+        raw = launch.RawLaunch.of(compiled, (3, 2, 1), 4)
+        assert raw is not None and raw.slots == slots
+        tensors = [torch.empty(4, 8), torch.empty(2, 8)]
+        for step in range(3):
+            t = tensors[step % 2]
+            args = (desc(t) if slots else t, 5, desc(t) if slots else t, torch.empty(1))
+            calls.clear()
+            raw(0xABC, args, (True, 64))
+            ours = calls.pop()
+            # what CudaLauncher.__call__ hands its launch (no scratch memory): Triton's wrapper, the same arguments
+            compiled._run.launch(3, 2, 1, 0xABC, 77, False, True, None, None, ("meta",), None, None, None, *args, True, 64)
+            assert ours == calls.pop()
+        # tensors[0], in both descriptors of steps 0 and 2: 4 expansions by Triton's wrapper, here 1 per slot
+        assert made.count(tensors[0].data_ptr()) == (6 if slots else 0)
+    compiled._run.global_scratch_size = 128  # a kernel with scratch memory: Triton's path
+    assert launch.RawLaunch.of(compiled, (1, 1, 1), 4) is None
+    compiled._run = _triton36_launcher(fake, (5,), calls.append)  # a descriptor past the positionals
+    assert launch.RawLaunch.of(compiled, (1, 1, 1), 4) is None
+    monkeypatch.delattr(fake, "_BASE_ARGS_FORMAT_LEN")  # another Triton's driver
+    assert launch.RawLaunch.of(compiled, (1, 1, 1), 8) is None
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [
@@ -738,6 +838,40 @@ def test_gpu_hopper_plan_launches_bound_bitwise_tritons(causal, monkeypatch):
         out_ref, lse_ref = kernel(*x, return_lse=True)
         assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
     assert_attention_close(*bound[1], *inputs[1], causal=causal)
+
+
+@pytest.mark.gpu
+def test_gpu_raw_launches_keep_tensor_maps_by_pointer_bitwise(monkeypatch):
+    """Training steps on fresh tensors (new pointers, and pointers the allocator hands out again) through
+    the Gluon forward and dK/dV kernels: on triton 3.6 their bound launches are RawLaunches that keep each
+    descriptor's tensor map by base pointer, bitwise equal to Triton's path (verified: each kept
+    expansion against a fresh one)."""
+    import triton
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the hopper_ws family runs on sm90")
+    monkeypatch.setattr(BoundLaunch, "verify", True)
+    used, call = [], launch.RawLaunch.__call__
+    monkeypatch.setattr(launch.RawLaunch, "__call__", lambda self, *a: used.append(len(self.slots)) or call(self, *a))
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True, backward=True)
+    kernel = flashgen.compile(spec, KernelConfig(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4,
+                                                 num_stages=2, hopper_bwd=True))
+
+    def step(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v = (torch.randn(2, 700, h, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                   for h in (8, 2, 2))
+        out = kernel(q, k, v, layout="bshd")
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, device="cuda", dtype=out.dtype,
+                                                                 generator=gen))
+        return [t.clone() for t in (out, *grads)]
+
+    fast = [step(seed) for seed in range(4)]
+    if triton.__version__.startswith("3.6."):
+        assert max(used) >= 3, used  # the forward's q, k, v descriptors, and the backward's
+    monkeypatch.setattr(BoundLaunch, "enabled", False)
+    for seed, results in enumerate(fast):
+        assert all(torch.equal(a, b) for a, b in zip(results, step(seed))), seed
 
 
 @pytest.mark.gpu

@@ -43,6 +43,7 @@ with an underscore or are upper case) or host.py's.
 """
 
 import os
+import sys
 
 import torch
 import triton
@@ -88,7 +89,8 @@ class BoundLaunch:
     the same compiled kernel; later calls only read.
     """
 
-    __slots__ = ("kernel", "grid", "grid3", "constexprs", "compiled", "device", "tail", "specialization", "family")
+    __slots__ = ("kernel", "grid", "grid3", "constexprs", "compiled", "device", "tail", "specialization", "family",
+                 "raw")
 
     enabled = env_flag("FLASHGEN_BOUND_LAUNCH", True)  # False: always Triton's path
     verify = env_flag("FLASHGEN_VERIFY_LAUNCH", False)  # True: check each direct launch against the binder
@@ -108,6 +110,7 @@ class BoundLaunch:
         self.tail = ()  # the parameters after the positional ones (constexprs, defaults), in signature order
         self.specialization = None  # Triton's specialization of the first call (kept when verifying)
         self.family = None  # (kernel, constexprs) for BoundLaunch.shared; None: not a compiled JITFunction
+        self.raw = None  # RawLaunch of the bound kernel, False where its launcher has none (None: not asked yet)
         if hasattr(kernel, "device_caches"):
             try:
                 self.family = (kernel, tuple(sorted(self.constexprs.items())))
@@ -134,6 +137,12 @@ class BoundLaunch:
             return self.launch(args)
         if BoundLaunch.verify:
             self.check(args, context[0])
+        raw = self.raw
+        if raw is None:
+            raw = self.raw = RawLaunch.of(compiled, self.grid3, len(args)) or False
+        if raw:
+            raw(context[1], args, self.tail)
+            return compiled
         grid0, grid1, grid2 = self.grid3
         compiled.run(grid0, grid1, grid2, context[1], compiled.function, compiled.packed_metadata, None, None, None,
                      *args, *self.tail)
@@ -206,6 +215,77 @@ class BoundLaunch:
             raise AssertionError(f"{getattr(self.kernel, '__name__', self.kernel)}: a bound launch got arguments that "
                                  f"Triton specializes otherwise ({specialization} vs {self.specialization}) or "
                                  "orders otherwise; its caller's key misses something")
+
+
+class RawLaunch:
+    """A bound kernel's launch without the Python layers of Triton's launcher, where that launcher is
+    triton 3.6's (the GPU image's): ``CudaLauncher.__call__`` sizes scratch buffers (none for flashgen's
+    kernels: RawLaunch is not made for one that has any), then its ``launch`` turns each tensor
+    descriptor argument into a CUtensorMap (``make_tensordesc_arg``: cuTensorMapEncodeTiled, ~2-3 us
+    a descriptor) in a loop over every argument, and calls the compiled C launcher. A RawLaunch
+    calls that C launcher itself with the same arguments, each descriptor's expansion kept by its
+    base pointer: the rest of it (shape, strides, block, swizzle) is the same on every call of one
+    BoundLaunch (its caller's key says so; FLASHGEN_VERIFY_LAUNCH=1 checks it). The Gluon forward's
+    launch: 15-20 us -> ~7.5 us on an H200 host (benchmarks/NOTES.md, session 27). Other launchers
+    (triton 3.7+, whose tensor descriptors pass otherwise) keep Triton's path: RawLaunch.of gives None."""
+
+    __slots__ = ("launch", "grid", "middle", "slots", "metas", "make", "expanded")
+    BASE_ARGS = 13  # triton 3.6's _BASE_ARGS_FORMAT "iiiKKppOOOOOO": grid, stream, function, 2 flags, 6 objects
+    MAX_KEPT = 16  # expansions kept per descriptor argument (a training step's tensors cycle through a few)
+
+    @classmethod
+    def of(cls, compiled, grid3, positional):
+        """The RawLaunch of a compiled kernel launched with `positional` arguments before its bound
+        tail, or None where its launcher is not triton 3.6's."""
+        launcher = getattr(compiled, "_run", None)
+        if (type(launcher).__name__ != "CudaLauncher" or getattr(launcher, "global_scratch_size", 1) != 0
+                or getattr(launcher, "profile_scratch_size", 1) != 0):
+            return None
+        module = sys.modules.get(type(launcher).__module__)
+        if getattr(module, "_BASE_ARGS_FORMAT_LEN", None) != cls.BASE_ARGS:
+            return None
+        launch = getattr(launcher, "launch", None)
+        code = getattr(launch, "__code__", None)
+        if code is None or not code.co_freevars:  # no descriptor: the C launcher itself (a builtin)
+            return None if code is not None else cls(launch, grid3, compiled, launcher, (), (), None)
+        cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__)))
+        make = getattr(module, "make_tensordesc_arg", None)
+        if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or make is None:
+            return None
+        slots = tuple(sorted(cells["tensordesc_indices"]))
+        metas = tuple(cells["tensordesc_meta"] or (None,) * len(slots))
+        if len(metas) != len(slots) or any(slot >= positional for slot in slots):
+            return None
+        return cls(cells["launcher"], grid3, compiled, launcher, slots, metas, make)
+
+    def __init__(self, launch, grid3, compiled, launcher, slots, metas, make):
+        self.launch, self.grid = launch, tuple(grid3)
+        self.middle = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                       compiled.packed_metadata, None, None, None)
+        self.slots, self.metas, self.make = slots, metas, make
+        self.expanded = [{} for _ in slots]  # per descriptor argument: base pointer -> its expansion
+
+    def __call__(self, stream, args, tail):
+        if not self.slots:
+            return self.launch(*self.grid, stream, *self.middle, *args, *tail)
+        flat, start = [], 0
+        for n, slot in enumerate(self.slots):
+            flat += args[start:slot]
+            descriptor = args[slot]
+            kept = self.expanded[n]
+            ptr = descriptor.base.data_ptr()
+            expansion = kept.get(ptr)
+            if expansion is None or BoundLaunch.verify:
+                fresh = self.make(descriptor, self.metas[n])
+                if expansion is not None and list(expansion[1:]) != list(fresh[1:]):
+                    raise AssertionError(f"RawLaunch: descriptor argument {slot} changed shape or strides between "
+                                         f"calls of one bound launch ({expansion[1:]} vs {fresh[1:]})")
+                if len(kept) >= self.MAX_KEPT:
+                    kept.clear()
+                expansion = kept[ptr] = fresh
+            flat += expansion
+            start = slot + 1
+        return self.launch(*self.grid, stream, *self.middle, *flat, *args[start:], *tail)
 
 
 def argument_signature(args):
