@@ -226,9 +226,14 @@ class AttentionFunction(torch.autograd.Function):
         module, layout, dropout_p, deterministic, max_q, max_k = call
         # the launcher's training entry: the backward reuses this call's plan (no second key or check)
         varlen = cu_q is not None
-        out, lse, ctx.plan, ctx.extra = module._LAUNCHER.training_forward(q, k, v, layout, dropout_p, seed,
-                                                               _named(module, tensors), cu_q, cu_k,
-                                                               max_q if varlen else None, max_k if varlen else None)
+
+        def run(q, k, v, layout):
+            return module._LAUNCHER.training_forward(q, k, v, layout, dropout_p, seed, _named(module, tensors), cu_q,
+                                                     cu_k, max_q if varlen else None, max_k if varlen else None)
+
+        ctx.seq_major, (q, k, v, layout), (out, lse, ctx.plan, ctx.extra) = _run_seq_major(run, q, k, v, layout)
+        if ctx.seq_major:
+            call = (module, layout, dropout_p, deterministic, max_q, max_k)
         if varlen or dropout_p or tensors:
             ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
         else:
@@ -238,7 +243,7 @@ class AttentionFunction(torch.autograd.Function):
         # lse takes no gradient: without this autograd would hand the backward a zero-filled dlse, an
         # allocation and a fill launch per step (~40-70 us of an H200 host's ~280 us short step)
         ctx.set_materialize_grads(False)
-        return out, lse
+        return (out.transpose(1, 2) if ctx.seq_major else out), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -253,6 +258,14 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def gradients(ctx, dout, dlse):
+        if ctx.seq_major:  # the forward ran the bshd views of its inputs: their gradients, as bhsd views
+            dq, dk, dv, *rest = AttentionFunction.bshd_gradients(ctx, dout.transpose(1, 2), dlse)
+            return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), *rest)
+        return AttentionFunction.bshd_gradients(ctx, dout, dlse)
+
+    @staticmethod
+    def bshd_gradients(ctx, dout, dlse):
+        """gradients() in the layout the forward ran (bshd where it took bhsd views of bshd memory)."""
         saved = ctx.saved_tensors
         module, layout, dropout_p, deterministic, max_q, max_k = ctx.call
         if len(saved) == 5:  # dense, no dropout, no named tensors (forward): straight to the plan's backward
@@ -285,6 +298,29 @@ def _function_entry(function, torch_c):
 
 
 _ENTRY = _function_entry(AttentionFunction, torch._C)
+
+
+def _run_seq_major(run, q, k, v, layout):
+    """(seq_major, (q, k, v, layout) as run, run(q, k, v, layout)): bhsd-shaped q, k, v of (batch, seq,
+    heads, dim) memory (_seq_major) run as the bshd views they are, else as given; a call refused
+    that way is run as given, so that its error names the caller's own layout and shapes."""
+    if layout == "bhsd" and _seq_major(q, k, v):
+        views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "bshd")
+        try:
+            return True, views, run(*views)
+        except (ValueError, TypeError):
+            pass
+    return False, (q, k, v, layout), run(q, k, v, layout)
+
+
+def _seq_major(q, k, v):
+    """Whether bhsd-shaped q, k, v are each a transpose(1, 2) view of (batch, seq, heads, dim) memory
+    (the seq stride past the heads'; a dim of one element matches either order): the layout
+    transformers and most model code hand attention. Such a call runs as bshd and returns out (and,
+    in training, dq, dk, dv) as bhsd views of bshd memory, the inputs' order, as SDPA does: then the
+    caller's out.transpose(1, 2).reshape(...) is a view, and its autograd graph holds no transposes."""
+    return all(t.dim() == 4 and (t.shape[1] == 1 or t.shape[2] == 1 or t.stride(2) > t.stride(1)) for t in (q, k, v)) \
+        and q.shape[1] > 1 and q.shape[2] > 1
 
 
 def _apply_function(q, k, v, seed, cu_q, cu_k, call, *tensors):
@@ -344,5 +380,7 @@ def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor,
                                     or (tensors and any(t.requires_grad for t in tensors))):
         return _apply_function(q, k, v, seed, cu_seqlens_q, cu_seqlens_k,
                                (module, layout, dropout_p, deterministic, max_seqlen_q, max_seqlen_k), *tensors)
-    return _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k)
+    seq_major, _, (out, lse) = _run_seq_major(
+        lambda q, k, v, layout: _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_seqlens_q, cu_seqlens_k,
+                                         max_seqlen_q, max_seqlen_k), q, k, v, layout)
+    return (out.transpose(1, 2) if seq_major else out), lse

@@ -188,6 +188,26 @@ def test_training_gradients_match(kind):
         _assert_close(g, grads[REFERENCE[kind]][n], name=f"d{n}")
 
 
+def test_a_dense_call_adds_no_transposes_to_the_graph():
+    # transformers' (B, H, L, D) views of (B, L, H, D) projections go to flashgen as they are: the output's
+    # one transpose (to transformers' (B, L, H, D)) over the attention node, whose inputs are the caller's
+    # own tensors; out is contiguous (the o_proj reshape is a view) and its gradients keep q's strides.
+    gen = torch.Generator().manual_seed(7)
+    base = [torch.randn(2, 11, h, 16, generator=gen, requires_grad=True) for h in (4, 2, 2)]
+    q, k, v = (t.mul(1.0).transpose(1, 2) for t in base)  # non-leaf views, as rope's outputs are
+    module = torch.nn.Module()
+    out, _ = attention_forward(module, q, k, v, None, scaling=0.25, is_causal=True)
+    assert out.shape == (2, 11, 4, 16) and out.is_contiguous()
+    attention_node = out.grad_fn.next_functions[0][0]
+    assert type(attention_node).__name__ == "AttentionFunctionBackward"
+    assert [fn for fn, _ in attention_node.next_functions[:3]] == [t.grad_fn for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*(t.detach().double() for t in (q, k, v)), is_causal=True,
+                                                           scale=0.25, enable_gqa=True).transpose(1, 2)
+    _assert_close(out, ref, name="out")
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert [g.stride() for g in grads] == [t.stride() for t in (q, k, v)]
+
+
 def test_packed_sequences_by_position_ids():
     # Padding-free training: two sequences in one row, positions restarting, must not see each other.
     model, gen = _model("llama"), torch.Generator().manual_seed(5)
