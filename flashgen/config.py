@@ -672,6 +672,10 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
       tuning_db's gqa-causal rows were measured on an H100 against today's choice: an H100 recheck decides
       (flashgen tune --recheck --shipped); at 1024 tokens three runs disagreed (16 / 4 heads B=8: 0.354 /
       0.337 / 0.399, 0.609 / 0.521 / 0.690, 0.446 / 0.523 / 0.589; 32 / 8 heads B=4 0.611 / 0.610 / 0.727).
+      Session 27 (results/2026-11-28-h200-bwd-defaults-s27-llama.md, H200, 3 rounds): causal GQA at 2048
+      tokens (Llama's 16 / 4 heads, the 2048 bucket: no shipped row) takes the Gluon kernel with the separate
+      dQ kernel, 3-5% ahead of the portable one in each of three runs (B=4 0.496 / 0.470 / 0.480 portable /
+      separate / adding, cuDNN 0.452; B=8 0.986 / 0.940 / 0.952, cuDNN 0.886; session 26's above).
     - hd64 without causality at 1024-2048 tokens: the Gluon kernel with the separate dQ kernel, which read
       faster than the portable backward in two runs on two GPUs (fwd+bwd TFLOP/s over cuDNN's, bench_hopper_ws,
       S=1024, 32 heads: H100 0.91 vs 0.89, results/2026-11-27-h100-hopper-ws-s21-smem.md; H200 0.913 vs 0.878,
@@ -696,7 +700,7 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
     if gqa:
         if d == 128 and not shape.causal and seqlen >= 1024:
             return atomic
-        return dict(hopper_bwd=True) if d == 128 and shape.causal and seqlen >= 4096 else {}
+        return dict(hopper_bwd=True) if d == 128 and shape.causal and seqlen >= 2048 else {}
     if seqlen >= 4096 or (d == 128 and seqlen >= (2048 if shape.causal else 1024)):
         return atomic
     if d == 64 and not shape.causal and seqlen >= 1024:

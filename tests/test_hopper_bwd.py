@@ -296,10 +296,11 @@ def test_space_offers_the_kernel_only_where_it_serves():
     (dict(head_dim=64, num_heads=32), "h100", 1024, True),  # with the separate dQ kernel
     (dict(head_dim=64, num_heads=32), "h100", 256, False),
     (dict(head_dim=128, num_heads=16, causal=True), "a100", 16384, False),  # not sm90
-    # GQA: causal hd128 from 4096 tokens with the separate dQ kernel, hd128 without causality adding dQ from
+    # GQA: causal hd128 from 2048 tokens with the separate dQ kernel, hd128 without causality adding dQ from
     # 1024; nothing else
     (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h200", 4096, True),
-    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h100", 2048, False),
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h100", 2048, True),
+    (dict(head_dim=128, num_heads=16, num_kv_heads=4, causal=True), "h100", 1024, False),
     (dict(head_dim=128, num_heads=16, num_kv_heads=4), "h100", 16384, "atomic"),
     (dict(head_dim=128, num_heads=16, num_kv_heads=4), "h100", 1024, "atomic"),
     (dict(head_dim=128, num_heads=16, num_kv_heads=4), "h100", 256, False),
