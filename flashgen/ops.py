@@ -315,12 +315,20 @@ def _run_seq_major(run, q, k, v, layout):
 
 def _seq_major(q, k, v):
     """Whether bhsd-shaped q, k, v are each a transpose(1, 2) view of (batch, seq, heads, dim) memory
-    (the seq stride past the heads'; a dim of one element matches either order): the layout
-    transformers and most model code hand attention. Such a call runs as bshd and returns out (and,
-    in training, dq, dk, dv) as bhsd views of bshd memory, the inputs' order, as SDPA does: then the
-    caller's out.transpose(1, 2).reshape(...) is a view, and its autograd graph holds no transposes."""
-    return all(t.dim() == 4 and (t.shape[1] == 1 or t.shape[2] == 1 or t.stride(2) > t.stride(1)) for t in (q, k, v)) \
-        and q.shape[1] > 1 and q.shape[2] > 1
+    (the seq stride past the heads'; a dim of one element matches either order) and q has more than
+    one head and one row: the layout transformers and most model code hand attention. Such a call
+    runs as bshd and returns out (and, in training, dq, dk, dv) as bhsd views of bshd memory, the
+    inputs' order, as SDPA does: the caller's out.transpose(1, 2).reshape(...) is then a view, and its
+    autograd graph holds no transposes."""
+    try:
+        for t in (q, k, v):
+            _, heads, seq, _ = t.shape
+            _, head_stride, seq_stride, _ = t.stride()
+            if seq_stride <= head_stride and heads > 1 and seq > 1:
+                return False
+        return q.shape[1] > 1 and q.shape[2] > 1
+    except (ValueError, TypeError, AttributeError):  # not 4-d tensors: the checks that follow name them
+        return False
 
 
 def _apply_function(q, k, v, seed, cu_q, cu_k, call, *tensors):

@@ -226,7 +226,7 @@ class RawLaunch:
     calls that C launcher itself with the same arguments, each descriptor's expansion kept by its
     base pointer: the rest of it (shape, strides, block, swizzle) is the same on every call of one
     BoundLaunch (its caller's key says so; FLASHGEN_VERIFY_LAUNCH=1 checks it). The Gluon forward's
-    launch: 15-20 us -> ~7.5 us on an H200 host (benchmarks/NOTES.md, session 27). Other launchers
+    launch: 15-20 us -> 8.4-8.7 us on an H200 host (benchmarks/NOTES.md, session 27). Other launchers
     (triton 3.7+, whose tensor descriptors pass otherwise) keep Triton's path: RawLaunch.of gives None."""
 
     __slots__ = ("launch", "grid", "middle", "slots", "metas", "make", "expanded")
