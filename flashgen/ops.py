@@ -301,10 +301,10 @@ _ENTRY = _function_entry(AttentionFunction, torch._C)
 
 
 def _run_seq_major(run, q, k, v, layout):
-    """(seq_major, (q, k, v, layout) as run, run(q, k, v, layout)): bhsd-shaped q, k, v of (batch, seq,
-    heads, dim) memory (_seq_major) run as the bshd views they are, else as given; a call refused
+    """(seq_major, (q, k, v, layout) as run, run(q, k, v, layout)): a bhsd call whose q views (batch, seq,
+    heads, dim) memory (_seq_major) runs on the bshd views of q, k and v, else as given; a call refused
     that way is run as given, so that its error names the caller's own layout and shapes."""
-    if layout == "bhsd" and _seq_major(q, k, v):
+    if layout == "bhsd" and _seq_major(q):
         views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "bshd")
         try:
             return True, views, run(*views)
@@ -313,21 +313,19 @@ def _run_seq_major(run, q, k, v, layout):
     return False, (q, k, v, layout), run(q, k, v, layout)
 
 
-def _seq_major(q, k, v):
-    """Whether bhsd-shaped q, k, v are each a transpose(1, 2) view of (batch, seq, heads, dim) memory
-    (the seq stride past the heads'; a dim of one element matches either order) and q has more than
-    one head and one row: the layout transformers and most model code hand attention. Such a call
-    runs as bshd and returns out (and, in training, dq, dk, dv) as bhsd views of bshd memory, the
-    inputs' order, as SDPA does: the caller's out.transpose(1, 2).reshape(...) is then a view, and its
-    autograd graph holds no transposes."""
+def _seq_major(q):
+    """Whether a bhsd-shaped q is a transpose(1, 2) view of (batch, seq, heads, dim) memory (its seq
+    stride past its heads'), with more than one head and one row: transformers' q.view(B, L, H,
+    D).transpose(1, 2), and most model code's. Such a call runs as bshd on the transposed views of q,
+    k and v (whatever the order of k's and v's memory: transformers' KV cache hands them over
+    contiguous), so out and dq come back as bhsd views of bshd memory, q's order, as SDPA's do: the
+    caller's out.transpose(1, 2).reshape(...) is then a view, and its autograd graph holds no
+    transposes; dk and dv are bhsd views of bshd memory too, as when the caller transposed k and v."""
     try:
-        for t in (q, k, v):
-            _, heads, seq, _ = t.shape
-            _, head_stride, seq_stride, _ = t.stride()
-            if seq_stride <= head_stride and heads > 1 and seq > 1:
-                return False
-        return q.shape[1] > 1 and q.shape[2] > 1
-    except (ValueError, TypeError, AttributeError):  # not 4-d tensors: the checks that follow name them
+        _, heads, seq, _ = q.shape
+        _, head_stride, seq_stride, _ = q.stride()
+        return seq_stride > head_stride and heads > 1 and seq > 1
+    except (ValueError, TypeError, AttributeError):  # not a 4-d tensor: the checks that follow name it
         return False
 
 

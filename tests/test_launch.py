@@ -417,10 +417,11 @@ def test_allocator_gives_contiguous_tensors(shape):
         assert t.shape == shape and t.dtype == dtype and t.stride() == torch.empty(shape).stride()
 
 
-def test_a_dense_training_call_keeps_five_tensors_and_out_is_contiguous_in_qs_layout():
+def test_a_dense_training_call_keeps_five_tensors_and_out_follows_qs_memory_order():
     """A dense call without dropout or named tensors keeps q, k, v, out, lse for its backward (its seed
     is never read and it has no offsets); packed sequences keep the seed and offsets too. out is
-    contiguous whatever q's strides (torch.empty_like(q) only where q is contiguous itself)."""
+    contiguous in q's layout, or, for a bhsd q viewing bshd memory, in that memory's order
+    (test_bhsd_views_of_bshd_memory_keep_their_memory_order)."""
     q, k, v = (_inputs((1, 2, 9, 16), seed=s).clone().requires_grad_() for s in range(3))
     out = flashgen.attention(q, k, v, causal=True)
     assert len(out.grad_fn.saved_tensors) == 5
@@ -431,19 +432,21 @@ def test_a_dense_training_call_keeps_five_tensors_and_out_is_contiguous_in_qs_la
     assert len(flashgen.attention_varlen(*packed, cu, cu, 5, 5, causal=True).grad_fn.saved_tensors) == 8
     q_t = q.detach().transpose(1, 2).contiguous().transpose(1, 2)  # bhsd view of bshd memory
     out_t = flashgen.attention(q_t, k, v, causal=True)
-    assert out_t.is_contiguous() and torch.equal(out_t, out)
+    assert out_t.stride() == q_t.stride() and torch.equal(out_t, out)
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
-def test_bhsd_views_of_bshd_memory_keep_their_memory_order(kv_heads):
-    """bhsd-shaped views of (batch, seq, heads, dim) memory, as transformers hands them (its projections
-    viewed and transposed): the call runs as bshd, so out, and in training dq, dk, dv, are bhsd views of
-    bshd memory with the inputs' strides (the caller's out.transpose(1, 2) is contiguous), equal to a
-    contiguous call's; the autograd graph holds the attention node alone. A call refused so is refused in
-    the caller's own layout."""
+@pytest.mark.parametrize("kv_heads,kv_memory", [(2, "bshd"), (1, "bshd"), (2, "bhsd")])
+def test_bhsd_views_of_bshd_memory_keep_their_memory_order(kv_heads, kv_memory):
+    """A bhsd call whose q views (batch, seq, heads, dim) memory, as transformers hands it (its projection
+    viewed and transposed; k and v come from its KV cache contiguous): the call runs as bshd, so out and dq
+    are bhsd views of bshd memory with q's strides (the caller's out.transpose(1, 2) is contiguous), dk and
+    dv views of bshd memory too, all equal to a contiguous call's; the autograd graph holds the attention
+    node alone. A call refused so is refused in the caller's own layout."""
     seed = random.randrange(2**31)
-    views = [_inputs((2, 9, h, 16), seed=seed + i).transpose(1, 2).requires_grad_()
-             for i, h in enumerate((2, kv_heads, kv_heads))]
+    views = [_inputs((2, 9, h, 16), seed=seed + i).transpose(1, 2) for i, h in enumerate((2, kv_heads, kv_heads))]
+    if kv_memory == "bhsd":
+        views[1:] = [t.contiguous() for t in views[1:]]
+    views = [t.requires_grad_() for t in views]
     plain = [t.detach().contiguous().requires_grad_() for t in views]
     do = _inputs((2, 9, 2, 16), seed=seed + 3).transpose(1, 2)
     out, ref = flashgen.attention(*views, causal=True), flashgen.attention(*plain, causal=True)
@@ -452,8 +455,9 @@ def test_bhsd_views_of_bshd_memory_keep_their_memory_order(kv_heads):
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     grads, ref_grads = torch.autograd.grad(out, views, do), torch.autograd.grad(ref, plain, do)
     for g, r, t in zip(grads, ref_grads, views):
-        assert g.stride() == t.stride(), f"seed={seed}"
+        assert g.transpose(1, 2).is_contiguous(), f"seed={seed}"
         torch.testing.assert_close(g, r, rtol=0, atol=0)
+    assert grads[0].stride() == views[0].stride()
     with torch.no_grad():
         inference = flashgen.attention(*views, causal=True)
     assert inference.stride() == views[0].stride() and torch.equal(inference, ref)
