@@ -47,8 +47,11 @@ class AttentionKernel:
 
     q is (batch, heads, seqlen_q, head_dim) in layout ``bhsd`` or (batch, seqlen_q,
     heads, head_dim) in layout ``bshd``; k and v likewise with the KV heads. The output
-    has q's layout and head dim ``head_dim_v``; with ``return_lse=True`` the call also
-    returns the log-sum-exp, (batch, heads, seqlen_q) float32 (not differentiable).
+    has q's layout and head dim ``head_dim_v``, contiguous in it, but for a ``bhsd`` q that views
+    (batch, seqlen_q, heads, head_dim) memory (``x.view(B, S, H, D).transpose(1, 2)``, as model code
+    makes it): out and the gradient of q keep that memory's order, as SDPA's do. With
+    ``return_lse=True`` the call also returns the log-sum-exp, (batch, heads, seqlen_q) float32 (not
+    differentiable).
     """
 
     def __init__(self, spec: AttentionSpec, config: KernelConfig | None = None, *,
