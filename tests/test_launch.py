@@ -655,13 +655,15 @@ def wrap_handle_tensordesc(launcher, tensordesc_indices, tensordesc_meta):
 """  # triton 3.6's nvidia driver.py, its shape: the names RawLaunch.of reads
 
 
-def _triton36_launcher(module, slots, record):
+def _triton36_launcher(module, slots, record, metas=True):
     """A stand-in for triton 3.6's CudaLauncher of a kernel whose arguments `slots` are tensor
-    descriptors, its class and wrapper defined in `module` as 3.6's are in its driver module."""
+    descriptors (metas: with tensor-map metadata, else None as for a GPU without TMA), its class and
+    wrapper defined in `module` as 3.6's are in its driver module."""
     if not hasattr(module, "wrap_handle_tensordesc"):
         exec(TRITON36_WRAPPER, module.__dict__)
     made = type("CudaLauncher", (), {"__module__": module.__name__})()
-    made.launch = module.wrap_handle_tensordesc(record, set(slots), [{"block": i} for i in range(len(slots))]) \
+    meta = [{"block": i} for i in range(len(slots))] if metas else None
+    made.launch = module.wrap_handle_tensordesc(record, set(slots), meta or [None] * len(slots)) \
         if slots else functools.partial(record)  # (3.6's C launcher itself: no Python code)
     made.global_scratch_size = made.profile_scratch_size = 0
     made.launch_cooperative_grid, made.launch_pdl = False, True
@@ -679,10 +681,13 @@ def test_raw_launch_passes_what_tritons_launcher_passes(monkeypatch):
 
     def make_tensordesc_arg(desc, meta):
         made.append(desc.base.data_ptr())
+        if meta is None:  # as 3.6's: the tensor itself, its shape and strides
+            return [desc.base, *desc.shape, *desc.strides]
         return [("map", desc.base.data_ptr(), meta["block"]), *desc.shape, *desc.strides]
 
     fake.make_tensordesc_arg, fake._BASE_ARGS_FORMAT_LEN = make_tensordesc_arg, 13
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setattr(launch.RawLaunch, "TRITON", "")  # whatever Triton this is: the stand-in is 3.6's
     calls = []
     desc = lambda t: types.SimpleNamespace(base=t, shape=list(t.shape), strides=list(t.stride()))  # noqa: E731
     compiled = types.SimpleNamespace(function=77, packed_metadata=("meta",))
@@ -702,11 +707,19 @@ def test_raw_launch_passes_what_tritons_launcher_passes(monkeypatch):
             assert ours == calls.pop()
         # tensors[0], in both descriptors of steps 0 and 2: 4 expansions by Triton's wrapper, here 1 per slot
         assert made.count(tensors[0].data_ptr()) == (6 if slots else 0)
+    compiled._run = _triton36_launcher(fake, (0,), lambda *a: calls.append(a), metas=False)  # no maps: none kept
+    raw = launch.RawLaunch.of(compiled, (1, 1, 1), 2)
+    raw(0, (desc(tensors[0]), 5), ())
+    assert calls.pop()[13] is tensors[0] and raw.expanded == [{}]
     compiled._run.global_scratch_size = 128  # a kernel with scratch memory: Triton's path
     assert launch.RawLaunch.of(compiled, (1, 1, 1), 4) is None
     compiled._run = _triton36_launcher(fake, (5,), calls.append)  # a descriptor past the positionals
     assert launch.RawLaunch.of(compiled, (1, 1, 1), 4) is None
     monkeypatch.delattr(fake, "_BASE_ARGS_FORMAT_LEN")  # another Triton's driver
+    assert launch.RawLaunch.of(compiled, (1, 1, 1), 8) is None
+    fake._BASE_ARGS_FORMAT_LEN = 13
+    assert launch.RawLaunch.of(compiled, (1, 1, 1), 8) is not None
+    monkeypatch.setattr(launch.RawLaunch, "TRITON", "0.0.")  # another Triton's version
     assert launch.RawLaunch.of(compiled, (1, 1, 1), 8) is None
 
 

@@ -409,6 +409,30 @@ def test_autograd_flows_into_tensors(device):
         flashgen.attention(q, k, v, mask={"document": {}}, document_ids=ids, bogus=ids)
 
 
+@pytest.mark.parametrize("wanted", ["bias", "table"])
+def test_a_gradient_into_one_tensor_leaves_the_others_alone(device, wanted):
+    """A score_mod reading two float tensors, one requiring grad: its gradient matches the reference's
+    and the other tensor is unchanged (the kernels add into every float tensor's gradient buffer; the
+    other's was the tensor itself, so a backward added its gradient into the user's tensor and the
+    recomputed scores went wrong with it: dbias [0.35, 4.76] where a per-head constant's is 0)."""
+    seed, gen = _seeded()
+    q, k, v = (t.requires_grad_() for t in _qkv(gen, 2, 2, 2, 9, 9, 16, torch.float32, device))
+    tensors = {"bias": torch.randn(2, generator=gen).to(device), "table": torch.randn(2, 16, generator=gen).to(device)}
+    kept = {name: t.clone() for name, t in tensors.items()}
+    tensors[wanted].requires_grad_()
+    score_mod = "score + bias[h] * (kv_idx + 1) + table[h, abs(q_idx - kv_idx)]"
+    out = flashgen.attention(q, k, v, causal=True, score_mod=score_mod, **tensors)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v, tensors[wanted]))
+    for name, t in tensors.items():
+        assert torch.equal(t.detach(), kept[name]), (seed, name)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, tensors[wanted])]
+    ref_tensors = {name: t.detach().double() for name, t in tensors.items()} | {wanted: ref_leaves[3]}
+    ref, _ = reference_attention(*ref_leaves[:3], causal=True, score_mod=score_mod, tensors=ref_tensors,
+                                 compute_dtype=torch.float64)
+    for got, want in zip(grads, torch.autograd.grad(ref.square().sum(), ref_leaves)):
+        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5), seed
+
+
 @pytest.mark.parametrize("mask,causal", [(None, False), (None, True), ({"sliding_window": {"left": 4, "right": 2}},
                                                                        False)],
                          ids=["full", "causal", "window"])

@@ -1257,7 +1257,9 @@ class AttentionLauncher:
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         plan = BackwardPlan(self, layout, q, k, v, lse, seed=self.plan_seed(seed, dropout_p, q.device),
                             offsets=(total_q, total_k, max_seqlen_q, max_seqlen_k) if layout == "thd" else None,
-                            grads={name: named[name].shape for name in tensor_grads})
+                            grads={name: named[name].shape for name in tensor_grads},
+                            scratch={name: named[name].shape for name in self.grad_tensors
+                                     if tensor_grads and name not in tensor_grads})
         if batch * num_heads * seqlen_q == 0 or seqlen_k == 0:
             return plan
         scale = self.spec["softmax_scale"] if softmax_scale is None else softmax_scale

@@ -230,6 +230,7 @@ class RawLaunch:
     (triton 3.7+, whose tensor descriptors pass otherwise) keep Triton's path: RawLaunch.of gives None."""
 
     __slots__ = ("launch", "grid", "middle", "slots", "metas", "make", "expanded")
+    TRITON = "3.6."  # the Triton whose launcher this mirrors (its argument order is not checked, only its shape)
     BASE_ARGS = 13  # triton 3.6's _BASE_ARGS_FORMAT "iiiKKppOOOOOO": grid, stream, function, 2 flags, 6 objects
     MAX_KEPT = 16  # expansions kept per descriptor argument (a training step's tensors cycle through a few)
 
@@ -238,8 +239,8 @@ class RawLaunch:
         """The RawLaunch of a compiled kernel launched with `positional` arguments before its bound
         tail, or None where its launcher is not triton 3.6's."""
         launcher = getattr(compiled, "_run", None)
-        if (type(launcher).__name__ != "CudaLauncher" or getattr(launcher, "global_scratch_size", 1) != 0
-                or getattr(launcher, "profile_scratch_size", 1) != 0):
+        if (not triton.__version__.startswith(cls.TRITON) or type(launcher).__name__ != "CudaLauncher"
+                or getattr(launcher, "global_scratch_size", 1) != 0 or getattr(launcher, "profile_scratch_size", 1) != 0):
             return None
         module = sys.modules.get(type(launcher).__module__)
         if getattr(module, "_BASE_ARGS_FORMAT_LEN", None) != cls.BASE_ARGS:
@@ -249,8 +250,9 @@ class RawLaunch:
         if code is None or not code.co_freevars:  # no descriptor: the C launcher itself (a builtin)
             return None if code is not None else cls(launch, grid3, compiled, launcher, (), (), None)
         cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__)))
-        make = getattr(module, "make_tensordesc_arg", None)
-        if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or make is None:
+        make = launch.__globals__.get("make_tensordesc_arg")  # the function the wrapper calls
+        if (set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or make is None
+                or launch.__globals__.get("_BASE_ARGS_FORMAT_LEN") != cls.BASE_ARGS):
             return None
         slots = tuple(sorted(cells["tensordesc_indices"]))
         metas = tuple(cells["tensordesc_meta"] or (None,) * len(slots))
@@ -271,21 +273,28 @@ class RawLaunch:
         flat, start = [], 0
         for n, slot in enumerate(self.slots):
             flat += args[start:slot]
-            descriptor = args[slot]
-            kept = self.expanded[n]
-            ptr = descriptor.base.data_ptr()
-            expansion = kept.get(ptr)
-            if expansion is None or BoundLaunch.verify:
-                fresh = self.make(descriptor, self.metas[n])
-                if expansion is not None and list(expansion[1:]) != list(fresh[1:]):
-                    raise AssertionError(f"RawLaunch: descriptor argument {slot} changed shape or strides between "
-                                         f"calls of one bound launch ({expansion[1:]} vs {fresh[1:]})")
-                if len(kept) >= self.MAX_KEPT:
-                    kept.clear()
-                expansion = kept[ptr] = fresh
-            flat += expansion
+            flat += self.expansion(n, args[slot])
             start = slot + 1
         return self.launch(*self.grid, stream, *self.middle, *flat, *args[start:], *tail)
+
+    def expansion(self, n, descriptor):
+        """The C launcher's arguments for descriptor argument n: kept by its base pointer where they hold a
+        tensor map (without one they hold the tensor itself, and cost nothing to make)."""
+        meta = self.metas[n]
+        if meta is None:
+            return self.make(descriptor, meta)
+        kept = self.expanded[n]
+        ptr = descriptor.base.data_ptr()
+        expansion = kept.get(ptr)
+        if expansion is None or BoundLaunch.verify:
+            fresh = self.make(descriptor, meta)
+            if expansion is not None and list(expansion[1:]) != list(fresh[1:]):
+                raise AssertionError(f"RawLaunch: descriptor argument {self.slots[n]} changed shape or strides "
+                                     f"between calls of one bound launch ({expansion[1:]} vs {fresh[1:]})")
+            if len(kept) >= self.MAX_KEPT:
+                kept.clear()
+            expansion = kept[ptr] = fresh
+        return expansion
 
 
 def argument_signature(args):
@@ -443,10 +452,13 @@ class BackwardPlan(CallPlan):
     """A backward call: dq, dk, dv allocated; the preprocess, dK/dV and dQ launches (none when there
     is nothing to compute: zero gradients)."""
 
-    def __init__(self, launcher, layout, q, k, v, lse, *, seed, offsets, grads):
+    def __init__(self, launcher, layout, q, k, v, lse, *, seed, offsets, grads, scratch=None):
         super().__init__(launcher, layout, q.device, seed=seed, offsets=offsets)
         self.dtype, self.shapes, self.lse_shape = q.dtype, (q.shape, k.shape, v.shape), lse.shape
         self.grads = grads  # {name: shape} of the named tensors differentiated (float32 buffers)
+        # {name: shape} of the float tensors the score_mod reads that a call differentiating others does not: the
+        # kernels add dS * d(mod)/d(tensor) into every one's buffer then, so these get a scratch buffer
+        self.scratch = scratch or {}
         self.plain = self.plain and not grads
         self.new_dq, self.new_dk, self.new_dv = (allocator(shape, self.dtype, self.device)
                                                  for shape in (q.shape, k.shape, v.shape))
@@ -515,10 +527,15 @@ class BackwardPlan(CallPlan):
 
     def named_args(self, tensors, grads, extra=None):
         """The kernels' arguments for the named tensors (extra where given), and for the gradient buffers
-        of the float ones (the tensor itself where its gradient is not wanted: never written then)."""
+        of the float ones: where no gradient is wanted (grads None), the tensor itself (never written:
+        TENSOR_GRADS off); where some are, a scratch buffer for each of the others (the kernels write
+        every float tensor's buffer)."""
         if not self.named:
             return (), ()
         named = self.launcher.tensor_views(tensors)
+        if grads and self.scratch:
+            grads = {**{name: torch.zeros(shape, dtype=torch.float32, device=self.device)
+                        for name, shape in self.scratch.items()}, **grads}
         return (self.launcher.tensor_args(named) if extra is None else extra,
                 [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors])
 
