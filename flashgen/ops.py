@@ -243,7 +243,9 @@ class AttentionFunction(torch.autograd.Function):
         # lse takes no gradient: without this autograd would hand the backward a zero-filled dlse, an
         # allocation and a fill launch per step (~40-70 us of an H200 host's ~280 us short step)
         ctx.set_materialize_grads(False)
-        return (out.transpose(1, 2) if ctx.seq_major else out), lse
+        # (a seq-major call's out: a view of the bshd buffer, detached so that autograd treats it as the
+        # function's own output, not a view made inside it, which it would refuse to let the caller modify)
+        return (out.transpose(1, 2).detach() if ctx.seq_major else out), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
