@@ -642,6 +642,12 @@ def test_bound_launches_pass_what_tritons_path_passes(tmp_path):
 
 
 TRITON36_WRAPPER = """
+class CudaLauncher:
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):  # (no scratch memory: None for both)
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, None,
+                    None, *args)
+
+
 def wrap_handle_tensordesc(launcher, tensordesc_indices, tensordesc_meta):
     def inner(*args):
         final_args = list(args[:_BASE_ARGS_FORMAT_LEN])
@@ -654,7 +660,7 @@ def wrap_handle_tensordesc(launcher, tensordesc_indices, tensordesc_meta):
                 final_args.append(arg)
         return launcher(*final_args)
     return inner
-"""  # triton 3.6's nvidia driver.py, its shape: the names RawLaunch.of reads
+"""  # triton 3.6's nvidia driver.py, its shape: the names RawLaunch.of reads, CudaLauncher.__call__ cut to its end
 
 
 def _triton36_launcher(module, slots, record, metas=True):
@@ -663,7 +669,7 @@ def _triton36_launcher(module, slots, record, metas=True):
     wrapper defined in `module` as 3.6's are in its driver module."""
     if not hasattr(module, "wrap_handle_tensordesc"):
         exec(TRITON36_WRAPPER, module.__dict__)
-    made = type("CudaLauncher", (), {"__module__": module.__name__})()
+    made = module.CudaLauncher()
     meta = [{"block": i} for i in range(len(slots))] if metas else None
     made.launch = module.wrap_handle_tensordesc(record, set(slots), meta or [None] * len(slots)) \
         if slots else functools.partial(record)  # (3.6's C launcher itself: no Python code)
@@ -704,8 +710,8 @@ def test_raw_launch_passes_what_tritons_launcher_passes(monkeypatch):
             calls.clear()
             raw(0xABC, args, (True, 64))
             ours = calls.pop()
-            # what CudaLauncher.__call__ hands its launch (no scratch memory): Triton's wrapper, the same arguments
-            compiled._run.launch(3, 2, 1, 0xABC, 77, False, True, None, None, ("meta",), None, None, None, *args, True, 64)
+            # Triton's path (BoundLaunch's compiled.run call): the same arguments reach the C launcher
+            compiled._run(3, 2, 1, 0xABC, 77, ("meta",), None, None, None, *args, True, 64)
             assert ours == calls.pop()
         # tensors[0], in both descriptors of steps 0 and 2: 4 expansions by Triton's wrapper, here 1 per slot
         assert made.count(tensors[0].data_ptr()) == (6 if slots else 0)

@@ -43,7 +43,6 @@ with an underscore or are upper case) or host.py's.
 """
 
 import os
-import sys
 
 import torch
 import triton
@@ -242,8 +241,8 @@ class RawLaunch:
         if (not triton.__version__.startswith(cls.TRITON) or type(launcher).__name__ != "CudaLauncher"
                 or getattr(launcher, "global_scratch_size", 1) != 0 or getattr(launcher, "profile_scratch_size", 1) != 0):
             return None
-        module = sys.modules.get(type(launcher).__module__)
-        if getattr(module, "_BASE_ARGS_FORMAT_LEN", None) != cls.BASE_ARGS:
+        driver = getattr(type(launcher).__call__, "__globals__", {})  # the namespace of its driver module
+        if driver.get("_BASE_ARGS_FORMAT_LEN") != cls.BASE_ARGS:
             return None
         launch = getattr(launcher, "launch", None)
         code = getattr(launch, "__code__", None)
