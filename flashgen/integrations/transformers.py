@@ -197,10 +197,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if (attention_mask is None and s_aux is None and kwargs.get("cu_seq_lens_q") is None
             and (batch != 1 or seqlen_q != seqlen_k or kwargs.get("position_ids") is None)
             and not torch.compiler.is_compiling()):
-        # the commonest call (training, prefill): the (B, H, L, D) views as they are; flashgen runs them
-        # as the (B, L, H, D) memory they view and returns out in that order, so no transpose enters the
-        # autograd graph (three nodes more per layer in the backward: ~0.1 ms of an H200 host's step) and
-        # out.transpose(1, 2) is contiguous. (Under torch.compile the transposes below are free.)
+        # the commonest call (training, prefill): the (B, H, L, D) tensors as they are; flashgen runs a query
+        # viewing (B, L, H, D) memory as bshd and returns out in that order, so out.transpose(1, 2) is
+        # contiguous and no transpose enters the autograd graph (with them, this call's backward took 90-145 us
+        # more host time than flashgen.attention's on bshd tensors on an H200 host: benchmarks/NOTES.md,
+        # session 27). (Under torch.compile the transposes below are free.)
         return attention(query, key, value, layout="bhsd", **kw).transpose(1, 2), None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, L, H, D) views: flashgen's bshd
 
