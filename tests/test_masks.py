@@ -409,19 +409,23 @@ def test_autograd_flows_into_tensors(device):
         flashgen.attention(q, k, v, mask={"document": {}}, document_ids=ids, bogus=ids)
 
 
+@pytest.mark.parametrize("backward", ["default", "short", "persistent"])
 @pytest.mark.parametrize("wanted", ["bias", "table"])
-def test_a_gradient_into_one_tensor_leaves_the_others_alone(device, wanted):
+def test_a_gradient_into_one_tensor_leaves_the_others_alone(device, wanted, backward):
     """A score_mod reading two float tensors, one requiring grad: its gradient matches the reference's
     and the other tensor is unchanged (the kernels add into every float tensor's gradient buffer; the
     other's was the tensor itself, so a backward added its gradient into the user's tensor and the
-    recomputed scores went wrong with it: dbias [0.35, 4.76] where a per-head constant's is 0)."""
+    recomputed scores went wrong with it: dbias [0.35, 4.76] where a per-head constant's is 0), with
+    the default backward, the one-launch one and the persistent dK/dV grid."""
+    config = {"default": None, "short": SMALL.replace(bwd_short=True),
+              "persistent": SMALL.replace(bwd_persistent=2)}[backward]
     seed, gen = _seeded()
     q, k, v = (t.requires_grad_() for t in _qkv(gen, 2, 2, 2, 9, 9, 16, torch.float32, device))
     tensors = {"bias": torch.randn(2, generator=gen).to(device), "table": torch.randn(2, 16, generator=gen).to(device)}
     kept = {name: t.clone() for name, t in tensors.items()}
     tensors[wanted].requires_grad_()
     score_mod = "score + bias[h] * (kv_idx + 1) + table[h, abs(q_idx - kv_idx)]"
-    out = flashgen.attention(q, k, v, causal=True, score_mod=score_mod, **tensors)
+    out = flashgen.attention(q, k, v, causal=True, score_mod=score_mod, config=config, **tensors)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v, tensors[wanted]))
     for name, t in tensors.items():
         assert torch.equal(t.detach(), kept[name]), (seed, name)
