@@ -246,12 +246,11 @@ class RawLaunch:
             return None
         launch = getattr(launcher, "launch", None)
         code = getattr(launch, "__code__", None)
-        if code is None or not code.co_freevars:  # no descriptor: the C launcher itself (a builtin)
-            return None if code is not None else cls(launch, grid3, compiled, launcher, (), (), None)
-        cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__)))
+        if code is None:  # no descriptor: the C launcher itself (a builtin)
+            return cls(launch, grid3, compiled, launcher, (), (), None)
+        cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in launch.__closure__ or ())))
         make = launch.__globals__.get("make_tensordesc_arg")  # the function the wrapper calls
-        if (set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or make is None
-                or launch.__globals__.get("_BASE_ARGS_FORMAT_LEN") != cls.BASE_ARGS):
+        if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"} or make is None:
             return None
         slots = tuple(sorted(cells["tensordesc_indices"]))
         metas = tuple(cells["tensordesc_meta"] or (None,) * len(slots))
