@@ -225,9 +225,12 @@ def test_lookup_is_fast(tmp_path, monkeypatch, fresh_warnings):
     store = ResultStore(f"sqlite:///{tmp_path / 'fast.sqlite'}")
     store.set_best(env(), SPEC, 1024, "fwd", CFG, 1.0, 1.0)
     lookup(SPEC, store.url)  # first call imports what it needs
-    start = time.perf_counter()
-    configs, source = lookup(SPEC, store.url)
-    assert source.startswith("database") and (time.perf_counter() - start) < 0.05
+    times = []
+    for _ in range(5):  # the fastest of five: a loaded CI machine stalls single calls for 0.5 s
+        start = time.perf_counter()
+        configs, source = lookup(SPEC, store.url)
+        times.append(time.perf_counter() - start)
+    assert source.startswith("database") and min(times) < 0.05, times
 
 
 def test_each_phase_contributes_only_its_own_knobs(tmp_path, monkeypatch, fresh_warnings):
