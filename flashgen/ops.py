@@ -108,6 +108,13 @@ def _grad_mask(kernel_id: str, tensors) -> int:
                if ok and t.requires_grad and t.is_floating_point())
 
 
+def _gradient_ready(tensors):
+    """The named tensors, each float one that requires grad contiguous (a copy autograd differentiates
+    only where it is not): the backward kernels add its gradient through its strides into a buffer of its
+    own, which an expand()ed tensor (elements sharing memory) cannot have."""
+    return [t.contiguous() if t.requires_grad and t.is_floating_point() else t for t in tensors]
+
+
 # ----------------------------------------------------------------------------- calls into a module
 def _varlen(cu_q, cu_k, max_q, max_k):
     if cu_q is None:
@@ -380,6 +387,8 @@ def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor,
     """(out, lse) of one differentiable call: the custom op while torch.compile traces; in eager
     mode the autograd.Function when a gradient can flow (grad mode on and an input requires
     grad), else the module's forward alone. `tensors` are the spec's named tensors in its order."""
+    if tensors and torch.is_grad_enabled():
+        tensors = _gradient_ready(tensors)
     if torch.compiler.is_compiling():
         return attn_fwd(q, k, v, seed, list(tensors), kernel_id, layout, dropout_p, deterministic, cu_seqlens_q,
                         cu_seqlens_k, max_seqlen_q, max_seqlen_k)

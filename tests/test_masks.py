@@ -409,19 +409,34 @@ def test_autograd_flows_into_tensors(device):
         flashgen.attention(q, k, v, mask={"document": {}}, document_ids=ids, bogus=ids)
 
 
-@pytest.mark.parametrize("backward", ["default", "short", "persistent"])
+def _stored(t, memory):
+    """t's values held as a transposed view, a slice of a wider tensor, or (contiguous) itself."""
+    if memory == "transposed":
+        return t.T.contiguous().T if t.dim() == 2 else t.repeat(3)[::3]
+    if memory == "sliced":
+        return torch.cat([t, t + 1], dim=-1)[..., :t.shape[-1]] if t.dim() == 2 else t.repeat(2)[::2]
+    return t
+
+
+@pytest.mark.parametrize("backward,memory", [("default", "contiguous"), ("short", "contiguous"),
+                                             ("persistent", "contiguous"), ("default", "transposed"),
+                                             ("short", "sliced")])
 @pytest.mark.parametrize("wanted", ["bias", "table"])
-def test_a_gradient_into_one_tensor_leaves_the_others_alone(device, wanted, backward):
+def test_a_gradient_into_one_tensor_leaves_the_others_alone(device, wanted, backward, memory):
     """A score_mod reading two float tensors, one requiring grad: its gradient matches the reference's
     and the other tensor is unchanged (the kernels add into every float tensor's gradient buffer; the
     other's was the tensor itself, so a backward added its gradient into the user's tensor and the
     recomputed scores went wrong with it: dbias [0.35, 4.76] where a per-head constant's is 0), with
-    the default backward, the one-launch one and the persistent dK/dV grid."""
+    the default backward, the one-launch one and the persistent dK/dV grid; the tensors held as
+    transposed or sliced views too (their buffers were contiguous and the kernels add through the
+    tensor's strides: the gradient came back permuted, or past the buffer's end)."""
     config = {"default": None, "short": SMALL.replace(bwd_short=True),
               "persistent": SMALL.replace(bwd_persistent=2)}[backward]
     seed, gen = _seeded()
     q, k, v = (t.requires_grad_() for t in _qkv(gen, 2, 2, 2, 9, 9, 16, torch.float32, device))
     tensors = {"bias": torch.randn(2, generator=gen).to(device), "table": torch.randn(2, 16, generator=gen).to(device)}
+    tensors = {name: _stored(t, memory) for name, t in tensors.items()}
+    assert memory == "contiguous" or not any(t.is_contiguous() for t in tensors.values())
     kept = {name: t.clone() for name, t in tensors.items()}
     tensors[wanted].requires_grad_()
     score_mod = "score + bias[h] * (kv_idx + 1) + table[h, abs(q_idx - kv_idx)]"
@@ -435,6 +450,34 @@ def test_a_gradient_into_one_tensor_leaves_the_others_alone(device, wanted, back
                                  compute_dtype=torch.float64)
     for got, want in zip(grads, torch.autograd.grad(ref.square().sum(), ref_leaves)):
         assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5), seed
+
+
+@pytest.mark.parametrize("memory", ["transposed", "sliced", "expanded"])
+def test_a_strided_tensors_gradient_from_the_kernel_module(device, memory):
+    """module.backward's tensor_grads for a tensor held with strides of its own: the gradient lands at
+    each element's place (the buffer takes the tensor's strides); an expand()ed one, whose elements
+    share memory, is refused by name (through flashgen.attention it is made contiguous first)."""
+    seed, gen = _seeded()
+    base = torch.randn(2, 16, generator=gen)
+    table = {"transposed": base.T.contiguous().T, "sliced": torch.cat([base, base], dim=1)[:, 3:19],
+             "expanded": base[:1].expand(2, 16)}[memory]
+    score_mod = "score + table[h, abs(q_idx - kv_idx)]"
+    if memory == "expanded":
+        with pytest.raises(ValueError, match=r"table: expected a tensor whose elements do not share memory"):
+            check_variant(device, score_mod=score_mod, tensors={"table": table}, sq=9, sk=9, dtype="fp32", d=16,
+                          grad_tensors=("table",))
+        q, k, v = (t.requires_grad_() for t in _qkv(gen, 1, 2, 2, 9, 9, 16, torch.float32, device))
+        leaf = base[:1].clone().to(device).requires_grad_()
+        out = flashgen.attention(q, k, v, score_mod=score_mod, table=leaf.expand(2, 16))
+        got, = torch.autograd.grad(out.sum(), leaf)
+        ref_leaf = leaf.detach().double().requires_grad_()
+        ref, _ = reference_attention(*(t.detach().double() for t in (q, k, v)), score_mod=score_mod,
+                                     tensors={"table": ref_leaf.expand(2, 16)}, compute_dtype=torch.float64)
+        want, = torch.autograd.grad(ref.sum(), ref_leaf)
+        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5), seed
+        return
+    check_variant(device, score_mod=score_mod, tensors={"table": table}, sq=9, sk=9, dtype="fp32", d=16,
+                  grad_tensors=("table",))
 
 
 @pytest.mark.parametrize("mask,causal", [(None, False), (None, True), ({"sliding_window": {"left": 4, "right": 2}},

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
-from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, contiguous_strides, env_flag, tensor_key  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, contiguous_strides, env_flag, overlapping, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -1254,11 +1254,16 @@ class AttentionLauncher:
             if name not in self.grad_tensors:
                 raise ValueError(f"tensor_grads: {name!r} is not a float tensor read by the score_mod "
                                  f"({self.grad_tensors})")
+            if overlapping(named[name]):  # its elements' gradients would add up in the memory they share
+                raise ValueError(f"{name}: expected a tensor whose elements do not share memory to differentiate, "
+                                 f"got strides {tuple(tensors[name].stride())} over shape "
+                                 f"{tuple(tensors[name].shape)} (an expand()ed tensor: pass it unexpanded, size-1 "
+                                 "dims broadcast, or .contiguous())")
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         plan = BackwardPlan(self, layout, q, k, v, lse, seed=self.plan_seed(seed, dropout_p, q.device),
                             offsets=(total_q, total_k, max_seqlen_q, max_seqlen_k) if layout == "thd" else None,
-                            grads={name: named[name].shape for name in tensor_grads},
-                            scratch={name: named[name].shape for name in self.grad_tensors
+                            grads={name: (named[name].shape, named[name].stride()) for name in tensor_grads},
+                            scratch={name: (named[name].shape, named[name].stride()) for name in self.grad_tensors
                                      if tensor_grads and name not in tensor_grads})
         if batch * num_heads * seqlen_q == 0 or seqlen_k == 0:
             return plan

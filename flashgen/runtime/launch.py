@@ -348,6 +348,28 @@ def allocator(shape, dtype, device):
 TEMPLATE_BASES = {}  # (dtype, device) -> the 0-d tensor allocator() expands (never read or written)
 
 
+def overlapping(t):
+    """Whether two elements of t may share memory (a zero stride over a dim of 2 or more elements,
+    or strides that interleave): sorted by stride, each stride must pass the reach of the ones below."""
+    reach = 0
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+def gradient_buffer(shape, stride, device):
+    """float32 zeros with these strides, over the memory they span: the buffer of a named tensor's
+    gradient, which the kernels add into through the tensor's own strides (a transposed or sliced
+    tensor's lands at each element's place). Never for an overlapping tensor (its elements' sums
+    would show at every element that shares the memory)."""
+    if stride == contiguous_strides(shape):
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    span = 1 + sum((size - 1) * st for size, st in zip(shape, stride))
+    return torch.zeros(span, dtype=torch.float32, device=device).as_strided(shape, stride)
+
+
 def tensor_key(t):
     """What a call plan depends on of a tensor argument (None: not given): all but its contents."""
     if t is None:
@@ -453,9 +475,9 @@ class BackwardPlan(CallPlan):
     def __init__(self, launcher, layout, q, k, v, lse, *, seed, offsets, grads, scratch=None):
         super().__init__(launcher, layout, q.device, seed=seed, offsets=offsets)
         self.dtype, self.shapes, self.lse_shape = q.dtype, (q.shape, k.shape, v.shape), lse.shape
-        self.grads = grads  # {name: shape} of the named tensors differentiated (float32 buffers)
-        # {name: shape} of the float tensors the score_mod reads that a call differentiating others does not: the
-        # kernels add dS * d(mod)/d(tensor) into every one's buffer then, so these get a scratch buffer
+        self.grads = grads  # {name: (shape, strides)} of the named tensors differentiated (gradient_buffer's)
+        # {name: (shape, strides)} of the float tensors the score_mod reads that a call differentiating others does
+        # not: the kernels add dS * d(mod)/d(tensor) into every one's buffer then, so these get a scratch buffer
         self.scratch = scratch or {}
         self.plain = self.plain and not grads
         self.new_dq, self.new_dk, self.new_dv = (allocator(shape, self.dtype, self.device)
@@ -480,8 +502,7 @@ class BackwardPlan(CallPlan):
                        *self.short_tail)
             return dq, dk, dv, {}
         device, q_shape = self.device, self.shapes[0]
-        grads = {name: torch.zeros(shape, dtype=torch.float32, device=device)
-                 for name, shape in self.grads.items()} if self.grads else None
+        grads = {name: gradient_buffer(*layout, device) for name, layout in self.grads.items()} if self.grads else None
         dq, dk, dv = self.gradient_buffers()
         if self.dkdv is None:
             self.offset_args(cu_seqlens_q, cu_seqlens_k, offsets_checked)
@@ -532,8 +553,8 @@ class BackwardPlan(CallPlan):
             return (), ()
         named = self.launcher.tensor_views(tensors)
         if grads and self.scratch:
-            grads = {**{name: torch.zeros(shape, dtype=torch.float32, device=self.device)
-                        for name, shape in self.scratch.items()}, **grads}
+            grads = {**{name: gradient_buffer(*layout, self.device) for name, layout in self.scratch.items()},
+                     **grads}
         return (self.launcher.tensor_args(named) if extra is None else extra,
                 [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors])
 
