@@ -55,6 +55,7 @@ def test_torch_evaluation_clamps_indices_and_broadcasts_ranks():
 @pytest.mark.parametrize("source", [
     "tanh(score / 3.0) * 3.0 + exp(-abs(score)) - min(score, 1.0) / (1.0 + score * score)",
     "where(score > 0.5, score * score, max(score, -0.25)) - score / (2.0 + q_idx)",
+    "score % 0.7 + 5.0 % (score + 3.5) - (score // 0.3) * score",  # floor-signed; d(a % b)/db = -(a // b)
 ])
 def test_derivative_matches_autograd(source):
     # float64 so the symbolic and the autograd derivative agree to rounding

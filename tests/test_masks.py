@@ -297,6 +297,9 @@ def test_chained_and_custom_score_mods(device):
     check_variant(device, score_mod="where(q_idx >= kv_idx, score, score * 0.5) + exp(-abs(score)) - tanh(score)",
                   dtype="fp32")
     check_variant(device, score_mod="max(score, -1.0) + min(score, 1.0) + (q_idx // 3) % 2", dtype="fp32")
+    # a % b = a - (a // b) * b: d/da 1, d/db -(a // b) (taken as piecewise constant, its derivative was 0)
+    check_variant(device, score_mod="score % 1.5 + bias[kv_idx] % 0.75 + 2.0 % (bias[kv_idx] + 3.0)", dtype="fp32",
+                  tensors={"bias": torch.randn(45)}, grad_tensors=("bias",))
 
 
 def test_custom_bias_table_indexed_by_expression(device):

@@ -22,9 +22,13 @@ def derivative(node, wrt):
     if isinstance(node, Not):
         return Const(0.0)
     if isinstance(node, Bin):
-        if node.op in COMPARE_OPS or node.op in LOGIC_OPS or node.op in ("//", "%"):
+        if node.op in COMPARE_OPS or node.op in LOGIC_OPS or node.op == "//":
             return Const(0.0)  # piecewise constant
         da, db = derivative(node.a, wrt), derivative(node.b, wrt)
+        if node.op == "%":  # a % b = a - (a // b) * b, a // b piecewise constant
+            if const_value(db) == 0:
+                return da
+            return sub(da, mul(Bin("//", node.a, node.b), db))
         if node.op == "+":
             return add(da, db)
         if node.op == "-":

@@ -11,8 +11,24 @@ import torch
 
 from .ir import Bin, Const, Fn, Load, Neg, Not, Var, tensors_of
 
+
+def _floats(a, b):
+    return any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in (a, b))
+
+
+def _floor_divide(a, b):
+    """a // b; of floats through torch.div, whose derivative is 0 (floor_divide has none)."""
+    return torch.div(a, b, rounding_mode="floor") if _floats(a, b) else a // b
+
+
+def _remainder(a, b):
+    """a % b, floor-signed; of floats as the kernels compute it, a - (a // b) * b, which autograd
+    differentiates in b too (torch.remainder has no derivative in its divisor)."""
+    return a - torch.div(a, b, rounding_mode="floor") * b if _floats(a, b) else a % b
+
+
 _BINARY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b, "/": lambda a, b: a / b,
-           "//": lambda a, b: a // b, "%": lambda a, b: a % b, "&": lambda a, b: a & b, "|": lambda a, b: a | b,
+           "//": _floor_divide, "%": _remainder, "&": lambda a, b: a & b, "|": lambda a, b: a | b,
            "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
            "==": lambda a, b: a == b, "!=": lambda a, b: a != b}
 _FUNCTIONS = {"abs": torch.abs, "min": torch.minimum, "max": torch.maximum, "exp": torch.exp, "tanh": torch.tanh}
