@@ -289,7 +289,20 @@ class AttentionFunction(torch.autograd.Function):
         return (dq, dk, dv, None, None, None, None, *tensor_grads)
 
 
-_once_differentiable_backward = torch.autograd.function.once_differentiable(AttentionFunction.gradients)
+def _once_differentiable_backward(ctx, dout, dlse):
+    """gradients() under create_graph: computed without a graph and marked so that differentiating
+    them raises (the kernels have no double backward). As torch's once_differentiable, but marked
+    also where dO does not require grad (`grad(out.sum(), q, create_graph=True)`): the gradients
+    still depend on q, k and v, and unmarked they came back as constants, so a gradient penalty
+    on them added nothing, silently."""
+    with torch.no_grad():
+        grads = AttentionFunction.gradients(ctx, dout, dlse)
+    marked = [None if g is None else g.detach().requires_grad_() for g in grads]
+    error = torch._C._functions.DelayedError(
+        b"flashgen attention has no double backward: its gradients (create_graph=True) cannot be differentiated "
+        b"again; compute such a penalty with torch.nn.functional.scaled_dot_product_attention's math backend",
+        len(marked))
+    return error(*marked)
 # Function.apply's C++ half (what its Python classmethod calls last): the classmethod also binds
 # default arguments (only with a setup_context, which this Function has not), checks for functorch
 # transforms and unwraps dead functorch wrappers among the arguments, ~2 us of a ~50 us step on the

@@ -172,14 +172,20 @@ def test_a_bound_call_is_one_lookup_and_function_masks_are_not_kept(monkeypatch)
 
 def test_eager_backward_is_once_differentiable():
     # The kernels have no second derivative: a gradient computed with create_graph=True is marked
-    # (AttentionFunction.backward takes once_differentiable's wrapper when grad mode is on), so a
+    # (AttentionFunction.backward takes a once_differentiable-like wrapper when grad mode is on), so a
     # second backward through it raises instead of silently dropping the attention term.
     q, k, v = (torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True) for _ in range(3))
     w = torch.randn(1, 2, 9, 16, device=DEVICE, requires_grad=True)
     out = flashgen.attention(q, k, v, causal=True)
     (dq,) = torch.autograd.grad((out * w).sum(), (q,), create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable"):
+    with pytest.raises(RuntimeError, match="flashgen attention has no double backward"):
         dq.sum().backward()
+    # dO not requiring grad (a plain sum): the gradient depends on q all the same; it came back unmarked,
+    # so a gradient penalty on it added nothing, silently
+    (penalized,) = torch.autograd.grad(flashgen.attention(q, k, v, causal=True).sum(), (q,), create_graph=True)
+    assert penalized.requires_grad
+    with pytest.raises(RuntimeError, match="flashgen attention has no double backward"):
+        penalized.pow(2).sum().backward()
     # the usual backward (grad mode off inside it): plain gradients
     (dq2,) = torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q,), w.detach())
     assert not dq2.requires_grad and torch.equal(dq.detach(), dq2)
@@ -200,6 +206,34 @@ def test_a_backward_checks_out_and_lse_by_name():
     with pytest.raises(ValueError, match=r"^out: expected shape \(1, 2, 12, 16\)"):
         module.backward(do[..., :8], q, q, q, out[..., :8], lse)
     module.backward(do, q, q, q, out, lse)
+    strided = torch.empty(1, 2, 24, device=DEVICE)[..., ::2]
+    with pytest.raises(ValueError, match=r"^lse: expected a contiguous .* got \(1, 2, 12\) torch.float32 .* with "
+                                         r"strides \(48, 24, 2\)"):
+        module.forward(q, q, q, lse=strided)
+
+
+def test_a_forward_refuses_an_out_whose_elements_share_memory():
+    # an expand()ed out took rows several programs wrote at once: a result up to 2.08 off, silently
+    module = flashgen.compile(AttentionSpec(dtype="fp32", head_dim=16, num_heads=2)).module()
+    q = torch.randn(1, 2, 12, 16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^out: expected a tensor whose elements do not share memory, got strides "
+                                         r"\(0, 0, 0, 1\)"):
+        module.forward(q, q, q, out=torch.empty(16, device=DEVICE).expand(1, 2, 12, 16))
+    out = torch.empty(1, 12, 2, 16, device=DEVICE).transpose(1, 2)  # strided, not overlapping: taken
+    module.forward(q, q, q, out=out)
+    assert torch.allclose(out, module.forward(q, q, q)[0], atol=1e-6)
+
+
+def test_packed_calls_name_what_they_refuse():
+    q = torch.randn(20, 2, 16, device=DEVICE, dtype=torch.float16)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^mask: \{'expr': '\(q_idx \+ kv_idx\) % 3 != 0'\} is not supported over "
+                                         r"packed sequences"):  # it named `layout`, which the caller never gave
+        flashgen.attention_varlen(q, q, q, cu, cu, 13, 13, mask="(q_idx + kv_idx) % 3 != 0")
+    none = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^cu_seqlens_q: expected a 1-d int32 tensor of batch \+ 1 offsets "
+                                         r"\(batch >= 1\), got torch.Size\(\[1\]\)"):
+        flashgen.attention_varlen(q, q, q, none, none, 13, 13)
 
 
 def test_packed_calls_check_their_longest_lengths():

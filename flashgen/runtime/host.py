@@ -792,7 +792,7 @@ class AttentionLauncher:
             return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], 0, 0
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
             if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype != torch.int32:
-                raise ValueError(f"{name}: expected a 1-d int32 tensor of batch + 1 offsets, got "
+                raise ValueError(f"{name}: expected a 1-d int32 tensor of batch + 1 offsets (batch >= 1), got "
                                  f"{getattr(cu, 'shape', cu)!r} {getattr(cu, 'dtype', '')}")
             if cu.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device}, got {cu.device}")
@@ -803,8 +803,8 @@ class AttentionLauncher:
             if isinstance(m, bool) or not isinstance(m, int) or m < 0:
                 raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
         if self.block_map_kernel is not None or self.same_seqlen:
-            raise ValueError("layout: packed sequences ('thd') are not supported with this mask "
-                             "(block maps and document masks are per dense batch); use a dense batch")
+            raise ValueError(f"mask: {self.spec['mask']!r} is not supported over packed sequences (layout 'thd', "
+                             "attention_varlen): block maps and document masks are per dense batch; use a dense batch")
         # no sequence is longer than all the tokens: a larger bound (flash-attn takes one) sizes the grid as these
         # (10**12 launched that many empty programs); the offsets are checked against the bound as given
         return cu_seqlens_q.numel() - 1, min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0]), q.shape[0], \
@@ -1125,10 +1125,14 @@ class AttentionLauncher:
                 raise ValueError(f"out: expected shape {o_shape}, dtype {self.out_dtype} and device {q.device}, got "
                                  f"{tuple(out.shape)} {out.dtype} {out.device}")
             check_head_span("out", out)
+            if overlapping(out):  # rows written by several programs at once
+                raise ValueError(f"out: expected a tensor whose elements do not share memory, got strides "
+                                 f"{tuple(out.stride())} over shape {tuple(out.shape)} (an expand()ed tensor)")
         if lse is not None and (tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or not lse.is_contiguous()
                                 or lse.device != q.device):
             raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape} on {q.device}, got "
-                             f"{tuple(lse.shape)} {lse.dtype} {lse.device}")
+                             f"{tuple(lse.shape)} {lse.dtype} {lse.device}"
+                             + (f" with strides {tuple(lse.stride())}" if tuple(lse.shape) == lse_shape else ""))
         return o_shape, lse_shape
 
     def forward_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
