@@ -469,7 +469,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 
     q: (total_q, heads, head_dim), k/v: (total_k, kv_heads, head_dim); cu_seqlens_q/k: int32
     (batch + 1) offsets. Causal alignment and masks apply within each sequence. Returns out
-    (total_q, heads, head_dim_v) (and LSE (heads, total_q) with return_lse)."""
+    (total_q, heads, head_dim_v) (and LSE (heads, total_q) with return_lse). Tokens after
+    cu_seqlens_q[-1] belong to no sequence: their rows of out, LSE and dq are not written (as
+    flash-attn's), so slice them off before anything reads them."""
     eager_key, kernel = _eager_binding(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
     if kernel is None:
         key = _call_key(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
