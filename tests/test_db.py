@@ -992,6 +992,13 @@ def test_a_tune_against_the_current_default_replaces_a_result_against_an_older_o
     assert kept is not None and kept["config"]["BLOCK_M"] == 64
     (row,) = store.all_best()
     assert (row["config"]["BLOCK_M"], row["default_kernel"]) == (64, _default_of())
+    # slower and measured against an older default (an old export imported): it replaced the current row,
+    # which flashgen.load then set aside for its default
+    older = dict(store.all_best()[0], config=dict(CFG, BLOCK_M=16), ms=999.0, default_ms=999.0,
+                 default_kernel="0123456789abcdef")
+    assert store.import_rows([older]) == 0
+    (row,) = store.all_best()
+    assert (row["config"]["BLOCK_M"], row["ms"], row["default_kernel"]) == (64, 0.9, _default_of())
 
 
 def test_stop_heartbeats_ends_a_trial_heartbeat_a_ctrl_c_left_running(tmp_path):

@@ -46,7 +46,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ..spec import AttentionSpec
 from .env import MODEL_FIELDS, STALE, EnvInfo, classify, pick
-from .kernels import current_kernel, kernels_of
+from .kernels import current_kernel, default_kernel as default_kernel_of, kernels_of, target_of
 from . import migrate
 from .models import SCHEMA_VERSION, Base, Best, Claim, Environment, Meta, SpecRow
 from .rows import ResultRowError, check_best, check_row
@@ -154,6 +154,12 @@ def _sqlite_pragmas(engine: Engine) -> None:
 HEARTBEAT_S = 30  # see ResultStore._heartbeat
 _OPEN_ERRORS = (SQLAlchemyError, OSError, ImportError, ValueError)  # bad URL, no driver, no file, no server
 
+
+
+def _current_default(spec, bucket, phase, env) -> str | None:
+    """This flashgen's default_kernel for (spec, bucket, phase) on env's GPU family (None: none)."""
+    return default_kernel_of(spec if isinstance(spec, AttentionSpec) else spec.canonical(), bucket, phase,
+                             target_of(env))
 
 class ResultStore:
     """``url`` is kept as given (it opens the database); ``display_url`` hides its password and
@@ -421,11 +427,13 @@ class ResultStore:
             stale = stored.kernel if now is not None and now != stored.kernel else None
         # One statement, so concurrent writers cannot interleave a read and a write: the row is
         # replaced where the new time is lower, where it still holds the stale result read above,
-        # or where it was measured against another default than this one (timed in another round
-        # against another baseline, so its time says nothing against this one's; a row with no
-        # recorded default keeps its time's claim: `flashgen tune --recheck` re-measures those).
+        # or, where this row was measured against this flashgen's own default, where the stored one
+        # was measured against another (timed in another round against an older baseline, so its
+        # time says nothing against this one's; a row with no recorded default keeps its time's
+        # claim: `flashgen tune --recheck` re-measures those). A row measured against an older
+        # default (an import of an old export) replaces nothing by that rule.
         replace = [] if stale is None else [Best.kernel == stale]
-        if default_kernel is not None:
+        if default_kernel is not None and default_kernel == _current_default(spec, bucket, phase, env):
             replace.append(Best.default_kernel.is_not(None) & (Best.default_kernel != default_kernel))
         or_where = None
         for clause in replace:
