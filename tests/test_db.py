@@ -279,6 +279,11 @@ def test_display_url_and_repr(tmp_path):
     assert display_url("postgresql://admin:p@ss@host:x/db") == "postgresql://admin:***@host:x/db"
     assert hide_password("boom at postgresql://a:S3cret@h/db (S3cret)", "postgresql://a:S3cret@h/db") \
         == "boom at postgresql://a:***@h/db (***)"
+    # a short or common password is hidden where it stands alone, not inside other words (the message was
+    # "databas*** postgr***sql://u:***@...: cannot b*** op***n***d", its asterisks spelling the password out)
+    url = "postgresql://u:e@127.0.0.1:1/flashgen"
+    assert hide_password(f"database {url}: cannot be opened: password=e refused", url) \
+        == "database postgresql://u:***@127.0.0.1:1/flashgen: cannot be opened: password=*** refused"
     url = f"sqlite:///file:{tmp_path / 'r.sqlite'}?mode=rwc&uri=true"  # shown as given: no password
     assert display_url(url) == url and repr(ResultStore(url)) == f"ResultStore({url!r})"
 

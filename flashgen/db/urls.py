@@ -42,12 +42,15 @@ def _passwords(url: str) -> set[str]:
 
 
 def hide_password(text: str, url: str | None) -> str:
-    """text with the URL shown as display_url and its password (raw or %-decoded) as ***."""
+    """text with the URL shown as display_url and its password (raw or %-decoded) as ***
+    wherever it stands as a whole token (a driver's message may quote it: ``password=...``,
+    ``user:...@``); not inside other words, which a short or common password would garble
+    (``e`` in every "error", ``postgres`` in "postgresql")."""
     if not url:
         return text
     text = text.replace(url, display_url(url))
     for secret in sorted(_passwords(url), key=len, reverse=True):
-        text = text.replace(secret, "***")
+        text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(secret)}(?![A-Za-z0-9])", "***", text)
     return text
 
 
