@@ -182,13 +182,15 @@ def _tuned_config(spec, spec_path, db_url, seqlen) -> KernelConfig:
     from .loader import tuned
     from .space import nearest_bucket
 
-    with warnings.catch_warnings():  # the fallback warning: here a missing result is an error
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:  # the fallback warnings: here a missing result is an error
+        warnings.simplefilter("always")
         configs, source = tuned(spec, db_url, spec_path=spec_path)
     if not configs:
+        unread = [str(w.message).removeprefix("flashgen: ").replace("; falling back", "") for w in caught
+                  if "cannot read" in str(w.message)]
         raise click.ClickException(f"no tuned config for {spec.uri} on this machine in "
                                    f"{display_url(db_url or default_url())} or tuning_db: "
-                                   f"tune it with `flashgen tune --spec {spec_path}`")
+                                   + (unread[0] if unread else f"tune it with `flashgen tune --spec {spec_path}`"))
     bucket = nearest_bucket(seqlen, configs) if seqlen else max(configs)
     click.echo(f"tuned config for S={bucket} from {source}", err=True)
     return configs[bucket]

@@ -375,6 +375,10 @@ def test_generate_tuned_writes_the_stored_config(tmp_path, monkeypatch):
     assert "tuned config for S=64 from database" in result.output
     empty = ["generate", "--spec", str(SMALL_SPEC), "--tuned", "--db", f"sqlite:///{tmp_path / 'none.sqlite'}"]
     _one_error(CliRunner().invoke(main, empty), 1, "no tuned config", "flashgen tune --spec")
+    # a database that cannot be read: its reason, not "tune it" (which hid it)
+    broken = ["generate", "--spec", str(SMALL_SPEC), "--tuned", "--db", "notaurl"]
+    _one_error(CliRunner().invoke(main, broken), 1, "no tuned config", "cannot read tuning results from notaurl",
+               "Could not parse SQLAlchemy URL")
     _one_error(CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--seqlen", "64"]), 2, "--tuned")
 
 
