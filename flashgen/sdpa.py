@@ -130,8 +130,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ``is_causal`` is aligned top-left, as in SDPA (query i sees keys j <= i);
     ``flashgen.attention(causal=True)`` and ``flashgen.compat`` keep flash-attn's bottom-right
     alignment (j <= i + S - L). ``attn_mask``: bool (True = attend) or float added to the
-    scores (float32 or query's dtype), broadcastable to (..., Hq, L, S); it cannot be combined
-    with ``is_causal`` (SDPA's documented rule: put the causal part into the mask).
+    scores (float32 or query's dtype), broadcastable to (..., Hq, L, S); with ``is_causal`` too,
+    a pair must pass both (as torch 2.13's SDPA combines them).
     ``dropout_p`` drops attention probabilities whenever it is > 0, as SDPA does (pass 0.0 in
     eval). dtypes: float16, bfloat16, float32.
     """
@@ -145,9 +145,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
-    if is_causal and attn_mask is not None:
-        raise ValueError("is_causal: cannot be combined with attn_mask (SDPA refuses both); "
-                         "put the causal part into the mask")
     lead, heads, kv_heads = _heads(query, key, value, enable_gqa)
     q = _as_bhsd(query, lead, heads)
     k, v = _as_bhsd(key, lead, kv_heads), _as_bhsd(value, lead, kv_heads)
@@ -157,8 +154,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     mask, mods, tensors = None, [], {}
     if attn_mask is not None and seqlen_q and seqlen_k:
         mask, mods, tensors = _mask_terms(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
-    if is_causal:
-        mask = {"causal": {"align": "top_left"}}
+    if is_causal:  # with attn_mask too, as torch's SDPA combines them: both must allow a pair
+        causal = {"causal": {"align": "top_left"}}
+        mask = causal if mask is None else {"and": [causal, mask]}
     softmax_scale = None if scale is None else float(scale)
     if softmax_scale is not None and softmax_scale <= 0:
         mods.insert(0, {"expr": "score * s", "params": {"s": softmax_scale}})

@@ -118,6 +118,28 @@ def test_gradients_match_torch_sdpa(device, dtype, qs, ks, vs, ms, kind, kw):
     _check(out, q, k, v, mask, dtype, do=do, grads=grads, **kw)
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_is_causal_with_attn_mask_allows_what_both_allow(device, kind):
+    # torch's SDPA (2.13) takes both and combines them (flashgen refused the pair); the reference is
+    # the one mask that holds both, so it runs on any torch
+    gen = torch.Generator().manual_seed(zlib.crc32(f"causal and {kind}".encode()))
+    q, k, v, mask = _inputs(gen, device, torch.float32, (2, 4, 17, 16), (2, 4, 23, 16), (2, 4, 23, 16), (4, 17, 23),
+                            kind, grad=True)
+    out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    tril = torch.ones(17, 23, dtype=torch.bool, device=device).tril()  # top-left, as SDPA's is_causal
+    both = mask & tril if kind == "bool" else mask.masked_fill(~tril, float("-inf"))
+    do = torch.randn(out.shape, generator=gen).to(device)
+    leaves = (q, k, v) + ((mask,) if kind == "float" else ())
+    grads = torch.autograd.grad(out, leaves, do)
+    if kind == "float":  # the mask's gradient against the reference's, into the same leaf
+        ref_mask = mask.detach().double().requires_grad_()
+        ref = F.scaled_dot_product_attention(*(t.detach().double() for t in (q, k, v)),
+                                             attn_mask=ref_mask.masked_fill(~tril, float("-inf")))
+        (want,) = torch.autograd.grad(ref, ref_mask, do.double())
+        assert compare("dattn_mask", grads[3], want, None, factor=3.0, mean_factor=GRAD_MEAN_FACTOR).ok
+    _check(out, q, k, v, both.detach() if kind == "float" else both, torch.float32, do=do, grads=grads[:3])
+
+
 @pytest.mark.parametrize("qs, ks, vs, ms, kind, kw", [
     ((2, 3, 2, 9, 16), (2, 3, 2, 11, 16), (2, 3, 2, 11, 16), (3, 1, 9, 11), "bool", {}),  # 5-d, mask per middle dim
     ((2, 3, 2, 9, 16), (1, 3, 2, 11, 16), (2, 1, 2, 11, 16), None, None, {}),  # leading dims broadcast
@@ -213,8 +235,6 @@ def t(*shape, dtype=torch.float32, device="cpu"):
     ((t(1, 2, 4, 8, dtype=torch.float16),) * 3, {"attn_mask": t(4, 4, dtype=torch.bfloat16)},
      "attn_mask: expected dtype bool, float32 or query's torch.float16"),
     ((t(1, 2, 4, 8),) * 3, {"attn_mask": [[True]]}, "attn_mask: expected a torch.Tensor or None"),
-    ((t(1, 2, 4, 8),) * 3, {"attn_mask": torch.ones(4, 4, dtype=torch.bool), "is_causal": True},
-     "is_causal: cannot be combined with attn_mask"),
     ((t(1, 2, 4, 8),) * 3, {"is_causal": 1}, "is_causal: expected a bool"),
     ((t(1, 2, 4, 8),) * 3, {"enable_gqa": "yes"}, "enable_gqa: expected a bool"),
     ((t(1, 2, 4, 8),) * 3, {"dropout_p": 1.5}, "dropout_p: expected a probability in [0, 1], got 1.5"),
