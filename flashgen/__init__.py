@@ -14,6 +14,17 @@ from .quant import dequantize_fp8, quantize_fp8  # noqa: E402
 
 from .config import interpreting as _interpreting  # noqa: E402
 
+
+def __getattr__(name):
+    """flashgen.compat and flashgen.integrations without an import of their own (as the README writes
+    flashgen.compat.flash_attn_func), imported on first use: `import flashgen` stays as fast."""
+    if name in ("compat", "integrations"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'flashgen' has no attribute {name!r}")
+
+
 if _interpreting():
     from .runtime.interpret import patch_language_once_per_launch
 

@@ -341,3 +341,16 @@ def test_call_flags_must_be_bools(value):
             with pytest.raises(TypeError, match=f"^{name}: expected True or False"):
                 call(value)
             call(False)  # the same call with a bool runs
+
+
+def test_compat_is_reachable_as_an_attribute_of_flashgen():
+    # the README writes flashgen.compat.flash_attn_func(...) after `import flashgen`: it raised AttributeError
+    import subprocess
+    import sys
+
+    code = ("import sys, flashgen; assert 'flashgen.compat' not in sys.modules; "
+            "print(flashgen.compat.flash_attn_func.__name__, flashgen.integrations.__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["flash_attn_func", "flashgen.integrations"], done.stderr
+    with pytest.raises(AttributeError, match="module 'flashgen' has no attribute 'nope'"):
+        flashgen.nope  # noqa: B018
