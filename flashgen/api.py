@@ -3,6 +3,7 @@ shadowed) and ``flashgen.attention(q, k, v)``."""
 
 from __future__ import annotations
 
+import numbers
 from functools import lru_cache
 
 import torch
@@ -138,10 +139,19 @@ class AttentionKernel:
         if not tensors and not self._names:
             return []
         host.check_tensor_names(tensors, self._names)
-        return [tensors[n] for n in self._names]
+        named = [tensors[n] for n in self._names]
+        for name, t in zip(self._names, named):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        return named
 
     def _seed(self, dropout_p, device):
-        p = self._dropout_p if dropout_p is None else float(dropout_p)
+        if dropout_p is None:
+            p = self._dropout_p
+        elif isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+            raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+        else:
+            p = float(dropout_p)
         if p > 0:
             return p, torch.randint(0, 2**62, (1,), device=device, dtype=torch.int64)
         return p, _unused_seed(device)
@@ -154,6 +164,8 @@ class AttentionKernel:
         Tensors the spec's mask or score_mod reads are passed by name (``document_ids=ids``);
         gradients flow into float ones that require grad. FP8 specs take float32 descale factors
         per (batch, KV head) (q * q_descale is the value meant) and return bf16; no gradient."""
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            host.check_tensors(q, k, v, layout)  # raises, naming the argument
         return self._call(q, k, v, layout, return_lse, config, dropout_p, deterministic,
                           (q_descale, k_descale, v_descale), tensors)
 
@@ -181,16 +193,27 @@ class AttentionKernel:
         (total_k, kv_heads, head_dim); sequence i is rows cu_seqlens[i]:cu_seqlens[i + 1] (int32).
         Masks apply within each sequence. LSE is (heads, total_q)."""
         check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
-        kernel_id = self._kernel_id_for(config, max(int(max_seqlen_q), int(max_seqlen_k)))
+        if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            host.check_tensors(q, k, v, "thd")  # raises, naming the argument
+        max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k", max_seqlen_k)
+        kernel_id = self._kernel_id_for(config, max(max_q, max_k))
         p, seed = self._seed(dropout_p, q.device)
         out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout="thd", seed=seed,
                                        tensors=self._tensor_list(tensors), dropout_p=p, deterministic=deterministic,
                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                       max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
+                                       max_seqlen_q=max_q, max_seqlen_k=max_k)
         return (out, lse) if return_lse else out
 
     def __repr__(self) -> str:
         return f"AttentionKernel({self.spec.uri}, {self.config})"
+
+
+def _max_seqlen(name, value) -> int:
+    """A packed call's max_seqlen as an int: an integer (a SymInt under torch.compile); a float, a
+    bool or a string is refused by name (int() floored 15.9 to 15 and read True as 1)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise ValueError(f"{name}: expected a non-negative int, got {value!r}")
+    return int(value)
 
 
 def _check_config(config):

@@ -85,6 +85,19 @@ def dequantize_fp8(xq: torch.Tensor, descale: torch.Tensor, *, layout: str = "bh
     if layout not in _LAYOUT_DIMS:
         raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
     head_dim, seq_dim = _LAYOUT_DIMS[layout]
+    if not isinstance(xq, torch.Tensor) or xq.dim() != 4:
+        raise ValueError(f"xq: expected a 4-d tensor in layout {layout!r}, got "
+                         f"{tuple(xq.shape) if isinstance(xq, torch.Tensor) else type(xq).__name__}")
+    heads, seqlen = xq.shape[head_dim], xq.shape[seq_dim]
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or heads % group:
+        raise ValueError(f"group: expected a positive divisor of the {heads} heads, got {group!r}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"block: expected a positive number of tokens or None, got {block!r}")
+    want = (xq.shape[0], heads // group) + (() if block is None else (-(-seqlen // block),))
+    if not isinstance(descale, torch.Tensor) or tuple(descale.shape) != want:
+        raise ValueError(f"descale: expected shape {want} (batch, heads // group{', blocks' if block else ''}: the "
+                         f"group= and block= quantize_fp8 took), got "
+                         f"{tuple(descale.shape) if isinstance(descale, torch.Tensor) else type(descale).__name__}")
     x = xq.float().movedim(head_dim, 1).movedim(seq_dim if seq_dim > head_dim else seq_dim + 1, 2)
     scale = descale if block is not None else descale[..., None]
     scale = scale.repeat_interleave(group, dim=1)

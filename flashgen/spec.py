@@ -189,11 +189,11 @@ def read_yaml(path: str | Path, *, max_bytes: int = MAX_SPEC_BYTES, max_values: 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(name, "expected an integer", value)
-    value = plain_number(name, value)
-    if value < lo or (hi is not None and value > hi):
+    plain = int.__int__(value)  # the field's own range first: it is the one the message should give
+    if plain < lo or (hi is not None and plain > hi):
         rng = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
-        raise SpecError(name, f"expected an integer {rng}", value)
-    return value
+        raise SpecError(name, f"expected an integer {rng}", plain)
+    return plain_number(name, value)
 
 
 def _check_float(name: str, value: Any) -> float:

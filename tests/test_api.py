@@ -1,6 +1,7 @@
 """flashgen.attention / flashgen.compile: argument errors name the argument."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -354,3 +355,26 @@ def test_compat_is_reachable_as_an_attribute_of_flashgen():
     assert done.returncode == 0 and done.stdout.split() == ["flash_attn_func", "flashgen.integrations"], done.stderr
     with pytest.raises(AttributeError, match="module 'flashgen' has no attribute 'nope'"):
         flashgen.nope  # noqa: B018
+
+
+def test_kernel_objects_and_helpers_name_bad_arguments():
+    # each raised a raw AttributeError, ValueError or RuntimeError that named nothing
+    q = torch.randn(1, 2, 16, 16, device=DEVICE)
+    with pytest.raises(TypeError, match=r"^doc: expected a torch.Tensor, got list"):
+        flashgen.attention(q, q, q, mask="doc[q_idx] == doc[kv_idx]", doc=[0] * 16)
+    kernel = flashgen.compile(AttentionSpec(dtype="fp32", head_dim=16, num_heads=2))
+    with pytest.raises(TypeError, match=r"^q: expected a torch.Tensor, got list"):
+        kernel(q.tolist(), q, q)
+    for bad in ("abc", 1.5, True, -0.1):
+        with pytest.raises(ValueError, match=r"^dropout_p: expected a probability in \[0, 1\), got "):
+            kernel(q, q, q, dropout_p=bad)
+    packed = torch.randn(16, 2, 16, device=DEVICE)
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=DEVICE)
+    for bad in (16.5, 15.9, "16", True):  # int() floored 15.9 to 15 (and said "got 15"), read True as 1
+        with pytest.raises(ValueError, match=r"^max_seqlen_q: expected a non-negative int, got " + re.escape(repr(bad))):
+            flashgen.attention_varlen(packed, packed, packed, cu, cu, bad, 16)
+    x = torch.randn(1, 4, 8, 16, device=DEVICE)
+    xq, descale = flashgen.quantize_fp8(x, group=2)
+    with pytest.raises(ValueError, match=r"^descale: expected shape \(1, 4\) .* got \(1, 2\)"):
+        flashgen.dequantize_fp8(xq, descale)  # group= not given back
+    assert torch.allclose(flashgen.dequantize_fp8(xq, descale, group=2), x, rtol=0.07, atol=1e-6)

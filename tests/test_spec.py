@@ -330,3 +330,9 @@ def test_every_field_is_stored_as_a_plain_value():
     assert "__import__" not in text
     with pytest.raises(SpecError, match="softmax_scale.*finite"):
         AttentionSpec(softmax_scale=10 ** 400)
+
+
+def test_an_integer_past_64_bits_gets_its_fields_range():
+    # it got "expected an integer from -9223372036854775808 to 9223372036854775807 (64 bits)" for num_heads
+    with pytest.raises(SpecError, match=r"'num_heads': expected an integer from 1 to 65535, got 99999999999999999999"):
+        AttentionSpec(name="x", dtype="fp16", head_dim=64, num_heads=99999999999999999999)
