@@ -716,13 +716,18 @@ def _print_stored(store, specs, interpret) -> None:
     """The best configs the workers left in the database, per spec."""
     from .db import EnvInfo
 
+    from .tuner import GpuRunner, InterpretRunner
+
     here = EnvInfo.current(interpret=interpret)
+    label = (InterpretRunner if interpret else GpuRunner).timing_label  # as the one-worker table says it
     for spec in specs:
-        click.echo(f"\n{spec.uri} on {here.gpu}; results in {store.display_url}")
+        click.echo(f"\n{spec.uri} on {here.gpu} ({label}); results in {store.display_url}")
+        click.echo(f"{'bucket':>7} {'phase':5} {'ms':>9} {'TFLOP/s':>8} {'vs default':>10}  config")
         for bucket, phases in sorted(store.best_configs(here, spec).items()):
             for phase, row in sorted(phases.items()):
                 knobs = _knob_text(row["config"], phase)
-                click.echo(f"{bucket:>7} {phase:5} {row['ms']:>9.4f} {row['tflops']:>8.1f}  {knobs}")
+                speed = f"{row['default_ms'] / row['ms']:.2f}x" if row.get("default_ms") and row["ms"] else "-"
+                click.echo(f"{bucket:>7} {phase:5} {row['ms']:>9.4f} {row['tflops']:>8.1f} {speed:>10}  {knobs}")
 
 
 def _buckets(spec):

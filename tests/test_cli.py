@@ -351,6 +351,24 @@ def test_cmaes_is_not_offered(tmp_path):
     assert result.exit_code == 2 and "'cmaes' is not one of" in result.output
 
 
+def test_the_workers_summary_says_how_it_was_timed(tmp_path, monkeypatch, capsys):
+    # `tune --gpus N`'s table: it left out the interpreter's label, the column header and the vs-default column
+    from flashgen import AttentionSpec
+    from flashgen.cli import _print_stored
+    from flashgen.db import EnvInfo, ResultStore
+
+    here = EnvInfo.current(interpret=True)
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    store = ResultStore(f"sqlite:///{tmp_path / 'workers.sqlite'}")
+    spec = AttentionSpec.from_yaml(SMALL_SPEC)
+    store.set_best(here, spec, 64, "fwd", dict(BLOCK_M=16, BLOCK_N=64, num_warps=2, num_stages=1), 1.0, 1.0, 1.5)
+    _print_stored(store, [spec], interpret=True)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "(INTERPRETER WALL TIME - not a timing of any GPU)" in lines[0]
+    assert lines[1].split()[:6] == ["bucket", "phase", "ms", "TFLOP/s", "vs", "default"]
+    assert lines[2].split()[:5] == ["64", "fwd", "1.0000", "1.0", "1.50x"]
+
+
 def test_generate_tuned_writes_the_stored_config(tmp_path, monkeypatch):
     from flashgen import AttentionSpec
     from flashgen.db import EnvInfo, ResultStore
