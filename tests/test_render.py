@@ -546,3 +546,22 @@ def test_the_cli_generated_file_holds_no_code_from_spec_values(tmp_path, monkeyp
     assert result.exit_code == 0, result.output
     assert "__import__" not in out.read_text() and "pwned" not in result.output
     _import_in_child(out, tmp_path)
+
+
+def test_written_files_get_a_plain_writes_mode(tmp_path):
+    # mkstemp's 0600 made `flashgen generate -o` and `export` files private (and overwriting reset the mode)
+    import os
+    import stat
+
+    from flashgen.codegen.cache import write_atomic
+
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "out.py"
+        write_atomic(path, "x = 1\n")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        path.chmod(0o640)
+        write_atomic(path, "x = 2\n")
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640 and path.read_text() == "x = 2\n"
+    finally:
+        os.umask(old)

@@ -33,13 +33,33 @@ def cache_dir() -> Path:
     return Path(root) / f"v{__version__}" / "kernels"
 
 
+def _new_file_mode(path: Path) -> int:
+    """The mode path keeps when it exists, else the one open() gives a new file (0o666 less the
+    umask, read from /proc where there is one: setting it to read it would race other threads)."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        pass
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o644
+
+
 def write_atomic(path: Path, text: str) -> None:
-    """Write text to path so that readers see the old file or the whole new one."""
+    """Write text to path so that readers see the old file or the whole new one, with the mode a
+    plain write would leave (mkstemp's 0600 made `generate -o` and `export` files private)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    mode = _new_file_mode(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            if hasattr(os, "fchmod"):  # (not on Windows before Python 3.13)
+                os.fchmod(f.fileno(), mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
