@@ -149,8 +149,15 @@ def compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slo
         causal, mask, mods, _ = _variant(causal, window_size, softcap, alibi_slopes)
         if isinstance(q, torch.Tensor) and q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             q = q.new_empty(q.shape, dtype=torch.bfloat16)  # the spec's dtype: bf16, flash-attn 3's output
-        spec = spec_for(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, layout="bshd", mask=mask,
-                        score_mod=mods)
+        try:
+            spec = spec_for(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, layout="bshd", mask=mask,
+                            score_mod=mods)
+        except (TypeError, ValueError) as err:  # spec_for names its k and v: here they are the caches
+            message = str(err)
+            for given, name in (("k: ", "k_cache: "), ("v: ", "v_cache: ")):
+                if message.startswith(given):
+                    raise type(err)(name + message[len(given):]) from None
+            raise
         launcher = decode_launcher(compile_spec(spec))
         if key is not None:
             if len(_COMPAT) >= 256:

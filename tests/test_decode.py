@@ -1060,3 +1060,16 @@ def _check_rows(out, q, k_cache, v_cache, lengths, expr, tensors):
                                          layout="bshd", compute_dtype=torch.float32, score_mod=expr,
                                          tensors=tensors)[0] for b, n in enumerate(lengths)])
     assert (out.float() - ref).abs().max().item() < 2e-3
+
+
+def test_kvcache_spec_errors_name_the_caches():
+    # flash_attn_with_kvcache built its spec from the caches and said "k: expected a number of heads ..."
+    from flashgen.compat import flash_attn_with_kvcache
+
+    q = torch.randn(2, 1, 4, 16, dtype=torch.float16)
+    cache = torch.randn(2, 32, 3, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"^k_cache: expected a number of heads that divides q's 4, got 3"):
+        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([5, 7], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"^v_cache: expected a head dim from 1 to"):
+        flash_attn_with_kvcache(q, cache[:, :, :2], torch.randn(2, 32, 2, 0, dtype=torch.float16),
+                                cache_seqlens=torch.tensor([5, 7], dtype=torch.int32))
