@@ -320,6 +320,12 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, n
     if not interpret and gpus > torch.cuda.device_count():
         raise click.UsageError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
     url = db_url or default_url()
+    from .db.urls import in_memory
+
+    if in_memory(url):
+        raise click.BadParameter(f"{url}: an in-memory SQLite database keeps nothing once the tune exits (and "
+                                 "--gpus workers would each get their own); give a file, sqlite:///path",
+                                 param_hint="'--db'")
     if recheck:
         _recheck(specs, url, shipped, interpret, timeout_s, as_json, jobs)
         return

@@ -442,3 +442,10 @@ def test_tune_refuses_a_nan_timeout():
                                        "--timeout", "nan"])
     assert result.exit_code == 2 and "expected a number of seconds, got nan" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_tune_refuses_an_in_memory_database(url):
+    # it tuned, said the results were stored, and they were gone when it exited
+    result = CliRunner().invoke(main, ["tune", "--spec", str(SMALL_SPEC), "--interpret", "--db", url])
+    _one_error(result, 2, "'--db'", "in-memory SQLite database keeps nothing")

@@ -69,3 +69,12 @@ def sqlite_file(url: str) -> Path | None:
             return None
         database = unquote(urlsplit(database).path)
     return Path(database).expanduser()
+
+
+def in_memory(url: str) -> bool:
+    """Whether url names an in-memory SQLite database (gone when its process ends)."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 (not a URL: its opening names the problem)
+        return False
+    return parsed.get_backend_name() == "sqlite" and sqlite_file(url) is None
