@@ -1022,3 +1022,23 @@ def test_stop_heartbeats_ends_a_trial_heartbeat_a_ctrl_c_left_running(tmp_path):
     assert ResultStore.stop_heartbeats() == 1
     assert not beat._thread.is_alive()
     assert ResultStore.stop_heartbeats() == 0
+
+
+def test_reading_leaves_a_databases_file_as_it_is(tmp_path, fresh_warnings):
+    # show / flashgen.load opened every SQLite file with journal_mode=WAL: a foreign database was switched
+    # for good, and an empty file got a header
+    import sqlite3
+    import warnings
+
+    foreign = tmp_path / "app.sqlite"
+    with sqlite3.connect(foreign) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    empty = tmp_path / "empty.sqlite"
+    empty.touch()
+    for path in (foreign, empty):
+        with warnings.catch_warnings():  # no results there: the default, said once per spec
+            warnings.simplefilter("ignore", flashgen.FlashgenFallbackWarning)
+            assert flashgen.load(SPEC, db=f"sqlite:///{path}").config_source == "default"
+    with sqlite3.connect(foreign) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert empty.stat().st_size == 0

@@ -141,13 +141,17 @@ class TrialRecord:
     error: str | None = None
 
 
-def _sqlite_pragmas(engine: Engine) -> None:
+def _sqlite_pragmas(engine: Engine, wal: bool = True) -> None:
+    """busy_timeout, and with ``wal`` (a store that writes) WAL mode, a setting the file keeps: a store
+    opened only to read (create=False: show, export, flashgen.load) leaves the file as it is (it
+    switched a foreign database's journal mode, and wrote a header into an empty file)."""
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA busy_timeout=30000")  # first: switching to WAL waits for other writers too
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=NORMAL")
+        if wal:
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()
 
 
@@ -155,11 +159,11 @@ HEARTBEAT_S = 30  # see ResultStore._heartbeat
 _OPEN_ERRORS = (SQLAlchemyError, OSError, ImportError, ValueError)  # bad URL, no driver, no file, no server
 
 
-
 def _current_default(spec, bucket, phase, env) -> str | None:
     """This flashgen's default_kernel for (spec, bucket, phase) on env's GPU family (None: none)."""
     return default_kernel_of(spec if isinstance(spec, AttentionSpec) else spec.canonical(), bucket, phase,
                              target_of(env))
+
 
 class ResultStore:
     """``url`` is kept as given (it opens the database); ``display_url`` hides its password and
@@ -177,7 +181,7 @@ class ResultStore:
                 path.parent.mkdir(parents=True, exist_ok=True)
             self.engine = create_engine(self.url, future=True)
             if self.engine.dialect.name == "sqlite":
-                _sqlite_pragmas(self.engine)
+                _sqlite_pragmas(self.engine, wal=create)
             self._sessions = sessionmaker(self.engine, expire_on_commit=False)
             self._file, self._file_id = path, None
             self._optuna = None
