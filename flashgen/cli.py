@@ -239,7 +239,8 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True,
               callback=_finite, help="Seconds one trial may take before it counts as a timeout.")
 @click.option("--sampler", type=click.Choice(SAMPLERS), default="tpe", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+              help="Seed of the sampler (--gpus N: worker i takes seed + i).")
 @click.option("--no-default", "no_default", is_flag=True,
               help="Never start a study from the heuristic default: from the nearest tuned specs on this GPU when "
                    "there are any (always so), else from the sampler alone. The default is still timed in the "
@@ -555,8 +556,8 @@ def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: boo
     out = []
     for i in range(gpus):
         order = worker_order(paths, i)
-        cmd = [sys.executable, "-m", "flashgen", "tune", *order, "--gpus", "1", "--seed", str(seed + i), "--json",
-               "--worker", f"{run}:{i}"]
+        cmd = [sys.executable, "-m", "flashgen", "tune", *order, "--gpus", "1", "--seed", str((seed + i) % 2**32),
+               "--json", "--worker", f"{run}:{i}"]
         for name, value in forwarded.items():
             if value is True:  # a flag
                 cmd.append(f"--{name.replace('_', '-')}")

@@ -484,7 +484,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
     kernel = AttentionKernel(spec, base if isinstance(base, KernelConfig) else None)
     started = time.monotonic()
     # A seed of its own per study, so the buckets do not replay one sequence of suggestions.
-    seed = options.seed * 1_000_003 + bucket * 2 + (phase == "bwd")
+    seed = (options.seed * 1_000_003 + bucket * 2 + (phase == "bwd")) % 2**32  # numpy's seeds are 32-bit
     study = store.open_study(spec, runner.env, bucket, phase, make_sampler(options.sampler, seed, space))
     name = study.study_name
     default_point = {n: getattr(base, n) for n in space.params}

@@ -449,3 +449,14 @@ def test_tune_refuses_an_in_memory_database(url):
     # it tuned, said the results were stored, and they were gone when it exited
     result = CliRunner().invoke(main, ["tune", "--spec", str(SMALL_SPEC), "--interpret", "--db", url])
     _one_error(result, 2, "'--db'", "in-memory SQLite database keeps nothing")
+
+
+def test_tune_takes_any_seed_its_option_allows(tmp_path):
+    # a seed of 4295 or more overflowed numpy's 32-bit seed in the sampler: a traceback
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("name: tiny\ndtype: fp32\nhead_dim: 16\nnum_heads: 1\ntune: {seqlens: [16], trials: 1}\n")
+    db = ["--db", f"sqlite:///{tmp_path / 'seed.sqlite'}"]
+    result = CliRunner().invoke(main, ["tune", "--spec", str(spec), "--interpret", "--seed", str(2**32 - 1), *db])
+    assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+    _one_error(CliRunner().invoke(main, ["tune", "--spec", str(spec), "--interpret", "--seed", "-1", *db]), 2,
+               "'--seed'", "-1 is not in the range 0<=x<=4294967295")
