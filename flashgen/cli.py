@@ -867,14 +867,13 @@ def show(db_url, as_json):
     """
     import json
 
-    from .db import EnvInfo, ResultStore
+    from .db import EnvInfo
     from .db.env import classify
     from .db.kernels import row_kernel, target_of
     from .db.layer import ResultFileError, layer_dir, read_file
 
     here = EnvInfo.current()
-    rows = [dict(r, source="database", match=classify(here, r, row_kernel))
-            for r in ResultStore(db_url, create=False).all_best()]
+    rows = [dict(r, source="database", match=classify(here, r, row_kernel)) for r in _readable_rows(db_url)]
     for path in sorted(layer_dir().glob("*.yaml")):
         try:
             shipped = read_file(path)
@@ -902,6 +901,18 @@ def show(db_url, as_json):
                    f"{served}")
 
 
+def _readable_rows(db_url) -> list[dict]:
+    """The database's best configs, the malformed ones left out and said on stderr (they raised mid-table)."""
+    from .db import ResultStore
+
+    store, skipped = ResultStore(db_url, create=False), []
+    rows = store.all_best(skipped=skipped)
+    if skipped:
+        click.echo(f"skipping {len(skipped)} malformed result(s) in {store.display_url} ({skipped[0]}); run "
+                   f"`flashgen db check --db {store.display_url}`", err=True)
+    return rows
+
+
 def _default_note(row: dict, target: str) -> str:
     """What `flashgen show` says of the default a served-looking row was measured against."""
     from .db.kernels import OTHER_DEFAULT, SAME_DEFAULT, UNKNOWN_DEFAULT, default_status
@@ -922,12 +933,12 @@ def _default_note(row: dict, target: str) -> str:
               help="Default: <gpu>.yaml in the working directory (copy it into a source tree's tuning_db/ to ship it).")
 def export_cmd(db_url, gpu, output):
     """Write a GPU's best configs to a file in the format of the shipped tuning_db/ layer."""
-    from .db import EnvInfo, ResultStore
+    from .db import EnvInfo
     from .db.layer import export_text, gpu_slug
 
     gpu = gpu or EnvInfo.current().gpu
     path = Path(output) if output else Path.cwd() / f"{gpu_slug(gpu)}.yaml"
-    text, n = export_text(ResultStore(db_url, create=False).all_best(), gpu)
+    text, n = export_text(_readable_rows(db_url), gpu)
     _write_file(path, text)
     click.echo(f"wrote {n} results for {gpu} to {path}")
 

@@ -94,9 +94,11 @@ def _configs(rows: dict[int, dict[str, dict]], spec: AttentionSpec, target: str
     return out, bad, older
 
 
-def _usable(rows: dict, spec: AttentionSpec, env: EnvInfo, where: str, fix: str, older: list[str]
-            ) -> dict[int, KernelConfig]:
+def _usable(rows: dict, spec: AttentionSpec, env: EnvInfo, where: str, fix: str, older: list[str],
+            skipped: list[str] = ()) -> dict[int, KernelConfig]:
+    """skipped: the rows the store left out as malformed already (ResultStore.all_best)."""
     configs, bad, behind = _configs(rows, spec, _target(spec, env))
+    bad = [*skipped, *bad]
     if bad:
         _warn_once((spec.key, "rows", where), f"flashgen: skipping {len(bad)} malformed tuning result(s) for "
                                               f"{spec.uri} in {where} ({bad[0]}). {fix}")
@@ -120,8 +122,9 @@ def tuned(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None =
     configs, source = {}, "default"
     try:
         store = ResultStore(url, create=False)
-        rows = store.matching_best(env, spec)
-        configs = _usable(rows, spec, env, shown, check, older)
+        skipped = []
+        rows = store.matching_best(env, spec, skipped)
+        configs = _usable(rows, spec, env, shown, check, older, skipped)
         if configs:
             source = source_label(f"database {shown}", env, rows)
         elif store.stale_best(env, spec):

@@ -412,6 +412,50 @@ def test_malformed_rows_in_the_database_are_skipped_and_reported(tmp_path, monke
     assert result.exit_code == 1 and "field 'config': not JSON" in result.output
 
 
+@pytest.mark.parametrize("spoil, words", [
+    ("UPDATE best_configs SET ms = 'fast' WHERE bucket = 64", "field 'ms'"),
+    ("UPDATE best_configs SET config = 'not json' WHERE bucket = 64", "field 'config': not JSON"),
+    ("UPDATE specs SET canonical = 'not json'", "field 'canonical': not JSON"),
+    ("UPDATE environments SET sm_count = 'x'", "field 'sm_count'"),
+])
+def test_show_and_export_skip_a_malformed_row_and_db_check_names_it(tmp_path, monkeypatch, spoil, words):
+    # show and export raised mid-table (TypeError, JSONDecodeError, "Unknown format code"), export wrote rows
+    # import refused, and db check said "ok" of a spec or environment edited by hand
+    from click.testing import CliRunner
+
+    from flashgen.cli import main
+
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    path = tmp_path / "spoiled.sqlite"
+    store = ResultStore(f"sqlite:///{path}")
+    for bucket in (64, 128):
+        store.set_best(here, SPEC, bucket, "fwd", dict(CFG, BLOCK_M=64), 1.0, 1.0)
+    store.close()
+    _spoil_db(path, spoil)
+    url = f"sqlite:///{path}"
+    for args in (["show"], ["export", "-o", str(tmp_path / "out.yaml")]):
+        result = CliRunner().invoke(main, [*args, "--db", url])
+        assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+        assert "malformed result(s)" in result.output and "flashgen db check" in result.output
+    rows = layer_mod.read_file(tmp_path / "out.yaml")  # what export wrote, import takes
+    assert [r["bucket"] for r in rows] == ([128] if "best_configs" in spoil else [])
+    result = CliRunner().invoke(main, ["db", "check", "--db", url])
+    assert result.exit_code == 1 and words in result.output, result.output
+
+
+def test_db_check_names_a_column_gone(tmp_path):
+    from click.testing import CliRunner
+
+    from flashgen.cli import main
+
+    path = tmp_path / "column.sqlite"
+    ResultStore(f"sqlite:///{path}").close()
+    _spoil_db(path, "ALTER TABLE best_configs DROP COLUMN tflops")
+    result = CliRunner().invoke(main, ["db", "check", "--db", f"sqlite:///{path}"])
+    assert result.exit_code == 1 and "table 'best_configs' lacks column(s) tflops" in result.output, result.output
+
+
 def test_a_stored_config_the_spec_cannot_take_is_skipped(tmp_path, monkeypatch, fresh_warnings):
     # sound knobs that this spec's kernels cannot take (check_spec: the Gluon forward's shared memory at hd128)
     # are skipped like a malformed row, not raised from the first call

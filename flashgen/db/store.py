@@ -49,7 +49,7 @@ from .env import MODEL_FIELDS, STALE, EnvInfo, classify, pick
 from .kernels import current_kernel, default_kernel as default_kernel_of, kernels_of, target_of
 from . import migrate
 from .models import SCHEMA_VERSION, Base, Best, Claim, Environment, Meta, SpecRow
-from .rows import ResultRowError, check_best, check_row
+from .rows import ENVIRONMENT_FIELDS, ResultRowError, check_best, check_row
 from .urls import display_url, hide_password, sqlite_file
 
 
@@ -488,37 +488,55 @@ class ResultStore:
                                                               default_ms=b.default_ms)
             return out
 
-    def matching_best(self, here: EnvInfo, spec: AttentionSpec) -> dict[int, dict[str, dict]]:
+    def matching_best(self, here: EnvInfo, spec: AttentionSpec, skipped: list[str] | None = None
+                      ) -> dict[int, dict[str, dict]]:
         """{bucket: {phase: row}}: the best configs that serve ``here`` (flashgen.db.env: an
         exact match preferred, else the nearest near match; never a stale one), each row with
-        its 'match'."""
-        return pick(here, self._on_machine(here, spec), kernels_of(spec))
+        its 'match'. Malformed rows are left out (said in ``skipped``, as all_best)."""
+        return pick(here, self._on_machine(here, spec, skipped), kernels_of(spec))
 
     def stale_best(self, here: EnvInfo, spec: AttentionSpec) -> list[dict]:
         """The best configs of this spec measured on this machine for kernels this flashgen no
         longer renders (flashgen.db.env STALE): never used; a new tune replaces them."""
         return [r for r in self._on_machine(here, spec) if classify(here, r, kernels_of(spec)) == STALE]
 
-    def _on_machine(self, here: EnvInfo, spec: AttentionSpec) -> list[dict]:
+    def _on_machine(self, here: EnvInfo, spec: AttentionSpec, skipped: list[str] | None = None) -> list[dict]:
         """The spec's best configs measured on this GPU model (any software)."""
-        return self.all_best(spec_key=spec.key, where={f: getattr(here, f) for f in MODEL_FIELDS})
+        return self.all_best(spec_key=spec.key, where={f: getattr(here, f) for f in MODEL_FIELDS}, skipped=skipped)
 
-    def all_best(self, *, spec_key: str | None = None, where: dict | None = None) -> list[dict]:
+    def all_best(self, *, spec_key: str | None = None, where: dict | None = None,
+                 skipped: list[str] | None = None) -> list[dict]:
         """Every best config with its environment and spec, for `flashgen show` and export
-        (only one spec's, or only environments with the ``where`` field values, when given)."""
+        (only one spec's, or only environments with the ``where`` field values, when given).
+        A malformed row (a field edited by hand, JSON that does not parse) is left out, and said
+        in ``skipped`` where given: `flashgen db check` lists them all."""
+        env_fields = list(EnvInfo.__dataclass_fields__)
         with self._session() as s:
-            q = (select(Best, Environment, SpecRow).join(Environment, Best.environment_id == Environment.id)
-                 .join(SpecRow, Best.spec_id == SpecRow.id))
+            # the JSON columns as stored text: one that does not parse is this row's problem, not a crash
+            q = (select(Best.id, *(getattr(Environment, c) for c in env_fields), SpecRow.key, SpecRow.uri,
+                        type_coerce(SpecRow.canonical, Text), Best.bucket, Best.phase, type_coerce(Best.config, Text),
+                        Best.ms, Best.tflops, Best.default_ms, Best.kernel, Best.default_kernel)
+                 .join(Environment, Best.environment_id == Environment.id).join(SpecRow, Best.spec_id == SpecRow.id))
             if spec_key is not None:
                 q = q.where(SpecRow.key == spec_key)
             for name, value in (where or {}).items():
                 q = q.where(getattr(Environment, name) == value)
             q = q.order_by(SpecRow.uri, Best.bucket, Best.phase, Best.id)
-            return [dict(environment={c: getattr(e, c) for c in EnvInfo.__dataclass_fields__},
-                         spec_key=sp.key, spec_uri=sp.uri, spec=sp.canonical, bucket=b.bucket, phase=b.phase,
-                         config=b.config, ms=b.ms, tflops=b.tflops, default_ms=b.default_ms, kernel=b.kernel,
-                         default_kernel=b.default_kernel)
-                    for b, e, sp in s.execute(q)]
+            rows = []
+            for id_, *values in s.execute(q):
+                env, (key, uri, canonical, bucket, phase, config, ms, tflops, default_ms, kernel, default_kernel) = \
+                    dict(zip(env_fields, values)), values[len(env_fields):]
+                try:
+                    row = dict(environment=env, spec_key=key, spec_uri=uri, spec=_json(canonical, "spec"),
+                               bucket=bucket, phase=phase, config=_json(config, "config"), ms=ms, tflops=tflops,
+                               default_ms=default_ms, kernel=kernel, default_kernel=default_kernel)
+                    check_row(row)
+                except ResultRowError as err:
+                    if skipped is not None:
+                        skipped.append(f"best config {id_} ({uri} bucket {bucket!r} {phase!r}) is invalid: {err}")
+                    continue
+                rows.append(row)
+            return rows
 
     def import_rows(self, rows: list[dict]) -> int:
         """Load exported best configs (see flashgen.db.layer) into this database: every row is
@@ -543,11 +561,35 @@ class ResultStore:
     def check(self) -> list[str]:
         """Problems found, as sentences; empty when the database is sound."""
         problems = []
+        inspector = inspect(self.engine)
+        present = set(inspector.get_table_names())
+        for name, table in Base.metadata.tables.items():  # a table or column gone: reads fail with "no such ..."
+            if name not in present:
+                problems.append(f"table {name!r} is missing (`flashgen db upgrade` makes it)")
+                continue
+            lacking = sorted({c.name for c in table.columns} - {c["name"] for c in inspector.get_columns(name)})
+            if lacking:
+                problems.append(f"table {name!r} lacks column(s) {', '.join(lacking)}")
+        if problems:
+            return problems  # the checks below read those columns
         with self._session() as s:
             if self.engine.dialect.name == "sqlite":
                 result = s.connection().exec_driver_sql("PRAGMA integrity_check").scalar()
                 if result != "ok":
                     problems.append(f"SQLite integrity check: {result}")
+            for id_, uri, canonical in s.execute(select(SpecRow.id, SpecRow.uri, type_coerce(SpecRow.canonical, Text))):
+                try:
+                    if not isinstance(_json(canonical, "canonical"), dict):
+                        raise ResultRowError("canonical", "expected the spec's canonical mapping")
+                except ResultRowError as err:
+                    problems.append(f"spec {id_} ({uri}) is invalid: {err}")
+            env_fields = list(EnvInfo.__dataclass_fields__)
+            for id_, *values in s.execute(select(Environment.id, *(getattr(Environment, c) for c in env_fields))):
+                for name, value in zip(env_fields, values):
+                    kind = ENVIRONMENT_FIELDS.get(name)
+                    if kind is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                        problems.append(f"environment {id_} is invalid: field {name!r}: expected "
+                                        f"{'a string' if kind is str else 'a number'}, got {value!r}")
             # The config as stored text: a column that is not JSON is a problem to report, not a crash.
             q = (select(Best.id, SpecRow.uri, Best.bucket, Best.phase, type_coerce(Best.config, Text), Best.ms,
                         Best.tflops, Best.default_ms).outerjoin(SpecRow, Best.spec_id == SpecRow.id).order_by(Best.id))
@@ -564,6 +606,14 @@ class ResultStore:
                 except ResultRowError as err:  # a result flashgen.load skips
                     problems.append(f"{where} is invalid: {err}")
         return problems
+
+
+def _json(text, field: str):
+    """A JSON column's stored text, decoded (ResultRowError naming the field where it is not JSON)."""
+    try:
+        return json.loads(text) if isinstance(text, (str, bytes)) else text
+    except ValueError:
+        raise ResultRowError(field, "not JSON") from None
 
 
 def optuna_experimental_warning():
