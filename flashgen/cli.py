@@ -155,6 +155,12 @@ def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_sta
     spec = AttentionSpec.from_yaml(spec_path)
     if seqlen is not None and not tuned:
         raise click.UsageError("--seqlen picks a tuned bucket: pass --tuned with it")
+    if target is not None and tuned:  # (the tuned config is this machine's: --target was ignored)
+        raise click.UsageError("--target picks the default config for a GPU; --tuned writes this machine's tuned "
+                               "one: pass one of them")
+    if output != "-" and Path(output).resolve() == Path(spec_path).resolve():
+        raise click.BadParameter(f"{output} is the spec file: writing the module there would replace the spec",
+                                 param_hint="'-o' / '--output'")
     if target is not None and target.lower() == "auto":
         target = detect_target()  # this machine's GPU, whatever the spec names
     config = _tuned_config(spec, spec_path, db_url, seqlen) if tuned else default_config(spec, target=target)

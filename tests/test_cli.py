@@ -460,3 +460,13 @@ def test_tune_takes_any_seed_its_option_allows(tmp_path):
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output
     _one_error(CliRunner().invoke(main, ["tune", "--spec", str(spec), "--interpret", "--seed", "-1", *db]), 2,
                "'--seed'", "-1 is not in the range 0<=x<=4294967295")
+
+
+def test_generate_refuses_to_write_over_its_spec_and_target_with_tuned(tmp_path):
+    # -o naming the spec replaced it with Python source; --target beside --tuned was ignored silently
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(SMALL_SPEC.read_text())
+    _one_error(CliRunner().invoke(main, ["generate", "--spec", str(spec), "-o", str(spec)]), 2, "is the spec file")
+    assert spec.read_text() == SMALL_SPEC.read_text()
+    _one_error(CliRunner().invoke(main, ["generate", "--spec", str(spec), "--tuned", "--target", "h100"]), 2,
+               "--target picks the default config")
