@@ -88,7 +88,9 @@ def _write_file(path: str | Path, text: str) -> None:
         raise click.ClickException(f"cannot write {path}: {err.strerror or err}{other}") from None
 
 
-def _remember_db(ctx, _param, value):
+def _remember_db(ctx, param, value):
+    if value is not None and not value.strip():  # (it chose the default database, silently)
+        raise click.BadParameter("expected a database URL, got an empty one", param=param)
     ctx.meta[_DB_URL] = value or default_url()
     return value
 
@@ -158,6 +160,8 @@ def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_sta
     if target is not None and tuned:  # (the tuned config is this machine's: --target was ignored)
         raise click.UsageError("--target picks the default config for a GPU; --tuned writes this machine's tuned "
                                "one: pass one of them")
+    if not output.strip():
+        raise click.BadParameter("expected a file path or '-', got an empty one", param_hint="'-o' / '--output'")
     if output != "-" and Path(output).resolve() == Path(spec_path).resolve():
         raise click.BadParameter(f"{output} is the spec file: writing the module there would replace the spec",
                                  param_hint="'-o' / '--output'")

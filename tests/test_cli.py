@@ -470,3 +470,10 @@ def test_generate_refuses_to_write_over_its_spec_and_target_with_tuned(tmp_path)
     assert spec.read_text() == SMALL_SPEC.read_text()
     _one_error(CliRunner().invoke(main, ["generate", "--spec", str(spec), "--tuned", "--target", "h100"]), 2,
                "--target picks the default config")
+
+
+def test_empty_db_and_output_are_refused_by_name():
+    # --db '' used the default database silently; -o '' said "cannot write : Device or resource busy"
+    _one_error(CliRunner().invoke(main, ["show", "--db", ""]), 2, "'--db'", "got an empty one")
+    _one_error(CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "-o", ""]), 2, "'--output'",
+               "got an empty one")

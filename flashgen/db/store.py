@@ -276,9 +276,12 @@ class ResultStore:
                 raise SchemaVersionError(self.url, "is not a flashgen database (no schema version)")
             if row.value != str(SCHEMA_VERSION):
                 found = int(row.value) if row.value.isdigit() else -1
+                fix = ("a newer flashgen wrote it: upgrade flashgen" if found > SCHEMA_VERSION else
+                       f"run `flashgen db upgrade --db {self.display_url}`" if found >= 0 else
+                       "not a version any flashgen writes: run `flashgen db check`, or tune into a new database")
                 raise SchemaVersionError(
                     self.url, f"is at flashgen schema version {row.value}, this flashgen reads version "
-                              f"{SCHEMA_VERSION}: run `flashgen db upgrade --db {self.display_url}`", found)
+                              f"{SCHEMA_VERSION}: {fix}", found)
             if create:  # a write even when the row is there: a read-only database fails now, not after tuning
                 self._upsert(s, Meta, {"key": "schema_version", "value": str(SCHEMA_VERSION)}, ("key",),
                              update=("value",))
