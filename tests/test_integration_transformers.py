@@ -269,3 +269,28 @@ def test_bad_arguments_name_the_argument(kw, words):
     with pytest.raises((ValueError, TypeError, NotImplementedError)) as info:
         attention_forward(torch.nn.Module(), q, k, k, kw.pop("attention_mask", None), **kw)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("src_lengths", [(14, 14, 14), (14, 9, 5)], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("tgt_len", [6, 14], ids=["shorter", "same-length"])
+def test_encoder_decoder_cross_attention_matches(src_lengths, tgt_len):
+    """BART: the decoder's cross-attention over the encoder's tokens. Its queries took the encoder's padding
+    (5 and 6 of 6 decoder rows of the padded rows came back zero, 1.9 off), and without an encoder mask the
+    cross-attention's longer keys were refused as a static cache."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=1, decoder_layers=1,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)
+    model = transformers.BartForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randint(4, VOCAB, (3, 14), generator=gen)
+    tgt = torch.randint(4, VOCAB, (3, tgt_len), generator=gen)
+    kw = {}
+    if min(src_lengths) < 14:
+        kw["attention_mask"] = (torch.arange(14)[None] < torch.tensor(src_lengths)[:, None]).long()
+    outs = {}
+    for impl, dtype in (("eager", torch.float64), (NAME, torch.float32)):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model.to(dtype)(input_ids=src, decoder_input_ids=tgt, use_cache=False, **kw).logits
+    _assert_close(outs[NAME], outs["eager"])

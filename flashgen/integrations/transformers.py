@@ -78,7 +78,11 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
                  **kwargs):
     """transformers' mask hook: the (batch, kv_length) bool padding mask the attention unpads
     with, or None when no token is padded (causal and windows are the kernel's own patterns)."""
-    if isinstance(q_offset, torch.Tensor) or (attention_mask is None and kv_length > q_offset + q_length):
+    # (a bidirectional mask, create_bidirectional_mask's: an encoder's, or cross-attention's over the encoder's
+    # tokens, whose kv_length is theirs, not a cache's)
+    bidirectional = "allow_is_bidirectional_skip" in kwargs
+    if isinstance(q_offset, torch.Tensor) or (attention_mask is None and kv_length > q_offset + q_length
+                                              and not bidirectional):
         raise ValueError("past_key_values: flashgen's transformers attention needs a dynamic KV cache (the "
                          "default); a static cache holds unfilled slots it cannot tell apart "
                          f"(kv_length {kv_length} > {q_offset} cached + {q_length} new tokens)")
@@ -211,7 +215,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                              f"got {tuple(attention_mask.shape)}")
         # the mask hook's packing (padding_mask), else this layer's
         idx_k, cu_k, max_k = getattr(attention_mask, "_flashgen_packing", None) or _packing(attention_mask.bool())
-        if seqlen_q == seqlen_k:
+        if not causal and mask is None:  # bidirectional, no positional mask: every query is real
+            # (cross-attention's queries are another sequence, the decoder's, which the encoder's padding says
+            # nothing of; an encoder's padded query rows attend the real keys, as with SDPA's mask)
+            idx_q = None
+            cu_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * seqlen_q
+            max_q = seqlen_q
+        elif seqlen_q == seqlen_k:
             idx_q, cu_q, max_q = idx_k, cu_k, max_k
         elif seqlen_q == 1:  # decode: every row's one new token
             idx_q = torch.arange(batch, device=q.device)
@@ -219,10 +229,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         else:  # the new tokens are the last seqlen_q keys (left padding)
             idx_q, cu_q, max_q = _packing(attention_mask[:, -seqlen_q:].bool())
         flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
-        q_p, k_p, v_p = flat(q).index_select(0, idx_q), flat(k).index_select(0, idx_k), flat(v).index_select(0, idx_k)
-        out = _varlen(q_p, k_p, v_p, cu_q, cu_k, max_q, max_k, s_aux, kw)
-        full = out.new_zeros(batch * seqlen_q, *out.shape[1:]).index_copy(0, idx_q, out)
-        return full.view(batch, seqlen_q, *out.shape[1:]), None
+        q_p = flat(q) if idx_q is None else flat(q).index_select(0, idx_q)
+        out = _varlen(q_p, flat(k).index_select(0, idx_k), flat(v).index_select(0, idx_k), cu_q, cu_k, max_q, max_k,
+                      s_aux, kw)
+        if idx_q is not None:
+            out = out.new_zeros(batch * seqlen_q, *out.shape[1:]).index_copy(0, idx_q, out)
+        return out.view(batch, seqlen_q, *out.shape[1:]), None
 
     packed = None
     if all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
