@@ -66,6 +66,8 @@ class AttentionKernel:
         self._ids: dict[KernelConfig, str] = {}
         self._id = self.kernel_id(self.config)
         self._bucket_ids = {b: self.kernel_id(c) for b, c in self.bucket_configs.items()}
+        # under torch.compile: every bucket's config in one id, the ops picking per call (a constant to dynamo)
+        self._traced_id = ops.bucketed_id(spec, self.bucket_configs) if self.bucket_configs else None
         self._length_ids: dict[int, str] = {}  # sequence length -> its nearest bucket's kernel id (a call's lookup)
         self._names = tuple(spec.tensor_names)  # the named tensors a call passes, in kernel order
         self._fp8, self._dropout_p = spec.fp8, spec.dropout_p  # read on every call
@@ -124,8 +126,9 @@ class AttentionKernel:
         if config is not None:
             return self.kernel_id(config)
         if self._bucket_ids:
-            if torch.compiler.is_compiling():  # a symbolic length: comparisons only (a dict would guard on it)
-                return self._bucket_ids[nearest_bucket(seqlen, self._bucket_ids)]
+            if torch.compiler.is_compiling():  # a symbolic length: the ops pick the bucket per call, as for
+                # flashgen.attention (choosing here guarded the graph on the length: a recompile per bucket)
+                return self._traced_id
             kid = self._length_ids.get(seqlen)
             if kid is None:
                 if len(self._length_ids) >= 4096:  # a bound on what a long generation leaves here

@@ -160,3 +160,34 @@ def test_import_leaves_dynamo_unloaded_and_marks_as_torch_does():
 
     assert vars(api._constant_result(ours)) == vars(torch.compiler.assume_constant_result(torchs)) != {}
     assert api._traced_binding._dynamo_marked_constant and api._traced_tensor_names._dynamo_marked_constant
+
+
+def _compiles_once(fn, lengths, heads=(4, 2, 2)):
+    """fn compiled (dynamic, fullgraph) runs every length after the first without a recompile, as eager."""
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for i, seqlen in enumerate(lengths):
+        q, k, v = (torch.randn(3, h, seqlen, 16) for h in heads)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = compiled(q, k, v)
+        torch.testing.assert_close(out, fn(q, k, v), atol=1e-6, rtol=0)
+
+
+def test_a_kernel_with_bucket_configs_compiles_once_over_its_buckets():
+    # what flashgen.load returns from tuned results: choosing the bucket while tracing guarded the graph on the
+    # length (q.size()[2] * q.size()[2] <= 1024): a recompile per bucket
+    from flashgen.api import AttentionKernel
+
+    spec = AttentionSpec(head_dim=16, num_heads=4, num_kv_heads=2, causal=True, dtype="fp32")
+    kernel = AttentionKernel(spec, bucket_configs={16: KernelConfig(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1),
+                                                   64: KernelConfig(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)})
+    _compiles_once(lambda q, k, v: kernel(q, k, v), (13, 19, 50))
+
+
+def test_the_transformers_attention_compiles_once_across_the_decode_length():
+    # the decode route's length test ran before its is_compiling() one: a guard 2 <= S <= 16, a recompile past 16
+    pytest.importorskip("transformers")
+    from flashgen.integrations.transformers import attention_forward
+
+    layer = torch.nn.Module()
+    _compiles_once(lambda q, k, v: attention_forward(layer, q, k, v, None, is_causal=True)[0], (13, 19, 23))

@@ -265,9 +265,10 @@ def _decode_shaped(query, key, value, is_causal, dropout):
     """A generation step (with decode_calls on): a few causal queries (the newest tokens) against more
     cached keys, nothing padded, no dropout, no gradient, not traced (the decode kernels are eager-only
     and forward-only)."""
+    if torch.compiler.is_compiling():  # first: the length comparisons below would guard a compiled graph on them
+        return False
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     return (decode_calls and is_causal and not dropout and seqlen_q <= DECODE_MAX_QUERIES and seqlen_k > seqlen_q
-            and not torch.compiler.is_compiling()
             and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)))
 
 
