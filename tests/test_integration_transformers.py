@@ -294,3 +294,43 @@ def test_encoder_decoder_cross_attention_matches(src_lengths, tgt_len):
         with torch.no_grad():
             outs[impl] = model.to(dtype)(input_ids=src, decoder_input_ids=tgt, use_cache=False, **kw).logits
     _assert_close(outs[NAME], outs["eager"])
+
+
+@pytest.mark.parametrize("kind,case", [("llama", "padded"), ("llama", "batch-1"), ("llama", "packed"),
+                                       ("gemma2", "padded")])
+def test_the_model_compiles_fullgraph(kind, case):
+    """torch.compile(fullgraph=True) of the whole model: a padded batch and batch 1 (whose position_ids the
+    model always passes) broke the graph on values read (the mask's all(), nonzero, the positions' test);
+    traced, the padding and packed positions are dense masks over named tensors, as SDPA's mask."""
+    model, gen = _model(kind), torch.Generator().manual_seed(7)
+    kw = {}
+    if case == "padded":
+        ids, kw["attention_mask"] = _padded_batch(gen)
+    else:
+        ids = torch.randint(0, VOCAB, (1, 20), generator=gen)
+        if case == "packed":
+            kw["position_ids"] = torch.cat([torch.arange(12), torch.arange(8)])[None]
+    model.set_attn_implementation(NAME)
+    model.float()
+    run = lambda ids, **kw: model(ids, use_cache=False, **kw).logits  # noqa: E731
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(run, fullgraph=True, backend="aot_eager")(ids, **kw)
+        eager = run(ids, **kw)
+    real = kw["attention_mask"].bool() if case == "padded" else torch.ones(ids.shape, dtype=torch.bool)
+    torch.testing.assert_close(out[real], eager[real], atol=2e-5, rtol=1e-4)  # padded rows: no one reads them
+
+
+def test_sinks_over_a_padded_batch_compile_fullgraph():
+    # gpt-oss's layer (its MoE loop does not compile): sinks and a window over left padding, traced
+    layer = torch.nn.Module()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, h, 21, 16, generator=gen) for h in (4, 2, 2))
+    _, mask = _padded_batch(gen)
+    sinks = torch.randn(4, generator=gen)
+    run = lambda q, k, v, mask: attention_forward(layer, q, k, v, mask, scaling=0.25, sliding_window=5,  # noqa: E731
+                                                  s_aux=sinks, is_causal=True)[0]
+    torch._dynamo.reset()
+    out = torch.compile(run, fullgraph=True, backend="aot_eager")(q, k, v, mask)
+    real = mask.bool()
+    torch.testing.assert_close(out[real], run(q, k, v, mask)[real], atol=2e-6, rtol=1e-5)

@@ -52,6 +52,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import attention, attention_varlen, scaled_dot_product_attention
+from .. import Mask
 from .. import mask as _mask
 from ..errors import short_repr
 from ..kvcache import compat_launcher
@@ -89,14 +90,43 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]  # sliding-window layers keep the last keys
+    if torch.compiler.is_compiling():  # no value read while traced: the layers mask densely (_traced_masks)
+        return attention_mask
     if bool(attention_mask.all()):
         return None
-    if not torch.compiler.is_compiling():
-        # the packing every layer of this forward unpads with, worked out once (nonzero and the longest
-        # row are two waits for the device): carried by this view, which the hook made and only the
-        # layers see; a mask the layers get otherwise (copied, compiled) is packed by each layer
-        attention_mask._flashgen_packing = _packing(attention_mask.bool())
+    # the packing every layer of this forward unpads with, worked out once (nonzero and the longest row are
+    # two waits for the device): carried by this view, which the hook made and only the layers see; a mask
+    # the layers get otherwise (copied) is packed by each layer
+    attention_mask._flashgen_packing = _packing(attention_mask.bool())
     return attention_mask
+
+
+KEEP, DOCUMENTS = "fg_keep", "fg_documents"  # the named tensors of _traced_masks
+
+
+def _traced_masks(mask, attention_mask, position_ids, batch, seqlen_q, seqlen_k, causal, sinks, tensors):
+    """Under torch.compile, a layer's mask with its padding and packed positions as dense masks over named
+    tensors: unpadding (nonzero) and the positions' test read values, which fullgraph cannot trace. A
+    (batch, keys) padding mask masks the padded keys, as SDPA's 4-d mask does; packed positions (batch 1,
+    positions restarting) become document ids, a query seeing its own document's keys (a single run of
+    positions is one document). sinks: the keys have the sink's row in front (_with_sink_rows)."""
+    extra = []
+    if attention_mask is not None:
+        if attention_mask.shape != (batch, seqlen_k):
+            raise ValueError(f"attention_mask: expected a (batch, keys) = {(batch, seqlen_k)} padding mask, "
+                             f"got {tuple(attention_mask.shape)}")
+        keep = attention_mask.bool()
+        tensors[KEEP] = torch.nn.functional.pad(keep, (1, 0), value=True) if sinks else keep
+        extra.append({"expr": f"{KEEP}[b, kv_idx] != 0"})
+    elif position_ids is not None and batch == 1 and seqlen_q == seqlen_k > 1 and not sinks:
+        pos = position_ids.reshape(1, -1)
+        tensors[DOCUMENTS] = torch.cumsum((pos == pos.min()).to(torch.int32), dim=1, dtype=torch.int32)
+        extra.append({"document": {"ids": DOCUMENTS, "causal": False}})  # (the layer's causal flag still holds)
+    if not extra:
+        return mask
+    if mask is None:
+        return extra[0]
+    return mask & extra[0] if isinstance(mask, Mask) else {"and": [mask, *extra]}
 
 
 def _window(sliding_window):
@@ -196,8 +226,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return out.transpose(1, 2), None
     tensors = {}
     causal, mask, score_mod = _variant(bool(is_causal), sliding_window, softcap, s_aux, tensors)
-    kw = dict(causal=causal, mask=mask, score_mod=score_mod, softmax_scale=scaling, dropout_p=dropout, **tensors)
     batch, seqlen_q, seqlen_k = query.shape[0], query.shape[2], key.shape[2]
+    if torch.compiler.is_compiling() and kwargs.get("cu_seq_lens_q") is None:
+        mask = _traced_masks(mask, attention_mask, kwargs.get("position_ids"), batch, seqlen_q, seqlen_k,
+                             bool(is_causal) and mask is None, s_aux is not None, tensors)
+        attention_mask = None
+    kw = dict(causal=causal, mask=mask, score_mod=score_mod, softmax_scale=scaling, dropout_p=dropout, **tensors)
     if (attention_mask is None and s_aux is None and kwargs.get("cu_seq_lens_q") is None
             and (batch != 1 or seqlen_q != seqlen_k or kwargs.get("position_ids") is None)
             and not torch.compiler.is_compiling()):
@@ -240,7 +274,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
         packed = (kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
                   _number("max_length_q", kwargs["max_length_q"], int), _number("max_length_k", kwargs["max_length_k"], int))
-    elif seqlen_q == seqlen_k:
+    elif seqlen_q == seqlen_k and not torch.compiler.is_compiling():  # (traced: _traced_masks' document ids)
         packed = _packed_positions(kwargs.get("position_ids"), batch, seqlen_q)
     if packed is not None:  # padding-free: sequences concatenated along the token axis
         flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
