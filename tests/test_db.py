@@ -1086,3 +1086,13 @@ def test_reading_leaves_a_databases_file_as_it_is(tmp_path, fresh_warnings):
     with sqlite3.connect(foreign) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
     assert empty.stat().st_size == 0
+
+
+def test_a_reader_waits_5_s_for_a_lock_a_writer_30(tmp_path):
+    # flashgen.load at a program's start waited 30 s on a locked database before it fell back
+    url = f"sqlite:///{tmp_path / 'timeout.sqlite'}"
+    for create, want in ((True, 30000), (False, 5000)):
+        store = ResultStore(url, create=create)
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == want
+        store.close()

@@ -148,7 +148,9 @@ def _sqlite_pragmas(engine: Engine, wal: bool = True) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA busy_timeout=30000")  # first: switching to WAL waits for other writers too
+        # first: switching to WAL waits for other writers too. A reader (flashgen.load at a program's start)
+        # waits 5 s, not 30, for a lock a WAL database rarely has (a migration, a foreign file), then falls back
+        cur.execute(f"PRAGMA busy_timeout={30000 if wal else 5000}")
         if wal:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")
