@@ -51,8 +51,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .. import attention, attention_varlen, scaled_dot_product_attention
-from .. import Mask
+from .. import Mask, attention, attention_varlen, scaled_dot_product_attention
 from .. import mask as _mask
 from ..errors import short_repr
 from ..kvcache import compat_launcher
@@ -104,7 +103,7 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
 KEEP, DOCUMENTS = "fg_keep", "fg_documents"  # the named tensors of _traced_masks
 
 
-def _traced_masks(mask, attention_mask, position_ids, batch, seqlen_q, seqlen_k, causal, sinks, tensors):
+def _traced_masks(mask, attention_mask, position_ids, batch, seqlen_q, seqlen_k, sinks, tensors):
     """Under torch.compile, a layer's mask with its padding and packed positions as dense masks over named
     tensors: unpadding (nonzero) and the positions' test read values, which fullgraph cannot trace. A
     (batch, keys) padding mask masks the padded keys, as SDPA's 4-d mask does; packed positions (batch 1,
@@ -229,7 +228,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     batch, seqlen_q, seqlen_k = query.shape[0], query.shape[2], key.shape[2]
     if torch.compiler.is_compiling() and kwargs.get("cu_seq_lens_q") is None:
         mask = _traced_masks(mask, attention_mask, kwargs.get("position_ids"), batch, seqlen_q, seqlen_k,
-                             bool(is_causal) and mask is None, s_aux is not None, tensors)
+                             s_aux is not None, tensors)
         attention_mask = None
     kw = dict(causal=causal, mask=mask, score_mod=score_mod, softmax_scale=scaling, dropout_p=dropout, **tensors)
     if (attention_mask is None and s_aux is None and kwargs.get("cu_seq_lens_q") is None
