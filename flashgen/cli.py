@@ -866,7 +866,8 @@ def bench(spec_path, seqlens, tokens, out_dir, db_url):
 
 @main.command()
 @_db_option
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the rows as a JSON list (each with its environment, spec, config, times, source and match).")
 def show(db_url, as_json):
     """List the tuned configs stored in the database, and the shipped ones measured on this machine.
 
