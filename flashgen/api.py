@@ -3,6 +3,7 @@ shadowed) and ``flashgen.attention(q, k, v)``."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from functools import lru_cache
 
@@ -302,14 +303,25 @@ def _static_int(n, limit: int = 1 << 12) -> int:
     return lo
 
 
-def _static_float(x):
+def _static_float(x, *likely):
     """A float argument as a constant. Under torch.compile with dynamic shapes a float read from a
-    default or an attribute is symbolic; 0 (no dropout, the common case) is specialized by a guard."""
+    default or an attribute is symbolic (transformers' self.scaling); 0 (no dropout) and the values in
+    `likely` (a call's usual ones: head_dim ** -0.5 for a scale) are specialized by a guard. Another
+    symbolic value stays so, and tracing refuses it (README: keep such floats static)."""
     if x is None or not torch.compiler.is_compiling():
         return x
     if x == 0:
         return 0.0
+    for value in likely:
+        if x == value:
+            return value
     return x
+
+
+def default_scales(head_dim: int) -> tuple[float, float]:
+    """The forms 1 / sqrt(head_dim) takes in model code (head_dim ** -0.5, 1 / math.sqrt(head_dim)),
+    which can differ in the last bit: _static_float's likely values for a softmax scale."""
+    return head_dim ** -0.5, 1 / math.sqrt(head_dim)
 
 
 def _freeze(x):
@@ -348,7 +360,8 @@ def _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod
     head_axis = 2 if layout == "bshd" else 1
     return (_TORCH_DTYPES.get(q.dtype), _static_int(q.shape[-1]), _static_int(v.shape[-1]),
             _static_int(q.shape[head_axis]), _static_int(k.shape[head_axis]), layout, causal,
-            _static_float(softmax_scale), _static_float(dropout_p), mask, score_mod, config)
+            _static_float(softmax_scale, *default_scales(_static_int(q.shape[-1]))), _static_float(dropout_p), mask,
+            score_mod, config)
 
 
 def _tuned_kernel(spec: AttentionSpec, config: KernelConfig | None) -> AttentionKernel:

@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .api import attention
+from .api import _static_float, _static_int, attention, default_scales
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -142,6 +142,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise TypeError(f"enable_gqa: expected a bool, got {type(enable_gqa).__name__}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p: expected a probability in [0, 1], got {dropout_p!r}")
+    if scale is not None and torch.compiler.is_compiling():  # a symbolic scale: its usual values, specialized
+        scale = _static_float(scale, *default_scales(_static_int(query.shape[-1])))
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite number or None, got {scale!r}")

@@ -297,15 +297,17 @@ def test_encoder_decoder_cross_attention_matches(src_lengths, tgt_len):
 
 
 @pytest.mark.parametrize("kind,case", [("llama", "padded"), ("llama", "batch-1"), ("llama", "packed"),
-                                       ("gemma2", "padded")])
+                                       ("llama", "dynamic"), ("gemma2", "padded")])
 def test_the_model_compiles_fullgraph(kind, case):
     """torch.compile(fullgraph=True) of the whole model: a padded batch and batch 1 (whose position_ids the
     model always passes) broke the graph on values read (the mask's all(), nonzero, the positions' test);
     traced, the padding and packed positions are dense masks over named tensors, as SDPA's mask."""
     model, gen = _model(kind), torch.Generator().manual_seed(7)
     kw = {}
-    if case == "padded":
-        ids, kw["attention_mask"] = _padded_batch(gen)
+    if case in ("padded", "dynamic"):  # dynamic: dynamic=True, whose symbolic self.scaling tracing refused
+        ids, mask = _padded_batch(gen)
+        if case == "padded":
+            kw["attention_mask"] = mask
     else:
         ids = torch.randint(0, VOCAB, (1, 20), generator=gen)
         if case == "packed":
@@ -315,7 +317,7 @@ def test_the_model_compiles_fullgraph(kind, case):
     run = lambda ids, **kw: model(ids, use_cache=False, **kw).logits  # noqa: E731
     torch._dynamo.reset()
     with torch.no_grad():
-        out = torch.compile(run, fullgraph=True, backend="aot_eager")(ids, **kw)
+        out = torch.compile(run, fullgraph=True, backend="aot_eager", dynamic=case == "dynamic" or None)(ids, **kw)
         eager = run(ids, **kw)
     real = kw["attention_mask"].bool() if case == "padded" else torch.ones(ids.shape, dtype=torch.bool)
     torch.testing.assert_close(out[real], eager[real], atol=2e-5, rtol=1e-4)  # padded rows: no one reads them

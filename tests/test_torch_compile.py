@@ -191,3 +191,25 @@ def test_the_transformers_attention_compiles_once_across_the_decode_length():
 
     layer = torch.nn.Module()
     _compiles_once(lambda q, k, v: attention_forward(layer, q, k, v, None, is_causal=True)[0], (13, 19, 23))
+
+
+@pytest.mark.parametrize("entry", ["attention", "flash_attn_func", "sdpa"])
+def test_a_scale_held_in_a_module_attribute_compiles_dynamic(entry):
+    # dynamic=True makes a module's float attribute symbolic (transformers' self.scaling): tracing refused it
+    # ("assume_constant_result argument conversion failed", math.isfinite on a symbolic float); the usual
+    # value, head_dim ** -0.5, is specialized by a guard now
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scaling = 16 ** -0.5
+
+        def forward(self, q, k, v):
+            if entry == "attention":
+                return flashgen.attention(q, k, v, causal=True, softmax_scale=self.scaling)
+            if entry == "flash_attn_func":
+                return compat.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                              softmax_scale=self.scaling)
+            return flashgen.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+
+    layer = Layer()
+    _compiles_once(layer, (13, 19))
