@@ -71,7 +71,10 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
             and not bool(torch.isfinite(amax).all())):
         raise ValueError(f"x: holds inf or NaN (a factor maps a slice's largest magnitude onto {fp8}'s largest "
                          "finite value, so every value must be finite)")
-    descale = torch.where(amax > 0, amax / torch.finfo(fp8).max, torch.ones_like(amax))
+    # (at least float32's smallest normal: a slice of subnormal values gave amax / max = 0, so every value
+    # saturated and a zero became 0 / 0 = NaN; such values now round to FP8 zeros, finite)
+    descale = torch.where(amax > 0, (amax / torch.finfo(fp8).max).clamp(min=torch.finfo(torch.float32).tiny),
+                          torch.ones_like(amax))
     scaled = tiles / descale[:, :, None, :, None, None]
     xq = scaled.reshape(padded.shape)[:, :, :seqlen].to(fp8)
     xq = xq.movedim(2, seq_dim if seq_dim > head_dim else seq_dim + 1).movedim(1, head_dim)

@@ -65,6 +65,15 @@ def test_quantize_roundtrip(layout, block):
     assert xt.stride(2 if layout == "bhsd" else 1) == 1
 
 
+def test_quantize_keeps_subnormal_slices_finite():
+    # amax / 448 underflowed to a descale of 0: every value saturated to 448 and an exact 0 became NaN (0 / 0)
+    x = torch.tensor([3e-43, 1e-43, -1.5e-43, 0.0]).reshape(1, 1, 1, 4)
+    xq, descale = flashgen.quantize_fp8(x)
+    back = flashgen.dequantize_fp8(xq, descale)
+    assert float(descale) > 0 and torch.isfinite(xq.float()).all()
+    assert torch.allclose(back, x, atol=1e-40)
+
+
 def test_benchmarks_fp8_inputs_are_the_forwards_operands():
     # flashgen.bench.fp8_inputs (the FP8 benchmarks' inputs): q and k as quantize_fp8 gives them, V in its
     # seq-contiguous copy, and their descales in q, k, v order
