@@ -3,6 +3,7 @@ shadowed) and ``flashgen.attention(q, k, v)``."""
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from functools import lru_cache
@@ -13,6 +14,7 @@ from . import ops
 from .codegen import render
 from .config import KernelConfig, default_config, default_configs
 from .errors import check_flag
+from .masks import Mask, ScoreMod
 from .runtime import host
 from .space import nearest_bucket
 from .spec import DTYPES, FP8_DTYPES, MAX_HEAD_DIM, AttentionSpec
@@ -332,12 +334,16 @@ def _freeze(x):
         return ("[]", tuple(_freeze(item) for item in x))
     if isinstance(x, _PLAIN):
         return x
+    if isinstance(x, (Mask, ScoreMod)):  # built once, never changed: its spec field (as JSON) is its key
+        return ("json", x.key)
     raise TypeError(type(x).__name__)
 
 
 def _thaw(x):
     if isinstance(x, tuple):
         kind, items = x
+        if kind == "json":
+            return json.loads(items)
         return {name: _thaw(value) for name, value in items} if kind == "{}" else [_thaw(item) for item in items]
     return x
 

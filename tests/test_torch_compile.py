@@ -213,3 +213,16 @@ def test_a_scale_held_in_a_module_attribute_compiles_dynamic(entry):
 
     layer = Layer()
     _compiles_once(layer, (13, 19))
+
+
+def _keeps_one_in_three(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx) % 3 != 1
+
+
+@pytest.mark.parametrize("mask", [flashgen.mask("kv_idx <= q_idx") & flashgen.mask(sliding_window={"left": 4,
+                                                                                                  "right": 0}),
+                                  flashgen.mask(_keeps_one_in_three)], ids=["expression-and-pattern", "function"])
+def test_mask_and_score_mod_objects_built_outside_compile(mask):
+    # a Mask / ScoreMod object was not a plain key: the call built its spec while traced and broke the graph
+    score_mod = flashgen.score_mod("score * 0.5")
+    _check(lambda q, k, v: flashgen.attention(q, k, v, mask=mask, score_mod=score_mod), _dense, "aot_eager")

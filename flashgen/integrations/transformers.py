@@ -51,8 +51,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .. import Mask, attention, attention_varlen, scaled_dot_product_attention
-from .. import mask as _mask
+from .. import attention, attention_varlen, scaled_dot_product_attention
 from ..errors import short_repr
 from ..kvcache import compat_launcher
 
@@ -125,7 +124,7 @@ def _traced_masks(mask, attention_mask, position_ids, batch, seqlen_q, seqlen_k,
         return mask
     if mask is None:
         return extra[0]
-    return mask & extra[0] if isinstance(mask, Mask) else {"and": [mask, *extra]}
+    return {"and": [mask, *extra]}
 
 
 def _window(sliding_window):
@@ -154,7 +153,8 @@ def _variant(is_causal, sliding_window, softcap, s_aux, tensors):
     if window is not None and is_causal:
         mask, causal = {"sink": {"tokens": 1, "window": window}}, False  # causal, and the sink or the window
     elif window is not None:
-        mask = _mask("kv_idx < 1") | _mask(sliding_window={"left": window, "right": window})
+        # (a pattern dict, not flashgen.mask objects: built per call, those would be parsed while traced)
+        mask = {"or": [{"expr": "kv_idx < 1"}, {"sliding_window": {"left": window, "right": window}}]}
     return causal, mask, mods
 
 

@@ -6,6 +6,7 @@ through: they take everything the tree and modifier parsers take, plus these obj
 
 from __future__ import annotations
 
+import json
 from typing import Callable
 
 from .score_mods import ScoreModNode, parse_score_mod_steps
@@ -19,9 +20,13 @@ class _Definition:
 
     def __init__(self, node):
         self.node = node
+        # the node as a spec field, made once (the node never changes), and as canonical JSON: a call's key,
+        # which torch.compile reads as one constant string rather than tracing the node's conversion
+        self._dict = node.to_dict()
+        self.key = json.dumps(self._dict, sort_keys=True)
 
     def to_dict(self):
-        return self.node.to_dict()
+        return self._dict
 
     def __repr__(self):
         return f"flashgen.{self._builder}({self.to_dict()!r})"
