@@ -29,6 +29,14 @@ def _fp8_dtype(dtype) -> torch.dtype:
     raise ValueError(f"dtype: expected 'fp8_e4m3' or 'fp8_e5m2' (or the torch float8 dtype), got {dtype!r}")
 
 
+def _check_grouping(heads: int, group, block) -> None:
+    """group: a positive divisor of the heads; block: a positive number of tokens or None."""
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or heads % group:
+        raise ValueError(f"group: expected a positive divisor of the {heads} heads, got {group!r}")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"block: expected a positive number of tokens or None, got {block!r}")
+
+
 def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", group: int = 1,
                  block: int | None = None, seq_contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in FP8, float32 descale factors) with x ~= x_fp8 * descale.
@@ -51,10 +59,7 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     head_dim, seq_dim = _LAYOUT_DIMS[layout]
     heads, seqlen = x.shape[head_dim], x.shape[seq_dim]
-    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or heads % group:
-        raise ValueError(f"group: expected a positive divisor of the {heads} heads, got {group!r}")
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
-        raise ValueError(f"block: expected a positive number of tokens or None, got {block!r}")
+    _check_grouping(heads, group, block)
     xb = x.float().movedim(head_dim, 1).movedim(seq_dim if seq_dim > head_dim else seq_dim + 1, 2)  # bhsd
     batch = xb.shape[0]
     nblocks = 1 if block is None else -(-seqlen // block)
@@ -92,10 +97,7 @@ def dequantize_fp8(xq: torch.Tensor, descale: torch.Tensor, *, layout: str = "bh
         raise ValueError(f"xq: expected a 4-d tensor in layout {layout!r}, got "
                          f"{tuple(xq.shape) if isinstance(xq, torch.Tensor) else type(xq).__name__}")
     heads, seqlen = xq.shape[head_dim], xq.shape[seq_dim]
-    if isinstance(group, bool) or not isinstance(group, int) or group < 1 or heads % group:
-        raise ValueError(f"group: expected a positive divisor of the {heads} heads, got {group!r}")
-    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
-        raise ValueError(f"block: expected a positive number of tokens or None, got {block!r}")
+    _check_grouping(heads, group, block)
     want = (xq.shape[0], heads // group) + (() if block is None else (-(-seqlen // block),))
     if not isinstance(descale, torch.Tensor) or tuple(descale.shape) != want:
         raise ValueError(f"descale: expected shape {want} (batch, heads // group{', blocks' if block else ''}: the "

@@ -85,21 +85,30 @@ def check_row(row: Mapping) -> None:
     """A whole exported row: the best config, its environment, its spec, its kernel hash and its
     default's (both optional)."""
     check_best(row)
-    env = row.get("environment")
-    if not isinstance(env, Mapping) or set(env) != set(ENVIRONMENT_FIELDS):
-        raise ResultRowError("environment", "expected a mapping with keys " + ", ".join(ENVIRONMENT_FIELDS), env)
-    for name, kind in ENVIRONMENT_FIELDS.items():
-        value = env[name]
-        if isinstance(value, bool) or not isinstance(value, kind):
-            raise ResultRowError(f"environment.{name}", f"expected {'a string' if kind is str else 'a number'}",
-                                 value)
-        if kind is str:
-            _text(f"environment.{name}", value)
+    check_environment(row.get("environment"))
     for field, what in (("kernel", "the kernels' hash"), ("default_kernel", "the default's kernel hash")):
         value = row.get(field)
         if value is not None and not (isinstance(value, str) and KERNEL_HASH.fullmatch(value)):
             raise ResultRowError(field, f"expected {what} (16 hex digits) or nothing", value)
     _text("spec_key", row.get("spec_key"))
     _text("spec", row.get("spec_uri"))
-    if not isinstance(row.get("spec"), Mapping):
-        raise ResultRowError("canonical", "expected the spec's canonical mapping", row.get("spec"))
+    check_canonical(row.get("spec"))
+
+
+def check_environment(env: Any, prefix: str = "environment.") -> None:
+    """An environment mapping: every field of ENVIRONMENT_FIELDS, each of its type (fields named with
+    `prefix`: a row's 'environment.gpu', a database environment's own 'gpu')."""
+    if not isinstance(env, Mapping) or set(env) != set(ENVIRONMENT_FIELDS):
+        raise ResultRowError("environment", "expected a mapping with keys " + ", ".join(ENVIRONMENT_FIELDS), env)
+    for name, kind in ENVIRONMENT_FIELDS.items():
+        value = env[name]
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise ResultRowError(f"{prefix}{name}", f"expected {'a string' if kind is str else 'a number'}", value)
+        if kind is str:
+            _text(f"{prefix}{name}", value)
+
+
+def check_canonical(value: Any) -> None:
+    """A spec's canonical form: a mapping."""
+    if not isinstance(value, Mapping):
+        raise ResultRowError("canonical", "expected the spec's canonical mapping", value)

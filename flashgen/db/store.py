@@ -49,7 +49,7 @@ from .env import MODEL_FIELDS, STALE, EnvInfo, classify, pick
 from .kernels import current_kernel, default_kernel as default_kernel_of, kernels_of, target_of
 from . import migrate
 from .models import SCHEMA_VERSION, Base, Best, Claim, Environment, Meta, SpecRow
-from .rows import ENVIRONMENT_FIELDS, ResultRowError, check_best, check_row
+from .rows import ResultRowError, check_best, check_canonical, check_environment, check_row
 from .urls import display_url, hide_password, sqlite_file
 
 
@@ -584,32 +584,24 @@ class ResultStore:
                     problems.append(f"SQLite integrity check: {result}")
             for id_, uri, canonical in s.execute(select(SpecRow.id, SpecRow.uri, type_coerce(SpecRow.canonical, Text))):
                 try:
-                    if not isinstance(_json(canonical, "canonical"), dict):
-                        raise ResultRowError("canonical", "expected the spec's canonical mapping")
+                    check_canonical(_json(canonical, "canonical"))
                 except ResultRowError as err:
                     problems.append(f"spec {id_} ({uri}) is invalid: {err}")
             env_fields = list(EnvInfo.__dataclass_fields__)
             for id_, *values in s.execute(select(Environment.id, *(getattr(Environment, c) for c in env_fields))):
-                for name, value in zip(env_fields, values):
-                    kind = ENVIRONMENT_FIELDS.get(name)
-                    if kind is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-                        problems.append(f"environment {id_} is invalid: field {name!r}: expected "
-                                        f"{'a string' if kind is str else 'a number'}, got {value!r}")
+                try:
+                    check_environment(dict(zip(env_fields, values)), prefix="")
+                except ResultRowError as err:
+                    problems.append(f"environment {id_} is invalid: {err}")
             # The config as stored text: a column that is not JSON is a problem to report, not a crash.
             q = (select(Best.id, SpecRow.uri, Best.bucket, Best.phase, type_coerce(Best.config, Text), Best.ms,
                         Best.tflops, Best.default_ms).outerjoin(SpecRow, Best.spec_id == SpecRow.id).order_by(Best.id))
             for id_, uri, bucket, phase, config, ms, tflops, default_ms in s.execute(q):
-                where = f"best config {id_} ({uri} bucket {bucket!r} {phase!r})"
                 try:
-                    config = json.loads(config) if isinstance(config, (str, bytes)) else config
-                except ValueError:
-                    problems.append(f"{where} is invalid: field 'config': not JSON")
-                    continue
-                try:
-                    check_best(dict(bucket=bucket, phase=phase, config=config, ms=ms, tflops=tflops,
+                    check_best(dict(bucket=bucket, phase=phase, config=_json(config, "config"), ms=ms, tflops=tflops,
                                     default_ms=default_ms))
                 except ResultRowError as err:  # a result flashgen.load skips
-                    problems.append(f"{where} is invalid: {err}")
+                    problems.append(f"best config {id_} ({uri} bucket {bucket!r} {phase!r}) is invalid: {err}")
         return problems
 
 

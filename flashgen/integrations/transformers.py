@@ -105,14 +105,11 @@ KEEP, DOCUMENTS = "fg_keep", "fg_documents"  # the named tensors of _traced_mask
 def _traced_masks(mask, attention_mask, position_ids, batch, seqlen_q, seqlen_k, sinks, tensors):
     """Under torch.compile, a layer's mask with its padding and packed positions as dense masks over named
     tensors: unpadding (nonzero) and the positions' test read values, which fullgraph cannot trace. A
-    (batch, keys) padding mask masks the padded keys, as SDPA's 4-d mask does; packed positions (batch 1,
+    (batch, keys) padding mask (its shape checked by the caller) masks the padded keys, as SDPA's 4-d mask does; packed positions (batch 1,
     positions restarting) become document ids, a query seeing its own document's keys (a single run of
     positions is one document). sinks: the keys have the sink's row in front (_with_sink_rows)."""
     extra = []
     if attention_mask is not None:
-        if attention_mask.shape != (batch, seqlen_k):
-            raise ValueError(f"attention_mask: expected a (batch, keys) = {(batch, seqlen_k)} padding mask, "
-                             f"got {tuple(attention_mask.shape)}")
         keep = attention_mask.bool()
         tensors[KEEP] = torch.nn.functional.pad(keep, (1, 0), value=True) if sinks else keep
         extra.append({"expr": f"{KEEP}[b, kv_idx] != 0"})
@@ -226,6 +223,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     tensors = {}
     causal, mask, score_mod = _variant(bool(is_causal), sliding_window, softcap, s_aux, tensors)
     batch, seqlen_q, seqlen_k = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask is not None and attention_mask.shape != (batch, seqlen_k):
+        raise ValueError(f"attention_mask: expected a (batch, keys) = {(batch, seqlen_k)} padding mask, "
+                         f"got {tuple(attention_mask.shape)}")
     if torch.compiler.is_compiling() and kwargs.get("cu_seq_lens_q") is None:
         mask = _traced_masks(mask, attention_mask, kwargs.get("position_ids"), batch, seqlen_q, seqlen_k,
                              s_aux is not None, tensors)
@@ -243,9 +243,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, L, H, D) views: flashgen's bshd
 
     if attention_mask is not None:  # padded batch: pack the real tokens, run varlen, scatter back
-        if attention_mask.shape != (batch, seqlen_k):
-            raise ValueError(f"attention_mask: expected a (batch, keys) = {(batch, seqlen_k)} padding mask, "
-                             f"got {tuple(attention_mask.shape)}")
         # the mask hook's packing (padding_mask), else this layer's
         idx_k, cu_k, max_k = getattr(attention_mask, "_flashgen_packing", None) or _packing(attention_mask.bool())
         if not causal and mask is None:  # bidirectional, no positional mask: every query is real

@@ -521,14 +521,16 @@ def runs_table(t):
 
 
 def check_tensor_names(tensors, names):
-    """The named tensors a call passes are exactly the spec's `names` (the one place this is
-    checked: the launcher and flashgen.api's call path both use it)."""
+    """The named tensors a call passes are exactly the spec's `names`, each a tensor (the one place
+    this is checked: the launcher and flashgen.api's call path both use it)."""
     unknown = sorted(set(tensors) - set(names))
     if unknown:
         raise TypeError(f"{unknown[0]}: not a tensor of this spec (its tensors: {list(names) or 'none'})")
     for name in names:
         if name not in tensors:
             raise TypeError(f"{name}: this spec's mask or score_mod reads tensor {name!r}; pass {name}=<tensor>")
+        if not isinstance(tensors[name], torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensors[name]).__name__}")
 
 
 class AttentionLauncher:
@@ -664,8 +666,6 @@ class AttentionLauncher:
         out = {}
         for name, rank in self.tensor_ranks.items():
             t = tensors[name]
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
             if t.device.type == "meta":
                 raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
             if t.is_complex():
