@@ -74,6 +74,9 @@ class AttentionKernel:
         self._length_ids: dict[int, str] = {}  # sequence length -> its nearest bucket's kernel id (a call's lookup)
         self._names = tuple(spec.tensor_names)  # the named tensors a call passes, in kernel order
         self._fp8, self._dropout_p = spec.fp8, spec.dropout_p  # read on every call
+        # no-grad dense calls without options: _fast_key(q, k, v, layout) -> _fast_entry's (plan, seq_major) or False
+        self._fast: dict[tuple, tuple | bool] = {}
+        self._plain = not self._fp8 and not self._dropout_p and not self._names  # such calls can take _fast
 
     def config_for(self, seqlen: int) -> KernelConfig:
         """The config a call at this sequence length uses."""
@@ -168,17 +171,32 @@ class AttentionKernel:
         per (batch, KV head) (q * q_descale is the value meant) and return bf16; no gradient."""
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             host.check_tensors(q, k, v, layout)  # raises, naming the argument
-        return self._call(q, k, v, layout, return_lse, config, dropout_p, deterministic,
-                          (q_descale, k_descale, v_descale), tensors)
+        descales = q_descale, k_descale, v_descale
+        if (self._plain and (return_lse is False or return_lse is True) and deterministic is False and config is None and not tensors
+                and (dropout_p is None or type(dropout_p) is float and dropout_p == 0.0)
+                and q_descale is None and k_descale is None and v_descale is None):
+            key = _fast_key(q, k, v, layout)
+            entry = self._fast.get(key)
+            if entry:
+                return _fast_run(entry, q, k, v, return_lse)
+            out = self._call(q, k, v, layout, return_lse, None, dropout_p, False, descales, tensors)
+            if entry is None and key is not None:
+                _fast_remember(self._fast, key, self, q, k, v, layout)
+            return out
+        return self._call(q, k, v, layout, return_lse, config, dropout_p, deterministic, descales, tensors)
+
+    def _call_id(self, q, k, layout, config):
+        """The kernel id a call runs: its config's, else its length's bucket's, else the kernel's own."""
+        if config is None and not self._bucket_ids:
+            return self._id
+        seq = 2 if layout == "bhsd" else 1
+        return self._kernel_id_for(config, max(q.shape[seq], k.shape[seq]) if q.dim() == 4 else q.shape[0])
 
     def _call(self, q, k, v, layout, return_lse, config, dropout_p, deterministic, descales, tensors):
         """__call__ with its arguments by position (flashgen.attention calls it so: no keyword
         arguments packed and unpacked twice per call)."""
         check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
-        kernel_id = self._id
-        if config is not None or self._bucket_ids:
-            seq = 2 if layout == "bhsd" else 1
-            kernel_id = self._kernel_id_for(config, max(q.shape[seq], k.shape[seq]) if q.dim() == 4 else q.shape[0])
+        kernel_id = self._call_id(q, k, layout, config)
         if self._fp8 or descales[0] is not None or descales[1] is not None or descales[2] is not None:
             out, lse = ops.apply_fp8_attention(q, k, v, descales, kernel_id=kernel_id, layout=layout,
                                                tensors=self._tensor_list(tensors))
@@ -421,6 +439,63 @@ def _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, scor
         return None, None
 
 
+# ----------------------------------------------------------------------------- the no-grad fast path
+# An eager call that records no gradient, with no option but the binding arguments (no named tensors,
+# dropout, return_lse, deterministic, config or FP8 descales: inference, a prefill), runs a plan found by
+# one dict lookup on its tensors' metadata, the plan its first call made and checked (host.dense_plan):
+# no binding, spec or plan key between the call and the launch. Everything the slower path decides
+# per call (the bucket's kernel, the seq-major swap, the decode route) follows from that key.
+_FAST: dict[tuple, tuple | bool] = {}  # _fast_key(...) + the binding arguments -> _fast_entry's result
+
+
+def _fast_key(q, k, v, layout, *binding):
+    """The key of a call that may take the fast path: its tensors' metadata, as a plan key has it, the
+    layout and `binding` (None where it cannot: traced, recording a gradient, bound launches off, or
+    not tensors)."""
+    if torch.compiler.is_compiling() or not host.BoundLaunch.enabled:
+        return None
+    try:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return None
+        return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+                k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
+                q.is_cpu and host.interpreting(), layout, *binding)
+    except AttributeError:
+        return None
+
+
+def _fast_entry(kernel, q, k, v, layout):
+    """(plan, seq_major) of a call the slow path has just run (its plan cached then), or False where the
+    call runs more than one plan's launch (decode-shaped, dropout, a plan that is not dense)."""
+    seq_major = layout == "bhsd" and ops._seq_major(q)
+    kernel_id = kernel._call_id(q, k, layout, None)
+    if seq_major:
+        q, k, v, layout = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "bshd"
+    plan = ops.kernel_module(kernel_id)._LAUNCHER.dense_plan(q, k, v, layout)
+    return (plan, seq_major) if plan is not None else False
+
+
+def _fast_remember(table, key, kernel, q, k, v, layout):
+    if len(table) >= 4096:  # a bound on what changing shapes leave here
+        table.clear()
+    try:
+        table[key] = _fast_entry(kernel, q, k, v, layout)
+    except TypeError:  # an unhashable binding argument (a pattern dict): such calls keep the slow path
+        pass
+
+
+def _fast_run(entry, q, k, v, return_lse):
+    """The output of a fast call (and its LSE): its plan's launch on the call's tensors (on bshd views for a
+    seq-major q)."""
+    plan, seq_major = entry
+    if seq_major:
+        out, lse = plan(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, None)
+        out = out.transpose(1, 2)
+    else:
+        out, lse = plan(q, k, v, None, None, None, None, None, None)
+    return (out, lse) if return_lse else out
+
+
 def _remember(key, kernel):
     """Bind an eager call's raw key, when all of it is plain values or frozen pattern dicts (a mask
     given as a function or Mask object is built afresh per call, as it may differ)."""
@@ -489,7 +564,18 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     cache) run on the split-KV decode kernel (flashgen.decode's), which reads K/V once per KV group and
     splits the keys over the SMs, for a spec it serves (no dropout, document ids or named tensors).
     """
-    descales = (q_descale, k_descale, v_descale)
+    descales = q_descale, k_descale, v_descale
+    fast = entry = None
+    if ((return_lse is False or return_lse is True) and deterministic is False and config is None and not tensors
+            and type(dropout_p) is float and dropout_p == 0.0
+            and q_descale is None and k_descale is None and v_descale is None):
+        fast = _fast_key(q, k, v, layout, causal, softmax_scale, mask, score_mod)
+        try:
+            entry = _FAST.get(fast)
+        except TypeError:  # a pattern dict
+            entry = fast = None
+        if entry:
+            return _fast_run(entry, q, k, v, return_lse)
     eager_key, kernel = _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
     if kernel is None:
         key = _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
@@ -499,7 +585,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
                        mask=mask, score_mod=score_mod, config=config)
         _remember(eager_key, kernel)
     # the bound kernel's config follows the call's length (its buckets), as the kernel's own __call__
-    return kernel._call(q, k, v, layout, return_lse, None, None, deterministic, descales, tensors)
+    out = kernel._call(q, k, v, layout, return_lse, None, None, deterministic, descales, tensors)
+    if fast is not None and entry is None and kernel._plain and type(mask) in _PLAIN and type(score_mod) in _PLAIN:
+        _fast_remember(_FAST, fast, kernel, q, k, v, layout)
+    return out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,

@@ -54,7 +54,9 @@ def _variant(causal, window_size, softcap, alibi_slopes):
     if causal:
         right = 0
     mask = None
-    if (left, right) != (-1, -1):
+    if (left, right) == (-1, 0):  # causal (bottom-right, as the window's bound): the plain causal spec, whose
+        causal = True  # kernel, tuned configs and no-grad fast path flashgen.attention(causal=True) shares
+    elif (left, right) != (-1, -1):
         mask = {"sliding_window": {"left": left, "right": right}}
         causal = False  # right = 0 is the causal bound
     mods = []

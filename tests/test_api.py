@@ -171,6 +171,125 @@ def test_a_bound_call_is_one_lookup_and_function_masks_are_not_kept(monkeypatch)
     assert len(api._BOUND) == before
 
 
+def _fast_path_calls(monkeypatch):
+    """Counts of the slow path's binding (api._eager_binding) per call, with empty binding tables."""
+    from flashgen import api
+
+    monkeypatch.setattr(api, "_BOUND", {})
+    monkeypatch.setattr(api, "_FAST", {})
+    slow = []
+    binding = api._eager_binding
+    monkeypatch.setattr(api, "_eager_binding", lambda *a: slow.append(1) or binding(*a))
+    return slow
+
+
+def test_a_repeated_no_grad_call_is_one_lookup_and_its_plan(monkeypatch):
+    """Issue 13: a no-grad call seen before runs its plan after one dict lookup on its tensors' metadata
+    (no binding, spec, plan key); fresh inputs give the reference's output, and any change of metadata
+    (strides, dtype, a binding argument) or a gradient to record takes the checked path again."""
+    slow = _fast_path_calls(monkeypatch)
+    q, k, v = t(1, 2, 40, 16), t(1, 2, 40, 16), t(1, 2, 40, 16)
+    first = flashgen.attention(q, k, v, causal=True)
+    assert len(slow) == 1
+    for _ in range(2):
+        q, k, v = t(1, 2, 40, 16), t(1, 2, 40, 16), t(1, 2, 40, 16)
+        out = flashgen.attention(q, k, v, causal=True)
+        torch.testing.assert_close(out, reference_attention(q, k, v, causal=True)[0].half(), atol=2e-3, rtol=2e-3)
+    assert len(slow) == 1 and out.shape == first.shape and out.is_contiguous()
+    flashgen.attention(q, k, v, causal=False)  # another binding
+    flashgen.attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, causal=True)  # other strides
+    flashgen.attention(q.float(), k.float(), v.float(), causal=True)
+    assert len(slow) == 4
+    # a gradient to record: the autograd function, whose gradients are the reference's
+    q.requires_grad_()
+    out = flashgen.attention(q, k, v, causal=True)
+    assert len(slow) == 5 and out.grad_fn is not None
+    with torch.no_grad():  # no gradient recorded: the fast path again
+        assert flashgen.attention(q, k, v, causal=True).grad_fn is None
+    assert len(slow) == 5
+    # the LSE too (flash-attn's compat functions ask for it)
+    out, lse = flashgen.attention(q.detach(), k, v, causal=True, return_lse=True)
+    ref_out, ref_lse = reference_attention(q.detach(), k, v, causal=True)
+    torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=2e-3)
+    assert lse.shape == (1, 2, 40) and len(slow) == 5
+    # options the fast path does not take: each call the checked path, with its own error
+    with pytest.raises(TypeError, match="return_lse"):
+        flashgen.attention(q.detach(), k, v, causal=True, return_lse=1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flashgen.attention(q.detach(), k, v, causal=True, dropout_p=2.0)
+
+
+def test_the_fast_path_keeps_a_seq_major_query_in_its_memory_order(monkeypatch):
+    """A bhsd q viewing bshd memory (model code's view + transpose) runs on bshd views on the fast path
+    as on the checked one: out comes back in q's memory order, with the reference's values."""
+    slow = _fast_path_calls(monkeypatch)
+    for _ in range(3):
+        q, k, v = (t(1, 40, 3, 16).transpose(1, 2) for _ in range(3))
+        out = flashgen.attention(q, k, v, causal=True)
+        torch.testing.assert_close(out, reference_attention(q, k, v, causal=True)[0].half(), atol=2e-3, rtol=2e-3)
+        assert out.transpose(1, 2).is_contiguous()
+    assert len(slow) == 1
+
+
+def test_the_fast_path_leaves_decode_shaped_calls_and_bound_launches_off_alone(monkeypatch):
+    from flashgen.runtime.launch import BoundLaunch
+
+    slow = _fast_path_calls(monkeypatch)
+    q, k = t(1, 2, 3, 16), t(1, 2, 40, 16)  # a few queries over a cache: routed per key length
+    for _ in range(2):
+        flashgen.attention(q, k, k, causal=True)
+    assert len(slow) == 2
+    q = t(1, 2, 40, 16)
+    flashgen.attention(q, q, q)
+    monkeypatch.setattr(BoundLaunch, "enabled", False)  # every call Triton's path, planned afresh
+    out = flashgen.attention(q, q, q)
+    assert len(slow) == 2 + 2
+    torch.testing.assert_close(out, reference_attention(q, q, q)[0].half(), atol=2e-3, rtol=2e-3)
+
+
+def test_a_kernel_objects_repeated_call_takes_its_bucket_plan(monkeypatch):
+    """flashgen.compile / flashgen.load kernels: a no-grad call seen before runs its plan directly, the plan
+    of its length's bucket (each bucket's config its own kernel)."""
+    from flashgen import ops
+    from flashgen.config import KernelConfig
+
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, causal=True)
+    small, large = KernelConfig(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=1), KernelConfig(
+        BLOCK_M=32, BLOCK_N=32, num_warps=2, num_stages=1)
+    kernel = flashgen.AttentionKernel(spec, bucket_configs={32: small, 128: large})
+    modules = []
+    module = ops.kernel_module
+    monkeypatch.setattr(ops, "kernel_module", lambda kid: modules.append(kid) or module(kid))
+    for seqlen in (32, 128, 32, 128):
+        q, k, v = t(1, 2, seqlen, 16), t(1, 2, seqlen, 16), t(1, 2, seqlen, 16)
+        torch.testing.assert_close(kernel(q, k, v), reference_attention(q, k, v, causal=True)[0].half(), atol=2e-3,
+                                   rtol=2e-3)
+    plans = [plan for plan, _ in kernel._fast.values()]
+    assert len(plans) == 2 and [p.launch.constexprs["BLOCK_M"] for p in plans] == [16, 32]
+    assert len(modules) == 4  # the first call of each length: its run and its plan's lookup; none after
+
+
+def test_flash_attn_funcs_repeated_call_takes_the_fast_path(monkeypatch):
+    """flashgen.compat.flash_attn_func asks for the LSE: its repeated no-grad calls take the fast path too,
+    returning flash-attn's (out, softmax_lse) with return_attn_probs."""
+    from flashgen.compat import flash_attn_func
+
+    slow = _fast_path_calls(monkeypatch)
+    for _ in range(3):
+        q, k, v = t(2, 40, 4, 16), t(2, 40, 2, 16), t(2, 40, 2, 16)
+        out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        ref_out, ref_lse = reference_attention(q, k, v, causal=True, layout="bshd")
+        torch.testing.assert_close(out, ref_out.half(), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=2e-3)
+    assert len(slow) == 1
+    # causal, and window_size (-1, 0), are flashgen.attention's causal (bottom-right): the same spec, bitwise
+    q = t(2, 24, 4, 16)
+    expected = flashgen.attention(q, k, v, causal=True, layout="bshd")
+    assert torch.equal(flash_attn_func(q, k, v, causal=True), expected)
+    assert torch.equal(flash_attn_func(q, k, v, window_size=(-1, 0)), expected)
+    assert torch.equal(flash_attn_func(q, k, v, causal=True, window_size=(-1, 5)), expected)
+
+
 def test_eager_backward_is_once_differentiable():
     # The kernels have no second derivative: a gradient computed with create_graph=True is marked
     # (AttentionFunction.backward takes a once_differentiable-like wrapper when grad mode is on), so a

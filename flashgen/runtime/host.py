@@ -1057,6 +1057,16 @@ class AttentionLauncher:
         head = (*head[:4], kb, kh, ks, kd, vb, vh, vs, vd, *head[12:20], seqlen_k, *head[21:])
         return plan(q, k, v, None, None, seed, None, None, None, head=head, launch=launch)
 
+    def dense_plan(self, q, k, v, layout):
+        """The plan forward(q, k, v, layout=layout) ran for a dense call with nothing else (no buffers, dropout,
+        named tensors, knobs, offsets or descales; CallPlan.plain), when that call is one plan's launch (not
+        decode-shaped: decode_call's route varies with the key length); None otherwise, or not run yet. Its
+        callers (api's no-grad fast path) keep it per call key and run it as plan(q, k, v, None, ..., None)."""
+        if self.fp8 or self.decode_key(q, k, v, layout, None) is not None:
+            return None
+        plan = self.cached_plan(self.dense_key(q, k, v, layout, None))
+        return plan if plan is not None and plan.plain else None
+
     def forward_call_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, fp8_args=(), knobs=None):
         """The ForwardPlan of a call: the cached one of its metadata key, else made (and checked) now."""
