@@ -74,7 +74,7 @@ class AttentionKernel:
         self._length_ids: dict[int, str] = {}  # sequence length -> its nearest bucket's kernel id (a call's lookup)
         self._names = tuple(spec.tensor_names)  # the named tensors a call passes, in kernel order
         self._fp8, self._dropout_p = spec.fp8, spec.dropout_p  # read on every call
-        # no-grad dense calls without options: _fast_key(q, k, v, layout) -> _fast_entry's (plan, seq_major) or False
+        # dense calls without options (the fast path): _fast_key(q, k, v, layout) -> _fast_entry's result
         self._fast: dict[tuple, tuple | bool] = {}
         self._plain = not self._fp8 and not self._dropout_p and not self._names  # such calls can take _fast
 
@@ -439,56 +439,62 @@ def _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, scor
         return None, None
 
 
-# ----------------------------------------------------------------------------- the no-grad fast path
-# An eager call that records no gradient, with no option but the binding arguments (no named tensors,
-# dropout, return_lse, deterministic, config or FP8 descales: inference, a prefill), runs a plan found by
-# one dict lookup on its tensors' metadata, the plan its first call made and checked (host.dense_plan):
-# no binding, spec or plan key between the call and the launch. Everything the slower path decides
-# per call (the bucket's kernel, the seq-major swap, the decode route) follows from that key.
+# ----------------------------------------------------------------------------- the fast path
+# An eager call with no option but the binding arguments (no named tensors, dropout, deterministic, config
+# or FP8 descales: inference, a prefill, a training step's forward), seen before with the same tensor
+# metadata, runs the plan its first call made and checked (host.dense_plan), found by one dict lookup on
+# that metadata: no binding, spec or plan key between the call and the launch (or, recording a gradient,
+# the autograd function, handed the plan). Everything the slower path decides per call (the bucket's
+# kernel, the seq-major swap, the decode route) follows from that key.
 _FAST: dict[tuple, tuple | bool] = {}  # _fast_key(...) + the binding arguments -> _fast_entry's result
+_GRAD = 16  # the place of _fast_key's gradient flag
 
 
 def _fast_key(q, k, v, layout, *binding):
-    """The key of a call that may take the fast path: its tensors' metadata, as a plan key has it, the
-    layout and `binding` (None where it cannot: traced, recording a gradient, bound launches off, or
+    """The key of a call that may take the fast path: its tensors' metadata, as a plan key has it, whether
+    it records a gradient, the layout and `binding` (None where it cannot: traced, bound launches off, or
     not tensors)."""
     if torch.compiler.is_compiling() or not host.BoundLaunch.enabled:
         return None
     try:
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            return None
         return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
                 k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
-                q.is_cpu and host.interpreting(), layout, *binding)
+                q.is_cpu and host.interpreting(),
+                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), layout, *binding)
     except AttributeError:
         return None
 
 
-def _fast_entry(kernel, q, k, v, layout):
-    """(plan, seq_major) of a call the slow path has just run (its plan cached then), or False where the
-    call runs more than one plan's launch (decode-shaped, dropout, a plan that is not dense)."""
+def _fast_entry(kernel, q, k, v, layout, grad):
+    """(plan, seq_major, call) of a call the slow path has just run (its plan cached then), or False where
+    the call runs more than one plan's launch (decode-shaped, a plan that is not dense). call: where the
+    call records a gradient, the autograd function's call tuple, which hands it the plan (else None)."""
     seq_major = layout == "bhsd" and ops._seq_major(q)
-    kernel_id = kernel._call_id(q, k, layout, None)
+    module = ops.kernel_module(kernel._call_id(q, k, layout, None))
     if seq_major:
-        q, k, v, layout = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "bshd"
-    plan = ops.kernel_module(kernel_id)._LAUNCHER.dense_plan(q, k, v, layout)
-    return (plan, seq_major) if plan is not None else False
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    plan = module._LAUNCHER.dense_plan(q, k, v, "bshd" if seq_major else layout)
+    if plan is None:
+        return False
+    return plan, seq_major, (module, layout, 0.0, False, 0, 0, (plan, seq_major)) if grad else None
 
 
 def _fast_remember(table, key, kernel, q, k, v, layout):
     if len(table) >= 4096:  # a bound on what changing shapes leave here
         table.clear()
     try:
-        table[key] = _fast_entry(kernel, q, k, v, layout)
+        table[key] = _fast_entry(kernel, q, k, v, layout, key[_GRAD])
     except TypeError:  # an unhashable binding argument (a pattern dict): such calls keep the slow path
         pass
 
 
 def _fast_run(entry, q, k, v, return_lse):
     """The output of a fast call (and its LSE): its plan's launch on the call's tensors (on bshd views for a
-    seq-major q)."""
-    plan, seq_major = entry
-    if seq_major:
+    seq-major q); through the autograd function where it records a gradient."""
+    plan, seq_major, call = entry
+    if call is not None:
+        out, lse = ops._apply_function(q, k, v, None, None, None, call)
+    elif seq_major:
         out, lse = plan(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, None)
         out = out.transpose(1, 2)
     else:

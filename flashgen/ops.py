@@ -221,8 +221,8 @@ class AttentionFunction(torch.autograd.Function):
     path flattens every argument through pytree and costs ~0.3 ms of CPU per training step,
     which dominates attention calls of under a millisecond (a sliding window, short documents).
     Under torch.compile the custom ops above are used instead (apply_attention picks). The
-    non-tensor arguments travel as one tuple (the module first): autograd.Function.apply pays per
-    argument. Eager calls enter through _apply_function (Function.apply's C++ half directly).
+    non-tensor arguments travel as one tuple (the module first; last, the plan api's fast path found, or
+    None): autograd.Function.apply pays per argument. Eager calls enter through _apply_function (Function.apply's C++ half directly).
 
     A dense call without dropout or named tensors saves q, k, v, out, lse only: its seed is the
     unused one (the plan passes its own) and it has no offsets, so there is nothing else to keep
@@ -230,17 +230,23 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, seed, cu_q, cu_k, call, *tensors):
-        module, layout, dropout_p, deterministic, max_q, max_k = call
-        # the launcher's training entry: the backward reuses this call's plan (no second key or check)
+        module, layout, dropout_p, deterministic, max_q, max_k, planned = call
         varlen = cu_q is not None
+        if planned is not None:  # api's fast path: (the plan of these tensors' metadata, seq_major), found by it
+            plan, ctx.seq_major = planned
+            if ctx.seq_major:
+                q, k, v, layout = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "bshd"
+            out, lse, ctx.extra = plan.training_call(q, k, v, seed, None, None, None)
+            ctx.plan = plan
+        else:
+            # the launcher's training entry: the backward reuses this call's plan (no second key or check)
+            def run(q, k, v, layout):
+                return module._LAUNCHER.training_forward(q, k, v, layout, dropout_p, seed, _named(module, tensors),
+                                                         cu_q, cu_k, max_q if varlen else None,
+                                                         max_k if varlen else None)
 
-        def run(q, k, v, layout):
-            return module._LAUNCHER.training_forward(q, k, v, layout, dropout_p, seed, _named(module, tensors), cu_q,
-                                                     cu_k, max_q if varlen else None, max_k if varlen else None)
-
-        ctx.seq_major, (q, k, v, layout), (out, lse, ctx.plan, ctx.extra) = _run_seq_major(run, q, k, v, layout)
-        if ctx.seq_major:
-            call = (module, layout, dropout_p, deterministic, max_q, max_k)
+            ctx.seq_major, (q, k, v, layout), (out, lse, ctx.plan, ctx.extra) = _run_seq_major(run, q, k, v, layout)
+        call = (module, layout, dropout_p, deterministic, max_q, max_k)  # the layout it ran
         if varlen or dropout_p or tensors:
             ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
         else:
@@ -409,7 +415,7 @@ def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor,
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (tensors and any(t.requires_grad for t in tensors))):
         return _apply_function(q, k, v, seed, cu_seqlens_q, cu_seqlens_k,
-                               (module, layout, dropout_p, deterministic, max_seqlen_q, max_seqlen_k), *tensors)
+                               (module, layout, dropout_p, deterministic, max_seqlen_q, max_seqlen_k, None), *tensors)
     seq_major, _, (out, lse) = _run_seq_major(
         lambda q, k, v, layout: _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_seqlens_q, cu_seqlens_k,
                                          max_seqlen_q, max_seqlen_k), q, k, v, layout)

@@ -200,10 +200,19 @@ def test_a_repeated_no_grad_call_is_one_lookup_and_its_plan(monkeypatch):
     flashgen.attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), v, causal=True)  # other strides
     flashgen.attention(q.float(), k.float(), v.float(), causal=True)
     assert len(slow) == 4
-    # a gradient to record: the autograd function, whose gradients are the reference's
+    # a gradient to record: the autograd function (handed the plan once seen), whose gradients are the reference's
     q.requires_grad_()
     out = flashgen.attention(q, k, v, causal=True)
     assert len(slow) == 5 and out.grad_fn is not None
+    for _ in range(2):
+        q, k, v = (t(1, 2, 40, 16).requires_grad_() for _ in range(3))
+        do = t(1, 2, 40, 16)
+        grads = torch.autograd.grad(flashgen.attention(q, k, v, causal=True), (q, k, v), do)
+        qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+        expected = torch.autograd.grad(reference_attention(qr, kr, vr, causal=True)[0], (qr, kr, vr), do.double())
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got.double(), want, atol=5e-3, rtol=5e-3)
+    assert len(slow) == 5
     with torch.no_grad():  # no gradient recorded: the fast path again
         assert flashgen.attention(q, k, v, causal=True).grad_fn is None
     assert len(slow) == 5
@@ -229,6 +238,16 @@ def test_the_fast_path_keeps_a_seq_major_query_in_its_memory_order(monkeypatch):
         torch.testing.assert_close(out, reference_attention(q, k, v, causal=True)[0].half(), atol=2e-3, rtol=2e-3)
         assert out.transpose(1, 2).is_contiguous()
     assert len(slow) == 1
+    for _ in range(3):  # recording a gradient: dq comes back in q's memory order too
+        q, k, v = (t(1, 40, 3, 16).transpose(1, 2).requires_grad_() for _ in range(3))
+        out = flashgen.attention(q, k, v, causal=True)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+        ref = reference_attention(qr, kr, vr, causal=True)[0]
+        for got, want in zip((dq, dk, dv), torch.autograd.grad(ref, (qr, kr, vr), torch.ones_like(ref))):
+            torch.testing.assert_close(got.double(), want, atol=5e-3, rtol=5e-3)
+        assert out.transpose(1, 2).is_contiguous() and dq.transpose(1, 2).is_contiguous()
+    assert len(slow) == 2
 
 
 def test_the_fast_path_leaves_decode_shaped_calls_and_bound_launches_off_alone(monkeypatch):
@@ -264,7 +283,7 @@ def test_a_kernel_objects_repeated_call_takes_its_bucket_plan(monkeypatch):
         q, k, v = t(1, 2, seqlen, 16), t(1, 2, seqlen, 16), t(1, 2, seqlen, 16)
         torch.testing.assert_close(kernel(q, k, v), reference_attention(q, k, v, causal=True)[0].half(), atol=2e-3,
                                    rtol=2e-3)
-    plans = [plan for plan, _ in kernel._fast.values()]
+    plans = [plan for plan, *_ in kernel._fast.values()]
     assert len(plans) == 2 and [p.launch.constexprs["BLOCK_M"] for p in plans] == [16, 32]
     assert len(modules) == 4  # the first call of each length: its run and its plan's lookup; none after
 

@@ -318,7 +318,9 @@ def test_a_training_step_keys_and_checks_its_calls_once(monkeypatch):
         out = kernel(q, k, v)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
         assert_gradients_close(grads, q, k, v, do, causal=True)
-    assert keys == ["dense"] * 3  # dense q, k, v and nothing else: the flat key (AttentionLauncher.dense_key)
+    # dense q, k, v and nothing else: the flat key (AttentionLauncher.dense_key), made by the first step and by
+    # api's fast path finding that step's plan; later steps (the kernel's fast path) make none
+    assert keys == ["dense"] * 2
     (plan,) = launcher.plans.values()
     assert len(plan.backward_plans) == 2  # dO contiguous, dO transposed
     monkeypatch.setattr(BoundLaunch, "enabled", False)
