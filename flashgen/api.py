@@ -452,16 +452,19 @@ _GRAD = 16  # the place of _fast_key's gradient flag
 
 def _fast_key(q, k, v, layout, *binding):
     """The key of a call that may take the fast path: its tensors' metadata, as a plan key has it, whether
-    it records a gradient, the layout and `binding` (None where it cannot: traced, bound launches off, or
-    not tensors)."""
+    it records a gradient, the layout and `binding` (None where it cannot: traced, bound launches off, a
+    decode-shaped call, whose route follows its key length (a generation step has a new one each time),
+    or not plain tensors: the checked path names the argument, or torch.func's wrappers the transform)."""
     if torch.compiler.is_compiling() or not host.BoundLaunch.enabled:
         return None
     try:
+        if q.shape[2 if layout == "bhsd" else 1] <= host.AttentionLauncher.DECODE_QUERIES:
+            return None
         return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
                 k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
                 q.is_cpu and host.interpreting(),
                 torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), layout, *binding)
-    except AttributeError:
+    except (AttributeError, IndexError, RuntimeError):  # (a tensor without storage: data_ptr raises)
         return None
 
 
@@ -484,7 +487,7 @@ def _fast_remember(table, key, kernel, q, k, v, layout):
         table.clear()
     try:
         table[key] = _fast_entry(kernel, q, k, v, layout, key[_GRAD])
-    except TypeError:  # an unhashable binding argument (a pattern dict): such calls keep the slow path
+    except TypeError:  # an unhashable binding argument: such calls keep the checked path
         pass
 
 
@@ -574,11 +577,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     fast = entry = None
     if ((return_lse is False or return_lse is True) and deterministic is False and config is None and not tensors
             and type(dropout_p) is float and dropout_p == 0.0
-            and q_descale is None and k_descale is None and v_descale is None):
+            and q_descale is None and k_descale is None and v_descale is None
+            and type(mask) in _PLAIN and type(score_mod) in _PLAIN):  # (not a pattern dict, function or object)
         fast = _fast_key(q, k, v, layout, causal, softmax_scale, mask, score_mod)
         try:
             entry = _FAST.get(fast)
-        except TypeError:  # a pattern dict
+        except TypeError:  # an unhashable argument: the checked path names it
             entry = fast = None
         if entry:
             return _fast_run(entry, q, k, v, return_lse)
@@ -592,7 +596,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         _remember(eager_key, kernel)
     # the bound kernel's config follows the call's length (its buckets), as the kernel's own __call__
     out = kernel._call(q, k, v, layout, return_lse, None, None, deterministic, descales, tensors)
-    if fast is not None and entry is None and kernel._plain and type(mask) in _PLAIN and type(score_mod) in _PLAIN:
+    if fast is not None and entry is None and kernel._plain:
         _fast_remember(_FAST, fast, kernel, q, k, v, layout)
     return out
 

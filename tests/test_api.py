@@ -253,17 +253,30 @@ def test_the_fast_path_keeps_a_seq_major_query_in_its_memory_order(monkeypatch):
 def test_the_fast_path_leaves_decode_shaped_calls_and_bound_launches_off_alone(monkeypatch):
     from flashgen.runtime.launch import BoundLaunch
 
+    from flashgen import api
+
     slow = _fast_path_calls(monkeypatch)
-    q, k = t(1, 2, 3, 16), t(1, 2, 40, 16)  # a few queries over a cache: routed per key length
-    for _ in range(2):
+    q = t(1, 2, 3, 16)  # a few queries over a cache: routed per key length, a new one per generation step
+    for length in (40, 41, 40):
+        k = t(1, 2, length, 16)
         flashgen.attention(q, k, k, causal=True)
-    assert len(slow) == 2
+    assert len(slow) == 3 and not api._FAST  # no lookup, no entry (they filled the table, one per length)
     q = t(1, 2, 40, 16)
     flashgen.attention(q, q, q)
     monkeypatch.setattr(BoundLaunch, "enabled", False)  # every call Triton's path, planned afresh
     out = flashgen.attention(q, q, q)
-    assert len(slow) == 2 + 2
+    assert len(slow) == 3 + 2
     torch.testing.assert_close(out, reference_attention(q, q, q)[0].half(), atol=2e-3, rtol=2e-3)
+
+
+def test_torch_func_transforms_get_the_checked_paths_error():
+    """torch.func's wrapper tensors have no storage: the fast path's key leaves them to the checked path,
+    whose error says what is wrong (the key's data_ptr raised a storage error)."""
+    q = t(1, 2, 24, 16).float()
+    flashgen.attention(q, q, q)
+    flashgen.attention(q, q, q)
+    with pytest.raises(RuntimeError, match="functorch transforms"):
+        torch.func.grad(lambda a: flashgen.attention(a, q, q).sum())(q)
 
 
 def test_a_kernel_objects_repeated_call_takes_its_bucket_plan(monkeypatch):
