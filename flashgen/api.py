@@ -497,11 +497,13 @@ def _fast_run(entry, q, k, v, return_lse):
     plan, seq_major, call = entry
     if call is not None:
         out, lse = ops._apply_function(q, k, v, None, None, None, call)
-    elif seq_major:
-        out, lse = plan(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, None)
+        return (out, lse) if return_lse else out
+    lse = None if return_lse else plan.unread_lse()
+    if seq_major:
+        out, lse = plan(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, lse, None, None, None, None)
         out = out.transpose(1, 2)
     else:
-        out, lse = plan(q, k, v, None, None, None, None, None, None)
+        out, lse = plan(q, k, v, None, lse, None, None, None, None)
     return (out, lse) if return_lse else out
 
 

@@ -187,6 +187,8 @@ def test_a_repeated_no_grad_call_is_one_lookup_and_its_plan(monkeypatch):
     """Issue 13: a no-grad call seen before runs its plan after one dict lookup on its tensors' metadata
     (no binding, spec, plan key); fresh inputs give the reference's output, and any change of metadata
     (strides, dtype, a binding argument) or a gradient to record takes the checked path again."""
+    from flashgen import api
+
     slow = _fast_path_calls(monkeypatch)
     q, k, v = t(1, 2, 40, 16), t(1, 2, 40, 16), t(1, 2, 40, 16)
     first = flashgen.attention(q, k, v, causal=True)
@@ -216,11 +218,17 @@ def test_a_repeated_no_grad_call_is_one_lookup_and_its_plan(monkeypatch):
     with torch.no_grad():  # no gradient recorded: the fast path again
         assert flashgen.attention(q, k, v, causal=True).grad_fn is None
     assert len(slow) == 5
-    # the LSE too (flash-attn's compat functions ask for it)
+    # the LSE too (flash-attn's compat functions ask for it): a fresh one per call; where nothing reads it, the
+    # plan's one unread buffer
     out, lse = flashgen.attention(q.detach(), k, v, causal=True, return_lse=True)
     ref_out, ref_lse = reference_attention(q.detach(), k, v, causal=True)
     torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=2e-3)
     assert lse.shape == (1, 2, 40) and len(slow) == 5
+    plan, _, _ = api._FAST[api._fast_key(q.detach(), k, v, "bhsd", True, None, None, None)]
+    unread = plan._unread_lse
+    assert unread is not None and unread.data_ptr() not in (lse.data_ptr(), first.data_ptr())
+    again = flashgen.attention(q.detach(), k, v, causal=True, return_lse=True)[1]
+    assert again.data_ptr() != lse.data_ptr() and torch.equal(again, lse)
     # options the fast path does not take: each call the checked path, with its own error
     with pytest.raises(TypeError, match="return_lse"):
         flashgen.attention(q.detach(), k, v, causal=True, return_lse=1)

@@ -423,6 +423,14 @@ class ForwardPlan(CallPlan):
         self.softmax_scale = self.dropout_p = None  # the call's scalars (set by forward_plan)
         self.backward_plans = {}  # (dO's tensor_key, deterministic, tensor_grads) -> BackwardPlan of this forward
         self.direct = False  # plain, one pointer-load launch of the Q-outer kernel (set by forward_plan)
+        self._unread_lse = None  # unread_lse()'s buffer
+
+    def unread_lse(self):
+        """The LSE buffer of calls whose LSE nothing reads (no gradient recorded, return_lse off: api's fast
+        path): one per plan, which each such call's kernel writes, so such a call allocates its output only."""
+        if self._unread_lse is None:
+            self._unread_lse = self.new_lse()
+        return self._unread_lse
 
     def training_call(self, q, k, v, seed, tensors, cu_seqlens_q, cu_seqlens_k):
         """(out, lse, extra) of a training step's forward (host.AttentionLauncher.training_forward): extra, the
