@@ -172,8 +172,8 @@ class AttentionKernel:
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             host.check_tensors(q, k, v, layout)  # raises, naming the argument
         descales = q_descale, k_descale, v_descale
-        if (self._plain and (return_lse is False or return_lse is True) and deterministic is False and config is None and not tensors
-                and (dropout_p is None or type(dropout_p) is float and dropout_p == 0.0)
+        if (self._plain and (return_lse is False or return_lse is True) and deterministic is False
+                and config is None and not tensors and (dropout_p is None or type(dropout_p) is float and dropout_p == 0.0)
                 and q_descale is None and k_descale is None and v_descale is None):
             key = _fast_key(q, k, v, layout)
             entry = self._fast.get(key)

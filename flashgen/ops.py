@@ -222,7 +222,8 @@ class AttentionFunction(torch.autograd.Function):
     which dominates attention calls of under a millisecond (a sliding window, short documents).
     Under torch.compile the custom ops above are used instead (apply_attention picks). The
     non-tensor arguments travel as one tuple (the module first; last, the plan api's fast path found, or
-    None): autograd.Function.apply pays per argument. Eager calls enter through _apply_function (Function.apply's C++ half directly).
+    None): autograd.Function.apply pays per argument. Eager calls enter through _apply_function
+    (Function.apply's C++ half directly).
 
     A dense call without dropout or named tensors saves q, k, v, out, lse only: its seed is the
     unused one (the plan passes its own) and it has no offsets, so there is nothing else to keep

@@ -1061,7 +1061,8 @@ class AttentionLauncher:
         """The plan forward(q, k, v, layout=layout) ran for a dense call with nothing else (no buffers, dropout,
         named tensors, knobs, offsets or descales; CallPlan.plain), when that call is one plan's launch (not
         decode-shaped: decode_call's route varies with the key length); None otherwise, or not run yet. Its
-        callers (api's no-grad fast path) keep it per call key and run it as plan(q, k, v, None, ..., None)."""
+        caller (api's fast path) keeps it per call key and runs it as plan(q, k, v, None, ...), or, recording
+        a gradient, hands it to the autograd function (plan.training_call)."""
         if self.fp8 or self.decode_key(q, k, v, layout, None) is not None:
             return None
         plan = self.cached_plan(self.dense_key(q, k, v, layout, None))
