@@ -172,9 +172,8 @@ class AttentionKernel:
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             host.check_tensors(q, k, v, layout)  # raises, naming the argument
         descales = q_descale, k_descale, v_descale
-        if (self._plain and (return_lse is False or return_lse is True) and deterministic is False
-                and config is None and not tensors and (dropout_p is None or type(dropout_p) is float and dropout_p == 0.0)
-                and q_descale is None and k_descale is None and v_descale is None):
+        if (self._plain and _fast_options(return_lse, deterministic, config, tensors, descales)
+                and (dropout_p is None or type(dropout_p) is float and dropout_p == 0.0)):
             key = _fast_key(q, k, v, layout)
             entry = self._fast.get(key)
             if entry:
@@ -447,7 +446,13 @@ def _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, scor
 # the autograd function, handed the plan). Everything the slower path decides per call (the bucket's
 # kernel, the seq-major swap, the decode route) follows from that key.
 _FAST: dict[tuple, tuple | bool] = {}  # _fast_key(...) + the binding arguments -> _fast_entry's result
-_GRAD = 16  # the place of _fast_key's gradient flag
+
+
+def _fast_options(return_lse, deterministic, config, tensors, descales) -> bool:
+    """Whether a call's options allow the fast path: return_lse either flag, no deterministic backward, config,
+    named tensors or FP8 descales (a flag that is not a bool takes the checked path, which names it)."""
+    return ((return_lse is False or return_lse is True) and deterministic is False and config is None
+            and not tensors and descales[0] is None and descales[1] is None and descales[2] is None)
 
 
 def _fast_key(q, k, v, layout, *binding):
@@ -468,11 +473,12 @@ def _fast_key(q, k, v, layout, *binding):
         return None
 
 
-def _fast_entry(kernel, q, k, v, layout, grad):
+def _fast_entry(kernel, q, k, v, layout):
     """(plan, seq_major, call) of a call the slow path has just run (its plan cached then), or False where
     the call runs more than one plan's launch (decode-shaped, a plan that is not dense). call: where the
     call records a gradient, the autograd function's call tuple, which hands it the plan (else None)."""
     seq_major = layout == "bhsd" and ops._seq_major(q)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)  # (as in its key)
     module = ops.kernel_module(kernel._call_id(q, k, layout, None))
     if seq_major:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -486,7 +492,7 @@ def _fast_remember(table, key, kernel, q, k, v, layout):
     if len(table) >= 4096:  # a bound on what changing shapes leave here
         table.clear()
     try:
-        table[key] = _fast_entry(kernel, q, k, v, layout, key[_GRAD])
+        table[key] = _fast_entry(kernel, q, k, v, layout)
     except TypeError:  # an unhashable binding argument: such calls keep the checked path
         pass
 
@@ -577,10 +583,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     """
     descales = q_descale, k_descale, v_descale
     fast = entry = None
-    if ((return_lse is False or return_lse is True) and deterministic is False and config is None and not tensors
-            and type(dropout_p) is float and dropout_p == 0.0
-            and q_descale is None and k_descale is None and v_descale is None
-            and type(mask) in _PLAIN and type(score_mod) in _PLAIN):  # (not a pattern dict, function or object)
+    # (mask and score_mod plain values: not a pattern dict, a function or an object)
+    if (_fast_options(return_lse, deterministic, config, tensors, descales) and type(dropout_p) is float
+            and dropout_p == 0.0 and type(mask) in _PLAIN and type(score_mod) in _PLAIN):
         fast = _fast_key(q, k, v, layout, causal, softmax_scale, mask, score_mod)
         try:
             entry = _FAST.get(fast)
