@@ -129,15 +129,18 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return (out, lse) if return_lse else out
 
 
-def compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slopes, softmax_scale):
+def compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slopes, softmax_scale,
+                    layout="bshd"):
     """The DecodeLauncher of a flash_attn_with_kvcache call: the spec its arguments describe is
     built, checked and compiled once per plain key (dtypes, heads, head dims, causal, window,
     softcap, ALiBi's rank, scale), then found with one dict lookup. An FP8 q (flash-attn 3's
     all-FP8 call) computes and outputs in bf16, as flash-attn 3 does; an FP8 cache does not
-    change the spec (its kernels read any cache dtype)."""
+    change the spec (its kernels read any cache dtype). layout "bhsd": q and the caches with their
+    heads in dim 1 (the launcher is the same: a spec has no layout)."""
+    heads = 2 if layout == "bshd" else 1
     try:
-        key = (q.dtype, q.shape[2], q.shape[3], k_cache.shape[2], k_cache.shape[3], v_cache.shape[3], bool(causal),
-               tuple(window_size) if window_size is not None else None, float(softcap or 0.0),
+        key = (q.dtype, q.shape[heads], q.shape[3], k_cache.shape[heads], k_cache.shape[3], v_cache.shape[3],
+               bool(causal), tuple(window_size) if window_size is not None else None, float(softcap or 0.0),
                None if alibi_slopes is None else (alibi_slopes.dtype, alibi_slopes.dim()), softmax_scale)
         launcher = _COMPAT.get(key)
     except (AttributeError, IndexError, TypeError, ValueError):  # the slow path names the argument
@@ -150,7 +153,7 @@ def compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slo
         if isinstance(q, torch.Tensor) and q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             q = q.new_empty(q.shape, dtype=torch.bfloat16)  # the spec's dtype: bf16, flash-attn 3's output
         try:
-            spec = spec_for(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, layout="bshd", mask=mask,
+            spec = spec_for(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, layout=layout, mask=mask,
                             score_mod=mods)
         except (TypeError, ValueError) as err:  # spec_for names its k and v: here they are the caches
             message = str(err)

@@ -230,6 +230,37 @@ def test_split_tickets_are_kept_per_stream(monkeypatch):
     assert len(host_decode.TICKETS) == host_decode.MAX_TICKET_STREAMS and (cpu, 11) not in host_decode.TICKETS
 
 
+def test_split_partials_are_one_buffer_per_stream_and_fresh_while_captured(device, monkeypatch):
+    # Split calls write their partial results into their stream's one buffer (split_parts: launches on a stream
+    # run in order), grown for a larger call and kept by each call per stream; calls of two plans interleaved,
+    # fused and with a combine launch, stay exact; while a graph is captured a call gets a buffer of its own.
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    launcher = flashgen.kvcache.decode_launcher(flashgen.compile(spec))
+    monkeypatch.setattr(host_decode, "PARTS", {})
+    seed, gen = _seeded()
+    small = Cache(gen, 3, 2, 16, (37, 1, 20), 48, torch.float16, device)
+    large = Cache(gen, 5, 2, 16, (60, 9, 33, 2, 47), 64, torch.float16, device)
+    queries = {id(c): torch.randn(c.k_cache.shape[0], 2, 4, 16, generator=gen).to(device=device, dtype=torch.float16)
+               for c in (small, large)}
+    for cache, fused in ((small, True), (large, False), (small, True), (large, True), (small, False)):
+        q = queries[id(cache)]
+        out, lse = launcher.decode(q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=3, BLOCK_N=16,
+                                   fused_combine=fused)
+        out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=True)
+        assert compare("out", out, out_ref, out_pt).ok and compare("lse", lse, lse_ref, lse_pt).ok, f"seed={seed}"
+    (where, _), parts = next(iter(host_decode.PARTS.items()))
+    assert len(host_decode.PARTS) == 1 and where.type == torch.device(device).type
+    assert parts.numel() >= 5 * 2 * 4 * 3 * (16 + 1)  # the large call's: rows x splits x (head dim + LSE)
+    cpu = torch.device("cpu")
+    call = host_decode.DecodeCall(plan={"fused": True, "grid": (3, 1, 4)}, device=cpu, part_numel=100,
+                                  new_part=lambda: torch.empty(100), split_buffers=None)
+    tickets, part = launcher.split_buffers(call, True, 5)  # captured: the graph's own
+    assert part.numel() == 100 and (cpu, 5) not in host_decode.PARTS and call.split_buffers is None
+    tickets, part = launcher.split_buffers(call, False, 5)
+    assert host_decode.PARTS[cpu, 5] is part and tickets is host_decode.TICKETS[cpu, 5]
+    assert launcher.split_buffers(call, False, 5)[1] is part and launcher.split_buffers(call, False, 7)[1] is not part
+
+
 def test_a_fused_decode_call_takes_its_current_streams_tickets(monkeypatch):
     # Each call of one cached call plan asks which stream is current and launches with that
     # stream's tickets (the plan keeps its first stream's only while that stream is current).
@@ -915,9 +946,11 @@ def test_attention_of_a_few_queries_over_many_keys_runs_the_decode_kernel(device
 
     monkeypatch.setattr(AttentionLauncher, "DECODER_KEYS", 8)
     reads, read = [], DecodeLauncher.read
-    monkeypatch.setattr(DecodeLauncher, "read", lambda self, q, *a, **k: reads.append(q.shape[1]) or read(self, q, *a, **k))
-    seed, gen = _seeded()
     seq = 1 if layout == "bshd" else 2
+    # (the call's own read: a bhsd read's first call of a length class reads its bshd views once more)
+    monkeypatch.setattr(DecodeLauncher, "read", lambda self, q, *a, **k: k.get("layout", "bshd") == layout and
+                        reads.append(q.shape[seq]) or read(self, q, *a, **k))
+    seed, gen = _seeded()
 
     def inputs(seqlen_q, seqlen_k):
         shape = lambda heads, n: (2, n, heads, 32) if layout == "bshd" else (2, heads, n, 32)  # noqa: E731
@@ -969,6 +1002,36 @@ def test_read_launches_as_decode_does(device, misaligned):
     pairs, what = _read_and_decode(device, (37, 38, 64, 65, 20, 80, 37), misaligned)
     for n, ((out, lse), (out_d, lse_d)) in zip((37, 38, 64, 65, 20, 80, 37), pairs):
         assert torch.equal(out, out_d) and torch.equal(lse, lse_d), f"{what} length {n}"
+
+
+@pytest.mark.parametrize("misaligned", [False, True], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_read_takes_bhsd_tensors_as_their_bshd_views(device, misaligned, seqlen_q):
+    # read(layout="bhsd") of tensors in transformers' order (q (B, H, Sq, D), caches (B, H_kv, S, D) slices of a
+    # longer buffer) launches as read() of their bshd views: bitwise equal, for lengths in and across length
+    # classes, before and after its short key is known (fails when launch_read passes the bhsd strides unpermuted).
+    from flashgen.runtime.decode import DecodeLauncher
+
+    seed, gen = _seeded()
+    spec = AttentionSpec(dtype="fp16", head_dim=32, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    launcher = flashgen.kvcache.decode_launcher(flashgen.compile(spec))
+    skip = 1 if misaligned else 0
+    flat = lambda n: torch.randn(n + skip, generator=gen).to(device=device, dtype=torch.float16)[skip:]  # noqa: E731
+    q = flat(2 * 4 * seqlen_q * 32).view(2, 4, seqlen_q, 32)
+    k_all, v_all = (flat(2 * 2 * 80 * 32).view(2, 2, 80, 32) for _ in range(2))
+    for n in (37, 38, 64, 65, 20, 80, 37):
+        k, v = k_all[:, :, :n], v_all[:, :, :n]
+        out, lse = launcher.read(q, k, v, 0.3, return_lse=True, layout="bhsd")
+        out_v, lse_v = launcher.read(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.3, return_lse=True)
+        assert out.shape == (2, seqlen_q, 4, 32) and torch.equal(out, out_v) and torch.equal(lse, lse_v), \
+            f"seed={seed} length {n}"
+    # one short key for every length (the launcher is shared: other tests' keys hold other shapes)
+    assert sum(key[:3] == (2, q.shape, q.stride()) for key in launcher.reads) == 1
+    with pytest.raises(ValueError, match="^layout: expected 'bshd' or 'bhsd', got 'bsdh'"):
+        launcher.read(q, k, v, 0.3, layout="bsdh")
+    with pytest.raises(ValueError, match="^k_cache: expected dtype"):  # the views' checks name the argument
+        launcher.read(q, k.float(), v, 0.3, layout="bhsd")
+    assert DecodeLauncher.read_key(q, None, v, 0.3, False, 2) is None
 
 
 @pytest.mark.parametrize("batch, seqlen_q", [(2, 0), (0, 1)])

@@ -211,8 +211,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     dropout = _number("dropout", dropout, float)
     if (attention_mask is None and s_aux is None and kwargs.get("cu_seq_lens_q") is None
             and _decode_shaped(query, key, value, is_causal, dropout)):  # a generation step: checked first
-        return _decode(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), _window(sliding_window),
-                       softcap, scaling), None
+        return _decode(query, key, value, _window(sliding_window), softcap, scaling), None
     if attention_mask is not None and attention_mask.dim() == 4:  # a model-specific or user mask
         if sliding_window is not None or softcap is not None or s_aux is not None:
             raise NotImplementedError("attention_mask: a 4-d mask cannot be combined with sliding_window, "
@@ -287,7 +286,8 @@ DECODE_MAX_QUERIES = 16  # the decode kernel packs a KV group's query rows into 
 # flashgen.attention (False: the prefill kernel's length-free plan up to 512 keys, then the same decode
 # kernel through more host layers). A generation step is host time (its kernels take microseconds), and
 # this route's is the least: DecodeLauncher.read() finds the step's plan by a short key without the
-# cache's length and launches it (launch_read). Host us per call (benchmarks/NOTES.md, session 16).
+# cache's length and launches it (launch_read) on the tensors as given. Host us per call: benchmarks/NOTES.md
+# (sessions 16 and 30).
 decode_calls = True
 
 
@@ -302,12 +302,14 @@ def _decode_shaped(query, key, value, is_causal, dropout):
             and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)))
 
 
-def _decode(q, k, v, window, softcap, scaling):
-    """(B, L, H, D) attention of the L newest queries over the whole cache (k, v (B, S, H_kv, D)
-    views of transformers' cache), by flashgen's split-KV decode kernel: causal bottom-right, window
-    (_window's keys before the query, or None) as flash-attn's (window, 0)."""
+def _decode(query, key, value, window, softcap, scaling):
+    """(B, L, H, D) attention of the L newest queries (query (B, H, L, D)) over the whole cache (key,
+    value (B, H_kv, S, D), transformers' cache), by flashgen's split-KV decode kernel: causal
+    bottom-right, window (_window's keys before the query, or None) as flash-attn's (window, 0). The
+    tensors are read in their own order (no transposed views: ~7 us of an H200 host per call)."""
     window_size = None if window is None else (window, 0)
-    return compat_launcher(q, k, v, True, window_size, softcap, None, scaling).read(q, k, v, scaling)[0]
+    launcher = compat_launcher(query, key, value, True, window_size, softcap, None, scaling, layout="bhsd")
+    return launcher.read(query, key, value, scaling, layout="bhsd")[0]
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, s_aux, kw):

@@ -29,12 +29,14 @@ the grid and every buffer come from shapes (the cache's capacity, never cache_se
 kernel reads cache_seqlens on the device. A split call may merge its splits in the split kernel
 (fused_combine): the last program of each row block to finish merges them, found by a ticket
 counter (split_tickets, one per device and stream) that every launch leaves at 0, so graph
-replays need no reset.
+replays need no reset. A split call's partial results go to its stream's one buffer (split_parts:
+launches on a stream run in order); while a graph is captured, to a buffer of the graph's own.
 
 Host time: everything a call derives from its arguments' shapes, strides, dtypes and devices
 (input checks, the launch plan, the kernels' scalar arguments) is computed once per such
 signature (DecodeLauncher.calls); a repeated call builds one key, allocates its outputs and
-launches. The launches skip Triton's argument binder after a kernel's first launch: each
+launches (read(layout="bhsd") takes a model's (B, H, S, D) tensors without transposed views).
+The launches skip Triton's argument binder after a kernel's first launch: each
 DecodeCall keeps the BoundLaunch objects (flashgen/runtime/launch.py) of its append, split-KV and
 combine launches per alignment of its tensors' pointers (what Triton specializes on besides the
 metadata the call key holds). A contiguous cache read without appending (a model's own cache,
@@ -58,7 +60,7 @@ import triton.language as tl  # the same module as the kernels' tl in a standalo
 
 from flashgen.runtime.host import AttentionLauncher, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import check_interpretable, check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
-from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature  # standalone: host.py precedes
+from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, launch_context  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
@@ -313,7 +315,7 @@ def _decode_append(K_CACHE, V_CACHE, K, V, SEQLENS, BT, CACHE_BATCH, K_DESCALE, 
     tl.store(V_CACHE + row * stride_wb + slot * stride_wn + offs_h * stride_wh + offs_dv * stride_wd, v, mask=v_mask)
 
 
-# ----------------------------------------------------------------------------- the fused merge's tickets
+# ----------------------------------------------------------------------------- split launches' buffers
 TICKETS = {}  # (device, stream handle) -> its int32 tickets, all 0 between launches
 MAX_TICKET_STREAMS = 64  # buffers kept (4 KiB and up each); a program making streams without end drops the oldest
 
@@ -325,6 +327,24 @@ def current_stream(device) -> int:
         return 0
     return triton.runtime.driver.active.get_current_stream(
         device.index if device.index is not None else torch.cuda.current_device())
+
+
+PARTS = {}  # (device, stream handle) -> the float32 buffer of partial results split launches on it share
+
+
+def split_parts(device, numel, stream):
+    """At least numel float32 elements on the device for the partial results (each split's output rows and
+    LSE) of split launches on `stream`: one buffer per stream, which its launches share (they run in
+    stream order: one launch's partials are merged, by its own programs or its combine launch, before the
+    next launch writes its own), grown as needed; an allocation fewer per call (~3 us of an H200 host)."""
+    key = (device, stream)
+    parts = PARTS.get(key)
+    if parts is None or parts.numel() < numel:
+        if parts is None and len(PARTS) >= MAX_TICKET_STREAMS:
+            del PARTS[next(iter(PARTS))]
+        size = max(numel, 2 * parts.numel() if parts is not None else 0)
+        parts = PARTS[key] = torch.empty(size, dtype=torch.float32, device=device)
+    return parts
 
 
 def split_tickets(device, count, stream=None):
@@ -357,13 +377,14 @@ def _meta(t):
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _meta_without_length(t):
+def _meta_without_length(t, seq_dim=1):
     """_meta of a contiguous cache (batch, S, H_kv, D) less what may depend on its length S: the
     size of dim 1 and the strides of dims 0 to 2 (plain launch arguments of the decode kernel;
     a (B, S, H_kv, D) view of transformers' (B, H_kv, S, D) cache has a head stride of S * D).
-    The last stride stays: the checks require 1."""
+    The last stride stays: the checks require 1. seq_dim 2: of a (B, H_kv, S, D) cache, the same
+    values as of its (B, S, H_kv, D) view."""
     shape = t.shape
-    return shape[0], shape[2], shape[3], t.stride(3), t.dtype, t.device
+    return shape[0], shape[3 - seq_dim], shape[3], t.stride(3), t.dtype, t.device
 
 
 def _call_key(free, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx, named, out, lse,
@@ -661,7 +682,7 @@ class DecodeLauncher:
                           append_constexprs=append_constexprs, append_grid=(batch * seqlen_add, 1, 1),
                           descale=descale, record=bounds_record(q.device), device=q.device, check=check, bound={},
                           lengths={},
-                          variants=None, tickets=None)
+                          variants=None, split_buffers=None)
 
     def bind(self, call):
         """The BoundLaunch objects of a call's (append, split-KV, combine) kernels; None where it has none."""
@@ -687,25 +708,35 @@ class DecodeLauncher:
         (decode() passes them, keying bound launches by how Triton specializes them)."""
         return entry.variants.get(self.length_class(entry.plan, capacity))
 
-    def read(self, q, k_cache, v_cache, softmax_scale=None, return_lse=False):
+    def read(self, q, k_cache, v_cache, softmax_scale=None, return_lse=False, layout="bshd"):
         """(out (B, Sq, H, Dv), lse (B, H, Sq) or None): decode(q, k_cache, v_cache,
         softmax_scale=softmax_scale, return_lse=return_lse), the attention of q over every key of a
         contiguous cache (B, S, H_kv, D), nothing appended: a model's own cache at each generation
         step (the transformers integration's decode calls, flashgen.attention's calls of a few
         queries). The same checks, plans and kernels as decode(); a call after the first of its
         length class is found by a short key (q's metadata, the caches' less their length, the
-        scale, return_lse) and launched, without decode()'s key of every argument."""
+        scale, return_lse) and launched, without decode()'s key of every argument.
+        layout "bhsd": q (B, H, Sq, D) and the caches (B, H_kv, S, D), transformers' own order, read
+        as their (B, Sq, H, D) views would be without making the views (three transposes: ~7 us of
+        an H200 host per call); out is (B, Sq, H, Dv) either way."""
+        if layout not in ("bshd", "bhsd"):
+            raise ValueError(f"layout: expected 'bshd' or 'bhsd', got {layout!r}")
+        seq = 1 if layout == "bshd" else 2  # the caches' length dim
         return_lse = bool(return_lse)
-        try:
-            key = (q.shape, q.stride(), q.dtype, q.device, _meta_without_length(k_cache),
-                   _meta_without_length(v_cache), softmax_scale, return_lse)
-            entry = self.reads.get(key)
-        except (AttributeError, IndexError, TypeError):  # not 4-d tensors: decode() names the argument
-            key = entry = None
+        key = self.read_key(q, k_cache, v_cache, softmax_scale, return_lse, seq)
+        entry = self.reads.get(key) if key is not None else None
         plain = type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor and self.tuned is None  # as free
         call = None
-        if entry is not None and plain and k_cache.shape[1] == v_cache.shape[1]:
-            call = self.length_free(entry, k_cache.shape[1])
+        if entry is not None and plain and k_cache.shape[seq] == v_cache.shape[seq]:
+            call = self.length_free(entry, k_cache.shape[seq])
+        if call is None and seq == 2:  # the views' read (its checks name the argument), remembered by this key
+            views = [t.transpose(1, 2) if isinstance(t, torch.Tensor) and t.dim() == 4 else t
+                     for t in (q, k_cache, v_cache)]
+            result = self.read(*views, softmax_scale, return_lse)
+            entry = self.reads.get(self.read_key(*views, softmax_scale, return_lse, 1))
+            if key is not None and entry is not None:
+                self.reads[key] = entry
+            return result
         if call is None:  # decode() checks and plans this length class, keyed without the length
             result = self.decode(q, k_cache, v_cache, softmax_scale=softmax_scale, return_lse=return_lse)
             if key is not None and plain and not self.attention.tensor_names:
@@ -717,29 +748,48 @@ class DecodeLauncher:
                         self.reads.clear()
                     self.reads[key] = entry
             return result
-        return self.launch_read(call, q, k_cache, v_cache)
+        return self.launch_read(call, q, k_cache, v_cache, seq)
 
     @staticmethod
-    def fused_tickets(call, captured):
-        """The tickets of a call whose split kernel merges its splits: while captured or traced, zeros
-        of the graph's own; else its stream's buffer, kept on the call as (stream, buffer)."""
+    def read_key(q, k_cache, v_cache, softmax_scale, return_lse, seq):
+        """read()'s short key of a call whose caches hold their length in dim `seq`, or None where the
+        arguments are not 4-d tensors (decode() names them)."""
+        try:
+            return (seq, q.shape, q.stride(), q.dtype, q.device, _meta_without_length(k_cache, seq),
+                    _meta_without_length(v_cache, seq), softmax_scale, return_lse)
+        except (AttributeError, IndexError, TypeError):
+            return None
+
+    @staticmethod
+    def split_buffers(call, captured, stream=None):
+        """(tickets, partials) of a split call: its fused merge's tickets (None unless its split kernel
+        merges its splits) and the buffer of its partial results. While captured or traced, the graph's
+        own (zeroed tickets, a fresh buffer); else its stream's (split_tickets, split_parts), kept on the
+        call as (stream, tickets, partials). stream: the current stream's handle on the call's device
+        where the caller has it."""
+        fused = call.plan["fused"]
         count = call.plan["grid"][1] * call.plan["grid"][2]
         if captured:
-            return split_tickets(call.device, count)
-        stream = current_stream(call.device)
-        if call.tickets is None or call.tickets[0] != stream:
-            call.tickets = (stream, split_tickets(call.device, count, stream))
-        return call.tickets[1]
+            return (split_tickets(call.device, count) if fused else None), call.new_part()
+        if stream is None:
+            stream = current_stream(call.device)
+        kept = call.split_buffers
+        if kept is None or kept[0] != stream:
+            kept = call.split_buffers = (stream, split_tickets(call.device, count, stream) if fused else None,
+                                         split_parts(call.device, call.part_numel, stream))
+        return kept[1], kept[2]
 
-    def launch_read(self, call, q, k_cache, v_cache):
+    def launch_read(self, call, q, k_cache, v_cache, seq=1):
         """launch() of a read() call (a length-free call: no append, cache_seqlens, named tensors,
         descales or buffers given), with only what such a call needs: the pointers that can be
         misaligned are q's and the caches' (launch() keys the bound launches with the same bits,
-        the rest being this call's own aligned allocations), the lengths' row is kept per length."""
+        the rest being this call's own aligned allocations), the lengths' row is kept per length,
+        the launch context is asked once. seq: the caches' length dim (2: bhsd tensors, their
+        strides passed as their bshd views' would be)."""
         record = call.record
         if record.words[0] and not device_sync_forbidden(call.device):  # an earlier call met an index out of range
             record.raise_recorded()
-        capacity = k_cache.shape[1]
+        capacity = k_cache.shape[seq]
         seqlens = call.lengths.get(capacity)
         if seqlens is None:
             seqlens = self.seqlens_arg(None, call.batch, capacity, call.device)
@@ -748,6 +798,9 @@ class DecodeLauncher:
                     call.lengths.clear()
                 call.lengths[capacity] = seqlens
         k_strides, v_strides = k_cache.stride(), v_cache.stride()
+        if seq == 2:
+            k_strides = (k_strides[0], k_strides[2], k_strides[1], k_strides[3])
+            v_strides = (v_strides[0], v_strides[2], v_strides[1], v_strides[3])
         head, middle, end = call.scalar_parts
         align = ((q.data_ptr() & 15 and 1) | (k_cache.data_ptr() & 15 and 2) | (v_cache.data_ptr() & 15 and 4),
                  argument_signature((*k_strides[:3], *v_strides[:3], capacity)))
@@ -759,13 +812,18 @@ class DecodeLauncher:
         lse = call.new_lse() if call.write_lse else None
         if call.batch * call.seqlen_q == 0:
             return out, lse
-        part = call.new_part() if call.part_numel else out
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
-        tickets = self.fused_tickets(call, device_sync_forbidden(call.device)) if call.plan["fused"] else seqlens
-        kernel(q, k_cache, v_cache, out, lse_arg, part, seqlens, seqlens, seqlens, record.tensor, seqlens, seqlens,
-               seqlens, tickets, *head, *k_strides, *v_strides, *middle, capacity, *end)
+        context = launch_context() if kernel.bindable() else None  # (device index, stream) or None: Triton's path
+        tickets, part = seqlens, out  # (never read by a call without splits)
+        if call.part_numel:
+            stream = context[1] if context is not None and context[0] == call.device.index else None
+            tickets, part = self.split_buffers(call, device_sync_forbidden(call.device), stream)
+            tickets = seqlens if tickets is None else tickets  # (read only by a fused merge)
+        kernel.run(context, (q, k_cache, v_cache, out, lse_arg, part, seqlens, seqlens, seqlens, record.tensor,
+                             seqlens, seqlens, seqlens, tickets, *head, *k_strides, *v_strides, *middle, capacity,
+                             *end))
         if combine is not None:
-            combine(out, lse_arg, part, *call.combine_args)
+            combine.run(context, (out, lse_arg, part, *call.combine_args))
         if record.immediate and not device_sync_forbidden(call.device):
             record.raise_recorded()
         return out, lse
@@ -870,9 +928,11 @@ class DecodeLauncher:
             append(k_cache, v_cache, k, v, seqlens, bt, cbi, k_descale, v_descale, *call.append_args)
         if call.batch * call.seqlen_q == 0:
             return out, lse
-        part = call.new_part() if call.part_numel else out
         lse_arg = lse if lse is not None else out  # never written without WRITE_LSE
-        tickets = self.fused_tickets(call, not watch) if call.plan["fused"] else seqlens  # never read unless fused
+        tickets, part = seqlens, out  # (never read by a call without splits)
+        if call.part_numel:
+            tickets, part = self.split_buffers(call, not watch)
+            tickets = seqlens if tickets is None else tickets  # (read only by a fused merge)
         kernel(q, k_cache, v_cache, out, lse_arg, part, seqlens, bt, cbi, record.tensor, q_descale, k_descale,
                v_descale, tickets, *scalars, *self.attention.tensor_args(named))
         if combine is not None:

@@ -1026,8 +1026,7 @@ class AttentionLauncher:
         if routed:
             if layout == "bshd":
                 return self.decoder.read(q, k, v, softmax_scale, return_lse=True)
-            out, lse = self.decoder.read(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale,
-                                         return_lse=True)
+            out, lse = self.decoder.read(q, k, v, softmax_scale, return_lse=True, layout="bhsd")
             batch, _, heads, dv = out.shape  # one query: (B, 1, H, Dv) holds (B, H, 1, Dv) with the same strides
             return out.view(batch, heads, 1, dv), lse
         decode = self.plans.get(key)
