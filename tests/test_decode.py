@@ -231,9 +231,11 @@ def test_split_tickets_are_kept_per_stream(monkeypatch):
 
 
 def test_split_partials_are_one_buffer_per_stream_and_fresh_while_captured(device, monkeypatch):
-    # Split calls write their partial results into their stream's one buffer (split_parts: launches on a stream
-    # run in order), grown for a larger call and kept by each call per stream; calls of two plans interleaved,
-    # fused and with a combine launch, stay exact; while a graph is captured a call gets a buffer of its own.
+    # Fused split calls write their partial results into their stream's one buffer (split_parts: launches on a
+    # stream run in order, each merging its own), grown for a larger call and kept by each call per stream; calls
+    # of two plans interleaved, fused and with a combine launch, stay exact; while a graph is captured a call gets
+    # a buffer of its own, and so does every call with a combine launch (another thread's launches on the stream
+    # may come between its split and combine launches).
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
     launcher = flashgen.kvcache.decode_launcher(flashgen.compile(spec))
     monkeypatch.setattr(host_decode, "PARTS", {})
@@ -259,6 +261,11 @@ def test_split_partials_are_one_buffer_per_stream_and_fresh_while_captured(devic
     tickets, part = launcher.split_buffers(call, False, 5)
     assert host_decode.PARTS[cpu, 5] is part and tickets is host_decode.TICKETS[cpu, 5]
     assert launcher.split_buffers(call, False, 5)[1] is part and launcher.split_buffers(call, False, 7)[1] is not part
+    combined = host_decode.DecodeCall(plan={"fused": False, "grid": (3, 1, 4)}, device=cpu, part_numel=100,
+                                      new_part=lambda: torch.empty(100), split_buffers=None)
+    tickets, part = launcher.split_buffers(combined, False, 5)
+    assert tickets is None and part is not host_decode.PARTS[cpu, 5]
+    assert launcher.split_buffers(combined, False, 5)[1] is not part
 
 
 def test_a_fused_decode_call_takes_its_current_streams_tickets(monkeypatch):

@@ -29,7 +29,7 @@ the grid and every buffer come from shapes (the cache's capacity, never cache_se
 kernel reads cache_seqlens on the device. A split call may merge its splits in the split kernel
 (fused_combine): the last program of each row block to finish merges them, found by a ticket
 counter (split_tickets, one per device and stream) that every launch leaves at 0, so graph
-replays need no reset. A split call's partial results go to its stream's one buffer (split_parts:
+replays need no reset. Such a call's partial results go to its stream's one buffer (split_parts:
 launches on a stream run in order); while a graph is captured, to a buffer of the graph's own.
 
 Host time: everything a call derives from its arguments' shapes, strides, dtypes and devices
@@ -329,14 +329,14 @@ def current_stream(device) -> int:
         device.index if device.index is not None else torch.cuda.current_device())
 
 
-PARTS = {}  # (device, stream handle) -> the float32 buffer of partial results split launches on it share
+PARTS = {}  # (device, stream handle) -> the float32 buffer of partial results fused split launches on it share
 
 
 def split_parts(device, numel, stream):
     """At least numel float32 elements on the device for the partial results (each split's output rows and
-    LSE) of split launches on `stream`: one buffer per stream, which its launches share (they run in
-    stream order: one launch's partials are merged, by its own programs or its combine launch, before the
-    next launch writes its own), grown as needed; an allocation fewer per call (~3 us of an H200 host)."""
+    LSE) of fused split launches on `stream`: one buffer per stream, which its launches share (they run in
+    stream order, and each merges its own partials before it ends), grown as needed; an allocation fewer
+    per call (~3 us of an H200 host)."""
     key = (device, stream)
     parts = PARTS.get(key)
     if parts is None or parts.numel() < numel:
@@ -762,20 +762,22 @@ class DecodeLauncher:
 
     @staticmethod
     def split_buffers(call, captured, stream=None):
-        """(tickets, partials) of a split call: its fused merge's tickets (None unless its split kernel
-        merges its splits) and the buffer of its partial results. While captured or traced, the graph's
-        own (zeroed tickets, a fresh buffer); else its stream's (split_tickets, split_parts), kept on the
-        call as (stream, tickets, partials). stream: the current stream's handle on the call's device
-        where the caller has it."""
-        fused = call.plan["fused"]
+        """(tickets, partials) of a split call: its fused merge's tickets and the buffer of its partial
+        results. A fused call (one launch, which merges its own partials) takes its stream's
+        (split_tickets, split_parts), kept on the call as (stream, tickets, partials); while captured or
+        traced, the graph's own (zeroed tickets, a fresh buffer). A call with a combine launch (no tickets:
+        None) gets a buffer of its own: another host thread's launches on the stream may come between its
+        two. stream: the current stream's handle on the call's device where the caller has it."""
+        if not call.plan["fused"]:
+            return None, call.new_part()
         count = call.plan["grid"][1] * call.plan["grid"][2]
         if captured:
-            return (split_tickets(call.device, count) if fused else None), call.new_part()
+            return split_tickets(call.device, count), call.new_part()
         if stream is None:
             stream = current_stream(call.device)
         kept = call.split_buffers
         if kept is None or kept[0] != stream:
-            kept = call.split_buffers = (stream, split_tickets(call.device, count, stream) if fused else None,
+            kept = call.split_buffers = (stream, split_tickets(call.device, count, stream),
                                          split_parts(call.device, call.part_numel, stream))
         return kept[1], kept[2]
 
