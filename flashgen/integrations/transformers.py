@@ -105,9 +105,10 @@ KEEP, DOCUMENTS = "fg_keep", "fg_documents"  # the named tensors of _traced_mask
 def _traced_masks(mask, attention_mask, position_ids, batch, seqlen_q, seqlen_k, sinks, tensors):
     """Under torch.compile, a layer's mask with its padding and packed positions as dense masks over named
     tensors: unpadding (nonzero) and the positions' test read values, which fullgraph cannot trace. A
-    (batch, keys) padding mask (its shape checked by the caller) masks the padded keys, as SDPA's 4-d mask does; packed positions (batch 1,
-    positions restarting) become document ids, a query seeing its own document's keys (a single run of
-    positions is one document). sinks: the keys have the sink's row in front (_with_sink_rows)."""
+    (batch, keys) padding mask (its shape checked by the caller) masks the padded keys, as SDPA's 4-d mask
+    does; packed positions (batch 1, positions restarting) become document ids, a query seeing its own
+    document's keys (a single run of positions is one document). sinks: the keys have the sink's row in
+    front (_with_sink_rows)."""
     extra = []
     if attention_mask is not None:
         keep = attention_mask.bool()
