@@ -160,8 +160,12 @@ def train_profile(torch, model, ids, use, steps=3) -> dict:
 
 
 def benchmark(args) -> dict:
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if "triton" in sys.modules:
+            # @triton.jit chose compiled or interpreted when this process imported it: setting the
+            # variable now would leave some kernels compiled and later ones interpreted.
+            raise SystemExit("--device cpu: set TRITON_INTERPRET=1 before this process imports triton")
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     import torch
     import transformers
 

@@ -55,7 +55,7 @@ def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
         flashgen.attention(*cpu)
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's case (a kernel module imported under it stays so)")
+@pytest.mark.interpreter  # a kernel module imported under the interpreter stays so
 def test_bf16_under_the_interpreter_is_refused():
     # Triton's interpreter computes bf16 dot products wrong (errors of 1e8 on unit inputs): refused, on
     # every path that runs a kernel, rather than returned

@@ -121,7 +121,13 @@ def test_persistent_backward_with_dropout_and_tensor_gradients(device):
         dq, dk, dv, t = module.backward(do, q, k, v, out, lse, dropout_p=0.2, seed=seed,
                                         tensors={"alibi_slopes": slopes}, tensor_grads=["alibi_slopes"])
         grads.append((dq, dk, dv, t["alibi_slopes"]))
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    (*persistent, slopes), (*one_walk, slopes_ref) = grads
+    assert all(torch.equal(a, b) for a, b in zip(persistent, one_walk))
+    # The slopes' gradient is summed by atomic adds, in whatever order a GPU's programs reach them.
+    if device == "cpu":
+        assert torch.equal(slopes, slopes_ref)
+    else:
+        torch.testing.assert_close(slopes, slopes_ref, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- the knob itself
@@ -219,6 +225,7 @@ def test_fused_delta_over_packed_sequences_and_dropout(device):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.interpreter
 def test_fused_delta_knob_is_checked_and_left_out_of_stored_configs_when_off():
     with pytest.raises(ConfigError, match="config knob 'bwd_fused_delta'.*dq_strategy='atomic'"):
         KernelConfig(bwd_fused_delta=True, dq_strategy="atomic")

@@ -18,6 +18,7 @@ MODES = ["prefill", "train_step", "generate", "generate (through flashgen.attent
 
 
 @pytest.mark.slow
+@pytest.mark.interpreter
 def test_tiny_cpu_run_writes_every_row(tmp_path):
     assert bench.main(["--tiny", "--device", "cpu", "--out", str(tmp_path), "--warmup", "0", "--steps", "1",
                        "--seqlen", "12", "--prompt", "4", "--new-tokens", "2"]) == 0

@@ -16,6 +16,9 @@ from .helpers import child_pythonpath
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_GPU = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")  # conftest sets it where there is no GPU
+# In-process tunes run on what this process runs: --interpret where the interpreter is on (it cannot
+# be switched on inside a process that imported Triton compiled), the GPU where there is one.
+INTERPRET = [] if ON_GPU else ["--interpret"]
 
 
 def test_help_lists_the_verbs():
@@ -190,7 +193,7 @@ def _database(fault: str, tmp_path, sound: Path) -> str:
 
 
 VERBS = {
-    "tune": lambda tmp, sound: ["tune", "--spec", str(SMALL_SPEC), "--interpret", "--trials", "1"],
+    "tune": lambda tmp, sound: ["tune", "--spec", str(SMALL_SPEC), *INTERPRET, "--trials", "1"],
     "show": lambda tmp, sound: ["show"],
     "export": lambda tmp, sound: ["export", "--gpu", "triton-interpreter", "-o", str(tmp / "out.yaml")],
     "import": lambda tmp, sound: ["import", str(sound / "results.yaml")],
@@ -223,7 +226,8 @@ def test_every_verb_against_every_database_fault(verb, fault, tmp_path, sound_da
 
     if (verb, fault) == ("tune", "missing"):
         pytest.skip("tune creates a missing database and tunes into it (test_tuner runs that)")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # bench: the same cell on a GPU machine
+    if verb != "tune":  # tune meets the database before any trial, on a GPU (compiled) or the interpreter
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # bench: the same cell on a GPU machine
     db = _database(fault, tmp_path, sound_database)
     result = CliRunner().invoke(main, [*VERBS[verb](tmp_path, sound_database), "--db", db])
     expected = EXPECTED[verb, fault]
@@ -255,7 +259,7 @@ BAD_PATHS = {  # verb arguments -> exit code and words of the one error line
                                        str(Path(_write(t / "f", b"x")) / "k.py")], 1, "cannot write",
                             "is not a directory"),
     "target": (lambda t: ["generate", "--spec", str(SMALL_SPEC), "--target", "tpu"], 2, "'tpu' is not one of"),
-    "tune-spec-missing": (lambda t: ["tune", "--spec", str(t / "nope.yaml"), "--interpret"], 2, "nope.yaml"),
+    "tune-spec-missing": (lambda t: ["tune", "--spec", str(t / "nope.yaml"), *INTERPRET], 2, "nope.yaml"),
     "bench-seqlens": (lambda t: ["bench", "--spec", str(SMALL_SPEC), "--seqlens", "1,a"], 2, "comma-separated"),
     "import-missing": (lambda t: ["import", str(t / "nope.yaml")], 2, "does not exist"),
     "import-latin1": (lambda t: ["import", _write(t / "r.yaml", b"gpu: caf\xe9\n"), "--db",
@@ -421,7 +425,7 @@ def test_readme_main_job_runs_in_a_fresh_process(tmp_path):
     assert "no config passed" not in proc.stdout and "1.00x" in proc.stdout, proc.stdout[-2000:]
 
 
-@pytest.mark.skipif(ON_GPU, reason="uses --interpret")
+@pytest.mark.interpreter  # tunes in-process with --interpret
 def test_tune_no_default_reaches_the_tuner(tmp_path, monkeypatch):
     # `flashgen tune --no-default`: the studies start without the heuristic default enqueued
     import flashgen.tuner
@@ -447,7 +451,7 @@ def test_tune_refuses_a_nan_timeout():
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
 def test_tune_refuses_an_in_memory_database(url):
     # it tuned, said the results were stored, and they were gone when it exited
-    result = CliRunner().invoke(main, ["tune", "--spec", str(SMALL_SPEC), "--interpret", "--db", url])
+    result = CliRunner().invoke(main, ["tune", "--spec", str(SMALL_SPEC), *INTERPRET, "--db", url])
     _one_error(result, 2, "'--db'", "in-memory SQLite database keeps nothing")
 
 
@@ -456,9 +460,9 @@ def test_tune_takes_any_seed_its_option_allows(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text("name: tiny\ndtype: fp32\nhead_dim: 16\nnum_heads: 1\ntune: {seqlens: [16], trials: 1}\n")
     db = ["--db", f"sqlite:///{tmp_path / 'seed.sqlite'}"]
-    result = CliRunner().invoke(main, ["tune", "--spec", str(spec), "--interpret", "--seed", str(2**32 - 1), *db])
+    result = CliRunner().invoke(main, ["tune", "--spec", str(spec), *INTERPRET, "--seed", str(2**32 - 1), *db])
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output
-    _one_error(CliRunner().invoke(main, ["tune", "--spec", str(spec), "--interpret", "--seed", "-1", *db]), 2,
+    _one_error(CliRunner().invoke(main, ["tune", "--spec", str(spec), *INTERPRET, "--seed", "-1", *db]), 2,
                "'--seed'", "-1 is not in the range 0<=x<=4294967295")
 
 

@@ -12,6 +12,7 @@ import flashgen
 from flashgen import AttentionSpec
 from flashgen.db import EnvInfo, ResultStore, SchemaVersionError, TrialRecord
 from flashgen.db import layer as layer_mod
+from flashgen.db.kernels import target_of
 from flashgen.config import KernelConfig, default_config
 from flashgen.loader import lookup
 
@@ -57,6 +58,22 @@ def url(request, tmp_path, postgres_url):
     drop_all_tables(pg)
     yield pg
     drop_all_tables(pg)
+
+
+def test_the_interpreter_is_the_environment_wherever_it_runs(monkeypatch):
+    # Under TRITON_INTERPRET a GPU machine's kernels run interpreted: lookups serve (and tunes store)
+    # the interpreter's results, not the GPU's (load found none after `tune --interpret` there).
+    import types
+
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132, total_memory=2**37)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpu)
+    assert EnvInfo.current().gpu == EnvInfo.current(interpret=True).gpu == "triton-interpreter"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert EnvInfo.current().gpu == "NVIDIA H200"
 
 
 def test_round_trip_and_upsert(url):
@@ -365,7 +382,7 @@ def test_one_bad_shipped_file_is_skipped_alone_and_said_once(tmp_path, monkeypat
     with pytest.warns(flashgen.FlashgenFallbackWarning) as record:
         kernel = flashgen.load(SPEC, db=empty)
     assert kernel.config_source == "tuning_db" and kernel.bucket_configs[1024].BLOCK_M == 32
-    assert 2048 not in kernel.bucket_configs or kernel.bucket_configs[2048] == default_config(SPEC, seqlen=2048)
+    assert 2048 not in kernel.bucket_configs or kernel.bucket_configs[2048] == default_config(SPEC, target_of(here), seqlen=2048)
     assert kernel.config_for(1000).BLOCK_M == 32
     messages = [str(w.message) for w in record]
     assert len(messages) == 2, messages
@@ -401,7 +418,7 @@ def test_malformed_rows_in_the_database_are_skipped_and_reported(tmp_path, monke
     with pytest.warns(flashgen.FlashgenFallbackWarning, match="skipping 3 malformed tuning result"):
         kernel = flashgen.load(SPEC, db=f"sqlite:///{path}")
     assert kernel.bucket_configs[512].BLOCK_M == 64 and kernel.config_for(500).BLOCK_M == 64  # calls still work
-    assert kernel.bucket_configs[256] == default_config(SPEC, seqlen=256)  # the skipped row's bucket: its default
+    assert kernel.bucket_configs[256] == default_config(SPEC, target_of(here), seqlen=256)  # the skipped row's bucket: its default
     result = CliRunner().invoke(main, ["db", "check", "--db", f"sqlite:///{path}"])
     assert result.exit_code == 1, result.output
     assert "bucket 0 'fwd') is invalid: field 'bucket'" in result.output
@@ -469,7 +486,7 @@ def test_a_stored_config_the_spec_cannot_take_is_skipped(tmp_path, monkeypatch, 
     store.close()
     with pytest.warns(flashgen.FlashgenFallbackWarning, match="skipping 1 malformed.*1024.*shared memory"):
         kernel = flashgen.load(spec, db=f"sqlite:///{tmp_path / 'db.sqlite'}")
-    assert kernel.bucket_configs[1024] == default_config(spec, seqlen=1024)
+    assert kernel.bucket_configs[1024] == default_config(spec, target_of(here), seqlen=1024)
     assert kernel.bucket_configs[4096].num_stages == 3 and kernel.bucket_configs[4096].family == "hopper_ws"
 
 
@@ -620,7 +637,7 @@ def test_a_stale_result_is_said_never_used_and_replaced(row, tmp_path, monkeypat
                                                                                      ["0" * 16])
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="tunes through the interpreter")
+@pytest.mark.interpreter
 def test_tune_says_a_stored_result_is_stale_and_replaces_it(tmp_path, monkeypatch):
     from click.testing import CliRunner
 

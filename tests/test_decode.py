@@ -268,6 +268,7 @@ def test_split_partials_are_one_buffer_per_stream_and_fresh_while_captured(devic
     assert launcher.split_buffers(combined, False, 5)[1] is not part
 
 
+@pytest.mark.interpreter
 def test_a_fused_decode_call_takes_its_current_streams_tickets(monkeypatch):
     # Each call of one cached call plan asks which stream is current and launches with that
     # stream's tickets (the plan keeps its first stream's only while that stream is current).
@@ -382,38 +383,46 @@ def _paged_inputs(device, page_size=4):
     return q, cache, table
 
 
+def _checked(*args, **kwargs):
+    """flash_attn_with_kvcache, then check_bounds(): a GPU's kernels record what they met and the
+    call returns (the next call or check_bounds() raises); the CPU's call raises itself."""
+    out = flash_attn_with_kvcache(*args, **kwargs)
+    flashgen.check_bounds()
+    return out
+
+
 def test_bad_block_table_and_cache_seqlens_are_errors(device):
     q, cache, table = _paged_inputs(device)
     bad = table.clone()
     bad[1, 1] = 6
     with pytest.raises(ValueError, match=r"block_table: .*\[0, 6\).* got 6 at \[1, 1\]"):
-        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([3, 7], dtype=torch.int32,
+        _checked(q, cache, cache, cache_seqlens=torch.tensor([3, 7], dtype=torch.int32,
                                                                             device=device), block_table=bad)
     # an entry past the sequence's length is never read: no error
-    flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([3, 4], dtype=torch.int32, device=device),
+    _checked(q, cache, cache, cache_seqlens=torch.tensor([3, 4], dtype=torch.int32, device=device),
                             block_table=bad)
     bad[0, 0] = -1
     with pytest.raises(ValueError, match="block_table: .* got -1 at \\[0, 0\\]"):
-        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1, block_table=bad)
+        _checked(q, cache, cache, cache_seqlens=1, block_table=bad)
     with pytest.raises(ValueError, match="cache_seqlens: .*capacity 12, got 13 at index 1"):
-        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([3, 13], dtype=torch.int32,
+        _checked(q, cache, cache, cache_seqlens=torch.tensor([3, 13], dtype=torch.int32,
                                                                             device=device), block_table=table)
     new = torch.zeros(2, 2, 1, 16, dtype=torch.float16, device=device)
     with pytest.raises(ValueError, match="cache_seqlens: .*capacity 12, got 11 \\+ 2 appended at index 0"):
-        flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=torch.tensor([11, 3], dtype=torch.int32,
+        _checked(q, cache, cache, new, new, cache_seqlens=torch.tensor([11, 3], dtype=torch.int32,
                                                                                       device=device), block_table=table)
     with pytest.raises(ValueError, match="cache_seqlens: expected lengths >= 0, got -2 at index 0"):
-        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([-2, 3], dtype=torch.int32,
+        _checked(q, cache, cache, cache_seqlens=torch.tensor([-2, 3], dtype=torch.int32,
                                                                             device=device), block_table=table)
     with pytest.raises(ValueError, match="page_size: .*got 300"):
         big = torch.zeros(1, 300, 1, 16, dtype=torch.float16, device=device)
-        flash_attn_with_kvcache(q, big, big, cache_seqlens=1, block_table=table[:, :1])
+        _checked(q, big, big, cache_seqlens=1, block_table=table[:, :1])
     with pytest.raises(ValueError, match="block_table: expected a 2-d int32"):
-        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1, block_table=table.long())
+        _checked(q, cache, cache, cache_seqlens=1, block_table=table.long())
     with pytest.raises(ValueError, match="cache_seqlens: expected an int or an int32 tensor"):
-        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=torch.tensor([1, 2], device=device), block_table=table)
+        _checked(q, cache, cache, cache_seqlens=torch.tensor([1, 2], device=device), block_table=table)
     with pytest.raises(ValueError, match="cache_batch_idx: expected indices in \\[0, 6\\)"):
-        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1, cache_batch_idx=torch.tensor(
+        _checked(q, cache, cache, cache_seqlens=1, cache_batch_idx=torch.tensor(
             [0, 6], dtype=torch.int32, device=device))
 
 
@@ -443,6 +452,7 @@ def _guard_intact(whole):
 
 @pytest.mark.parametrize("case", ["page-below", "page-above", "length-over", "length-negative", "row-above",
                                   "append-over"])
+@pytest.mark.interpreter
 def test_out_of_range_indices_are_never_read_or_written(case, deferred):
     # Each bad index points one page (row, slot) past the cache, into a NaN guard: a read there
     # would make the output NaN, a write would overwrite the guard. The call returns finite
@@ -484,6 +494,7 @@ def test_out_of_range_indices_are_never_read_or_written(case, deferred):
     flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, **good)  # the record was cleared
 
 
+@pytest.mark.interpreter
 def test_bounds_errors_name_the_position_and_value(deferred):
     # The record keeps where the first bad index was and its value, for the message of a later call.
     q, cache, table = _paged_inputs("cpu")
@@ -500,9 +511,9 @@ def test_bounds_errors_name_the_position_and_value(deferred):
     host_decode.check_bounds("cpu")  # nothing left: no error
 
 
-def test_check_sync_raises_in_the_call_itself(deferred):
-    q, cache, table = _paged_inputs("cpu")
-    seqlens = torch.tensor([3, 13], dtype=torch.int32)
+def test_check_sync_raises_in_the_call_itself(deferred, device):
+    q, cache, table = _paged_inputs(device)
+    seqlens = torch.tensor([3, 13], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="cache_seqlens: .*capacity 12, got 13 at index 1"):
         flash_attn_with_kvcache(q, cache, cache, cache_seqlens=seqlens, block_table=table, check="sync")
     with pytest.raises(ValueError, match="check: expected one of"):
@@ -691,6 +702,7 @@ def test_bench_decode_fused_combine_flag(tmp_path, monkeypatch):
     assert '"decode_fused_combine": true' in next(tmp_path.glob("*-decode-smoke.json")).read_text()
 
 
+@pytest.mark.interpreter
 def test_bench_decode_ceiling_reads_every_word(tmp_path):
     # bench_decode.py --ceiling's load-only kernels at toy sizes: each checks, before it is timed,
     # that its programs read every word of K and V once (one head per program over two splits,
@@ -724,6 +736,7 @@ class _Recorder:
         return launch
 
 
+@pytest.mark.interpreter
 def test_decode_host_side_is_capturable(monkeypatch):
     # Where the host may not read the device (CUDA graph capture, torch.compile), a decode step
     # (append included, paged) reads no tensor on the host, and what it launches (grids, sizes,
@@ -764,6 +777,7 @@ def _recording_launcher():
     return host_decode.DecodeLauncher(attention=module._LAUNCHER, kernel=kernel, combine_kernel=combine)
 
 
+@pytest.mark.interpreter
 def test_repeated_calls_check_and_plan_once_and_read_no_tensor(monkeypatch):
     # An eager step reads no tensor on the host (no synchronisation), and a call with the same
     # shapes, strides, dtypes and knobs as an earlier one is neither checked nor planned again.
@@ -842,6 +856,7 @@ def _bound_launcher(monkeypatch):
     return launcher, kernel, combine
 
 
+@pytest.mark.interpreter
 def test_launches_are_bound_after_the_first(monkeypatch):
     # Decode launches through flashgen.runtime.launch's BoundLaunch: the first call of a signature
     # (and of a pointer alignment) takes Triton's path; later ones call the compiled kernel's
@@ -899,6 +914,7 @@ def test_new_cache_lengths_are_neither_checked_nor_planned_again(device, monkeyp
     assert prepared == [5, 17, 33, 49], prepared
 
 
+@pytest.mark.interpreter
 def test_new_cache_lengths_launch_their_own_strides_and_lengths(monkeypatch):
     # Keyed without the length, each step still passes its own cache strides and length to the
     # kernel (and its length as cache_seqlens when none is given), and a length Triton specializes

@@ -2,8 +2,6 @@
 the interpreter runner, its best configs stored per (KV length, batch) bucket as phase
 dec<batch>, then served by flashgen.decode and flash_attn_with_kvcache."""
 
-import os
-
 import pytest
 import torch
 
@@ -19,8 +17,7 @@ from flashgen.verify import compare
 
 from .test_decode import Cache, _seeded, reference_decode
 
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-                                       reason="interpreter-runner test; this process runs compiled kernels")
+needs_interpreter = pytest.mark.interpreter  # an interpreter-runner test
 
 
 def test_decode_phases_and_configs_are_checked():

@@ -2,8 +2,6 @@
 against FlashAttention-3's accuracy rule, on the CPU interpreter (fp8 dots run there in fp32)
 and, marked gpu, on the GPU (sm89+)."""
 
-import os
-
 import pytest
 import torch
 
@@ -235,7 +233,7 @@ def test_fp8_attention_compiles_fullgraph(device):
     assert torch.equal(compiled, eager)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="tunes under the CPU interpreter")
+@pytest.mark.interpreter
 def test_tuner_verifies_and_stores_an_fp8_spec(tmp_path):
     """Each FP8 candidate is checked by FA3's rule before it is timed; only the Q-outer forward is
     searched."""

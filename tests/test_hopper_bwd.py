@@ -39,6 +39,7 @@ def test_bad_knobs_are_config_errors(knobs, words):
         KernelConfig(**knobs)
 
 
+@pytest.mark.interpreter
 def test_a_call_whose_dq_strategy_differs_from_the_kernels_runs_the_portable_dkdv(monkeypatch):
     # The kernel adds dQ only where it was rendered to (dq_strategy 'atomic' in the config): a separate-dQ
     # kernel called with dq_strategy 'atomic', and an atomic one called deterministic, run the portable dK/dV.
@@ -56,6 +57,7 @@ def test_a_call_whose_dq_strategy_differs_from_the_kernels_runs_the_portable_dkd
         assert_gradients_close(grads, q, k, v, do, causal=True, layout="bshd", softmax_scale=0.5)
 
 
+@pytest.mark.interpreter
 def test_a_call_the_atomic_kernel_cannot_serve_takes_the_separate_dq(monkeypatch):
     # dq_strategy 'atomic' in a hopper_bwd config is that kernel's (the defaults add dQ there): a call it
     # cannot serve (here: not on an sm90 device; packed varlen too) runs the portable kernels with the
@@ -139,6 +141,7 @@ def backward_plans(module):
     return [p for p in module._LAUNCHER.plans.values() if isinstance(p, BackwardPlan)]
 
 
+@pytest.mark.interpreter
 def test_cpu_calls_run_the_portable_dkdv():
     module = flashgen.compile(SERVED, KernelConfig(BLOCK_M=32, BLOCK_N=32, num_stages=1, BLOCK_M1=32, BLOCK_N1=32,
                                                    BLOCK_M2=32, BLOCK_N2=32, bwd_num_stages=1,
@@ -174,6 +177,7 @@ class RecordingRanges(RecordingKernel):
         return lambda *args, **constexprs: self.launches.append((grid, args, constexprs))
 
 
+@pytest.mark.interpreter
 def test_a_served_call_swaps_the_dkdv_launch_planned_once(monkeypatch):
     module = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True)).module()
     module._LAUNCHER.plans.clear()  # (a plan of another test's call on this module)
@@ -208,6 +212,7 @@ def test_a_served_call_swaps_the_dkdv_launch_planned_once(monkeypatch):
         assert bool((dk == 1).all()) and bool((dv == 2).all())  # the Gluon launch's dk, dv are what backward returns
 
 
+@pytest.mark.interpreter
 def test_an_atomic_kernel_gets_the_float32_dq_buffer_and_no_dq_launch(monkeypatch):
     # dq_strategy 'atomic' in the config: the rendered kernel adds dQ (its extra argument: a descriptor of
     # the plan's float32 buffer in q's shape, one consumer's share of a query block's columns per tile);
@@ -234,6 +239,7 @@ def test_an_atomic_kernel_gets_the_float32_dq_buffer_and_no_dq_launch(monkeypatc
     assert bool((dq == 0).all()) and bool((dk == 1).all())  # the recorded kernel added nothing to the zeroed buffer
 
 
+@pytest.mark.interpreter
 def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     # a mask's tensors (document ids, their strides and sizes, and the ids' runs table) follow the scalars
     # (and the atomic dQ buffer's), taken from the portable dK/dV launch's arguments, whose place in them

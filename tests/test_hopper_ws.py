@@ -170,6 +170,7 @@ def test_render_keeps_the_portable_forward_beside_it():
     assert "gluon" not in portable and "hopper_forward" not in portable
 
 
+@pytest.mark.interpreter
 def test_calls_it_cannot_serve_run_the_portable_forward():
     # under the interpreter (CPU tensors) every call falls back; the result is the portable forward's
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True, backward=True)
@@ -181,6 +182,7 @@ def test_calls_it_cannot_serve_run_the_portable_forward():
     assert_attention_close(out, lse, q, k, v, causal=True)
 
 
+@pytest.mark.interpreter
 def test_three_consumers_are_head_dim_64_and_fall_back_to_64_row_tiles():
     # BLOCK_M 192 (three 64-row consumers, FA3's hd64 tiles): the family's only, at 160 registers each, head
     # dim 64; a call the family cannot serve runs the portable forward on 64-row tiles (192 is no Triton tile)
@@ -220,6 +222,7 @@ def test_three_consumers_are_head_dim_64_and_fall_back_to_64_row_tiles():
     assert_attention_close(out, lse, q, k, v, causal=True)
 
 
+@pytest.mark.interpreter
 def test_a_call_it_serves_gets_its_plan(monkeypatch):
     # the plan is made on the host once per call key; nothing runs here (the kernel runs on an sm90
     # GPU only): its launch and its Gluon descriptors are recorded
@@ -259,6 +262,7 @@ def test_a_call_it_serves_gets_its_plan(monkeypatch):
     assert qd.block == (64, 64)
 
 
+@pytest.mark.interpreter
 def test_an_fp8_call_gets_v_transposed_and_the_descales(monkeypatch):
     # FP8: V through the transposed descriptor (tiles of (head dim, BLOCK_N) of V^T), the (batch, KV
     # head) descales and their strides after the scalars; q_descale * k_descale join qk_scale in the kernel
@@ -415,6 +419,7 @@ def standalone_module(spec, config, path):
 
 
 @pytest.mark.parametrize("tma_store", [False, True])
+@pytest.mark.interpreter
 def test_standalone_module_carries_the_family_host_side(tmp_path, tma_store):
     # `flashgen generate` files need only torch and triton: runtime/hopper.py is pasted in, and its
     # names leave host.py's (LAYOUTS, ...) and the kernels' constants (RCP_LN2, ...) as they were
@@ -556,6 +561,7 @@ def test_tma_store_knob_keeps_the_register_store_text_and_renders_the_copy():
         assert consumer.rstrip().endswith("tma_store_wait(0)  # " + last)
 
 
+@pytest.mark.interpreter
 def test_a_tma_store_call_passes_an_o_descriptor(monkeypatch):
     # the plan makes a fourth descriptor, of this call's out, in consumer rows; a caller's out that
     # the copy engine cannot take (a 16-byte rule) runs the portable forward

@@ -116,6 +116,7 @@ def test_check_cu_seqlens_accepts_padding_and_empty_sequences():
 
 
 # ---------------------------------------------------------------------------------------------- checks
+@pytest.mark.interpreter
 def test_check_inputs_names_what_is_wrong(monkeypatch):
     launcher = _launcher(SPEC, CONFIG)
     q, k, v = _qkv()
@@ -187,6 +188,7 @@ def test_knobs_and_seed():
         dropout.seed_arg(seed, 1.5, torch.device("cpu"))
 
 
+@pytest.mark.interpreter
 def test_varlen_offsets_are_checked_unless_the_host_cannot_read_them(monkeypatch):
     launcher = _launcher(SPEC, CONFIG)
     q, k = torch.empty(12, 4, 24, dtype=torch.float16), torch.empty(12, 2, 24, dtype=torch.float16)
@@ -221,6 +223,7 @@ def test_varlen_offsets_are_checked_unless_the_host_cannot_read_them(monkeypatch
     ([0] + list(range(1, 38)) + [36, 40], list(range(0, 40)), (3, 3),
      "cu_seqlens_q: expected nondecreasing offsets, got 37 then 36 at index 37"),
 ])
+@pytest.mark.interpreter
 def test_the_device_check_of_packed_offsets(offsets_q, offsets_k, maxes, message):
     # What a GPU runs instead of reading the offsets (AttentionLauncher.check_offsets): the first broken
     # rule in the bounds record, raised by the next call that reads it (here at once, the interpreter
@@ -271,6 +274,7 @@ def test_a_record_is_cleared_kind_last():
 
 # ---------------------------------------------------------------------------------------------- launches
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.interpreter
 def test_forward_launch_q_outer(layout):
     launcher = _launcher(SPEC, CONFIG)
     q, k, v = _qkv(layout=layout)
@@ -296,6 +300,7 @@ def _decode_qkv(seqlen_k, queries=3):
     return q, k, v
 
 
+@pytest.mark.interpreter
 def test_decode_shaped_calls_of_new_lengths_share_one_plan(monkeypatch):
     """Each length's launch gets exactly the arguments a plan made afresh for it gets (strides and
     seqlen_k spliced in), and forward_plan runs once for all the lengths."""
@@ -325,6 +330,7 @@ def test_decode_shaped_calls_of_new_lengths_share_one_plan(monkeypatch):
         launcher.forward(*_decode_qkv(53)[:2], _decode_qkv(54)[2], layout="bshd")
 
 
+@pytest.mark.interpreter
 def test_decode_shaped_plans_stay_exact_where_a_plan_fixes_the_length(monkeypatch):
     """Tensor descriptors are built for one shape: such a plan is not reused at another length."""
     launcher = _launcher(SPEC, CONFIG.replace(tma=True))
@@ -338,6 +344,7 @@ def test_decode_shaped_plans_stay_exact_where_a_plan_fixes_the_length(monkeypatc
     assert made == [1, 1] and launcher.forward_kernel.calls[-1][1]["TMA"]
 
 
+@pytest.mark.interpreter
 def test_forward_launch_kv_outer_carries_o_m_l_in_buffers():
     launcher = _launcher(SPEC, CONFIG.replace(loop_order="kv_outer"))
     launcher.forward(*_qkv())
@@ -347,6 +354,7 @@ def test_forward_launch_kv_outer_carries_o_m_l_in_buffers():
     assert args["M"].isneginf().all() and (args["L"] == 0).all()
 
 
+@pytest.mark.interpreter
 def test_forward_launch_packed_sequences_pass_the_totals():
     launcher = _launcher(SPEC, CONFIG)
     q, k, v = torch.randn(12, 4, 24).half(), torch.randn(20, 2, 24).half(), torch.randn(20, 2, 40).half()
@@ -361,6 +369,7 @@ def test_forward_launch_packed_sequences_pass_the_totals():
 
 
 @pytest.mark.parametrize("dq_strategy", ["separate", "atomic"])
+@pytest.mark.interpreter
 def test_backward_launches(dq_strategy):
     launcher = _launcher(SPEC, CONFIG.replace(dq_strategy=dq_strategy))
     q, k, v = _qkv()
@@ -383,6 +392,7 @@ def test_backward_launches(dq_strategy):
     assert not launcher.dkdv_kernel.calls[-1][1]["ATOMIC_DQ"]
 
 
+@pytest.mark.interpreter
 def test_block_map_launch_args_and_cache():
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, mask="(q_idx - kv_idx) % 4 == 0")
     launcher = _launcher(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16))

@@ -64,6 +64,7 @@ def _padded_batch(gen):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
+@pytest.mark.interpreter
 def test_logits_match_transformers_dense_and_padded(kind):
     model, gen = _model(kind), torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 23), generator=gen)
@@ -79,6 +80,7 @@ def test_logits_match_transformers_dense_and_padded(kind):
         _assert_close(out[row, real], alone, name=f"logits of row {row}")
 
 
+@pytest.mark.interpreter
 def test_a_padded_batch_is_packed_once_per_forward(monkeypatch):
     # The mask hook packs the padding mask once; every layer unpads with it (2 layers: one packing, not one
     # per layer, each a nonzero and a max: two waits for the GPU). A mask without the hook's packing (one
@@ -102,6 +104,7 @@ def test_a_padded_batch_is_packed_once_per_forward(monkeypatch):
     assert len(calls) == 3 and torch.equal(out, plain)
 
 
+@pytest.mark.interpreter
 def test_llama_fp16_logits():
     model, gen = _model("llama"), torch.Generator().manual_seed(2)
     ids = torch.randint(0, VOCAB, (2, 17), generator=gen)
@@ -111,6 +114,7 @@ def test_llama_fp16_logits():
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
+@pytest.mark.interpreter
 def test_greedy_generation_matches(kind):
     # Gemma 2 and gpt-oss generate past their 5-key window, from a KV cache that keeps the last keys.
     model, gen = _model(kind), torch.Generator().manual_seed(3)
@@ -125,6 +129,7 @@ def test_greedy_generation_matches(kind):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.interpreter
 def test_generation_steps_run_the_decode_kernel(kind, monkeypatch):
     # Unpadded generation with decode_calls on: every step after the prompt is one query per row over
     # the cache, run by flashgen's split-KV decode kernel (Gemma 2: past its 5-key window, with
@@ -172,6 +177,7 @@ def test_generation_steps_run_the_decode_kernel(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
+@pytest.mark.interpreter
 def test_training_gradients_match(kind):
     # gpt-oss: the gradient reaches its sinks through the prepended sink key.
     model, gen = _model(kind), torch.Generator().manual_seed(4)
@@ -189,6 +195,7 @@ def test_training_gradients_match(kind):
         _assert_close(g, grads[REFERENCE[kind]][n], name=f"d{n}")
 
 
+@pytest.mark.interpreter
 def test_a_dense_call_adds_no_transposes_to_the_graph():
     # transformers' (B, H, L, D) query, a view of its (B, L, H, D) projection, goes to flashgen as it is (keys
     # and values come from its KV cache, contiguous): the output's one transpose (to transformers' (B, L, H,
@@ -211,6 +218,7 @@ def test_a_dense_call_adds_no_transposes_to_the_graph():
     assert grads[0].stride() == q.stride()
 
 
+@pytest.mark.interpreter
 def test_packed_sequences_by_position_ids():
     # Padding-free training: two sequences in one row, positions restarting, must not see each other.
     model, gen = _model("llama"), torch.Generator().manual_seed(5)
@@ -221,6 +229,7 @@ def test_packed_sequences_by_position_ids():
     _assert_close(out[0, 12:], _logits(model, "sdpa", torch.float64, ids[:, 12:])[0], name="second")
 
 
+@pytest.mark.interpreter
 def test_a_4d_mask_runs_with_sdpa_semantics():
     model, gen = _model("llama"), torch.Generator().manual_seed(6)
     ids = torch.randint(0, VOCAB, (2, 13), generator=gen)
@@ -230,6 +239,7 @@ def test_a_4d_mask_runs_with_sdpa_semantics():
     _assert_close(_logits(model, NAME, torch.float32, ids, attention_mask=mask), ref)
 
 
+@pytest.mark.interpreter
 def test_dropout_in_training():
     # Uniform attention (q = 0) over 48 keys of ones: each output is (kept keys) / (48 * (1 - p)).
     module = torch.nn.Module()
@@ -274,6 +284,7 @@ def test_bad_arguments_name_the_argument(kw, words):
 
 @pytest.mark.parametrize("src_lengths", [(14, 14, 14), (14, 9, 5)], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("tgt_len", [6, 14], ids=["shorter", "same-length"])
+@pytest.mark.interpreter
 def test_encoder_decoder_cross_attention_matches(src_lengths, tgt_len):
     """BART: the decoder's cross-attention over the encoder's tokens. Its queries took the encoder's padding
     (5 and 6 of 6 decoder rows of the padded rows came back zero, 1.9 off), and without an encoder mask the
@@ -299,6 +310,7 @@ def test_encoder_decoder_cross_attention_matches(src_lengths, tgt_len):
 
 @pytest.mark.parametrize("kind,case", [("llama", "padded"), ("llama", "batch-1"), ("llama", "packed"),
                                        ("llama", "dynamic"), ("gemma2", "padded")])
+@pytest.mark.interpreter
 def test_the_model_compiles_fullgraph(kind, case):
     """torch.compile(fullgraph=True) of the whole model: a padded batch and batch 1 (whose position_ids the
     model always passes) broke the graph on values read (the mask's all(), nonzero, the positions' test);
@@ -324,6 +336,7 @@ def test_the_model_compiles_fullgraph(kind, case):
     torch.testing.assert_close(out[real], eager[real], atol=2e-5, rtol=1e-4)  # padded rows: no one reads them
 
 
+@pytest.mark.interpreter
 def test_sinks_over_a_padded_batch_compile_fullgraph():
     # gpt-oss's layer (its MoE loop does not compile): sinks and a window over left padding, traced
     layer = torch.nn.Module()

@@ -1,5 +1,6 @@
-"""flashgen's patch of Triton's CPU interpreter (flashgen/runtime/interpret.py): triton.language is
-patched once per launch and module, not on every call of a jit helper; kernels compute the same."""
+"""flashgen's patches of Triton's CPU interpreter (flashgen/runtime/interpret.py): triton.language is
+patched once per launch and module, not on every call of a jit helper, and kernels compute the same;
+a computed scalar indexes as in Triton 3.9 (Triton 3.6's int() of its array fails on NumPy 2.4)."""
 
 import pytest
 import torch
@@ -7,15 +8,22 @@ import triton
 import triton.language as tl
 
 import flashgen  # noqa: F401 (installs the patch under the interpreter)
-from flashgen.config import interpreting
-from flashgen.runtime.interpret import patch_language_once_per_launch
+from flashgen.runtime.interpret import index_scalars_as_newer_triton, patch_language_once_per_launch
 
-pytestmark = pytest.mark.skipif(not interpreting(), reason="the interpreter's patch (CPU runs only)")
+pytestmark = pytest.mark.interpreter  # the interpreter's patches
 
 
 @triton.jit
 def _twice(x):
     return x * 2.0
+
+
+@triton.jit
+def _count_to(OUT, n, STEP: tl.constexpr):
+    total = 0
+    for i in range(0, tl.minimum(n, 100), STEP):  # a computed scalar bound: the interpreter indexes it
+        total += i
+    tl.store(OUT, total)
 
 
 @triton.jit
@@ -45,3 +53,29 @@ def test_language_is_patched_once_per_launch_and_module(monkeypatch):
         # modules (tl.zeros: tl.core) once per launch: 7 and 10 scans here. Triton's interpreter alone
         # scans them again on every helper call: 21 and 112.
         assert len(scans) <= 12, (calls, len(scans))
+
+
+def test_scalar_arguments_index_as_in_newer_triton():
+    # Triton 3.6's interpreter took int() of a computed scalar's one-element 1-d array, which NumPy
+    # 2.4 refuses: kernels looping up to a clamped length failed there. Triton 3.9 squeezes first.
+    import numpy as np
+    from triton.runtime import interpreter
+
+    assert interpreter._patch_lang_tensor.squeezes_scalars  # installed at import
+    assert index_scalars_as_newer_triton()  # and installing again is a no-op
+
+    class Scalar:
+        pass
+
+    scope = interpreter._LangPatchScope()
+    interpreter._patch_lang_tensor(Scalar, scope)
+    try:
+        one = Scalar()
+        one.handle = type("Handle", (), {"data": np.array([7], dtype=np.int32)})()
+        assert list(range(0, one, 3)) == [0, 3, 6]
+    finally:
+        scope.restore()
+    assert not hasattr(Scalar, "__index__")  # restored with the launch's other patches
+    out = torch.zeros(1, dtype=torch.int32)
+    _count_to[(1,)](out, 10, STEP=3)
+    assert out.item() == 0 + 3 + 6 + 9

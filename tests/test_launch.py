@@ -230,6 +230,7 @@ def _module(spec, config=None):
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.interpreter
 def test_planned_calls_are_bitwise_the_calls_planned_afresh(case, monkeypatch):
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=True)
     module = _module(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, BLOCK_M1=16, BLOCK_N1=16,
@@ -255,6 +256,7 @@ def test_planned_calls_are_bitwise_the_calls_planned_afresh(case, monkeypatch):
     assert_gradients_close(grads, q, k, v, do, causal=True)
 
 
+@pytest.mark.interpreter
 def test_an_unchanged_call_is_checked_once(monkeypatch):
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, backward=True)
     module = _module(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1))
@@ -272,6 +274,7 @@ def test_an_unchanged_call_is_checked_once(monkeypatch):
     assert checks == [1, 1]
 
 
+@pytest.mark.interpreter
 def test_named_tensor_calls_take_the_flat_key(monkeypatch):
     # a mask's call with its named tensors keys its plan flat (AttentionLauncher.dense_key): one plan per
     # metadata of the ids (the same ids again: the same plan), each call right
@@ -292,6 +295,7 @@ def test_named_tensor_calls_take_the_flat_key(monkeypatch):
     assert keys == ["dense"] * 5 and len(launcher.plans) == 4
 
 
+@pytest.mark.interpreter
 def test_a_training_step_keys_and_checks_its_calls_once(monkeypatch):
     """An autograd step's backward runs the backward plan hung off its forward's plan: one plan key
     per step (was two: the backward keyed q, k, v, out, lse, ... again) and, for packed sequences,
@@ -342,6 +346,7 @@ def test_a_training_step_keys_and_checks_its_calls_once(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(grads, fresh))
 
 
+@pytest.mark.interpreter
 def test_a_stride_or_alignment_change_gets_its_own_plan():
     """One tensor at a time stops being 16-aligned or 16-strided: each call gets a plan of its own
     (Triton specializes on both) and is still right."""
@@ -359,6 +364,7 @@ def test_a_stride_or_alignment_change_gets_its_own_plan():
         assert_attention_close(out, lse, q, k, v, causal=True)
 
 
+@pytest.mark.interpreter
 def test_tensor_descriptors_are_rebased_onto_each_call(monkeypatch):
     """With TMA the plan keeps descriptors of the first call's metadata and no tensor; each call's
     descriptors point at that call's tensors."""
@@ -390,6 +396,7 @@ def test_tensor_descriptors_are_rebased_onto_each_call(monkeypatch):
     assert all(a.block_shape == b.block_shape and a.strides == b.strides for a, b in zip(*seen))
 
 
+@pytest.mark.interpreter
 def test_a_bad_call_after_a_good_one_still_names_the_argument():
     q, k, v = (_inputs((1, 2, 9, 16), seed=s) for s in range(3))
     flashgen.attention(q, k, v, causal=True)
@@ -419,6 +426,7 @@ def test_allocator_gives_contiguous_tensors(shape):
         assert t.shape == shape and t.dtype == dtype and t.stride() == torch.empty(shape).stride()
 
 
+@pytest.mark.interpreter
 def test_a_dense_training_call_keeps_five_tensors_and_out_follows_qs_memory_order():
     """A dense call without dropout or named tensors keeps q, k, v, out, lse for its backward (its seed
     is never read and it has no offsets); packed sequences keep the seed and offsets too. out is
@@ -438,6 +446,7 @@ def test_a_dense_training_call_keeps_five_tensors_and_out_follows_qs_memory_orde
 
 
 @pytest.mark.parametrize("kv_heads,kv_memory", [(2, "bshd"), (1, "bshd"), (2, "bhsd")])
+@pytest.mark.interpreter
 def test_bhsd_views_of_bshd_memory_keep_their_memory_order(kv_heads, kv_memory):
     """A bhsd call whose q views (batch, seq, heads, dim) memory, as transformers hands it (its projection
     viewed and transposed; k and v come from its KV cache contiguous): the call runs as bshd, so out and dq
@@ -469,6 +478,7 @@ def test_bhsd_views_of_bshd_memory_keep_their_memory_order(kv_heads, kv_memory):
         flashgen.attention(views[0], views[1][:1], views[2], causal=True)
 
 
+@pytest.mark.interpreter
 def test_calls_that_cannot_need_a_gradient_skip_the_autograd_function(monkeypatch):
     applied = []
     original = ops._apply_function  # AttentionFunction.apply's C++ half, the eager entry
@@ -483,6 +493,7 @@ def test_calls_that_cannot_need_a_gradient_skip_the_autograd_function(monkeypatc
     assert applied == [1] and out.requires_grad and torch.equal(out.detach(), plain)
 
 
+@pytest.mark.interpreter
 def test_the_eager_entry_falls_back_to_apply_where_torch_lacks_its_internals(monkeypatch):
     import types
 

@@ -461,7 +461,7 @@ def test_a_strided_tensors_gradient_from_the_kernel_module(device, memory):
     each element's place (the buffer takes the tensor's strides); an expand()ed one, whose elements
     share memory, is refused by name (through flashgen.attention it is made contiguous first)."""
     seed, gen = _seeded()
-    base = torch.randn(2, 16, generator=gen)
+    base = torch.randn(2, 16, generator=gen).to(device)  # made there: a copy to the GPU would not share memory
     table = {"transposed": base.T.contiguous().T, "sliced": torch.cat([base, base], dim=1)[:, 3:19],
              "expanded": base[:1].expand(2, 16)}[memory]
     score_mod = "score + table[h, abs(q_idx - kv_idx)]"

@@ -152,6 +152,7 @@ def _randn(seed: int, *shape, dtype):
 @given(mask=MASKS, batch=st.integers(1, 2), nheads=heads(), seqlen_q=lengths, seqlen_k=lengths,
        head_dim=st.sampled_from(HEAD_DIMS), causal=st.booleans(), dtype=dtypes, config=configs,
        backward=st.sampled_from([False, False, True]), seed=st.integers(0, 2**31 - 1))
+@pytest.mark.interpreter
 def test_random_masks_match_the_reference(mask, batch, nheads, seqlen_q, seqlen_k, head_dim, causal, dtype, config,
                                           backward, seed):
     (num_heads, num_kv_heads) = nheads
@@ -199,6 +200,7 @@ BREAKS = {  # how one argument is broken -> (the argument the error must name, t
 @settings(max_examples=30, **CI)
 @given(mask=MASKS, nheads=heads(), seqlen=lengths, head_dim=st.sampled_from(HEAD_DIMS), dtype=dtypes,
        broken=st.sampled_from(sorted(BREAKS)))
+@pytest.mark.interpreter
 def test_bad_arguments_are_refused_cleanly(mask, nheads, seqlen, head_dim, dtype, broken):
     num_heads, num_kv_heads = nheads
     args = dict(q=torch.randn(2, num_heads, seqlen, head_dim).to(dtype),
@@ -235,6 +237,7 @@ def _offsets(lengths):
 @settings(max_examples=20, **CI)
 @given(lens=packed(), nheads=heads(), head_dim=st.sampled_from(HEAD_DIMS), causal=st.booleans(), mask=VARLEN_MASKS,
        dtype=dtypes, config=configs, seed=st.integers(0, 2**31 - 1))
+@pytest.mark.interpreter
 def test_random_cu_seqlens_match_the_reference(lens, nheads, head_dim, causal, mask, dtype, config, seed):
     (lens_q, lens_k), (num_heads, num_kv_heads) = lens, nheads
     q = _randn(seed, sum(lens_q), num_heads, head_dim, dtype=dtype)

@@ -62,7 +62,8 @@ GOLDEN_CASES = [
 ]
 GOLDEN_IDS = [c[0] for c in GOLDEN_CASES]
 SPEC_CONSTANTS = ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_D", "BLOCK_DV", "GQA_GROUP", "DOT_PRECISION", "RCP_LN2")
-STANDALONE_IMPORTS = {"os", "threading", "zlib", "torch", "triton", "triton.language", "triton.tools.tensor_descriptor"}
+STANDALONE_IMPORTS = {"os", "threading", "zlib", "torch", "triton", "triton.language", "triton.tools.tensor_descriptor",
+                      "triton.runtime"}  # interpret.py: the interpreter it patches
 
 
 def _top_level_names(tree):
@@ -156,18 +157,21 @@ def test_standalone_module_carries_the_host_source_verbatim():
     assert host.__doc__ and R.host_source().rstrip("\n") in standalone
     assert not any(name.startswith("flashgen") for name in _imports(ast.parse(standalone)))
     assert R.decode_source().rstrip("\n") in standalone
+    assert R.interpret_source().rstrip("\n") in standalone
     assert "from flashgen.runtime.host import AttentionLauncher" in imported
     # the two differ only in how the host side arrives: the banner-framed sources (host.py, then
-    # decode.py less its import of host.py) or two imports
-    framed = re.compile(r"# -+\n# The host side: flashgen/runtime/host.py .*?# -+ end of flashgen/runtime/decode.py\n",
-                        re.S)
+    # decode.py less its import of host.py, then interpret.py and its two calls under the
+    # interpreter) or two imports
+    framed = re.compile(r"# -+\n# The host side: flashgen/runtime/host.py .*?# -+ end of flashgen/runtime/interpret.py\n"
+                        r"if os.environ.*?\n    index_scalars_as_newer_triton\(\)\n", re.S)
     assert len(framed.findall(standalone)) == 1
     import_lines = ("from flashgen.runtime.host import AttentionLauncher  # noqa: E402 (the host side: plain Python)\n"
                     "from flashgen.runtime.decode import DecodeLauncher  # noqa: E402\n")
     assert framed.sub(lambda m: import_lines, standalone) == imported
 
 
-@pytest.mark.parametrize("source", [R.host_source, R.decode_source], ids=["host", "decode"])
+@pytest.mark.parametrize("source", [R.host_source, R.decode_source, R.interpret_source],
+                         ids=["host", "decode", "interpret"])
 def test_host_module_is_plain_python_that_needs_no_flashgen(source):
     tree = ast.parse(source())
     assert _imports(tree) <= STANDALONE_IMPORTS
@@ -416,7 +420,7 @@ def test_unwritable_cache_dir_warns_once_and_falls_back(tmp_path, monkeypatch, f
     assert oct(C._fallback.stat().st_mode & 0o777) == "0o700"  # private
 
 
-def test_standalone_module_runs_without_flashgen(tmp_path):
+def test_standalone_module_runs_without_flashgen(tmp_path, device):
     # What `flashgen generate` writes, in a fresh interpreter where importing flashgen fails,
     # checked against torch's own attention (fp32: the interpreter has no bf16 dot).
     spec = AttentionSpec(name="standalone", dtype="fp32", head_dim=24, num_heads=4, num_kv_heads=2, causal=True,
@@ -434,18 +438,19 @@ def test_standalone_module_runs_without_flashgen(tmp_path):
         mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
         assert not any(name.startswith("flashgen") for name in sys.modules if sys.modules[name] is not None)
         gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(2, h, 19, 24, generator=gen, requires_grad=True) for h in (4, 2, 2))
+        q, k, v = (torch.randn(2, h, 19, 24, generator=gen).to({device!r}).requires_grad_() for h in (4, 2, 2))
         out, lse = mod.forward(q, k, v)
         ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         err = ((out - ref).norm() / ref.norm()).item()
         assert err < 1e-5, err
-        do = torch.randn(out.shape, generator=gen)
+        do = torch.randn(out.shape, generator=gen).to({device!r})
         dq, dk, dv, _ = mod.backward(do, q, k, v, out, lse)
         for got, want in zip((dq, dk, dv), torch.autograd.grad(ref, (q, k, v), do)):
             assert ((got - want).norm() / want.norm()).item() < 1e-4
         print("standalone ok", err)
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=child_pythonpath())
+    # Compiled on this process's GPU where it has one, else through the interpreter.
+    env = dict(os.environ, TRITON_INTERPRET="1" if device == "cpu" else "0", PYTHONPATH=child_pythonpath())
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

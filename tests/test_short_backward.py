@@ -110,6 +110,7 @@ def test_short_backward_under_autograd(device):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)  # fp16 outputs of the same fp32 sums
 
 
+@pytest.mark.interpreter
 def test_short_knob_is_checked_rendered_behind_itself_and_left_out_when_off():
     with pytest.raises(ConfigError, match="config knob 'bwd_short'.*dq_strategy='atomic'"):
         KernelConfig(bwd_short=True, dq_strategy="atomic")

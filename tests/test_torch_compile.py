@@ -51,10 +51,12 @@ def _check(fn, make, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.interpreter
 def test_attention_compiles(backend):
     _check(lambda q, k, v: flashgen.attention(q, k, v, causal=True), _dense, backend)
 
 
+@pytest.mark.interpreter
 def test_attention_with_pattern_mask_scale_and_named_tensor_compiles():
     def fn(q, k, v, bias):
         return flashgen.attention(q, k, v, softmax_scale=0.3, mask={"sliding_window": {"left": 5, "right": 0}},
@@ -63,11 +65,13 @@ def test_attention_with_pattern_mask_scale_and_named_tensor_compiles():
     _check(fn, lambda b, s: [*_dense(b, s), torch.randn(4, requires_grad=True)], "aot_eager")
 
 
+@pytest.mark.interpreter
 def test_attention_bshd_compiles():
     _check(lambda q, k, v: flashgen.attention(q, k, v, causal=True, layout="bshd"),
            lambda b, s: _dense(b, s, "bshd"), "aot_eager")
 
 
+@pytest.mark.interpreter
 def test_attention_varlen_compiles():
     def fn(q, k, v, cu, longest):
         return flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
@@ -75,6 +79,7 @@ def test_attention_varlen_compiles():
     _check(fn, _packed, "aot_eager")
 
 
+@pytest.mark.interpreter
 def test_compat_functions_compile():
     def dense(q, k, v):
         return compat.flash_attn_func(q, k, v, causal=True, window_size=(4, -1), softcap=5.0)
@@ -87,17 +92,20 @@ def test_compat_functions_compile():
     _check(packed, _packed, "aot_eager")
 
 
+@pytest.mark.interpreter
 def test_sdpa_compiles():
     _check(lambda q, k, v: flashgen.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
            _dense, "aot_eager")
 
 
+@pytest.mark.interpreter
 def test_kernel_object_compiles():
     kernel = flashgen.compile(flashgen.AttentionSpec(head_dim=16, num_heads=4, num_kv_heads=2, causal=True,
                                                      dtype="fp32", backward=True))
     _check(lambda q, k, v: kernel(q, k, v), _dense, "aot_eager")
 
 
+@pytest.mark.interpreter
 def test_one_off_call_binds_once(monkeypatch):
     """After the first call of a key, a call builds no spec (the per-call fast path, issue 13: 1)."""
     from flashgen import api
@@ -118,6 +126,7 @@ def test_one_off_call_binds_once(monkeypatch):
         api.spec_for = original
 
 
+@pytest.mark.interpreter
 def test_compiled_call_runs_the_config_of_its_length_bucket():
     """Under torch.compile the length is symbolic: the op resolves the nearest bucket's config on
     each call, so compiled and eager calls run the same kernel (bitwise equal) at any length."""
@@ -173,6 +182,7 @@ def _compiles_once(fn, lengths, heads=(4, 2, 2)):
         torch.testing.assert_close(out, fn(q, k, v), atol=1e-6, rtol=0)
 
 
+@pytest.mark.interpreter
 def test_a_kernel_with_bucket_configs_compiles_once_over_its_buckets():
     # what flashgen.load returns from tuned results: choosing the bucket while tracing guarded the graph on the
     # length (q.size()[2] * q.size()[2] <= 1024): a recompile per bucket
@@ -184,6 +194,7 @@ def test_a_kernel_with_bucket_configs_compiles_once_over_its_buckets():
     _compiles_once(lambda q, k, v: kernel(q, k, v), (13, 19, 50))
 
 
+@pytest.mark.interpreter
 def test_the_transformers_attention_compiles_once_across_the_decode_length():
     # the decode route's length test ran before its is_compiling() one: a guard 2 <= S <= 16, a recompile past 16
     pytest.importorskip("transformers")
@@ -194,6 +205,7 @@ def test_the_transformers_attention_compiles_once_across_the_decode_length():
 
 
 @pytest.mark.parametrize("entry", ["attention", "flash_attn_func", "sdpa"])
+@pytest.mark.interpreter
 def test_a_scale_held_in_a_module_attribute_compiles_dynamic(entry):
     # dynamic=True makes a module's float attribute symbolic (transformers' self.scaling): tracing refused it
     # ("assume_constant_result argument conversion failed", math.isfinite on a symbolic float); the usual
@@ -222,6 +234,7 @@ def _keeps_one_in_three(b, h, q_idx, kv_idx):
 @pytest.mark.parametrize("mask", [flashgen.mask("kv_idx <= q_idx") & flashgen.mask(sliding_window={"left": 4,
                                                                                                   "right": 0}),
                                   flashgen.mask(_keeps_one_in_three)], ids=["expression-and-pattern", "function"])
+@pytest.mark.interpreter
 def test_mask_and_score_mod_objects_built_outside_compile(mask):
     # a Mask / ScoreMod object was not a plain key: the call built its spec while traced and broke the graph
     score_mod = flashgen.score_mod("score * 0.5")

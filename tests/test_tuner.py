@@ -35,8 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Tests that tune through the interpreter runner need a process whose kernels are interpreted
 # (conftest sets TRITON_INTERPRET where there is no GPU); on a GPU the GpuRunner is exercised by
 # `flashgen tune` itself (benchmarks/results/tuning).
-needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-                                       reason="interpreter-runner test; this process runs compiled kernels")
+needs_interpreter = pytest.mark.interpreter  # an interpreter-runner test
 SPEC = AttentionSpec(name="tiny", dtype="fp32", head_dim=16, num_heads=2, num_kv_heads=1, causal=True,
                      backward=True, tune={"seqlens": [64], "trials": 5})
 
@@ -244,6 +243,7 @@ def test_a_ptxas_crash_is_a_compile_error_that_says_so(message, crash):
     assert rec.error == f"{head}{said}PTXASError: PTXAS error: {message}"[:len(rec.error)]
 
 
+@pytest.mark.interpreter
 def test_restricted_invalid_and_timed_out_trials():
     runner = InterpretRunner()
     spec = SPEC.replace(backward=False)
@@ -534,6 +534,7 @@ def test_cli_tune_interpret_then_new_process_loads_result(tmp_path):
     assert "loaded ok" in proc.stdout
 
 
+@pytest.mark.interpreter
 def test_cli_tune_refuses_bf16_under_interpreter(tmp_path):
     result = CliRunner().invoke(main, ["tune", "--spec", str(ROOT / "examples/specs/gqa-causal.yaml"),
                                        "--interpret", "--db", f"sqlite:///{tmp_path / 'x.sqlite'}"])

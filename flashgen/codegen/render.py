@@ -21,7 +21,7 @@ import jinja2
 from .. import __version__
 from ..config import KernelConfig, mask_shape
 from ..expr.to_triton import triton_literal
-from ..runtime import decode, hopper, hopper_bwd, host, launch
+from ..runtime import decode, hopper, hopper_bwd, host, interpret, launch
 from ..spec import AttentionSpec
 from .cache import cached_source_path, import_path
 from .plan import plan_for
@@ -59,6 +59,11 @@ def host_source() -> str:
 def hopper_source() -> str:
     """The Hopper family's host side (runtime/hopper.py), pasted into standalone hopper_ws modules."""
     return _pasted(hopper.__file__, HOST_IMPORT_MARK)
+
+
+def interpret_source() -> str:
+    """The interpreter's patches (runtime/interpret.py), pasted into standalone modules."""
+    return Path(interpret.__file__).read_text()
 
 
 def decode_source() -> str:
@@ -246,6 +251,7 @@ def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, 
         standalone=standalone,
         host_source=host_source().rstrip("\n") if standalone else "",
         decode_source=decode_source().rstrip("\n") if standalone else "",
+        interpret_source=interpret_source().rstrip("\n") if standalone else "",
         hopper_source=hopper_source().rstrip("\n") if standalone and (config.family == "hopper_ws"
                                                                      or config.hopper_bwd) else "",
         hopper_bwd_source=_pasted(hopper_bwd.__file__, HOPPER_IMPORT_MARK).rstrip("\n")

@@ -53,8 +53,11 @@ class EnvInfo:
 
         from .. import __version__
         from ..codegen.render import templates_hash
+        from ..config import interpreting
 
-        if interpret or not torch.cuda.is_available():
+        # Under TRITON_INTERPRET the kernels run interpreted whatever GPU the machine has: its results
+        # are the interpreter's (as `flashgen tune --interpret` stores them), as detect_target's 'cpu'.
+        if interpret or interpreting() or not torch.cuda.is_available():
             gpu, cap, sms, mem, cuda = "triton-interpreter", "cpu", 0, 0.0, "none"
         else:
             props = torch.cuda.get_device_properties(0)

@@ -263,8 +263,13 @@ def _quantize_fp8(x, descale, dtype: tl.constexpr, BY_HAND: tl.constexpr, DROP: 
         bits = a.to(tl.int32, bitcast=True)
         bits = (bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & (-(1 << DROP))
         a = tl.where(a < MIN_NORMAL, (a + MAGIC) - MAGIC, bits.to(tl.float32, bitcast=True))
-        y = tl.where(y.to(tl.int32, bitcast=True) < 0, -a, a)  # the sign bit: -0.0 stays -0.0
-    return y.to(dtype)
+        # the sign bit set on the cast magnitude: -0.0 stays -0.0 (Triton 3.6's interpreter casts
+        # -0.0 to +0)
+        sign = tl.where(y.to(tl.int32, bitcast=True) < 0, -128, 0).to(tl.int8)
+        out = (a.to(dtype).to(tl.int8, bitcast=True) | sign).to(dtype, bitcast=True)
+    else:
+        out = y.to(dtype)
+    return out
 
 
 @triton.jit

@@ -8,9 +8,15 @@ s). Within a launch, a function whose module globals were patched already is not
 from another module (triton.language.standard's zeros, reading tl.core) still is, as Triton does it.
 Applied at import under TRITON_INTERPRET (flashgen/__init__.py), only where the interpreter's
 internals are the ones this knows; Triton's own behaviour otherwise.
-"""
 
-from __future__ import annotations
+Also: Triton 3.6's interpreter reads a scalar as a Python int by int() of its one-element 1-d array,
+which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"), so every
+`range(0, seqlen_k, BLOCK_N)` over a kernel argument failed there; Triton 3.9 squeezes it first.
+`index_scalars_as_newer_triton` makes 3.6 do the same.
+
+Standalone modules (`flashgen generate`) carry this file verbatim and apply both where they run
+interpreted, as `import flashgen` does.
+"""
 
 
 def patch_language_once_per_launch() -> bool:
@@ -50,4 +56,26 @@ def patch_language_once_per_launch() -> bool:
 
     once_per_launch.once_per_launch = True
     interpreter._patch_lang = once_per_launch
+    return True
+
+
+def index_scalars_as_newer_triton() -> bool:
+    """Make the interpreter's tensor.__index__ squeeze the scalar's array before int() (Triton
+    3.9's form), once; False where this Triton's interpreter has no _patch_lang_tensor to wrap."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None:
+        return False
+    if getattr(patch_tensor, "squeezes_scalars", False):
+        return True
+
+    def squeezing(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))  # restored with the rest
+
+    squeezing.squeezes_scalars = True
+    interpreter._patch_lang_tensor = squeezing
     return True
