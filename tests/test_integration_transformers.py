@@ -117,13 +117,18 @@ def test_llama_fp16_logits():
 @pytest.mark.interpreter
 def test_greedy_generation_matches(kind):
     # Gemma 2 and gpt-oss generate past their 5-key window, from a KV cache that keeps the last keys.
-    model, gen = _model(kind), torch.Generator().manual_seed(3)
-    ids, mask = _padded_batch(gen)
-    ids, mask = ids[:2, 3:], mask[:2, 3:]  # two rows, one left-padded
+    _assert_same_tokens(kind, "cpu", new_tokens=6)
+
+
+def _assert_same_tokens(kind, device, new_tokens):
+    """Greedy generation from two rows (one left-padded) gives transformers' own path's tokens."""
+    model, gen = _model(kind).to(device).float(), torch.Generator().manual_seed(3)
+    ids, mask = (t.to(device) for t in _padded_batch(gen))
+    ids, mask = ids[:2, 3:], mask[:2, 3:]
     tokens = {}
     for impl in (REFERENCE[kind], NAME):
         model.set_attn_implementation(impl)
-        tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+        tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                                       pad_token_id=0)[:, ids.shape[1]:]
     assert torch.equal(tokens[NAME], tokens[REFERENCE[kind]]), tokens
 
@@ -180,9 +185,14 @@ def test_generation_steps_run_the_decode_kernel(kind, monkeypatch):
 @pytest.mark.interpreter
 def test_training_gradients_match(kind):
     # gpt-oss: the gradient reaches its sinks through the prepended sink key.
-    model, gen = _model(kind), torch.Generator().manual_seed(4)
+    _assert_gradients_match(kind, "cpu", seed=4, seqlen=15)
+
+
+def _assert_gradients_match(kind, device, seed, seqlen):
+    """Every parameter's gradient of a training step, fp32 against the reference path in float64."""
+    model, gen = _model(kind).to(device), torch.Generator().manual_seed(seed)
     model.train()
-    ids = torch.randint(0, VOCAB, (2, 15), generator=gen)
+    ids = torch.randint(0, VOCAB, (2, seqlen), generator=gen).to(device)
     grads = {}
     for impl, dtype in ((REFERENCE[kind], torch.float64), (NAME, torch.float32)):
         model.set_attn_implementation(impl)
@@ -380,35 +390,13 @@ def test_gpu_bf16_logits_match_transformers(kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "gpt_oss"])
 def test_gpu_training_gradients_match(kind):
-    # Every parameter's gradient of a training step on the GPU (gpt-oss's sinks included): fp32 against the
-    # reference path in float64, the rule's relative error (bf16 gradients of a whole model compound both
-    # paths' roundings through every layer: the per-kernel rule is the kernels' tests').
-    model, gen = _model(kind).cuda(), torch.Generator().manual_seed(9)
-    model.train()
-    ids = torch.randint(0, VOCAB, (2, 31), generator=gen).cuda()
-    grads = {}
-    for impl, dtype in ((NAME, torch.float32), (REFERENCE[kind], torch.float64)):
-        model.set_attn_implementation(impl)
-        model.to(dtype).zero_grad()
-        model(ids, labels=ids).loss.backward()
-        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    assert set(grads[NAME]) == set(grads[REFERENCE[kind]])
-    assert kind != "gpt_oss" or any("sinks" in n for n in grads[NAME])
-    for n, g in grads[NAME].items():
-        _assert_close(g, grads[REFERENCE[kind]][n], name=f"d{n}")
+    # On the GPU in fp32 (gpt-oss's sinks included): bf16 gradients of a whole model compound both paths'
+    # roundings through every layer (the per-kernel rule is the kernels' own tests').
+    _assert_gradients_match(kind, "cuda", seed=9, seqlen=31)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
 def test_gpu_greedy_generation_matches(kind):
-    # fp32 on the GPU: the same tokens as transformers' own path (Gemma 2 past its 5-key window), each
-    # generation step's one query per row over the KV cache run by the decode kernel.
-    model, gen = _model(kind).cuda().float(), torch.Generator().manual_seed(3)
-    ids, mask = (t.cuda() for t in _padded_batch(gen))
-    ids, mask = ids[:2, 3:], mask[:2, 3:]  # two rows, one left-padded
-    tokens = {}
-    for impl in (REFERENCE[kind], NAME):
-        model.set_attn_implementation(impl)
-        tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                                      pad_token_id=0)[:, ids.shape[1]:]
-    assert torch.equal(tokens[NAME], tokens[REFERENCE[kind]]), tokens
+    # fp32 on the GPU (Gemma 2 past its 5-key window): each step after the prompt runs the decode kernel.
+    _assert_same_tokens(kind, "cuda", new_tokens=12)
