@@ -161,11 +161,9 @@ def train_profile(torch, model, ids, use, steps=3) -> dict:
 
 def benchmark(args) -> dict:
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        if "triton" in sys.modules:
-            # @triton.jit chose compiled or interpreted when this process imported it: setting the
-            # variable now would leave some kernels compiled and later ones interpreted.
-            raise SystemExit("--device cpu: set TRITON_INTERPRET=1 before this process imports triton")
-        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+        # (main sets it before anything imports Triton.) @triton.jit chose compiled or interpreted when
+        # this process imported it: setting it now would leave some kernels compiled, later ones interpreted.
+        raise SystemExit("--device cpu: set TRITON_INTERPRET=1 before this process imports triton")
     import torch
     import transformers
 
@@ -294,6 +292,11 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    device = next((b for a, b in zip(argv, argv[1:]) if a == "--device"), None) or next(
+        (a.split("=", 1)[1] for a in argv if a.startswith("--device=")), None)
+    if device == "cpu" and "triton" not in sys.modules:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before parse_args imports flashgen, and flashgen Triton
     args = parse_args(argv)
     result = benchmark(args)
     args.out.mkdir(parents=True, exist_ok=True)

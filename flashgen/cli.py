@@ -311,6 +311,9 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, n
         _pyplot()  # a missing matplotlib is said now, not after the tune
     if interpret and not _interpreting():
         _rerun_interpreted()
+    # Under TRITON_INTERPRET the kernels run interpreted whatever the machine: the interpreter's runner, space
+    # and environment (a GPU runner's space and timings would be stored as the interpreter's results).
+    interpret = interpret or _interpreting()
     specs = []
     for path in paths:
         spec = AttentionSpec.from_yaml(path)

@@ -21,6 +21,8 @@ def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         marker, reason = "interpreter", ("runs CPU tensors through Triton's interpreter (on a GPU machine: "
                                          "`TRITON_INTERPRET=1 python3 -m pytest`)")
+    elif torch.cuda.is_available():  # a GPU machine with TRITON_INTERPRET set
+        marker, reason = "gpu", "a compiled GPU test: run it without TRITON_INTERPRET"
     else:
         marker, reason = "gpu", "needs a CUDA GPU (run with `python3 -m pytest -m gpu` on one)"
     skip = pytest.mark.skip(reason=reason)

@@ -72,3 +72,14 @@ def test_tag_names_files_with_or_without_its_dash():
     benchmarks = sorted((ROOT / "benchmarks").glob("*.py"))
     tagged = [p.name for p in benchmarks if '"--tag"' in p.read_text()]
     assert tagged and all("type=file_tag" in (ROOT / "benchmarks" / name).read_text() for name in tagged), tagged
+
+
+def test_a_cpu_run_in_a_compiled_process_is_refused(monkeypatch):
+    # --device cpu needs the interpreter from the process's start: one that imported Triton compiled (a GPU
+    # machine's test process) is refused by name, not switched to the interpreter half way (which left every
+    # kernel module imported afterwards interpreted beside compiled helpers)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(SystemExit, match="--device cpu: set TRITON_INTERPRET=1"):
+        bench.benchmark(bench.parse_args(["--tiny", "--device", "cpu"]))
+    assert bench.os.environ["TRITON_INTERPRET"] == "0"
+

@@ -455,6 +455,17 @@ def test_tune_refuses_an_in_memory_database(url):
     _one_error(result, 2, "'--db'", "in-memory SQLite database keeps nothing")
 
 
+@pytest.mark.interpreter
+def test_tune_under_triton_interpret_is_an_interpreter_tune(tmp_path):
+    # TRITON_INTERPRET=1 without --interpret: the kernels run interpreted whatever the machine, so the tune is
+    # the interpreter's (its runner, space and labelled times), stored as the interpreter's results
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("name: tiny\ndtype: fp32\nhead_dim: 16\nnum_heads: 1\ntune: {seqlens: [16], trials: 1}\n")
+    result = CliRunner().invoke(main, ["tune", "--spec", str(spec), "--db", f"sqlite:///{tmp_path / 'i.sqlite'}"])
+    assert result.exit_code == 0, result.output
+    assert "INTERPRETER WALL TIME" in result.output and "triton-interpreter" in result.output, result.output
+
+
 def test_tune_takes_any_seed_its_option_allows(tmp_path):
     # a seed of 4295 or more overflowed numpy's 32-bit seed in the sampler: a traceback
     spec = tmp_path / "tiny.yaml"

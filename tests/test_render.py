@@ -183,7 +183,8 @@ def test_host_module_is_plain_python_that_needs_no_flashgen(source):
 def test_host_names_do_not_clash_with_the_kernels(name, spec, config):
     # A standalone module holds both in one namespace: the host must not rebind a kernel global.
     module_names = _top_level_names(ast.parse(R.render(spec, config, standalone=False)))
-    host_names = _top_level_names(ast.parse(R.host_source())) | _top_level_names(ast.parse(R.decode_source()))
+    host_names = set().union(*(_top_level_names(ast.parse(source())) for source in (R.host_source, R.decode_source,
+                                                                                   R.interpret_source)))
     assert module_names & host_names <= {"torch", "triton", "tl", "AttentionLauncher", "DecodeLauncher"}, \
         module_names & host_names
 

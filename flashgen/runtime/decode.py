@@ -675,7 +675,7 @@ class DecodeLauncher:
                 HEAD_DIM=spec["head_dim"], HEAD_DIM_V=dv, BLOCK_H=triton.next_power_of_2(spec["num_kv_heads"]),
                 BLOCK_D=padded_head_dim(spec["head_dim"]), BLOCK_DV=plan["block_dv"], PAGED=paged,
                 PAGE_SIZE=page_size, BATCH_INDEX=cache_batch_idx is not None, QUANTIZE=quantize,
-                BY_HAND=quantize and q.device.type == "cpu", DROP=drop, MIN_NORMAL=min_normal, MAGIC=magic,
+                BY_HAND=quantize and self.attention.interpreting(), DROP=drop, MIN_NORMAL=min_normal, MAGIC=magic,
                 FP8_MAX=fp8_max, num_warps=4, num_stages=1)
         return DecodeCall(batch=batch, seqlen_q=seqlen_q, capacity=capacity, plan=plan, out_shape=out_shape,
                           new_out=allocator(out_shape, out_dtype, q.device),
