@@ -337,19 +337,27 @@ def current_stream(device) -> int:
 PARTS = {}  # (device, stream handle) -> the float32 buffer of partial results fused split launches on it share
 
 
+def _stream_buffer(table, device, stream, numel, make, least=0):
+    """table's buffer of at least numel elements for launches on (device, stream): made by make(size)
+    (size numel, at least `least`, or twice the one it replaces), MAX_TICKET_STREAMS kept (the oldest
+    dropped for a new stream)."""
+    key = (device, stream)
+    buffer = table.get(key)
+    if buffer is None or buffer.numel() < numel:
+        if buffer is None and len(table) >= MAX_TICKET_STREAMS:
+            del table[next(iter(table))]
+        size = max(numel, least, 2 * buffer.numel() if buffer is not None else 0)
+        buffer = table[key] = make(size)
+    return buffer
+
+
 def split_parts(device, numel, stream):
     """At least numel float32 elements on the device for the partial results (each split's output rows and
     LSE) of fused split launches on `stream`: one buffer per stream, which its launches share (they run in
     stream order, and each merges its own partials before it ends), grown as needed; an allocation fewer
     per call (~3 us of an H200 host)."""
-    key = (device, stream)
-    parts = PARTS.get(key)
-    if parts is None or parts.numel() < numel:
-        if parts is None and len(PARTS) >= MAX_TICKET_STREAMS:
-            del PARTS[next(iter(PARTS))]
-        size = max(numel, 2 * parts.numel() if parts is not None else 0)
-        parts = PARTS[key] = torch.empty(size, dtype=torch.float32, device=device)
-    return parts
+    return _stream_buffer(PARTS, device, stream, numel, lambda size: torch.empty(size, dtype=torch.float32,
+                                                                                 device=device))
 
 
 def split_tickets(device, count, stream=None):
@@ -367,14 +375,8 @@ def split_tickets(device, count, stream=None):
     dropped."""
     if device_sync_forbidden(device):
         return torch.zeros(count, dtype=torch.int32, device=device)
-    key = (device, current_stream(device) if stream is None else stream)
-    tickets = TICKETS.get(key)
-    if tickets is None or tickets.numel() < count:
-        size = max(count, 1024, 2 * tickets.numel() if tickets is not None else 0)
-        if tickets is None and len(TICKETS) >= MAX_TICKET_STREAMS:
-            del TICKETS[next(iter(TICKETS))]
-        tickets = TICKETS[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return tickets
+    return _stream_buffer(TICKETS, device, current_stream(device) if stream is None else stream, count,
+                          lambda size: torch.zeros(size, dtype=torch.int32, device=device), least=1024)
 
 
 # ----------------------------------------------------------------------------- launching
