@@ -26,10 +26,9 @@ def __getattr__(name):
 
 
 if _interpreting():
-    from .runtime.interpret import index_scalars_as_newer_triton, patch_language_once_per_launch
+    from .runtime.interpret import patch_interpreter
 
-    patch_language_once_per_launch()
-    index_scalars_as_newer_triton()
+    patch_interpreter()
 
 __all__ = [
     "AttentionSpec", "SpecError", "TuneSpec", "KernelConfig", "ConfigError", "default_config",

@@ -14,9 +14,16 @@ which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python s
 `range(0, seqlen_k, BLOCK_N)` over a kernel argument failed there; Triton 3.9 squeezes it first.
 `index_scalars_as_newer_triton` makes 3.6 do the same.
 
-Standalone modules (`flashgen generate`) carry this file verbatim and apply both where they run
-interpreted, as `import flashgen` does.
+Standalone modules (`flashgen generate`) carry this file verbatim and call `patch_interpreter` where
+they run interpreted, as `import flashgen` does.
 """
+
+
+def patch_interpreter() -> None:
+    """Both patches below, where Triton's interpreter runs the kernels (each a no-op where it is not the
+    interpreter it knows)."""
+    patch_language_once_per_launch()
+    index_scalars_as_newer_triton()
 
 
 def patch_language_once_per_launch() -> bool:
