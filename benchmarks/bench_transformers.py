@@ -292,10 +292,9 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    device = next((b for a, b in zip(argv, argv[1:]) if a == "--device"), None) or next(
-        (a.split("=", 1)[1] for a in argv if a.startswith("--device=")), None)
-    if device == "cpu" and "triton" not in sys.modules:
+    device = argparse.ArgumentParser(add_help=False)  # --device alone, read as parse_args reads it
+    device.add_argument("--device")
+    if device.parse_known_args(argv)[0].device == "cpu" and "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before parse_args imports flashgen, and flashgen Triton
     args = parse_args(argv)
     result = benchmark(args)
