@@ -558,19 +558,34 @@ def test_num_splits_heuristic():
     assert knobs["num_splits"] == 1  # the interpreter counts as one SM: no split
 
 
+CUDA0 = torch.device("cuda", 0)  # a device the knob tests name: nothing runs on it
+
+
+def _sm90_knobs(monkeypatch, fast=False):
+    """decode_knobs for 32 / 8 heads at head dim 128 on 132 SMs with an H100's shared memory (fast: an
+    H200's memory): knobs(batch=8, kv=8192, rows=4, **kw) -> the dict, picked(...) -> (BLOCK_N,
+    num_stages, num_splits, num_warps)."""
+    monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
+    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)
+    monkeypatch.setattr(host_decode, "fast_memory", lambda device: fast)
+    knobs = lambda batch=8, kv=8192, rows=4, **kw: host_decode.decode_knobs(128, rows, batch, 8, kv, CUDA0, **kw)  # noqa
+    picked = lambda **kw: tuple(knobs(**kw)[n] for n in ("BLOCK_N", "num_stages", "num_splits", "num_warps"))  # noqa
+    return knobs, picked
+
+
 def test_default_tiles_follow_the_page_size_and_the_grid(monkeypatch):
     # A page number per key (page size below 64): 128-key tiles, else 64; three stages where they
     # fit in shared memory, else two, else smaller tiles. A grid that fills the SMs with one query
     # row per head (B=64: 512 programs on 132 SMs) takes 32-key tiles and two stages (several
     # programs per SM: H100 360.5 vs 363.6 us at 128 x 3); with more packed rows, 128 x 3.
-    monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
-    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)  # an H100's
-    cuda = torch.device("cuda", 0)
-    knobs = lambda rows=4, **kw: host_decode.decode_knobs(128, rows, kw.pop("batch", 8), 8, 8192, cuda, **kw)  # noqa
-    picked = lambda **kw: tuple(knobs(**kw)[n] for n in ("BLOCK_N", "num_stages", "num_splits", "num_warps"))  # noqa
+    # Small tiles only where the grid holds at least three programs per SM: B=16 and B=32 (one and
+    # two per SM) take 128 x 3 (H200 B=16: 137.0 vs 349.0 us at 32 x 2).
+    knobs, picked = _sm90_knobs(monkeypatch)
     assert picked() == (64, 3, 2, 4)
     assert knobs(page_size=1)["BLOCK_N"] == 128 and knobs(page_size=256)["BLOCK_N"] == 64
     assert picked(batch=64) == (32, 2, 1, 4)
+    assert picked(batch=16) == (128, 3, 1, 4) and picked(batch=32) == (128, 3, 1, 4)
+    assert picked(batch=50) == (32, 2, 1, 4) and picked(batch=49) == (128, 3, 1, 4)  # 400 / 392 programs
     assert picked(batch=64, rows=64) == (128, 3, 1, 4)  # 64 packed rows (16 query positions x 4 heads)
     assert picked(batch=64, BLOCK_N=64) == (64, 3, 1, 4)  # a given tile keeps three stages
     fp32 = knobs(batch=64, element_size=4)  # two 128-key stages do not fit: 64-key tiles, three stages
@@ -587,12 +602,7 @@ def test_split_grid_of_16_key_pages_fills_four_small_programs_per_sm(monkeypatch
     # one wave (8 x 64 = 512 programs; H100 page 16: 111.8 vs 114.2 us at 2 x 128 x 3). Page 1,
     # page 256, the contiguous cache and B=1 keep their tiles (the same rule ran them slower:
     # B=8 contiguous 108.0 vs 106.8, B=1 128K 196.1 vs 191.1, page 1 115.6 vs 114.2).
-    monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
-    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)
-    cuda = torch.device("cuda", 0)
-    picked = lambda batch=8, kv=8192, rows=4, **kw: tuple(  # noqa: E731
-        host_decode.decode_knobs(128, rows, batch, 8, kv, cuda, **kw)[n]
-        for n in ("BLOCK_N", "num_stages", "num_splits", "num_warps"))
+    _, picked = _sm90_knobs(monkeypatch)
     assert picked(page_size=16) == (32, 2, 8, 4) and picked(page_size=32) == (32, 2, 8, 4)
     assert picked(page_size=1) == (128, 3, 2, 4) and picked(page_size=256) == (64, 3, 2, 4)
     assert picked() == (64, 3, 2, 4) and picked(batch=1, kv=131072) == (64, 3, 16, 4)
@@ -609,19 +619,42 @@ def test_fp8_cache_defaults_fill_two_programs_per_sm(monkeypatch):
     # paged-16 B=8 4 splits 72.1 vs 2 splits 82.7). Where the grid fills: 64 x 3, 2 warps (four
     # per SM: 207.6 vs 211.8 at 128 x 3). Where two 3-stage programs do not fit (an sm89's 99 KB):
     # two stages, one program per SM, bf16's split count.
-    monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
-    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)
-    cuda = torch.device("cuda", 0)
-    knobs = lambda batch=8, kv=8192, **kw: host_decode.decode_knobs(128, 4, batch, 8, kv, cuda, **kw)  # noqa
-    picked = lambda **kw: tuple(knobs(**kw)[n] for n in ("BLOCK_N", "num_stages", "num_splits", "num_warps"))  # noqa
+    knobs, picked = _sm90_knobs(monkeypatch)
     assert picked(element_size=1) == (128, 3, 4, 4) and picked(element_size=2) == (64, 3, 2, 4)
     assert picked(element_size=1, page_size=16) == (128, 3, 4, 4)
     assert picked(element_size=1, batch=1, kv=131072) == (128, 3, 33, 4)  # 8 x 33 = 264 programs, 2 per SM
     assert picked(element_size=2, batch=1, kv=131072)[2] == 16
     assert picked(element_size=1, batch=64, kv=4096) == (64, 3, 1, 2)
-    assert host_decode.fp8_slots_per_sm(106496, cuda) == 2 and host_decode.fp8_slots_per_sm(139264, cuda) == 1
+    assert picked(element_size=1, batch=16) == (128, 3, 1, 4)  # one program per SM (H200: 121.6 vs 156.4 us)
+    assert host_decode.fp8_slots_per_sm(106496, CUDA0) == 2 and host_decode.fp8_slots_per_sm(139264, CUDA0) == 1
     monkeypatch.setattr(host_decode, "smem_limit", lambda device: 101376)  # an sm89's: 2 x 128 keys fit, 3 do not
     assert picked(element_size=1) == (128, 2, 2, 4)
+
+
+def test_faster_memory_takes_more_bytes_in_flight(monkeypatch):
+    # An H200 (fast_memory): small tiles of 64 keys where the grid is crowded (B=64: 255.9 vs 267.2 us
+    # at 32 x 2), four stages on a 16-bit contiguous cache's split grid (B=8: 77.6 vs 79.9), three on
+    # its 16..63-key pages (82.1 vs 87.2). FP8, other pages, packed rows and given knobs keep theirs.
+    _, picked = _sm90_knobs(monkeypatch, fast=True)
+    assert picked(batch=64, kv=4096) == (64, 2, 1, 4) and picked(batch=128, kv=2048) == (64, 2, 1, 4)
+    assert picked(batch=16) == (128, 3, 1, 4)
+    assert picked() == (64, 4, 2, 4) and picked(batch=1, kv=131072) == (64, 4, 16, 4)
+    assert picked(page_size=16) == (32, 3, 8, 4)
+    assert picked(page_size=1) == (128, 3, 2, 4) and picked(page_size=256) == (64, 3, 2, 4)
+    assert picked(rows=64) == (64, 3, 2, 4)  # 64 packed rows (16 query positions): as on an H100
+    assert picked(BLOCK_N=64) == (64, 3, 2, 4) and picked(num_stages=2) == (64, 2, 2, 4)
+    assert picked(element_size=1) == (128, 3, 4, 4) and picked(element_size=1, batch=64, kv=4096) == (64, 3, 1, 2)
+
+
+def test_fast_memory_reads_the_device_name(monkeypatch):
+    class Props:
+        def __init__(self, name):
+            self.name = name
+    for name, fast in (("NVIDIA H200", True), ("NVIDIA GH200 480GB", True), ("NVIDIA H100 80GB HBM3", False)):
+        monkeypatch.setattr(host_decode, "FAST_MEMORY", {})
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, name=name: Props(name))
+        assert host_decode.fast_memory(CUDA0) is fast
+    assert host_decode.fast_memory(torch.device("cpu")) is False
 
 
 def test_default_split_count_follows_the_capacity(device, monkeypatch):

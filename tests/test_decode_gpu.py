@@ -114,15 +114,20 @@ def test_decode_masks_gpu(name, kw, page_size):
                lengths=(2049, 5, 3001), capacity=3072, BLOCK_N=None, **kw)
 
 
-def test_decode_grid_that_fills_the_sms_gpu():
-    # 16 elements x 8 KV heads, one query row: the grid fills the SMs, so the defaults take small
-    # tiles, several programs per SM (32 x 2 stages); odd lengths per element, one past a tile edge.
+@pytest.mark.parametrize("batch", [64, 16], ids=["crowded", "one-per-sm"])
+def test_decode_grid_that_fills_the_sms_gpu(batch):
+    # 64 elements x 8 KV heads, one query row: at least three programs per SM, so the defaults take
+    # small tiles (32 or, on a GPU with faster memory, 64 keys; 2 stages); 16 elements: one program
+    # per SM, 128 x 3. Odd lengths per element, some one past a tile edge.
     from flashgen.runtime.decode import decode_knobs
     device = torch.device("cuda")
-    lengths = (1025, 3, 531, 1024, 33, 1, 700, 999, 64, 65, 1000, 2, 513, 31, 1023, 400)
-    if decode_knobs(128, 4, 16, 8, 1040, device)["num_splits"] != 1:
-        pytest.skip("this GPU's grid of 128 programs does not fill its SMs")
-    run_decode("cuda", dtype="bf16", heads=(32, 8), d=128, sq=1, batch=16, lengths=lengths, capacity=1040,
+    base = (1025, 3, 531, 1024, 33, 1, 700, 999, 64, 65, 1000, 2, 513, 31, 1023, 400)
+    lengths = tuple(max(1, n - 7 * i) for i in range(batch // len(base)) for n in base)
+    knobs = decode_knobs(128, 4, batch, 8, 1040, device)
+    if knobs["num_splits"] != 1:
+        pytest.skip(f"this GPU's grid of {batch * 8} programs does not fill its SMs")
+    assert (knobs["BLOCK_N"] <= 64) == (batch == 64)
+    run_decode("cuda", dtype="bf16", heads=(32, 8), d=128, sq=1, batch=batch, lengths=lengths, capacity=1040,
                num_splits=0, BLOCK_N=None)
 
 

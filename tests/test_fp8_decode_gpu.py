@@ -29,11 +29,14 @@ def test_fp8_decode_grid(fp8, heads, d, sq, page_size, num_splits):
                    num_splits=num_splits, batch=3, lengths=(4097, 3, 1531), capacity=4352, BLOCK_N=None)
 
 
-@pytest.mark.parametrize("batch,page_size", [(16, None), (1, None), (2, 16)], ids=["fills", "one-seq", "paged16"])
+@pytest.mark.parametrize("batch,page_size", [(64, None), (16, None), (1, None), (2, 16)],
+                         ids=["crowded", "fills", "one-seq", "paged16"])
 def test_fp8_default_knobs_gpu(batch, page_size):
-    # The FP8 defaults at both ends: a grid that fills the SMs (64-key tiles, 2 warps) and one
-    # split two programs per SM (128 x 3; one sequence: ~33 splits over 8 KV heads).
-    lengths = (4097, 3, 1531, 4000, 1, 2048, 700, 4096, 17, 3000, 1024, 63, 2500, 129, 4095, 2)
+    # The FP8 defaults at both ends: a grid crowded with programs (64-key tiles, 2 warps), one that fills
+    # the SMs one program each (128 x 3), and one split two programs per SM (128 x 3; one sequence: ~33
+    # splits over 8 KV heads).
+    base = (4097, 3, 1531, 4000, 1, 2048, 700, 4096, 17, 3000, 1024, 63, 2500, 129, 4095, 2)
+    lengths = tuple(max(1, n - 5 * i) for i in range(4) for n in base)
     run_fp8_decode("cuda", fp8="e4m3", dtype="bf16", heads=(32, 8), d=128, sq=1, page_size=page_size,
                    num_splits=0, batch=batch, lengths=lengths, capacity=4352, BLOCK_N=None)
 

@@ -68,6 +68,14 @@ MAX_SPLITS = 128  # FA3's cap
 # SM) takes the split count that fills this many programs per SM in one wave (B=8: 8 splits, 512
 # programs, as B=64's unsplit grid). Only a paged cache of 16..63-key pages takes it (decode_knobs).
 SPLIT_PROGRAMS_PER_SM = 4
+# A grid that fills the SMs takes small tiles (several programs per SM) only with at least this many
+# programs per SM: B=64 x 8 KV heads (3.9 per SM) gains from them, B=16 and B=32 (1 and 2 per SM) ran
+# their 32 x 2 programs alone on an SM, starved of loads in flight (H200 B=16 x 8K keys: 349.0 us
+# against 137.0 at 128 x 3, cuDNN 134.0; B=32 x 4K 202.3 vs 138.5, cuDNN 135.7).
+SMALL_TILE_PROGRAMS_PER_SM = 3
+# GPUs whose memory reads faster than the H100's (3.35 TB/s): the H200's HBM3e (4.8 TB/s) needs more
+# of a program's bytes in flight to reach it (decode_knobs). Matched in the device's name.
+FAST_MEMORY_GPUS = ("H200",)
 # Whether a split call merges its splits in the split kernel's last program per row block (one
 # launch per step) rather than in a combine kernel, unless told (decode_knobs' fused_combine). H100,
 # bf16, 32/8 heads, hd128, us (benchmarks/results/2026-11-23-h100-decode-v6.md and -variants-v6.json,
@@ -111,6 +119,17 @@ def num_splits_heuristic(total_mblocks, num_sms, num_n_blocks, max_splits=MAX_SP
 
 
 SMEM_LIMITS = {}
+FAST_MEMORY = {}
+
+
+def fast_memory(device):
+    """Whether the device is one of FAST_MEMORY_GPUS (a property query, cached; never the interpreter)."""
+    if device.type != "cuda":
+        return False
+    if device not in FAST_MEMORY:
+        name = torch.cuda.get_device_properties(device).name.upper()
+        FAST_MEMORY[device] = any(gpu in name for gpu in FAST_MEMORY_GPUS)
+    return FAST_MEMORY[device]
 
 
 def smem_limit(device):
@@ -142,9 +161,9 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     - BLOCK_N 128 where each key's page is looked up (page_size < 64: fewer, larger tiles
       amortise the per-key page arithmetic; B=8, 8K keys, page 1: 115.5 vs 126.2 at 64), else 64;
       32 above head dim 128. Split grids of 16..63-key pages: 32 (below).
-    - Where the grid fills the SMs unsplit and a tile holds one query row per head (BLOCK_M 16,
-      head dim <= 128): small tiles, several programs per SM, so the grid runs in fewer, fuller
-      waves. A 16-bit cache: 32-key tiles, 2 stages (21 KB of shared memory, ~80 registers: up to
+    - Where the grid crowds the SMs unsplit (at least SMALL_TILE_PROGRAMS_PER_SM programs each) and
+      a tile holds one query row per head (BLOCK_M 16, head dim <= 128): small tiles, several
+      programs per SM, so the grid runs in fewer, fuller waves. A 16-bit cache: 32-key tiles, 2 stages (21 KB of shared memory, ~80 registers: up to
       6 programs per SM; B=64, 4K keys, 512 programs: 358.2 / 357.7 / 358.0 vs 363.5 / 363.6 at
       128 x 3, one program per SM in 3.9 waves; cuDNN 363.1, Flex 361.9). An FP8 cache: 64-key
       tiles, 3 stages, 2 warps (55 KB: 4 per SM; 207.7 vs 210.8 at 128 x 3 x 4 warps). Other
@@ -158,6 +177,16 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       115.6 vs 114.2 at 2 x 128 x 3. More programs per SM do not raise a split grid's bytes/s (B=8
       reads 2.48-2.51 TB/s whatever the tiles, cuDNN 2.52): its bound is not loads in flight.
     - num_stages 3 (another K/V tile in flight), 2 where three do not fit in shared memory.
+    - Small tiles need several programs per SM: B=16 and B=32 with 8 KV heads fill the SMs with
+      one or two programs each, which take 128 x 3 tiles (H200: B=16 x 8K keys 135.3 vs 350.9 at
+      32 x 2, cuDNN 134.0; B=32 x 4K 138.4 vs 203.4, cuDNN 135.6; FP8 B=16 121.6 vs 156.4 at
+      64 x 3 x 2 warps, B=32 95.1 vs 101.3). On the H100 only B=64 was measured (small tiles won).
+    - A GPU with faster memory (fast_memory: the H200's HBM3e; H200, bf16, us, 3 interleaved
+      rounds, benchmarks/results/2026-11-29-h200-decode-variants-s32*): more bytes in flight per
+      program. Small tiles of 64 keys (B=64 x 4K keys 255.9 vs 267.2 at 32 x 2, cuDNN 256.0;
+      B=128 x 2K 256.1 vs 287.8, cuDNN 259.1); a 16-bit contiguous cache's split grid 4 stages
+      where they fit (B=8 x 8K 77.6 / 78.6 vs 79.9 / 79.5; B=1 x 128K 135.7 / 137.8 vs 140.0 /
+      140.1, two runs), its 16..63-key pages 3 (paged-16 B=8: 82.1 vs 87.2).
     - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles, 3 stages
       (106 KB: two programs fit an SM), and the split count that fills two programs per SM in one
       wave (fp8_slots_per_sm). Before, 4 stages (139 KB) left one program per SM: B=1, 128K keys,
@@ -182,16 +211,18 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     fills = total_mblocks >= 0.8 * sm_count(device)
     fp8_split = element_size == 1 and not fills
     one_row = block_m == 16 and head_dim <= 128  # one query row per head
-    small = fills and one_row and element_size <= 2  # small tiles, many per SM
+    crowded = total_mblocks >= SMALL_TILE_PROGRAMS_PER_SM * sm_count(device)
+    small = crowded and one_row and element_size <= 2  # small tiles, many per SM
     split_small = not fills and one_row and element_size == 2 and BLOCK_N is None and page_size is not None \
         and 16 <= page_size < 64  # small tiles, and the splits that fill several per SM
+    fast = fast_memory(device)
     def staged_bytes(block_n, stages):  # K and V tiles in flight, and room for the rest
         return stages * block_n * 2 * padded_head_dim(head_dim) * element_size + 8192
 
     block_n = BLOCK_N
     if block_n is None:
         if small or split_small:
-            block_n = 32 if element_size == 2 else 64
+            block_n = (64 if fast and small else 32) if element_size == 2 else 64
         else:
             block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills \
                 or fp8_split else 64
@@ -201,6 +232,8 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
         raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {block_n!r}")
     if num_stages is None:
         most = 2 if (small or split_small) and element_size == 2 and BLOCK_N is None else 3
+        if fast and one_row and element_size == 2 and BLOCK_N is None and not fills:  # a split grid (see above)
+            most = 3 if split_small else 4 if page_size is None else most
         num_stages = next((n for n in range(most, 2, -1) if staged_bytes(block_n, n) <= smem_limit(device)), 2)
     if num_warps is None:
         num_warps = 2 if small and element_size == 1 and BLOCK_N is None else 4
