@@ -632,11 +632,16 @@ def test_fp8_cache_defaults_fill_two_programs_per_sm(monkeypatch):
 
 
 def test_faster_memory_takes_more_bytes_in_flight(monkeypatch):
-    # An H200 (fast_memory): small tiles of 64 keys where the grid is crowded (B=64: 255.9 vs 267.2 us
-    # at 32 x 2), four stages on a 16-bit contiguous cache's split grid (B=8: 77.6 vs 79.9), three on
-    # its 16..63-key pages (82.1 vs 87.2). FP8, other pages, packed rows and given knobs keep theirs.
+    # An H200 (fast_memory): 128 x 2 tiles where the grid is crowded at head dim 128 (B=64: 254.6 vs
+    # 267.2 us at 32 x 2; MHA B=16 x 4K 255.5 vs 311.3 at 64 x 2), 64 x 2 at head dim 64; four stages
+    # on a 16-bit contiguous cache's split grid (B=8: 77.6 vs 79.9), 128-key tiles there at head dim
+    # 64 (49.3 vs 54.7), three stages on its 16..63-key pages (82.1 vs 87.2). FP8, other pages,
+    # packed rows and given knobs keep theirs.
     _, picked = _sm90_knobs(monkeypatch, fast=True)
-    assert picked(batch=64, kv=4096) == (64, 2, 1, 4) and picked(batch=128, kv=2048) == (64, 2, 1, 4)
+    assert picked(batch=64, kv=4096) == (128, 2, 1, 4) and picked(batch=128, kv=2048) == (128, 2, 1, 4)
+    hd64 = lambda batch, kv=8192: tuple(  # noqa: E731
+        host_decode.decode_knobs(64, 4, batch, 8, kv, CUDA0)[n] for n in ("BLOCK_N", "num_stages", "num_splits"))
+    assert hd64(64, 4096) == (64, 2, 1) and hd64(8) == (128, 4, 2) and hd64(1, 65536) == (128, 4, 16)
     assert picked(batch=16) == (128, 3, 1, 4)
     assert picked() == (64, 4, 2, 4) and picked(batch=1, kv=131072) == (64, 4, 16, 4)
     assert picked(page_size=16) == (32, 3, 8, 4)

@@ -117,8 +117,8 @@ def test_decode_masks_gpu(name, kw, page_size):
 @pytest.mark.parametrize("batch", [64, 16], ids=["crowded", "one-per-sm"])
 def test_decode_grid_that_fills_the_sms_gpu(batch):
     # 64 elements x 8 KV heads, one query row: at least three programs per SM, so the defaults take
-    # small tiles (32 or, on a GPU with faster memory, 64 keys; 2 stages); 16 elements: one program
-    # per SM, 128 x 3. Odd lengths per element, some one past a tile edge.
+    # the crowded grid's 2-stage tiles (32 keys, or 128 on a GPU with faster memory); 16 elements:
+    # one program per SM, 128 x 3. Odd lengths per element, some one past a tile edge.
     from flashgen.runtime.decode import decode_knobs
     device = torch.device("cuda")
     base = (1025, 3, 531, 1024, 33, 1, 700, 999, 64, 65, 1000, 2, 513, 31, 1023, 400)
@@ -126,7 +126,7 @@ def test_decode_grid_that_fills_the_sms_gpu(batch):
     knobs = decode_knobs(128, 4, batch, 8, 1040, device)
     if knobs["num_splits"] != 1:
         pytest.skip(f"this GPU's grid of {batch * 8} programs does not fill its SMs")
-    assert (knobs["BLOCK_N"] <= 64) == (batch == 64)
+    assert (knobs["num_stages"] == 2) == (batch == 64)
     run_decode("cuda", dtype="bf16", heads=(32, 8), d=128, sq=1, batch=batch, lengths=lengths, capacity=1040,
                num_splits=0, BLOCK_N=None)
 

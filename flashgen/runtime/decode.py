@@ -183,10 +183,16 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       64 x 3 x 2 warps, B=32 95.1 vs 101.3). On the H100 only B=64 was measured (small tiles won).
     - A GPU with faster memory (fast_memory: the H200's HBM3e; H200, bf16, us, 3 interleaved
       rounds, benchmarks/results/2026-11-29-h200-decode-variants-s32*): more bytes in flight per
-      program. Small tiles of 64 keys (B=64 x 4K keys 255.9 vs 267.2 at 32 x 2, cuDNN 256.0;
-      B=128 x 2K 256.1 vs 287.8, cuDNN 259.1); a 16-bit contiguous cache's split grid 4 stages
-      where they fit (B=8 x 8K 77.6 / 78.6 vs 79.9 / 79.5; B=1 x 128K 135.7 / 137.8 vs 140.0 /
-      140.1, two runs), its 16..63-key pages 3 (paged-16 B=8: 82.1 vs 87.2).
+      program. A crowded grid's tiles: 128 x 2 at head dim 128 (one program per SM; the 32 x 2
+      rule's several did not keep enough bytes in flight): B=64 x 4K keys 254.6 vs 267.2 at 32 x 2
+      (64 x 2 255.9), cuDNN 256.0; MHA (32 KV heads) B=16 x 4K 255.5 vs 311.3 at 64 x 2, cuDNN
+      256.2, B=16 x 2K 136.0 vs 163.6, B=32 x 2K 255.3 vs 263.7, B=64 x 1K 254.8 vs 268.2; GQA
+      B=128 x 2K 255.9 vs 256.1 at 64 x 2, B=64 x 16K 963.5 vs 972.7, but B=64 x 1K 78.3 vs 76.8.
+      At head dim 64, 64 x 2 (B=64 x 4K: 142.7 vs 167.2 at 128 x 2; cuDNN 136.4). A 16-bit
+      contiguous cache's split grid 4 stages where they fit (B=8 x 8K 77.6 / 78.6 vs 79.9 / 79.5;
+      B=1 x 128K 135.7 / 137.8 vs 140.0 / 140.1, two runs), its 16..63-key pages 3 (paged-16 B=8:
+      82.1 vs 87.2), and 128-key tiles at head dim 64 (B=8 x 8K 49.3 vs 54.7 at 64 x 4, B=4 x 8K
+      31.6 vs 34.0, B=1 x 64K 49.4 vs 54.7, cuDNN 31.4 / 49.5 in the last two).
     - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles, 3 stages
       (106 KB: two programs fit an SM), and the split count that fills two programs per SM in one
       wave (fp8_slots_per_sm). Before, 4 stages (139 KB) left one program per SM: B=1, 128K keys,
@@ -222,10 +228,10 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     block_n = BLOCK_N
     if block_n is None:
         if small or split_small:
-            block_n = (64 if fast and small else 32) if element_size == 2 else 64
+            block_n = ((128 if head_dim > 64 else 64) if fast and small else 32) if element_size == 2 else 64
         else:
             block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills \
-                or fp8_split else 64
+                or fp8_split or (fast and head_dim <= 64 and element_size == 2 and page_size is None) else 64
         while block_n > 16 and staged_bytes(block_n, 2) > smem_limit(device):
             block_n //= 2
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
