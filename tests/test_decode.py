@@ -639,9 +639,15 @@ def test_faster_memory_takes_more_bytes_in_flight(monkeypatch):
     # packed rows and given knobs keep theirs.
     _, picked = _sm90_knobs(monkeypatch, fast=True)
     assert picked(batch=64, kv=4096) == (128, 2, 1, 4) and picked(batch=128, kv=2048) == (128, 2, 1, 4)
-    hd64 = lambda batch, kv=8192: tuple(  # noqa: E731
-        host_decode.decode_knobs(64, 4, batch, 8, kv, CUDA0)[n] for n in ("BLOCK_N", "num_stages", "num_splits"))
-    assert hd64(64, 4096) == (64, 2, 1) and hd64(8) == (128, 4, 2) and hd64(1, 65536) == (128, 4, 16)
+    hd = lambda d, batch, kv=8192, rows=4, **kw: tuple(  # noqa: E731
+        host_decode.decode_knobs(d, rows, batch, 8, kv, CUDA0, **kw)[n] for n in ("BLOCK_N", "num_stages", "num_splits"))
+    assert hd(64, 64, 4096) == (64, 2, 1) and hd(64, 8) == (128, 4, 2) and hd(64, 1, 65536) == (128, 4, 16)
+    assert hd(64, 8, rows=32) == (64, 3, 2) and hd(64, 8, page_size=16) == (32, 3, 8)  # packed rows, pages: as before
+    assert hd(64, 8, page_size=256) == (64, 3, 2) and hd(64, 8, element_size=4) == (64, 3, 2)
+    assert hd(256, 8) == (32, 3, 2) and hd(256, 64, 4096) == (32, 3, 1)  # head dim 256: as on an H100
+    assert picked(batch=64, kv=4096, page_size=16) == (32, 2, 1, 4)  # a paged crowded grid keeps 32 x 2
+    assert picked(batch=64, kv=4096, element_size=4) == (64, 3, 1, 4)  # fp32: the H100's
+    assert picked(num_splits=1) == (64, 4, 1, 4)  # a grid that does not fill, unsplit as told: 4 stages too
     assert picked(batch=16) == (128, 3, 1, 4)
     assert picked() == (64, 4, 2, 4) and picked(batch=1, kv=131072) == (64, 4, 16, 4)
     assert picked(page_size=16) == (32, 3, 8, 4)
@@ -649,13 +655,15 @@ def test_faster_memory_takes_more_bytes_in_flight(monkeypatch):
     assert picked(rows=64) == (64, 3, 2, 4)  # 64 packed rows (16 query positions): as on an H100
     assert picked(BLOCK_N=64) == (64, 3, 2, 4) and picked(num_stages=2) == (64, 2, 2, 4)
     assert picked(element_size=1) == (128, 3, 4, 4) and picked(element_size=1, batch=64, kv=4096) == (64, 3, 1, 2)
+    monkeypatch.setattr(host_decode, "smem_limit", lambda device: 101376)  # 128 x 2 and 4 stages do not fit
+    assert picked(batch=64, kv=4096) == (64, 2, 1, 4) and picked() == (64, 2, 2, 4)
 
 
 def test_fast_memory_reads_the_device_name(monkeypatch):
     class Props:
         def __init__(self, name):
             self.name = name
-    for name, fast in (("NVIDIA H200", True), ("NVIDIA GH200 480GB", True), ("NVIDIA H100 80GB HBM3", False)):
+    for name, fast in (("NVIDIA H200", True), ("NVIDIA H200 NVL", True), ("NVIDIA H100 80GB HBM3", False)):
         monkeypatch.setattr(host_decode, "FAST_MEMORY", {})
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, name=name: Props(name))
         assert host_decode.fast_memory(CUDA0) is fast

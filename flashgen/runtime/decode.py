@@ -74,7 +74,8 @@ SPLIT_PROGRAMS_PER_SM = 4
 # against 137.0 at 128 x 3, cuDNN 134.0; B=32 x 4K 202.3 vs 138.5, cuDNN 135.7).
 SMALL_TILE_PROGRAMS_PER_SM = 3
 # GPUs whose memory reads faster than the H100's (3.35 TB/s): the H200's HBM3e (4.8 TB/s) needs more
-# of a program's bytes in flight to reach it (decode_knobs). Matched in the device's name.
+# of a program's bytes in flight to reach it (decode_knobs). Matched in the device's name (GH200
+# boards, 4-4.9 TB/s, match too: unmeasured).
 FAST_MEMORY_GPUS = ("H200",)
 # Whether a split call merges its splits in the split kernel's last program per row block (one
 # launch per step) rather than in a combine kernel, unless told (decode_knobs' fused_combine). H100,
@@ -163,9 +164,10 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       32 above head dim 128. Split grids of 16..63-key pages: 32 (below).
     - Where the grid crowds the SMs unsplit (at least SMALL_TILE_PROGRAMS_PER_SM programs each) and
       a tile holds one query row per head (BLOCK_M 16, head dim <= 128): small tiles, several
-      programs per SM, so the grid runs in fewer, fuller waves. A 16-bit cache: 32-key tiles, 2 stages (21 KB of shared memory, ~80 registers: up to
-      6 programs per SM; B=64, 4K keys, 512 programs: 358.2 / 357.7 / 358.0 vs 363.5 / 363.6 at
-      128 x 3, one program per SM in 3.9 waves; cuDNN 363.1, Flex 361.9). An FP8 cache: 64-key
+      programs per SM, so the grid runs in fewer, fuller waves. A 16-bit cache: 32-key tiles, 2
+      stages (21 KB of shared memory, ~80 registers: up to 6 programs per SM; B=64, 4K keys, 512
+      programs: 358.2 / 357.7 / 358.0 vs 363.5 / 363.6 at 128 x 3, one program per SM in 3.9
+      waves; cuDNN 363.1, Flex 361.9). An FP8 cache: 64-key
       tiles, 3 stages, 2 warps (55 KB: 4 per SM; 207.7 vs 210.8 at 128 x 3 x 4 warps). Other
       grids that fill: 128 x 3 (B=64: 363.7 vs 384.5 at 64 x 3).
     - Where the grid does not fill the SMs (split), a 16-bit cache in pages of 16..63 keys, one
@@ -181,18 +183,20 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       one or two programs each, which take 128 x 3 tiles (H200: B=16 x 8K keys 135.3 vs 350.9 at
       32 x 2, cuDNN 134.0; B=32 x 4K 138.4 vs 203.4, cuDNN 135.6; FP8 B=16 121.6 vs 156.4 at
       64 x 3 x 2 warps, B=32 95.1 vs 101.3). On the H100 only B=64 was measured (small tiles won).
-    - A GPU with faster memory (fast_memory: the H200's HBM3e; H200, bf16, us, 3 interleaved
-      rounds, benchmarks/results/2026-11-29-h200-decode-variants-s32*): more bytes in flight per
-      program. A crowded grid's tiles: 128 x 2 at head dim 128 (one program per SM; the 32 x 2
-      rule's several did not keep enough bytes in flight): B=64 x 4K keys 254.6 vs 267.2 at 32 x 2
-      (64 x 2 255.9), cuDNN 256.0; MHA (32 KV heads) B=16 x 4K 255.5 vs 311.3 at 64 x 2, cuDNN
-      256.2, B=16 x 2K 136.0 vs 163.6, B=32 x 2K 255.3 vs 263.7, B=64 x 1K 254.8 vs 268.2; GQA
-      B=128 x 2K 255.9 vs 256.1 at 64 x 2, B=64 x 16K 963.5 vs 972.7, but B=64 x 1K 78.3 vs 76.8.
-      At head dim 64, 64 x 2 (B=64 x 4K: 142.7 vs 167.2 at 128 x 2; cuDNN 136.4). A 16-bit
-      contiguous cache's split grid 4 stages where they fit (B=8 x 8K 77.6 / 78.6 vs 79.9 / 79.5;
-      B=1 x 128K 135.7 / 137.8 vs 140.0 / 140.1, two runs), its 16..63-key pages 3 (paged-16 B=8:
-      82.1 vs 87.2), and 128-key tiles at head dim 64 (B=8 x 8K 49.3 vs 54.7 at 64 x 4, B=4 x 8K
-      31.6 vs 34.0, B=1 x 64K 49.4 vs 54.7, cuDNN 31.4 / 49.5 in the last two).
+    - A GPU with faster memory (fast_memory: the H200's HBM3e; H200, bf16, us, 3 interleaved rounds,
+      benchmarks/results/2026-11-29-h200-decode-variants-s32*): more bytes in flight per program (the
+      rules below: one query row per head, 16-bit caches; FP8 and fp32 keep the H100's). A contiguous
+      cache's crowded grid: 128 x 2 at head dim 128 (one program per SM; the 32 x 2 rule's several did
+      not keep enough bytes in flight): B=64 x 4K keys 254.6 vs 267.2 at 32 x 2 (64 x 2 255.9), cuDNN
+      256.0; MHA (32 KV heads) B=16 x 4K 255.5 vs 311.3 at 64 x 2, cuDNN 256.2, B=16 x 2K 136.0 vs
+      163.6, B=32 x 2K 255.3 vs 263.7, B=64 x 1K 254.8 vs 268.2; GQA B=128 x 2K 255.9 vs 256.1 at 64 x
+      2, B=64 x 16K 963.5 vs 972.7, but B=64 x 1K 78.3 vs 76.8. At head dim 64, 64 x 2 (B=64 x 4K: 142.7
+      vs 167.2 at 128 x 2; cuDNN 136.4); a paged cache's crowded grid keeps 32 x 2 (unmeasured there). A
+      grid that does not fill the SMs (split by default; also with num_splits=1 given), contiguous
+      cache: 4 stages where they fit (B=8 x 8K 77.6 / 78.6 vs 79.9 / 79.5; B=1 x 128K 135.7 / 137.8 vs
+      140.0 / 140.1, two runs) and 128-key tiles at head dim 64 (B=8 x 8K 49.3 vs 54.7 at 64 x 4, B=4 x
+      8K 31.6 vs 34.0, B=1 x 64K 49.4 vs 54.7, cuDNN 31.4 / 49.5 in the last two); in pages of 16..63
+      keys: 3 stages (paged-16 B=8: 82.1 vs 87.2).
     - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles, 3 stages
       (106 KB: two programs fit an SM), and the split count that fills two programs per SM in one
       wave (fp8_slots_per_sm). Before, 4 stages (139 KB) left one program per SM: B=1, 128K keys,
@@ -228,17 +232,19 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     block_n = BLOCK_N
     if block_n is None:
         if small or split_small:
-            block_n = ((128 if head_dim > 64 else 64) if fast and small else 32) if element_size == 2 else 64
+            contiguous_fast = fast and small and page_size is None
+            block_n = ((128 if head_dim > 64 else 64) if contiguous_fast else 32) if element_size == 2 else 64
         else:
             block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills \
-                or fp8_split or (fast and head_dim <= 64 and element_size == 2 and page_size is None) else 64
+                or fp8_split or (fast and one_row and head_dim <= 64 and element_size == 2 and page_size is None) \
+                else 64
         while block_n > 16 and staged_bytes(block_n, 2) > smem_limit(device):
             block_n //= 2
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {block_n!r}")
     if num_stages is None:
         most = 2 if (small or split_small) and element_size == 2 and BLOCK_N is None else 3
-        if fast and one_row and element_size == 2 and BLOCK_N is None and not fills:  # a split grid (see above)
+        if fast and one_row and element_size == 2 and BLOCK_N is None and not fills:  # split by default (above)
             most = 3 if split_small else 4 if page_size is None else most
         num_stages = next((n for n in range(most, 2, -1) if staged_bytes(block_n, n) <= smem_limit(device)), 2)
     if num_warps is None:
