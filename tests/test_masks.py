@@ -272,6 +272,13 @@ def test_softcap(device):
     check_variant(device, score_mod={"softcap": {"cap": 0.7}}, dtype="fp32", loop_order="kv_outer")
 
 
+@pytest.mark.parametrize("cap", [1e3, 1e6, 1e9])
+def test_softcap_far_above_the_scores(device, cap):
+    # score / cap near 0: tanh's 1 - 2 / (e^2x + 1) cancelled to a digit there (cap 1e6: 0.06 off, 1e9: every
+    # score 0); the kernels take tanh's series for small arguments
+    check_variant(device, score_mod={"softcap": cap}, dtype="fp32", causal=True)
+
+
 @pytest.mark.parametrize("dtype,per_batch", [("fp32", False), ("fp16", True)], ids=["slopes-h-fp32", "slopes-bh-fp16"])
 def test_alibi_with_slope_gradients(device, dtype, per_batch):
     # 8 heads: with 2 slopes the fp16 reference's max error (the bound's yardstick) is the max
