@@ -31,6 +31,7 @@ import math
 import torch
 
 from .api import _static_float, _static_int, attention, default_scales
+from .spec import MAX_HEAD_DIM
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -53,6 +54,9 @@ def _check_tensors(query, key, value):
             raise ValueError(f"{name}: expected device {query.device} (query's), got {t.device}")
     if query.dtype not in _DTYPES:
         raise ValueError(f"query: expected dtype float16, bfloat16 or float32, got {query.dtype}")
+    for name, t in (("query", query), ("value", value)):
+        if not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: expected a head dim from 1 to {MAX_HEAD_DIM}, got shape {tuple(t.shape)}")
     if key.shape[-1] != query.shape[-1]:
         raise ValueError(f"key: expected head dim {query.shape[-1]} (query's), got shape {tuple(key.shape)}")
     if value.shape[-2] != key.shape[-2]:

@@ -29,6 +29,7 @@ def t(*shape, dtype=torch.float16):
     (t(1, 2, 8, 16), t(2, 2, 8, 16), t(1, 2, 8, 16), "bhsd", "k: expected (batch, heads, head_dim) = (1, 2, 16)"),
     (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 9, 16), "bhsd", "v: expected seqlen 8"),
     (t(1, 2, 8, 300), t(1, 2, 8, 300), t(1, 2, 8, 300), "bhsd", "q: expected a head dim from 1 to 256, got 300"),
+    (t(1, 2, 8, 0), t(1, 2, 8, 0), t(1, 2, 8, 0), "bhsd", "q: expected a head dim from 1 to 256, got 0"),
     (t(1, 8, 2, 16), t(1, 8, 1, 16), t(1, 8, 1, 16), "bshd", "v: expected (batch, heads, head_dim) = (1, 1, 16)"),
 ])
 def test_bad_arguments_name_the_argument(q, k, v, layout, words):

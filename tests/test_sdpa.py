@@ -228,6 +228,8 @@ def t(*shape, dtype=torch.float32, device="cpu"):
     ((t(1, 2, 4, 8), t(1, 2, 4, 8, dtype=torch.float16), t(1, 2, 4, 8)), {}, "key: expected dtype torch.float32"),
     ((t(1, 2, 4, 8, dtype=torch.float64),) * 3, {}, "query: expected dtype float16, bfloat16 or float32"),
     ((t(1, 2, 4, 8), t(1, 2, 4, 4), t(1, 2, 4, 8)), {}, "key: expected head dim 8"),
+    ((t(1, 2, 4, 0),) * 3, {}, "query: expected a head dim from 1 to 256, got shape (1, 2, 4, 0)"),
+    ((t(1, 2, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 300)), {}, "value: expected a head dim from 1 to 256"),
     ((t(1, 2, 4, 8), t(1, 2, 5, 8), t(1, 2, 4, 8)), {}, "value: expected seq len 5"),
     ((t(1, 4, 4, 8), t(1, 2, 4, 8), t(1, 2, 4, 8)), {}, "query, key, value: shapes"),
     ((t(1, 4, 4, 8), t(1, 3, 4, 8), t(1, 3, 4, 8)), {"enable_gqa": True}, "key: with enable_gqa its number of heads"),
