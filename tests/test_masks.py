@@ -756,6 +756,7 @@ def test_a_float_tensor_read_by_the_mask_has_no_gradient(device):
     ({"mask": {"sink": {"tokens": 2**63, "window": 1}}}, "mask.sink.tokens", "expected an integer"),
     ({"mask": {"prefix_lm": 2**63}}, "mask.prefix_lm.prefix", "expected an integer"),
     ({"mask": " | ".join(f"(q_idx == {i})" for i in range(200))}, "mask.expr", "nested too deeply (201 levels"),
+    ({"mask": "-" * 20000 + "q_idx >= kv_idx"}, "mask.expr", "nested too deeply"),  # (the parser's MemoryError)
     ({"mask": {"or": [{"sliding_window": {"left": i, "right": 0}} for i in range(200)]}}, "mask", "nested too deeply"),
     ({"mask": "(" * 12 + "q_idx * 1.5" + " % 2.5)" * 12 + " < 1.0"}, "mask", "terms long written out"),
     ({"mask": "x[q_idx] + x_s0[kv_idx] > 0"}, "mask", "'x' and 'x_s0' collide"),

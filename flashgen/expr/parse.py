@@ -200,7 +200,7 @@ def parse_expr(source: str, *, field: str, variables, params: Mapping[str, Any] 
         tree = ast.parse(source, mode="eval")
     except SyntaxError as err:
         raise SpecError(field, f"not a valid expression ({err.msg}, column {err.offset})", source) from None
-    except RecursionError:
+    except (RecursionError, MemoryError):  # CPython's parser: MemoryError past its stack (20000 unary minuses)
         raise SpecError(field, f"the expression is nested too deeply (at most {MAX_DEPTH} levels)",
                         source[:80]) from None
     levels = _ast_depth(tree)
