@@ -9,6 +9,7 @@ before the call, so an element the kernels never write fails too.
 
 import inspect
 import random
+import re
 
 import pytest
 import torch
@@ -594,6 +595,12 @@ def test_default_tiles_follow_the_page_size_and_the_grid(monkeypatch):
     fp32 = knobs(batch=64, element_size=4)
     assert (fp32["BLOCK_N"], fp32["num_stages"]) == (32, 2)
     assert knobs(page_prefetch=False)["page_prefetch"] is False and knobs()["page_prefetch"] is True
+    for bad, words in ((dict(num_warps=3), "num_warps: expected one of 1, 2, 4, 8, 16, got 3"),
+                       (dict(num_warps=True), "num_warps: expected an int >= 1, got True"),
+                       (dict(page_prefetch="no"), "page_prefetch: expected a bool or None"),
+                       (dict(page_prefetch=1), "page_prefetch: expected a bool or None")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            knobs(**bad)
 
 
 def test_split_grid_of_16_key_pages_fills_four_small_programs_per_sm(monkeypatch):

@@ -217,6 +217,10 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):  # Triton's: a power of two
+        raise ValueError(f"num_warps: expected one of 1, 2, 4, 8, 16, got {num_warps!r}")
+    if page_prefetch is not None and not isinstance(page_prefetch, bool):
+        raise ValueError(f"page_prefetch: expected a bool or None (None: the default), got {page_prefetch!r}")
     total_mblocks = batch * num_kv_heads * triton.cdiv(packed_rows, block_m)
     fills = total_mblocks >= 0.8 * sm_count(device)
     fp8_split = element_size == 1 and not fills
@@ -256,7 +260,7 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
         num_splits = num_splits_heuristic(total_mblocks, slots, triton.cdiv(capacity, block_n))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_splits": min(num_splits, MAX_SPLITS),
             "num_warps": num_warps, "num_stages": num_stages,
-            "page_prefetch": True if page_prefetch is None else bool(page_prefetch),
+            "page_prefetch": True if page_prefetch is None else page_prefetch,
             "fused_combine": FUSED_COMBINE if fused_combine is None else fused_combine}
 
 
