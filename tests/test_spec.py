@@ -336,3 +336,26 @@ def test_an_integer_past_64_bits_gets_its_fields_range():
     # it got "expected an integer from -9223372036854775808 to 9223372036854775807 (64 bits)" for num_heads
     with pytest.raises(SpecError, match=r"'num_heads': expected an integer from 1 to 65535, got 99999999999999999999"):
         AttentionSpec(name="x", dtype="fp16", head_dim=64, num_heads=99999999999999999999)
+
+
+def test_tensor_names_that_are_call_arguments_are_refused():
+    # a spec whose tensor is named like an argument of the calls that take its tensors by keyword could
+    # never be called (decode(..., num_splits=t) read t as the split count; q_descale=t as a descale)
+    import inspect
+    import re
+
+    import flashgen
+    from flashgen import kvcache
+    from flashgen.api import AttentionKernel
+    from flashgen.expr.ir import CALL_ARGUMENTS
+    calls = (flashgen.attention, flashgen.attention_varlen, AttentionKernel.__call__, AttentionKernel.forward,
+             kvcache.decode)
+    arguments = {p.name for f in calls for p in inspect.signature(f).parameters.values()
+                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    assert arguments <= CALL_ARGUMENTS, sorted(arguments - CALL_ARGUMENTS)
+    for fields, where in (({"mask": "num_splits[kv_idx] != 0"}, "mask.expr"),
+                          ({"score_mod": "score + q_descale[h]"}, "score_mod.expr"),
+                          ({"mask": {"prefix_lm": {"prefix": "out"}}}, "mask.prefix_lm.prefix"),
+                          ({"score_mod": {"alibi": {"slopes": "k"}}}, "score_mod.alibi.slopes")):
+        with pytest.raises(SpecError, match=f"spec field '{re.escape(where)}'.*an argument of the calls"):
+            AttentionSpec(head_dim=16, **fields)

@@ -21,6 +21,15 @@ from typing import Any, Iterator, Mapping
 MASK_VARS = ("b", "h", "q_idx", "kv_idx")
 SCORE_VARS = ("score", "b", "h", "q_idx", "kv_idx")
 SIZE_VARS = ("seqlen_q", "seqlen_k")
+# The arguments of the calls that take a spec's named tensors as keywords (flashgen.attention,
+# attention_varlen, a kernel's __call__ and forward, flashgen.decode): a tensor named so could never
+# be passed (tests/test_spec.py holds this to their signatures).
+CALL_ARGUMENTS = frozenset((
+    "q", "k", "v", "out", "lse", "seed", "layout", "causal", "softmax_scale", "dropout_p", "return_lse", "config",
+    "deterministic", "mask", "score_mod", "q_descale", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k",
+    "max_seqlen_q", "max_seqlen_k", "spec_or_kernel", "k_cache", "v_cache", "cache_seqlens", "block_table",
+    "cache_batch_idx", "num_splits", "BLOCK_N", "num_warps", "num_stages", "page_prefetch", "check",
+    "fused_combine"))
 FUNCTIONS = {"where": 3, "abs": 1, "min": 2, "max": 2, "exp": 1, "tanh": 1}  # name -> number of arguments
 
 COMPARE_OPS = frozenset({"<", "<=", ">", ">=", "==", "!="})

@@ -15,7 +15,7 @@ import math
 from typing import Any, Callable, Mapping
 
 from ..errors import SpecError
-from .ir import FUNCTIONS, INT64_MAX, INT64_MIN, MAX_DEPTH, SIZE_VARS, Bin, Const, Fn, Load, Neg, Not, Var, kind
+from .ir import CALL_ARGUMENTS, FUNCTIONS, INT64_MAX, INT64_MIN, MAX_DEPTH, SIZE_VARS, Bin, Const, Fn, Load, Neg, Not, Var, kind
 
 
 # ----------------------------------------------------------------------------- plain values
@@ -158,6 +158,9 @@ class ExpressionChecker:
             self.fail(node, f"{tname!r} is not a tensor")
         if not tname.isidentifier():
             self.fail(node, "bad tensor name")
+        if tname in CALL_ARGUMENTS:
+            self.fail(node, f"tensor {tname!r} would be passed as {tname}=, an argument of the calls themselves; "
+                            "rename it")
         items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         for item in items:
             if isinstance(item, (ast.Slice, ast.Starred)):
