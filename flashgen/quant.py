@@ -24,7 +24,7 @@ _LAYOUT_DIMS = {"bhsd": (1, 2), "bshd": (2, 1)}  # (head dim, seq dim) of each l
 def _fp8_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in FP8_TORCH.values():
         return dtype
-    if dtype in FP8_TORCH:
+    if isinstance(dtype, str) and dtype in FP8_TORCH:
         return FP8_TORCH[dtype]
     raise ValueError(f"dtype: expected 'fp8_e4m3' or 'fp8_e5m2' (or the torch float8 dtype), got {dtype!r}")
 
@@ -54,9 +54,12 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
     fp8 = _fp8_dtype(dtype)
     if layout not in _LAYOUT_DIMS:
         raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-        raise ValueError(f"x: expected a 4-d float tensor in layout {layout!r}, got "
-                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point() or x.is_meta:
+        raise ValueError(f"x: expected a 4-d float tensor with data in layout {layout!r}, got "
+                         + (f"shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}" if isinstance(x, torch.Tensor)
+                            else type(x).__name__))
+    if not isinstance(seq_contiguous, bool):
+        raise ValueError(f"seq_contiguous: expected a bool, got {seq_contiguous!r}")
     head_dim, seq_dim = _LAYOUT_DIMS[layout]
     heads, seqlen = x.shape[head_dim], x.shape[seq_dim]
     _check_grouping(heads, group, block)
@@ -66,7 +69,7 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
     if x.numel() == 0:  # nothing to scale: factors of 1 (a 0-size slice has no largest magnitude)
         ones = torch.ones((batch, heads // group, nblocks), dtype=torch.float32, device=x.device)
         return x.to(fp8), (ones[..., 0] if block is None else ones).contiguous()
-    size = seqlen if block is None else block
+    size = seqlen if block is None else min(block, seqlen)  # a block past the sequence: one block of all of it
     padded = torch.nn.functional.pad(xb, (0, 0, 0, nblocks * size - seqlen))
     tiles = padded.reshape(batch, heads // group, group, nblocks, size, xb.shape[-1])
     amax = tiles.abs().amax(dim=(2, 4, 5))  # (batch, groups, blocks)
@@ -107,7 +110,7 @@ def dequantize_fp8(xq: torch.Tensor, descale: torch.Tensor, *, layout: str = "bh
     scale = descale if block is not None else descale[..., None]
     scale = scale.repeat_interleave(group, dim=1)
     if block is not None:
-        scale = scale.repeat_interleave(block, dim=2)[:, :, :x.shape[2]]
+        scale = scale.repeat_interleave(min(block, x.shape[2]), dim=2)[:, :, :x.shape[2]]
     else:
         scale = scale.expand(-1, -1, x.shape[2])
     x = x * scale[..., None]

@@ -2,6 +2,8 @@
 against FlashAttention-3's accuracy rule, on the CPU interpreter (fp8 dots run there in fp32)
 and, marked gpu, on the GPU (sm89+)."""
 
+import re
+
 import pytest
 import torch
 
@@ -95,6 +97,24 @@ def test_quantize_errors_name_the_argument():
         flashgen.quantize_fp8(x, block=0)
     with pytest.raises(ValueError, match="layout"):
         flashgen.quantize_fp8(x, layout="thd")
+    for bad, words in ((dict(x=x.int()), "x: expected a 4-d float tensor with data in layout 'bhsd', got shape "
+                                         "(1, 4, 8, 16), dtype torch.int32"),
+                       (dict(x=torch.empty(1, 4, 8, 16, device="meta")), "device meta"),
+                       (dict(x=x, dtype=["fp8_e4m3"]), "dtype: expected 'fp8_e4m3'"),
+                       (dict(x=x, seq_contiguous="no"), "seq_contiguous: expected a bool, got 'no'")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            flashgen.quantize_fp8(**bad)
+
+
+@pytest.mark.parametrize("block", [8, 9, 10**6, 2**70])
+def test_a_block_past_the_sequence_is_one_block(block):
+    # (a block of 2**40 tokens padded the sequence to it: an allocation of 2**48 bytes; 2**70 overflowed torch.pad)
+    x = torch.randn(2, 4, 8, 16)
+    xq, scales = flashgen.quantize_fp8(x, block=block)
+    whole_q, whole = flashgen.quantize_fp8(x)
+    assert scales.shape == (2, 4, 1) and torch.equal(scales[..., 0], whole) and torch.equal(xq.float(), whole_q.float())
+    assert torch.equal(flashgen.quant.dequantize_fp8(xq, scales, block=block),
+                       flashgen.quant.dequantize_fp8(whole_q, whole))
 
 
 # ----------------------------------------------------------------------------- the kernels
