@@ -258,6 +258,14 @@ def test_prefix_lengths_from_a_tensor(device):
                   tensors={"prefix_len": torch.tensor([0, 33], dtype=torch.int32)})
 
 
+def test_prefix_lengths_in_a_float_tensor_are_refused_by_name(device):
+    # (the key ranges compute with the lengths: a float tensor failed inside Triton, "unexpected type fp32")
+    q = torch.randn(2, 2, 16, 16).to(device)
+    with pytest.raises(ValueError, match=r"^prefix_len: expected an integer or bool tensor .* got dtype torch.float32"):
+        flashgen.attention(q, q, q, mask={"prefix_lm": {"prefix": "prefix_len"}},
+                           prefix_len=torch.tensor([3.0, 5.0], device=device))
+
+
 def test_fully_masked_rows_give_zero_and_minus_inf(device):
     # chunked bottom-right with sq > sk: the first rows' positions are negative, seeing nothing
     out, lse = check_variant(device, mask={"causal": {}}, sq=40, sk=16)

@@ -44,6 +44,7 @@ class KernelPlan:
         self.block_map = lowered.block_map
         self.tensors = list(lowered.tensors)
         self.grad_tensors = list(lowered.grad_tensors)
+        self.integer_tensors = [t.name for t in self.tensors if t.integer]
         self.same_seqlen = lowered.same_seqlen
         # which block-map dimensions the mask varies over (a tensor is read per batch element)
         self.mask_uses_b = self.predicate is not None and (reads_var(self.predicate, "b")

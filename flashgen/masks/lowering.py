@@ -18,7 +18,7 @@ from ..expr.derivative import derivative
 from ..expr.ir import MAX_DEPTH, Load, Var, depth, tensors_of, walk
 from ..expr.to_triton import MAX_TERMS, tensor_params, written_terms
 from .score_mods import ScoreModNode, score_ir
-from .tree import MaskNode, contains_kind, full_segments, predicate, segments
+from .tree import MaskNode, contains_kind, full_segments, integer_tensors, predicate, segments
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class NamedTensor:
     # where every index of that dimension is the plain b, h, q_idx or kv_idx; () where one is an expression
     # (its indices are clamped into the tensor: no size is implied)
     sizes: tuple = ()
+    integer: bool = False  # a built-in pattern's key ranges compute with its values: an integer or bool tensor
 
 
 SIZE_OF_VAR = {"b": "batch", "h": "heads", "q_idx": "seqlen_q", "kv_idx": "seqlen_k"}
@@ -145,7 +146,8 @@ def lower(mask: MaskNode | None, score_mod: ScoreModNode | None) -> Lowered:
     _check_tensors(mask_tensors, score_tensors)
     ranks = {**mask_tensors, **score_tensors}
     sizes = _index_sizes([e for e in (pred, score) if e is not None], ranks)
-    tensors = tuple(NamedTensor(n, ranks[n], n in score_tensors, sizes.get(n, ()))
+    integer = integer_tensors(mask) if mask is not None else set()
+    tensors = tuple(NamedTensor(n, ranks[n], n in score_tensors, sizes.get(n, ()), n in integer)
                     for n in sorted(ranks))
     score_derivative, grad_sites = None, ()
     if score is not None:

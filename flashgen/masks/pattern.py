@@ -53,6 +53,8 @@ class Pattern:
     check: Callable[[str, dict], dict]  # (field, params with defaults) -> plain params; SpecError when bad
     predicate: Callable[[dict], Any]  # params -> IR of the visible (q_idx, kv_idx) pairs
     intervals: Callable[[dict], list]  # params -> [Interval]: one per segment of keys a row sees
+    # params -> the tensors whose values the key ranges compute with (a prefix length): integer or bool at a call
+    integer_tensors: Callable[[dict], tuple] = lambda params: ()
 
 
 def diagonal_offset(align: str):

@@ -33,4 +33,5 @@ def intervals(p: dict) -> list[Interval]:
                      Fn("where", (Bin("<", C, length), Const(0), sub(C, off))), SQ)]
 
 
-PATTERN = Pattern("prefix_lm", PARAMS, "prefix", check, predicate, intervals)
+PATTERN = Pattern("prefix_lm", PARAMS, "prefix", check, predicate, intervals,
+                  integer_tensors=lambda p: (p["prefix"],) if isinstance(p["prefix"], str) else ())

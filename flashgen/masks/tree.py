@@ -148,3 +148,9 @@ def hull(segs):
 
 def contains_kind(node: MaskNode, kind: str) -> bool:
     return node.kind == kind or any(contains_kind(c, kind) for c in node.children)
+
+
+def integer_tensors(node: MaskNode) -> set:
+    """The tensors the mask's patterns compute key ranges with (Pattern.integer_tensors)."""
+    own = set(PATTERNS[node.kind].integer_tensors(node.param)) if node.kind in PATTERNS else set()
+    return own.union(*(integer_tensors(c) for c in node.children))

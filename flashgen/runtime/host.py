@@ -542,7 +542,8 @@ class AttentionLauncher:
     module has it, and block_map_kernel (custom masks: the tile classifier) and
     keep_mask_kernel (dropout: the keep mask, for tests) where the module has them.
     tensor_ranks: {name: rank} of the named tensors a call passes, in kernel-argument order;
-    grad_tensors: the float ones gradients flow into. map_uses_batch/map_uses_head: whether the
+    grad_tensors: the float ones gradients flow into; integer_tensors: those a pattern's key ranges
+    compute with (a prefix length), refused in a float dtype. map_uses_batch/map_uses_head: whether the
     block map differs per batch element/head. same_seqlen: the mask indexes one tensor by
     query and key (document ids), so seqlen_q must equal seqlen_k.
     """
@@ -550,8 +551,9 @@ class AttentionLauncher:
     RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2), folded into qk_scale
 
     def __init__(self, *, spec, config, forward_kernel, preprocess_kernel, dkdv_kernel, dq_kernel,
-                 tensor_ranks=None, grad_tensors=(), runs_tensors=(), block_map_kernel=None, map_uses_batch=False,
-                 map_uses_head=False, keep_mask_kernel=None, same_seqlen=False, short_kernel=None, tensor_sizes=None):
+                 tensor_ranks=None, grad_tensors=(), runs_tensors=(), integer_tensors=(), block_map_kernel=None,
+                 map_uses_batch=False, map_uses_head=False, keep_mask_kernel=None, same_seqlen=False, short_kernel=None,
+                 tensor_sizes=None):
         version = tuple(int(part) for part in triton.__version__.split(".")[:2])
         if version < MIN_TRITON:
             raise ImportError(f"triton: this module needs triton >= {'.'.join(map(str, MIN_TRITON))}, "
@@ -576,6 +578,7 @@ class AttentionLauncher:
         sequence_checks(self.tensor_sizes, self.tensor_ranks)  # registered: decode's records name them
         self.grad_tensors = list(grad_tensors)
         self.runs_tensors = frozenset(runs_tensors)
+        self.integer_tensors = frozenset(integer_tensors)
         self.block_map_kernel = block_map_kernel
         self.map_uses_batch, self.map_uses_head = map_uses_batch, map_uses_head
         self.block_maps = {}  # (batch, heads, seqlens, tiling, device) -> block map, for masks that read no tensor
@@ -670,6 +673,9 @@ class AttentionLauncher:
                 raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
             if t.is_complex():
                 raise ValueError(f"{name}: expected a real (integer, float or bool) tensor, got dtype {t.dtype}")
+            if name in self.integer_tensors and t.is_floating_point():
+                raise ValueError(f"{name}: expected an integer or bool tensor (the mask's key ranges count tokens "
+                                 f"with its values), got dtype {t.dtype}")
             if t.device != device:
                 raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
             if t.dim() > rank or t.numel() == 0:
