@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .spec import AttentionSpec
@@ -222,8 +223,10 @@ class KernelConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "KernelConfig":
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config: expected a mapping of knob names to values, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=str)
         if unknown:
             raise ConfigError(f"config knob '{unknown[0]}': unknown (known: {', '.join(sorted(known))})")
         return cls(**data)

@@ -27,6 +27,7 @@ How the SDPA arguments map onto flashgen (one spec per distinct combination, com
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -148,7 +149,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"dropout_p: expected a probability in [0, 1], got {dropout_p!r}")
     if scale is not None and torch.compiler.is_compiling():  # a symbolic scale: its usual values, specialized
         scale = _static_float(scale, *default_scales(_static_int(query.shape[-1])))
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)  # (numpy's too, as SDPA)
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
     lead, heads, kv_heads = _heads(query, key, value, enable_gqa)

@@ -201,3 +201,10 @@ def test_a_float_knob_equal_to_an_allowed_int_is_refused(knobs):
     name = next(iter(knobs))
     with pytest.raises(ValueError, match=f"^config knob '{name}': expected"):
         KernelConfig(**knobs)
+
+
+@pytest.mark.parametrize("data", [None, [1], "BLOCK_M"], ids=["none", "list", "str"])
+def test_a_config_that_is_not_a_mapping_is_refused_by_name(data):
+    from flashgen.config import ConfigError
+    with pytest.raises(ConfigError, match="^config: expected a mapping of knob names to values, got "):
+        KernelConfig.from_dict(data)

@@ -221,6 +221,13 @@ def t(*shape, dtype=torch.float32, device="cpu"):
     return torch.randn(*shape, dtype=dtype, device=device)
 
 
+def test_a_numpy_scale_is_taken_as_sdpa_takes_it(device):
+    import numpy as np
+    q = torch.randn(1, 2, 8, 16).to(device=device, dtype=torch.float16)
+    assert torch.equal(flashgen.scaled_dot_product_attention(q, q, q, scale=np.float32(0.5)),
+                       flashgen.scaled_dot_product_attention(q, q, q, scale=0.5))
+
+
 @pytest.mark.parametrize("args, kw, words", [
     ((t(1, 2, 4, 8), t(1, 2, 4, 8), [1]), {}, "value: expected a torch.Tensor"),
     ((t(4), t(4), t(4)), {}, "query: expected at least 2 dims"),
