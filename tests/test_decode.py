@@ -392,6 +392,19 @@ def _checked(*args, **kwargs):
     return out
 
 
+def test_appending_into_an_expanded_cache_is_refused(device):
+    # rows of an expanded cache share memory: each element's new keys would overwrite the others'
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, causal=True, backward=False)
+    q = torch.randn(2, 1, 2, 16).to(device=device, dtype=torch.float16)
+    one = torch.randn(1, 12, 1, 16).to(device=device, dtype=torch.float16)
+    shared, new = one.expand(2, -1, -1, -1), torch.zeros(2, 1, 1, 16, dtype=torch.float16, device=device)
+    lengths = torch.tensor([3, 5], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"^k_cache: new keys and values are written into the cache, whose dim 0 has "
+                                         r"stride 0"):
+        flashgen.decode(spec, q, shared, shared.clone(), lengths, k=new, v=new)
+    flashgen.decode(spec, q, shared, shared, lengths)  # read only: allowed
+
+
 def test_bad_block_table_and_cache_seqlens_are_errors(device):
     q, cache, table = _paged_inputs(device)
     bad = table.clone()

@@ -535,6 +535,10 @@ class DecodeLauncher:
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if t.stride(-1) != 1:
                 raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
+            shared = [d for d in range(t.dim()) if t.stride(d) == 0 and t.shape[d] > 1] if k is not None else []
+            if shared:
+                raise ValueError(f"{name}: new keys and values are written into the cache, whose dim {shared[0]} has "
+                                 f"stride 0 (an expanded tensor: its rows share memory); got strides {t.stride()}")
         if batch and k_cache.shape[0] == 0:
             raise ValueError(f"k_cache: expected at least one {'page' if block_table is not None else 'row'} in "
                              f"dim 0, got shape {tuple(k_cache.shape)}")
