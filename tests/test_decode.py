@@ -582,7 +582,8 @@ def _sm90_knobs(monkeypatch, fast=False):
     monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
     monkeypatch.setattr(host_decode, "smem_limit", lambda device: 232448)
     monkeypatch.setattr(host_decode, "fast_memory", lambda device: fast)
-    knobs = lambda batch=8, kv=8192, rows=4, **kw: host_decode.decode_knobs(128, rows, batch, 8, kv, CUDA0, **kw)  # noqa
+    knobs = lambda batch=8, kv=8192, rows=4, **kw: (  # noqa: E731
+        host_decode.decode_knobs(128, rows, batch, 8, kv, CUDA0, **kw))
     picked = lambda **kw: tuple(knobs(**kw)[n] for n in ("BLOCK_N", "num_stages", "num_splits", "num_warps"))  # noqa
     return knobs, picked
 
@@ -660,7 +661,8 @@ def test_faster_memory_takes_more_bytes_in_flight(monkeypatch):
     _, picked = _sm90_knobs(monkeypatch, fast=True)
     assert picked(batch=64, kv=4096) == (128, 2, 1, 4) and picked(batch=128, kv=2048) == (128, 2, 1, 4)
     hd = lambda d, batch, kv=8192, rows=4, **kw: tuple(  # noqa: E731
-        host_decode.decode_knobs(d, rows, batch, 8, kv, CUDA0, **kw)[n] for n in ("BLOCK_N", "num_stages", "num_splits"))
+        host_decode.decode_knobs(d, rows, batch, 8, kv, CUDA0, **kw)[n]
+        for n in ("BLOCK_N", "num_stages", "num_splits"))
     assert hd(64, 64, 4096) == (64, 2, 1) and hd(64, 8) == (128, 4, 2) and hd(64, 1, 65536) == (128, 4, 16)
     assert hd(64, 8, rows=32) == (64, 3, 2) and hd(64, 8, page_size=16) == (32, 3, 8)  # packed rows, pages: as before
     assert hd(64, 8, page_size=256) == (64, 3, 2) and hd(64, 8, element_size=4) == (64, 3, 2)

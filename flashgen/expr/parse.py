@@ -15,7 +15,8 @@ import math
 from typing import Any, Callable, Mapping
 
 from ..errors import SpecError
-from .ir import CALL_ARGUMENTS, FUNCTIONS, INT64_MAX, INT64_MIN, MAX_DEPTH, SIZE_VARS, Bin, Const, Fn, Load, Neg, Not, Var, kind
+from .ir import (CALL_ARGUMENTS, FUNCTIONS, INT64_MAX, INT64_MIN, MAX_DEPTH, SIZE_VARS, Bin, Const, Fn, Load, Neg,
+                 Not, Var, kind)
 
 
 # ----------------------------------------------------------------------------- plain values
