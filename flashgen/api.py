@@ -333,7 +333,7 @@ def _static_float(x, *likely):
     return x
 
 
-def default_scales(head_dim: int) -> tuple[float, float]:
+def default_scales(head_dim: int) -> tuple[float, ...]:
     """The forms 1 / sqrt(head_dim) takes in model code (head_dim ** -0.5, 1 / math.sqrt(head_dim)),
     which can differ in the last bit: _static_float's likely values for a softmax scale; none for a
     head dim under 1 (the call's checks then refuse it by name)."""

@@ -302,6 +302,7 @@ def test_a_fused_decode_call_takes_its_current_streams_tickets(monkeypatch):
     ("window-0", dict(mask={"sliding_window": {"left": 0, "right": 0}}, causal=False)),
     ("sinks", dict(mask={"sink": {"tokens": 2, "window": 5}}, causal=False)),
     ("softcap", dict(score_mod={"softcap": 3.0}, factor=3.0)),
+    ("softcap-large", dict(score_mod=[{"expr": "score * 60.0"}, {"softcap": 100.0}], factor=3.0, dtype="fp32")),
     ("alibi", dict(score_mod={"alibi": {}}, batch_tensors=("alibi_slopes",))),
     ("custom-expr", dict(mask="(kv_idx % 3 != 1) | (kv_idx + 4 >= seqlen_k)", score_mod="score + bias[h]",
                          causal=True)),
@@ -399,10 +400,12 @@ def test_appending_into_an_expanded_cache_is_refused(device):
     one = torch.randn(1, 12, 1, 16).to(device=device, dtype=torch.float16)
     shared, new = one.expand(2, -1, -1, -1), torch.zeros(2, 1, 1, 16, dtype=torch.float16, device=device)
     lengths = torch.tensor([3, 5], dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match=r"^k_cache: new keys and values are written into the cache, whose dim 0 has "
-                                         r"stride 0"):
+    with pytest.raises(ValueError, match=r"^k_cache: new keys and values are written into the cache, whose elements "
+                                         r"share memory"):
         flashgen.decode(spec, q, shared, shared.clone(), lengths, k=new, v=new)
     flashgen.decode(spec, q, shared, shared, lengths)  # read only: allowed
+    own = shared.clone()
+    flashgen.decode(spec, q, own, own.clone(), lengths, k=new, v=new)
 
 
 def test_bad_block_table_and_cache_seqlens_are_errors(device):

@@ -284,7 +284,18 @@ def test_softcap(device):
 def test_softcap_far_above_the_scores(device, cap):
     # score / cap near 0: tanh's 1 - 2 / (e^2x + 1) cancels there, and cap * tanh multiplied the error by the cap
     # (1e3: 5e-5 off, 1e6: 0.06, 1e9: every score 0); caps above 64 take tanh's series for small arguments
+    # (the reference: cap * torch.tanh(score / cap))
     check_variant(device, score_mod={"softcap": cap}, dtype="fp32", causal=True)
+
+
+def test_softcap_above_64_on_both_sides_of_its_series(device):
+    # scores * 60 over a cap of 100: |score / cap| on both sides of the series' 1/8, gradients included; the
+    # score is written once in the kernel whatever modifier precedes it (a bias load, not one per series term)
+    check_variant(device, score_mod=[{"expr": "score * 60.0 + bias[h]"}, {"softcap": 100.0}], dtype="fp32",
+                  tensors={"bias": torch.randn(2)}, grad_tensors=("bias",))
+    source = render.render(AttentionSpec(head_dim=16, score_mod=[{"expr": "score + bias[h]"}, {"softcap": 100.0}]),
+                           SMALL)
+    assert source.count("_softcap(") >= 2 and source.count("t_bias +") <= 6
 
 
 @pytest.mark.parametrize("dtype,per_batch", [("fp32", False), ("fp16", True)], ids=["slopes-h-fp32", "slopes-bh-fp16"])

@@ -348,10 +348,13 @@ def test_tensor_names_that_are_call_arguments_are_refused():
     from flashgen import kvcache
     from flashgen.api import AttentionKernel
     from flashgen.expr.ir import CALL_ARGUMENTS
-    calls = (flashgen.attention, flashgen.attention_varlen, AttentionKernel.__call__, AttentionKernel.forward,
-             kvcache.decode)
+    def takes_tensors(f):
+        return callable(f) and any(p.kind == p.VAR_KEYWORD for p in inspect.signature(f).parameters.values())
+    methods = [getattr(AttentionKernel, n) for n in dir(AttentionKernel) if n == "__call__" or not n.startswith("_")]
+    calls = [flashgen.attention, flashgen.attention_varlen, kvcache.decode, *filter(takes_tensors, methods)]
+    assert {f.__name__ for f in calls} >= {"__call__", "forward", "backward", "varlen", "block_map"}
     arguments = {p.name for f in calls for p in inspect.signature(f).parameters.values()
-                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+                 if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
     assert arguments <= CALL_ARGUMENTS, sorted(arguments - CALL_ARGUMENTS)
     for fields, where in (({"mask": "num_splits[kv_idx] != 0"}, "mask.expr"),
                           ({"score_mod": "score + q_descale[h]"}, "score_mod.expr"),

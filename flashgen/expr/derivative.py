@@ -54,6 +54,9 @@ def derivative(node, wrt):
             return mul(node, d0)
         if node.name == "tanh":
             return mul(sub(Const(1.0), mul(node, node)), d0)
+        if node.name == "softcap":  # d/ds cap * tanh(s / cap) = 1 - tanh^2 (cap: a constant)
+            t = Bin("/", node, a[1])
+            return mul(sub(Const(1.0), mul(t, t)), d0)
         if node.name in ("min", "max"):
             d1 = derivative(a[1], wrt)
             if const_value(d0) == 0 and const_value(d1) == 0:

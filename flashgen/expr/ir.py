@@ -22,15 +22,18 @@ MASK_VARS = ("b", "h", "q_idx", "kv_idx")
 SCORE_VARS = ("score", "b", "h", "q_idx", "kv_idx")
 SIZE_VARS = ("seqlen_q", "seqlen_k")
 # The arguments of the calls that take a spec's named tensors as keywords (flashgen.attention,
-# attention_varlen, a kernel's __call__ and forward, flashgen.decode): a tensor named so could never
-# be passed (tests/test_spec.py holds this to their signatures).
+# attention_varlen, flashgen.decode, and a kernel's __call__, forward, backward, varlen, block_map): a
+# tensor named so could never be passed (tests/test_spec.py holds this to their signatures).
 CALL_ARGUMENTS = frozenset((
-    "q", "k", "v", "out", "lse", "seed", "layout", "causal", "softmax_scale", "dropout_p", "return_lse", "config",
-    "deterministic", "mask", "score_mod", "q_descale", "k_descale", "v_descale", "cu_seqlens_q", "cu_seqlens_k",
-    "max_seqlen_q", "max_seqlen_k", "spec_or_kernel", "k_cache", "v_cache", "cache_seqlens", "block_table",
-    "cache_batch_idx", "num_splits", "BLOCK_N", "num_warps", "num_stages", "page_prefetch", "check",
-    "fused_combine"))
+    "self", "q", "k", "v", "do", "out", "lse", "seed", "layout", "causal", "softmax_scale", "dropout_p",
+    "return_lse", "config", "deterministic", "mask", "score_mod", "q_descale", "k_descale", "v_descale",
+    "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "batch", "seqlen_q", "seqlen_k", "device",
+    "spec_or_kernel", "k_cache", "v_cache", "cache_seqlens", "block_table", "cache_batch_idx", "num_splits",
+    "BLOCK_N", "num_warps", "num_stages", "page_prefetch", "check", "fused_combine"))
 FUNCTIONS = {"where": 3, "abs": 1, "min": 2, "max": 2, "exp": 1, "tanh": 1}  # name -> number of arguments
+# Functions only the built-in modifiers emit: softcap(score, cap) = cap * tanh(score / cap), written with
+# tanh's series where score / cap is small (masks/score_mods.py: caps above SOFTCAP_SERIES_ABOVE)
+INTERNAL_FUNCTIONS = {"softcap": 2}
 
 COMPARE_OPS = frozenset({"<", "<=", ">", ">=", "==", "!="})
 LOGIC_OPS = frozenset({"&", "|"})
@@ -254,7 +257,7 @@ def kind(node) -> str:
             return "float"
         return "num" if "num" in (ka, kb) else "int"
     if isinstance(node, Fn):
-        if node.name in ("exp", "tanh"):
+        if node.name in ("exp", "tanh", "softcap"):
             return "float"
         ks = [kind(a) for a in (node.args[1:] if node.name == "where" else node.args)]
         return "float" if "float" in ks else "num" if "num" in ks else ks[0]

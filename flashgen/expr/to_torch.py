@@ -31,7 +31,8 @@ _BINARY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a
            "//": _floor_divide, "%": _remainder, "&": lambda a, b: a & b, "|": lambda a, b: a | b,
            "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
            "==": lambda a, b: a == b, "!=": lambda a, b: a != b}
-_FUNCTIONS = {"abs": torch.abs, "min": torch.minimum, "max": torch.maximum, "exp": torch.exp, "tanh": torch.tanh}
+_FUNCTIONS = {"abs": torch.abs, "min": torch.minimum, "max": torch.maximum, "exp": torch.exp, "tanh": torch.tanh,
+              "softcap": lambda score, cap: cap * torch.tanh(score / cap)}
 
 
 def _as_tensor(x):

@@ -25,7 +25,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 MAX_TERMS = 4096
 
 TRITON_FUNCTIONS = {"abs": "tl.abs", "min": "tl.minimum", "max": "tl.maximum", "exp": "tl.exp", "tanh": "_tanh",
-                    "where": "tl.where"}
+                    "where": "tl.where", "softcap": "_softcap"}
 
 
 @dataclass(frozen=True)

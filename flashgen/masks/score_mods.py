@@ -102,14 +102,9 @@ SOFTCAP_SERIES_ABOVE = 64.0
 
 
 def _softcap(s, cap: float):
-    x = Bin("/", s, Const(cap))
-    capped = mul(Const(cap), Fn("tanh", (x,)))
     if cap <= SOFTCAP_SERIES_ABOVE:
-        return capped
-    x2 = mul(x, x)  # cap * tanh(x) = s * (1 - x^2/3 + 2x^4/15 - 17x^6/315 + ...); the next term is below 2e-9 there
-    series = mul(s, add(Const(1.0), mul(x2, add(Const(-1.0 / 3.0), mul(x2, sub(Const(2.0 / 15.0),
-                                                                                mul(x2, Const(17.0 / 315.0))))))))
-    return Fn("where", (Bin("<", Fn("abs", (x,)), Const(0.125)), series, capped))
+        return mul(Const(cap), Fn("tanh", (Bin("/", s, Const(cap)),)))
+    return Fn("softcap", (s, Const(cap)))  # the score evaluated once (common/math.j2 _softcap)
 
 
 def score_ir(node: ScoreModNode):

@@ -60,7 +60,7 @@ import triton.language as tl  # the same module as the kernels' tl in a standalo
 
 from flashgen.runtime.host import AttentionLauncher, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import check_interpretable, check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
-from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, launch_context  # standalone: host.py precedes
+from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, launch_context, overlapping  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
@@ -535,10 +535,10 @@ class DecodeLauncher:
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if t.stride(-1) != 1:
                 raise ValueError(f"{name}: expected a contiguous last dim (stride 1), got strides {t.stride()}")
-            shared = [d for d in range(t.dim()) if t.stride(d) == 0 and t.shape[d] > 1] if k is not None else []
-            if shared:
-                raise ValueError(f"{name}: new keys and values are written into the cache, whose dim {shared[0]} has "
-                                 f"stride 0 (an expanded tensor: its rows share memory); got strides {t.stride()}")
+            if k is not None and overlapping(t):
+                raise ValueError(f"{name}: new keys and values are written into the cache, whose elements share "
+                                 f"memory (an expanded tensor, or strides that interleave): got shape "
+                                 f"{tuple(t.shape)}, strides {t.stride()}")
         if batch and k_cache.shape[0] == 0:
             raise ValueError(f"k_cache: expected at least one {'page' if block_table is not None else 'row'} in "
                              f"dim 0, got shape {tuple(k_cache.shape)}")

@@ -96,6 +96,16 @@ def _tanh(x):
 
 
 @triton.jit
+def _softcap(s, cap):
+    # cap * tanh(s / cap) for caps above 64 (masks/score_mods.py): where |s / cap| < 1/8, tanh's odd series,
+    # as 1 - 2 / (e^2x + 1) keeps the digits of 1 there, not of x, which the cap multiplies
+    x = s / cap
+    x2 = x * x
+    series = s * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 - x2 * (17.0 / 315.0))))
+    return tl.where(tl.abs(x) < 0.125, series, cap * _tanh(x))
+
+
+@triton.jit
 def _search(PTR, stride, n, value, RIGHT: tl.constexpr):
     # The first i in [0, n) with PTR[i] >= value (> value if RIGHT) in a sorted row, else n:
     # a 64-way search, one vector load per level (3 levels cover 262144 tokens).
