@@ -229,26 +229,26 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     small = crowded and one_row and element_size <= 2  # small tiles, many per SM
     split_small = not fills and one_row and element_size == 2 and BLOCK_N is None and page_size is not None \
         and 16 <= page_size < 64  # small tiles, and the splits that fill several per SM
-    fast = fast_memory(device)
+    # the faster memory's rules (fast_memory) take 16-bit caches with one query row per head; most, unpaged ones
+    fast = fast_memory(device) and one_row and element_size == 2
+    fast_contiguous = fast and page_size is None
     def staged_bytes(block_n, stages):  # K and V tiles in flight, and room for the rest
         return stages * block_n * 2 * padded_head_dim(head_dim) * element_size + 8192
 
     block_n = BLOCK_N
     if block_n is None:
         if small or split_small:
-            contiguous_fast = fast and small and page_size is None
-            block_n = ((128 if head_dim > 64 else 64) if contiguous_fast else 32) if element_size == 2 else 64
+            block_n = 64 if element_size == 1 else (128 if head_dim > 64 else 64) if fast_contiguous and small else 32
         else:
             block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills \
-                or fp8_split or (fast and one_row and head_dim <= 64 and element_size == 2 and page_size is None) \
-                else 64
+                or fp8_split or (fast_contiguous and head_dim <= 64) else 64
         while block_n > 16 and staged_bytes(block_n, 2) > smem_limit(device):
             block_n //= 2
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {block_n!r}")
     if num_stages is None:
         most = 2 if (small or split_small) and element_size == 2 and BLOCK_N is None else 3
-        if fast and one_row and element_size == 2 and BLOCK_N is None and not fills:  # split by default (above)
+        if fast and BLOCK_N is None and not fills:  # split by default (above)
             most = 3 if split_small else 4 if page_size is None else most
         num_stages = next((n for n in range(most, 2, -1) if staged_bytes(block_n, n) <= smem_limit(device)), 2)
     if num_warps is None:
