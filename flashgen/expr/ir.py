@@ -30,6 +30,13 @@ CALL_ARGUMENTS = frozenset((
     "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "batch", "seqlen_q", "seqlen_k", "device",
     "spec_or_kernel", "k_cache", "v_cache", "cache_seqlens", "block_table", "cache_batch_idx", "num_splits",
     "BLOCK_N", "num_warps", "num_stages", "page_prefetch", "check", "fused_combine"))
+
+
+def call_argument_clash(name: str) -> str | None:
+    """Why a tensor cannot take this name (one of CALL_ARGUMENTS), or None: what expressions and patterns say."""
+    if name in CALL_ARGUMENTS:
+        return f"tensor {name!r} would be passed as {name}=, an argument of the calls themselves; rename it"
+    return None
 FUNCTIONS = {"where": 3, "abs": 1, "min": 2, "max": 2, "exp": 1, "tanh": 1}  # name -> number of arguments
 # Functions only the built-in modifiers emit: softcap(score, cap) = cap * tanh(score / cap), written with
 # tanh's series where score / cap is small (masks/score_mods.py: caps above SOFTCAP_SERIES_ABOVE)

@@ -15,8 +15,8 @@ import math
 from typing import Any, Callable, Mapping
 
 from ..errors import SpecError
-from .ir import (CALL_ARGUMENTS, FUNCTIONS, INT64_MAX, INT64_MIN, MAX_DEPTH, SIZE_VARS, Bin, Const, Fn, Load, Neg,
-                 Not, Var, kind)
+from .ir import (FUNCTIONS, INT64_MAX, INT64_MIN, MAX_DEPTH, SIZE_VARS, Bin, Const, Fn, Load, Neg, Not, Var,
+                 call_argument_clash, kind)
 
 
 # ----------------------------------------------------------------------------- plain values
@@ -159,9 +159,8 @@ class ExpressionChecker:
             self.fail(node, f"{tname!r} is not a tensor")
         if not tname.isidentifier():
             self.fail(node, "bad tensor name")
-        if tname in CALL_ARGUMENTS:
-            self.fail(node, f"tensor {tname!r} would be passed as {tname}=, an argument of the calls themselves; "
-                            "rename it")
+        if call_argument_clash(tname):
+            self.fail(node, call_argument_clash(tname))
         items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         for item in items:
             if isinstance(item, (ast.Slice, ast.Starred)):

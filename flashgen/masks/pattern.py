@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ..errors import SpecError
-from ..expr.ir import CALL_ARGUMENTS, FUNCTIONS, MASK_VARS, SCORE_VARS, SIZE_VARS, Const, Var, sub
+from ..expr.ir import FUNCTIONS, MASK_VARS, SCORE_VARS, SIZE_VARS, Const, Var, call_argument_clash, sub
 from ..expr.parse import plain_number, plain_str
 
 ALIGNS = ("bottom_right", "top_left")
@@ -105,9 +105,8 @@ def check_tensor_name(field: str, value) -> str:
     value = plain_str(value)
     if value in MASK_VARS + SCORE_VARS + SIZE_VARS or value in FUNCTIONS:
         raise SpecError(field, "a tensor name cannot be a variable or function name", value)
-    if value in CALL_ARGUMENTS:
-        raise SpecError(field, f"tensor {value!r} would be passed as {value}=, an argument of the calls themselves; "
-                               "rename it", value)
+    if call_argument_clash(value):
+        raise SpecError(field, call_argument_clash(value), value)
     return value
 
 
