@@ -21,6 +21,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from . import __version__
 from .config import HOPPER_THREE_REGS, LOOP_ORDERS, ConfigError, KernelConfig, default_config, detect_target
+from .config import interpreting as _interpreting
 from .codegen.cache import write_atomic
 from .codegen.render import render
 from .db import DatabaseError, ResultRowError, default_url, display_url, hide_password
@@ -99,10 +100,6 @@ def _db_option(f):
     return click.option("--db", "db_url", default=None, callback=_remember_db,
                         help="SQLAlchemy URL of the results database (default: $FLASHGEN_DB, else tuning.sqlite "
                              "in the user data directory).")(f)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _rerun_interpreted():

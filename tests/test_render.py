@@ -163,7 +163,7 @@ def test_standalone_module_carries_the_host_source_verbatim():
     # decode.py less its import of host.py, then interpret.py and its patch_interpreter() under the
     # interpreter) or two imports
     framed = re.compile(r"# -+\n# The host side: flashgen/runtime/host.py .*?# -+ end of flashgen/runtime/interpret.py\n"
-                        r"if os.environ.*?\n    patch_interpreter\(\)\n", re.S)
+                        r"if interpreting\(\):.*?\n    patch_interpreter\(\)\n", re.S)
     assert len(framed.findall(standalone)) == 1
     import_lines = ("from flashgen.runtime.host import AttentionLauncher  # noqa: E402 (the host side: plain Python)\n"
                     "from flashgen.runtime.decode import DecodeLauncher  # noqa: E402\n")
