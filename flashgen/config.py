@@ -387,7 +387,7 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
     forward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws)
     backward = _backward_defaults(spec, arch, d, shape, seqlen)
     if arch == "sm90":
-        backward.update(_hopper_bwd_default(spec, d, shape, seqlen))
+        backward.update(_hopper_bwd_default(spec, d, shape, seqlen, target))
     if seqlen <= SMALL_CALL:
         # A call this short is host-bound: building tensor descriptors costs more host time than the
         # copy engine saves (H100, B=1 H=16 S=128 hd128 causal: forward 68 vs 41 us of host per call,
@@ -627,7 +627,7 @@ def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen
     return None
 
 
-def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict:
+def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int, target: str = "h100") -> dict:
     """The backward knobs of the Gluon dK/dV kernel (hopper_bwd) where the H100 measured it faster
     than the portable backward, else {} (bf16, 16 heads x hd128 or 32 x hd64, 16384 tokens). The kernel
     as of 2026-11-27: LSE and delta rows through shared memory (the producer loads them), dQ added by the
@@ -683,7 +683,13 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
       faster than the portable backward in two runs on two GPUs (fwd+bwd TFLOP/s over cuDNN's, bench_hopper_ws,
       S=1024, 32 heads: H100 0.91 vs 0.89, results/2026-11-27-h100-hopper-ws-s21-smem.md; H200 0.913 vs 0.878,
       results/2026-11-28-h200-hopper-bwd-fwdbwd-s26.md; adding dQ 0.886). Causal hd64 S=1024 keeps the portable
-      one (H200 0.973 vs 0.959, within a run's spread; H100 whole backward 0.678 vs 0.658)."""
+      one (H200 0.973 vs 0.959, within a run's spread; H100 whole backward 0.678 vs 0.658).
+    - On an H200 (target "h200"), hd128 causal adds dQ from 1024 tokens: session 33's run (results/
+      2026-11-29-h200-bwd-defaults-s33-1024.md, 3 interleaved rounds) read B=16 S=1024 16 heads 0.643 portable /
+      0.657 separate / 0.596 adding (cuDNN 0.546), the third H200 run to put adding dQ 7-9% ahead there
+      (session 26's two above). The H100 keeps the portable kernels at 1024 until it measures the kernel
+      without its spills (its 0.734 was before them; the H200's memory, 4.8 TB/s against 3.35, takes the
+      float32 dQ adds' traffic better)."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec, backward=True) is not None:
@@ -704,7 +710,7 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
         if d == 128 and not shape.causal and seqlen >= 1024:
             return atomic
         return dict(hopper_bwd=True) if d == 128 and shape.causal and seqlen >= 2048 else {}
-    if seqlen >= 4096 or (d == 128 and seqlen >= (2048 if shape.causal else 1024)):
+    if seqlen >= 4096 or (d == 128 and seqlen >= (2048 if shape.causal and target != "h200" else 1024)):
         return atomic
     if d == 64 and not shape.causal and seqlen >= 1024:
         return dict(hopper_bwd=True)  # with the separate dQ kernel (the paragraph above)

@@ -77,17 +77,24 @@ def test_defaults_per_bucket_follow_the_mask_shape_on_sm90():
 def test_backward_defaults():
     # hd128: tensor descriptors for every mask shape; hd64 masked keeps pointer loads; the persistent
     # dK/dV grid is no default (it lost every case of the sweep), and atomic dQ only in the Gluon dK/dV
-    # kernel, unmasked at hd128 from 1024 tokens (causal from 2048) (config._hopper_bwd_default)
-    for fields in ({}, {"causal": True}, {"mask": WINDOW(256)}, {"mask": {"document": {}}}):
-        for s in DEFAULT_BUCKETS:
-            c = default_config(_spec(**fields), seqlen=s)
-            if "document" in fields.get("mask", {}) and s <= 4096:
-                continue  # 32x64 dK/dV tiles there (tests/test_banded_backward.py: the fused-delta defaults)
-            assert (c.BLOCK_M1, c.BLOCK_N1, c.bwd_num_stages, c.bwd_tma) == (64, 64, 2, s > SMALL_CALL)
-            gluon_atomic = "mask" not in fields and s >= (2048 if "causal" in fields else 1024)
-            assert c.bwd_persistent == 0 and c.dq_strategy == ("atomic" if gluon_atomic else "separate")
-            documents = "document" in fields.get("mask", {}) and s >= 16384  # with the separate dQ kernel
-            assert c.hopper_bwd == (gluon_atomic or documents), (fields, s)
+    # kernel, unmasked at hd128 from 1024 tokens (causal from 2048; on an H200 from 1024 too)
+    # (config._hopper_bwd_default)
+    for target in ("h100", "h200"):
+        for fields in ({}, {"causal": True}, {"mask": WINDOW(256)}, {"mask": {"document": {}}}):
+            for s in DEFAULT_BUCKETS:
+                c = default_config(_spec(**fields), target, seqlen=s)
+                if "document" in fields.get("mask", {}) and s <= 4096:
+                    continue  # 32x64 dK/dV tiles there (tests/test_banded_backward.py: the fused-delta defaults)
+                assert (c.BLOCK_M1, c.BLOCK_N1, c.bwd_num_stages, c.bwd_tma) == (64, 64, 2, s > SMALL_CALL)
+                causal_from = 2048 if target == "h100" else 1024
+                gluon_atomic = "mask" not in fields and s >= (causal_from if "causal" in fields else 1024)
+                assert c.bwd_persistent == 0 and c.dq_strategy == ("atomic" if gluon_atomic else "separate")
+                documents = "document" in fields.get("mask", {}) and s >= 16384  # with the separate dQ kernel
+                assert c.hopper_bwd == (gluon_atomic or documents), (target, fields, s)
+    # the H200's rule is hd128's, without GQA or a mask: hd64 and GQA keep the H100's choice
+    for fields in ({"head_dim": 64, "causal": True}, {"num_kv_heads": 4, "causal": True}):
+        assert default_config(_spec(**fields), "h200", seqlen=1024) == default_config(_spec(**fields), "h100",
+                                                                                       seqlen=1024)
     assert not default_config(_spec(head_dim=64, causal=True)).bwd_tma
     assert default_config(_spec(head_dim=64)).bwd_tma
 

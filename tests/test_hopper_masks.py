@@ -127,7 +127,7 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
             self.base = t
 
     monkeypatch.setattr(module._LAUNCHER.hopper_forward, "descriptor", Descriptor)
-    monkeypatch.setattr(host, "runs_table", lambda t: pytest.fail("a runs table filled for the Gluon forward"))
+    monkeypatch.setattr(host, "runs_table", lambda *a: pytest.fail("a runs table filled for the Gluon forward"))
     q, k, v = make_qkv(2, 4, 2, 45, 45, 64, dtype=torch.float16, device="cpu")
     doc = torch.tensor([0] * 20 + [1] * 25, dtype=torch.int32)
     module.forward(q, k, v, tensors={"doc": doc})
@@ -136,7 +136,9 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     assert grid == (1, 2) and constexprs == dict(BLOCK_M=128, BLOCK_N=128, CONSUMERS=2, FILL_RUNS=False, num_warps=4)
     assert table.dtype == torch.int32 and table.shape == (2 * 1 * (2 + 4 * 2),)  # (batch, tiles) x 10
     (_, _, _, out, lse, *_, qk_scale, t_doc, s0, s1, n0, n1, runs, passed) = args
-    assert passed is table and ranges_args[:2] == [45, 45] and ranges_args[2] is t_doc
+    # (the range kernel's second argument: the bounds record, where it writes ids that decrease)
+    assert passed is table and ranges_args[0] is host.bounds_record(doc.device).tensor
+    assert ranges_args[1:3] == [45, 45] and ranges_args[3] is t_doc
     assert out.shape == q.shape and out.dtype == torch.float16 and out.is_contiguous()  # the plan allocates them
     assert lse.shape == (2, 4, 45) and lse.dtype == torch.float32 and lse.is_contiguous()
     assert qk_scale == pytest.approx(64 ** -0.5 * 1.4426950408889634)
@@ -148,8 +150,8 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
     seed = module._LAUNCHER.unused_arg(torch.int64, doc.device)
     _, _, _, extra = module._LAUNCHER.training_forward(q, k, v, "bhsd", 0.0, seed, {"doc": doc}, None, None, None, None)
     (_, _, constexprs, (table, *ranges_args)), (_, _, _, args) = launched
-    assert constexprs["FILL_RUNS"] is True and len(ranges_args) == 2 + len(extra) and args[-1] is table
-    assert all(a is b is c for a, b, c in zip(ranges_args[2:], extra, args[-7:-1]))
+    assert constexprs["FILL_RUNS"] is True and len(ranges_args) == 3 + len(extra) and args[-1] is table
+    assert all(a is b is c for a, b, c in zip(ranges_args[3:], extra, args[-7:-1]))
     runs = extra[-1]
     assert runs.shape == (2, 1, 45) and runs.dtype == torch.int32 and runs is not module._LAUNCHER.unused_arg(
         torch.int32, doc.device)

@@ -201,6 +201,18 @@ def test_forward_backward(mask_name):
     assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, **kw)
 
 
+def documents_step(seed, **knobs):
+    """(mask, config, module, generator, (q, k, v)): SHAPES[0]'s documents spec with a backward, on the Gluon
+    forward's persistent grid (the H100's default config with BASE, PERSISTENT and the knobs), fresh inputs."""
+    batch, heads, kv_heads, sq, _, d, _ = SHAPES[0]
+    mask = MASKS["documents"][0]
+    spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=heads, num_kv_heads=kv_heads, mask=mask, backward=True)
+    config = default_config(spec, "h100", sq).replace(**BASE, **PERSISTENT, **knobs)
+    gen = torch.Generator().manual_seed(seed)
+    qkv = make_qkv(batch, heads, kv_heads, sq, sq, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+    return mask, config, flashgen.compile(spec, config).module(), gen, qkv
+
+
 @sm90
 @pytest.mark.parametrize("ids_kind", ["int32", "int64", "shared by the batch", "strided, longer than the sequence"])
 def test_a_training_forward_fills_the_runs_table(ids_kind):
@@ -208,19 +220,14 @@ def test_a_training_forward_fills_the_runs_table(ids_kind):
     # read (FILL_RUNS), in place of host.runs_table's launch; the same table, and the step's gradients
     from flashgen.runtime import host
 
-    batch, heads, kv_heads, sq, sk, d, layout = SHAPES[0]
-    mask = MASKS["documents"][0]
-    spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=heads, num_kv_heads=kv_heads, mask=mask, backward=True)
-    config = default_config(spec, "h100", sq).replace(tma=False, warp_specialize=False, **BASE, **PERSISTENT)
-    module = flashgen.compile(spec, config).module()
-    gen = torch.Generator().manual_seed(11)
-    q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=torch.bfloat16, device="cuda", generator=gen)
+    batch, _, _, sq, _, _, layout = SHAPES[0]
+    mask, config, module, gen, (q, k, v) = documents_step(11, tma=False, warp_specialize=False)
     ids = random_documents(batch, sq + 300, gen).cuda()
     ids = {"int32": ids[:, :sq], "int64": ids[:, :sq].long(), "shared by the batch": ids[:1, :sq],
            "strided, longer than the sequence": ids.t().contiguous().t()}[ids_kind]
     calls = []
     original = host.runs_table
-    host.runs_table = lambda t: calls.append(t) or original(t)
+    host.runs_table = lambda t, check: calls.append(t) or original(t, check)
     try:
         _, _, plan, extra = module._LAUNCHER.training_forward(q, k, v, layout, 0.0, None, {"doc": ids}, None, None,
                                                               None, None)
@@ -235,6 +242,46 @@ def test_a_training_forward_fills_the_runs_table(ids_kind):
     module_out.backward(do)
     assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, causal=False, layout=layout, mask=mask,
                            tensors=tensors)
+
+
+@sm90
+@pytest.mark.parametrize("phase", ["forward", "training step", "backward"])
+def test_the_range_kernels_record_ids_that_decrease(phase):
+    # the Gluon kernels' range kernels search the ids themselves (no runs table launch): a row that
+    # decreases goes to the bounds record there, which the next documents call raises, naming the tensor;
+    # sorted ids record nothing (forward: _hw_fwd_ranges; a training step's: its FILL_RUNS launch; an
+    # explicit backward of other ids than its forward's: _hw_bwd_ranges, and the runs table's launch)
+    batch, _, _, sq, _, _, _ = SHAPES[0]
+    mask, config, module, gen, (q, k, v) = documents_step(12, bwd_short=False, hopper_bwd=True)
+    good = random_documents(batch, sq, gen).cuda()
+    bad = good.clone()
+    bad[1, 700] = bad[1, 699] - 1  # row 1 decreases at column 700 (and rises again after it)
+    before, value = int(bad[1, 699]), int(bad[1, 700])
+    do = torch.randn(q.shape, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+
+    def run(ids):
+        if phase == "forward":
+            return module.forward(q, k, v, tensors={"doc": ids})
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if phase == "training step":
+            return flashgen.attention(*leaves, mask=mask, config=config, doc=ids).backward(do)
+        out, lse = module.forward(q, k, v, tensors={"doc": good})  # checked ids: the backward's are the bad ones
+        return module.backward(do, q, k, v, out, lse, tensors={"doc": ids})
+
+    run(good)
+    flashgen.check_bounds()  # nothing recorded
+    run(bad)
+    message = (rf"doc: expected document ids nondecreasing along each row, got {before} then {value} at "
+               rf"\[1, 700\] \(met by the search of a call's document ids on cuda")
+    with pytest.raises(ValueError, match=message):
+        flashgen.check_bounds()
+    assert any(isinstance(p, HopperPlan) for p in module._LAUNCHER.plans.values()), "not the Gluon forward"
+    if phase == "backward":
+        from .test_hopper_bwd_gpu import took_gluon_dkdv
+
+        assert took_gluon_dkdv(module), "not the Gluon dK/dV kernel"
+    run(good)
+    flashgen.check_bounds()
 
 
 @sm90

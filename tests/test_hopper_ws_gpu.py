@@ -133,7 +133,7 @@ def test_forward_backward(shape, causal):
 def test_default_takes_the_family_where_it_is_the_default(head_dim, causal, seqlen):
     # two heads: the float32 reference of one 16384-token call fits beside the kernel's tensors
     spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=2, causal=causal)
-    config = default_config(spec, "h100", seqlen)
+    config = default_config(spec, None, seqlen)  # this GPU's (an H200's backward differs from the H100's)
     if config.family != "hopper_ws":
         pytest.skip(f"the default at hd{head_dim} S={seqlen} causal={causal} is the portable family")
     kernel = flashgen.compile(spec)

@@ -858,7 +858,7 @@ def test_a_document_training_step_searches_the_ids_once(device, monkeypatch):
     seed, gen = _seeded()
     calls = []
     original = host.runs_table
-    monkeypatch.setattr(host, "runs_table", lambda t: calls.append(t) or original(t))
+    monkeypatch.setattr(host, "runs_table", lambda t, check: calls.append(t) or original(t, check))
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, mask={"document": {"causal": True}}, backward=True)
     kernel = flashgen.compile(spec, SMALL)
     ids = torch.stack([_doc_ids([9, 20, 11]), _doc_ids([30, 10])]).to(device)
@@ -877,8 +877,12 @@ def test_a_document_training_step_searches_the_ids_once(device, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
 def test_the_runs_table_kernel_answers_as_searchsorted(device, dtype):
     # runs_table's GPU kernel against torch.searchsorted (the CPU's runs_table): nondecreasing rows and
-    # unsorted ones (the same midpoints give the same answers), a strided view, lengths around its block
+    # unsorted ones (the same midpoints give the same answers), a strided view, lengths around its block;
+    # an unsorted row's first decrease in some block is in the bounds record, the sorted ones record nothing
+    from flashgen.runtime.host import RUNS_ORDER, bounds_record
+
     seed, gen = _seeded()
+    record = torch.zeros(5, dtype=torch.int64, device=device)
     for n in (1, 2, 255, 256, 257, 700):
         sorted_rows = torch.randint(0, 9, (3, n), generator=gen).sort(dim=1).values
         unsorted = torch.randint(0, 9, (2, n), generator=gen)
@@ -886,12 +890,56 @@ def test_the_runs_table_kernel_answers_as_searchsorted(device, dtype):
         for rows in (sorted_rows, unsorted, strided):
             t = rows.to(dtype).to(device)
             table = torch.full((2, *t.shape), -1, dtype=torch.int32, device=device)
-            runs_table_fill[(triton.cdiv(n, 256), t.shape[0])](t, table, n, t.stride(0), t.stride(1), n.bit_length(),
-                                                                BLOCK=256)
+            record.zero_()
+            runs_table_fill[(triton.cdiv(n, 256), t.shape[0])](t, table, record, n, t.stride(0), t.stride(1),
+                                                                n.bit_length(), 77, BLOCK=256)
             c = t.contiguous()
             want = torch.stack([torch.searchsorted(c, c, out_int32=True),
                                 torch.searchsorted(c, c, right=True, out_int32=True)])
             assert torch.equal(table.cpu(), want.cpu()), (seed, n, rows.tolist())
+            kind, where, column, value, before = record.tolist()
+            if bool((c[:, 1:] < c[:, :-1]).any()):
+                row = where & 0xFFFFFFFF
+                assert (kind, where >> 32) == (RUNS_ORDER, 77) and 0 < column < n, (seed, n, record)
+                assert (value, before) == (c[row, column].item(), c[row, column - 1].item()) and value < before
+            else:
+                assert kind == 0, (seed, n, rows.tolist(), record)
+    assert not bounds_record(torch.device(device)).words[0]  # the launches above wrote to their own record
+
+
+def test_document_ids_that_decrease_are_refused_by_name(device, monkeypatch):
+    # a row of ids that decreases would give its documents wrong key ranges (the searches assume sorted
+    # rows): the host refuses it on the CPU, in its first call; on a GPU the runs table's kernel records it
+    # and the next documents call (or check_bounds) raises, naming the tensor, the row and the pair.
+    # Sorted ids, ids shared by the batch and equal neighbours are not refused.
+    from flashgen.runtime import host
+
+    kernel = flashgen.compile(AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, mask={"document": {"ids": "doc"}}),
+                              SMALL)
+    q, k, v = _qkv(torch.Generator().manual_seed(0), 2, 2, 2, 40, 40, 16, torch.float16, device)
+    good = torch.stack([_doc_ids([9, 20, 11]), _doc_ids([30, 10])]).to(device)
+    bad = good.clone()
+    bad[1, 33] = 0  # [.., 1, 1, 0, 1, ..]: row 1 decreases at column 33
+    message = r"doc: expected document ids nondecreasing along each row, got 1 then 0 at \[1, 33\]"
+    for ids in (good, good[0], torch.zeros(40, dtype=torch.int64, device=device)):
+        kernel(q, k, v, doc=ids)
+    if device == "cpu":
+        with pytest.raises(ValueError, match=message):
+            kernel(q, k, v, doc=bad)
+        with pytest.raises(ValueError, match=message.replace("1, 33", "0, 33")):
+            kernel(q, k, v, doc=bad[1])  # one row for the whole batch
+        monkeypatch.setattr(host, "device_sync_forbidden", lambda device: True)  # tracing: nothing read
+        kernel(q, k, v, doc=bad)
+        return
+    kernel(q, k, v, doc=bad)  # recorded, not waited for
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=message + r" \(met by the search of a call's document ids on cuda"):
+        kernel(q, k, v, doc=good)
+    kernel(q, k, v, doc=good)  # the record is cleared once raised
+    kernel(q, k, v, doc=bad)
+    with pytest.raises(ValueError, match=message):
+        flashgen.check_bounds()
+    flashgen.check_bounds()
 
 
 def test_runs_table_serves_any_ids_tensor_twice(device):

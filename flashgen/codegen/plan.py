@@ -72,6 +72,12 @@ class KernelPlan:
         return [(name, d, tensor_size(name, d), check) for name, d, check in host.sequence_checks(sizes, ranks)]
 
     @property
+    def runs_checks(self) -> list[tuple[str, int]]:
+        """[(tensor, check id)]: the runs tensors with the id a kernel searching them records where a row's
+        values decrease (host.RUNS_ORDER)."""
+        return [(name, host.runs_check_id(name)) for name in self.runs_tensors]
+
+    @property
     def grad_params(self) -> str:
         """``, g_slopes, ...``: the gradient buffer of every tensor gradients flow into."""
         return "".join(f", g_{t.name}" for t in self.grad_tensors)

@@ -25,7 +25,7 @@ __future__ import and its top-level names clash neither with host.py's nor with 
 import torch
 import triton
 
-from .host import SEQ_DIMS, BoundLaunch, Descriptors, ForwardPlan, bhsd_order, bhsd_strides, contiguous_strides, empty_runs_table, sm_count  # standalone: host.py precedes
+from .host import SEQ_DIMS, BoundLaunch, Descriptors, ForwardPlan, bhsd_order, bhsd_strides, bounds_record, contiguous_strides, empty_runs_table, sm_count  # standalone: host.py precedes
 
 # ---------------------------------------------------------------------------- the 3.6 / 3.9 shim
 # Gluon is experimental: triton 3.6 (the GPU image) and 3.9 (CI) name a few things differently.
@@ -202,13 +202,14 @@ class RangeTable:
 
         self.launches = [launch(FILL_RUNS=False), launch(FILL_RUNS=True)] if fills_runs else [launch()]
         self.shape, self.seqlens, self.device = (batch * blocks * entries,), seqlens, device
+        self.record = bounds_record(device).tensor  # where the kernel records document ids that decrease
 
     def fill(self, named, context=None, fill_runs=False):
         """The named tensors' arguments with this call's table, filled, after them (launched with
         `context`, launch_context()'s answer, where the caller took it once for its launches); fill_runs:
         their runs tables are filled too (empty_runs_table's, a training step's)."""
         table = torch.empty(self.shape, dtype=torch.int32, device=self.device)
-        args = (table, *self.seqlens, *named)
+        args = (table, self.record, *self.seqlens, *named)
         launch = self.launches[fill_runs]
         if context is None:
             launch(*args)

@@ -235,7 +235,11 @@ RECORD_WORDS = 5  # kind (0: nothing recorded), batch element, column, value, li
 # kinds 1-4 and 9: the decode kernels' (templates/decode/split_kv.j2); 5-8: packed offsets (cu_seqlens_check)
 OFFSETS_FIRST, OFFSETS_ORDER, OFFSETS_TOTAL, OFFSETS_LONGEST = 5, 6, 7, 8
 NAMED_SHORT = 9  # a named tensor shorter than the cache keys kv_idx indexes it by (column: its sequence_check_id)
+# 10: document ids that decrease along a row (runs_table_fill, the Gluon range kernel: hopper/masks.j2
+# _hw_runs_order), words [kind, runs_check_id << 32 | row, column, value, the value before it]
+RUNS_ORDER = 10
 SEQUENCE_CHECKS = {}  # sequence_check_id -> (tensor name, dimension, rank of its view)
+RUNS_CHECKS = {}  # runs_check_id -> tensor name
 
 
 def sequence_check_id(name, dim, rank):
@@ -245,6 +249,19 @@ def sequence_check_id(name, dim, rank):
     check = zlib.crc32(f"{name}/{dim}/{rank}".encode()) & 0x7FFFFFFF
     SEQUENCE_CHECKS[check] = (name, dim, rank)
     return check
+
+
+def runs_check_id(name):
+    """The id the kernels that search the tensor `name` (document ids) record (RUNS_ORDER) where its values
+    decrease along a row: a 31-bit hash of the name, registered here so that raise_recorded can name it."""
+    check = zlib.crc32(f"runs/{name}".encode()) & 0x7FFFFFFF
+    RUNS_CHECKS[check] = name
+    return check
+
+
+def runs_order_error(name, row, column, value, before, where=""):
+    return ValueError(f"{name}: expected document ids nondecreasing along each row, got {before} then {value} at "
+                      f"[{row}, {column}]{where}")
 
 
 def sequence_checks(tensor_sizes, tensor_ranks):
@@ -257,8 +274,9 @@ def sequence_checks(tensor_sizes, tensor_ranks):
 
 class BoundsRecord:
     """Where a device's kernels write the first out-of-range index they meet: the decode kernels
-    (cache_seqlens, block_table, cache_batch_idx: decode.py's docstring) and the check of packed
-    offsets (cu_seqlens: AttentionLauncher.check_offsets). Words [kind, batch element (for
+    (cache_seqlens, block_table, cache_batch_idx: decode.py's docstring), the check of packed
+    offsets (cu_seqlens: AttentionLauncher.check_offsets) and the searches of document ids that
+    decrease along a row (AttentionLauncher.check_runs). Words [kind, batch element (for
     offsets: 0 for cu_seqlens_q, 1 for cu_seqlens_k), column (or the keys appended; for offsets
     the index), value, limit], kind 0 while nothing is recorded. On a GPU the words live in pinned host memory
     that the kernels write directly (mapped, so reading them needs no copy and no wait); on
@@ -287,9 +305,11 @@ class BoundsRecord:
         self.words[1:] = 0
         self.words[0] = 0
         source = "a decode kernel" if kind < OFFSETS_FIRST or kind == NAMED_SHORT else \
-            "the check of a packed call's offsets"
+            "the search of a call's document ids" if kind == RUNS_ORDER else "the check of a packed call's offsets"
         where = f" (met by {source} on {self.device}; that call's outputs are meaningless)" \
             if self.device.type == "cuda" else ""
+        if kind == RUNS_ORDER:
+            raise runs_order_error(RUNS_CHECKS.get(b >> 32, "document ids"), b & 0xFFFFFFFF, j, value, limit, where)
         if kind == 1:
             raise ValueError(f"cache_seqlens: expected lengths >= 0, got {value} at index {b}{where}")
         if kind == 2:
@@ -330,8 +350,9 @@ def bounds_record(device):
 
 def check_bounds(device=None):
     """An explicit sync point for the bounds rule: wait for the device's kernels and raise the
-    ValueError naming the argument if one met an index outside the cache, or packed offsets
-    (cu_seqlens) that break their rules (the CUDA graphs replayed since included). device: one
+    ValueError naming the argument if one met an index outside the cache, packed offsets
+    (cu_seqlens) that break their rules, or document ids that decrease along a row (the CUDA
+    graphs replayed since included). device: one
     device; default every device whose kernels have a record (those flashgen's decode and packed
     calls ran on), the current CUDA device first."""
     if device is None:
@@ -356,8 +377,9 @@ def concrete_device(device):
 
 
 @triton.jit
-def cu_seqlens_record(REC, KIND: tl.constexpr, which, i, value, limit):
-    # The first broken rule a launch meets claims the record (word 0 := its kind), then writes its words.
+def record_rule(REC, KIND: tl.constexpr, which, i, value, limit):
+    # The first broken rule a launch meets claims the bounds record (word 0 := its kind), then writes its words
+    # (the packed offsets' check, the runs table's: BoundsRecord).
     zero = tl.zeros([], tl.int64)
     if tl.atomic_cas(REC, zero, zero + KIND) == 0:
         tl.store(REC + 1, zero + which)
@@ -392,14 +414,14 @@ def cu_seqlens_rules(CU, REC, which, count, total, longest, BLOCK: tl.constexpr)
             at = tl.min(tl.where(length == block_most, i, count))
             most = block_most
     if first != 0:
-        cu_seqlens_record(REC, 5, which, 0, first, 0)
+        record_rule(REC, 5, which, 0, first, 0)
     if down < count:
-        cu_seqlens_record(REC, 6, which, down, down_hi, down_lo)
+        record_rule(REC, 6, which, down, down_hi, down_lo)
     last = tl.load(CU + count)
     if last > total:
-        cu_seqlens_record(REC, 7, which, count, last, total)
+        record_rule(REC, 7, which, count, last, total)
     if most > longest:
-        cu_seqlens_record(REC, 8, which, at, most, longest)
+        record_rule(REC, 8, which, at, most, longest)
 
 
 @triton.jit
@@ -451,17 +473,26 @@ def check_tensors(q, k, v, layout):
 
 
 @triton.jit
-def runs_table_fill(T, OUT, n, stride_row, stride_col, steps, BLOCK: tl.constexpr):
+def runs_table_fill(T, OUT, REC, n, stride_row, stride_col, steps, check, BLOCK: tl.constexpr):
     # Program (block, row): for BLOCK elements x of row `row` of T, OUT[0, row, x] = the first index of
     # the row not below T[row, x] and OUT[1, row, x] = the first above it: torch.searchsorted's left and
     # right binary searches over the whole row (`steps` halvings: n.bit_length()), the same midpoints,
-    # so the same answers on any row (a run's bounds on a nondecreasing one).
+    # so the same answers on any row (a run's bounds on a nondecreasing one). The first x of the block
+    # whose value is below the one before it goes to the bounds record REC (RUNS_ORDER; check: the
+    # tensor's runs_check_id): the searches, and the document ranges read from them, assume none.
     # (runs_table passes rows whose (n - 1) * stride_col stays below 2^31: the column offsets are 32-bit)
     row = tl.program_id(1).to(tl.int64)
     x = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = x < n
     base = T + row * stride_row
     value = tl.load(base + x * stride_col, mask=ok, other=0)
+    after = ok & (x > 0)
+    before = tl.load(base + (x - 1) * stride_col, mask=after, other=0)
+    down = tl.min(tl.where(after & (value < before), x, n))
+    if down < n:
+        at = x == down
+        record_rule(REC, 10, (tl.cast(check, tl.int64) << 32) | row, down,
+                          tl.sum(tl.where(at, value.to(tl.int64), 0)), tl.sum(tl.where(at, before.to(tl.int64), 0)))
     lo = tl.zeros([BLOCK], tl.int32)
     hi = lo + n
     lo2 = lo
@@ -486,19 +517,20 @@ RUNS_LAUNCHES = {}  # (the ids' metadata) -> BoundLaunch of runs_table_fill
 RUNS_BLOCK = 256
 
 
-def empty_runs_table(t):
+def empty_runs_table(t, check=0):
     """runs_table(t)'s int32 (2, rows, n) table, allocated for a kernel to fill (the Gluon forward's range
     kernel in a training step: hopper/masks.j2 _hw_runs_fill)."""
     return torch.empty((2, *t.shape), dtype=torch.int32, device=t.device)
 
 
-def runs_table(t):
+def runs_table(t, check=0):
     """The runs table of a (rows, n) tensor of nondecreasing rows (document ids): int32 (2, rows, n),
     [0, b, x] the first index of row b holding t[b, x] and [1, b, x] the first past it, i.e. a
     binary search of each element in its own row (searchsorted left and right), made once per call
     so that the kernels read a block's range instead of searching for it (to_triton.runs_load).
     On a GPU one launch of runs_table_fill (the two searchsorted calls and the copy to contiguous
-    rows were three launches: 23-26 us of an H200 host's 87 us per documents forward)."""
+    rows were three launches: 23-26 us of an H200 host's 87 us per documents forward), which
+    records a row that decreases in the device's bounds record (check: the tensor's runs_check_id)."""
     rows = t.to(torch.uint8) if t.dtype == torch.bool else t
     if (rows.shape[1] - 1) * abs(rows.stride(1)) >= 2**31:  # a view whose column offsets pass 32 bits
         rows = rows.contiguous()
@@ -516,7 +548,7 @@ def runs_table(t):
             RUNS_LAUNCHES.clear()
         launch = RUNS_LAUNCHES[key] = BoundLaunch(runs_table_fill, (triton.cdiv(n, RUNS_BLOCK), count),
                                                   dict(BLOCK=RUNS_BLOCK, num_warps=4))
-    launch(rows, table, n, rows.stride(0), rows.stride(1), n.bit_length())
+    launch(rows, table, bounds_record(rows.device).tensor, n, rows.stride(0), rows.stride(1), n.bit_length(), check)
     return table
 
 
@@ -578,6 +610,7 @@ class AttentionLauncher:
         sequence_checks(self.tensor_sizes, self.tensor_ranks)  # registered: decode's records name them
         self.grad_tensors = list(grad_tensors)
         self.runs_tensors = frozenset(runs_tensors)
+        self.runs_checks = {name: runs_check_id(name) for name in self.runs_tensors}  # registered: records name them
         self.integer_tensors = frozenset(integer_tensors)
         self.block_map_kernel = block_map_kernel
         self.map_uses_batch, self.map_uses_head = map_uses_batch, map_uses_head
@@ -702,10 +735,11 @@ class AttentionLauncher:
             t = tensors[name]
             args += [t, *t.stride(), *t.shape]
             if name in self.runs_tensors:
-                args.append(runs(t))
+                self.check_runs(name, t)
+                args.append(runs(t, self.runs_checks[name]))
         return args
 
-    def unused_runs(self, t):
+    def unused_runs(self, t, check=0):
         """A runs table's dummy (one element, never read): tensor_args' runs for kernels that read none."""
         return self.unused_arg(torch.int32, t.device)
 
@@ -787,6 +821,26 @@ class AttentionLauncher:
             launch = self.offset_checks[key] = BoundLaunch(cu_seqlens_check, (1,), dict(
                 BLOCK=self.OFFSET_CHECK_BLOCK, num_warps=4))
         launch(cu_q, cu_k, record.tensor, *scalars)
+
+    def check_runs(self, name, t):
+        """Check that the (rows, n) tensor `name`, searched by the kernels (document ids), is nondecreasing along
+        each row: the key ranges of a row whose ids decrease would be wrong. On the CPU the host checks them: the
+        call raises. On a GPU (as check_offsets) the kernels that search them record the first decrease
+        (runs_table_fill, the Gluon forward's range kernel), which each such call reads first, without a wait:
+        a later call raises, or check_bounds() at once; SYNC_CHECKS, the host's check on a GPU too."""
+        device = t.device
+        if device.type == "cuda" and not self.SYNC_CHECKS:
+            record = bounds_record(device)
+            if record.words[0] and not device_sync_forbidden(device):
+                record.raise_recorded()  # an earlier call's ids (or packed offsets, a decode call's indices)
+            return
+        if device_sync_forbidden(device):
+            return
+        rows = t.to(torch.uint8) if t.dtype == torch.bool else t
+        down = (rows[:, 1:] < rows[:, :-1]).nonzero()
+        if len(down):
+            b, j = (int(i) for i in down[0])
+            raise runs_order_error(name, b, j + 1, rows[b, j + 1].item(), rows[b, j].item())
 
     def varlen_args(self, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim):
         """(batch, seqlen_q, seqlen_k, total_q, total_k): the packed sequences' bounds (totals: the
