@@ -659,9 +659,18 @@ def test_faster_memory_takes_more_bytes_in_flight(monkeypatch):
     # An H200 (fast_memory): 128 x 2 tiles where the grid is crowded at head dim 128 (B=64: 254.6 vs
     # 267.2 us at 32 x 2; MHA B=16 x 4K 255.5 vs 311.3 at 64 x 2), 64 x 2 at head dim 64; four stages
     # on a 16-bit contiguous cache's split grid (B=8: 77.6 vs 79.9), 128-key tiles there at head dim
-    # 64 (49.3 vs 54.7), three stages on its 16..63-key pages (82.1 vs 87.2). FP8, other pages,
-    # packed rows and given knobs keep theirs.
+    # 64 (49.3 vs 54.7), three stages on its 16..63-key pages (82.1 vs 87.2); 64 x 3 where the grid holds
+    # one to three programs per SM (two fit an SM: B=20 98.0 vs 118.0 at 128 x 3, B=24 108.1 vs 119.8), but
+    # 128 x 3 at one or fewer (B=16 135.6 vs 139.6). FP8, other pages, packed rows and given knobs keep theirs.
     _, picked = _sm90_knobs(monkeypatch, fast=True)
+    assert picked(batch=16) == (128, 3, 1, 4) and picked(batch=17) == (64, 3, 1, 4)  # 128 / 136 programs
+    assert picked(batch=24, kv=4096) == (64, 3, 1, 4) and picked(batch=49, kv=2048) == (64, 3, 1, 4)  # 392
+    assert picked(batch=50, kv=2048) == (128, 2, 1, 4)  # 400 programs: crowded
+    mha = host_decode.decode_knobs(128, 1, 6, 32, 4096, CUDA0)  # 192 programs of one query row each
+    assert (mha["BLOCK_N"], mha["num_stages"]) == (64, 3)
+    for kw in (dict(page_size=256), dict(element_size=1), dict(element_size=4), dict(rows=64), dict(BLOCK_N=128)):
+        assert picked(batch=24, kv=4096, **kw) == _sm90_knobs(monkeypatch)[1](batch=24, kv=4096, **kw), kw
+    monkeypatch.setattr(host_decode, "fast_memory", lambda device: True)
     assert picked(batch=64, kv=4096) == (128, 2, 1, 4) and picked(batch=128, kv=2048) == (128, 2, 1, 4)
     hd = lambda d, batch, kv=8192, rows=4, **kw: tuple(  # noqa: E731
         host_decode.decode_knobs(d, rows, batch, 8, kv, CUDA0, **kw)[n]
@@ -670,6 +679,7 @@ def test_faster_memory_takes_more_bytes_in_flight(monkeypatch):
     assert hd(64, 8, rows=32) == (64, 3, 2) and hd(64, 8, page_size=16) == (32, 3, 8)  # packed rows, pages: as before
     assert hd(64, 8, page_size=256) == (64, 3, 2) and hd(64, 8, element_size=4) == (64, 3, 2)
     assert hd(256, 8) == (32, 3, 2) and hd(256, 64, 4096) == (32, 3, 1)  # head dim 256: as on an H100
+    assert hd(64, 24, 4096) == (128, 3, 1) and hd(256, 24, 4096) == (32, 3, 1)  # the two-per-SM rule: hd128's
     assert picked(batch=64, kv=4096, page_size=16) == (32, 2, 1, 4)  # a paged crowded grid keeps 32 x 2
     assert picked(batch=64, kv=4096, element_size=4) == (64, 3, 1, 4)  # fp32: the H100's
     assert picked(num_splits=1) == (64, 4, 1, 4)  # a grid that does not fill, unsplit as told: 4 stages too

@@ -196,7 +196,15 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       cache: 4 stages where they fit (B=8 x 8K 77.6 / 78.6 vs 79.9 / 79.5; B=1 x 128K 135.7 / 137.8 vs
       140.0 / 140.1, two runs) and 128-key tiles at head dim 64 (B=8 x 8K 49.3 vs 54.7 at 64 x 4, B=4 x
       8K 31.6 vs 34.0, B=1 x 64K 49.4 vs 54.7, cuDNN 31.4 / 49.5 in the last two); in pages of 16..63
-      keys: 3 stages (paged-16 B=8: 82.1 vs 87.2).
+      keys: 3 stages (paged-16 B=8: 82.1 vs 87.2). A contiguous cache's grid of more than one program per SM
+      but fewer than SMALL_TILE_PROGRAMS_PER_SM, at head dim > 64: 64 x 3 (106 KB: two programs fit an
+      SM, where 128 x 3 leaves one and the grid's second wave part-empty; session 33, results/2026-11-29-
+      h200-decode-variants-s33{,-b}.md, 3 rounds, us, 64 x 3 vs 128 x 3, cuDNN): GQA B=20 x 4K 98.0 vs
+      118.0 (94.3), B=24 x 4K 108.1 / 108.4 vs 119.8 / 119.3 (113.0), B=32 x 4K 136.7 vs 138.8 (136.1),
+      B=32 x 1K 46.7 / 46.5 vs 49.4 / 49.6 (46.1), B=40 x 2K 98.6 vs 101.8 (101.3), B=48 x 2K 108.5 vs
+      111.1 (111.3); MHA B=6 x 4K 108.0 vs 119.1 (110.6), B=8 x 2K 76.8 vs 79.6 (75.6). At one program
+      per SM or fewer 128 x 3 stays (B=16 x 8K 135.6 vs 139.6 at 64 x 3); 128 x 2 ties 64 x 3 below two
+      programs per SM and loses above (B=40 110.4, B=48 115.4).
     - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles, 3 stages
       (106 KB: two programs fit an SM), and the split count that fills two programs per SM in one
       wave (fp8_slots_per_sm). Before, 4 stages (139 KB) left one program per SM: B=1, 128K keys,
@@ -232,6 +240,8 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     # the faster memory's rules (fast_memory) take 16-bit caches with one query row per head; most, unpaged ones
     fast = fast_memory(device) and one_row and element_size == 2
     fast_contiguous = fast and page_size is None
+    # the faster memory's grids of one to three programs per SM at head dim > 64: tiles two programs fit an SM
+    two_per_sm = fast_contiguous and head_dim > 64 and sm_count(device) < total_mblocks and not crowded
     def staged_bytes(block_n, stages):  # K and V tiles in flight, and room for the rest
         return stages * block_n * 2 * padded_head_dim(head_dim) * element_size + 8192
 
@@ -240,8 +250,9 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
         if small or split_small:
             block_n = 64 if element_size == 1 else (128 if head_dim > 64 else 64) if fast_contiguous and small else 32
         else:
-            block_n = 32 if head_dim > 128 else 128 if (page_size is not None and page_size < 64) or fills \
-                or fp8_split or (fast_contiguous and head_dim <= 64) else 64
+            block_n = 32 if head_dim > 128 else 128 if ((page_size is not None and page_size < 64) or fills
+                                                        or fp8_split or (fast_contiguous and head_dim <= 64)) \
+                and not two_per_sm else 64
         while block_n > 16 and staged_bytes(block_n, 2) > smem_limit(device):
             block_n //= 2
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1):
