@@ -13,7 +13,6 @@ import flashgen
 from flashgen import AttentionSpec, ConfigError, KernelConfig, default_config
 from flashgen.codegen.render import render
 from flashgen.runtime import hopper_bwd
-from flashgen.runtime.host import bounds_record
 from flashgen.runtime.launch import BackwardPlan
 from flashgen.space import DeviceLimits, backward_space
 from flashgen.verify import assert_gradients_close
@@ -267,9 +266,7 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
         ((grid, (table, *ranges_args), constexprs),) = ranges.launches  # (key blocks, batch): 6 ints each
         assert grid == (1, 1) and constexprs == dict(BLOCK_M=64, CONSUMERS=2, num_warps=4)
         assert table.dtype == torch.int32 and table.shape == (6,) and args[-1] is table
-        # (the range kernel's second argument: the bounds record, where it writes ids that decrease)
-        assert ranges_args[0] is bounds_record(doc.device).tensor
-        assert ranges_args[1:3] == [20, 20] and ranges_args[3] is args[-7] and ranges_args[-1] is args[-2]
+        assert ranges_args[:2] == [20, 20] and ranges_args[2] is args[-7] and ranges_args[-1] is args[-2]
         assert args[:8][6].shape == k.shape and len(args) == 8 + tail + 6 + 1
         t_doc, s0, s1, n0, n1, runs = args[-7:-1]
         assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (20, 1, 1, 20), args[-6:]

@@ -222,9 +222,20 @@ def _load(pointer, mask=None, other=0):
     return torch.where(mask, pointer.flat[torch.where(mask, offset, 0)], other)
 
 
-def _store(pointer, value, mask):
-    offset, mask = _t(pointer.offset), _t(mask)
+def _store(pointer, value, mask=None):
+    offset = _t(pointer.offset)
+    if mask is None:
+        pointer.flat[offset] = _t(value).to(pointer.flat.dtype)
+        return
+    mask = _t(mask)
     pointer.flat[offset[mask]] = _t(value)[mask].to(pointer.flat.dtype)
+
+
+def _atomic_cas(pointer, compare, value):
+    old = pointer.flat[_t(pointer.offset)].clone()
+    if old == compare:
+        pointer.flat[_t(pointer.offset)] = _t(value)
+    return old
 
 
 SHIM_GL = types.SimpleNamespace(maximum=lambda a, b: torch.maximum(_t(a), _t(b)),
@@ -235,7 +246,9 @@ SHIM_GL = types.SimpleNamespace(maximum=lambda a, b: torch.maximum(_t(a), _t(b))
                                 BlockedLayout=lambda *args: None, to_tensor=_t, sum=lambda x, axis: torch.sum(x, axis),
                                 int32=torch.int32, int64=torch.int64,
                                 # _hw_runs_fill's
-                                store=_store, zeros=lambda shape, dtype, layout=None: torch.zeros(shape, dtype=dtype))
+                                store=_store, zeros=lambda shape, dtype, layout=None: torch.zeros(shape, dtype=dtype),
+                                # _hw_runs_order's
+                                min=lambda x, axis: torch.amin(x, axis), atomic_cas=_atomic_cas)
 RANGE_HELPERS = ("_hw_clamp", "_hw_fdiv", "_hw_search", "_hw_kv_segments", "_hw_blocks", "_hw_key_blocks",
                  "_hw_consumer_blocks", "_hw_visible")
 
@@ -303,6 +316,42 @@ def test_the_range_kernel_fills_the_runs_table_as_runs_table(ids):
             fill(_Pointer(storage), *ids.stride(), *ids.shape, _Pointer(table.view(-1)), _t(b), tile * 128,
                  tiles * 128)
     assert torch.equal(table, runs_table(ids)), ids
+
+
+@pytest.mark.parametrize("ids, decreases", [
+    (torch.tensor([[0] * 20 + [1] * 25 + [2] * 300, [0] * 200 + [4] * 145]), False),
+    (torch.tensor([[0] * 20 + [1] * 290 + [0] + [1] * 34, [5] * 345]), True),  # a decrease at column 310
+    (torch.tensor([[-7, -7, -3, -3, 2**40, 2**40]]), False),  # negative and past 32 bits
+    (torch.tensor([[3, 1, 2, 2, 0, 7, 7, 7, 1]]), True),
+    (torch.tensor([[0] * 130 + [1] * 130]).expand(1, 260), False),  # one row for the batch (rows=1 < batch)
+    (torch.tensor([[0, 0, 1, 1, 0, 2], [5, 6, 6, 6, 7, 7]]).t().contiguous().t(), True),  # column-major rows
+    (torch.tensor([[0, 0, 255, 255, 254]], dtype=torch.uint8), True),  # unsigned: 255 then 254
+    (torch.tensor([[False] * 4 + [True] * 5]), False),
+    (torch.tensor([[True] * 5 + [False] * 4]), True),
+], ids=["sorted", "decrease in the second chunk", "wide", "unsorted", "shared row", "strided", "uint8", "bool",
+        "bool, decreasing"])
+def test_the_range_kernel_records_ids_that_decrease(ids, decreases):
+    # every forward's range kernel (_hw_fwd_ranges) checks the ids its programs (tile, b) cover in 128-element
+    # chunks (_hw_runs_order): a decrease claims the bounds record with its tensor's id, row, column and the
+    # pair of values; sorted rows leave it empty
+    from flashgen.runtime.host import RUNS_ORDER, runs_check_id
+
+    module = flashgen.compile(AttentionSpec(dtype="fp16", head_dim=64, mask=DOCS), KernelConfig(**HOPPER)).module()
+    order = _helpers_on_cpu(module, ("_hw_runs_order",))._hw_runs_order
+    record = torch.zeros(5, dtype=torch.int64)
+    storage = ids.as_strided((ids.untyped_storage().nbytes() // ids.element_size(),), (1,), 0)  # the pointer's
+    tiles, batch, check = 2, 2, runs_check_id("doc")
+    for b in range(batch):
+        for tile in range(tiles):
+            order(_Pointer(storage), *ids.stride(), *ids.shape, _Pointer(record), check, _t(b), tile * 128,
+                  tiles * 128)
+    kind, where, column, value, before = record.tolist()
+    if not decreases:
+        assert kind == 0, record
+        return
+    row, rows = where & 0xFFFFFFFF, ids.to(torch.int64)
+    assert (kind, where >> 32) == (RUNS_ORDER, check) and 0 < column < ids.shape[1], record
+    assert (value, before) == (rows[row, column].item(), rows[row, column - 1].item()) and value < before
 
 
 def _check_block_ranges(spec, hw, seqlen_q, seqlen_k, block_m, block_n, b=0, params=(), tensors=None):

@@ -250,7 +250,7 @@ def test_the_range_kernels_record_ids_that_decrease(phase):
     # the Gluon kernels' range kernels search the ids themselves (no runs table launch): a row that
     # decreases goes to the bounds record there, which the next documents call raises, naming the tensor;
     # sorted ids record nothing (forward: _hw_fwd_ranges; a training step's: its FILL_RUNS launch; an
-    # explicit backward of other ids than its forward's: _hw_bwd_ranges, and the runs table's launch)
+    # explicit backward of other ids than its forward's: the launch that makes its runs table)
     batch, _, _, sq, _, _, _ = SHAPES[0]
     mask, config, module, gen, (q, k, v) = documents_step(12, bwd_short=False, hopper_bwd=True)
     good = random_documents(batch, sq, gen).cuda()
@@ -272,7 +272,7 @@ def test_the_range_kernels_record_ids_that_decrease(phase):
     flashgen.check_bounds()  # nothing recorded
     run(bad)
     message = (rf"doc: expected document ids nondecreasing along each row, got {before} then {value} at "
-               rf"\[1, 700\] \(met by the search of a call's document ids on cuda")
+               rf"column 700 of row 1 \(met by the search of a call's document ids on cuda")
     with pytest.raises(ValueError, match=message):
         flashgen.check_bounds()
     assert any(isinstance(p, HopperPlan) for p in module._LAUNCHER.plans.values()), "not the Gluon forward"

@@ -879,7 +879,7 @@ def test_the_runs_table_kernel_answers_as_searchsorted(device, dtype):
     # runs_table's GPU kernel against torch.searchsorted (the CPU's runs_table): nondecreasing rows and
     # unsorted ones (the same midpoints give the same answers), a strided view, lengths around its block;
     # an unsorted row's first decrease in some block is in the bounds record, the sorted ones record nothing
-    from flashgen.runtime.host import RUNS_ORDER, bounds_record
+    from flashgen.runtime.host import RUNS_ORDER
 
     seed, gen = _seeded()
     record = torch.zeros(5, dtype=torch.int64, device=device)
@@ -904,7 +904,6 @@ def test_the_runs_table_kernel_answers_as_searchsorted(device, dtype):
                 assert (value, before) == (c[row, column].item(), c[row, column - 1].item()) and value < before
             else:
                 assert kind == 0, (seed, n, rows.tolist(), record)
-    assert not bounds_record(torch.device(device)).words[0]  # the launches above wrote to their own record
 
 
 def test_document_ids_that_decrease_are_refused_by_name(device, monkeypatch):
@@ -920,13 +919,13 @@ def test_document_ids_that_decrease_are_refused_by_name(device, monkeypatch):
     good = torch.stack([_doc_ids([9, 20, 11]), _doc_ids([30, 10])]).to(device)
     bad = good.clone()
     bad[1, 33] = 0  # [.., 1, 1, 0, 1, ..]: row 1 decreases at column 33
-    message = r"doc: expected document ids nondecreasing along each row, got 1 then 0 at \[1, 33\]"
+    message = r"doc: expected document ids nondecreasing along each row, got 1 then 0 at column 33 of row 1"
     for ids in (good, good[0], torch.zeros(40, dtype=torch.int64, device=device)):
         kernel(q, k, v, doc=ids)
     if device == "cpu":
         with pytest.raises(ValueError, match=message):
             kernel(q, k, v, doc=bad)
-        with pytest.raises(ValueError, match=message.replace("1, 33", "0, 33")):
+        with pytest.raises(ValueError, match=message.replace("row 1", "row 0")):
             kernel(q, k, v, doc=bad[1])  # one row for the whole batch
         monkeypatch.setattr(host, "device_sync_forbidden", lambda device: True)  # tracing: nothing read
         kernel(q, k, v, doc=bad)

@@ -194,22 +194,23 @@ class RangeTable:
     it instead of searching the ids themselves. `entries` int32 per (block, batch element) of the
     range kernel's grid (`blocks`, batch), filled on every call before the kernel that reads it."""
 
-    def __init__(self, kernel, blocks, batch, entries, seqlens, device, constexprs, fills_runs=False):
-        # fills_runs: the forward's range kernel, whose FILL_RUNS launch (a training step's) also fills the ids'
-        # runs tables among the named tensors' arguments (hopper/masks.j2 _hw_fwd_ranges)
+    def __init__(self, kernel, blocks, batch, entries, seqlens, device, constexprs, forward=False):
+        # forward: the forward's range kernel (hopper/masks.j2 _hw_fwd_ranges), whose FILL_RUNS launch (a training
+        # step's) also fills the ids' runs tables among the named tensors' arguments, and which takes the bounds
+        # record first, where it records ids that decrease (no runs table's launch does, for a forward)
         def launch(**fill):
             return BoundLaunch(kernel, (blocks, batch), dict(constexprs, num_warps=4, **fill))
 
-        self.launches = [launch(FILL_RUNS=False), launch(FILL_RUNS=True)] if fills_runs else [launch()]
+        self.launches = [launch(FILL_RUNS=False), launch(FILL_RUNS=True)] if forward else [launch()]
         self.shape, self.seqlens, self.device = (batch * blocks * entries,), seqlens, device
-        self.record = bounds_record(device).tensor  # where the kernel records document ids that decrease
+        self.head = (bounds_record(device).tensor,) if forward else ()
 
     def fill(self, named, context=None, fill_runs=False):
         """The named tensors' arguments with this call's table, filled, after them (launched with
         `context`, launch_context()'s answer, where the caller took it once for its launches); fill_runs:
         their runs tables are filled too (empty_runs_table's, a training step's)."""
         table = torch.empty(self.shape, dtype=torch.int32, device=self.device)
-        args = (table, self.record, *self.seqlens, *named)
+        args = (table, *self.head, *self.seqlens, *named)
         launch = self.launches[fill_runs]
         if context is None:
             launch(*args)
@@ -320,7 +321,7 @@ class HopperPlan:
         # a mask's block-range table: first and end block per tile, then four ranges per consumer
         self.ranges = None if forward.ranges is None else RangeTable(
             forward.ranges, tiles_m, batch, 2 + 4 * consumers, (seqlen_q, seqlen_k), q.device,
-            dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, CONSUMERS=consumers), fills_runs=True)
+            dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, CONSUMERS=consumers), forward=True)
 
     def __getattr__(self, name):
         """The rest of the call's plan (offsets, softmax_scale, dropout_p, backward_plans: what

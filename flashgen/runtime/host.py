@@ -261,7 +261,7 @@ def runs_check_id(name):
 
 def runs_order_error(name, row, column, value, before, where=""):
     return ValueError(f"{name}: expected document ids nondecreasing along each row, got {before} then {value} at "
-                      f"[{row}, {column}]{where}")
+                      f"column {column} of row {row}{where}")
 
 
 def sequence_checks(tensor_sizes, tensor_ranks):
@@ -541,7 +541,8 @@ def runs_table(t, check=0):
         torch.searchsorted(rows, rows, right=True, out_int32=True, out=table[1])
         return table
     count, n = rows.shape
-    key = (rows.device, rows.dtype, count, n, rows.stride(), rows.data_ptr() & 15)
+    key = (rows.device, rows.dtype, count, n, rows.stride(), rows.data_ptr() & 15, check)  # (check: Triton
+    # specializes an int argument divisible by 16, so each tensor name's id keys its own launch)
     launch = RUNS_LAUNCHES.get(key)
     if launch is None:
         if len(RUNS_LAUNCHES) >= 64:
@@ -825,8 +826,9 @@ class AttentionLauncher:
     def check_runs(self, name, t):
         """Check that the (rows, n) tensor `name`, searched by the kernels (document ids), is nondecreasing along
         each row: the key ranges of a row whose ids decrease would be wrong. On the CPU the host checks them: the
-        call raises. On a GPU (as check_offsets) the kernels that search them record the first decrease
-        (runs_table_fill, the Gluon forward's range kernel), which each such call reads first, without a wait:
+        call raises, naming the first decrease. On a GPU (as check_offsets) the kernels that search them record
+        a decrease (the first one of whichever program claims the record: runs_table_fill, the Gluon forward's
+        range kernel), which each such call reads first, without a wait:
         a later call raises, or check_bounds() at once; SYNC_CHECKS, the host's check on a GPU too."""
         device = t.device
         if device.type == "cuda" and not self.SYNC_CHECKS:
