@@ -26,7 +26,7 @@ from .codegen.cache import write_atomic
 from .codegen.render import render
 from .db import DatabaseError, ResultRowError, default_url, display_url, hide_password
 from .db.layer import ResultFileError
-from .spec import TARGETS, AttentionSpec, SpecError, YamlFileError
+from .spec import MAX_TRIALS, TARGETS, AttentionSpec, SpecError, YamlFileError
 
 EXIT_FAILURE, EXIT_BAD_INPUT = 1, 2
 _INPUT_ERRORS = (SpecError, ConfigError, ResultFileError, ResultRowError, YamlFileError)
@@ -76,9 +76,19 @@ def _one_line(ctx, message: str) -> str:
     return re.sub(r"\s*\n\s*", " ", message).strip()
 
 
-def _write_file(path: str | Path, text: str) -> None:
-    """Write a file the user named (atomically); a failure names that file."""
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _write_file(path: str | Path, text: str | bytes) -> None:
+    """Write a file the user named (atomically); a failure names that file. Never over an SQLite database
+    (a results database named by mistake: its tuned configs and trials would be gone)."""
     try:
+        if Path(path).is_file():
+            with open(path, "rb") as f:
+                database = f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
+            if database:
+                raise click.ClickException(f"cannot write {path}: it is an SQLite database (a results database?), "
+                                           "which writing would replace; name another file")
         write_atomic(Path(path), text)
     except OSError as err:
         if err.errno == errno.EPIPE:
@@ -240,7 +250,7 @@ EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
 @click.argument("spec_args", metavar="[SPEC]...", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--spec", "spec_opts", multiple=True, type=click.Path(dir_okay=False),
               help="A spec (YAML); may be repeated, or the specs given as arguments.")
-@click.option("--trials", type=click.IntRange(1), help="Trials per study (default: the spec's tune.trials).")
+@click.option("--trials", type=click.IntRange(1, MAX_TRIALS), help="Trials per study (default: the spec's tune.trials).")
 @click.option("--seqlens", callback=_seqlens,
               help="Comma-separated sequence lengths to tune (default: the spec's tune.seqlens).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0, min_open=True), default=120.0, show_default=True,
@@ -305,7 +315,8 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, n
     if plot_path and gpus > 1:
         raise click.UsageError("--plot draws one process's search: leave it out with --gpus above 1")
     if plot_path:
-        _pyplot()  # a missing matplotlib is said now, not after the tune
+        _plot_format(plot_path)  # a missing matplotlib, a format it cannot write or a folder it cannot write
+        # in is said now, not after the tune
     if interpret and not _interpreting():
         _rerun_interpreted()
     # Under TRITON_INTERPRET the kernels run interpreted whatever the machine: the interpreter's runner, space
@@ -451,7 +462,7 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
         _print_tune_table(spec, runner, rows, store.display_url, wall)
     if plot_path:
         _plot(plot_path, history, results)
-        click.echo(f"wrote {plot_path}")
+        click.echo(f"wrote {plot_path}", err=True)  # (stdout may be --json's document)
     return dict(spec=spec.uri, db=store.display_url, timing=runner.timing_label, wall_s=wall,
                 environment=runner.env.as_dict(), results=rows, started_at=started_at,
                 runner_ready_at=runner_ready_at, ended_at=time.time(), seconds=dict(runner.seconds))
@@ -803,7 +814,30 @@ def _pyplot():
     return plt
 
 
+def _plot_format(path) -> str:
+    """The image format --plot's file name asks for (its suffix; PNG without one), checked before a tune:
+    one matplotlib writes, in a folder that exists (or can be made) and can be written."""
+    plt = _pyplot()
+    fmt = Path(path).suffix[1:].lower() or "png"
+    fig = plt.figure()
+    supported = fig.canvas.get_supported_filetypes()
+    plt.close(fig)
+    if fmt not in supported:
+        raise click.BadParameter(f"expected a file name ending in one of {', '.join('.' + f for f in sorted(supported))}"
+                                 f", got {path}", param_hint="'--plot'")
+    folder = Path(path).absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"cannot write {path}: {folder} is not a folder this user can write in",
+                                 param_hint="'--plot'")
+    return fmt
+
+
 def _plot(path, history, results):
+    import io
+
+    fmt = _plot_format(path)
     plt = _pyplot()
     fig, axes = plt.subplots(len(results), 2, figsize=(12, 3.2 * len(results)), squeeze=False)
     for (ax_h, ax_i), r in zip(axes, results):
@@ -822,7 +856,10 @@ def _plot(path, history, results):
         ax_i.barh(names, vals)
         ax_i.set(title="parameter importance (fANOVA)")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, dpi=100, format=fmt)
+    plt.close(fig)
+    _write_file(path, image.getvalue())
 
 
 @main.command()

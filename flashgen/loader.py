@@ -187,6 +187,8 @@ def lookup(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None 
 
 def load(spec: AttentionSpec | str | Path, *, db: str | None = None) -> AttentionKernel:
     """The tuned kernel for a spec (an AttentionSpec, a YAML path or a dict of fields)."""
+    if db is not None and (not isinstance(db, str) or not db.strip()):
+        raise ValueError(f"db: expected a database URL (or None: $FLASHGEN_DB, else the user's database), got {db!r}")
     path = str(spec) if isinstance(spec, (str, Path)) else None
     spec = AttentionSpec.coerce(spec)
     configs, source = lookup(spec, db, spec_path=path)

@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -55,6 +56,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # used with fullmatch: `$`
 # file from hanging or crashing the reader (nested aliases expand exponentially, deep
 # nesting exhausts Python's stack) long before any real spec comes near them.
 MAX_SPEC_BYTES = 1 << 20
+MAX_TRIALS = 100_000  # tune.trials and `flashgen tune --trials`
 MAX_SPEC_VALUES = 10_000  # scalars, lists and mappings, counting every alias expansion
 MAX_YAML_DEPTH = 64
 
@@ -161,10 +163,15 @@ def read_yaml(path: str | Path, *, max_bytes: int = MAX_SPEC_BYTES, max_values: 
     file) for anything that cannot be read, is not UTF-8, is not valid YAML or breaks a bound."""
     path = Path(path)
     try:
+        mode = path.stat().st_mode
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):  # (opening a named pipe waits for a writer)
+            raise YamlFileError(str(path), "cannot read: a named pipe or socket, not a file")
         with path.open("rb") as f:
             raw = f.read(max_bytes + 1)
     except OSError as err:
         raise YamlFileError(str(path), f"cannot read: {err.strerror or err}") from None
+    except ValueError as err:  # a NUL byte in the path
+        raise YamlFileError(repr(str(path)), f"cannot read: {err}") from None
     if len(raw) > max_bytes:
         raise YamlFileError(str(path), f"larger than {max_bytes} bytes")
     try:
@@ -256,7 +263,7 @@ class TuneSpec:
             raise SpecError("tune.seqlens", "expected a non-empty list of sequence lengths", seqlens)
         checked = tuple(_check_int("tune.seqlens", s, 1, 1 << 20) for s in seqlens)
         object.__setattr__(self, "seqlens", tuple(sorted(set(checked))))
-        object.__setattr__(self, "trials", _check_int("tune.trials", self.trials, 1, 100_000))
+        object.__setattr__(self, "trials", _check_int("tune.trials", self.trials, 1, MAX_TRIALS))
         object.__setattr__(self, "batch_tokens", _check_int("tune.batch_tokens", self.batch_tokens, 1))
         if self.decode is not None and not isinstance(self.decode, DecodeTuneSpec):
             object.__setattr__(self, "decode", DecodeTuneSpec.from_dict(self.decode))
@@ -426,6 +433,8 @@ class AttentionSpec:
         if isinstance(spec, AttentionSpec):
             return spec
         if isinstance(spec, (str, Path)):
+            if not str(spec).strip():
+                raise ValueError(f"spec: expected a YAML file's path, got {str(spec)!r}")
             return cls.from_yaml(spec)
         if isinstance(spec, Mapping):
             return cls.from_dict(spec)

@@ -243,6 +243,11 @@ def _write(path: Path, data: bytes) -> str:
     return str(path)
 
 
+def _fifo(path: Path) -> str:
+    os.mkfifo(path)  # (opening it for reading would wait for a writer: a hang, before the check)
+    return str(path)
+
+
 BAD_PATHS = {  # verb arguments -> exit code and words of the one error line
     "spec-missing": (lambda t: ["generate", "--spec", str(t / "nope.yaml")], 2, "cannot read spec file"),
     "spec-directory": (lambda t: ["generate", "--spec", str(t)], 2, "is a directory"),
@@ -261,6 +266,12 @@ BAD_PATHS = {  # verb arguments -> exit code and words of the one error line
     "target": (lambda t: ["generate", "--spec", str(SMALL_SPEC), "--target", "tpu"], 2, "'tpu' is not one of"),
     "tune-spec-missing": (lambda t: ["tune", "--spec", str(t / "nope.yaml"), *INTERPRET], 2, "nope.yaml"),
     "bench-seqlens": (lambda t: ["bench", "--spec", str(SMALL_SPEC), "--seqlens", "1,a"], 2, "comma-separated"),
+    "spec-fifo": (lambda t: ["generate", "--spec", _fifo(t / "s.yaml")], 2, "a named pipe or socket, not a file"),
+    "output-over-a-database": (lambda t: ["generate", "--spec", str(SMALL_SPEC), "-o",
+                                          _write(t / "tuning.sqlite", b"SQLite format 3\x00" + bytes(100))], 1,
+                               "is an SQLite database", "name another file"),
+    "tune-trials": (lambda t: ["tune", "--spec", str(SMALL_SPEC), *INTERPRET, "--trials", "100001"], 2,
+                    "100001 is not in the range"),
     "import-missing": (lambda t: ["import", str(t / "nope.yaml")], 2, "does not exist"),
     "import-latin1": (lambda t: ["import", _write(t / "r.yaml", b"gpu: caf\xe9\n"), "--db",
                                  f"sqlite:///{t / 'x.sqlite'}"], 2, "not UTF-8"),
@@ -278,6 +289,37 @@ def test_export_onto_an_unwritable_path(tmp_path, sound_database):
     result = CliRunner().invoke(main, ["export", "--gpu", "g", "-o", str(tmp_path / "f" / "o.yaml"),
                                        "--db", f"sqlite:///{sound_database / 'sound.sqlite'}"])
     _one_error(result, 1, "cannot write", "is not a directory")
+
+
+def test_export_never_replaces_the_database(tmp_path, sound_database):
+    # `export -o` naming the results database itself: refused, the database intact (it was overwritten by
+    # YAML, every stored config and trial gone)
+    db = sound_database / "sound.sqlite"
+    before = db.read_bytes()
+    result = CliRunner().invoke(main, ["export", "--gpu", "g", "-o", str(db), "--db", f"sqlite:///{db}"])
+    _one_error(result, 1, "is an SQLite database")
+    assert db.read_bytes() == before
+
+
+def test_plot_file_is_checked_before_any_tuning(tmp_path, monkeypatch):
+    # --plot's format (its suffix) and folder are checked before the tune, not after it
+    from flashgen import cli
+
+    class Figure:
+        canvas = type("Canvas", (), {"get_supported_filetypes": lambda self: {"png": "PNG", "svg": "SVG"}})()
+
+    monkeypatch.setattr(cli, "_pyplot", lambda: type("Plt", (), {"figure": Figure, "close": lambda fig: None}))
+    assert cli._plot_format(tmp_path / "p.SVG") == "svg" and cli._plot_format(tmp_path / "new" / "p") == "png"
+    db = tmp_path / "never.sqlite"
+    (tmp_path / "ro").mkdir(mode=0o555)
+    for plot, words in ((tmp_path / "p.xyz", "expected a file name ending in one of .png, .svg, got"),
+                        (tmp_path / "ro" / "p.png", "is not a folder this user can write in")):
+        if os.access(tmp_path / "ro", os.W_OK) and "ro" in str(plot):
+            continue  # (root writes anywhere)
+        result = CliRunner().invoke(main, ["tune", "--spec", str(SMALL_SPEC), *INTERPRET, "--db", f"sqlite:///{db}",
+                                           "--plot", str(plot)])
+        _one_error(result, 2, words)
+        assert not db.exists()  # refused before the database was opened
 
 
 def test_target_is_case_insensitive_and_auto_detects(tmp_path):

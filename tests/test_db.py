@@ -3,6 +3,7 @@ writers, corrupt or missing files, and the shipped tuning_db layer."""
 
 import multiprocessing as mp
 import os
+import re
 import sqlite3
 import warnings
 
@@ -287,6 +288,31 @@ def test_passwords_are_never_shown(url, fresh_warnings):
         ResultStore(url, create=False)
     shown = " ".join(messages + [str(info.value), repr(info.value), info.value.url])
     assert "S3cret" not in shown and "admin:***@" in shown
+
+
+def test_a_server_that_never_answers_is_an_error_not_a_hang(monkeypatch, fresh_warnings):
+    # a PostgreSQL URL whose server accepts the connection and never answers: a connect timeout
+    # (urls.engine_options), then the store's error and load's fallback, instead of every call waiting
+    import socket
+    import time
+
+    from flashgen.db import DatabaseError, urls
+
+    pytest.importorskip("psycopg")
+    monkeypatch.setattr(urls, "CONNECT_TIMEOUT_S", 2)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)  # the kernel accepts the connections; nothing ever answers them
+        url = f"postgresql+psycopg://u:S3cret@127.0.0.1:{server.getsockname()[1]}/x"
+        start = time.monotonic()
+        with pytest.raises(DatabaseError, match="cannot be opened"):
+            ResultStore(url, create=False)
+        with pytest.warns(flashgen.FlashgenFallbackWarning, match="cannot read tuning results"):
+            flashgen.load(SPEC, db=url)
+        assert time.monotonic() - start < 20
+    assert urls.engine_options(url) == {"connect_args": {"connect_timeout": 2}}
+    assert urls.engine_options(url + "?connect_timeout=60") == {}  # the URL's own setting stands
+    assert urls.engine_options("sqlite:///x.sqlite") == {}
 
 
 def test_display_url_and_repr(tmp_path):
@@ -1113,3 +1139,20 @@ def test_a_reader_waits_5_s_for_a_lock_a_writer_30(tmp_path):
         with store.engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == want
         store.close()
+
+
+def test_load_names_a_bad_db_or_spec_path(tmp_path):
+    # load(spec, db=5) raised a TypeError from the URL parser, db="" silently read the default database, a spec
+    # path "" read "." ("Is a directory") and one with a NUL byte a bare ValueError
+    from flashgen.spec import SpecError
+
+    for db in (5, "", "  "):
+        with pytest.raises(ValueError, match=rf"db: expected a database URL .*got {re.escape(repr(db))}"):
+            flashgen.load(SPEC, db=db)
+    with pytest.raises(ValueError, match="spec: expected a YAML file's path, got ''"):
+        flashgen.load("")
+    with pytest.raises(SpecError, match="cannot read spec file: embedded null byte"):
+        flashgen.load(str(tmp_path / "a\0b.yaml"))
+    os.mkfifo(tmp_path / "pipe.yaml")  # opening it would wait for a writer
+    with pytest.raises(SpecError, match="a named pipe or socket, not a file"):
+        flashgen.load(tmp_path / "pipe.yaml")

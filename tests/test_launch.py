@@ -978,3 +978,17 @@ def test_an_output_that_reaches_no_loss_gives_no_gradients(device):
     dq, dw = torch.autograd.grad(Ignore.apply(flashgen.attention(q, k, v, causal=True), w).sum(), (q, w),
                                  allow_unused=True)
     assert dq is None and torch.equal(dw, torch.ones_like(w))
+
+
+def test_environment_flags_read_the_usual_off_words(monkeypatch):
+    # FLASHGEN_SYNC_CHECKS=false (or no, off, 0, empty, in any case) turns a flag off; it read as on before
+    from flashgen.runtime.launch import env_flag
+
+    for off in ("", "0", "false", "False", "NO", "off", " off "):
+        monkeypatch.setenv("FLASHGEN_TEST_FLAG", off)
+        assert env_flag("FLASHGEN_TEST_FLAG", True) is False, off
+    for on in ("1", "true", "yes", "on", "2"):
+        monkeypatch.setenv("FLASHGEN_TEST_FLAG", on)
+        assert env_flag("FLASHGEN_TEST_FLAG", False) is True, on
+    monkeypatch.delenv("FLASHGEN_TEST_FLAG")
+    assert env_flag("FLASHGEN_TEST_FLAG", True) is True and env_flag("FLASHGEN_TEST_FLAG", False) is False

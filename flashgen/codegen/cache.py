@@ -49,14 +49,14 @@ def _new_file_mode(path: Path) -> int:
     return 0o644
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write text to path so that readers see the old file or the whole new one, with the mode a
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write text (or bytes) to path so that readers see the old file or the whole new one, with the mode a
     plain write would leave (mkstemp's 0600 made `generate -o` and `export` files private)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = _new_file_mode(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             if hasattr(os, "fchmod"):  # (not on Windows before Python 3.13)
                 os.fchmod(f.fileno(), mode)

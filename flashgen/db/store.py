@@ -50,7 +50,7 @@ from .kernels import current_kernel, default_kernel as default_kernel_of, kernel
 from . import migrate
 from .models import SCHEMA_VERSION, Base, Best, Claim, Environment, Meta, SpecRow
 from .rows import ResultRowError, check_best, check_canonical, check_environment, check_row
-from .urls import display_url, hide_password, sqlite_file
+from .urls import display_url, engine_options, hide_password, sqlite_file
 
 
 class DatabaseError(RuntimeError):
@@ -181,7 +181,7 @@ class ResultStore:
         try:
             if path is not None and create:
                 path.parent.mkdir(parents=True, exist_ok=True)
-            self.engine = create_engine(self.url, future=True)
+            self.engine = create_engine(self.url, future=True, **engine_options(self.url))
             if self.engine.dialect.name == "sqlite":
                 _sqlite_pragmas(self.engine, wal=create)
             self._sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -624,7 +624,8 @@ def _rdb(url: str, dialect: str, **kwargs):
 
     from optuna.storages import RDBStorage
 
-    engine_kwargs = {"connect_args": {"timeout": 30}} if dialect == "sqlite" else {"pool_pre_ping": True}
+    engine_kwargs = {"connect_args": {"timeout": 30}} if dialect == "sqlite" else {"pool_pre_ping": True,
+                                                                                   **engine_options(url)}
     with warnings.catch_warnings():  # heartbeat_interval is marked experimental
         warnings.simplefilter("ignore", optuna_experimental_warning())
         return RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
@@ -635,7 +636,7 @@ def upgrade_database(url: str, found: int) -> None:
     flashgen.db.migrate), make any of flashgen's tables it lacks, then bring Optuna's tables
     to the installed Optuna (made where missing)."""
     try:
-        engine = create_engine(url, future=True)
+        engine = create_engine(url, future=True, **engine_options(url))
         if engine.dialect.name == "sqlite":
             _sqlite_pragmas(engine)
         with migrate.schema_lock(engine, url):

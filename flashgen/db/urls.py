@@ -78,3 +78,20 @@ def in_memory(url: str) -> bool:
     except Exception:  # noqa: BLE001 (not a URL: its opening names the problem)
         return False
     return parsed.get_backend_name() == "sqlite" and sqlite_file(url) is None
+
+
+CONNECT_TIMEOUT_S = 10  # a database server that accepts a connection but never answers: an error after this long
+
+
+def engine_options(url: str) -> dict:
+    """create_engine's keyword arguments beyond the URL: a connect timeout for a server's database
+    (PostgreSQL, MySQL: without one a server that accepts the connection and never answers hangs
+    every flashgen call that reads it), unless the URL sets its own (``?connect_timeout=``)."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 (not a URL: its opening names the problem)
+        return {}
+    if parsed.get_backend_name() in ("postgresql", "mysql", "mariadb") and "connect_timeout" not in parsed.query:
+        return {"connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+    return {}
+

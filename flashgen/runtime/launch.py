@@ -52,9 +52,10 @@ triton_driver = triton.runtime.driver  # .active: the driver in use (tests may s
 
 
 def env_flag(name, default):
-    """An on/off environment variable: unset -> default, '' or '0' -> off, anything else -> on."""
+    """An on/off environment variable: unset -> default; '', '0', 'false', 'no', 'off' (any case) -> off;
+    anything else -> on."""
     value = os.environ.get(name)
-    return default if value is None else value not in ("", "0")
+    return default if value is None else value.strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def launch_hooks_set():
