@@ -6,6 +6,7 @@ import os
 import re
 import sqlite3
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -1156,3 +1157,34 @@ def test_load_names_a_bad_db_or_spec_path(tmp_path):
     os.mkfifo(tmp_path / "pipe.yaml")  # opening it would wait for a writer
     with pytest.raises(SpecError, match="a named pipe or socket, not a file"):
         flashgen.load(tmp_path / "pipe.yaml")
+
+
+def test_a_database_this_user_cannot_write_is_read(tmp_path, monkeypatch, fresh_warnings):
+    # a results database on a read-only mount or baked into an image (here: os.access says the folder cannot be
+    # written): readers open it read-only and immutable, so no -shm/-wal files are needed; it raised "unable to
+    # open database file" and flashgen.load fell back to the defaults
+    from flashgen.db import store as store_mod
+
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: tmp_path / "no-layer")
+    folder = tmp_path / "baked"
+    folder.mkdir()
+    db = folder / "r.sqlite"
+    store = ResultStore(f"sqlite:///{db}")
+    assert store.set_best(here, SPEC, 1024, "fwd", dict(CFG, BLOCK_M=32), 2.0, 1.0) is None
+    store.close()
+    for side in ("-wal", "-shm"):
+        (folder / f"r.sqlite{side}").unlink(missing_ok=True)
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    access = os.access
+    monkeypatch.setattr(store_mod.os, "access", lambda p, mode: access(p, mode) and Path(p) not in (db, folder))
+    assert store_mod._unwritable(db)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        configs, source = lookup(SPEC, f"sqlite:///{db}")
+    assert configs[1024].BLOCK_M == 32 and source == f"database sqlite:///{db}"
+    reader = ResultStore(f"sqlite:///{db}", create=False)
+    assert [r["config"]["BLOCK_M"] for r in reader.all_best()] == [32] and reader.url == f"sqlite:///{db}"
+    reader.close()
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before  # nothing written, no side files

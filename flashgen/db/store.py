@@ -157,6 +157,20 @@ def _sqlite_pragmas(engine: Engine, wal: bool = True) -> None:
         cur.close()
 
 
+def _unwritable(path: Path) -> bool:
+    """Whether this user cannot write the SQLite file or its folder (a read-only mount, a results database
+    baked into a container image): a reader cannot make the WAL's -shm and -wal files there."""
+    return not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK))
+
+
+def _read_only_url(path: Path) -> str:
+    """An SQLite URL that opens the file read-only and immutable: no -shm or -wal files, no locks (nothing
+    can write the file where this is used: see _unwritable)."""
+    from urllib.parse import quote
+
+    return f"sqlite:///file:{quote(str(path.absolute()))}?mode=ro&immutable=1&uri=true"
+
+
 HEARTBEAT_S = 30  # see ResultStore._heartbeat
 _OPEN_ERRORS = (SQLAlchemyError, OSError, ImportError, ValueError)  # bad URL, no driver, no file, no server
 
@@ -181,7 +195,8 @@ class ResultStore:
         try:
             if path is not None and create:
                 path.parent.mkdir(parents=True, exist_ok=True)
-            self.engine = create_engine(self.url, future=True, **engine_options(self.url))
+            opened = _read_only_url(path) if path is not None and not create and _unwritable(path) else self.url
+            self.engine = create_engine(opened, future=True, **engine_options(opened))
             if self.engine.dialect.name == "sqlite":
                 _sqlite_pragmas(self.engine, wal=create)
             self._sessions = sessionmaker(self.engine, expire_on_commit=False)
