@@ -538,15 +538,20 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
         the budget is spent (it was part of the budget)."""
         return bool(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
 
+    def exhausted() -> bool:
+        """Every point of the space has a record (measured or restricted): more trials would only repeat
+        them (a budget above the space's size ran on, each repeat counted and each rescanning the study)."""
+        return len(measured()) >= space.size()
+
     def stop_when_spent(study_, _trial):
-        if evaluated() >= budget and not retries_waiting():
+        if (evaluated() >= budget or exhausted()) and not retries_waiting():
             study_.stop()
 
     with warnings.catch_warnings():  # a trial of a dead worker: failed now, and enqueued again
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
     resumed = evaluated()
-    if resumed < budget or retries_waiting():
+    if (resumed < budget and not exhausted()) or retries_waiting():
         study.optimize(objective, n_trials=20 * budget, callbacks=[stop_when_spent], catch=())
     seconds = {"trials": time.monotonic() - started, "final": 0.0}
     if options.worker is not None and not _runs_final_round(study, store, options.worker):

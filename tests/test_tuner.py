@@ -859,6 +859,18 @@ def test_the_tuner_stores_only_what_beat_the_default_in_its_final_round(store, d
         assert row["config"]["BLOCK_M"] == fast and row["ms"] == 0.5 and result.speedup == 2.0
 
 
+@needs_interpreter
+def test_a_budget_past_the_space_stops_when_every_point_is_measured(store):
+    # --trials 100000 on a space of a few points ran on for thousands of repeated suggestions (each counted
+    # as a trial, each rescanning the study): the study stops once every point has a record
+    spec = SPEC.replace(backward=False)
+    space = forward_space(spec, InterpretRunner().limits)
+    (result,) = tune(spec, ClockRunner(lambda config, phase: 1.0 + config.BLOCK_M / 1000), store,
+                     TuneOptions(trials=100_000))
+    assert space.size() <= result.trials <= 2 * space.size() + 4, (result.trials, space.size())
+    assert result.best is not None
+
+
 def test_warm_starts_read_stored_configs_as_kernelconfig_does():
     # A stored config leaves out its LATER_KNOBS at their off value (family 'portable', ...): on the
     # H100, whose forward space has those knobs, no shipped row warm-started a study before.
