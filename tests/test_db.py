@@ -1188,3 +1188,19 @@ def test_a_database_this_user_cannot_write_is_read(tmp_path, monkeypatch, fresh_
     assert [r["config"]["BLOCK_M"] for r in reader.all_best()] == [32] and reader.url == f"sqlite:///{db}"
     reader.close()
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before  # nothing written, no side files
+
+
+def test_a_row_whose_canonical_spec_was_edited_is_malformed(tmp_path):
+    # an exported row's canonical spec edited (a dtype holding code, a huge head count) while its key stayed:
+    # `import` and `db check` took it, and a recheck failed on it without naming the entry
+    from flashgen.db import ResultRowError
+    from flashgen.db.rows import check_row
+
+    row = _stored_row(None)
+    check_row(row)
+    for edit in (dict(dtype='fp16"); import os; ("'), dict(num_heads=10**30)):
+        bad = dict(row, spec=dict(row["spec"], **edit))
+        with pytest.raises(ResultRowError, match=rf"spec_key.*expected the key of the row's canonical spec"):
+            check_row(bad)
+        with pytest.raises(ResultRowError):
+            ResultStore(f"sqlite:///{tmp_path / 'edited.sqlite'}").import_rows([bad])

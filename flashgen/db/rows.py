@@ -9,6 +9,8 @@ a KernelConfig, and its timings are finite numbers.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import re
 from typing import Any, Mapping
@@ -93,6 +95,9 @@ def check_row(row: Mapping) -> None:
     _text("spec_key", row.get("spec_key"))
     _text("spec", row.get("spec_uri"))
     check_canonical(row.get("spec"))
+    key = canonical_key(row["spec"])
+    if row["spec_key"] != key:  # an edited canonical (or key): the row would serve, or name, another spec
+        raise ResultRowError("spec_key", f"expected the key of the row's canonical spec, {key}", row["spec_key"])
 
 
 def check_environment(env: Any, prefix: str = "environment.") -> None:
@@ -106,6 +111,16 @@ def check_environment(env: Any, prefix: str = "environment.") -> None:
             raise ResultRowError(f"{prefix}{name}", f"expected {'a string' if kind is str else 'a number'}", value)
         if kind is str:
             _text(f"{prefix}{name}", value)
+
+
+def canonical_key(canonical: Mapping) -> str:
+    """A spec's key from its canonical mapping (AttentionSpec.key: the hash of its sorted JSON); '' for a
+    mapping JSON cannot write."""
+    try:
+        blob = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return ""
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def check_canonical(value: Any) -> None:
