@@ -24,7 +24,7 @@ from .config import HOPPER_THREE_REGS, LOOP_ORDERS, ConfigError, KernelConfig, d
 from .config import interpreting as _interpreting
 from .codegen.cache import write_atomic
 from .codegen.render import render
-from .db import DatabaseError, ResultRowError, default_url, display_url, hide_password
+from .db import DatabaseError, MissingDatabaseError, ResultRowError, default_url, display_url, hide_password
 from .db.layer import ResultFileError
 from .spec import MAX_TRIALS, TARGETS, AttentionSpec, SpecError, YamlFileError
 
@@ -921,7 +921,16 @@ def show(db_url, as_json):
     from .db.layer import ResultFileError, layer_dir, read_file
 
     here = EnvInfo.current()
-    rows = [dict(r, source="database", match=classify(here, r, row_kernel)) for r in _readable_rows(db_url)]
+    try:
+        stored = _readable_rows(db_url)
+    except MissingDatabaseError as err:
+        if db_url is not None or os.environ.get("FLASHGEN_DB"):  # a database named by the user: a typo, say
+            raise
+        # a fresh install: the shipped results still serve this machine
+        click.echo(f"no results database yet ({err.url}: the first `flashgen tune` makes it); "
+                   f"the shipped ones:", err=True)
+        stored = []
+    rows = [dict(r, source="database", match=classify(here, r, row_kernel)) for r in stored]
     for path in sorted(layer_dir().glob("*.yaml")):
         try:
             shipped = read_file(path)
@@ -986,7 +995,12 @@ def export_cmd(db_url, gpu, output):
 
     gpu = gpu or EnvInfo.current().gpu
     path = Path(output) if output else Path.cwd() / f"{gpu_slug(gpu)}.yaml"
-    text, n = export_text(_readable_rows(db_url), gpu)
+    rows = _readable_rows(db_url)
+    text, n = export_text(rows, gpu)
+    if not n and rows:  # results of other GPUs only: a mistyped --gpu (it wrote an empty file)
+        gpus = ", ".join(sorted({repr(r["environment"]["gpu"]) for r in rows}))
+        raise click.ClickException(f"no results for GPU {gpu!r} in {display_url(db_url or default_url())}: "
+                                   f"its GPUs are {gpus}")
     _write_file(path, text)
     click.echo(f"wrote {n} results for {gpu} to {path}")
 

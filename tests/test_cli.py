@@ -286,7 +286,7 @@ def test_bad_paths_and_options_give_one_line(case, tmp_path):
 
 def test_export_onto_an_unwritable_path(tmp_path, sound_database):
     (tmp_path / "f").write_text("x")
-    result = CliRunner().invoke(main, ["export", "--gpu", "g", "-o", str(tmp_path / "f" / "o.yaml"),
+    result = CliRunner().invoke(main, ["export", "--gpu", "triton-interpreter", "-o", str(tmp_path / "f" / "o.yaml"),
                                        "--db", f"sqlite:///{sound_database / 'sound.sqlite'}"])
     _one_error(result, 1, "cannot write", "is not a directory")
 
@@ -296,7 +296,8 @@ def test_export_never_replaces_the_database(tmp_path, sound_database):
     # YAML, every stored config and trial gone)
     db = sound_database / "sound.sqlite"
     before = db.read_bytes()
-    result = CliRunner().invoke(main, ["export", "--gpu", "g", "-o", str(db), "--db", f"sqlite:///{db}"])
+    result = CliRunner().invoke(main, ["export", "--gpu", "triton-interpreter", "-o", str(db), "--db",
+                                       f"sqlite:///{db}"])
     _one_error(result, 1, "is an SQLite database")
     assert db.read_bytes() == before
 
@@ -534,3 +535,26 @@ def test_empty_db_and_output_are_refused_by_name():
     _one_error(CliRunner().invoke(main, ["show", "--db", ""]), 2, "'--db'", "got an empty one")
     _one_error(CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "-o", ""]), 2, "'--output'",
                "got an empty one")
+
+
+def test_show_on_a_fresh_install_lists_the_shipped_results(tmp_path, monkeypatch):
+    # no database yet at the default place: a note, then what tuning_db/ serves here (it was an error that hid
+    # them); a database the user names that does not exist stays an error
+    from flashgen.db import store as store_mod
+
+    monkeypatch.delenv("FLASHGEN_DB", raising=False)
+    monkeypatch.setattr(store_mod, "default_url", lambda: f"sqlite:///{tmp_path / 'fresh.sqlite'}")
+    monkeypatch.setattr("flashgen.cli.default_url", lambda: f"sqlite:///{tmp_path / 'fresh.sqlite'}")
+    result = CliRunner().invoke(main, ["show"])
+    assert result.exit_code == 0, result.output
+    assert "no results database yet" in result.output and "flashgen tune" in result.output
+    assert not (tmp_path / "fresh.sqlite").exists()
+    _one_error(CliRunner().invoke(main, ["show", "--db", f"sqlite:///{tmp_path / 'typo.sqlite'}"]), 1,
+               "does not exist")
+
+
+def test_export_of_a_gpu_without_results_names_the_gpus_there(tmp_path, sound_database):
+    result = CliRunner().invoke(main, ["export", "--gpu", "../../x", "-o", str(tmp_path / "x.yaml"), "--db",
+                                       f"sqlite:///{sound_database / 'sound.sqlite'}"])
+    _one_error(result, 1, "no results for GPU '../../x'", "its GPUs are")
+    assert not (tmp_path / "x.yaml").exists()
