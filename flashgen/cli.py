@@ -487,7 +487,11 @@ def _recheck(specs, url, shipped, interpret, timeout_s, as_json, jobs) -> None:
     def run(store, spec):
         if not as_json:
             click.echo(f"recheck {spec.uri} on {runner.env.gpu} ({runner.timing_label})", err=True)
-        results = recheck(spec, runner, store, options, jobs=jobs)
+        skipped = []
+        results = recheck(spec, runner, store, options, jobs=jobs, skipped=skipped)
+        if skipped:  # (said by show and export too: a recheck left them out silently)
+            click.echo(f"skipping {len(skipped)} malformed result(s) of {spec.uri} in {store.display_url} "
+                       f"({skipped[0]}); run `flashgen db check --db {store.display_url}`", err=True)
         doc = dict(spec=spec.uri, results=[_recheck_row(r) for r in results])
         docs.append(doc)
         if not as_json:

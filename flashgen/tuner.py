@@ -719,7 +719,7 @@ RECHECK_ROUNDS = 2  # timed rounds, alternating the configs; each config keeps i
 
 
 def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: TuneOptions | None = None, *,
-            jobs: int | None = None, progress=None) -> list[RecheckResult]:
+            jobs: int | None = None, progress=None, skipped: list[str] | None = None) -> list[RecheckResult]:
     """Re-measure the spec's stored best configs on this machine (fwd and bwd, every bucket
     and environment of this GPU model and Triton minor, stale ones included) against the
     current default of their bucket and phase, and keep the faster.
@@ -733,6 +733,7 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
     kernel hash. Compilation and verification run first, for every config at once in
     ``jobs`` threads (Triton compiles outside the GIL; under the interpreter one at a time);
     the timing runs one config at a time. ``progress(result)`` is called per bucket and phase.
+    ``skipped``: where given, the malformed stored rows left out are said there (`flashgen db check`'s words).
     """
     from .db.env import MODEL_FIELDS, STALE, classify
     from .db.kernels import OTHER_DEFAULT, SAME_DEFAULT, default_status, kernels_of
@@ -740,7 +741,9 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
     options = options or TuneOptions()
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     env, target = runner.env, _target(runner)
-    rows = [r for r in store.all_best(spec_key=spec.key, where={f: getattr(env, f) for f in MODEL_FIELDS})
+    skipped = [] if skipped is None else skipped
+    rows = [r for r in store.all_best(spec_key=spec.key, where={f: getattr(env, f) for f in MODEL_FIELDS},
+                                      skipped=skipped)
             if env.same_machine(r["environment"]) and r["phase"] in ("fwd", "bwd")]
     groups: dict[tuple[int, str], list[dict]] = {}
     for row in rows:
@@ -754,7 +757,7 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
                 stored = KernelConfig.from_dict(dict(row["config"]))
                 config = default.replace(**{k: getattr(stored, k) for k in KernelConfig.phase_knobs(phase)})
             except (ConfigError, TypeError) as err:  # a malformed row: nothing to re-time
-                log.info("recheck: skipping %s S=%s %s: %s", spec.uri, bucket, phase, err)
+                skipped.append(f"{spec.uri} S={bucket} {phase}: {err}")
                 continue
             if config != default and config not in candidates:
                 candidates.append(config)

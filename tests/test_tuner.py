@@ -945,6 +945,26 @@ def test_recheck_keeps_the_faster_of_the_stored_config_and_todays_default(store)
     assert KernelConfig.from_dict(row["config"]) == default and (row["ms"], row["default_ms"]) == (1.0, 1.0)
 
 
+def test_recheck_says_which_malformed_rows_it_left_out(store, tmp_path):
+    # a stored row whose config is not JSON: show and export said they skipped it, a recheck left it out silently
+    import sqlite3
+
+    from flashgen.config import default_config
+    from flashgen.tuner import recheck
+
+    here = EnvInfo.current(interpret=True)
+    stored = default_config(SPEC, target="cpu", seqlen=64).replace(BLOCK_M=16)
+    for bucket in (64, 128):
+        store.set_best(here, SPEC, bucket, "fwd", stored.to_dict(), 0.1, 1.0)
+    store.close()
+    with sqlite3.connect(tmp_path / "results.sqlite") as conn:
+        conn.execute("UPDATE best_configs SET config = 'not json' WHERE bucket = 128")
+    skipped = []
+    results = recheck(SPEC, ClockRunner(lambda config, phase: 1.0), store, skipped=skipped)
+    assert [r.bucket for r in results] == [64]
+    assert len(skipped) == 1 and "config" in skipped[0] and "not JSON" in skipped[0], skipped
+
+
 @needs_interpreter
 def test_recheck_retimes_a_stale_result_with_todays_kernels(store):
     from flashgen.codegen.render import kernel_hash
