@@ -492,7 +492,7 @@ def runs_table_fill(T, OUT, REC, n, stride_row, stride_col, steps, check, BLOCK:
     if down < n:
         at = x == down
         record_rule(REC, 10, (tl.cast(check, tl.int64) << 32) | row, down,
-                          tl.sum(tl.where(at, value.to(tl.int64), 0)), tl.sum(tl.where(at, before.to(tl.int64), 0)))
+                    tl.sum(tl.where(at, value.to(tl.int64), 0)), tl.sum(tl.where(at, before.to(tl.int64), 0)))
     lo = tl.zeros([BLOCK], tl.int32)
     hi = lo + n
     lo2 = lo
