@@ -12,6 +12,9 @@ if not HAS_GPU:
     # Must be set before any rendered kernel module is imported (@triton.jit reads it).
     os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("FLASHGEN_CACHE_DIR", tempfile.mkdtemp(prefix="flashgen-test-cache-"))
+# A results database of the run's own: calls that look up tuned configs (flashgen.attention, load, show) read
+# the user's database otherwise, so the configs a test gets would depend on what this machine has tuned.
+os.environ.setdefault("FLASHGEN_DB", f"sqlite:///{tempfile.mkdtemp(prefix='flashgen-test-db-')}/tuning.sqlite")
 
 
 def pytest_collection_modifyitems(config, items):
