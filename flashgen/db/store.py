@@ -164,8 +164,9 @@ def _unwritable(path: Path) -> bool:
 
 
 def _read_only_url(path: Path) -> str:
-    """An SQLite URL that opens the file read-only and immutable: no -shm or -wal files, no locks (nothing
-    can write the file where this is used: see _unwritable)."""
+    """An SQLite URL that opens the file read-only and immutable: no -shm or -wal files, no locks. Used where
+    this user cannot write (_unwritable); a writer with other rights changing the file meanwhile is not seen
+    consistently (SQLite may then report the file malformed: the reader's error and load's fallback)."""
     from urllib.parse import quote
 
     return f"sqlite:///file:{quote(str(path.absolute()))}?mode=ro&immutable=1&uri=true"
