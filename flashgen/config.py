@@ -627,7 +627,7 @@ def _hopper_ws_fp8_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen
     return None
 
 
-def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int, target: str = "h100") -> dict:
+def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int, target: str) -> dict:
     """The backward knobs of the Gluon dK/dV kernel (hopper_bwd) where the H100 measured it faster
     than the portable backward, else {} (bf16, 16 heads x hd128 or 32 x hd64, 16384 tokens). The kernel
     as of 2026-11-27: LSE and delta rows through shared memory (the producer loads them), dQ added by the
