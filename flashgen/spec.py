@@ -158,6 +158,16 @@ def _where(mark) -> str:
     return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
 
 
+def canonical_key(canonical: Mapping) -> str:
+    """A spec's key from its canonical mapping (AttentionSpec.key; a stored row's spec_key must be its
+    canonical's): the hash of its sorted JSON; '' for a mapping JSON cannot write."""
+    try:
+        blob = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return ""
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 def read_yaml(path: str | Path, *, max_bytes: int = MAX_SPEC_BYTES, max_values: int = MAX_SPEC_VALUES) -> Any:
     """The data of a YAML file, read with the bounds above; YamlFileError (one line, naming the
     file) for anything that cannot be read, is not UTF-8, is not valid YAML or breaks a bound."""
@@ -496,8 +506,7 @@ class AttentionSpec:
 
     @property
     def key(self) -> str:
-        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        return canonical_key(self.canonical())
 
     @property
     def uri(self) -> str:

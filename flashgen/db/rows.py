@@ -9,14 +9,13 @@ a KernelConfig, and its timings are finite numbers.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import re
 from typing import Any, Mapping
 
 from ..config import ConfigError, KernelConfig
 from ..errors import short_repr
+from ..spec import canonical_key
 
 PHASES = ("fwd", "bwd")
 MAX_BUCKET = 1 << 30
@@ -111,16 +110,6 @@ def check_environment(env: Any, prefix: str = "environment.") -> None:
             raise ResultRowError(f"{prefix}{name}", f"expected {'a string' if kind is str else 'a number'}", value)
         if kind is str:
             _text(f"{prefix}{name}", value)
-
-
-def canonical_key(canonical: Mapping) -> str:
-    """A spec's key from its canonical mapping (AttentionSpec.key: the hash of its sorted JSON); '' for a
-    mapping JSON cannot write."""
-    try:
-        blob = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
-    except (TypeError, ValueError):
-        return ""
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def check_canonical(value: Any) -> None:
