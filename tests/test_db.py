@@ -154,6 +154,44 @@ def test_concurrent_processes_lose_nothing(url):
     store.close()
 
 
+def _asker(url, ready, n):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    study = optuna.load_study(study_name="queue", storage=ResultStore(url).optuna_storage())
+    ready.wait(120)
+    for _ in range(n):  # what study.optimize does per trial: take the next enqueued one, then tell it
+        trial = study.ask()
+        study.tell(trial, float(trial.suggest_int("x", 0, 10**6)))
+
+
+def test_concurrent_workers_never_take_one_enqueued_trial_twice(url):
+    # `tune --gpus` workers share a study: on SQLite two could both take one enqueued trial (Optuna's
+    # SELECT ... FOR UPDATE is a plain read there), and the second to tell it failed with "Cannot tell
+    # a COMPLETE trial" (a CI failure of test_tune_many_specs_over_two_workers)
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    store = ResultStore(url)
+    study = optuna.create_study(study_name="queue", storage=store.optuna_storage())
+    for x in range(160):
+        study.enqueue_trial({"x": x}, skip_if_exists=False)
+    store.close()
+    ctx = mp.get_context("spawn")
+    ready = ctx.Barrier(5)  # the four start asking together, once each has loaded the study
+    procs = [ctx.Process(target=_asker, args=(url, ready, 40)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    ready.wait(120)
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 4
+    store = ResultStore(url)
+    trials = optuna.load_study(study_name="queue", storage=store.optuna_storage()).trials
+    store.close()
+    assert sorted(t.params["x"] for t in trials) == list(range(160))  # each enqueued trial taken once
+
+
 @pytest.fixture
 def fresh_warnings():
     from flashgen import loader

@@ -424,18 +424,26 @@ def test_autograd_flows_into_tensors(device):
     q, k, v = (t.requires_grad_() for t in _qkv(gen, 2, 2, 2, 30, 30, 16, torch.float32, device))
     slopes = torch.rand(2, generator=gen).to(device).requires_grad_()
     out = flashgen.attention(q, k, v, causal=True, score_mod={"alibi": {}}, alibi_slopes=slopes)
-    out.square().sum().backward()
-    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, slopes)]
-    ref, _ = reference_attention(*ref_leaves[:3], causal=True, score_mod={"alibi": {}},
-                                 tensors={"alibi_slopes": ref_leaves[3]}, compute_dtype=torch.float64)
-    ref.square().sum().backward()
-    for got, want in zip((q, k, v, slopes), ref_leaves):
-        assert torch.allclose(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5), seed
+    do = torch.randn(out.shape, generator=gen).to(device)
+    out.backward(do)
+    _assert_grads((q.grad, k.grad, v.grad, slopes.grad), q, k, v, do, seed, causal=True, score_mod={"alibi": {}},
+                  tensors={"alibi_slopes": slopes}, grad_tensors=("alibi_slopes",))
     ids = _doc_ids([10, 20], device)
     with pytest.raises(TypeError, match="document_ids"):
         flashgen.attention(q, k, v, mask={"document": {}})
     with pytest.raises(TypeError, match="bogus"):
         flashgen.attention(q, k, v, mask={"document": {}}, document_ids=ids, bogus=ids)
+
+
+def _assert_grads(grads, q, k, v, do, seed, **kw):
+    """The gradients (dQ, dK, dV, then each of grad_tensors') against the float64 reference's, by
+    TESTING.md's rule as the tuner applies it: a tensor's gradient (a slope, a bias) sums dS over many
+    pairs, and its fp32 error is held against what it summed. An elementwise 1e-4 failed a correct
+    kernel: a per-head bias's gradient of 0.256 off by 4.1e-5, the fp32 reference's own by 2.4e-4."""
+    try:
+        assert_gradients_close(grads, q, k, v, do, **kw)
+    except AssertionError as err:
+        raise AssertionError(f"seed={seed}: {err}") from None
 
 
 def _stored(t, memory):
@@ -470,15 +478,11 @@ def test_a_gradient_into_one_tensor_leaves_the_others_alone(device, wanted, back
     tensors[wanted].requires_grad_()
     score_mod = "score + bias[h] * (kv_idx + 1) + table[h, abs(q_idx - kv_idx)]"
     out = flashgen.attention(q, k, v, causal=True, score_mod=score_mod, config=config, **tensors)
-    grads = torch.autograd.grad(out.square().sum(), (q, k, v, tensors[wanted]))
+    do = torch.randn(out.shape, generator=gen).to(device)
+    grads = torch.autograd.grad(out, (q, k, v, tensors[wanted]), do)
     for name, t in tensors.items():
         assert torch.equal(t.detach(), kept[name]), (seed, name)
-    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, tensors[wanted])]
-    ref_tensors = {name: t.detach().double() for name, t in tensors.items()} | {wanted: ref_leaves[3]}
-    ref, _ = reference_attention(*ref_leaves[:3], causal=True, score_mod=score_mod, tensors=ref_tensors,
-                                 compute_dtype=torch.float64)
-    for got, want in zip(grads, torch.autograd.grad(ref.square().sum(), ref_leaves)):
-        assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5), seed
+    _assert_grads(grads, q, k, v, do, seed, causal=True, score_mod=score_mod, tensors=tensors, grad_tensors=(wanted,))
 
 
 @pytest.mark.parametrize("memory", ["transposed", "sliced", "expanded"])
@@ -749,14 +753,11 @@ def test_a_float_tensor_read_by_the_mask_has_no_gradient(device):
     slopes = torch.rand(2, generator=gen).to(device).requires_grad_()
     fields = dict(mask="w[kv_idx] > 0.3", score_mod={"alibi": {}})
     out = flashgen.attention(q, k, v, **fields, config=SMALL, w=w, alibi_slopes=slopes)
-    out.square().sum().backward()  # raised: "tensor_grads: 'w' is not a float tensor read by the score_mod"
+    do = torch.randn(out.shape, generator=gen).to(device)
+    out.backward(do)  # raised: "tensor_grads: 'w' is not a float tensor read by the score_mod"
     assert w.grad is None and slopes.grad is not None
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, slopes)]
-    ref, _ = reference_attention(*leaves[:3], **fields, tensors={"w": w.detach(), "alibi_slopes": leaves[3]},
-                                 compute_dtype=torch.float64)
-    ref.square().sum().backward()
-    for got, want in zip((q, k, v, slopes), leaves):
-        assert torch.allclose(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5), seed
+    _assert_grads((q.grad, k.grad, v.grad, slopes.grad), q, k, v, do, seed, causal=False, **fields,
+                  tensors={"w": w, "alibi_slopes": slopes}, grad_tensors=("alibi_slopes",))
     # the custom op (what torch.compile calls) treats it the same way
     kernel = flashgen.compile(AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, backward=True, **fields), SMALL)
     out, _ = torch.ops.flashgen.attn_fwd(q, k, v, torch.empty(1, dtype=torch.int64, device=device), [slopes, w],

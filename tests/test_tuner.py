@@ -598,12 +598,20 @@ def test_three_workers_share_one_study_and_a_killed_worker_loses_only_its_trial(
             (study,) = [s for s in store.optuna_storage().get_all_studies() if s.user_attrs.get("bucket") == 32]
         except Exception:  # noqa: BLE001 (not made yet)
             continue
-        for t in store.optuna_storage().get_all_trials(study._study_id):
-            if t.state == optuna.trial.TrialState.RUNNING and "worker" in t.user_attrs:
+        storage = store.optuna_storage()
+        for t in storage.get_all_trials(study._study_id):
+            if t.state == optuna.trial.TrialState.RUNNING and "worker" in t.user_attrs and "record" not in t.user_attrs:
                 pid = int(t.user_attrs["worker"].split(":")[1])
                 victim = next(w for w in workers if w.pid == pid)
-                victim.send_signal(signal.SIGKILL)  # mid-trial: claimed, measuring, no record yet
-                killed = t._trial_id
+                # stopped, then looked at again: killed only while that trial is still unmeasured (a kill
+                # landing just after its record was written lost nothing, and the test failed)
+                victim.send_signal(signal.SIGSTOP)
+                t = storage.get_trial(t._trial_id)
+                if t.state == optuna.trial.TrialState.RUNNING and "record" not in t.user_attrs:
+                    victim.send_signal(signal.SIGKILL)  # mid-trial: claimed, measuring, no record yet
+                    killed = t._trial_id
+                else:
+                    victim.send_signal(signal.SIGCONT)
                 break
     assert killed is not None, "no worker was seen measuring a trial"
     for w in workers:

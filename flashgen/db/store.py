@@ -644,7 +644,28 @@ def _rdb(url: str, dialect: str, **kwargs):
                                                                                    **engine_options(url)}
     with warnings.catch_warnings():  # heartbeat_interval is marked experimental
         warnings.simplefilter("ignore", optuna_experimental_warning())
-        return RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+        storage = RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
+    if dialect == "sqlite":
+        _begin_immediate(storage.engine)
+    return storage
+
+
+def _begin_immediate(engine: Engine) -> None:
+    """Every transaction on ``engine`` takes SQLite's write lock when it begins (SQLAlchemy's recipe for
+    pysqlite). Optuna reads a trial's state and then writes it in one transaction, relying on SELECT ...
+    FOR UPDATE, which SQLite ignores; and pysqlite begins a transaction only at the first write, so the
+    read ran outside it. Two `--gpus` workers then both saw an enqueued trial WAITING and both took it:
+    the second to finish failed with "Cannot tell a COMPLETE trial" (two processes popping 200 enqueued
+    trials took 5 twice). The connections RDBStorage opened before these hooks are dropped."""
+    @event.listens_for(engine, "connect")
+    def _no_implicit_begin(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None  # pysqlite emits no BEGIN of its own
+
+    @event.listens_for(engine, "begin")
+    def _immediate(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()
 
 
 def upgrade_database(url: str, found: int) -> None:
