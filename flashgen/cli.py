@@ -314,8 +314,8 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, n
         raise click.UsageError("no spec: name one or more spec files (`flashgen tune examples/specs/*.yaml`)")
     if plot_path and gpus > 1:
         raise click.UsageError("--plot draws one process's search: leave it out with --gpus above 1")
-    if plot_path:
-        _plot_format(plot_path)  # a missing matplotlib, a format it cannot write or a folder it cannot write
+    # a missing matplotlib, a format it cannot write or a folder it cannot write: said before any tuning
+    plot = (plot_path, _plot_format(plot_path)) if plot_path else None
         # in is said now, not after the tune
     if interpret and not _interpreting():
         _rerun_interpreted()
@@ -363,7 +363,7 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, n
         return
     docs = []
     for spec in specs:
-        docs.append(_tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json,
+        docs.append(_tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot, interpret, as_json,
                                worker, no_default=no_default))
     if as_json:
         click.echo(json.dumps(docs[0] if len(docs) == 1 else docs, indent=1))
@@ -379,7 +379,7 @@ def _nothing_stored(doc: dict) -> bool:
             and not all(r["final_elsewhere"] for r in doc["results"]))
 
 
-def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, interpret, as_json,
+def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot, interpret, as_json,
                worker=None, no_default: bool = False) -> dict:
     """Tune one spec in this process; print its table (unless as_json) and return its results,
     with where the time went (wall-clock stamps, seconds per study, compile+verify vs timing)."""
@@ -460,9 +460,9 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot_path, in
                  final_elsewhere=r.final_elsewhere, seconds=r.seconds) for r in results]
     if not as_json:
         _print_tune_table(spec, runner, rows, store.display_url, wall)
-    if plot_path:
-        _plot(plot_path, history, results)
-        click.echo(f"wrote {plot_path}", err=True)  # (stdout may be --json's document)
+    if plot:  # (path, format)
+        _plot(*plot, history, results)
+        click.echo(f"wrote {plot[0]}", err=True)  # (stdout may be --json's document)
     return dict(spec=spec.uri, db=store.display_url, timing=runner.timing_label, wall_s=wall,
                 environment=runner.env.as_dict(), results=rows, started_at=started_at,
                 runner_ready_at=runner_ready_at, ended_at=time.time(), seconds=dict(runner.seconds))
@@ -838,10 +838,9 @@ def _plot_format(path) -> str:
     return fmt
 
 
-def _plot(path, history, results):
+def _plot(path, fmt, history, results):
     import io
 
-    fmt = _plot_format(path)
     plt = _pyplot()
     fig, axes = plt.subplots(len(results), 2, figsize=(12, 3.2 * len(results)), squeeze=False)
     for (ax_h, ax_i), r in zip(axes, results):
@@ -1001,10 +1000,10 @@ def export_cmd(db_url, gpu, output):
     path = Path(output) if output else Path.cwd() / f"{gpu_slug(gpu)}.yaml"
     rows = _readable_rows(db_url)
     text, n = export_text(rows, gpu)
-    if not n and rows:  # results of other GPUs only: a mistyped --gpu (it wrote an empty file)
+    if not n:  # results of other GPUs only (a mistyped --gpu), or none: it wrote an empty file
         gpus = ", ".join(sorted({repr(r["environment"]["gpu"]) for r in rows}))
         raise click.ClickException(f"no results for GPU {gpu!r} in {display_url(db_url or default_url())}: "
-                                   f"its GPUs are {gpus}")
+                                   + (f"its GPUs are {gpus}" if rows else "it holds none (`flashgen tune` stores them)"))
     _write_file(path, text)
     click.echo(f"wrote {n} results for {gpu} to {path}")
 

@@ -134,8 +134,9 @@ def tuned(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None =
     except Exception as err:  # missing tables, locked, corrupt, another schema version, no driver...
         reason = err.problem if isinstance(err, DatabaseError) else f"{type(err).__name__}: {err}"
         reason = hide_password(reason.strip().splitlines()[0][:300] if reason.strip() else type(err).__name__, url)
-        _warn_once((spec.key, "db"), f"flashgen: cannot read tuning results from {shown} ({reason}); "
-                                     f"falling back. {check}")
+        # keyed by the database too: a second broken one for the same spec is said as well
+        _warn_once((spec.key, "db", shown), f"flashgen: cannot read tuning results from {shown} ({reason}); "
+                                            f"falling back. {check}")
 
     def skip_file(path, err):
         _warn_once(("layer", str(path)), f"flashgen: skipping the shipped tuning results file {path}: "

@@ -509,6 +509,19 @@ def test_tune_under_triton_interpret_is_an_interpreter_tune(tmp_path):
     assert "INTERPRETER WALL TIME" in result.output and "triton-interpreter" in result.output, result.output
 
 
+def test_tune_draws_its_search_in_the_plot_format_asked(tmp_path):
+    pytest.importorskip("matplotlib")
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("name: tiny\ndtype: fp32\nhead_dim: 16\nnum_heads: 1\ntune: {seqlens: [16], trials: 1}\n")
+    plot = tmp_path / "plots" / "search.svg"  # a folder made for it, and the format its suffix names
+    result = CliRunner().invoke(main, ["tune", "--spec", str(spec), *INTERPRET, "--plot", str(plot),
+                                       "--db", f"sqlite:///{tmp_path / 'plot.sqlite'}"])
+    assert result.exit_code == 0, result.output
+    assert f"wrote {plot}" in result.output
+    svg = plot.read_text()
+    assert svg.lstrip().startswith("<?xml") and "<svg" in svg and "search history" in svg
+
+
 def test_tune_takes_any_seed_its_option_allows(tmp_path):
     # a seed of 4295 or more overflowed numpy's 32-bit seed in the sampler: a traceback
     spec = tmp_path / "tiny.yaml"
@@ -554,7 +567,14 @@ def test_show_on_a_fresh_install_lists_the_shipped_results(tmp_path, monkeypatch
 
 
 def test_export_of_a_gpu_without_results_names_the_gpus_there(tmp_path, sound_database):
+    from flashgen.db import ResultStore
+
     result = CliRunner().invoke(main, ["export", "--gpu", "../../x", "-o", str(tmp_path / "x.yaml"), "--db",
                                        f"sqlite:///{sound_database / 'sound.sqlite'}"])
     _one_error(result, 1, "no results for GPU '../../x'", "its GPUs are")
+    assert not (tmp_path / "x.yaml").exists()
+    empty = f"sqlite:///{tmp_path / 'empty.sqlite'}"  # a database with no results at all: no empty file either
+    ResultStore(empty).close()
+    result = CliRunner().invoke(main, ["export", "--gpu", "H100", "-o", str(tmp_path / "x.yaml"), "--db", empty])
+    _one_error(result, 1, "no results for GPU 'H100'", "it holds none")
     assert not (tmp_path / "x.yaml").exists()

@@ -218,6 +218,13 @@ def test_corrupt_database_never_raises(tmp_path, fresh_warnings):
         configs, source = lookup(SPEC, f"sqlite:///{path}")
     assert source == "default" and configs == {}
     assert any("flashgen db check" in str(w.message) for w in record)
+    other = tmp_path / "other.sqlite"  # a second broken database for the same spec is said too
+    other.write_bytes(b"not one either" * 100)
+    with pytest.warns(flashgen.FlashgenFallbackWarning, match="other.sqlite"):
+        lookup(SPEC, f"sqlite:///{other}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lookup(SPEC, f"sqlite:///{path}")  # each said once
     from click.testing import CliRunner
 
     from flashgen.cli import main
