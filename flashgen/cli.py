@@ -314,9 +314,8 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, n
         raise click.UsageError("no spec: name one or more spec files (`flashgen tune examples/specs/*.yaml`)")
     if plot_path and gpus > 1:
         raise click.UsageError("--plot draws one process's search: leave it out with --gpus above 1")
-    # a missing matplotlib, a format it cannot write or a folder it cannot write: said before any tuning
+    # a missing matplotlib, a format it cannot write or a folder it cannot write in: said now, not after the tune
     plot = (plot_path, _plot_format(plot_path)) if plot_path else None
-        # in is said now, not after the tune
     if interpret and not _interpreting():
         _rerun_interpreted()
     # Under TRITON_INTERPRET the kernels run interpreted whatever the machine: the interpreter's runner, space
