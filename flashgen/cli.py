@@ -1001,8 +1001,8 @@ def export_cmd(db_url, gpu, output):
     text, n = export_text(rows, gpu)
     if not n:  # results of other GPUs only (a mistyped --gpu), or none: it wrote an empty file
         gpus = ", ".join(sorted({repr(r["environment"]["gpu"]) for r in rows}))
-        raise click.ClickException(f"no results for GPU {gpu!r} in {display_url(db_url or default_url())}: "
-                                   + (f"its GPUs are {gpus}" if rows else "it holds none (`flashgen tune` stores them)"))
+        there = f"its GPUs are {gpus}" if rows else "it holds none (`flashgen tune` stores them)"
+        raise click.ClickException(f"no results for GPU {gpu!r} in {display_url(db_url or default_url())}: {there}")
     _write_file(path, text)
     click.echo(f"wrote {n} results for {gpu} to {path}")
 
