@@ -598,20 +598,23 @@ def test_three_workers_share_one_study_and_a_killed_worker_loses_only_its_trial(
             (study,) = [s for s in store.optuna_storage().get_all_studies() if s.user_attrs.get("bucket") == 32]
         except Exception:  # noqa: BLE001 (not made yet)
             continue
-        storage = store.optuna_storage()
-        for t in storage.get_all_trials(study._study_id):
+        # a store opened to read: its SQLite reads take no lock (a tune's take the write lock, which a
+        # stopped worker may hold)
+        reader = store.optuna_storage()
+        for t in reader.get_all_trials(study._study_id):
             if t.state == optuna.trial.TrialState.RUNNING and "worker" in t.user_attrs and "record" not in t.user_attrs:
                 pid = int(t.user_attrs["worker"].split(":")[1])
                 victim = next(w for w in workers if w.pid == pid)
                 # stopped, then looked at again: killed only while that trial is still unmeasured (a kill
                 # landing just after its record was written lost nothing, and the test failed)
+                unmeasured = False
                 victim.send_signal(signal.SIGSTOP)
-                t = storage.get_trial(t._trial_id)
-                if t.state == optuna.trial.TrialState.RUNNING and "record" not in t.user_attrs:
-                    victim.send_signal(signal.SIGKILL)  # mid-trial: claimed, measuring, no record yet
-                    killed = t._trial_id
-                else:
-                    victim.send_signal(signal.SIGCONT)
+                try:
+                    t = reader.get_trial(t._trial_id)
+                    unmeasured = t.state == optuna.trial.TrialState.RUNNING and "record" not in t.user_attrs
+                finally:
+                    victim.send_signal(signal.SIGKILL if unmeasured else signal.SIGCONT)  # killed mid-trial
+                killed = t._trial_id if unmeasured else None
                 break
     assert killed is not None, "no worker was seen measuring a trial"
     for w in workers:

@@ -189,6 +189,7 @@ class ResultStore:
     def __init__(self, url: str | None = None, *, create: bool = True, heartbeat_s: int = HEARTBEAT_S):
         self.url = url or default_url()
         self.heartbeat_s = heartbeat_s
+        self.writes = create  # opened to write (tune, import), or only to read (show, export, flashgen.load)
         self.display_url = display_url(self.url)
         path = sqlite_file(self.url)
         if path is not None and not create and not path.exists():
@@ -285,7 +286,7 @@ class ResultStore:
                         conn.execute(Meta.__table__.insert().values(key="schema_version",
                                                                     value=str(SCHEMA_VERSION)))
                 if fresh:
-                    self._optuna = _rdb(self.url, self.engine.dialect.name, **self._heartbeat())
+                    self._optuna = _rdb(self.url, self.engine.dialect.name, True, **self._heartbeat())
         if not inspect(self.engine).has_table(Meta.__tablename__):
             raise SchemaVersionError(self.url, "is not a flashgen database (no flashgen_meta table)")
         with self._session() as s:
@@ -311,7 +312,7 @@ class ResultStore:
         if self._optuna is None:
             try:
                 with migrate.schema_lock(self.engine, self.url):
-                    self._optuna = _rdb(self.url, self.engine.dialect.name, **self._heartbeat())
+                    self._optuna = _rdb(self.url, self.engine.dialect.name, self.writes, **self._heartbeat())
             except (SQLAlchemyError, RuntimeError) as err:  # RuntimeError: Optuna's schema is another version
                 raise DatabaseError(self.url, f"cannot open Optuna's tables: {_describe(err)}") from None
         return self._optuna
@@ -635,7 +636,7 @@ def optuna_experimental_warning():
     return ExperimentalWarning
 
 
-def _rdb(url: str, dialect: str, **kwargs):
+def _rdb(url: str, dialect: str, writes: bool, **kwargs):
     import warnings
 
     from optuna.storages import RDBStorage
@@ -645,7 +646,7 @@ def _rdb(url: str, dialect: str, **kwargs):
     with warnings.catch_warnings():  # heartbeat_interval is marked experimental
         warnings.simplefilter("ignore", optuna_experimental_warning())
         storage = RDBStorage(url, engine_kwargs=engine_kwargs, **kwargs)
-    if dialect == "sqlite":
+    if dialect == "sqlite" and writes:  # a reader's transactions stay deferred: they wait for no writer
         _begin_immediate(storage.engine)
     return storage
 
@@ -680,7 +681,7 @@ def upgrade_database(url: str, found: int) -> None:
             with engine.begin() as conn:
                 migrate.upgrade(conn, found)
                 Base.metadata.create_all(conn)
-            _rdb(url, engine.dialect.name, skip_compatibility_check=True).upgrade()
+            _rdb(url, engine.dialect.name, True, skip_compatibility_check=True).upgrade()
         engine.dispose()
     except _OPEN_ERRORS as err:
         raise DatabaseError(url, f"cannot be upgraded: {_describe(err)}") from None
