@@ -199,3 +199,32 @@ def test_torch_compile_fullgraph_forward_and_backward(device):
     ref = block(x2)
     (gref,) = torch.autograd.grad(ref.square().sum(), x2)
     assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(gx, gref, atol=1e-4)
+
+
+def test_fp16_dq_dk_yardstick_is_shared_and_still_catches_one_missing_key():
+    """dQ and dK are held to at least each other's relative error in the fp16 reference (verify.check_gradients:
+    both carry dS's rounding): a correct kernel (the float32 reference's gradients rounded to fp16) passes with
+    room, and one (query, key) pair's term missing from one element of dQ or of dK still fails it."""
+    from flashgen.verify import check_gradients, reference_attention
+
+    seed = random.randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = make_qkv(2, 4, 4, 17, 17, 16, dtype=torch.float16, device="cpu", generator=gen)
+    do = torch.randn(q.shape, generator=gen).half()
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    scores = []
+    out, _ = reference_attention(*leaves, causal=False, compute_dtype=torch.float32, score_hook=scores.append)
+    dq, dk, dv, ds = torch.autograd.grad(out, leaves + scores, do.float())
+    grads = [g.half() for g in (dq, dk, dv)]
+    results = check_gradients(grads, q, k, v, do, causal=False)
+    assert all(r.ok and r.max_err < r.bound / 2 for r in results), f"seed={seed}: {results}"
+    scale = q.shape[-1] ** -0.5
+    # the pair whose term goes missing (the head's largest |dS|): dQ[i] loses dS[i, j] K[j], dK[j] loses dS[i, j] Q[i]
+    b, h = 1, 2
+    i, j = divmod(int(ds[b, h].abs().argmax()), ds.shape[-1])
+    d = int((ds[b, h, i, j] * k[b, h, j].float()).abs().argmax())  # the element it weighs most in
+    for which, term in ((0, ds[b, h, i, j] * k[b, h, j, d].float()), (1, ds[b, h, i, j] * q[b, h, i, d].float())):
+        wrong = [g.clone() for g in grads]
+        wrong[which][b, h, i if which == 0 else j, d] -= (term * scale).half()
+        bad = check_gradients(wrong, q, k, v, do, causal=False)[which]
+        assert not bad.ok, f"seed={seed}: one pair's term missing from {bad.name} passed: {bad}"
