@@ -9,8 +9,9 @@ The rule, for fp16/bf16 (after flash-attn's own tests)::
     mean|out - ref| <= 1.1 * mean|out_pt - ref| + 1e-7
 
 with ``ref`` computed in float32 from the same inputs, ``out_pt`` the same reference
-in the kernel's dtype, F = 2 (3 for gradients), and atol at least 1e-5 (see compare). For fp32 the reference is float64 and
-the relative error ||out - ref|| / ||ref|| must stay below 1e-5; a gradient into a named tensor
+in the kernel's dtype, F = 2 (3 for gradients), and atol at least 1e-5 (see compare). dQ's and dK's
+``max|out_pt - ref|`` is floored by the other's relative error (check_gradients). For fp32 the reference is
+float64 and the relative error ||out - ref|| / ||ref|| must stay below 1e-5; a gradient into a named tensor
 (a bias table, ALiBi slopes), whose few elements each sum many pairs' dS that largely cancel, is
 held per element to 1e-5 of the |dS| terms it summed (check_gradients).
 """
