@@ -924,7 +924,7 @@ def show(db_url, as_json):
 
     here = EnvInfo.current()
     try:
-        stored = _readable_rows(db_url)
+        stored, _ = _readable_rows(db_url)
     except MissingDatabaseError as err:
         if db_url is not None or os.environ.get("FLASHGEN_DB"):  # a database named by the user: a typo, say
             raise
@@ -960,8 +960,9 @@ def show(db_url, as_json):
                    f"{served}")
 
 
-def _readable_rows(db_url) -> list[dict]:
-    """The database's best configs, the malformed ones left out and said on stderr (they raised mid-table)."""
+def _readable_rows(db_url) -> tuple[list[dict], int]:
+    """The database's best configs, the malformed ones left out and said on stderr (they raised mid-table),
+    and how many were left out."""
     from .db import ResultStore
 
     store, skipped = ResultStore(db_url, create=False), []
@@ -969,7 +970,7 @@ def _readable_rows(db_url) -> list[dict]:
     if skipped:
         click.echo(f"skipping {len(skipped)} malformed result(s) in {store.display_url} ({skipped[0]}); run "
                    f"`flashgen db check --db {store.display_url}`", err=True)
-    return rows
+    return rows, len(skipped)
 
 
 def _default_note(row: dict, target: str) -> str:
@@ -997,11 +998,12 @@ def export_cmd(db_url, gpu, output):
 
     gpu = gpu or EnvInfo.current().gpu
     path = Path(output) if output else Path.cwd() / f"{gpu_slug(gpu)}.yaml"
-    rows = _readable_rows(db_url)
+    rows, skipped = _readable_rows(db_url)
     text, n = export_text(rows, gpu)
     if not n:  # results of other GPUs only (a mistyped --gpu), or none: it wrote an empty file
         gpus = ", ".join(sorted({repr(r["environment"]["gpu"]) for r in rows}))
-        there = f"its GPUs are {gpus}" if rows else "it holds none (`flashgen tune` stores them)"
+        there = (f"its GPUs are {gpus}" if rows else f"its {skipped} results are all malformed" if skipped else
+                 "it holds none (`flashgen tune` stores them)")
         raise click.ClickException(f"no results for GPU {gpu!r} in {display_url(db_url or default_url())}: {there}")
     _write_file(path, text)
     click.echo(f"wrote {n} results for {gpu} to {path}")

@@ -523,12 +523,18 @@ def test_show_and_export_skip_a_malformed_row_and_db_check_names_it(tmp_path, mo
     store.close()
     _spoil_db(path, spoil)
     url = f"sqlite:///{path}"
+    readable = "best_configs" in spoil  # one of the two rows: else both (their spec's or environment's)
     for args in (["show"], ["export", "-o", str(tmp_path / "out.yaml")]):
         result = CliRunner().invoke(main, [*args, "--db", url])
-        assert result.exit_code == 0 and "Traceback" not in result.output, result.output
-        assert "malformed result(s)" in result.output and "flashgen db check" in result.output
-    rows = layer_mod.read_file(tmp_path / "out.yaml")  # what export wrote, import takes
-    assert [r["bucket"] for r in rows] == ([128] if "best_configs" in spoil else [])
+        # export with nothing readable left: an error, no empty file
+        assert result.exit_code == (0 if readable or args == ["show"] else 1), result.output
+        assert "Traceback" not in result.output and "malformed result(s)" in result.output
+        assert "flashgen db check" in result.output
+    if readable:
+        rows = layer_mod.read_file(tmp_path / "out.yaml")  # what export wrote, import takes
+        assert [r["bucket"] for r in rows] == [128]
+    else:
+        assert "its 2 results are all malformed" in result.output and not (tmp_path / "out.yaml").exists()
     result = CliRunner().invoke(main, ["db", "check", "--db", url])
     assert result.exit_code == 1 and words in result.output, result.output
 
