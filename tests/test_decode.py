@@ -987,6 +987,11 @@ def test_new_cache_lengths_are_neither_checked_nor_planned_again(device, monkeyp
                         lambda self, *a, **kw: prepared.append(a[1].shape[1]) or prepare(self, *a, **kw))
     seed, gen = _seeded()
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=6, num_kv_heads=2, causal=True, backward=False)
+    from flashgen.kvcache import decode_launcher
+
+    launcher = decode_launcher(flashgen.compile(spec))  # the process-wide launcher: no plan of an earlier test's
+    monkeypatch.setattr(launcher, "calls", {})
+    monkeypatch.setattr(launcher, "reads", {})
     lengths = (5, 6, 16, 17, 31, 32, 33, 47, 48, 49)
     for n, (k, v) in zip(lengths, _growing_caches(gen, 2, 2, 16, lengths, device)):
         q = torch.randn(2, 1, 6, 16, generator=gen).to(device=device, dtype=torch.float16)
