@@ -122,6 +122,9 @@ class AttentionKernel:
         if not module.BLOCK_MAP:
             raise ValueError(f"mask: {self.spec.mask_node.to_dict() if self.spec.mask_node else None} skips blocks "
                              "inside the kernel; only custom expressions use a block map")
+        for name, n in (("batch", batch), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+                raise ValueError(f"{name}: expected a non-negative int, got {n!r}")
         cfg = module.CONFIG
         device = host.concrete_device(device)  # "cuda" is the current device, where tensors say cuda:0
         named = module._tensors(tensors, device)
@@ -342,12 +345,21 @@ def default_scales(head_dim: int) -> tuple[float, ...]:
     return head_dim ** -0.5, 1 / math.sqrt(head_dim)
 
 
+def _equal_to_refused(causal, softmax_scale, dropout_p) -> bool:
+    """Whether a call's causal, softmax_scale or dropout_p is a value the spec refuses that equals one it takes
+    (causal 1 or 1.0 is True, a scale or dropout_p True is 1): such a call has no key, so it is checked and
+    refused every time (keyed, it ran once a call with the value taken had bound that key)."""
+    return causal.__class__ is not bool or softmax_scale.__class__ is bool or dropout_p.__class__ is bool
+
+
 def _freeze(x):
     """A pattern dict or list as nested tuples, so a call key holding it is hashable (thawed by _thaw)."""
     if isinstance(x, dict):
         return ("{}", tuple((name, _freeze(x[name])) for name in sorted(x)))
     if isinstance(x, (list, tuple)):
         return ("[]", tuple(_freeze(item) for item in x))
+    if isinstance(x, (bool, int, float)):  # typed: 4, 4.0 and True are one dict key, and a field takes 4 only
+        return (type(x), x)
     if isinstance(x, _PLAIN):
         return x
     if isinstance(x, (Mask, ScoreMod)):  # built once, never changed: its spec field (as JSON) is its key
@@ -358,6 +370,8 @@ def _freeze(x):
 def _thaw(x):
     if isinstance(x, tuple):
         kind, items = x
+        if isinstance(kind, type):  # a number, typed by _freeze
+            return items
         if kind == "json":
             return json.loads(items)
         return {name: _thaw(value) for name, value in items} if kind == "{}" else [_thaw(item) for item in items]
@@ -373,7 +387,8 @@ def _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod
     if q.dim() != ndim or k.dim() != ndim or v.dim() != ndim:
         return None
     if not (isinstance(causal, _PLAIN) and isinstance(softmax_scale, _PLAIN) and isinstance(dropout_p, _PLAIN)
-            and (config is None or isinstance(config, KernelConfig))):
+            and (config is None or isinstance(config, KernelConfig))) or _equal_to_refused(causal, softmax_scale,
+                                                                                           dropout_p):
         return None
     try:
         mask, score_mod = _freeze(mask), _freeze(score_mod)
@@ -426,7 +441,7 @@ def _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, scor
     whole per-call cost of binding once the key is known (kernel None: not bound yet, or no
     raw key: under torch.compile, or arguments that are not plain values; key None then).
     The raw keys live in _BOUND beside _call_key's (their dtype is a torch.dtype, not a name)."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _equal_to_refused(causal, softmax_scale, dropout_p):
         return None, None
     try:
         head = 2 if layout == "bshd" else 1
@@ -588,7 +603,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     fast = entry = None
     # (mask and score_mod plain values: not a pattern dict, a function or an object)
     if (_fast_options(return_lse, deterministic, config, tensors, descales) and type(dropout_p) is float
-            and dropout_p == 0.0 and type(mask) in _PLAIN and type(score_mod) in _PLAIN):
+            and dropout_p == 0.0 and type(causal) is bool and type(softmax_scale) is not bool
+            and type(mask) in _PLAIN and type(score_mod) in _PLAIN):
         fast = _fast_key(q, k, v, layout, causal, softmax_scale, mask, score_mod)
         try:
             entry = _FAST.get(fast)

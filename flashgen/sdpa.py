@@ -32,6 +32,7 @@ import numbers
 import torch
 
 from .api import _static_float, _static_int, attention, default_scales
+from .runtime.host import SCALE_LIMIT
 from .spec import MAX_HEAD_DIM
 
 __all__ = ["scaled_dot_product_attention"]
@@ -151,7 +152,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         scale = _static_float(scale, *default_scales(_static_int(query.shape[-1])))
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)  # (numpy's too, as SDPA)
                               or not math.isfinite(scale)):
-        raise ValueError(f"scale: expected a finite number or None, got {scale!r}")
+        raise ValueError(f"scale: expected a finite Python number or None, got {scale!r}")
     lead, heads, kv_heads = _heads(query, key, value, enable_gqa)
     q = _as_bhsd(query, lead, heads)
     k, v = _as_bhsd(key, lead, kv_heads), _as_bhsd(value, lead, kv_heads)
@@ -165,7 +166,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         causal = {"causal": {"align": "top_left"}}
         mask = causal if mask is None else {"and": [causal, mask]}
     softmax_scale = None if scale is None else float(scale)
-    if softmax_scale is not None and softmax_scale <= 0:
+    # a scale the kernels' own cannot hold (not positive, or past float32's range once times log2(e)) multiplies
+    # the scores instead, as torch's does (a huge one overflows to NaN rows there too)
+    if softmax_scale is not None and not 0 < softmax_scale <= SCALE_LIMIT:
         mods.insert(0, {"expr": "score * s", "params": {"s": softmax_scale}})
         softmax_scale = 1.0
     p = float(dropout_p)

@@ -517,6 +517,29 @@ def test_compat_is_reachable_as_an_attribute_of_flashgen():
         flashgen.nope  # noqa: B018
 
 
+@pytest.mark.parametrize("taken, refused, field", [
+    (dict(causal=True), dict(causal=1), "causal"),
+    (dict(causal=True), dict(causal=1.0), "causal"),
+    (dict(softmax_scale=1.0), dict(softmax_scale=True), "softmax_scale"),
+    (dict(dropout_p=0.0), dict(dropout_p=False), "dropout_p"),
+    (dict(mask={"sliding_window": {"left": 4, "right": 0}}), dict(mask={"sliding_window": {"left": 4.0, "right": 0}}),
+     "mask.sliding_window.left"),
+])
+def test_a_refused_value_equal_to_a_taken_one_is_refused_every_time(taken, refused, field):
+    # the call's key held the raw values, and True == 1 == 1.0: once a call with the value taken had bound
+    # the key, the refused one ran (an error or not by the calls made before)
+    q = torch.randn(1, 2, 8, 16, device=DEVICE, dtype=torch.float16)
+    for _ in range(2):
+        flashgen.attention(q, q, q, **taken)
+        with pytest.raises(ValueError, match=f"spec field '{re.escape(field)}'"):
+            flashgen.attention(q, q, q, **refused)
+    packed = q[0].transpose(0, 1).contiguous()
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    flashgen.attention_varlen(packed, packed, packed, cu, cu, 8, 8, **taken)
+    with pytest.raises(ValueError, match=f"spec field '{re.escape(field)}'"):
+        flashgen.attention_varlen(packed, packed, packed, cu, cu, 8, 8, **refused)
+
+
 def test_kernel_objects_and_helpers_name_bad_arguments():
     # each raised a raw AttributeError, ValueError or RuntimeError that named nothing
     q = torch.randn(1, 2, 16, 16, device=DEVICE)
@@ -533,6 +556,16 @@ def test_kernel_objects_and_helpers_name_bad_arguments():
     for bad in (16.5, 15.9, "16", True):  # int() floored 15.9 to 15 (and said "got 15"), read True as 1
         with pytest.raises(ValueError, match=r"^max_seqlen_q: expected a non-negative int, got " + re.escape(repr(bad))):
             flashgen.attention_varlen(packed, packed, packed, cu, cu, bad, 16)
+    blocked = AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, mask="(q_idx // 4) >= (kv_idx // 4)")
+    blocks = flashgen.compile(blocked)
+    for args, words in (((1, 8.5, 8), "seqlen_q: expected a non-negative int, got 8.5"),
+                        ((-1, 8, 8), "batch: expected a non-negative int, got -1"),
+                        ((1, 8, True), "seqlen_k: expected a non-negative int, got True")):
+        with pytest.raises(ValueError, match="^" + re.escape(words)):  # an empty() TypeError, a map for batch -1
+            blocks.block_map(*args, device=DEVICE)
+    if not torch.cuda.is_available():  # torch's "not compiled with CUDA" assertion
+        with pytest.raises(ValueError, match="^device: expected a device this torch has, got 'cuda'"):
+            blocks.block_map(1, 8, 8)
     x = torch.randn(1, 4, 8, 16, device=DEVICE)
     xq, descale = flashgen.quantize_fp8(x, group=2)
     with pytest.raises(ValueError, match=r"^descale: expected shape \(1, 4\) .* got \(1, 2\)"):

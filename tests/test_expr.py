@@ -78,6 +78,7 @@ def test_derivative_for_a_tensor_element():
     ("[q_idx][0] > 0", "only named tensors can be indexed"),
     ("q_idx ** 2 > 0", "operator Pow"),
     ("f(q_idx) > 0", "function 'f' is not allowed"),
+    ("q_idx < 1e400", "number literals must be finite, got inf"),  # (1e400 reads as inf: all-NaN outputs)
 ])
 def test_parse_refuses_with_the_field(source, words):
     with pytest.raises(SpecError, match="spec field 'm.expr'") as info:

@@ -228,6 +228,16 @@ def test_a_numpy_scale_is_taken_as_sdpa_takes_it(device):
                        flashgen.scaled_dot_product_attention(q, q, q, scale=0.5))
 
 
+@pytest.mark.parametrize("scale", [1e300, -1e300])
+def test_a_scale_past_float32_gives_what_torch_gives(scale):
+    # a positive one past the kernels' limit was refused as 'softmax_scale' (a name the caller never used)
+    # where a negative one ran: both multiply the scores now, overflowing to NaN rows as torch's do
+    q, k, v = (torch.randn(2, 4, 6, 16) for _ in range(3))
+    got = flashgen.scaled_dot_product_attention(q, k, v, scale=scale)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.allclose(got.nan_to_num(), want.nan_to_num(), atol=1e-5)
+
+
 @pytest.mark.parametrize("args, kw, words", [
     ((t(1, 2, 4, 8), t(1, 2, 4, 8), [1]), {}, "value: expected a torch.Tensor"),
     ((t(4), t(4), t(4)), {}, "query: expected at least 2 dims"),
@@ -250,8 +260,9 @@ def test_a_numpy_scale_is_taken_as_sdpa_takes_it(device):
     ((t(1, 2, 4, 8),) * 3, {"enable_gqa": "yes"}, "enable_gqa: expected a bool"),
     ((t(1, 2, 4, 8),) * 3, {"dropout_p": 1.5}, "dropout_p: expected a probability in [0, 1], got 1.5"),
     ((t(1, 2, 4, 8),) * 3, {"dropout_p": -0.1}, "dropout_p: expected a probability"),
-    ((t(1, 2, 4, 8),) * 3, {"scale": math.inf}, "scale: expected a finite number or None, got inf"),
-    ((t(1, 2, 4, 8),) * 3, {"scale": "0.1"}, "scale: expected a finite number"),
+    ((t(1, 2, 4, 8),) * 3, {"scale": math.inf}, "scale: expected a finite Python number or None, got inf"),
+    ((t(1, 2, 4, 8),) * 3, {"scale": "0.1"}, "scale: expected a finite Python number"),
+    ((t(1, 2, 4, 8),) * 3, {"scale": torch.tensor(0.3)}, "scale: expected a finite Python number or None, got tensor("),
 ])
 def test_bad_arguments_name_the_argument(args, kw, words):
     with pytest.raises((TypeError, ValueError)) as info:

@@ -98,6 +98,8 @@ class ExpressionChecker:
             if isinstance(node.value, int) and not isinstance(node.value, bool) and \
                     not INT64_MIN <= node.value <= INT64_MAX:
                 self.fail(node, "integer literals must lie in [-2**63, 2**63) (64 bits)")
+            if isinstance(node.value, float) and not math.isfinite(node.value):  # 1e400 reads as inf
+                self.fail(node, f"number literals must be finite, got {node.value}")
             return Const(node.value)
         self.fail(node, f"only numbers and True/False are allowed as constants, not {type(node.value).__name__}")
 

@@ -371,6 +371,9 @@ def concrete_device(device):
     except (RuntimeError, TypeError):
         raise ValueError(f"device: expected a torch.device or a device string such as 'cuda:0', got {device!r}") \
             from None
+    if device.type == "cuda" and not torch.cuda.is_available():  # (torch's "not compiled with CUDA" assertion)
+        raise ValueError(f"device: expected a device this torch has, got {str(device)!r}: it sees no CUDA device "
+                         "(under Triton's interpreter, tensors and devices are 'cpu')")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
