@@ -488,9 +488,7 @@ def _recheck(specs, url, shipped, interpret, timeout_s, as_json, jobs) -> None:
             click.echo(f"recheck {spec.uri} on {runner.env.gpu} ({runner.timing_label})", err=True)
         skipped = []
         results = recheck(spec, runner, store, options, jobs=jobs, skipped=skipped)
-        if skipped:  # (said by show and export too: a recheck left them out silently)
-            click.echo(f"skipping {len(skipped)} malformed result(s) of {spec.uri} in {store.display_url} "
-                       f"({skipped[0]}); run `flashgen db check --db {store.display_url}`", err=True)
+        _say_skipped(skipped, store.display_url, f" of {spec.uri}")  # (a recheck left them out silently)
         doc = dict(spec=spec.uri, results=[_recheck_row(r) for r in results])
         docs.append(doc)
         if not as_json:
@@ -967,10 +965,16 @@ def _readable_rows(db_url) -> tuple[list[dict], int]:
 
     store, skipped = ResultStore(db_url, create=False), []
     rows = store.all_best(skipped=skipped)
-    if skipped:
-        click.echo(f"skipping {len(skipped)} malformed result(s) in {store.display_url} ({skipped[0]}); run "
-                   f"`flashgen db check --db {store.display_url}`", err=True)
+    _say_skipped(skipped, store.display_url)
     return rows, len(skipped)
+
+
+def _say_skipped(skipped: list[str], shown_url: str, of: str = "") -> None:
+    """Say on stderr that malformed stored results were left out (show, export, tune --recheck): how many,
+    the first, and the command that names them all."""
+    if skipped:
+        click.echo(f"skipping {len(skipped)} malformed result(s){of} in {shown_url} ({skipped[0]}); run "
+                   f"`flashgen db check --db {shown_url}`", err=True)
 
 
 def _default_note(row: dict, target: str) -> str:

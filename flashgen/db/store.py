@@ -286,7 +286,7 @@ class ResultStore:
                         conn.execute(Meta.__table__.insert().values(key="schema_version",
                                                                     value=str(SCHEMA_VERSION)))
                 if fresh:
-                    self._optuna = _rdb(self.url, self.engine.dialect.name, True, **self._heartbeat())
+                    self._optuna = _rdb(self.url, self.engine.dialect.name, writes=True, **self._heartbeat())
         if not inspect(self.engine).has_table(Meta.__tablename__):
             raise SchemaVersionError(self.url, "is not a flashgen database (no flashgen_meta table)")
         with self._session() as s:
@@ -312,7 +312,7 @@ class ResultStore:
         if self._optuna is None:
             try:
                 with migrate.schema_lock(self.engine, self.url):
-                    self._optuna = _rdb(self.url, self.engine.dialect.name, self.writes, **self._heartbeat())
+                    self._optuna = _rdb(self.url, self.engine.dialect.name, writes=self.writes, **self._heartbeat())
             except (SQLAlchemyError, RuntimeError) as err:  # RuntimeError: Optuna's schema is another version
                 raise DatabaseError(self.url, f"cannot open Optuna's tables: {_describe(err)}") from None
         return self._optuna
@@ -636,7 +636,7 @@ def optuna_experimental_warning():
     return ExperimentalWarning
 
 
-def _rdb(url: str, dialect: str, writes: bool, **kwargs):
+def _rdb(url: str, dialect: str, *, writes: bool, **kwargs):
     import warnings
 
     from optuna.storages import RDBStorage
@@ -681,7 +681,7 @@ def upgrade_database(url: str, found: int) -> None:
             with engine.begin() as conn:
                 migrate.upgrade(conn, found)
                 Base.metadata.create_all(conn)
-            _rdb(url, engine.dialect.name, True, skip_compatibility_check=True).upgrade()
+            _rdb(url, engine.dialect.name, writes=True, skip_compatibility_check=True).upgrade()
         engine.dispose()
     except _OPEN_ERRORS as err:
         raise DatabaseError(url, f"cannot be upgraded: {_describe(err)}") from None
