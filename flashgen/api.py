@@ -349,7 +349,7 @@ def _equal_to_refused(causal, softmax_scale, dropout_p) -> bool:
     """Whether a call's causal, softmax_scale or dropout_p is a value the spec refuses that equals one it takes
     (causal 1 or 1.0 is True, a scale or dropout_p True is 1): such a call has no key, so it is checked and
     refused every time (keyed, it ran once a call with the value taken had bound that key)."""
-    return causal.__class__ is not bool or softmax_scale.__class__ is bool or dropout_p.__class__ is bool
+    return type(causal) is not bool or type(softmax_scale) is bool or type(dropout_p) is bool
 
 
 def _freeze(x):
