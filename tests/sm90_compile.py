@@ -112,9 +112,18 @@ def stack_bytes(ptx: str) -> int | None:
 # The Gluon dK/dV kernel adding dQ (case "hopper_bwd atomic dQ gqa causal hd128"): its stack frame at most this
 # many bytes per Triton minor. While the dQ MMAs' K descriptors were hoisted out of its loop, ptxas spilled them
 # and every step reloaded them from local memory the L1 could not hold (H200: the backward 1.03-1.13x slower;
-# benchmarks/results/2026-11-28-h200-bwd-spills-s26.md): 136 bytes under triton 3.6, 40 under 3.9; 88 / 24 since.
-ADDING_DKDV_STACK = {(3, 6): 96}
+# benchmarks/results/2026-11-28-h200-bwd-spills-s26.md): 136 bytes under triton 3.6, 40 under 3.9; 88 / 24 since,
+# 80 under 3.7 and 72 under 3.8. A minor without an entry takes the nearest earlier one's bound; 3.9 and later LATER's.
+ADDING_DKDV_STACK = {(3, 6): 96, (3, 8): 80}
 ADDING_DKDV_STACK_LATER = 32
+
+
+def adding_dkdv_stack_bound(minor: tuple[int, int]) -> int:
+    """The adding dK/dV kernel's stack bound under triton `minor` (major, minor)."""
+    if minor >= (3, 9):
+        return ADDING_DKDV_STACK_LATER
+    earlier = [bound for known, bound in sorted(ADDING_DKDV_STACK.items()) if known <= minor]
+    return earlier[-1] if earlier else max(ADDING_DKDV_STACK.values())
 
 
 def training_step(launcher, q, k, tensors):
@@ -343,7 +352,7 @@ def main(only=()) -> int:
     adding = PTX.get(("hopper_bwd atomic dQ gqa causal hd128", "_attn_bwd_dkdv_hopper"))
     if adding is not None:
         minor = tuple(int(x) for x in triton.__version__.split(".")[:2])
-        bound = ADDING_DKDV_STACK.get(minor, ADDING_DKDV_STACK_LATER)
+        bound = adding_dkdv_stack_bound(minor)
         stack = stack_bytes(adding)
         if stack is None or stack > bound:
             failed += 1
