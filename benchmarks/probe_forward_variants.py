@@ -51,6 +51,11 @@ VARIANTS = {  # name -> knobs over HOPPER_DEFAULT_TILE
                                         hopper_tma_store=True),
     "m192_n64_persistent_tma": dict(BLOCK_M=192, BLOCK_N=64, num_stages=4, hopper_regs=160, hopper_persistent=True,
                                     hopper_tma_store=True),
+    # head dim 256 at 16 bits: 64-key blocks (128-key ones do not fit two stages beside Q)
+    "n64": dict(BLOCK_N=64),
+    "n64_overlap": dict(BLOCK_N=64, hopper_overlap=True),
+    "n64_persistent": dict(BLOCK_N=64, hopper_persistent=True),
+    "n64_persistent_overlap": dict(BLOCK_N=64, hopper_persistent=True, hopper_overlap=True),
     # FP8 only (256-key blocks)
     "n256_tma": dict(BLOCK_N=256, hopper_tma_store=True),
     "n256_persistent_tma": dict(BLOCK_N=256, hopper_persistent=True, hopper_tma_store=True),

@@ -24,6 +24,8 @@ HOPPER_STAGES = (2, 3, 4)
 HOPPER_DEFAULT_TILE = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws")
 # ... with the persistent grid, FA3's overlap and O by a TMA store: the hd128 default, and prefix-LM masks'
 HOPPER_ALL_THREE = dict(HOPPER_DEFAULT_TILE, hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)
+# head dim 256 at 16 bits: 64-key blocks (128-key ones do not fit two stages beside Q), no TMA store (no room)
+HOPPER_HD256 = dict(HOPPER_DEFAULT_TILE, BLOCK_N=64, hopper_persistent=True, hopper_overlap=True)
 HOPPER_REGS = (160, 168, 200, 216, 232, 240)  # consumer registers per thread (setmaxnreg); the producer keeps 24
 DQ_STRATEGIES = ("separate", "atomic")
 _BLOCKS = (16, 32, 64, 128, 256)
@@ -466,13 +468,13 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
 
 
 def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
-    """The Gluon warp-specialized forward (family hopper_ws) where the H100 measured it faster than
-    the portable default, else None. Today's rule (the last two paragraphs' runs): hd128 from 1024 tokens,
+    """The Gluon warp-specialized forward (family hopper_ws) where the H100 (hd256: the H200) measured it faster
+    than the portable default, else None. Today's rule (the last three paragraphs' runs): hd128 from 1024 tokens,
     causal or not: the persistent grid, FA3's overlap and the TMA store together; hd64 (plain from 1024
     tokens, causal from 4096): three 64-row consumers with the TMA store, on the persistent grid but for
-    plain calls from 8192 tokens (one program per tile); the rest (under 1024 tokens, hd64 causal up to
-    2048) portable. What the paragraphs before them measured led there. H100 bf16, 16384 tokens, forward
-    TFLOP/s hopper_ws / portable
+    plain calls from 8192 tokens (one program per tile); hd256 from 1024 tokens: 64-key blocks, persistent, the
+    overlap; the rest (under 1024 tokens, hd64 causal up to 2048) portable. What the paragraphs before them
+    measured led there. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
     (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md): hd128 S=1024 473/457 (ping-pong),
     S=4096 591/545 (ping-pong), S=16384 617-634/534; causal S=4096 513/476 and S=16384 586/545 (3
     stages); hd64 S=4096 439-446/429, S=16384 461/440, causal S=16384 435/423. Not taken: hd128 causal
@@ -514,7 +516,16 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     S=8192 one tile + TMA store 494 / 423, S=16384 515 / 463 and 501 / 446 (persistent 491, 500); causal
     S=4096 persistent + TMA store 408 / 389, S=8192 444 / 413, S=16384 476 / 440 and 477 / 427. The
     overlap lost with three consumers (-5 to -15%), and so did 64-key blocks; causal S=1024 lost every
-    three-consumer variant (213-253 against the portable 290): causal calls up to 2048 tokens stay portable."""
+    three-consumer variant (213-253 against the portable 290): causal calls up to 2048 tokens stay portable.
+
+    hd256 (16-bit) since the family serves it (session 35): 64-key blocks, 2 stages (Q and two K/V stages take
+    192 KiB; no TMA store beside them), on the persistent grid with the overlap (HOPPER_HD256), from 1024
+    tokens, causal or not. H200 (the only GPU lent; not measured on an H100), bf16, 8 heads, 16384 tokens,
+    benchmarks/probe_forward_variants.py, 3 interleaved rounds, forward TFLOP/s HOPPER_HD256 / the portable
+    64 x 64 default / cuDNN (results/2026-11-29-h200-forward-variants-hd256.md): S=1024 500 / 291 / 584,
+    causal 386 / 227 / 444; S=4096 610 / 372 / 634, causal 556 / 311 / 553; S=16384 641 / 347 / 653, causal
+    626 / 342 / 585. The one-tile grid, with or without the overlap, and the persistent one without it were
+    slower at every length (e.g. S=16384 plain 607-634)."""
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec) is not None:
@@ -527,6 +538,8 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
     if d == 128 and seqlen >= 1024:
         return dict(HOPPER_ALL_THREE)  # calls of up to 512 tokens: not measured
+    if d == 256 and seqlen >= 1024:
+        return dict(HOPPER_HD256)
     if d != 64 or seqlen < 1024 or (shape.causal and seqlen <= 2048):
         return None
     three = dict(HOPPER_DEFAULT_TILE, BLOCK_M=192, hopper_regs=HOPPER_THREE_REGS, hopper_tma_store=True)

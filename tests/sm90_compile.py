@@ -181,6 +181,12 @@ def main(only=()) -> int:
         ("hopper_ws hd64, 1 consumer, overlap", dict(head_dim=64, num_heads=4),
          KernelConfig(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, family="hopper_ws", hopper_overlap=True,
                       hopper_regs=232)),
+        # hd256 at 16 bits: 64-key blocks (a consumer's O, S and P in its 240 registers; 2 stages beside Q)
+        ("hopper_ws hd256 causal, 64-key blocks", dict(head_dim=256, num_heads=4, causal=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, family="hopper_ws")),
+        ("hopper_ws persistent gqa hd256, overlap", dict(head_dim=256, num_heads=8, num_kv_heads=2, forward_only=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
+                      hopper_overlap=True)),
         ("hopper_ws hd128, ping-pong", dict(head_dim=128, num_heads=4),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
         # the persistent grid (hopper_persistent): one program per SM walking work units, causal GQA on two

@@ -28,9 +28,26 @@ H100 = DeviceLimits("NVIDIA H100", 232448.0, hopper=True)
     dict(dtype="bf16", head_dim=128, target="h100"),
     dict(dtype="fp8_e4m3", head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
     dict(dtype="fp8_e4m3", head_dim=256),
+    dict(dtype="bf16", head_dim=256, num_heads=8, num_kv_heads=2, causal=True),
+    dict(dtype="fp16", head_dim=256),
 ])
 def test_spec_served(fields):
     assert hopper.spec_unserved(AttentionSpec(**fields)) is None
+
+
+def test_head_dim_256_is_served_by_the_forward_only():
+    # 16-bit hd256: the Gluon forward (64-key blocks), not the Gluon dK/dV (hopper_bwd), by its rule, its config
+    # check and the default backward beside the forward's hd256 default
+    spec = AttentionSpec(dtype="bf16", head_dim=256, num_heads=8, causal=True)
+    assert "head_dim 256" in hopper.spec_unserved(spec, backward=True)
+    with pytest.raises(ConfigError, match="'hopper_bwd'.*head_dim 256"):
+        KernelConfig(hopper_bwd=True).check_spec(spec)
+    got = flashgen.default_config(spec, "h100", 4096)
+    assert got.family == "hopper_ws" and not got.hopper_bwd
+    # 128-key blocks do not fit two stages beside Q (320 KiB): a ConfigError naming the knobs
+    with pytest.raises(ConfigError, match="shared memory"):
+        KernelConfig(**HOPPER).check_spec(spec)
+    KernelConfig(**dict(HOPPER, BLOCK_N=64)).check_spec(spec)
 
 
 def test_fp8_is_served_by_the_forward_only():
@@ -49,7 +66,7 @@ def test_fp8_is_served_by_the_forward_only():
     (dict(dtype="fp8_e5m2", head_dim=128), "dtype 'fp8_e5m2'"),
     (dict(dtype="fp8_e4m3", head_dim=96), "head_dim 96"),
     (dict(dtype="bf16", head_dim=96), "head_dim 96"),
-    (dict(dtype="bf16", head_dim=256), "head_dim 256"),
+    (dict(dtype="bf16", head_dim=192), "head_dim 192"),
     (dict(dtype="bf16", head_dim=128, head_dim_v=64), "head_dim_v 64"),
     (dict(dtype="bf16", head_dim=64, mask={"sink": {"tokens": 4, "window": 128}}), "mask: pattern 'sink'"),
     (dict(dtype="bf16", head_dim=64, score_mod={"softcap": 30.0}), "score modifier"),
@@ -360,6 +377,15 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
     for seqlen in (8192, 16384, 65536):
         assert knobs(family(64, False, seqlen)) == knobs(family(64, False, seqlen, dtype="fp16")) == \
             ("hopper_ws", 192, 2, False, False, True, False), seqlen
+    # hd256 (16-bit; session 35, an H200: results/2026-11-29-h200-forward-variants-hd256.md): from 1024 tokens,
+    # causal or not, 64-key blocks on the persistent grid with the overlap, no TMA store (no room beside Q)
+    for causal in (False, True):
+        for seqlen in (1024, 2048, 4096, 16384, 65536):
+            got = family(256, causal, seqlen)
+            assert knobs(got) == ("hopper_ws", 128, 2, True, True, False, False) and got.BLOCK_N == 64, \
+                (causal, seqlen)
+            assert got == family(256, causal, seqlen, dtype="fp16")
+        assert family(256, causal, 512).family == "portable"
     # (masks: tests/test_hopper_masks.py)
     # losses, unmeasured short calls, and what the family does not serve: the portable defaults
     for d, causal, seqlen in ((64, False, 512), (64, True, 1024), (64, True, 2048), (128, False, 256),

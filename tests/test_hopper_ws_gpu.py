@@ -104,6 +104,49 @@ def test_three_consumers_on_a_cut_persistent_grid(monkeypatch, programs):
         assert_attention_close(out, lse, q, k, v, causal=causal)
 
 
+HD256 = dict(BLOCK_N=64)  # head dim 256 at 16 bits: 64-key blocks, BASE's 2 stages (config.HOPPER_HD256's tile)
+HD256_SHAPES = [(2, 8, 2, 1000, 1000, 256, "bhsd"), (1, 4, 4, 333, 777, 256, "bshd"),
+                (2, 6, 2, 777, 301, 256, "bshd"), (1, 8, 1, 17, 4097, 256, "bhsd")]
+
+
+@sm90
+@pytest.mark.parametrize("knobs", [{}, dict(hopper_overlap=True), dict(hopper_persistent=True),
+                                   dict(hopper_persistent=True, hopper_overlap=True), dict(hopper_pingpong=True),
+                                   dict(BLOCK_M=64, num_stages=3),
+                                   dict(BLOCK_M=64, hopper_persistent=True, hopper_tma_store=True)],
+                         ids=["base", "overlap", "persistent", "persistent, overlap", "pingpong", "one consumer s3",
+                              "one consumer, persistent, tma store"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", HD256_SHAPES)
+def test_head_dim_256(shape, causal, knobs):
+    check_forward("bf16", shape, causal, dict(HD256, **knobs))
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_256_fp16(causal):
+    check_forward("fp16", HD256_SHAPES[0], causal, dict(HD256, hopper_persistent=True, hopper_overlap=True))
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_256_training_step_on_its_default(causal):
+    # the kernel object's training step at 1024+ tokens: the family's hd256 default forward (HOPPER_HD256),
+    # the portable backward (the Gluon dK/dV serves head dims 64 and 128) reading its O and LSE
+    spec = AttentionSpec(dtype="bf16", head_dim=256, num_heads=8, num_kv_heads=2, causal=causal, backward=True)
+    config = default_config(spec, None, 1024)
+    assert config.family == "hopper_ws" and config.BLOCK_N == 64 and not config.hopper_bwd, config
+    kernel = flashgen.compile(spec)
+    q, k, v = make_qkv(2, 8, 2, 1024, 1100, 256, dtype=torch.bfloat16, device="cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = kernel(*leaves)
+    assert took_hopper_path(kernel.module(config))
+    do = torch.randn_like(out)
+    out.backward(do)
+    assert_attention_close(out.detach(), None, q, k, v, causal=causal)
+    assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, causal=causal)
+
+
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES[:3])
@@ -127,7 +170,7 @@ def test_forward_backward(shape, causal):
 
 
 @sm90
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlen", [1024, 4096, 16384])
 def test_default_takes_the_family_where_it_is_the_default(head_dim, causal, seqlen):

@@ -87,29 +87,31 @@ except ImportError as err:  # no Gluon: the module still imports; the family is 
 gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "torch.float8_e4m3fn": gl.float8e4nv,
                  "torch.float32": gl.float32}
                 if gluon_available else {})
-served_head_dims = (64, 128)  # hd256: the two consumers' S and O accumulators do not fit next to P (not wired)
+# The forward's head dims. hd256: a consumer's 64 x 256 float32 O beside its S and P of 64-key blocks
+# fits its 240 registers (128 + 32 + 16 a thread at 16 bits); FP8's 64 or 128-key blocks too (ptxas for
+# sm90, triton 3.6 and 3.9: no local memory). 16-bit hd256 K/V tiles of 64 keys take 2 stages beside Q
+# (192 KiB; config.hopper_ws_smem refuses more).
+served_head_dims = (64, 128, 256)
+backward_head_dims = (64, 128)  # the Gluon dK/dV's (hopper_bwd): hd256 is not written
 served_dtypes = ("fp16", "bf16", "fp8_e4m3")
 # FP8 (e4m3; e5m2 keeps the portable forward): forward only, so the Gluon dK/dV (hopper_bwd) refuses it
 forward_only_dtypes = ("fp8_e4m3",)
-# FP8 hd256 too: with 64 or 128-key blocks its 64 x 256 float32 O, S and P fit a consumer's 240
-# registers (ptxas for sm90, triton 3.6 and 3.9: no local memory); Q + 2 stages of K/V^T <= 160 KiB
-fp8_head_dims = (64, 128, 256)
 served_layouts = ("bhsd", "bshd")  # packed 'thd' (varlen) runs the portable forward
 
 
 def spec_unserved(spec, *, backward=False) -> str | None:
     """Why the hopper_ws family cannot serve this spec (an AttentionSpec or a module's SPEC
     dict), or None when it can. Served: fp16/bf16 (and fp8_e4m3 for the forward: backward=False),
-    head_dim == head_dim_v in served_head_dims, bottom-right causal or not, a mask of the built-in
-    patterns mask_unserved takes (fp16/bf16), no score modifier, no dropout, an sm90 target or
-    'auto'. backward=True: the Gluon dK/dV kernel's rule (hopper_bwd: fp16/bf16; the same masks,
+    head_dim == head_dim_v in served_head_dims (backward=True: backward_head_dims), bottom-right causal
+    or not, a mask of the built-in patterns mask_unserved takes (fp16/bf16), no score modifier, no dropout,
+    an sm90 target or 'auto'. backward=True: the Gluon dK/dV kernel's rule (hopper_bwd: fp16/bf16; the same masks,
     whose row range per key block is one segment too: an and of intervals is one)."""
     get = spec.get if isinstance(spec, dict) else (lambda name: getattr(spec, name))
     if get("dtype") not in served_dtypes:
         return f"dtype {get('dtype')!r} (served: {', '.join(served_dtypes)})"
     if backward and get("dtype") in forward_only_dtypes:
         return f"dtype {get('dtype')!r} (forward only; the Gluon dK/dV serves fp16, bf16)"
-    head_dims = fp8_head_dims if get("dtype") in forward_only_dtypes else served_head_dims
+    head_dims = backward_head_dims if backward else served_head_dims
     if get("head_dim") != get("head_dim_v") or get("head_dim") not in head_dims:
         return f"head_dim {get('head_dim')}/head_dim_v {get('head_dim_v')} (served: equal, one of {head_dims})"
     if get("mask") is not None and get("dtype") in forward_only_dtypes:
