@@ -88,9 +88,11 @@ gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "to
                  "torch.float32": gl.float32}
                 if gluon_available else {})
 # The forward's head dims. hd256: a consumer's 64 x 256 float32 O beside its S and P of 64-key blocks
-# fits its 240 registers (128 + 32 + 16 a thread at 16 bits); FP8's 64 or 128-key blocks too (ptxas for
-# sm90, triton 3.6 and 3.9: no local memory). 16-bit hd256 K/V tiles of 64 keys take 2 stages beside Q
-# (192 KiB; config.hopper_ws_smem refuses more).
+# fits its 240 registers (128 + 32 + 16 a thread at 16 bits; ptxas for sm90: no local memory on the
+# one-tile grid under triton 3.6 and 3.8, 48 bytes of stack on the persistent overlapped one under 3.6, 8
+# under 3.8, which still measured fastest); FP8's 64 or 128-key blocks too (triton 3.6 and 3.9: no local
+# memory). 16-bit hd256 K/V tiles of 64 keys take 2 stages beside Q (192 KiB; config.hopper_ws_smem
+# refuses more).
 served_head_dims = (64, 128, 256)
 backward_head_dims = (64, 128)  # the Gluon dK/dV's (hopper_bwd): hd256 is not written
 served_dtypes = ("fp16", "bf16", "fp8_e4m3")
