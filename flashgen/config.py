@@ -521,7 +521,7 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     hd256 (16-bit) since the family serves it (session 35): 64-key blocks, 2 stages (Q and two K/V stages take
     192 KiB; no TMA store beside them), on the persistent grid with the overlap (HOPPER_HD256), from 1024
     tokens, causal or not. H200 (the only GPU lent; not measured on an H100), bf16, 8 heads, 16384 tokens,
-    benchmarks/probe_forward_variants.py, 3 interleaved rounds, forward TFLOP/s HOPPER_HD256 / the portable
+    benchmarks/probe_forward_variants.py, 3 interleaved rounds, forward TFLOP/s (means) HOPPER_HD256 / the portable
     64 x 64 default / cuDNN (results/2026-11-29-h200-forward-variants-hd256.md): S=1024 500 / 291 / 584,
     causal 386 / 227 / 444; S=4096 610 / 372 / 634, causal 556 / 311 / 553; S=16384 641 / 347 / 653, causal
     626 / 342 / 585. The one-tile grid, with or without the overlap, and the persistent one without it were
