@@ -603,7 +603,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     fast = entry = None
     # (mask and score_mod plain values: not a pattern dict, a function or an object)
     if (_fast_options(return_lse, deterministic, config, tensors, descales) and type(dropout_p) is float
-            and dropout_p == 0.0 and type(causal) is bool and type(softmax_scale) is not bool
+            and dropout_p == 0.0 and not _equal_to_refused(causal, softmax_scale, dropout_p)
             and type(mask) in _PLAIN and type(score_mod) in _PLAIN):
         fast = _fast_key(q, k, v, layout, causal, softmax_scale, mask, score_mod)
         try:
