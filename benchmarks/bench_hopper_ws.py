@@ -1,7 +1,7 @@
 """The Hopper warp-specialized family (config family 'hopper_ws') against what users get today.
 
-H100, bf16, 16384 tokens per batch (hidden 2048: 16 heads at hd128, 32 at hd64), head dims 64
-and 128, causal or not, S = 1024, 4096, 16384. Providers, one process:
+H100, bf16, 16384 tokens per batch (hidden 2048: 16 heads at hd128, 32 at hd64, 8 at hd256), head dims 64
+and 128 (--head-dims: 256 too), causal or not, S = 1024, 4096, 16384. Providers, one process:
   flashgen     flashgen.attention(q, k, v, causal=...): what a user gets (the defaults / tuned DB)
   hopper_ws    the same call with the family forced (HOPPER_KNOBS below, on the default backward)
   portable     the same call with the portable family's default config at that length
@@ -14,7 +14,7 @@ each flashgen provider. Every provider's output (and gradients) is checked again
 before it is timed; a mismatch is recorded instead of a time. With --variants the family's
 knob variants are timed too (forward), for the defaults and benchmarks/NOTES.md.
 
-    python3 benchmarks/bench_hopper_ws.py [--no-flex] [--variants] [--fwd-bwd-only] [--budget SECONDS]
+    python3 benchmarks/bench_hopper_ws.py [--no-flex] [--variants] [--fwd-bwd-only] [--budget SECONDS] [--head-dims 128,64]
     python3 benchmarks/bench_hopper_ws.py --backward [--dq separate,atomic] [--tiles all|default] [--budget SECONDS]
 
 Writes benchmarks/results/<date>-<gpu>-hopper-ws.{json,md} (--fwd-bwd-only: -hopper-bwd-fwdbwd). --backward instead times the backward
@@ -47,7 +47,6 @@ from flashgen.runtime.hopper_bwd import HopperBackward, HopperDkdv  # noqa: E402
 from flashgen.runtime.launch import BackwardPlan  # noqa: E402
 from flashgen.timing import time_ms  # noqa: E402
 
-CASES = [(d, causal, s) for d in (128, 64) for causal in (False, True) for s in (1024, 4096, 16384)]
 # the family's knobs when forced: BLOCK_M 128 = two consumer warpgroups
 HOPPER_KNOBS = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_stages=2, hopper_regs=240)
 VARIANTS = {  # name -> knobs over HOPPER_KNOBS (forward only)
@@ -69,6 +68,8 @@ def providers(spec, seqlen, causal, use_flex):
     cudnn = sdpa_runner(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)
     portable = default_config(spec, seqlen=seqlen, hopper_ws=False)
     forced = portable.replace(tma=False, warp_specialize=False, num_warps=4, **HOPPER_KNOBS)
+    if spec.head_dim == 256:  # (128-key blocks do not fit two stages beside Q there)
+        forced = forced.replace(BLOCK_N=64)
     out = {"cudnn": lambda q, k, v: cudnn(q, k, v, causal),
            "flashgen": lambda q, k, v: flashgen.attention(q, k, v, causal=causal),
            "hopper_ws": lambda q, k, v: flashgen.attention(q, k, v, causal=causal, config=forced),
@@ -77,7 +78,7 @@ def providers(spec, seqlen, causal, use_flex):
         flex = flex_runner(seqlen, causal)
         out["flex"] = lambda q, k, v: flex(q, k, v, causal)
     default = default_config(spec, seqlen=seqlen)
-    if spec_unserved(spec) is None:
+    if spec_unserved(spec, backward=True) is None:  # the Gluon dK/dV kernel serves the spec
         for name, knobs in (("hopper_bwd", dict(hopper_bwd=True, dq_strategy="separate")),
                             ("hopper_bwd_atomic", dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)),
                             ("portable_bwd", dict(hopper_bwd=False, dq_strategy="separate"))):  # the backward's choice
@@ -260,6 +261,7 @@ def main():
     ap.add_argument("--variants", action="store_true", help="also time the family's knob variants (forward)")
     ap.add_argument("--budget", type=float, default=1e9, help="stop starting cases after this many seconds")
     ap.add_argument("--seqlens", default="4096,16384,1024", help="comma-separated sequence lengths, in order")
+    ap.add_argument("--head-dims", default="128,64", help="comma-separated head dims (of 64, 128, 256)")
     ap.add_argument("--backward", action="store_true", help="time the backward alone per dK/dV kernel instead")
     ap.add_argument("--fwd-bwd-only", action="store_true", help="time fwd+bwd rows only (no forward rows)")
     ap.add_argument("--dq", default="separate,atomic", help="--backward: the Gluon kernel's dQ strategies to time")
@@ -272,7 +274,12 @@ def main():
     rows, t0 = [], time.time()
     order = [int(x) for x in args.seqlens.split(",")]
     render = backward_markdown if args.backward else markdown
-    for d, causal, seqlen in sorted((c for c in CASES if c[2] in order), key=lambda c: order.index(c[2])):
+    dims = [int(x) for x in args.head_dims.split(",")]
+    if args.backward and set(dims) - set(BACKWARD_TILES):
+        ap.error(f"--backward times the Gluon dK/dV kernel, which serves head dims {sorted(BACKWARD_TILES)}, "
+                 f"got --head-dims {args.head_dims}")
+    cases = [(d, causal, s) for d in dims for causal in (False, True) for s in order]
+    for d, causal, seqlen in sorted(cases, key=lambda c: order.index(c[2])):
         if time.time() - t0 > args.budget:
             print(f"budget spent: stopped before hd{d} S={seqlen} causal={causal}")
             break

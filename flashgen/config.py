@@ -736,8 +736,20 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape,
 
     if arch == "interpret":
         return cfg(32, 32, 32, 32, 4, 1)
-    if spec.dtype == "fp32" or d > 128:
+    if spec.dtype == "fp32" or (d > 128 and arch != "sm90"):
         return cfg(16, 32, 32, 16, 4, 1)
+    if arch == "sm90" and d > 128:
+        # Head dim 256 (and 129-255, padded to it), 16-bit: dK/dV over 64 x 64 tiles with 8 warps (a 64 x 256
+        # fp32 dK and dV take 128 registers a thread; 4 warps spill) and 2 stages (3 pass sm90's shared
+        # memory: 263168 bytes); dQ over 128-query x 32-key tiles; tensor descriptors. H200, bf16, 16384
+        # tokens, 8 heads (benchmarks/probe_bwd_defaults.py --head-dim 256, results/2026-11-29-h200-bwd-
+        # defaults-hd256-s36{,-b,-c}.md, 3 interleaved rounds), backward ms this / 16 x 32 tiles, 4 warps, 1
+        # stage (the default before) / cuDNN / SDPA flash: S=1024 causal 0.969 / 2.659 / 0.714 / 1.143,
+        # S=1024 1.466 / 4.996 / 1.139 / 1.727, S=4096 5.168 / 19.509 / 3.652 / 5.586, GQA 8 / 4 causal
+        # S=4096 2.851 / 10.129 / 2.005 / 3.177, causal S=16384 10.193 / 38.305 / 7.031 / 10.841: 0.69-0.78x
+        # cuDNN, 1.06-1.18x SDPA flash (FlashAttention-2), 2.7-3.8x the old default. 64 x 64 dQ tiles 0.53-0.61x
+        # cuDNN; without descriptors 0.65-0.72x; the delta fused into dQ within +-2%.
+        return dict(cfg(64, 64, 128, 32, 8, 2), bwd_tma=True)
     if arch == "sm90":
         # Masks whose last query blocks see the most keys (causal-like: documents, chunks, prefix-LM,
         # causal windows): the dQ kernel starts those first (bwd_dq_heavy_first), so its tail is short

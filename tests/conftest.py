@@ -1,7 +1,9 @@
 """Test setup: the Triton interpreter on machines without a GPU, a private kernel cache,
 and the ``gpu`` marker, whose tests skip cleanly where no CUDA device is present."""
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -11,10 +13,22 @@ HAS_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") 
 if not HAS_GPU:
     # Must be set before any rendered kernel module is imported (@triton.jit reads it).
     os.environ["TRITON_INTERPRET"] = "1"
-os.environ.setdefault("FLASHGEN_CACHE_DIR", tempfile.mkdtemp(prefix="flashgen-test-cache-"))
+
+
+def _private_dir(prefix):
+    """A temporary directory of this process's own, removed when it exits (each pytest-xdist worker
+    imports this file: a run left one 37 MB kernel cache per worker in /tmp before)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+if "FLASHGEN_CACHE_DIR" not in os.environ:
+    os.environ["FLASHGEN_CACHE_DIR"] = _private_dir("flashgen-test-cache-")
 # A results database of the run's own: calls that look up tuned configs (flashgen.attention, load, show) read
 # the user's database otherwise, so the configs a test gets would depend on what this machine has tuned.
-os.environ.setdefault("FLASHGEN_DB", f"sqlite:///{tempfile.mkdtemp(prefix='flashgen-test-db-')}/tuning.sqlite")
+if "FLASHGEN_DB" not in os.environ:
+    os.environ["FLASHGEN_DB"] = f"sqlite:///{_private_dir('flashgen-test-db-')}/tuning.sqlite"
 
 
 def pytest_collection_modifyitems(config, items):

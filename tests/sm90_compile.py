@@ -181,9 +181,11 @@ def main(only=()) -> int:
         ("hopper_ws hd64, 1 consumer, overlap", dict(head_dim=64, num_heads=4),
          KernelConfig(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, family="hopper_ws", hopper_overlap=True,
                       hopper_regs=232)),
-        # hd256 at 16 bits: 64-key blocks (a consumer's O, S and P in its 240 registers; 2 stages beside Q)
+        # hd256 at 16 bits: 64-key blocks (a consumer's O, S and P in its 240 registers; 2 stages beside Q);
+        # the backward at hd256's sm90 default (dK/dV 64 x 64 on 8 warps, dQ 128 x 32, descriptors)
         ("hopper_ws hd256 causal, 64-key blocks", dict(head_dim=256, num_heads=4, causal=True),
-         KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, family="hopper_ws")),
+         KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, family="hopper_ws", BLOCK_M1=64,
+                      BLOCK_N1=64, BLOCK_M2=128, BLOCK_N2=32, bwd_num_warps=8, bwd_num_stages=2, bwd_tma=True)),
         ("hopper_ws persistent gqa hd256, overlap", dict(head_dim=256, num_heads=8, num_kv_heads=2, forward_only=True),
          KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
                       hopper_overlap=True)),

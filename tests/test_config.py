@@ -99,6 +99,24 @@ def test_backward_defaults():
     assert default_config(_spec(head_dim=64)).bwd_tma
 
 
+def test_head_dim_256_backward_defaults():
+    # sm90, 16-bit, head dims past 128 (padded to 256): dK/dV 64 x 64 on 8 warps, dQ 128 x 32, 2 stages,
+    # descriptors past the short calls (H200: results/2026-11-29-h200-bwd-defaults-hd256-s36*.md, 2.7-3.8x the
+    # 16 x 32 tiles); fp32 and other GPU families keep those 16 x 32 tiles (not measured there)
+    for target in ("h100", "h200"):
+        for fields in ({}, {"causal": True}, {"num_kv_heads": 2, "causal": True}, {"mask": WINDOW(256)},
+                       {"dtype": "fp16"}, {"head_dim": 192}, {"head_dim": 160, "causal": True}):
+            for s in DEFAULT_BUCKETS:
+                c = default_config(_spec(head_dim=256).replace(**fields), target, seqlen=s)
+                assert (c.BLOCK_M1, c.BLOCK_N1, c.BLOCK_M2, c.BLOCK_N2, c.bwd_num_warps, c.bwd_num_stages) == \
+                    (64, 64, 128, 32, 8, 2), (target, fields, s)
+                assert c.bwd_tma == (s > SMALL_CALL) and not c.hopper_bwd and not c.bwd_short, (target, fields, s)
+    for fields in ({"dtype": "fp32", "target": "h100"}, {"target": "a100"}, {"target": "l40s"}):
+        c = default_config(_spec(head_dim=256).replace(**fields), seqlen=4096)
+        assert (c.BLOCK_M1, c.BLOCK_N1, c.BLOCK_M2, c.BLOCK_N2, c.bwd_num_warps, c.bwd_num_stages) == \
+            (16, 32, 32, 16, 4, 1), fields
+
+
 def test_defaults_elsewhere_do_not_read_the_mask():
     # fp32, other GPU families and the interpreter have no mask measurements: one config per spec
     for fields in ({"dtype": "fp32"}, {"target": "a100"}, {"target": "cpu"}):

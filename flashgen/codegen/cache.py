@@ -9,9 +9,11 @@ written into a private temporary directory instead, with one warning that says w
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -78,6 +80,7 @@ def _fallback_dir(path: Path, err: OSError) -> Path:
     with _fallback_lock:
         if _fallback is None:
             _fallback = Path(tempfile.mkdtemp(prefix="flashgen-kernels-"))
+            atexit.register(shutil.rmtree, _fallback, ignore_errors=True)  # nothing left in the temp dir
         where = str(path.parent)
         if where not in _warned:
             _warned.add(where)
