@@ -579,7 +579,18 @@ def _hopper_ws_masked_default(spec: AttentionSpec, d: int, shape: MaskShape, seq
       0.186 / 0.207 (S=4096), 0.187 / 0.208 (S=16384; with the overlap 0.179 and 0.187); window 256 0.132 /
       0.147 and 0.133 / 0.151; window 1024 0.305 / 0.309 and 0.341 / 0.341. Windows up to 192 keys (the
       portable 64 x 32 tiles) not measured: they keep it.
-    Calls under 4096 tokens and hd64 keep the portable defaults (not measured)."""
+    Calls under 4096 tokens and hd64 keep the portable defaults (not measured).
+
+    hd256 (16-bit), windows: the unmasked hd256 default's knobs (HOPPER_HD256: 128 x 64, 2 stages, persistent +
+    overlap), H200, bf16, 8 heads, 16384 tokens per batch, forward ms do_bench medians of 3 interleaved rounds,
+    Gluon / the portable 64 x 64 default (benchmarks/probe_hd256_masks.py, results/2026-11-29-h200-hd256-masks-
+    s36-before.md; -s36.md the same cases on this default): window 1024 S=4096 0.279 / 0.413, S=8192 0.295 /
+    0.423, window 512 S=16384 0.191 / 0.281 (1.43-1.48x; one program per tile with the overlap within 3% of it
+    either way). Taken for the bands hd128's rule takes (193-2048 keys) at 4096+ tokens: windows as measured,
+    chunks (the same band shape) unmeasured; documents and prefix-LM at hd256 are not measured and keep the
+    portable forward, and score modifiers (Gemma 2's softcap) are not served by the family."""
+    if d == 256 and seqlen >= 4096 and shape.narrow(seqlen) and 192 < shape.band <= 2048:
+        return dict(HOPPER_HD256)
     if d != 128 or seqlen < 4096:
         return None
     narrow_tile = dict(HOPPER_DEFAULT_TILE, BLOCK_N=64, num_stages=4, hopper_persistent=True, hopper_tma_store=True)

@@ -195,6 +195,19 @@ def test_masked_defaults_take_the_family_where_it_measured_faster():
     for mask in ({"prefix_lm": 512}, DOCS, {"chunked": 1024}):
         assert config(mask, 16384, d=64).family == "portable"
         assert config(mask, 16384, target="a100").family == "portable"
+    # hd256 (an H200: results/2026-11-29-h200-hd256-masks-s36-before.md): windows and chunks of 193-2048 keys from
+    # 4096 tokens on the unmasked hd256 default's knobs (64-key blocks, 2 stages, persistent + overlap); other
+    # hd256 masks, narrower or wider bands and shorter calls keep the portable forward
+    for target in ("h100", "h200"):
+        for seqlen in (4096, 8192, 16384):
+            for mask in ({"sliding_window": {"left": 1024, "right": 0}}, {"sliding_window": {"left": 256, "right": 0}},
+                         {"chunked": 1024}):
+                got = config(mask, seqlen, d=256, target=target)
+                assert knobs(got) == ("hopper_ws", 128, 64, 2, True, True, False, False), (mask, seqlen)
+        for mask, seqlen in (({"sliding_window": {"left": 1024, "right": 0}}, 2048), (DOCS, 16384),
+                             ({"prefix_lm": 512}, 16384), ({"sliding_window": {"left": 128, "right": 0}}, 16384),
+                             ({"sliding_window": {"left": 4096, "right": 0}}, 8192)):
+            assert config(mask, seqlen, d=256, target=target).family == "portable", (mask, seqlen)
 
 
 # --------------------------------------------------------------- the range helpers, run on the CPU

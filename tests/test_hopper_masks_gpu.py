@@ -11,6 +11,7 @@ import torch
 
 import flashgen
 from flashgen import AttentionSpec, KernelConfig, default_config
+from flashgen.config import HOPPER_HD256
 from flashgen.runtime.hopper import HopperPlan
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
@@ -198,6 +199,42 @@ def test_forward_backward(mask_name):
     assert_gradients_close((dq, dk, dv), q, k, v, do, **kw)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     flashgen.attention(*leaves, mask=mask, causal=causal, layout=layout, config=config, **tensors).backward(do)
+    assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, **kw)
+
+
+HD256_SHAPES = [(2, 8, 2, 1000, 1000, 256, "bhsd"), (1, 4, 4, 777, 777, 256, "bshd"), (2, 6, 2, 333, 777, 256, "bhsd")]
+
+
+@sm90
+@pytest.mark.parametrize("mask_name", ["window 100", "window 70/30", "chunks 200", "documents"])
+@pytest.mark.parametrize("dtype, shape", [("bf16", HD256_SHAPES[0]), ("fp16", HD256_SHAPES[1]),
+                                          ("bf16", HD256_SHAPES[2])])
+def test_head_dim_256_masks_on_its_knobs(dtype, shape, mask_name):
+    # hd256's knobs (config.HOPPER_HD256: 64-key blocks, 2 stages, persistent + overlap), the default for
+    # windows of 193-2048 keys from 4096 tokens, over windows and the masks it is not the default for
+    check_forward(dtype, shape, mask_name, HOPPER_HD256, seed=5)
+
+
+@sm90
+@pytest.mark.parametrize("left", [300, 1024])
+def test_head_dim_256_window_training_step_on_its_default(left):
+    # what flashgen.attention runs for a window at hd256 from 4096 tokens: the Gluon forward, the portable
+    # backward (dK/dV 64 x 64 on 8 warps, dQ 128 x 32) on its O and LSE; GQA, bshd, 4100 tokens
+    mask = {"sliding_window": {"left": left, "right": 0}}
+    spec = AttentionSpec(dtype="bf16", head_dim=256, num_heads=4, num_kv_heads=2, mask=mask, backward=True)
+    config = default_config(spec, seqlen=4100)
+    assert config.family == "hopper_ws" and config.BLOCK_N == 64, config
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = make_qkv(1, 4, 2, 4100, 4100, 256, dtype=torch.bfloat16, device="cuda", layout="bshd", generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flashgen.attention(*leaves, mask=mask, layout="bshd")
+    do = torch.randn(out.shape, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+    out.backward(do)
+    kw = dict(causal=False, layout="bshd", mask=mask)
+    module = flashgen.compile(spec, config).module()
+    _, lse = module.forward(q, k, v, layout="bshd")
+    assert any(isinstance(p, HopperPlan) for p in module._LAUNCHER.plans.values()), "not the Gluon forward"
+    assert_attention_close(out.detach(), lse, q, k, v, **kw)
     assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, **kw)
 
 
