@@ -14,7 +14,8 @@ each flashgen provider. Every provider's output (and gradients) is checked again
 before it is timed; a mismatch is recorded instead of a time. With --variants the family's
 knob variants are timed too (forward), for the defaults and benchmarks/NOTES.md.
 
-    python3 benchmarks/bench_hopper_ws.py [--no-flex] [--variants] [--fwd-bwd-only] [--budget SECONDS] [--head-dims 128,64]
+    python3 benchmarks/bench_hopper_ws.py [--no-flex] [--variants] [--fwd-bwd-only] [--budget SECONDS]
+        [--head-dims 128,64]
     python3 benchmarks/bench_hopper_ws.py --backward [--dq separate,atomic] [--tiles all|default] [--budget SECONDS]
 
 Writes benchmarks/results/<date>-<gpu>-hopper-ws.{json,md} (--fwd-bwd-only: -hopper-bwd-fwdbwd). --backward instead times the backward

@@ -84,6 +84,8 @@ def run_case(case, args) -> dict:
                 print(f"  {name} refused {batch}:{seqlen}:{heads}:{kv_heads}:{int(causal)}: {str(err)[:120]}")
                 continue
             ref_grads = ref_grads or grads
+        if ref_grads is None:
+            raise SystemExit(f"no SDPA anchor runs case {case}: nothing to check the variants against")
     row = {"case": f"B={batch} S={seqlen} H={heads}/{kv_heads} hd{HEAD_DIM}{' causal' if causal else ''}",
            "mode": "bwd", "default_config": base.describe_backward()}
     calls = {}
@@ -159,7 +161,7 @@ def markdown(rows, env) -> str:
             ratio = row.get(f"ratio_vs_{anchor}_{n}")
             return f"{row[n]['bwd_ms']:.3f}" + (f" ({ratio:.3f})" if ratio is not None else "")
 
-        errors = max(row[f"{n}_max_err"] for n in VARIANTS if f"{n}_max_err" in row)
+        errors = max((row[f"{n}_max_err"] for n in VARIANTS if f"{n}_max_err" in row), default=float("nan"))
         lines.append(f"| {row['case']} | {row['default_config']} | " + " | ".join(map(cell, names))
                      + f" | {errors:.4f} |")
     return "\n".join(lines) + "\n"

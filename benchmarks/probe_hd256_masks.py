@@ -80,12 +80,14 @@ def markdown(rows, env) -> str:
     lines = [f"# hd256 masked forward: Gluon variants vs the default ({env.get('gpu')}, torch {env.get('torch')}, "
              f"triton {env.get('triton')}, {env.get('date')})", "",
              "bf16, 8 heads, 16384 tokens per batch; forward ms (do_bench median of 3 interleaved rounds); "
-             "(x): the default's ms over the variant's. po = HOPPER_HD256 (persistent + overlap), p = persistent, "
+             "(x): the default's ms over the variant's; refused: a ConfigError (the family does not serve the "
+             "spec), error: another failure (in the JSON). po = HOPPER_HD256 (persistent + overlap), p = persistent, "
              "one = one program per tile, one_o = one-tile + overlap.", "",
              "| case | default | default ms | " + " | ".join(VARIANTS) + " |", "|---" * (len(VARIANTS) + 3) + "|"]
     for row in rows:
         cells = [f"{row[f'{v}_ms']:.3f} ({row[f'ratio_vs_default_{v}']:.2f})" if f"{v}_ms" in row
-                 else ("refused" if v in row else "-") for v in VARIANTS]
+                 else ("refused" if str(row.get(v, "")).startswith("ConfigError") else "error" if v in row else "-")
+                 for v in VARIANTS]
         lines.append(f"| {row['case']} | {row['default_config']} | {row.get('default_ms', '-')} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -405,7 +405,7 @@ def _short_backward_default(spec: AttentionSpec, d: int, shape: MaskShape) -> bo
     """The one-launch backward (bwd_short) for calls of up to SMALL_CALL tokens, whose fwd+bwd step is
     host time: one backward launch instead of three or four, no delta buffer. H100, B=1 H=16 hd128
     causal bf16, eager fwd+bwd: benchmarks/results/2026-11-23-h100-call-path-v4.md. The half-precision
-    64x64 tiles only (fp32 and hd > 128 keep 16x32 tiles); custom expressions have no short kernel."""
+    64x64 tiles only (fp32 and hd > 128 keep their own tiles); custom expressions have no short kernel."""
     return spec.dtype in ("fp16", "bf16") and d <= 128 and not shape.custom
 
 
@@ -587,9 +587,10 @@ def _hopper_ws_masked_default(spec: AttentionSpec, d: int, shape: MaskShape, seq
     s36-before.md; -s36.md the same cases on this default): window 1024 S=4096 0.279 / 0.413, S=8192 0.295 /
     0.423, window 512 S=16384 0.191 / 0.281 (1.43-1.48x; one program per tile with the overlap within 3% of it
     either way). Taken for the bands hd128's rule takes (193-2048 keys) at 4096+ tokens: windows as measured,
-    chunks (the same band shape) unmeasured; documents and prefix-LM at hd256 are not measured and keep the
-    portable forward, and score modifiers (Gemma 2's softcap) are not served by the family."""
-    if d == 256 and seqlen >= 4096 and shape.narrow(seqlen) and 192 < shape.band <= 2048:
+    chunks and a prefix-LM under a window (the same band shape) unmeasured; documents (with a band or not) and
+    prefix-LM alone at hd256 are not measured and keep the portable forward, and score modifiers (Gemma 2's
+    softcap) are not served by the family."""
+    if d == 256 and seqlen >= 4096 and not shape.documents and shape.narrow(seqlen) and 192 < shape.band <= 2048:
         return dict(HOPPER_HD256)
     if d != 128 or seqlen < 4096:
         return None

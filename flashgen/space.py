@@ -190,8 +190,16 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         m, n = p["BLOCK_M2"], p["BLOCK_N2"]
         return (m * bd + 2 * m * n) / (32 * p["bwd_num_warps"])
 
-    def smem(p):  # streamed Q^T/dO tiles (dK/dV kernel) or K/V tiles (dQ kernel)
-        return elem * p["bwd_num_stages"] * max(p["BLOCK_M1"], p["BLOCK_N2"]) * (bd + bdv)
+    def smem(p):  # the larger kernel's: its resident tiles and num_stages streamed ones
+        # dK/dV: K and V resident, Q^T and dO streamed (adding dQ: a dQ tile per stage more); dQ: Q and dO
+        # resident, K and V streamed. sm90, hd256, 8 warps (compiled through tests/sm90_compile.py's driver):
+        # dK/dV 64 x 64 at 2 stages 197632 bytes, at 3 264192, adding dQ 263168 (past 232448; at 1 stage 132096),
+        # dQ 128 x 32 at 2 stages 196640: this estimate plus at most 2 KiB
+        stages = p["bwd_num_stages"]
+        dkdv = elem * (p["BLOCK_N1"] + stages * p["BLOCK_M1"]) * (bd + bdv)
+        if p["dq_strategy"] == "atomic":
+            return dkdv + elem * stages * p["BLOCK_M1"] * bd
+        return max(dkdv, elem * (p["BLOCK_M2"] + stages * p["BLOCK_N2"]) * (bd + bdv))
 
     def resident(p):  # persistent dK/dV programs one SM must hold at once: registers (estimate + 64) and smem
         n = p.get("bwd_persistent", 0)
@@ -219,7 +227,8 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     return SearchSpace("bwd", params, restrictions + [
         Restriction("dK/dV kernel registers <= 255", lambda p: device.interpret or dkdv_regs(p) <= 255),
         Restriction("dQ kernel registers <= 255", lambda p: device.interpret or dq_regs(p) <= 255),
-        Restriction(f"smem = {elem}*bwd_num_stages*max(BLOCK_M1, BLOCK_N2)*{bd + bdv} <= {device.smem_bytes:g}",
+        Restriction(f"smem = {elem}*max((BLOCK_N1 + bwd_num_stages*BLOCK_M1)*{bd + bdv} (+ bwd_num_stages*BLOCK_M1*"
+                    f"{bd} adding dQ), (BLOCK_M2 + bwd_num_stages*BLOCK_N2)*{bd + bdv}) <= {device.smem_bytes:g}",
                     lambda p: smem(p) <= device.smem_bytes),
         # delta from the dQ kernel: there is one only with separate dQ.
         Restriction("not bwd_fused_delta or dq_strategy == 'separate'",

@@ -16,8 +16,9 @@ if not HAS_GPU:
 
 
 def _private_dir(prefix):
-    """A temporary directory of this process's own, removed when it exits (each pytest-xdist worker
-    imports this file: a run left one 37 MB kernel cache per worker in /tmp before)."""
+    """A temporary directory of this process's own, removed when it exits (pytest-xdist's workers inherit the
+    controller's, and make none; a run left its 37 MB kernel cache and an empty directory per worker in /tmp
+    before)."""
     path = tempfile.mkdtemp(prefix=prefix)
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path

@@ -115,6 +115,15 @@ def test_head_dim_256_backward_defaults():
         c = default_config(_spec(head_dim=256).replace(**fields), seqlen=4096)
         assert (c.BLOCK_M1, c.BLOCK_N1, c.BLOCK_M2, c.BLOCK_N2, c.bwd_num_warps, c.bwd_num_stages) == \
             (16, 32, 32, 16, 4, 1), fields
+    # the tuner's space holds the default and refuses its neighbours past sm90's shared memory (dK/dV at 3
+    # stages: 264192 bytes compiled; adding dQ at 2 stages: 263168), not the adding kernel at 1 stage (132096)
+    space = backward_space(_spec(head_dim=256, causal=True), DeviceLimits("H100", 232448, hopper=True))
+    point = {k: v for k, v in default_config(_spec(head_dim=256), "h100", seqlen=4096).to_dict().items()
+             if k in space.params}
+    assert space.violations(point) == []
+    for bad in (dict(bwd_num_stages=3), dict(dq_strategy="atomic")):
+        assert any(v.startswith("smem") for v in space.violations(dict(point, **bad))), bad
+    assert space.violations(dict(point, dq_strategy="atomic", bwd_num_stages=1)) == []
 
 
 def test_defaults_elsewhere_do_not_read_the_mask():

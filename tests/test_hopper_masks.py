@@ -206,6 +206,7 @@ def test_masked_defaults_take_the_family_where_it_measured_faster():
                 assert knobs(got) == ("hopper_ws", 128, 64, 2, True, True, False, False), (mask, seqlen)
         for mask, seqlen in (({"sliding_window": {"left": 1024, "right": 0}}, 2048), (DOCS, 16384),
                              ({"prefix_lm": 512}, 16384), ({"sliding_window": {"left": 128, "right": 0}}, 16384),
+                             ({"and": [DOCS, {"sliding_window": {"left": 1024, "right": 0}}]}, 8192),
                              ({"sliding_window": {"left": 4096, "right": 0}}, 8192)):
             assert config(mask, seqlen, d=256, target=target).family == "portable", (mask, seqlen)
 
