@@ -22,6 +22,8 @@ sdpa_ms, ratio_vs_sdpa, ...; with the environment and config) and a markdown tab
 
     PYTHONPATH=. python3 benchmarks/bench_transformers.py                      # the H100 run
     PYTHONPATH=. python3 benchmarks/bench_transformers.py --tiny --device cpu  # a CPU check of the script
+    PYTHONPATH=. python3 benchmarks/bench_transformers.py --model gemma3 --heads 8 --kv-heads 4 --seqlen 4096 \
+        --batch 2 --intermediate 8192    # Gemma 3's attention: head dim 256, 1024-key windows
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def parse_args(argv=None):
     p.add_argument("--skip", nargs="*", default=[], choices=["train_step", "prefill", "generate", "compile_train_step"],
                    help="modes to leave out")
     p.add_argument("--tag", default="", type=file_tag, help="file name suffix: v2 (or -v2) writes ...-v2")
+    p.add_argument("--model", default="llama", choices=["llama", "gemma3"],
+                   help="gemma3: Gemma 3's text model (head dim 256 by default, 5 sliding-window layers to 1 global)")
+    p.add_argument("--head-dim", type=int, default=None, help="gemma3: the head dim (default 256)")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="gemma3: its sliding layers' window in keys (default 1024, Gemma 3's)")
     p.add_argument("--profile-train", action="store_true",
                    help="also GPU time per training step by kernel (torch.profiler), both implementations")
     for name, value in FULL.items():  # every size is a flag; --tiny changes the defaults
@@ -73,14 +80,20 @@ def parse_args(argv=None):
 
 
 def build_model(args, torch, transformers):
-    config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seqlen, args.prompt + args.new_tokens), eos_token_id=None,
-        pad_token_id=None, bos_token_id=None)
+    sizes = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                 num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                 max_position_embeddings=max(args.seqlen, args.prompt + args.new_tokens), eos_token_id=None,
+                 pad_token_id=None, bos_token_id=None)
+    if args.model == "gemma3":
+        head_dim = args.head_dim or 256
+        config, cls = transformers.Gemma3TextConfig(**sizes, head_dim=head_dim, query_pre_attn_scalar=head_dim,
+                                                    sliding_window=args.sliding_window or 1024), \
+            transformers.Gemma3ForCausalLM
+    else:
+        config, cls = transformers.LlamaConfig(**sizes), transformers.LlamaForCausalLM
     torch.manual_seed(0)
     with torch.device(args.device):
-        model = transformers.LlamaForCausalLM(config)
+        model = cls(config)
     return model.to(getattr(torch, DTYPES[args.dtype]))
 
 
@@ -173,7 +186,8 @@ def benchmark(args) -> dict:
     names = {"flashgen": register(), "sdpa": "sdpa"}
     model = build_model(args, torch, transformers)
     timer = Timer(torch, args.device)
-    case = (f"llama-{args.layers}L-h{args.hidden}-{args.heads}h{args.kv_heads}kv-{args.dtype}-"
+    shape = f"hd{args.head_dim or 256}-window{args.sliding_window or 1024}-" if args.model == "gemma3" else ""
+    case = (f"{args.model}-{args.layers}L-h{args.hidden}-{args.heads}h{args.kv_heads}kv-{shape}{args.dtype}-"
             f"b{args.batch}x{args.seqlen}")
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seqlen), generator=gen).to(args.device)
@@ -260,7 +274,8 @@ def benchmark(args) -> dict:
 
     env = environment()
     env["transformers"] = transformers.__version__
-    return {"environment": env, "config": {k: getattr(args, k) for k in FULL}, "device": args.device, "rows": rows,
+    config = {k: getattr(args, k) for k in (*FULL, "model", "head_dim", "sliding_window")}
+    return {"environment": env, "config": config, "device": args.device, "rows": rows,
             **({"train_profile": profiles} if profiles else {})}
 
 
@@ -274,7 +289,8 @@ def gpu_slug(env: dict, device: str) -> str:
 
 def markdown(result: dict) -> str:
     env = result["environment"]
-    lines = [f"transformers Llama, flashgen vs transformers' SDPA attention | {env.get('gpu', 'cpu')} | "
+    model = {"gemma3": "Gemma 3"}.get(result.get("config", {}).get("model"), "Llama")
+    lines = [f"transformers {model}, flashgen vs transformers' SDPA attention | {env.get('gpu', 'cpu')} | "
              f"torch {env['torch']} | triton {env['triton']} | transformers {env['transformers']} | "
              f"flashgen {env['flashgen']}", "",
              "ratio_vs_sdpa = sdpa_ms / flashgen_ms (above 1: flashgen faster)", "",
