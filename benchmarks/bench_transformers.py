@@ -76,6 +76,9 @@ def parse_args(argv=None):
             setattr(args, name, value)
     if args.dtype not in DTYPES:
         p.error(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}")
+    if args.model == "llama" and (args.head_dim or args.sliding_window):
+        p.error(f"--head-dim and --sliding-window are gemma3's (--model gemma3), got --head-dim {args.head_dim} "
+                f"--sliding-window {args.sliding_window} for --model llama")
     return args
 
 

@@ -83,3 +83,17 @@ def test_a_cpu_run_in_a_compiled_process_is_refused(monkeypatch):
         bench.benchmark(bench.parse_args(["--tiny", "--device", "cpu"]))
     assert bench.os.environ["TRITON_INTERPRET"] == "0"
 
+
+
+def test_gemma3_model_and_its_flags():
+    import torch
+    import transformers
+
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--model", "gemma3", "--head-dim", "16", "--sliding-window",
+                             "5", "--layers", "6"])
+    model = bench.build_model(args, torch, transformers)
+    assert isinstance(model, transformers.Gemma3ForCausalLM)
+    assert (model.config.head_dim, model.config.sliding_window, model.config.query_pre_attn_scalar) == (16, 5, 16)
+    assert model.config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]  # Gemma 3's five to one
+    with pytest.raises(SystemExit):  # gemma3's flags on the Llama: an argparse error naming them
+        bench.parse_args(["--sliding-window", "5"])
