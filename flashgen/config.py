@@ -750,7 +750,7 @@ def _backward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape,
         return cfg(32, 32, 32, 32, 4, 1)
     if spec.dtype == "fp32" or (d > 128 and arch != "sm90"):
         return cfg(16, 32, 32, 16, 4, 1)
-    if arch == "sm90" and d > 128:
+    if d > 128:  # (on sm90: the other families returned above)
         # Head dim 256 (and 129-255, padded to it), 16-bit: dK/dV over 64 x 64 tiles with 8 warps (a 64 x 256
         # fp32 dK and dV take 128 registers a thread; 4 warps spill) and 2 stages (3 pass sm90's shared
         # memory: 263168 bytes); dQ over 128-query x 32-key tiles; tensor descriptors. H200, bf16, 16384

@@ -84,7 +84,6 @@ def test_a_cpu_run_in_a_compiled_process_is_refused(monkeypatch):
     assert bench.os.environ["TRITON_INTERPRET"] == "0"
 
 
-
 def test_gemma3_model_and_its_flags():
     import torch
     import transformers

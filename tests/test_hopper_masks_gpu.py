@@ -16,7 +16,7 @@ from flashgen.runtime.hopper import HopperPlan
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
 from .helpers import make_qkv, poisoned_outputs
-from .test_hopper_ws_gpu import BASE, sm90  # the unmasked family's tests: its base config, the sm90 skip
+from .test_hopper_ws_gpu import BASE, sm90, took_hopper_path  # the unmasked family's: base config, skip, plan check
 
 pytestmark = pytest.mark.gpu
 
@@ -82,7 +82,7 @@ def check_forward(dtype, shape, mask_name, knobs, *, seed=0):
     tensors = named_inputs(mask, batch, sq, gen)
     out, lse = poisoned_outputs(q, heads, sq, d, layout)
     module.forward(q, k, v, layout=layout, out=out, lse=lse, tensors=tensors)
-    assert any(isinstance(p, HopperPlan) for p in module._LAUNCHER.plans.values()), "not the Gluon forward"
+    assert took_hopper_path(module), "not the Gluon forward"
     # TESTING.md: 2x the same-precision reference's error + its rounding; rows that see no key: 0, -inf
     assert_attention_close(out, lse, q, k, v, causal=causal, layout=layout, mask=mask, tensors=tensors)
     return module, (q, k, v, tensors, layout)
@@ -191,7 +191,7 @@ def test_forward_backward(mask_name):
     q, k, v = make_qkv(batch, heads, kv_heads, sq, sk, d, dtype=torch.bfloat16, device="cuda", generator=gen)
     tensors = named_inputs(mask, batch, sq, gen)
     out, lse = module.forward(q, k, v, tensors=tensors)
-    assert any(isinstance(p, HopperPlan) for p in module._LAUNCHER.plans.values()), "not the Gluon forward"
+    assert took_hopper_path(module), "not the Gluon forward"
     do = torch.randn(q.shape, generator=gen).to(device="cuda", dtype=torch.bfloat16)
     dq, dk, dv, _ = module.backward(do, q, k, v, out, lse, tensors=tensors)
     # gradients: 3x (TESTING.md)
@@ -233,7 +233,7 @@ def test_head_dim_256_window_training_step_on_its_default(left):
     kw = dict(causal=False, layout="bshd", mask=mask)
     module = flashgen.compile(spec, config).module()
     _, lse = module.forward(q, k, v, layout="bshd")  # the LSE of that config's forward (flashgen.attention's: none)
-    assert any(isinstance(p, HopperPlan) for p in module._LAUNCHER.plans.values()), "not the Gluon forward"
+    assert took_hopper_path(module), "not the Gluon forward"
     assert_attention_close(out.detach(), lse, q, k, v, **kw)
     assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, **kw)
 
@@ -312,7 +312,7 @@ def test_the_range_kernels_record_ids_that_decrease(phase):
                rf"column 700 of row 1 \(met by the search of a call's document ids on cuda")
     with pytest.raises(ValueError, match=message):
         flashgen.check_bounds()
-    assert any(isinstance(p, HopperPlan) for p in module._LAUNCHER.plans.values()), "not the Gluon forward"
+    assert took_hopper_path(module), "not the Gluon forward"
     if phase == "backward":
         from .test_hopper_bwd_gpu import took_gluon_dkdv
 
