@@ -120,8 +120,8 @@ def table_head(title: str, env: dict, note: str, columns: list[str]) -> list[str
 def run_probe(description: str, topic: str, cases: list | Callable, run_case: Callable, markdown: Callable,
               dry_run: Callable, add_arguments: Callable | None = None):
     """The probe's command line: --rounds, --out, --tag, --dry and the probe's own (add_arguments);
-    run_case(case, args) -> row for each case (after --dry has shortened them; cases(args) where the
-    probe's arguments choose them), markdown(rows, env)."""
+    run_case(case, args) -> a row, or a list of rows, for each case (after --dry has shortened them;
+    cases(args) where the probe's arguments choose them), markdown(rows, env)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -138,8 +138,9 @@ def run_probe(description: str, topic: str, cases: list | Callable, run_case: Ca
     rows = []
     for case in (cases(args) if callable(cases) else cases):
         t0 = time.time()
-        rows.append(run_case(case, args))
-        print(json.dumps(rows[-1]), f"{time.time() - t0:.0f}s", flush=True)
+        result = run_case(case, args)  # a row, or a list of rows (one per mode)
+        rows.extend(result if isinstance(result, list) else [result])
+        print(json.dumps(result), f"{time.time() - t0:.0f}s", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
         stem.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
         stem.with_suffix(".md").write_text(markdown(rows, env))

@@ -390,6 +390,12 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
     backward = _backward_defaults(spec, arch, d, shape, seqlen)
     if arch == "sm90":
         backward.update(_hopper_bwd_default(spec, d, shape, seqlen, target))
+        if _padded_16_bit(spec):
+            # the backward's loads of a padded head dim through descriptors too, as the forward's (below for
+            # host-bound calls): hd40 causal fwd+bwd, the forward on them already, 121 TFLOP/s at S=4096 without
+            # (0.88x SDPA's FlashAttention-2; results/2026-11-29-h200-head-dims-s37-after.md) against 210 for
+            # plain hd40 with them
+            backward["bwd_tma"] = True
     if seqlen <= SMALL_CALL:
         # A call this short is host-bound: building tensor descriptors costs more host time than the
         # copy engine saves (H100, B=1 H=16 S=128 hd128 causal: forward 68 vs 41 us of host per call,
@@ -415,11 +421,21 @@ def default_configs(spec: AttentionSpec, target: str | None = None) -> dict[int,
     return {bucket: default_config(spec, target, bucket) for bucket in DEFAULT_BUCKETS}
 
 
+def _padded_16_bit(spec: AttentionSpec) -> bool:
+    """A 16-bit spec whose head dims are narrower than their tiles (padded_head_dim): 40, 80, 96, 160, ..."""
+    from .runtime.host import padded_head_dim
+
+    return spec.dtype in ("fp16", "bf16") and any(padded_head_dim(x) != x for x in (spec.head_dim, spec.head_dim_v))
+
+
+def _tiles(m, n, warps, stages, tma=False) -> dict:
+    """A portable forward default's knobs."""
+    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, tma=tma)
+
+
 def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int,
                       hopper_ws: bool = True) -> dict:
-    def cfg(m, n, warps, stages, tma=False):
-        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, tma=tma)
-
+    cfg = _tiles
     if arch == "interpret":
         # The interpreter runs each program in numpy: fewer, larger tiles are faster.
         return cfg(32, 32, 4, 1)
@@ -430,41 +446,56 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
     if arch == "sm90" and hopper_ws and (hopper := _hopper_ws_default(spec, d, shape, seqlen)) is not None:
         return hopper
     if arch == "sm90":
-        # From the H100 sweeps (bf16, 16 heads, 16k tokens, triton 3.6): hopper_knobs.md for the
-        # TMA / warp-specialization runs; masks/2026-11-22-h100-masked-defaults-sweep.md for the
-        # mask shapes and short sequences (GPU time alone, per case the best of 6-7 tiles).
-        if d <= 64:
-            if shape.narrow(seqlen) or (shape.causal and seqlen <= 2048):
-                return cfg(64, 64, 4, 3)  # causal hd64 S=1024: 0.120 ms vs 0.129 for 128x64
-            return dict(cfg(128, 64, 8, 3), warp_specialize=not spec.causal)
-        if d <= 128:
-            if shape.narrow(seqlen) and shape.band <= 2048:
-                # a band of a few key blocks: small query tiles waste less of the band's edges.
-                # window 128: 64x32 0.116 ms vs 0.169 for 128x128 (S=4096); window 256, 1024,
-                # chunks of 1024: 64x64 with descriptors 0.143 / 0.297 / 0.193 (vs 0.200 / 0.328 / 0.228)
-                return cfg(64, 32, 4, 3) if shape.band <= 192 else cfg(64, 64, 4, 3, tma=True)
-            if shape.documents:
-                # document lengths are known only at run time. 64x64 with descriptors, once its
-                # boundary loop reads the ids at 2 stages (prefill/q_outer.j2: two programs per SM,
-                # not one), is the fastest or tied at every length measured (H100, CUDA-graph us,
-                # benchmarks/probe_document_tiles.py, results/masks/2026-11-23-h100-document-tiles.md):
-                # 4 documents at S=4096 220 vs 246 for 64x32 and 245 for 128x128; 16 at S=16384 224
-                # vs 247 / 247; 16 at S=4096 (256 tokens each) 123 vs 121 / 158; the same causal work
-                # unmasked takes 208.
-                return cfg(64, 64, 4, 3, tma=True)
-            if shape.causal and seqlen <= 2048:
-                return cfg(64, 64, 4, 3, tma=True)  # causal S=1024: 0.186 ms vs 0.221 for 128x128
-            return dict(cfg(128, 128, 8, 3, tma=True), warp_specialize=True)
-        if spec.fp8:
-            # FP8 hd256 (H100, 16k tokens, triton 3.6): 128x64 with descriptors and warp
-            # specialization 0.89-0.90 PFLOP/s vs 0.71-0.77 for 64x64 (benchmarks/NOTES.md)
-            return dict(cfg(128, 64, 8, 3, tma=True), warp_specialize=True)
-        return cfg(64, 64, 4, 2)
+        forward = _sm90_portable_forward(spec, d, shape, seqlen)
+        if _padded_16_bit(spec):
+            # A head dim under its tiles' width reads Q, K and V through descriptors, whose copy engine zero-fills
+            # the padding, instead of loads masked along the head dim (no 16-byte copies: the pipeline starves).
+            # H200, bf16, 16 heads, 16384 tokens, forward TFLOP/s with / without (benchmarks/
+            # probe_padded_head_dims.py, results/2026-11-29-h200-padded-head-dims-s37.md): hd40 S=1024 causal
+            # 127.7 / 69.9, S=1024 220.8 / 83.7, S=4096 253.1 / 99.8; hd160 and hd192 within 5% either way
+            # (those, and hd40 but causal up to 2048 tokens, take the Gluon family there); 80-128 had them.
+            forward["tma"] = True
+        return forward
     if d <= 64:
         return cfg(128, 64, 4, 3)
     if d <= 128:
         return cfg(128, 32, 4, 2)
     return cfg(64, 32, 4, 1)
+
+
+def _sm90_portable_forward(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict:
+    """The portable forward's default on an sm90 GPU (16-bit and FP8; fp32 has its own)."""
+    cfg = _tiles
+    # From the H100 sweeps (bf16, 16 heads, 16k tokens, triton 3.6): hopper_knobs.md for the
+    # TMA / warp-specialization runs; masks/2026-11-22-h100-masked-defaults-sweep.md for the
+    # mask shapes and short sequences (GPU time alone, per case the best of 6-7 tiles).
+    if d <= 64:
+        if shape.narrow(seqlen) or (shape.causal and seqlen <= 2048):
+            return cfg(64, 64, 4, 3)  # causal hd64 S=1024: 0.120 ms vs 0.129 for 128x64
+        return dict(cfg(128, 64, 8, 3), warp_specialize=not spec.causal)
+    if d <= 128:
+        if shape.narrow(seqlen) and shape.band <= 2048:
+            # a band of a few key blocks: small query tiles waste less of the band's edges.
+            # window 128: 64x32 0.116 ms vs 0.169 for 128x128 (S=4096); window 256, 1024,
+            # chunks of 1024: 64x64 with descriptors 0.143 / 0.297 / 0.193 (vs 0.200 / 0.328 / 0.228)
+            return cfg(64, 32, 4, 3) if shape.band <= 192 else cfg(64, 64, 4, 3, tma=True)
+        if shape.documents:
+            # document lengths are known only at run time. 64x64 with descriptors, once its
+            # boundary loop reads the ids at 2 stages (prefill/q_outer.j2: two programs per SM,
+            # not one), is the fastest or tied at every length measured (H100, CUDA-graph us,
+            # benchmarks/probe_document_tiles.py, results/masks/2026-11-23-h100-document-tiles.md):
+            # 4 documents at S=4096 220 vs 246 for 64x32 and 245 for 128x128; 16 at S=16384 224
+            # vs 247 / 247; 16 at S=4096 (256 tokens each) 123 vs 121 / 158; the same causal work
+            # unmasked takes 208.
+            return cfg(64, 64, 4, 3, tma=True)
+        if shape.causal and seqlen <= 2048:
+            return cfg(64, 64, 4, 3, tma=True)  # causal S=1024: 0.186 ms vs 0.221 for 128x128
+        return dict(cfg(128, 128, 8, 3, tma=True), warp_specialize=True)
+    if spec.fp8:
+        # FP8 hd256 (H100, 16k tokens, triton 3.6): 128x64 with descriptors and warp
+        # specialization 0.89-0.90 PFLOP/s vs 0.71-0.77 for 64x64 (benchmarks/NOTES.md)
+        return dict(cfg(128, 64, 8, 3, tma=True), warp_specialize=True)
+    return cfg(64, 64, 4, 2)
 
 
 def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
@@ -525,7 +556,19 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     64 x 64 default / cuDNN (results/2026-11-29-h200-forward-variants-hd256.md): S=1024 500 / 291 / 584,
     causal 386 / 227 / 444; S=4096 610 / 372 / 634, causal 556 / 311 / 553; S=16384 641 / 347 / 653, causal
     626 / 342 / 585. The one-tile grid, with or without the overlap, and the persistent one without it were
-    slower at every length (e.g. S=16384 plain 607-634)."""
+    slower at every length (e.g. S=16384 plain 607-634).
+
+    Head dims between 64, 128 and 256 (16-bit, multiples of 8: 40, 80, 96, 160, 192, ...) since the family pads
+    them (session 37): each takes its padded width's rule and knobs. H200, bf16, 16 heads, 16384 tokens, forward
+    TFLOP/s over the head dim's own FLOPs, the Gluon family / the portable default then / cuDNN (benchmarks/
+    probe_padded_head_dims.py, results/2026-11-29-h200-padded-head-dims-s37.md, 2 interleaved rounds): hd40 S=1024
+    243 / 84 / 256, S=4096 307 / 100 / 281, causal 244 / 86 / 252; hd80 S=1024 368 / 294 / 374, causal 271 / 225 /
+    279, S=4096 410 / 362 / 401, causal 382 / 298 / 354; hd96 S=1024 421 / 350 / 436, causal 319 / 268 / 329,
+    S=4096 474 / 403 / 472, causal 434 / 355 / 407; hd160 S=1024 368 / 193 / 484, causal 294 / 155 / 374, S=4096
+    424 / 236 / 532, causal 398 / 202 / 474; hd192 S=1024 431 / 241 / 558, causal 343 / 191 / 451, S=4096 503 /
+    303 / 636, causal 466 / 258 / 569; diffusion's cross-attention (4096 x 77 keys, 8 heads, batch 8) hd80 91 / 61,
+    hd160 100 / 58. hd40 causal at 1024 keeps the portable forward (hd64's rule), on descriptors (_padded_16_bit)."""
+    from .runtime.host import padded_head_dim
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec) is not None:
@@ -536,6 +579,7 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
         return None
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
+    d = padded_head_dim(d)  # a padded head dim (40, 80, 96, 160, ...) runs its padded width's tiles
     if d == 128 and seqlen >= 1024:
         return dict(HOPPER_ALL_THREE)  # calls of up to 512 tokens: not measured
     if d == 256 and seqlen >= 1024:

@@ -189,6 +189,14 @@ def main(only=()) -> int:
         ("hopper_ws persistent gqa hd256, overlap", dict(head_dim=256, num_heads=8, num_kv_heads=2, forward_only=True),
          KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
                       hopper_overlap=True)),
+        # head dims between the family's 64, 128 and 256 on their padded width's tiles: O's pointer store masked
+        # past the head dim (hd96, hd128's default knobs but the TMA store); three consumers and the TMA store (hd40)
+        ("hopper_ws persistent hd96 (padded), overlap", dict(head_dim=96, num_heads=4, causal=True, forward_only=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
+                      hopper_overlap=True)),
+        ("hopper_ws persistent hd40 (padded), 3 consumers, TMA store", dict(head_dim=40, num_heads=4, forward_only=True),
+         KernelConfig(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_regs=160,
+                      hopper_persistent=True, hopper_tma_store=True)),
         ("hopper_ws hd128, ping-pong", dict(head_dim=128, num_heads=4),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
         # the persistent grid (hopper_persistent): one program per SM walking work units, causal GQA on two

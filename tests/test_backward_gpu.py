@@ -71,6 +71,20 @@ def test_head_dims_past_128_on_their_default_backward(dtype, causal, bwd_tma, se
     _check(dtype, causal, "separate", seqlens, head_dim, heads=heads, layout=layout, bwd_tma=bwd_tma)
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens,head_dim,heads,layout", [((1024, 1024), 40, (8, 2), "bshd"),
+                                                           ((2048, 2048), 40, (4, 1), "bhsd"),
+                                                           ((777, 1500), 80, (4, 4), "bhsd"),
+                                                           ((1500, 777), 96, (6, 2), "bshd")])
+def test_padded_head_dims_on_their_default_backward(dtype, causal, seqlens, head_dim, heads, layout):
+    # head dims under their tiles' width read through descriptors in the backward too (config._padded_16_bit),
+    # after the Gluon forward at their padded width's knobs (or the portable one with descriptors)
+    spec = AttentionSpec(dtype=dtype, head_dim=head_dim, num_heads=heads[0], num_kv_heads=heads[1], causal=causal)
+    assert default_config(spec, None, seqlens[0]).bwd_tma
+    _check(dtype, causal, "separate", seqlens, head_dim, heads=heads, layout=layout)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_deterministic_gradients_are_bitwise_equal(dtype):
     kernel, (q, k, v, do), grads = _check(dtype, True, "atomic", (2048, 2048), 128, deterministic=True)

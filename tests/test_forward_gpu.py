@@ -21,13 +21,16 @@ DTYPES = ["fp16", "bf16", "fp32"]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(1024, 1024), (2047, 2047), (513, 1900), (1900, 513), (1, 4096)])
-@pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (80, 80), (256, 256)])
+@pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (40, 40), (80, 80), (160, 160), (256, 256)])
 def test_q_outer_real_sizes(dtype, causal, seqlens, head_dims):
     spec = AttentionSpec(dtype=dtype, head_dim=head_dims[0], num_heads=8, num_kv_heads=2, causal=causal)
-    cfg = default_config(spec, hopper_ws=False)  # (the portable Q-outer kernel's default tiles)
+    # the portable Q-outer kernel's default tiles, descriptors and warp specialization (padded head dims read
+    # through descriptors on sm90)
+    cfg = default_config(spec, None, seqlens[0], hopper_ws=False)
     run_and_check("cuda", loop_order="q_outer", causal=causal, dtype=dtype, seqlens=seqlens, head_dims=head_dims,
                   heads=(8, 2), layout="bshd" if seqlens[0] % 2 else "bhsd", blocks=(cfg.BLOCK_M, cfg.BLOCK_N),
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, tma=cfg.tma,
+                  warp_specialize=cfg.warp_specialize)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -30,6 +30,12 @@ H100 = DeviceLimits("NVIDIA H100", 232448.0, hopper=True)
     dict(dtype="fp8_e4m3", head_dim=256),
     dict(dtype="bf16", head_dim=256, num_heads=8, num_kv_heads=2, causal=True),
     dict(dtype="fp16", head_dim=256),
+    # head dims between them, on their padded width's tiles (16-bit, multiples of 8)
+    dict(dtype="bf16", head_dim=40, num_heads=8, num_kv_heads=2, causal=True),
+    dict(dtype="fp16", head_dim=96),
+    dict(dtype="bf16", head_dim=72),
+    dict(dtype="bf16", head_dim=160, num_heads=8, num_kv_heads=2, causal=True),
+    dict(dtype="bf16", head_dim=248),
 ])
 def test_spec_served(fields):
     assert hopper.spec_unserved(AttentionSpec(**fields)) is None
@@ -64,9 +70,10 @@ def test_fp8_is_served_by_the_forward_only():
 @pytest.mark.parametrize("fields, reason", [
     (dict(dtype="fp32", head_dim=64), "dtype 'fp32'"),
     (dict(dtype="fp8_e5m2", head_dim=128), "dtype 'fp8_e5m2'"),
-    (dict(dtype="fp8_e4m3", head_dim=96), "head_dim 96"),
-    (dict(dtype="bf16", head_dim=96), "head_dim 96"),
-    (dict(dtype="bf16", head_dim=192), "head_dim 192"),
+    (dict(dtype="fp8_e4m3", head_dim=96), "head_dim 96"),  # FP8: the exact head dims only
+    (dict(dtype="bf16", head_dim=100), "head_dim 100"),  # not a multiple of 8 (rows of 200 bytes)
+    (dict(dtype="bf16", head_dim=32), "head_dim 32"),  # 32-wide tiles: not the family's
+    (dict(dtype="bf16", head_dim=24), "head_dim 24"),
     (dict(dtype="bf16", head_dim=128, head_dim_v=64), "head_dim_v 64"),
     (dict(dtype="bf16", head_dim=64, mask={"sink": {"tokens": 4, "window": 128}}), "mask: pattern 'sink'"),
     (dict(dtype="bf16", head_dim=64, score_mod={"softcap": 30.0}), "score modifier"),
@@ -346,8 +353,10 @@ def test_space_offers_the_family_only_where_it_serves():
     assert "family" in masked.params and masked.params["hopper_persistent"] == (False, True)
     fp8 = forward_space(AttentionSpec(dtype="fp8_e4m3", head_dim=128, backward=False), H100)
     assert fp8.params["hopper_persistent"] == (False, True)
-    for spec in (AttentionSpec(dtype="bf16", head_dim=96), AttentionSpec(dtype="fp32", head_dim=64)):
+    for spec in (AttentionSpec(dtype="bf16", head_dim=100), AttentionSpec(dtype="fp32", head_dim=64)):
         assert "family" not in forward_space(spec, H100).params
+    # a padded head dim (hd96 on 128-wide tiles) is searched on the family too
+    assert "family" in forward_space(AttentionSpec(dtype="bf16", head_dim=96), H100).params
     assert "family" not in forward_space(AttentionSpec(dtype="bf16", head_dim=128),
                                          DeviceLimits("NVIDIA A100", 166912.0)).params
 
@@ -393,7 +402,7 @@ def test_sm90_defaults_take_the_family_where_it_measured_faster():
         assert family(d, causal, seqlen).family == "portable", (d, causal, seqlen)
     assert family(128, False, 4096, mask={"sliding_window": {"left": 100}}).family == "portable"
     assert family(128, False, 4096, dtype="fp32").family == "portable"
-    assert family(96, False, 4096).family == "portable"
+    assert family(100, False, 4096).family == "portable"
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16)
     assert flashgen.default_config(spec, "a100", 4096).family == "portable"
 
@@ -561,6 +570,92 @@ def test_persistent_plan_launches_one_program_per_sm_at_most(monkeypatch):
         units = 2 * 4 * (4 if paired else 8)
         assert plan.launch.grid == (units,) and plan.args[-3:] == (4, 8, units)
         assert plan.launch.constexprs["CAUSAL"] is paired
+
+
+FORWARD_KNOBS = ("family", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "hopper_regs", "hopper_overlap",
+                 "hopper_pingpong", "hopper_persistent", "hopper_tma_store")
+
+
+@pytest.mark.parametrize("target", ["h100", "h200"])
+@pytest.mark.parametrize("head_dim, width", [(40, 64), (56, 64), (72, 128), (80, 128), (96, 128), (112, 128),
+                                             (160, 256), (192, 256), (224, 256)])
+def test_padded_head_dims_take_their_widths_defaults(head_dim, width, target):
+    # a head dim between the family's 64, 128 and 256 runs its padded width's forward (results/2026-11-29-h200-
+    # padded-head-dims-s37.md: 1.13-3.07x the portable default); where that width keeps the portable family
+    # (hd64 causal up to 2048 tokens, calls under 1024), the portable forward reads through descriptors
+    # (zero-filled padding, not loads masked along the head dim: hd40 causal S=1024 1.83x), but for host-bound
+    # calls (up to SMALL_CALL tokens), which build none
+    from flashgen.config import SMALL_CALL
+
+    for causal in (False, True):
+        for seqlen in (256, 512, 1024, 2048, 4096, 16384, 65536):
+            got = flashgen.default_config(AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=8, causal=causal),
+                                          target, seqlen)
+            wide = flashgen.default_config(AttentionSpec(dtype="bf16", head_dim=width, num_heads=8, causal=causal),
+                                           target, seqlen)
+            if wide.family == "hopper_ws":
+                assert [getattr(got, k) for k in FORWARD_KNOBS] == [getattr(wide, k) for k in FORWARD_KNOBS], \
+                    (causal, seqlen)
+            else:
+                assert got.family == "portable" and got.tma == (seqlen > SMALL_CALL), (causal, seqlen, got)
+            # the backward reads through descriptors too; the Gluon dK/dV serves 64 and 128 exactly
+            assert got.bwd_tma == (seqlen > SMALL_CALL) and not got.hopper_bwd, (causal, seqlen)
+    # FP8 keeps the exact head dims (portable forward); fp32 and other GPUs are unchanged (no descriptors)
+    for dtype, tgt in (("fp8_e4m3", target), ("fp32", target), ("bf16", "a100")):
+        got = flashgen.default_config(AttentionSpec(dtype=dtype, head_dim=head_dim, num_heads=8), tgt, 4096)
+        assert got.family == "portable", (dtype, tgt)
+        if dtype != "fp8_e4m3":
+            assert not got.tma and not got.bwd_tma, (dtype, tgt)
+
+
+def test_padded_head_dims_are_served_by_the_forward_only():
+    spec = AttentionSpec(dtype="bf16", head_dim=96, num_heads=8, causal=True)
+    assert hopper.spec_unserved(spec) is None
+    assert "head_dim 96" in hopper.spec_unserved(spec, backward=True)
+    with pytest.raises(ConfigError, match="'hopper_bwd'.*head_dim 96"):
+        KernelConfig(hopper_bwd=True).check_spec(spec)
+    # unequal head dims stay out, padded or not
+    assert "head_dim_v 64" in hopper.spec_unserved(AttentionSpec(dtype="bf16", head_dim=96, head_dim_v=64))
+
+
+def test_a_padded_head_dim_masks_the_pointer_store_only():
+    # the columns past the head dim are left out of O's pointer store; the exact head dims' kernel text (and the
+    # stored results' kernel hashes) keep their store; a TMA store is clipped by the copy engine, unmasked
+    from flashgen.codegen.render import timed_source
+
+    def spec(d):
+        return AttentionSpec(dtype="bf16", head_dim=d, num_heads=8, num_kv_heads=2, causal=True)
+
+    for knobs in (HOPPER, PERSISTENT):
+        padded = timed_source(render(spec(96), KernelConfig(**knobs), standalone=False), "fwd")
+        assert "mask=(o_rows < seqlen_q)[:, None] & (o_cols < 96)[None, :])" in padded
+        exact = timed_source(render(spec(128), KernelConfig(**knobs), standalone=False), "fwd")
+        assert "o_cols <" not in exact and "gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(o_rows < seqlen_q)" \
+            "[:, None])" in exact
+        stored = render(spec(96), KernelConfig(**knobs, hopper_tma_store=True))
+        assert "o_cols <" not in stored and "tma_store(O," in stored
+
+
+@pytest.mark.interpreter
+def test_a_padded_call_reads_its_widths_tiles(monkeypatch):
+    # hd96: Q, K, V (and O's TMA store) through descriptors of 128-wide tiles over 96-wide rows (the copy engine
+    # zero-fills the rest); the softmax scale is the head dim's own
+    spec = AttentionSpec(dtype="fp16", head_dim=96, num_heads=4, num_kv_heads=2)
+    module = flashgen.compile(spec, KernelConfig(**HOPPER, hopper_tma_store=True)).module()
+    module._LAUNCHER.hopper_forward.device_unserved = lambda device: None
+    made, launched = [], []
+
+    class Descriptor:
+        def __init__(self, t, layout, rows, cols):
+            made.append((t.shape[-1], rows, cols))
+
+    monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: lambda *args: launched.append(args))
+    monkeypatch.setattr(module._LAUNCHER.hopper_forward, "descriptor", Descriptor)
+    q, k, v = make_qkv(2, 4, 2, 45, 61, 96, dtype=torch.float16, device="cpu")
+    module.forward(q, k, v)
+    assert made == [(96, 64, 128), (96, HOPPER["BLOCK_N"], 128), (96, HOPPER["BLOCK_N"], 128), (96, 64, 128)]
+    (args,) = launched
+    assert args[-1] == pytest.approx(96 ** -0.5 * 1.4426950408889634)
 
 
 def test_tma_store_knob_keeps_the_register_store_text_and_renders_the_copy():

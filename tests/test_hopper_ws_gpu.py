@@ -187,6 +187,65 @@ def test_default_takes_the_family_where_it_is_the_default(head_dim, causal, seql
     assert_attention_close(out, lse, q, k, v, causal=causal)
 
 
+# Head dims between 64, 128 and 256 on their padded width's tiles: each with the knobs of its padded width's
+# default (three consumers and the TMA store at 40; persistent + overlap + TMA store at 80-112; hd256's 64-key
+# blocks at 160, 192) and one other O store (the pointer store's column mask, or the TMA store's clipping)
+PADDED = [(40, dict(BLOCK_M=192, hopper_regs=160, hopper_tma_store=True, hopper_persistent=True)), (40, {}),
+          (72, dict(hopper_tma_store=True)), (80, dict(hopper_persistent=True, hopper_overlap=True,
+                                                      hopper_tma_store=True)), (96, {}),
+          (96, dict(hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)),
+          (112, dict(hopper_pingpong=True)), (160, dict(HD256, hopper_persistent=True, hopper_overlap=True)),
+          (192, HD256), (192, dict(HD256, BLOCK_M=64, hopper_persistent=True, hopper_tma_store=True))]
+PADDED_SHAPES = [(2, 6, 2, 777, 301, "bshd"), (1, 4, 4, 333, 777, "bhsd"), (1, 8, 1, 17, 1025, "bhsd")]
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", PADDED_SHAPES)
+@pytest.mark.parametrize("head_dim,knobs", PADDED, ids=[f"hd{d}-{'-'.join(k) or 'base'}" for d, k in PADDED])
+def test_padded_head_dims(head_dim, knobs, shape, causal):
+    batch, heads, kv_heads, sq, sk, layout = shape
+    check_forward("bf16", (batch, heads, kv_heads, sq, sk, head_dim, layout), causal, knobs)
+
+
+@sm90
+@pytest.mark.parametrize("tma_store", [False, True])
+@pytest.mark.parametrize("head_dim", [40, 96, 160])
+def test_a_padded_head_dim_writes_only_its_own_columns(head_dim, tma_store):
+    # out a view of the first head_dim columns of a wider buffer: the padding's columns are computed (zeros of
+    # V's padding) but neither store may write them over what follows O's columns in memory
+    # (hd160 on 256-wide tiles takes the TMA store's O tiles beside one consumer only: shared memory)
+    knobs = dict(HD256, BLOCK_M=64 if tma_store else 128) if head_dim > 128 else {}
+    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=4, num_kv_heads=2, causal=True)
+    module = flashgen.compile(spec, KernelConfig(**{**BASE, **knobs, "hopper_persistent": True,
+                                                    "hopper_tma_store": tma_store})).module()
+    q, k, v = make_qkv(2, 4, 2, 300, 300, head_dim, dtype=torch.bfloat16, device="cuda")
+    wide = torch.full((2, 4, 300, head_dim + 64), 7.0, dtype=torch.bfloat16, device="cuda")
+    out = wide[..., :head_dim]
+    out_, lse = module.forward(q, k, v, out=out)
+    assert took_hopper_path(module) and out_.data_ptr() == out.data_ptr()
+    assert bool((wide[..., head_dim:] == 7.0).all())
+    assert_attention_close(out, lse, q, k, v, causal=True)
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [40, 96, 160])
+def test_padded_head_dims_train_on_their_default(head_dim, causal):
+    # flashgen.attention at 4096 tokens: the family's forward at the padded width's default knobs, the portable
+    # backward (the Gluon dK/dV serves head dims 64 and 128 exactly) reading its O and LSE
+    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=4, num_kv_heads=2, causal=causal)
+    config = default_config(spec, None, 4096)
+    assert config.family == "hopper_ws" and not config.hopper_bwd, config
+    q, k, v = make_qkv(1, 4, 2, 4096, 4096, head_dim, dtype=torch.bfloat16, device="cuda", layout="bshd")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flashgen.attention(*leaves, causal=causal, layout="bshd")
+    do = torch.randn_like(out)
+    out.backward(do)
+    assert_attention_close(out.detach(), None, q, k, v, causal=causal, layout="bshd")
+    assert_gradients_close(tuple(t.grad for t in leaves), q, k, v, do, causal=causal, layout="bshd")
+
+
 @sm90
 @pytest.mark.parametrize("knob", ["", "hopper_overlap", "hopper_pingpong", "hopper_tma_store",
                                   "hopper_overlap+hopper_tma_store"])  # the last: the hd128 and hd64 defaults

@@ -33,8 +33,9 @@ def test_kernels_compile_for_sm90(tmp_path):
     # cases (backward only) + 2 forwards writing O by a TMA store (FP8 persistent, masked one-tile) + 3 masked
     # forwards on the persistent grid (and the documents one's training step) + three consumers (one-tile forward;
     # persistent forward, backward, step) + the adding dK/dV kernel's spill check + 16-bit hd256 (one-tile
-    # forward, backward, step; a persistent overlapped forward)
-    assert len([line for line in lines if line.startswith("ok ")]) == 73, proc.stdout
+    # forward, backward, step; a persistent overlapped forward) + two padded head dims on the Gluon forward (hd96's
+    # pointer store, hd40's three consumers and TMA store)
+    assert len([line for line in lines if line.startswith("ok ")]) == 75, proc.stdout
     # FA3's overlap (hopper_overlap): ptxas keeps the overlapped forwards' MMAs asynchronous
     assert any(line.startswith("ok wgmma pipelining: ") for line in lines), proc.stdout
     assert any(line.startswith("ok documents' shared memory: ") for line in lines), proc.stdout

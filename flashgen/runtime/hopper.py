@@ -25,7 +25,7 @@ __future__ import and its top-level names clash neither with host.py's nor with 
 import torch
 import triton
 
-from .host import SEQ_DIMS, BoundLaunch, Descriptors, ForwardPlan, bhsd_order, bhsd_strides, bounds_record, contiguous_strides, empty_runs_table, sm_count  # standalone: host.py precedes
+from .host import SEQ_DIMS, BoundLaunch, Descriptors, ForwardPlan, bhsd_order, bhsd_strides, bounds_record, contiguous_strides, empty_runs_table, padded_head_dim, sm_count  # standalone: host.py precedes
 
 # ---------------------------------------------------------------------------- the 3.6 / 3.9 shim
 # Gluon is experimental: triton 3.6 (the GPU image) and 3.9 (CI) name a few things differently.
@@ -94,6 +94,11 @@ gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "to
 # memory). 16-bit hd256 K/V tiles of 64 keys take 2 stages beside Q (192 KiB; config.hopper_ws_smem
 # refuses more).
 served_head_dims = (64, 128, 256)
+# A 16-bit head dim between them runs on the next one's tiles (padded_head_dim): the copy engine zero-fills Q, K
+# and V past the head dim and the O store leaves those columns out, as the portable kernels' BLOCK_D does. A
+# multiple of 8 only (16-byte rows); FP8 keeps the exact head dims (its V^T tiles and hd256's promoted q.k are
+# written for them).
+padded_head_dim_step = 8
 backward_head_dims = (64, 128)  # the Gluon dK/dV's (hopper_bwd): hd256 is not written
 served_dtypes = ("fp16", "bf16", "fp8_e4m3")
 # FP8 (e4m3; e5m2 keeps the portable forward): forward only, so the Gluon dK/dV (hopper_bwd) refuses it
@@ -113,9 +118,8 @@ def spec_unserved(spec, *, backward=False) -> str | None:
         return f"dtype {get('dtype')!r} (served: {', '.join(served_dtypes)})"
     if backward and get("dtype") in forward_only_dtypes:
         return f"dtype {get('dtype')!r} (forward only; the Gluon dK/dV serves fp16, bf16)"
-    head_dims = backward_head_dims if backward else served_head_dims
-    if get("head_dim") != get("head_dim_v") or get("head_dim") not in head_dims:
-        return f"head_dim {get('head_dim')}/head_dim_v {get('head_dim_v')} (served: equal, one of {head_dims})"
+    if reason := head_dim_unserved(get("head_dim"), get("head_dim_v"), get("dtype"), backward):
+        return reason
     if get("mask") is not None and get("dtype") in forward_only_dtypes:
         return f"a mask pattern with dtype {get('dtype')!r} (served with fp16, bf16)"
     if get("mask") is not None and (reason := mask_unserved(get("mask"))):
@@ -127,6 +131,21 @@ def spec_unserved(spec, *, backward=False) -> str | None:
     if get("target") not in ("auto", "h100", "h200"):
         return f"target {get('target')!r} (served: an sm90 GPU, h100/h200, or auto)"
     return None
+
+
+def head_dim_unserved(head_dim: int, head_dim_v: int, dtype: str, backward: bool = False) -> str | None:
+    """Why the family cannot serve these head dims, or None: equal, and one of served_head_dims (the Gluon dK/dV:
+    backward_head_dims), or for the 16-bit forward a multiple of padded_head_dim_step under 256 whose padded width
+    (padded_head_dim) is one of them."""
+    served = backward_head_dims if backward else served_head_dims
+    if head_dim == head_dim_v and head_dim in served:
+        return None
+    padded = (not backward and dtype not in forward_only_dtypes and head_dim == head_dim_v
+              and head_dim % padded_head_dim_step == 0 and padded_head_dim(head_dim) in served)
+    if padded:
+        return None
+    also = "" if backward else f"; fp16/bf16 also multiples of {padded_head_dim_step} padded to one"
+    return f"head_dim {head_dim}/head_dim_v {head_dim_v} (served: equal, one of {served}{also})"
 
 
 # The mask patterns the forward serves: those whose key range is one segment (runtime of one block's
@@ -293,7 +312,8 @@ class HopperPlan:
 
     def __init__(self, forward, base, q, k, layout, out, scale, cfg):
         self.forward, self.base, self.layout, self.scale, self.cfg = forward, base, layout, scale, cfg
-        block_n, head_dim = cfg["BLOCK_N"], q.shape[-1]
+        # (tiles of the padded head dim: the copy engine zero-fills the columns past q's, and O's store leaves them)
+        block_n, head_dim = cfg["BLOCK_N"], padded_head_dim(q.shape[-1])
         batch, heads, seqlen_q, _ = bhsd_order(q.shape, layout)
         _, kv_heads, seqlen_k, _ = bhsd_order(k.shape, layout)
         o_strides = bhsd_order(contiguous_strides(base.o_shape) if out is None else out.stride(), layout)

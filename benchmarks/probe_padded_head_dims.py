@@ -1,0 +1,117 @@
+"""Head dims between the Gluon forward's 64, 128 and 256 (40, 80, 96, 160, 192: CLIP, diffusion UNets, Phi-3)
+on the family at their padded width's default knobs, against the portable default (and the portable default
+with tensor descriptors, whose copy engine zero-fills the padding instead of masked loads), cuDNN and SDPA's
+FlashAttention-2. Forward, bf16, bhsd, 16 heads, 16384 tokens per call; cross-attention rows are diffusion's
+(4096 latents over 77 text tokens, 8 heads, batch 8). do_bench medians of --rounds interleaved rounds; each
+output is compared with SDPA flash's before it is timed.
+
+    PYTHONPATH=. python3 benchmarks/probe_padded_head_dims.py [--head-dims 80,96] [--rounds 3] [--dry]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from probes import alternating, figures, run_probe, table_head  # noqa: E402
+
+HEAD_DIMS = (40, 80, 96, 160, 192)
+VARIANTS = ("default", "portable", "portable_tma", "cudnn", "sdpa_flash")
+
+
+def cases(args):
+    dims = [int(d) for d in args.head_dims.split(",")] if args.head_dims else HEAD_DIMS
+    out = [dict(head_dim=d, causal=c, seqlen_q=s, seqlen_k=s, heads=16, batch=16384 // s)
+           for d in dims for s in (1024, 4096) for c in (False, True)]
+    return out + [dict(head_dim=d, causal=False, seqlen_q=4096, seqlen_k=77, heads=8, batch=8)
+                  for d in dims if d in (40, 80, 160)]
+
+
+def run_case(case, args):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashgen
+    from flashgen import AttentionSpec, default_config
+    from flashgen.flops import attention_flops, tflops
+    from flashgen.timing import time_ms
+
+    d, causal, sq, sk, h, b = (case[k] for k in ("head_dim", "causal", "seqlen_q", "seqlen_k", "heads", "batch"))
+    gen = torch.Generator(device="cuda").manual_seed(sq * 1000 + d)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=gen) for s in (sq, sk, sk))
+    spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=h, causal=causal)
+    default = default_config(spec, None, sq)
+    portable = default_config(spec, None, sq, hopper_ws=False)
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return run
+
+    calls = {"default": lambda: flashgen.attention(q, k, v, causal=causal),
+             "portable": lambda: flashgen.attention(q, k, v, causal=causal, config=portable),
+             "portable_tma": lambda: flashgen.attention(q, k, v, causal=causal, config=portable.replace(tma=True)),
+             "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION)}
+    if portable.tma:
+        del calls["portable_tma"]  # the same config as portable
+    reference = calls["sdpa_flash"]().float()
+    row = {"case": f"hd{d} S={sq}" + (f"x{sk}" if sk != sq else "") + (" causal" if causal else ""), "mode": "fwd",
+           **case, "default_config": str(default), "portable_config": str(portable)}
+    ok = {}
+    for name, fn in calls.items():
+        try:
+            err = float((fn().float() - reference).abs().max())
+        except Exception as exc:  # a variant that cannot run this case is reported, not fatal
+            row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+            continue
+        if err > 0.05:
+            row[name] = {"error": f"max |{name} - sdpa_flash| = {err:.3g}"}
+            continue
+        ok[name] = fn
+        row[name] = {"max_err_vs_sdpa_flash": err}
+    flops = attention_flops(b, h, sq, sk, d, causal=causal)
+    for name, ms in alternating(ok, args.rounds, lambda name: time_ms(ok[name])).items():
+        med = statistics.median(ms)
+        row[name].update(ms=round(med, 4), tflops=round(tflops(flops, med), 1), rounds_ms=[round(x, 4) for x in ms])
+    for anchor in ("cudnn", "sdpa_flash", "portable"):
+        if "ms" in row.get("default", {}) and "ms" in row.get(anchor, {}):
+            row[f"ratio_vs_{anchor}"] = round(row[anchor]["ms"] / row["default"]["ms"], 3)
+    return row
+
+
+def markdown(rows, env):
+    lines = table_head("Padded head dims on the Gluon forward", env,
+                       "bf16 forward, TFLOP/s over visible pairs (do_bench medians of interleaved rounds); default = "
+                       "flashgen.attention's default (the Gluon family at its padded width's knobs where served); "
+                       "ratios: anchor ms / default ms.",
+                       ["case", *VARIANTS, "vs cudnn", "vs sdpa_flash", "vs portable", "default ms rounds"])
+    for row in rows:
+        cells = [str(row[v]["tflops"]) if "tflops" in row.get(v, {}) else row.get(v, {}).get("error", "-")[:30]
+                 for v in VARIANTS]
+        lines.append(f"| {row['case']} | " + " | ".join(cells) + f" | {row.get('ratio_vs_cudnn', '-')} | "
+                     f"{row.get('ratio_vs_sdpa_flash', '-')} | {row.get('ratio_vs_portable', '-')} | "
+                     f"{figures(row.get('default', {}).get('rounds_ms', []))} |")
+    return "\n".join(lines) + "\n"
+
+
+def dry_run():
+    """Print the cases and exit: no GPU needed."""
+    import argparse
+
+    for case in cases(argparse.Namespace(head_dims=None)):
+        print(case)
+    raise SystemExit(0)
+
+
+def add_arguments(parser):
+    parser.add_argument("--head-dims", default=None, help="comma-separated head dims (default: 40,80,96,160,192)")
+
+
+if __name__ == "__main__":
+    run_probe(__doc__.splitlines()[0], "padded-head-dims", cases, run_case, markdown, dry_run, add_arguments)
