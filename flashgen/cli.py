@@ -174,7 +174,10 @@ def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_sta
                                  param_hint="'-o' / '--output'")
     if target is not None and target.lower() == "auto":
         target = detect_target()  # this machine's GPU, whatever the spec names
-    config = _tuned_config(spec, spec_path, db_url, seqlen) if tuned else default_config(spec, target=target)
+    # (the portable family's knobs asked for: its default, where the target's would be the Gluon family's)
+    portable = loop_order is not None or tma is not None or warp_specialize is not None
+    config = (_tuned_config(spec, spec_path, db_url, seqlen) if tuned else
+              default_config(spec, target=target, hopper_ws=not portable))
     if warp_specialize is None and num_warps is not None and num_warps < 8:
         warp_specialize = False  # the default's warp specialization needs 8 warps
     changes = {"loop_order": loop_order, "BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps,

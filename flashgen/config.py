@@ -264,8 +264,8 @@ class KernelConfig:
             raise ConfigError(f"config knob 'BLOCK_M': family 'hopper_ws' takes three consumers (192) for fp16/bf16 "
                               f"(not measured or tested on FP8), got dtype {spec.dtype!r}")
         if self.family == "hopper_ws" and self.BLOCK_M == 192 and max(spec.head_dim, spec.head_dim_v) > 64:
-            raise ConfigError(f"config knob 'BLOCK_M': family 'hopper_ws' takes three consumers (192) at head dim 64 "
-                              f"only (their S and O accumulators fit {HOPPER_THREE_REGS} registers there), got head "
+            raise ConfigError(f"config knob 'BLOCK_M': family 'hopper_ws' takes three consumers (192) at head dims up "
+                              f"to 64 only (their S and O accumulators fit {HOPPER_THREE_REGS} registers there), got head "
                               f"dim {max(spec.head_dim, spec.head_dim_v)}")
         if self.family == "hopper_ws" and self.BLOCK_N == 256 and not spec.fp8:
             raise ConfigError(f"config knob 'BLOCK_N': family 'hopper_ws' takes 256-key blocks for FP8 specs only "
@@ -422,10 +422,12 @@ def default_configs(spec: AttentionSpec, target: str | None = None) -> dict[int,
 
 
 def _padded_16_bit(spec: AttentionSpec) -> bool:
-    """A 16-bit spec whose head dims are narrower than their tiles (padded_head_dim): 40, 80, 96, 160, ..."""
-    from .runtime.host import padded_head_dim
+    """An unmasked 16-bit spec whose head dims are narrower than their tiles (host.reads_padding: 40, 80, 96, 160,
+    ...; masks at them were not measured and keep their shapes' rules)."""
+    from .runtime.host import reads_padding
 
-    return spec.dtype in ("fp16", "bf16") and any(padded_head_dim(x) != x for x in (spec.head_dim, spec.head_dim_v))
+    return (spec.dtype in ("fp16", "bf16") and spec.mask is None
+            and any(reads_padding(x) for x in (spec.head_dim, spec.head_dim_v)))
 
 
 def _tiles(m, n, warps, stages, tma=False) -> dict:
@@ -435,7 +437,7 @@ def _tiles(m, n, warps, stages, tma=False) -> dict:
 
 def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int,
                       hopper_ws: bool = True) -> dict:
-    cfg = _tiles
+    cfg = _tiles  # (short: the rules below read as the table they are)
     if arch == "interpret":
         # The interpreter runs each program in numpy: fewer, larger tiles are faster.
         return cfg(32, 32, 4, 1)
@@ -465,7 +467,7 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
 
 def _sm90_portable_forward(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict:
     """The portable forward's default on an sm90 GPU (16-bit and FP8; fp32 has its own)."""
-    cfg = _tiles
+    cfg = _tiles  # (short: the rules below read as the table they are)
     # From the H100 sweeps (bf16, 16 heads, 16k tokens, triton 3.6): hopper_knobs.md for the
     # TMA / warp-specialization runs; masks/2026-11-22-h100-masked-defaults-sweep.md for the
     # mask shapes and short sequences (GPU time alone, per case the best of 6-7 tiles).

@@ -72,7 +72,7 @@ def test_generate_block_m_override_takes_its_register_budget(tmp_path):
         assert (f"'hopper_regs': {regs}" in config) if regs else "'hopper_regs'" not in config  # (240: left out)
     gqa = str(ROOT / "examples/specs/gqa-causal.yaml")  # hd128: three consumers do not fit its accumulators
     result = CliRunner().invoke(main, ["generate", "--spec", gqa, "--target", "h100", "--block-m", "192"])
-    assert result.exit_code == 2 and "'BLOCK_M'" in result.output and "head dim 64 only" in result.output
+    assert result.exit_code == 2 and "'BLOCK_M'" in result.output and "head dims up to 64 only" in result.output
 
 
 def test_generated_module_runs_with_only_torch_and_triton(tmp_path):
@@ -578,3 +578,20 @@ def test_export_of_a_gpu_without_results_names_the_gpus_there(tmp_path, sound_da
     result = CliRunner().invoke(main, ["export", "--gpu", "H100", "-o", str(tmp_path / "x.yaml"), "--db", empty])
     _one_error(result, 1, "no results for GPU 'H100'", "it holds none")
     assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize("knob", [["--loop-order", "kv_outer"], ["--tma"], ["--no-tma"]])
+@pytest.mark.parametrize("head_dim", [96, 128])
+def test_generate_with_portable_knobs_starts_from_the_portable_default_on_hopper(tmp_path, knob, head_dim):
+    # on an H100 the default forward at these head dims is the Gluon family, whose config takes no loop order or
+    # descriptors knob: asked for one, generate writes the portable family's default with it
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(f"name: phi\ndtype: bf16\nhead_dim: {head_dim}\nnum_heads: 8\ncausal: true\n")
+    out = tmp_path / "phi.py"
+    result = CliRunner().invoke(main, ["generate", "--spec", str(spec), "-o", str(out), "--target", "h100", *knob])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert "'family': 'hopper_ws'" not in text and "CONFIG = {" in text
+    plain = CliRunner().invoke(main, ["generate", "--spec", str(spec), "-o", str(tmp_path / "g.py"), "--target",
+                                      "h100"])
+    assert plain.exit_code == 0 and "'family': 'hopper_ws'" in (tmp_path / "g.py").read_text()

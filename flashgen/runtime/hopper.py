@@ -25,7 +25,7 @@ __future__ import and its top-level names clash neither with host.py's nor with 
 import torch
 import triton
 
-from .host import SEQ_DIMS, BoundLaunch, Descriptors, ForwardPlan, bhsd_order, bhsd_strides, bounds_record, contiguous_strides, empty_runs_table, padded_head_dim, sm_count  # standalone: host.py precedes
+from .host import SEQ_DIMS, BoundLaunch, Descriptors, ForwardPlan, bhsd_order, bhsd_strides, bounds_record, contiguous_strides, empty_runs_table, padded_head_dim, PADDED_ROW_MULTIPLE, reads_padding, sm_count  # standalone: host.py precedes
 
 # ---------------------------------------------------------------------------- the 3.6 / 3.9 shim
 # Gluon is experimental: triton 3.6 (the GPU image) and 3.9 (CI) name a few things differently.
@@ -94,11 +94,10 @@ gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "to
 # memory). 16-bit hd256 K/V tiles of 64 keys take 2 stages beside Q (192 KiB; config.hopper_ws_smem
 # refuses more).
 served_head_dims = (64, 128, 256)
-# A 16-bit head dim between them runs on the next one's tiles (padded_head_dim): the copy engine zero-fills Q, K
-# and V past the head dim and the O store leaves those columns out, as the portable kernels' BLOCK_D does. A
-# multiple of 8 only (16-byte rows); FP8 keeps the exact head dims (its V^T tiles and hd256's promoted q.k are
-# written for them).
-padded_head_dim_step = 8
+# A 16-bit head dim between them, unmasked, runs on the next one's tiles (padded_head_dim; host.reads_padding: a
+# multiple of 8, 16-byte rows): the copy engine zero-fills Q, K and V past the head dim, and O's store leaves those
+# columns out, as the portable kernels' BLOCK_D does. FP8 keeps the exact head dims (its V^T tiles and hd256's
+# promoted q.k are written for them); mask patterns at padded head dims are neither measured nor tested there.
 backward_head_dims = (64, 128)  # the Gluon dK/dV's (hopper_bwd): hd256 is not written
 served_dtypes = ("fp16", "bf16", "fp8_e4m3")
 # FP8 (e4m3; e5m2 keeps the portable forward): forward only, so the Gluon dK/dV (hopper_bwd) refuses it
@@ -109,7 +108,8 @@ served_layouts = ("bhsd", "bshd")  # packed 'thd' (varlen) runs the portable for
 def spec_unserved(spec, *, backward=False) -> str | None:
     """Why the hopper_ws family cannot serve this spec (an AttentionSpec or a module's SPEC
     dict), or None when it can. Served: fp16/bf16 (and fp8_e4m3 for the forward: backward=False),
-    head_dim == head_dim_v in served_head_dims (backward=True: backward_head_dims), bottom-right causal
+    head_dim == head_dim_v in served_head_dims or, unmasked 16-bit, padded to one (head_dim_unserved;
+    backward=True: backward_head_dims exactly), bottom-right causal
     or not, a mask of the built-in patterns mask_unserved takes (fp16/bf16), no score modifier, no dropout,
     an sm90 target or 'auto'. backward=True: the Gluon dK/dV kernel's rule (hopper_bwd: fp16/bf16; the same masks,
     whose row range per key block is one segment too: an and of intervals is one)."""
@@ -118,7 +118,7 @@ def spec_unserved(spec, *, backward=False) -> str | None:
         return f"dtype {get('dtype')!r} (served: {', '.join(served_dtypes)})"
     if backward and get("dtype") in forward_only_dtypes:
         return f"dtype {get('dtype')!r} (forward only; the Gluon dK/dV serves fp16, bf16)"
-    if reason := head_dim_unserved(get("head_dim"), get("head_dim_v"), get("dtype"), backward):
+    if reason := head_dim_unserved(get("head_dim"), get("head_dim_v"), get("dtype"), get("mask") is not None, backward):
         return reason
     if get("mask") is not None and get("dtype") in forward_only_dtypes:
         return f"a mask pattern with dtype {get('dtype')!r} (served with fp16, bf16)"
@@ -133,18 +133,17 @@ def spec_unserved(spec, *, backward=False) -> str | None:
     return None
 
 
-def head_dim_unserved(head_dim: int, head_dim_v: int, dtype: str, backward: bool = False) -> str | None:
+def head_dim_unserved(head_dim: int, head_dim_v: int, dtype: str, masked: bool, backward: bool = False) -> str | None:
     """Why the family cannot serve these head dims, or None: equal, and one of served_head_dims (the Gluon dK/dV:
-    backward_head_dims), or for the 16-bit forward a multiple of padded_head_dim_step under 256 whose padded width
-    (padded_head_dim) is one of them."""
+    backward_head_dims), or for the unmasked fp16/bf16 forward one whose padded width is one of them
+    (reads_padding)."""
     served = backward_head_dims if backward else served_head_dims
     if head_dim == head_dim_v and head_dim in served:
         return None
-    padded = (not backward and dtype not in forward_only_dtypes and head_dim == head_dim_v
-              and head_dim % padded_head_dim_step == 0 and padded_head_dim(head_dim) in served)
-    if padded:
+    if (not backward and dtype in ("fp16", "bf16") and not masked and head_dim == head_dim_v
+            and reads_padding(head_dim) and padded_head_dim(head_dim) in served):
         return None
-    also = "" if backward else f"; fp16/bf16 also multiples of {padded_head_dim_step} padded to one"
+    also = "" if backward else f"; unmasked fp16/bf16 also multiples of {PADDED_ROW_MULTIPLE} padded to one"
     return f"head_dim {head_dim}/head_dim_v {head_dim_v} (served: equal, one of {served}{also})"
 
 
@@ -275,8 +274,9 @@ class HopperForward:
 
     @staticmethod
     def descriptor(t, layout, rows, cols):
-        """A (batch, heads, seq, dim) Gluon descriptor of t, one (1, 1, rows, cols = head dim) tile per
-        load: the copy engine zero-fills past the sequence, so no tile reads another head's rows."""
+        """A (batch, heads, seq, dim) Gluon descriptor of t, one (1, 1, rows, cols = the head dim's padded width)
+        tile per load: the copy engine zero-fills past the sequence and past the head dim, so no tile reads another
+        head's rows or columns."""
         block = [1, 1, rows, cols]
         smem = gl.NVMMASharedLayout.get_default_for(block, gluon_dtypes[str(t.dtype)])
         return GluonTensorDescriptor(t, list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout)), block, smem)

@@ -62,6 +62,15 @@ def padded_head_dim(head_dim):
     return max(16, triton.next_power_of_2(head_dim))
 
 
+PADDED_ROW_MULTIPLE = 8  # a padded head dim's 16-bit rows are 16-byte multiples: the copy engine can read them
+
+
+def reads_padding(head_dim) -> bool:
+    """A head dim narrower than its tiles (40, 80, 96, 160, ...) whose 16-bit rows the copy engine can read
+    (a multiple of PADDED_ROW_MULTIPLE): tensor descriptors zero-fill the tiles' columns past it."""
+    return head_dim % PADDED_ROW_MULTIPLE == 0 and padded_head_dim(head_dim) != head_dim
+
+
 def bhsd_strides(t, layout):
     """(batch, head, seq, dim) strides whatever the memory layout; packed 'thd' has no batch stride."""
     return bhsd_order(t.stride(), layout)
@@ -1254,9 +1263,16 @@ class AttentionLauncher:
             served = hopper.plan(plan, q, k, v, layout, out, scale, dropout_p, cfg, varlen=layout == "thd")
             if served is not None:  # else the portable forward below
                 return served
-            if cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1):  # the family's three consumers (192 rows): 64-row tiles here
+            # the portable forward on tiles it runs well (the family's tiles are its consumers' and a producer's):
+            # the three consumers' 192 rows as 64; 256-wide tiles (head dims past 128) on the portable sm90 default's
+            # 64 x 64; 128 x 128 tiles on that default's 8 warps (4 would hold a 128-row S and O per warpgroup)
+            if cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1):
                 cfg = dict(cfg, BLOCK_M=64)
-                launch = self.launch_knobs(cfg, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+            if max(self.block_d, self.block_dv) > 128:
+                cfg = dict(cfg, BLOCK_M=64, BLOCK_N=64)
+            elif cfg["BLOCK_M"] == 128 and cfg["BLOCK_N"] == 128:
+                cfg = dict(cfg, num_warps=8)
+            launch = self.launch_knobs(cfg, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
         flags = dict(VARLEN=layout == "thd", DROPOUT=bool(dropout_p), WIDE_ROWS=wide_rows(
             layout, *((t.shape, t.stride()) for t in (q, k, v)), (o_shape, o_strides)))
         if cfg["loop_order"] == "q_outer":
