@@ -390,12 +390,19 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
     backward = _backward_defaults(spec, arch, d, shape, seqlen)
     if arch == "sm90":
         backward.update(_hopper_bwd_default(spec, d, shape, seqlen, target))
-        if _padded_16_bit(spec):
-            # the backward's loads of a padded head dim through descriptors too, as the forward's (below for
-            # host-bound calls): hd40 causal fwd+bwd, the forward on them already, 121 TFLOP/s at S=4096 without
-            # (0.88x SDPA's FlashAttention-2; results/2026-11-29-h200-head-dims-s37-after.md) against 210 for
-            # plain hd40 with them
-            backward["bwd_tma"] = True
+    if arch == "sm90" and _padded_16_bit(spec):
+        # A head dim under its tiles' width: the portable kernels read Q, K and V (and the backward's dO) through
+        # descriptors, whose copy engine zero-fills the padding, instead of loads masked along the head dim (no
+        # 16-byte copies: the pipeline starves); host-bound calls go without them below. H200, bf16, 16 heads,
+        # 16384 tokens, forward TFLOP/s with / without (benchmarks/probe_padded_head_dims.py,
+        # results/2026-11-29-h200-padded-head-dims-s37.md): hd40 S=1024 causal 127.7 / 69.9, S=1024 220.8 / 83.7,
+        # S=4096 253.1 / 99.8; hd160 and hd192 within 5% either way (those, and hd40 but causal up to 2048
+        # tokens, take the Gluon family there); 80-128 had them. The backward: hd40 causal fwd+bwd, its forward
+        # on them already, 121 TFLOP/s at S=4096 without (0.88x SDPA's FlashAttention-2;
+        # results/2026-11-29-h200-head-dims-s37-after.md), 189 with (-s37-hd40.md)
+        if forward.get("family", "portable") == "portable":
+            forward["tma"] = True
+        backward["bwd_tma"] = True
     if seqlen <= SMALL_CALL:
         # A call this short is host-bound: building tensor descriptors costs more host time than the
         # copy engine saves (H100, B=1 H=16 S=128 hd128 causal: forward 68 vs 41 us of host per call,
@@ -430,14 +437,11 @@ def _padded_16_bit(spec: AttentionSpec) -> bool:
             and any(reads_padding(x) for x in (spec.head_dim, spec.head_dim_v)))
 
 
-def _tiles(m, n, warps, stages, tma=False) -> dict:
-    """A portable forward default's knobs."""
-    return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, tma=tma)
-
-
 def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int,
                       hopper_ws: bool = True) -> dict:
-    cfg = _tiles  # (short: the rules below read as the table they are)
+    def cfg(m, n, warps, stages, tma=False):
+        return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, tma=tma)
+
     if arch == "interpret":
         # The interpreter runs each program in numpy: fewer, larger tiles are faster.
         return cfg(32, 32, 4, 1)
@@ -448,56 +452,41 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
     if arch == "sm90" and hopper_ws and (hopper := _hopper_ws_default(spec, d, shape, seqlen)) is not None:
         return hopper
     if arch == "sm90":
-        forward = _sm90_portable_forward(spec, d, shape, seqlen)
-        if _padded_16_bit(spec):
-            # A head dim under its tiles' width reads Q, K and V through descriptors, whose copy engine zero-fills
-            # the padding, instead of loads masked along the head dim (no 16-byte copies: the pipeline starves).
-            # H200, bf16, 16 heads, 16384 tokens, forward TFLOP/s with / without (benchmarks/
-            # probe_padded_head_dims.py, results/2026-11-29-h200-padded-head-dims-s37.md): hd40 S=1024 causal
-            # 127.7 / 69.9, S=1024 220.8 / 83.7, S=4096 253.1 / 99.8; hd160 and hd192 within 5% either way
-            # (those, and hd40 but causal up to 2048 tokens, take the Gluon family there); 80-128 had them.
-            forward["tma"] = True
-        return forward
+        # From the H100 sweeps (bf16, 16 heads, 16k tokens, triton 3.6): hopper_knobs.md for the
+        # TMA / warp-specialization runs; masks/2026-11-22-h100-masked-defaults-sweep.md for the
+        # mask shapes and short sequences (GPU time alone, per case the best of 6-7 tiles).
+        if d <= 64:
+            if shape.narrow(seqlen) or (shape.causal and seqlen <= 2048):
+                return cfg(64, 64, 4, 3)  # causal hd64 S=1024: 0.120 ms vs 0.129 for 128x64
+            return dict(cfg(128, 64, 8, 3), warp_specialize=not spec.causal)
+        if d <= 128:
+            if shape.narrow(seqlen) and shape.band <= 2048:
+                # a band of a few key blocks: small query tiles waste less of the band's edges.
+                # window 128: 64x32 0.116 ms vs 0.169 for 128x128 (S=4096); window 256, 1024,
+                # chunks of 1024: 64x64 with descriptors 0.143 / 0.297 / 0.193 (vs 0.200 / 0.328 / 0.228)
+                return cfg(64, 32, 4, 3) if shape.band <= 192 else cfg(64, 64, 4, 3, tma=True)
+            if shape.documents:
+                # document lengths are known only at run time. 64x64 with descriptors, once its
+                # boundary loop reads the ids at 2 stages (prefill/q_outer.j2: two programs per SM,
+                # not one), is the fastest or tied at every length measured (H100, CUDA-graph us,
+                # benchmarks/probe_document_tiles.py, results/masks/2026-11-23-h100-document-tiles.md):
+                # 4 documents at S=4096 220 vs 246 for 64x32 and 245 for 128x128; 16 at S=16384 224
+                # vs 247 / 247; 16 at S=4096 (256 tokens each) 123 vs 121 / 158; the same causal work
+                # unmasked takes 208.
+                return cfg(64, 64, 4, 3, tma=True)
+            if shape.causal and seqlen <= 2048:
+                return cfg(64, 64, 4, 3, tma=True)  # causal S=1024: 0.186 ms vs 0.221 for 128x128
+            return dict(cfg(128, 128, 8, 3, tma=True), warp_specialize=True)
+        if spec.fp8:
+            # FP8 hd256 (H100, 16k tokens, triton 3.6): 128x64 with descriptors and warp
+            # specialization 0.89-0.90 PFLOP/s vs 0.71-0.77 for 64x64 (benchmarks/NOTES.md)
+            return dict(cfg(128, 64, 8, 3, tma=True), warp_specialize=True)
+        return cfg(64, 64, 4, 2)
     if d <= 64:
         return cfg(128, 64, 4, 3)
     if d <= 128:
         return cfg(128, 32, 4, 2)
     return cfg(64, 32, 4, 1)
-
-
-def _sm90_portable_forward(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict:
-    """The portable forward's default on an sm90 GPU (16-bit and FP8; fp32 has its own)."""
-    cfg = _tiles  # (short: the rules below read as the table they are)
-    # From the H100 sweeps (bf16, 16 heads, 16k tokens, triton 3.6): hopper_knobs.md for the
-    # TMA / warp-specialization runs; masks/2026-11-22-h100-masked-defaults-sweep.md for the
-    # mask shapes and short sequences (GPU time alone, per case the best of 6-7 tiles).
-    if d <= 64:
-        if shape.narrow(seqlen) or (shape.causal and seqlen <= 2048):
-            return cfg(64, 64, 4, 3)  # causal hd64 S=1024: 0.120 ms vs 0.129 for 128x64
-        return dict(cfg(128, 64, 8, 3), warp_specialize=not spec.causal)
-    if d <= 128:
-        if shape.narrow(seqlen) and shape.band <= 2048:
-            # a band of a few key blocks: small query tiles waste less of the band's edges.
-            # window 128: 64x32 0.116 ms vs 0.169 for 128x128 (S=4096); window 256, 1024,
-            # chunks of 1024: 64x64 with descriptors 0.143 / 0.297 / 0.193 (vs 0.200 / 0.328 / 0.228)
-            return cfg(64, 32, 4, 3) if shape.band <= 192 else cfg(64, 64, 4, 3, tma=True)
-        if shape.documents:
-            # document lengths are known only at run time. 64x64 with descriptors, once its
-            # boundary loop reads the ids at 2 stages (prefill/q_outer.j2: two programs per SM,
-            # not one), is the fastest or tied at every length measured (H100, CUDA-graph us,
-            # benchmarks/probe_document_tiles.py, results/masks/2026-11-23-h100-document-tiles.md):
-            # 4 documents at S=4096 220 vs 246 for 64x32 and 245 for 128x128; 16 at S=16384 224
-            # vs 247 / 247; 16 at S=4096 (256 tokens each) 123 vs 121 / 158; the same causal work
-            # unmasked takes 208.
-            return cfg(64, 64, 4, 3, tma=True)
-        if shape.causal and seqlen <= 2048:
-            return cfg(64, 64, 4, 3, tma=True)  # causal S=1024: 0.186 ms vs 0.221 for 128x128
-        return dict(cfg(128, 128, 8, 3, tma=True), warp_specialize=True)
-    if spec.fp8:
-        # FP8 hd256 (H100, 16k tokens, triton 3.6): 128x64 with descriptors and warp
-        # specialization 0.89-0.90 PFLOP/s vs 0.71-0.77 for 64x64 (benchmarks/NOTES.md)
-        return dict(cfg(128, 64, 8, 3, tma=True), warp_specialize=True)
-    return cfg(64, 64, 4, 2)
 
 
 def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
