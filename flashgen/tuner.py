@@ -505,6 +505,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
         point = {n: trial.suggest_categorical(n, list(c)) for n, c in space.params.items()}
         data, broken = candidate(space, base, point, default_point)
         key = config_key(data)
+        _record_heartbeat(study, trial)
         rec = measured().get(key)
         if rec is not None:  # measured before, by this run or another: told again, not run again
             trial.set_user_attr("reused", True)
@@ -579,6 +580,17 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
     seconds["final"] = time.monotonic() - final_start
     return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept,
                         len(starts), seconds=seconds, found=found)
+
+
+def _record_heartbeat(study, trial) -> None:
+    """Write this trial's first heartbeat now, before it claims a config. Optuna's heartbeat thread
+    writes it when it gets the database's write lock, and a trial with no heartbeat is never stale:
+    a worker killed before that write (seen in the CI: another worker held SQLite's lock) left its
+    trial running for good, its config claimed, and no worker of the run took the final round."""
+    from optuna.storages._heartbeat import is_heartbeat_enabled
+
+    if is_heartbeat_enabled(study._storage):
+        study._storage.record_heartbeat(trial._trial_id)
 
 
 def _runs_final_round(study, store: ResultStore, worker: tuple[str, int]) -> bool:

@@ -642,6 +642,31 @@ def test_three_workers_share_one_study_and_a_killed_worker_loses_only_its_trial(
     assert list(ResultStore(shared_url, create=False).best_configs(here, parsed)) == [32]
 
 
+@needs_interpreter
+def test_a_trial_has_its_heartbeat_before_it_measures_anything(store, monkeypatch):
+    # Optuna's heartbeat thread writes when it gets the write lock: a worker killed before that
+    # write left a trial that was never stale (running for good, its config claimed). The CI saw it
+    # in the test above; here the thread never writes at all.
+    import contextlib
+
+    import optuna.study._optimize as optimize
+    from sqlalchemy import text
+
+    monkeypatch.setattr(optimize, "get_heartbeat_thread", lambda *a, **k: contextlib.nullcontext())
+    unbeaten = []
+
+    class Runner(InterpretRunner):
+        def trial(self, *args, **kwargs):
+            with store.engine.connect() as conn:
+                unbeaten.extend(conn.execute(text(
+                    "SELECT trial_id FROM trials WHERE state = 'RUNNING' "
+                    "AND trial_id NOT IN (SELECT trial_id FROM trial_heartbeats)")).scalars())
+            return super().trial(*args, **kwargs)
+
+    (result,) = tune(SPEC.replace(backward=False), Runner(), store, TuneOptions(trials=2))
+    assert result.trials >= 2 and unbeaten == []
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked workers are Linux's")
 def test_a_forked_worker_that_fails_says_why_in_one_line_and_exits_nonzero(tmp_path, capfd):
     # the child of `tune --gpus`: a database it cannot open is said as `flashgen tune` would say it
