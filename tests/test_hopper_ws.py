@@ -10,7 +10,7 @@ import torch
 import triton
 
 import flashgen
-from flashgen import AttentionSpec, ConfigError, KernelConfig
+from flashgen import AttentionSpec, ConfigError, KernelConfig, default_config
 from flashgen.codegen.render import render
 from flashgen.runtime import hopper
 from flashgen.space import DeviceLimits, forward_space
@@ -189,7 +189,7 @@ def test_render_keeps_the_portable_forward_beside_it():
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True, backward=True)
     source = render(spec, KernelConfig(**HOPPER), standalone=False)
     assert "def _attn_fwd_hopper_ws(" in source and "def _attn_fwd(" in source
-    assert "_LAUNCHER.hopper_forward = HopperForward(_attn_fwd_hopper_ws, SPEC, CONFIG)" in source
+    assert "_LAUNCHER.hopper_forward = HopperForward(_attn_fwd_hopper_ws, SPEC, CONFIG, fallback={" in source
     portable = render(spec, KernelConfig(**dict(HOPPER, family="portable")), standalone=False)
     assert "gluon" not in portable and "hopper_forward" not in portable
 
@@ -207,24 +207,38 @@ def test_calls_it_cannot_serve_run_the_portable_forward():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("head_dim, knobs, tiles", [
-    (96, {}, (128, 128, 8)),  # 128 x 128 on the portable sm90 default's 8 warps
-    (160, dict(BLOCK_N=64), (64, 64, 4)),  # 256-wide tiles on that default's 64 x 64
-    (256, dict(BLOCK_N=64), (64, 64, 4)),
-    (64, dict(BLOCK_M=64, BLOCK_N=128, num_stages=3), (64, 128, 4)),  # the family's one-consumer tiles run as they are
-])
-def test_a_declined_call_runs_the_portable_forward_on_its_own_tiles(head_dim, knobs, tiles):
-    # the Gluon family's tiles are its consumers' (4 warps each) and a producer's: the portable forward a call it
-    # cannot serve falls back to (packed sequences, strides the copy engine cannot read, no sm90 GPU) runs tiles it
-    # runs well; the output checked against the reference
+@pytest.mark.parametrize("head_dim, knobs", [(96, {}), (160, dict(BLOCK_N=64)), (64, dict(BLOCK_M=192, hopper_regs=160))])
+def test_a_declined_call_runs_the_portable_forward_on_that_family_s_default(head_dim, knobs):
+    # the Gluon family's tiles are its consumers' (4 warps each) and a producer's: a call it cannot serve (packed
+    # sequences, strides the copy engine cannot read, no sm90 GPU) runs the portable forward on the portable
+    # default's knobs for its length; the output checked against the reference
     spec = AttentionSpec(dtype="fp16", head_dim=head_dim, num_heads=2, causal=True)
     module = flashgen.compile(spec, KernelConfig(**dict(HOPPER, **knobs))).module()
     q, k, v = make_qkv(1, 2, 2, 45, 61, head_dim, dtype=torch.float16, device="cpu")
     out, lse = module.forward(q, k, v)
     (plan,) = module._LAUNCHER.plans.values()
     assert not isinstance(plan, hopper.HopperPlan)
-    assert tuple(plan.launch.constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps")) == tiles
+    portable = default_config(spec, "h100", 45, hopper_ws=False)
+    assert {k: plan.launch.constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "WARP_SPECIALIZE")} == dict(
+        BLOCK_M=portable.BLOCK_M, BLOCK_N=portable.BLOCK_N, num_warps=portable.num_warps,
+        WARP_SPECIALIZE=portable.warp_specialize)
     assert_attention_close(out, lse, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (96, True), (128, True), (256, False)])
+def test_the_fallback_knobs_are_the_portable_default_of_the_nearest_bucket(head_dim, causal):
+    from flashgen.config import DEFAULT_BUCKETS
+    from flashgen.space import nearest_bucket
+
+    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=16, causal=causal)
+    module = flashgen.compile(spec, default_config(spec, "h100", 4096)).module()
+    lengths = sorted({1, 2, 77, 300, 511, 512, 513, 724, 725, 3000, 70000}
+                     | {b + d for b in DEFAULT_BUCKETS for d in (-1, 0, 1)})
+    for n in lengths:
+        portable = default_config(spec, "h100", nearest_bucket(n, DEFAULT_BUCKETS), hopper_ws=False)
+        assert module._LAUNCHER.hopper_forward.fallback_knobs(n) == {
+            k: getattr(portable, k) for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_specialize",
+                                              "tma")}, n
 
 
 @pytest.mark.interpreter
@@ -507,7 +521,7 @@ def test_persistent_grid_serves_masks_and_fp8():
         producer = source.split("def _hw_producer_persistent")[1].split("@gluon.jit")[0]
         assert "first_block, n_blocks = _hw_tile_key_blocks(" in producer
         assert "tma_load(KD, [off_b, off_hk, (first_block + j) * BLOCK_N, 0]" in producer
-        assert source.rstrip().endswith(f"paired={paired})")
+        assert f", paired={paired}, fallback={{" in source
         assert ("ranges=_hw_fwd_ranges" in source) == ranged
         assert ("gl.load(RANGES" in source or "RANGES +" in source) == ranged
     # FP8: per tile, the descales of its (batch, KV head) and V^T tiles

@@ -19,7 +19,7 @@ from types import ModuleType
 import jinja2
 
 from .. import __version__
-from ..config import KernelConfig, mask_shape
+from ..config import DEFAULT_BUCKETS, KernelConfig, default_config, mask_shape
 from ..expr.to_triton import triton_literal
 from ..runtime import decode, hopper, hopper_bwd, host, interpret, launch
 from ..spec import AttentionSpec
@@ -256,7 +256,24 @@ def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, 
                                                                      or config.hopper_bwd) else "",
         hopper_bwd_source=_pasted(hopper_bwd.__file__, HOPPER_IMPORT_MARK).rstrip("\n")
         if standalone and config.hopper_bwd else "",
+        portable_fallback=_portable_fallback(spec) if config.family == "hopper_ws" else {},
     )
+
+
+# The portable forward's knobs a call the Gluon forward declines (packed sequences, strides the copy engine
+# cannot read) runs on: the portable default of its length, not the family's tiles (H200, bf16, packed calls of
+# 16384 tokens: the family's tiles ran at 0.36-0.55x of these at head dims 96-256; session 37's stand-in tiles
+# at 0.75-0.84x at hd64, 0.82-0.98x at 96 and 128; benchmarks/results/2026-11-29-h200-declined-fallback-s38.md).
+FALLBACK_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_specialize", "tma")
+
+
+def _portable_fallback(spec: AttentionSpec) -> dict[int, str]:
+    """{bucket: the portable default's FALLBACK_KNOBS at that length, a literal} for HopperForward's fallback,
+    for an sm90 target (the family's: 'auto' renders the H100's, whose forward defaults the H200 shares). Not part
+    of the kernel hash (timed_source): the tuner times dense calls, which the family serves."""
+    target = "h100" if spec.target == "auto" else spec.target
+    return {bucket: _value_source({knob: getattr(default_config(spec, target, bucket, hopper_ws=False), knob)
+                                   for knob in FALLBACK_KNOBS}) for bucket in DEFAULT_BUCKETS}
 
 
 def build_module(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE) -> ModuleType:

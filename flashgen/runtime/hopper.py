@@ -258,9 +258,11 @@ class HopperForward:
     KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False, "hopper_persistent": False,
                      "hopper_tma_store": False}
 
-    def __init__(self, kernel, spec, config, ranges=None, paired=None):
+    def __init__(self, kernel, spec, config, ranges=None, paired=None, fallback=None):
         self.kernel = kernel
         self.spec, self.config = spec, config
+        # {bucket: the portable forward's knobs} for the calls plan() declines (render._portable_fallback)
+        self.fallback = sorted((fallback or {}).items())
         self.spec_reason = spec_unserved(spec)
         self.ranges = ranges  # a mask's _hw_fwd_ranges (documents): each call fills its block-range table first
         # the persistent grid's work units pair query tile k with tile tiles_m - 1 - k (heavy with light) where
@@ -290,6 +292,17 @@ class HopperForward:
         b, h, s, d = bhsd_order(t.shape, layout)
         sb, sh, ss, sd = bhsd_strides(t, layout)
         return GluonTensorDescriptor(t, [b, h, d, s], [sb, sh, sd, ss], block, smem)
+
+    def fallback_knobs(self, seqlen: int) -> dict:
+        """The portable forward's knobs for a declined call of this length: the bucket nearest in log scale
+        (the smaller on a tie), as a kernel's bucket configs are picked (space.nearest_bucket)."""
+        if not self.fallback:
+            return {}
+        nearest = self.fallback[0][1]
+        for (lo, _), (hi, knobs) in zip(self.fallback, self.fallback[1:]):
+            if seqlen * seqlen > lo * hi:
+                nearest = knobs
+        return nearest
 
     def plan(self, base, q, k, v, layout, out, scale, dropout_p, cfg, *, varlen=False):
         """A plan for this call (called like launch.ForwardPlan, whose allocation it keeps), or None
