@@ -34,6 +34,8 @@ CROSS = [dict(head_dim=d, causal=False, seqlen_q=4096, seqlen_k=77, heads=8, bat
 
 def cases(args):
     dims = [int(d) for d in args.head_dims.split(",")] if args.head_dims else HEAD_DIMS
+    if args.cross_only:  # cross-attention at the given head dims (any of them)
+        return [dict(CROSS[0], head_dim=d) for d in dims]
     out = [dict(head_dim=d, causal=c, seqlen_q=s, seqlen_k=s, heads=HEADS, batch=TOKENS // s)
            for d in dims for s in SEQLENS for c in (False, True)]
     if not args.no_cross:
@@ -122,6 +124,8 @@ def dry_run():
 def add_arguments(parser):
     parser.add_argument("--head-dims", default=None, help="comma-separated head dims (default: all)")
     parser.add_argument("--no-cross", action="store_true", help="leave out the cross-attention cases")
+    parser.add_argument("--cross-only", action="store_true",
+                        help="only cross-attention (4096 x 77 keys, 8 heads, batch 8), at each of --head-dims")
 
 
 if __name__ == "__main__":

@@ -750,10 +750,20 @@ def _hopper_bwd_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: i
       (session 26's two above). The H100 keeps the portable kernels at 1024 until it measures the kernel
       without its spills (its 0.734 was before them; the H200's memory, 4.8 TB/s against 3.35, takes the
       float32 dQ adds' traffic better)."""
+    from .runtime.host import padded_head_dim
     from .runtime.hopper import spec_unserved
 
     if spec_unserved(spec, backward=True) is not None:
         return {}
+    # A padded head dim (40, 80, 96, ...) takes its padded width's rule, as its forward does: the kernel runs that
+    # width's tiles. H200, bf16, backward ms portable / Gluon with the separate dQ kernel / adding dQ (cuDNN), 2
+    # interleaved rounds (results/2026-11-29-h200-bwd-defaults-s38-hd{96,40,80}.md): hd96 16 heads S=1024 causal
+    # 0.615 / 0.613 / 0.554 (0.501), S=1024 0.977 / 0.929 / 0.809 (0.759), S=4096 causal 1.887 / 1.800 / 1.498
+    # (1.442), S=4096 3.402 / 3.163 / 2.627 (2.542), GQA 16 / 4 causal S=2048 0.595 / 0.576 / 0.584; hd80 S=4096
+    # causal 1.823 / 1.749 / 1.455, S=1024 0.950 / 0.892 / 0.766; hd40 S=4096 causal 1.225 / 1.196 / 1.119, S=4096
+    # 2.255 / 2.100 / 1.980, S=1024 0.651 / 0.657 / 0.622, S=1024 causal 0.406 / 0.422 / 0.425 (hd64's rule keeps
+    # the portable kernels there), GQA causal S=2048 0.431 / 0.380 / 0.635 (hd64's rule: portable).
+    d = padded_head_dim(d)
     atomic = dict(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False)
     gqa = spec.num_kv_heads < spec.num_heads
     if spec.mask is not None:

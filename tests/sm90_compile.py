@@ -269,6 +269,13 @@ def main(only=()) -> int:
         # back transposed into registers as the dQ MMAs' A operands; K's 64-column panels as B)
         ("hopper_bwd atomic dQ gqa causal hd128", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True),
          hopper.replace(num_stages=2, family="hopper_ws", hopper_bwd=True, dq_strategy="atomic")),
+        # ... at padded head dims (their padded width's tiles, dK/dV's stores masked past the head dim): hd96
+        # adding dQ under the Gluon forward (dQ's tiles past the head dim dropped by the copy engine's reduce),
+        # hd40 with the separate dQ kernel under the portable forward
+        ("hopper_bwd atomic dQ hd96 (padded) causal", dict(head_dim=96, num_heads=4, causal=True),
+         hopper.replace(num_stages=2, family="hopper_ws", hopper_bwd=True, dq_strategy="atomic")),
+        ("hopper_bwd hd40 (padded)", dict(head_dim=40, num_heads=4), KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8,
+                                                                                 num_stages=3, hopper_bwd=True)),
         # ... with a mask pattern (its row range per key block, _hw_visible on the S^T registers): causal
         # documents GQA (launched heaviest first) under the portable forward (masks.j2 rendered for the
         # backward alone), prefix-LM lengths under the Gluon forward (masks.j2 once for both), a window

@@ -76,6 +76,25 @@ def test_a_call_the_atomic_kernel_cannot_serve_takes_the_separate_dq(monkeypatch
         assert_gradients_close(grads, q, k, v, do, causal=True, layout="bshd", softmax_scale=0.5)
 
 
+def test_short_keys_under_more_queries_leave_the_kernel_where_its_programs_would_not_fill_the_gpu(monkeypatch):
+    # cross-attention over a short context (4096 latents x 77 text tokens, 8 heads, batch 8): 64 programs of 128
+    # keys, each walking all 64 query blocks, on 132 SMs
+    module = flashgen.compile(SERVED, KernelConfig(hopper_bwd=True, dq_strategy="atomic",
+                                                   bwd_fused_delta=False)).module()
+    backward = module._LAUNCHER.hopper_backward
+    monkeypatch.setattr(backward, "min_programs", lambda device: 132)
+
+    def reason(batch, seqlen_q, seqlen_k, heads=8, kv_heads=8):
+        q = torch.empty(batch, heads, seqlen_q, 64, device="meta")
+        return backward.short_keys(q, torch.empty(batch, kv_heads, seqlen_k, 64, device="meta"), "bhsd")
+
+    assert reason(8, 4096, 77) == "k: 77 keys under 4096 queries in 64 programs (fewer than the GPU's SMs)"
+    assert reason(8, 4096, 4096) is None  # self-attention: as measured
+    assert reason(1, 77, 4096) is None  # more keys than queries: the programs' walks are short
+    assert reason(17, 4096, 77) is None  # 136 programs
+    assert "in 32 programs" in reason(8, 4096, 77, kv_heads=4)  # GQA: a program per KV head
+
+
 def test_without_the_tma_reduce_the_atomic_kernel_serves_nothing(monkeypatch):
     # a triton whose Gluon can add no shared-memory tile into global memory (runtime/hopper.py's
     # tma_reduce_add is None): the kernels that add dQ refuse every call; the separate-dQ one is unaffected
@@ -88,8 +107,8 @@ def test_without_the_tma_reduce_the_atomic_kernel_serves_nothing(monkeypatch):
 
 
 def test_unserved_spec_is_a_config_error_naming_the_knob():
-    spec = AttentionSpec(dtype="bf16", head_dim=96)
-    with pytest.raises(ConfigError, match="'hopper_bwd'.*head_dim 96"):
+    spec = AttentionSpec(dtype="bf16", head_dim=100)  # (a padded head dim it serves is a multiple of 8, up to 128)
+    with pytest.raises(ConfigError, match="'hopper_bwd'.*head_dim 100"):
         render(spec, KernelConfig(hopper_bwd=True))
     render(spec, KernelConfig())  # off: any spec
 
@@ -282,7 +301,9 @@ def test_space_offers_the_kernel_only_where_it_serves():
     # the portable dK/dV's own knobs stay put; dQ from the separate kernel or added from this one
     assert on and all((p["BLOCK_M1"], p["BLOCK_N1"], p["bwd_persistent"]) == (64, 64, 0) for p in on)
     assert {p["dq_strategy"] for p in on} == {"separate", "atomic"}
-    assert "hopper_bwd" not in backward_space(AttentionSpec(dtype="bf16", head_dim=96), H100).params
+    assert backward_space(AttentionSpec(dtype="bf16", head_dim=96), H100).params["hopper_bwd"] == (False, True)
+    for head_dim in (100, 192):  # rows the copy engine cannot read; a width it has no tiles for
+        assert "hopper_bwd" not in backward_space(AttentionSpec(dtype="bf16", head_dim=head_dim), H100).params
     assert "hopper_bwd" not in backward_space(SERVED, DeviceLimits("NVIDIA A100", 166912.0)).params
 
 

@@ -30,6 +30,13 @@ SHAPES = [  # batch, heads, kv heads, seqlen_q, seqlen_k, head dim, layout
 ]
 
 
+@pytest.fixture(autouse=True)
+def short_keys_served(monkeypatch):
+    """The kernel on every call shape here, short keys included (HopperBackward.short_keys declines calls of
+    fewer keys than queries whose programs leave SMs idle: these tests' small batches)."""
+    monkeypatch.setattr(HopperBackward, "min_programs", staticmethod(lambda device: 0))
+
+
 def took_gluon_dkdv(module, atomic=False) -> bool:
     """A backward plan of module ran the Gluon dK/dV kernel (atomic: and it added dQ: no dQ kernel)."""
     return any(isinstance(plan, BackwardPlan) and isinstance(plan.dkdv, HopperDkdv)
@@ -82,6 +89,29 @@ def test_gradients_atomic_dq(shape, causal):
 def test_gradients_atomic_dq_fp16():
     check_backward("fp16", SHAPES[0], True, dict(family="portable", tma=False, warp_specialize=False,
                                                  hopper_bwd=True, dq_strategy="atomic"))
+
+
+PADDED_SHAPES = [  # head dims under their tiles' width (40 -> 64, 80 and 96 -> 128): ragged, GQA, both layouts
+    (2, 8, 2, 1000, 1000, 96, "bhsd"),
+    (1, 4, 4, 333, 777, 40, "bshd"),
+    (2, 6, 2, 777, 301, 80, "bshd"),
+    (1, 4, 1, 4097, 129, 40, "bhsd"),
+]
+
+
+@sm90
+@pytest.mark.parametrize("dq_strategy", ["separate", "atomic"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", PADDED_SHAPES)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_padded_head_dims(dtype, shape, causal, dq_strategy):
+    # Q, K, V and dO zero-filled past the head dim by the copy engine, dK and dV stored without those columns,
+    # dQ's tiles past them dropped by its reduce (atomic): each gradient checked whole, under the Gluon forward
+    # at its padded width (and flashgen.attention's autograd) and under the portable one
+    family = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2) if shape[0] == 2 else \
+        dict(family="portable")
+    check_backward(dtype, shape, causal, dict(family, tma=False, warp_specialize=False, hopper_bwd=True,
+                                              dq_strategy=dq_strategy), autograd=shape[0] == 2)
 
 
 @sm90
@@ -168,3 +198,29 @@ def test_default_takes_it_where_it_is_the_default(head_dim, dq_strategy, mask):
     grads = module.backward(do, q, k, v, out, lse)[:3]
     assert took_gluon_dkdv(module, atomic=dq_strategy == "atomic")
     assert_gradients_close(grads, q, k, v, do, causal=mask is None, mask=mask)
+
+
+@sm90
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+def test_cross_attention_over_short_keys_takes_the_portable_kernels(monkeypatch, head_dim):
+    # diffusion's cross-attention (4096 latents over 77 text tokens, 8 heads, batch 8): 64 programs of the Gluon
+    # kernel, each walking every query block; the default's atomic dQ there runs the portable kernels with the
+    # separate dQ kernel instead, and a call with as many keys as queries still takes the Gluon kernel
+    from flashgen.runtime.host import sm_count
+
+    monkeypatch.setattr(HopperBackward, "min_programs", staticmethod(sm_count))
+    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=8, backward=True)
+    config = default_config(spec, None, 4096)
+    assert config.hopper_bwd and config.dq_strategy == "atomic", config
+    module = flashgen.compile(spec, config).module()
+    for seqlen_k, served in ((77, False), (4096, True)):
+        q, k, v = make_qkv(2 if served else 8, 8, 8, 4096, seqlen_k, head_dim, dtype=torch.bfloat16, device="cuda")
+        module._LAUNCHER.plans.clear()
+        out, lse = module.forward(q, k, v)
+        do = torch.randn_like(out)
+        grads = module.backward(do, q, k, v, out, lse)[:3]
+        assert took_gluon_dkdv(module, atomic=True) is served
+        assert served or any(isinstance(p, BackwardPlan) and not p.atomic and p.dq is not None
+                             for p in module._LAUNCHER.plans.values())
+        if not served:  # (the float32 reference of the 4096-key call is large: its kernel is the tests' above)
+            assert_gradients_close(grads, q, k, v, do, causal=False)

@@ -16,6 +16,7 @@ from flashgen.runtime.hopper import HopperPlan
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
 from .helpers import make_qkv, poisoned_outputs
+from .test_hopper_bwd_gpu import short_keys_served  # noqa: F401 (autouse: the Gluon dK/dV on these small calls too)
 from .test_hopper_ws_gpu import BASE, sm90, took_hopper_path  # the unmasked family's: base config, skip, plan check
 
 pytestmark = pytest.mark.gpu

@@ -633,8 +633,10 @@ def test_padded_head_dims_take_their_widths_defaults(head_dim, width, target):
                     (causal, seqlen)
             else:
                 assert got.family == "portable" and got.tma == (seqlen > SMALL_CALL), (causal, seqlen, got)
-            # the backward reads through descriptors too; the Gluon dK/dV serves 64 and 128 exactly
-            assert got.bwd_tma == (seqlen > SMALL_CALL) and not got.hopper_bwd, (causal, seqlen)
+            # the backward reads through descriptors too; the Gluon dK/dV (64- and 128-wide tiles) as at its width
+            assert got.bwd_tma == (seqlen > SMALL_CALL), (causal, seqlen)
+            assert (got.hopper_bwd, got.dq_strategy) == ((wide.hopper_bwd, wide.dq_strategy) if width <= 128 else
+                                                         (False, "separate")), (causal, seqlen)
     # FP8 keeps the exact head dims (portable forward); fp32 and other GPUs are unchanged (no descriptors)
     for dtype, tgt in (("fp8_e4m3", target), ("fp32", target), ("bf16", "a100")):
         got = flashgen.default_config(AttentionSpec(dtype=dtype, head_dim=head_dim, num_heads=8), tgt, 4096)
@@ -643,12 +645,15 @@ def test_padded_head_dims_take_their_widths_defaults(head_dim, width, target):
             assert not got.tma and not got.bwd_tma, (dtype, tgt)
 
 
-def test_padded_head_dims_are_served_by_the_forward_only():
+def test_padded_head_dims_are_served_up_to_the_widths_each_kernel_has():
     spec = AttentionSpec(dtype="bf16", head_dim=96, num_heads=8, causal=True)
-    assert hopper.spec_unserved(spec) is None
-    assert "head_dim 96" in hopper.spec_unserved(spec, backward=True)
-    with pytest.raises(ConfigError, match="'hopper_bwd'.*head_dim 96"):
-        KernelConfig(hopper_bwd=True).check_spec(spec)
+    assert hopper.spec_unserved(spec) is None and hopper.spec_unserved(spec, backward=True) is None
+    KernelConfig(hopper_bwd=True).check_spec(spec)
+    # the Gluon dK/dV has no 256-wide tiles: 160 and 192 only forward
+    wide = AttentionSpec(dtype="bf16", head_dim=192, num_heads=8)
+    assert hopper.spec_unserved(wide) is None and "head_dim 192" in hopper.spec_unserved(wide, backward=True)
+    with pytest.raises(ConfigError, match="'hopper_bwd'.*head_dim 192"):
+        KernelConfig(hopper_bwd=True).check_spec(wide)
     # unequal head dims stay out, padded or not; so do mask patterns at padded head dims (neither measured nor
     # tested there), which the exact head dims take
     assert "head_dim_v 64" in hopper.spec_unserved(AttentionSpec(dtype="bf16", head_dim=96, head_dim_v=64))
@@ -677,6 +682,21 @@ def test_a_padded_head_dim_masks_the_pointer_store_only():
             "[:, None])" in exact
         stored = render(spec(96), KernelConfig(**knobs, hopper_tma_store=True))
         assert "o_cols <" not in stored and "tma_store(O," in stored
+
+
+def test_a_padded_head_dim_masks_the_gluon_dkdv_stores():
+    # dK's and dV's columns past the head dim are left out of their stores; the exact head dims' kernel text keeps
+    # its stores (and the stored results' kernel hashes)
+    from flashgen.codegen.render import timed_source
+
+    def source(d):
+        spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=8, num_kv_heads=2, causal=True)
+        return timed_source(render(spec, KernelConfig(**HOPPER, hopper_bwd=True, dq_strategy="atomic"),
+                                   standalone=False), "bwd")
+
+    assert "ok = (out_keys < seqlen_k)[:, None] & (out_cols < 80)[None, :]" in source(80)
+    exact = source(128)
+    assert "out_cols <" not in exact and "ok = (out_keys < seqlen_k)[:, None]\n" in exact
 
 
 @pytest.mark.interpreter

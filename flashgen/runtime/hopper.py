@@ -96,7 +96,8 @@ gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "to
 served_head_dims = (64, 128, 256)
 # A 16-bit head dim between them, unmasked, runs on the next one's tiles (padded_head_dim; host.reads_padding: a
 # multiple of 8, 16-byte rows): the copy engine zero-fills Q, K and V past the head dim, and O's store leaves those
-# columns out, as the portable kernels' BLOCK_D does. FP8 keeps the exact head dims (its V^T tiles and hd256's
+# columns out, as the portable kernels' BLOCK_D does (the Gluon dK/dV likewise: Q, K, V and dO zero-filled, dK and
+# dV stored without those columns, dQ's adds dropped past them by the copy engine). FP8 keeps the exact head dims (its V^T tiles and hd256's
 # promoted q.k are written for them); mask patterns at padded head dims are neither measured nor tested there.
 backward_head_dims = (64, 128)  # the Gluon dK/dV's (hopper_bwd): hd256 is not written
 served_dtypes = ("fp16", "bf16", "fp8_e4m3")
@@ -109,7 +110,7 @@ def spec_unserved(spec, *, backward=False) -> str | None:
     """Why the hopper_ws family cannot serve this spec (an AttentionSpec or a module's SPEC
     dict), or None when it can. Served: fp16/bf16 (and fp8_e4m3 for the forward: backward=False),
     head_dim == head_dim_v in served_head_dims or, unmasked 16-bit, padded to one (head_dim_unserved;
-    backward=True: backward_head_dims exactly), bottom-right causal
+    backward=True: backward_head_dims), bottom-right causal
     or not, a mask of the built-in patterns mask_unserved takes (fp16/bf16), no score modifier, no dropout,
     an sm90 target or 'auto'. backward=True: the Gluon dK/dV kernel's rule (hopper_bwd: fp16/bf16; the same masks,
     whose row range per key block is one segment too: an and of intervals is one)."""
@@ -135,16 +136,15 @@ def spec_unserved(spec, *, backward=False) -> str | None:
 
 def head_dim_unserved(head_dim: int, head_dim_v: int, dtype: str, masked: bool, backward: bool = False) -> str | None:
     """Why the family cannot serve these head dims, or None: equal, and one of served_head_dims (the Gluon dK/dV:
-    backward_head_dims), or for the unmasked fp16/bf16 forward one whose padded width is one of them
-    (reads_padding)."""
+    backward_head_dims), or unmasked fp16/bf16 whose padded width is one of them (reads_padding)."""
     served = backward_head_dims if backward else served_head_dims
     if head_dim == head_dim_v and head_dim in served:
         return None
-    if (not backward and dtype in ("fp16", "bf16") and not masked and head_dim == head_dim_v
+    if (dtype in ("fp16", "bf16") and not masked and head_dim == head_dim_v
             and reads_padding(head_dim) and padded_head_dim(head_dim) in served):
         return None
-    also = "" if backward else f"; unmasked fp16/bf16 also multiples of {PADDED_ROW_MULTIPLE} padded to one"
-    return f"head_dim {head_dim}/head_dim_v {head_dim_v} (served: equal, one of {served}{also})"
+    return (f"head_dim {head_dim}/head_dim_v {head_dim_v} (served: equal, one of {served}; unmasked fp16/bf16 also "
+            f"multiples of {PADDED_ROW_MULTIPLE} padded to one)")
 
 
 # The mask patterns the forward serves: those whose key range is one segment (runtime of one block's

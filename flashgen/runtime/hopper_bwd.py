@@ -20,7 +20,7 @@ import triton
 # (the names the kernel template imports from here are the shim's; one line each, so that the
 # standalone paste drops them all)
 from flashgen.runtime.hopper import HopperForward, RangeTable, bhsd_order, call_unserved, device_unserved, spec_unserved, tensor_unserved  # standalone: hopper.py precedes
-from flashgen.runtime.host import BoundLaunch, Descriptors, contiguous_strides  # standalone: hopper.py precedes (host.py before it)
+from flashgen.runtime.host import BoundLaunch, Descriptors, contiguous_strides, padded_head_dim, sm_count  # standalone: hopper.py precedes (host.py before it)
 from flashgen.runtime.hopper import fence_async_shared, gl, gluon, mbarrier, tma_load  # noqa: F401 standalone: hopper.py precedes
 from flashgen.runtime.hopper import warpgroup_mma, warpgroup_mma_wait  # noqa: F401 standalone: hopper.py precedes
 from flashgen.runtime.hopper import tma_reduce_add, tma_store_wait, warps_barrier  # noqa: F401 standalone: hopper.py precedes
@@ -74,7 +74,25 @@ class HopperBackward:
         this kernel, or None."""
         return self.spec_reason or backward_call_unserved(q, k, v, do, layout, dropout_p=dropout_p, atomic=atomic,
                                                           rendered_atomic=self.atomic,
-                                                          device_check=self.device_unserved)
+                                                          device_check=self.device_unserved) or self.short_keys(q, k, layout)
+
+    def short_keys(self, q, k, layout) -> str | None:
+        """Why not, for keys fewer than the queries whose key blocks (this kernel's programs) leave SMs idle
+        (cross-attention over a short context): each program walks every query block, and adding dQ serializes
+        it per key block. The portable kernels (the separate dQ kernel: a program per query block) run them.
+        H200, bf16, 4096 queries x 77 keys, 8 heads, batch 8 (64 programs), fwd+bwd TFLOP/s with this kernel
+        adding dQ / the portable ones: hd40 20.6 / 28.1, hd80 46.5 / 52.8 (results/2026-11-29-h200-head-dims-
+        s38-gluon-bwd.md, -s37-after.md)."""
+        batch, _, seqlen_q, _ = bhsd_order(q.shape, layout)
+        _, kv_heads, seqlen_k, _ = bhsd_order(k.shape, layout)
+        _, consumers, _ = self.TILES[padded_head_dim(self.spec["head_dim"])]
+        programs = triton.cdiv(seqlen_k, self.CONSUMER_ROWS * consumers) * kv_heads * batch
+        if seqlen_k < seqlen_q and programs < self.min_programs(q.device):
+            return f"k: {seqlen_k} keys under {seqlen_q} queries in {programs} programs (fewer than the GPU's SMs)"
+        return None
+
+    # the fewest programs a call with fewer keys than queries takes this kernel with (tests set 0)
+    min_programs = staticmethod(sm_count)
 
     def serve(self, plan, q, k, v, do, layout, scale, dropout_p):
         """Swap this kernel in for the portable dK/dV launch of a launch.BackwardPlan when the call is
@@ -104,8 +122,10 @@ class HopperDkdv:
         self.portable = portable  # the portable dK/dV launch it replaces
         named_start = 6 + head_args  # in the arguments after dv
         self.named = slice(named_start, named_start + backward.named_args)
-        block_m, consumers, stages = backward.TILES[backward.spec["head_dim"]]
-        batch, heads, seqlen_q, head_dim = bhsd_order(q.shape, layout)
+        # (a padded head dim, 40 or 80 or 96: its padded width's tiles, the copy engine zero-filling past it)
+        block_m, consumers, stages = backward.TILES[padded_head_dim(backward.spec["head_dim"])]
+        batch, heads, seqlen_q, _ = bhsd_order(q.shape, layout)
+        head_dim = padded_head_dim(q.shape[-1])
         _, kv_heads, seqlen_k, _ = bhsd_order(k.shape, layout)
         keys, rows = (backward.CONSUMER_ROWS, head_dim), (block_m, head_dim)
         self.descriptors = Descriptors(layout, (keys, keys, rows, rows), [HopperForward.descriptor] * 4)
@@ -116,7 +136,8 @@ class HopperDkdv:
         self.args = (heads * seqlen_q, seqlen_q, *grad_strides, *grad_strides, seqlen_q, seqlen_k, heads // kv_heads,
                      scale * backward.RCP_LN2, scale)
         # dq_strategy 'atomic': a descriptor of the plan's float32 dQ buffer (in q's shape) follows, one
-        # consumer's share of a query block's columns per tile (at most 64: the tile the consumer stages)
+        # consumer's share of a query block's columns per tile (at most 64: the tile the consumer stages; past a
+        # padded head dim, columns the copy engine's reduce drops)
         dq_cols = min(64, head_dim // consumers)
         self.dq_descriptor = (Descriptors(layout, ((block_m, dq_cols),), [HopperForward.descriptor])
                               if backward.atomic else None)
