@@ -11,7 +11,8 @@ The rule, for fp16/bf16 (after flash-attn's own tests)::
 with ``ref`` computed in float32 from the same inputs, ``out_pt`` the same reference
 in the kernel's dtype, F = 2 (3 for gradients), and atol at least 1e-5 (see compare). dQ's and dK's
 ``max|out_pt - ref|`` is floored by the other's relative error (check_gradients). For fp32 the reference is
-float64 and the relative error ||out - ref|| / ||ref|| must stay below 1e-5; a gradient into a named tensor
+float64 and the relative error ||out - ref|| / ||ref|| must stay below 1e-5 (gradients: or 3x a float32
+reference's, where the inputs make fp32 itself ill-conditioned); a gradient into a named tensor
 (a bias table, ALiBi slopes), whose few elements each sum many pairs' dS that largely cancel, is
 held per element to 1e-5 of the |dS| terms it summed (check_gradients).
 """
@@ -153,12 +154,15 @@ class CheckResult:
 
 def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | None, *,
             factor: float = 2.0, mean_factor: float = 1.1, pt_floor: float = 0.0, max_floor: float = 0.0,
-            summed: torch.Tensor | None = None) -> CheckResult:
+            summed: torch.Tensor | None = None, fp32_pt: torch.Tensor | None = None) -> CheckResult:
     """Apply the error rule to one tensor. ``pt`` is the kernel-dtype reference (None for fp32);
     ``pt_floor`` is a lower bound on its error from a steadier estimate, ``max_floor`` one on its largest
     error only (see check_gradients).
     ``summed`` (fp32 only): per element, the size of the terms ``ref`` sums before they cancel
-    (see check_gradients); each element's error is taken relative to it (or to |ref|, if larger)."""
+    (see check_gradients); each element's error is taken relative to it (or to |ref|, if larger).
+    ``fp32_pt`` (fp32 only): the reference computed in float32, whose relative error times ``factor`` floors
+    FP32_RTOL, the low-precision rule's yardstick (inputs that make fp32 itself ill-conditioned: scores scaled
+    60x before a softcap moved a correct backward's dK to 1.25e-5 on 1 of 21 fresh seeds)."""
     out, ref = out.detach(), ref.detach()
     pt = pt.detach() if pt is not None else None
     finite_ref = torch.isfinite(ref)
@@ -180,7 +184,10 @@ def compare(name: str, out: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor | 
             return CheckResult(name, rel <= FP32_RTOL, rel, FP32_RTOL,
                                "(per element, relative to its summed |terms|, fp32 vs float64)")
         rel = float(err.norm() / r.norm())
-        return CheckResult(name, rel <= FP32_RTOL, rel, FP32_RTOL, "(relative, fp32 vs float64)")
+        bound = FP32_RTOL
+        if fp32_pt is not None:
+            bound = max(bound, factor * float((fp32_pt.detach().double()[finite_ref] - r).norm() / r.norm()))
+        return CheckResult(name, rel <= bound, rel, bound, "(relative, fp32 vs float64)")
     p = pt.double()[finite_ref]
     pt_err = (p - r).abs()
     r32 = r.float()
@@ -347,6 +354,7 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
         pts = [g.to(q.dtype) for g in low[:3]] + list(low[3:])
     else:
         (refs, sums), pts = ref_grads(torch.float64, with_sums=True), [None] * len(names)
+        fp32_pts = list(ref_grads(torch.float32)[0][:3])
     summed = [None] * 3 + list(sums or [None] * len(grad_tensors))
     # A tensor gradient (an ALiBi slope, a bias table) sums dS over many (query, key) pairs into
     # few elements: its mean error is its max error, so it is held to the max rule's factor. Its
@@ -365,7 +373,8 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
     max_floor = [rel[1] * scale[0], rel[0] * scale[1]] + [0.0] * (len(names) - 2)
     floor = rel[1] if len(names) > 3 else 0.0
     return [compare(name, g, r, pt, factor=factor, mean_factor=GRAD_MEAN_FACTOR if i < 3 else factor,
-                    pt_floor=0.0 if i < 3 else floor * scale[i], max_floor=max_floor[i], summed=summed[i])
+                    pt_floor=0.0 if i < 3 else floor * scale[i], max_floor=max_floor[i], summed=summed[i],
+                    fp32_pt=None if low_precision or i >= 3 else fp32_pts[i])
             for i, (name, g, r, pt) in enumerate(zip(names, grads, refs, pts))]
 
 
