@@ -1,6 +1,7 @@
 """flashgen's patches of Triton's CPU interpreter (flashgen/runtime/interpret.py): triton.language is
 patched once per launch and module, not on every call of a jit helper, and kernels compute the same;
-a computed scalar indexes as in Triton 3.9 (Triton 3.6's int() of its array fails on NumPy 2.4)."""
+a computed scalar indexes as in Triton 3.9 (Triton 3.6's int() of its array fails on NumPy 2.4); integer
+ops are not computed twice for overflow checks whose assert is dropped; dtype lookups are kept."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ import triton
 import triton.language as tl
 
 import flashgen  # noqa: F401 (installs the patch under the interpreter)
-from flashgen.runtime.interpret import index_scalars_as_newer_triton, patch_language_once_per_launch
+from flashgen.runtime.interpret import (index_scalars_as_newer_triton, numpy_dtypes_once, patch_language_once_per_launch,
+                                        skip_discarded_overflow_checks)
 
 pytestmark = pytest.mark.interpreter  # the interpreter's patches
 
@@ -79,3 +81,43 @@ def test_scalar_arguments_index_as_in_newer_triton():
     out = torch.zeros(1, dtype=torch.int32)
     _count_to[(1,)](out, 10, STEP=3)
     assert out.item() == 0 + 3 + 6 + 9
+
+
+@triton.jit
+def _int_arithmetic(X, OUT, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+    tl.store(OUT + offs, (x + 3) * x - 5)
+
+
+def test_overflow_checks_whose_assert_is_dropped_are_not_computed(monkeypatch):
+    # without debug, semantic.device_assert drops the sanitizer's assert: its int64 copies of each int32 add,
+    # sub and mul were computed for nothing (40% of a backward test's interpreted time)
+    from triton.language import semantic
+    from triton.runtime import interpreter
+
+    assert skip_discarded_overflow_checks()  # installed at import (and installing again is a no-op)
+    assert not interpreter.interpreter_builder.options.sanitize_overflow
+    assert not interpreter.interpreter_builder.options.debug  # (with debug, the checks would stay)
+    x = torch.arange(-8, 8, dtype=torch.int32)
+    out = torch.empty_like(x)
+    _int_arithmetic[(1,)](x, out, N=16)
+    assert torch.equal(out, (x + 3) * x - 5)
+    casts = []
+    cast = semantic.TritonSemantic.cast
+    monkeypatch.setattr(semantic.TritonSemantic, "cast", lambda self, v, t, *a, **k: (casts.append(t), cast(
+        self, v, t, *a, **k))[1])
+    _int_arithmetic[(1,)](x, out, N=16)
+    assert not [t for t in casts if t == tl.int64]  # no int64 copy of the operands
+
+
+def test_numpy_dtypes_are_looked_up_once():
+    import numpy as np
+    from triton.runtime import interpreter
+
+    assert numpy_dtypes_once() and interpreter._get_np_dtype.once
+    get = interpreter._get_np_dtype
+    assert get(tl.float16) == np.float16 and get(tl.bfloat16) == np.uint16 and get(tl.int1) == np.bool_
+    assert get(tl.block_type(tl.float32, [4, 8])) == np.float32
+    assert get(tl.pointer_type(tl.float16)) == np.uint64
+    assert get(tl.block_type(tl.pointer_type(tl.int8), [16])) == np.uint64

@@ -14,6 +14,13 @@ which NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python s
 `range(0, seqlen_k, BLOCK_N)` over a kernel argument failed there; Triton 3.9 squeezes it first.
 `index_scalars_as_newer_triton` makes 3.6 do the same.
 
+And: the interpreter's options ask for integer-overflow sanitizing but not debug, so every 32-bit integer add,
+sub and mul of a kernel was computed a second time in 64 bits and compared with the type's bounds for a
+device_assert that semantic.device_assert drops without debug (as compiled kernels drop it). Nothing read
+those results: `skip_discarded_overflow_checks` turns the sanitizing off where debug is off (tests/test_backward.py's
+slowest case: 40 % of its interpreted time). `numpy_dtypes_once` keeps the interpreter's Triton-to-NumPy dtype
+table instead of building it (twenty NumPy dtypes) on every lookup, a hundred thousand per test.
+
 Standalone modules (`flashgen generate`) carry this file verbatim and call `patch_interpreter` where
 they run interpreted, as `import flashgen` does.
 """
@@ -24,6 +31,28 @@ def patch_interpreter() -> None:
     interpreter it knows)."""
     patch_language_once_per_launch()
     index_scalars_as_newer_triton()
+    skip_discarded_overflow_checks()
+    numpy_dtypes_once()
+
+
+def skip_discarded_overflow_checks() -> bool:
+    """Turn the interpreter's integer-overflow sanitizing off where its debug is off (the checks' assert is
+    dropped then: their arithmetic was computed and thrown away); False where this Triton's interpreter has no
+    such options."""
+    import dataclasses
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if not dataclasses.is_dataclass(options) or not hasattr(options, "sanitize_overflow") \
+            or getattr(options, "debug", True):
+        return False
+    if options.sanitize_overflow:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    return True
 
 
 def patch_language_once_per_launch() -> bool:
@@ -85,4 +114,34 @@ def index_scalars_as_newer_triton() -> bool:
 
     squeezing.squeezes_scalars = True
     interpreter._patch_lang_tensor = squeezing
+    return True
+
+
+def numpy_dtypes_once() -> bool:
+    """Make the interpreter's _get_np_dtype look each Triton dtype up once (its answer for a dtype never
+    changes: a pointer, or a block of them, is uint64; a block is its element's); False where it has none."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    lookup = getattr(interpreter, "_get_np_dtype", None)
+    tl = getattr(interpreter, "tl", None)
+    if lookup is None or tl is None:
+        return False
+    if getattr(lookup, "once", False):
+        return True
+    known, block, pointer = {}, tl.block_type, tl.pointer_type
+
+    def once(tt_dtype):
+        if isinstance(tt_dtype, block):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, pointer):
+            return lookup(tt_dtype)
+        found = known.get(tt_dtype)
+        if found is None:
+            found = known[tt_dtype] = lookup(tt_dtype)
+        return found
+
+    once.once = True
+    interpreter._get_np_dtype = once
     return True
