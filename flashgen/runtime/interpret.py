@@ -39,19 +39,16 @@ def skip_discarded_overflow_checks() -> bool:
     """Turn the interpreter's integer-overflow sanitizing off where its debug is off (the checks' assert is
     dropped then: their arithmetic was computed and thrown away); False where this Triton's interpreter has no
     such options."""
-    import dataclasses
-
     try:
         from triton.runtime import interpreter
     except ImportError:
         return False
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
-    if not dataclasses.is_dataclass(options) or not hasattr(options, "sanitize_overflow") \
-            or getattr(options, "debug", True):
+    if not hasattr(options, "__dict__") or not hasattr(options, "sanitize_overflow") or getattr(options, "debug", True):
         return False
-    if options.sanitize_overflow:
-        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    if options.sanitize_overflow:  # (InterpreterOptions: a frozen dataclass, made again with the one field changed)
+        builder.options = type(options)(**dict(vars(options), sanitize_overflow=False))
     return True
 
 
