@@ -116,7 +116,7 @@ def dry_run():
     """Print the cases and exit: no GPU needed."""
     import argparse
 
-    for case in cases(argparse.Namespace(head_dims=None, no_cross=False)):
+    for case in cases(argparse.Namespace(head_dims=None, no_cross=False, cross_only=False)):
         print(case)
     raise SystemExit(0)
 

@@ -501,11 +501,11 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
                 for t in study.get_trials(deepcopy=False) if t.state.is_finished() and "record" in t.user_attrs}
 
     def objective(trial: optuna.Trial) -> float:
+        _record_heartbeat(study, trial)  # first: before the suggestions' writes, which wait for the lock too
         _stop_if_interrupted(options)
         point = {n: trial.suggest_categorical(n, list(c)) for n, c in space.params.items()}
         data, broken = candidate(space, base, point, default_point)
         key = config_key(data)
-        _record_heartbeat(study, trial)
         rec = measured().get(key)
         if rec is not None:  # measured before, by this run or another: told again, not run again
             trial.set_user_attr("reused", True)
@@ -583,10 +583,11 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
 
 
 def _record_heartbeat(study, trial) -> None:
-    """Write this trial's first heartbeat now, before it claims a config. Optuna's heartbeat thread
-    writes it when it gets the database's write lock, and a trial with no heartbeat is never stale:
-    a worker killed before that write (seen in the CI: another worker held SQLite's lock) left its
-    trial running for good, its config claimed, and no worker of the run took the final round."""
+    """Write this trial's first heartbeat now, before its knobs are suggested and it claims a config.
+    Optuna's heartbeat thread writes it when it gets the database's write lock, and a trial with no
+    heartbeat is never stale: a worker killed before that write (seen in the CI: another worker held
+    SQLite's lock) left its trial running for good, its config claimed, and no worker of the run took
+    the final round. (A kill between study.ask() creating the trial and this write still leaves one.)"""
     from optuna.storages._heartbeat import is_heartbeat_enabled
 
     if is_heartbeat_enabled(study._storage):

@@ -92,6 +92,7 @@ def test_short_keys_under_more_queries_leave_the_kernel_where_its_programs_would
     assert reason(8, 4096, 4096) is None  # self-attention: as measured
     assert reason(1, 77, 4096) is None  # more keys than queries: the programs' walks are short
     assert reason(17, 4096, 77) is None  # 136 programs
+    assert reason(1, 4096, 1025) is None and reason(1, 4096, 1024) is not None  # keys a quarter of the queries
     assert "in 32 programs" in reason(8, 4096, 77, kv_heads=4)  # GQA: a program per KV head
 
 

@@ -207,21 +207,25 @@ def test_calls_it_cannot_serve_run_the_portable_forward():
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("head_dim, knobs", [(96, {}), (160, dict(BLOCK_N=64)), (64, dict(BLOCK_M=192, hopper_regs=160))])
-def test_a_declined_call_runs_the_portable_forward_on_that_family_s_default(head_dim, knobs):
+@pytest.mark.parametrize("head_dim, knobs, seqlens", [(96, {}, (45, 61)), (160, dict(BLOCK_N=64), (45, 61)),
+                                                      (64, dict(BLOCK_M=192, hopper_regs=160), (45, 61)),
+                                                      (64, {}, (30, 4100))])
+def test_a_declined_call_runs_the_portable_forward_on_that_family_s_default(head_dim, knobs, seqlens):
     # the Gluon family's tiles are its consumers' (4 warps each) and a producer's: a call it cannot serve (packed
     # sequences, strides the copy engine cannot read, no sm90 GPU) runs the portable forward on the portable
-    # default's knobs for its length; the output checked against the reference
+    # default's knobs for its length (the longer side's, as a kernel's bucket is picked: 4100 keys take the 4096
+    # bucket's 128 x 64 tiles on 8 warps, 30 queries would take 64 x 64), off sm90 without descriptors or warp
+    # specialization; the output checked
     spec = AttentionSpec(dtype="fp16", head_dim=head_dim, num_heads=2, causal=True)
     module = flashgen.compile(spec, KernelConfig(**dict(HOPPER, **knobs))).module()
-    q, k, v = make_qkv(1, 2, 2, 45, 61, head_dim, dtype=torch.float16, device="cpu")
+    q, k, v = make_qkv(1, 2, 2, *seqlens, head_dim, dtype=torch.float16, device="cpu")
     out, lse = module.forward(q, k, v)
     (plan,) = module._LAUNCHER.plans.values()
     assert not isinstance(plan, hopper.HopperPlan)
-    portable = default_config(spec, "h100", 45, hopper_ws=False)
-    assert {k: plan.launch.constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "WARP_SPECIALIZE")} == dict(
-        BLOCK_M=portable.BLOCK_M, BLOCK_N=portable.BLOCK_N, num_warps=portable.num_warps,
-        WARP_SPECIALIZE=portable.warp_specialize)
+    portable = default_config(spec, "h100", max(seqlens), hopper_ws=False)
+    assert {k: plan.launch.constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "WARP_SPECIALIZE", "TMA")} \
+        == dict(BLOCK_M=portable.BLOCK_M, BLOCK_N=portable.BLOCK_N, num_warps=portable.num_warps,
+                WARP_SPECIALIZE=False, TMA=False)  # (a CPU tensor: not an sm90 device)
     assert_attention_close(out, lse, q, k, v, causal=True)
 
 
@@ -242,9 +246,10 @@ def test_the_fallback_knobs_are_the_portable_default_of_the_nearest_bucket(head_
 
 
 @pytest.mark.interpreter
-def test_three_consumers_are_head_dim_64_and_fall_back_to_64_row_tiles():
+def test_three_consumers_are_head_dim_64_and_a_declined_call_runs_the_portable_forward():
     # BLOCK_M 192 (three 64-row consumers, FA3's hd64 tiles): the family's only, at 160 registers each, head
-    # dim 64; a call the family cannot serve runs the portable forward on 64-row tiles (192 is no Triton tile)
+    # dim 64; a call the family cannot serve runs the portable forward on its default's tiles (192 is no Triton
+    # tile)
     three = dict(HOPPER, BLOCK_M=192, hopper_regs=160)
     with pytest.raises(ConfigError, match="'BLOCK_M'.*got 192"):
         KernelConfig(BLOCK_M=192)

@@ -294,8 +294,9 @@ class HopperForward:
         return GluonTensorDescriptor(t, [b, h, d, s], [sb, sh, sd, ss], block, smem)
 
     def fallback_knobs(self, seqlen: int) -> dict:
-        """The portable forward's knobs for a declined call of this length: the bucket nearest in log scale
-        (the smaller on a tie), as a kernel's bucket configs are picked (space.nearest_bucket)."""
+        """The portable forward's knobs for a declined call of this length (the longer of its query and key
+        lengths): the bucket nearest in log scale (the smaller on a tie), as a kernel's bucket configs are picked
+        (space.nearest_bucket)."""
         if not self.fallback:
             return {}
         nearest = self.fallback[0][1]

@@ -76,10 +76,15 @@ class HopperBackward:
                                                           rendered_atomic=self.atomic,
                                                           device_check=self.device_unserved) or self.short_keys(q, k, layout)
 
+    # keys at most this fraction of the queries make a call short_keys may decline (measured at 4096 / 77; calls
+    # nearer self-attention keep the kernel, as measured there)
+    SHORT_KEYS = 4
+
     def short_keys(self, q, k, layout) -> str | None:
-        """Why not, for keys fewer than the queries whose key blocks (this kernel's programs) leave SMs idle
-        (cross-attention over a short context): each program walks every query block, and adding dQ serializes
-        it per key block. The portable kernels (the separate dQ kernel: a program per query block) run them.
+        """Why not, for keys a quarter of the queries or fewer (SHORT_KEYS) whose key blocks (this kernel's
+        programs) leave SMs idle (cross-attention over a short context): each program walks every query block,
+        and adding dQ serializes it per key block. The portable kernels (the separate dQ kernel: a program per
+        query block) run them.
         H200, bf16, 4096 queries x 77 keys, 8 heads, batch 8 (64 programs), fwd+bwd TFLOP/s with this kernel
         adding dQ / the portable ones: hd40 20.6 / 28.1, hd80 46.5 / 52.8 (results/2026-11-29-h200-head-dims-
         s38-gluon-bwd.md, -s37-after.md)."""
@@ -87,7 +92,7 @@ class HopperBackward:
         _, kv_heads, seqlen_k, _ = bhsd_order(k.shape, layout)
         _, consumers, _ = self.TILES[padded_head_dim(self.spec["head_dim"])]
         programs = triton.cdiv(seqlen_k, self.CONSUMER_ROWS * consumers) * kv_heads * batch
-        if seqlen_k < seqlen_q and programs < self.min_programs(q.device):
+        if self.SHORT_KEYS * seqlen_k <= seqlen_q and programs < self.min_programs(q.device):
             return f"k: {seqlen_k} keys under {seqlen_q} queries in {programs} programs (fewer than the GPU's SMs)"
         return None
 

@@ -1263,9 +1263,14 @@ class AttentionLauncher:
             served = hopper.plan(plan, q, k, v, layout, out, scale, dropout_p, cfg, varlen=layout == "thd")
             if served is not None:  # else the portable forward below
                 return served
-            # the portable forward on its own default's knobs for this length (the family's tiles are its
-            # consumers' and a producer's: 0.36-0.55x as fast there)
-            cfg = {**cfg, **hopper.fallback_knobs(seqlen_q)}
+            # the portable forward on its own default's knobs for this length, the longer side's as a kernel's
+            # bucket is picked (the family's tiles are its consumers' and a producer's: 0.36-0.55x as fast there);
+            # sm90's knobs, so off sm90 without descriptors or warp specialization
+            cfg = {**cfg, **hopper.fallback_knobs(max(seqlen_q, seqlen_k))}
+            if hopper.device_unserved(q.device):
+                cfg.update(tma=False, warp_specialize=False)
+            if cfg["BLOCK_M"] & (cfg["BLOCK_M"] - 1):  # (a module without the table: three consumers' 192 rows)
+                cfg["BLOCK_M"] = 64
             launch = self.launch_knobs(cfg, "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
         flags = dict(VARLEN=layout == "thd", DROPOUT=bool(dropout_p), WIDE_ROWS=wide_rows(
             layout, *((t.shape, t.stride()) for t in (q, k, v)), (o_shape, o_strides)))
