@@ -11,14 +11,13 @@ interleaved rounds; every output is compared with SDPA flash's before it is time
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from probes import alternating, figures, run_probe, table_head  # noqa: E402
+from probes import checked_timings, figures, run_probe, table_head, variant_cells  # noqa: E402
 
 HEAD_DIMS = (64, 128, 256, 96, 192)
 VARIANTS = ("default", "family_tiles", "portable", "dense_default", "sdpa_flash", "cudnn")
@@ -37,8 +36,7 @@ def run_case(case, args):
 
     import flashgen
     from flashgen import AttentionSpec, KernelConfig, default_config
-    from flashgen.flops import attention_flops, tflops
-    from flashgen.timing import time_ms
+    from flashgen.flops import attention_flops
 
     d, causal, s, h, b = (case[k] for k in ("head_dim", "causal", "seqlen", "heads", "batch"))
     gen = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
@@ -67,28 +65,10 @@ def run_case(case, args):
     calls = {"default": as_bhsd(varlen()), "family_tiles": as_bhsd(varlen(family)),
              "portable": as_bhsd(varlen(portable)), "dense_default": lambda: flashgen.attention(q, k, v, causal=causal),
              "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION), "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
-    reference = calls["sdpa_flash"]().float()
     row = {"case": f"hd{d} S={s}" + (" causal" if causal else ""), "mode": "fwd", **case,
            "default_config": str(default), "family_tiles_config": str(family), "portable_config": str(portable)}
-    ok = {}
-    for name, fn in calls.items():
-        try:
-            err = float((fn().float() - reference).abs().max())
-        except Exception as exc:  # a variant that cannot run this case is reported, not fatal
-            row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-            continue
-        if err > 0.05:
-            row[name] = {"error": f"max |{name} - sdpa_flash| = {err:.3g}"}
-            continue
-        ok[name] = fn
-        row[name] = {"max_err_vs_sdpa_flash": err}
-    flops = attention_flops(b, h, s, s, d, causal=causal)
-    for name, ms in alternating(ok, args.rounds, lambda name: time_ms(ok[name])).items():
-        med = statistics.median(ms)
-        row[name].update(ms=round(med, 4), tflops=round(tflops(flops, med), 1), rounds_ms=[round(x, 4) for x in ms])
-    for anchor in ("family_tiles", "portable", "dense_default", "sdpa_flash", "cudnn"):
-        if "ms" in row.get("default", {}) and "ms" in row.get(anchor, {}):
-            row[f"ratio_vs_{anchor}"] = round(row[anchor]["ms"] / row["default"]["ms"], 3)
+    checked_timings(row, calls, attention_flops(b, h, s, s, d, causal=causal), args.rounds,
+                    ("family_tiles", "portable", "dense_default", "sdpa_flash", "cudnn"))
     return row
 
 
@@ -99,8 +79,7 @@ def markdown(rows, env):
                        "flashgen.attention_varlen's default; ratios: anchor ms / default ms.",
                        ["case", *VARIANTS, *(f"vs {a}" for a in anchors), "default ms rounds"])
     for row in rows:
-        cells = [str(row[v]["tflops"]) if "tflops" in row.get(v, {}) else row.get(v, {}).get("error", "-")[:30]
-                 for v in VARIANTS]
+        cells = variant_cells(row, VARIANTS)
         ratios = [str(row.get(f"ratio_vs_{a}", "-")) for a in anchors]
         lines.append(f"| {row['case']} | " + " | ".join(cells + ratios) +
                      f" | {figures(row.get('default', {}).get('rounds_ms', []))} |")

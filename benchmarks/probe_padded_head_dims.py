@@ -10,14 +10,13 @@ output is compared with SDPA flash's before it is timed.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from probes import alternating, figures, run_probe, table_head  # noqa: E402
+from probes import checked_timings, figures, run_probe, table_head, variant_cells  # noqa: E402
 
 HEAD_DIMS = (40, 80, 96, 160, 192)
 VARIANTS = ("default", "portable", "portable_tma", "cudnn", "sdpa_flash")
@@ -38,8 +37,7 @@ def run_case(case, args):
 
     import flashgen
     from flashgen import AttentionSpec, default_config
-    from flashgen.flops import attention_flops, tflops
-    from flashgen.timing import time_ms
+    from flashgen.flops import attention_flops
 
     d, causal, sq, sk, h, b = (case[k] for k in ("head_dim", "causal", "seqlen_q", "seqlen_k", "heads", "batch"))
     gen = torch.Generator(device="cuda").manual_seed(sq * 1000 + d)
@@ -60,28 +58,10 @@ def run_case(case, args):
              "portable": lambda: flashgen.attention(q, k, v, causal=causal, config=portable.replace(tma=False)),
              "portable_tma": lambda: flashgen.attention(q, k, v, causal=causal, config=portable.replace(tma=True)),
              "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION)}
-    reference = calls["sdpa_flash"]().float()
     row = {"case": f"hd{d} S={sq}" + (f"x{sk}" if sk != sq else "") + (" causal" if causal else ""), "mode": "fwd",
            **case, "default_config": str(default), "portable_config": str(portable)}
-    ok = {}
-    for name, fn in calls.items():
-        try:
-            err = float((fn().float() - reference).abs().max())
-        except Exception as exc:  # a variant that cannot run this case is reported, not fatal
-            row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-            continue
-        if err > 0.05:
-            row[name] = {"error": f"max |{name} - sdpa_flash| = {err:.3g}"}
-            continue
-        ok[name] = fn
-        row[name] = {"max_err_vs_sdpa_flash": err}
-    flops = attention_flops(b, h, sq, sk, d, causal=causal)
-    for name, ms in alternating(ok, args.rounds, lambda name: time_ms(ok[name])).items():
-        med = statistics.median(ms)
-        row[name].update(ms=round(med, 4), tflops=round(tflops(flops, med), 1), rounds_ms=[round(x, 4) for x in ms])
-    for anchor in ("cudnn", "sdpa_flash", "portable"):
-        if "ms" in row.get("default", {}) and "ms" in row.get(anchor, {}):
-            row[f"ratio_vs_{anchor}"] = round(row[anchor]["ms"] / row["default"]["ms"], 3)
+    checked_timings(row, calls, attention_flops(b, h, sq, sk, d, causal=causal), args.rounds,
+                    ("cudnn", "sdpa_flash", "portable"))
     return row
 
 
@@ -92,8 +72,7 @@ def markdown(rows, env):
                        "ratios: anchor ms / default ms.",
                        ["case", *VARIANTS, "vs cudnn", "vs sdpa_flash", "vs portable", "default ms rounds"])
     for row in rows:
-        cells = [str(row[v]["tflops"]) if "tflops" in row.get(v, {}) else row.get(v, {}).get("error", "-")[:30]
-                 for v in VARIANTS]
+        cells = variant_cells(row, VARIANTS)
         lines.append(f"| {row['case']} | " + " | ".join(cells) + f" | {row.get('ratio_vs_cudnn', '-')} | "
                      f"{row.get('ratio_vs_sdpa_flash', '-')} | {row.get('ratio_vs_portable', '-')} | "
                      f"{figures(row.get('default', {}).get('rounds_ms', []))} |")

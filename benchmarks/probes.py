@@ -111,6 +111,45 @@ def expanded_sdpa(q, k, v, do, causal: bool, dtype, backend=None):
     return out.transpose(1, 2), grads, (forward, lambda: torch.autograd.grad(forward(), leaves, dot))
 
 
+def checked_timings(row: dict, calls: dict, flops: float, rounds: int, anchors, reference: str = "sdpa_flash",
+                    tolerance: float = 0.05) -> dict:
+    """Fill row[name] for each call {name: fn returning an output}: its max |difference| from calls[reference]'s
+    output (a call that raises, or is off by more than `tolerance`, gets an "error" instead and is not timed), then
+    ms, TFLOP/s and each round's ms (triton do_bench medians, `rounds` rounds in alternating order), and
+    ratio_vs_<anchor> = anchor ms / "default" ms for each of `anchors` timed. Returns row."""
+    import statistics
+
+    from flashgen.flops import tflops
+    from flashgen.timing import time_ms
+
+    expected = calls[reference]().float()
+    ok = {}
+    for name, fn in calls.items():
+        try:
+            err = float((fn().float() - expected).abs().max())
+        except Exception as exc:  # a variant that cannot run this case is reported, not fatal
+            row[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+            continue
+        if err > tolerance:
+            row[name] = {"error": f"max |{name} - {reference}| = {err:.3g}"}
+            continue
+        ok[name] = fn
+        row[name] = {f"max_err_vs_{reference}": err}
+    for name, ms in alternating(ok, rounds, lambda name: time_ms(ok[name])).items():
+        med = statistics.median(ms)
+        row[name].update(ms=round(med, 4), tflops=round(tflops(flops, med), 1), rounds_ms=[round(x, 4) for x in ms])
+    for anchor in anchors:
+        if "ms" in row.get("default", {}) and "ms" in row.get(anchor, {}):
+            row[f"ratio_vs_{anchor}"] = round(row[anchor]["ms"] / row["default"]["ms"], 3)
+    return row
+
+
+def variant_cells(row: dict, variants) -> list[str]:
+    """A results table's cells for checked_timings' variants: TFLOP/s, or the start of the error."""
+    return [str(row[v]["tflops"]) if "tflops" in row.get(v, {}) else row.get(v, {}).get("error", "-")[:30]
+            for v in variants]
+
+
 def table_head(title: str, env: dict, note: str, columns: list[str]) -> list[str]:
     """A results file's first lines: its title with the machine, a note, a markdown table's header."""
     return [f"# {title} ({env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, {env.get('date')})",

@@ -16,7 +16,7 @@ from .config import KernelConfig, default_config, default_configs
 from .errors import check_flag
 from .masks import Mask, ScoreMod
 from .runtime import host
-from .space import nearest_bucket
+from .runtime.host import nearest_bucket
 from .spec import DTYPES, FP8_DTYPES, MAX_HEAD_DIM, AttentionSpec
 
 _TORCH_DTYPES = {getattr(torch, name): dtype for dtype, name in DTYPES.items()}  # torch dtype -> spec dtype

@@ -200,7 +200,7 @@ def _tuned_config(spec, spec_path, db_url, seqlen) -> KernelConfig:
     import warnings
 
     from .loader import tuned
-    from .space import nearest_bucket
+    from .runtime.host import nearest_bucket
 
     with warnings.catch_warnings(record=True) as caught:  # the fallback warnings: here a missing result is an error
         warnings.simplefilter("always")

@@ -316,7 +316,7 @@ def detect_target() -> str:
 
 # ----------------------------------------------------------------------------- the heuristic defaults
 # The sequence-length buckets the defaults are given for (powers of two, as flashgen.load's tuned
-# buckets); a call uses the nearest one (space.nearest_bucket). The largest serves torch.compile,
+# buckets); a call uses the nearest one (host.nearest_bucket). The largest serves torch.compile,
 # which binds one config for every length.
 DEFAULT_BUCKETS = (256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # 256: calls of up to 512 tokens
 SMALL_CALL = 512  # up to this length a call is host-bound: no tensor descriptors (their setup costs more host time)

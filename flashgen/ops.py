@@ -25,7 +25,7 @@ import torch
 from . import masks
 from .codegen import render
 from .config import KernelConfig
-from .space import nearest_bucket
+from .runtime.host import nearest_bucket
 from .spec import AttentionSpec
 
 

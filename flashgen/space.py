@@ -242,15 +242,3 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
 def bucket_of(seqlen: int) -> int:
     """The power-of-two sequence-length bucket a length belongs to (nearest in log scale)."""
     return 1 << max(0, round(math.log2(max(1, seqlen))))
-
-
-def nearest_bucket(seqlen: int, buckets) -> int:
-    """The bucket nearest to seqlen in log scale (the smaller on a tie). Integer comparisons only,
-    so torch.compile traces it with a symbolic length (each comparison a guard)."""
-    ordered = sorted(buckets)
-    s = seqlen if seqlen > 1 else 1
-    nearest = ordered[0]
-    for lo, hi in zip(ordered, ordered[1:]):
-        if s * s > lo * hi:  # past the geometric mean of lo and hi: nearer to hi
-            nearest = hi
-    return nearest

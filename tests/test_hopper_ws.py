@@ -232,7 +232,7 @@ def test_a_declined_call_runs_the_portable_forward_on_that_family_s_default(head
 @pytest.mark.parametrize("head_dim, causal", [(64, False), (96, True), (128, True), (256, False)])
 def test_the_fallback_knobs_are_the_portable_default_of_the_nearest_bucket(head_dim, causal):
     from flashgen.config import DEFAULT_BUCKETS
-    from flashgen.space import nearest_bucket
+    from flashgen.runtime.host import nearest_bucket
 
     spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=16, causal=causal)
     module = flashgen.compile(spec, default_config(spec, "h100", 4096)).module()

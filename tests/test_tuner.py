@@ -25,7 +25,8 @@ from flashgen.db import EnvInfo, ResultStore, config_key
 from flashgen.failures import STATUSES
 from flashgen.flops import pairs_flops, tflops, visible_count
 from flashgen.inputs import named_tensors
-from flashgen.space import DeviceLimits, backward_space, bucket_of, forward_space, nearest_bucket
+from flashgen.runtime.host import nearest_bucket
+from flashgen.space import DeviceLimits, backward_space, bucket_of, forward_space
 import flashgen.tuner
 from flashgen.tuner import InterpretRunner, TuneOptions, candidate, tune
 

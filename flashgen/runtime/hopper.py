@@ -25,7 +25,7 @@ __future__ import and its top-level names clash neither with host.py's nor with 
 import torch
 import triton
 
-from .host import SEQ_DIMS, BoundLaunch, Descriptors, ForwardPlan, bhsd_order, bhsd_strides, bounds_record, contiguous_strides, empty_runs_table, padded_head_dim, PADDED_ROW_MULTIPLE, reads_padding, sm_count  # standalone: host.py precedes
+from .host import SEQ_DIMS, BoundLaunch, Descriptors, ForwardPlan, bhsd_order, bhsd_strides, bounds_record, contiguous_strides, empty_runs_table, nearest_bucket, padded_head_dim, PADDED_ROW_MULTIPLE, reads_padding, sm_count  # standalone: host.py precedes
 
 # ---------------------------------------------------------------------------- the 3.6 / 3.9 shim
 # Gluon is experimental: triton 3.6 (the GPU image) and 3.9 (CI) name a few things differently.
@@ -262,7 +262,7 @@ class HopperForward:
         self.kernel = kernel
         self.spec, self.config = spec, config
         # {bucket: the portable forward's knobs} for the calls plan() declines (render._portable_fallback)
-        self.fallback = sorted((fallback or {}).items())
+        self.fallback = fallback or {}
         self.spec_reason = spec_unserved(spec)
         self.ranges = ranges  # a mask's _hw_fwd_ranges (documents): each call fills its block-range table first
         # the persistent grid's work units pair query tile k with tile tiles_m - 1 - k (heavy with light) where
@@ -295,15 +295,8 @@ class HopperForward:
 
     def fallback_knobs(self, seqlen: int) -> dict:
         """The portable forward's knobs for a declined call of this length (the longer of its query and key
-        lengths): the bucket nearest in log scale (the smaller on a tie), as a kernel's bucket configs are picked
-        (space.nearest_bucket)."""
-        if not self.fallback:
-            return {}
-        nearest = self.fallback[0][1]
-        for (lo, _), (hi, knobs) in zip(self.fallback, self.fallback[1:]):
-            if seqlen * seqlen > lo * hi:
-                nearest = knobs
-        return nearest
+        lengths): the nearest bucket's, as a kernel's bucket configs are picked (host.nearest_bucket)."""
+        return self.fallback[nearest_bucket(seqlen, self.fallback)] if self.fallback else {}
 
     def plan(self, base, q, k, v, layout, out, scale, dropout_p, cfg, *, varlen=False):
         """A plan for this call (called like launch.ForwardPlan, whose allocation it keeps), or None

@@ -57,6 +57,19 @@ def check_interpretable(name, dtype):
                          "dot products are wrong; on the CPU use an fp16 or fp32 spec and tensors, or run on a GPU")
 
 
+def nearest_bucket(seqlen: int, buckets) -> int:
+    """The bucket nearest to seqlen in log scale (the smaller on a tie): a kernel's bucket configs, and a declined
+    Gluon call's fallback knobs (hopper.HopperForward), are picked by it. Integer comparisons only, so
+    torch.compile traces it with a symbolic length (each comparison a guard)."""
+    ordered = sorted(buckets)
+    s = seqlen if seqlen > 1 else 1
+    nearest = ordered[0]
+    for lo, hi in zip(ordered, ordered[1:]):
+        if s * s > lo * hi:  # past the geometric mean of lo and hi: nearer to hi
+            nearest = hi
+    return nearest
+
+
 def padded_head_dim(head_dim):
     """The tile width for a head dim: the next power of two, at least 16 (tl.dot's minimum)."""
     return max(16, triton.next_power_of_2(head_dim))
