@@ -112,11 +112,13 @@ def expanded_sdpa(q, k, v, do, causal: bool, dtype, backend=None):
 
 
 def checked_timings(row: dict, calls: dict, flops: float, rounds: int, anchors, reference: str = "sdpa_flash",
-                    tolerance: float = 0.05) -> dict:
+                    tolerance: float = 0.05, timed: dict | None = None) -> dict:
     """Fill row[name] for each call {name: fn returning an output}: its max |difference| from calls[reference]'s
     output (a call that raises, or is off by more than `tolerance`, gets an "error" instead and is not timed), then
     ms, TFLOP/s and each round's ms (triton do_bench medians, `rounds` rounds in alternating order), and
-    ratio_vs_<anchor> = anchor ms / "default" ms for each of `anchors` timed. Returns row."""
+    ratio_vs_<anchor> = anchor ms / "default" ms for each of `anchors` timed. timed: {name: the call timed} where
+    it is not the checked one (a checked call that converts its output to the reference's layout, which the timed
+    call must not pay for). Returns row."""
     import statistics
 
     from flashgen.flops import tflops
@@ -133,7 +135,7 @@ def checked_timings(row: dict, calls: dict, flops: float, rounds: int, anchors, 
         if err > tolerance:
             row[name] = {"error": f"max |{name} - {reference}| = {err:.3g}"}
             continue
-        ok[name] = fn
+        ok[name] = (timed or {}).get(name, fn)
         row[name] = {f"max_err_vs_{reference}": err}
     for name, ms in alternating(ok, rounds, lambda name: time_ms(ok[name])).items():
         med = statistics.median(ms)

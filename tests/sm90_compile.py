@@ -70,7 +70,7 @@ def _compile_only(run):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         BINARIES[(CASE[0], self.__name__)] = kernel.hash
         SHARED[(CASE[0], self.__name__)] = kernel.metadata.shared
-        if self.__name__ in ("_attn_fwd_hopper_ws", "_attn_bwd_dkdv_hopper"):
+        if self.__name__ in ("_attn_fwd_hopper_ws", "_attn_fwd_hopper_ws_packed", "_attn_bwd_dkdv_hopper"):
             PTX[(CASE[0], self.__name__)] = kernel.asm["ptx"]
         COMPILED.append(f"{self.__name__}: {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B smem, "
                         f"{len(kernel.asm['cubin'])} B cubin")
@@ -142,6 +142,11 @@ def main(only=()) -> int:
 
     import flashgen
     from flashgen import AttentionSpec, KernelConfig
+    from flashgen.runtime.hopper import HopperForward
+
+    # the packed cases' 300-token sequences take the packed kernel (HopperForward.packed_declines would send
+    # them to the portable forward)
+    HopperForward.PACKED_THREE_MEAN = HopperForward.PACKED_CAUSAL_MEAN = 0
 
     DOCUMENT_TILES = KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, tma=True)
     hopper = KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, warp_specialize=True,
@@ -195,6 +200,16 @@ def main(only=()) -> int:
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
                       hopper_overlap=True)),
         ("hopper_ws persistent hd40 (padded), 3 consumers, TMA store", dict(head_dim=40, num_heads=4, forward_only=True),
+         KernelConfig(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_regs=160,
+                      hopper_persistent=True, hopper_tma_store=True)),
+        # packed sequences on the Gluon forward (_attn_fwd_hopper_ws_packed: one tile per program, O stored by
+        # pointers whatever the module's TMA store): hd128's default knobs (persistent, overlap, TMA store) on GQA
+        # causal, hd64's three consumers
+        ("hopper_ws packed sequences gqa causal, overlap", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True,
+                                                               varlen=True, forward_only=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
+                      hopper_overlap=True, hopper_tma_store=True)),
+        ("hopper_ws packed sequences hd64, 3 consumers", dict(head_dim=64, num_heads=4, varlen=True, forward_only=True),
          KernelConfig(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_regs=160,
                       hopper_persistent=True, hopper_tma_store=True)),
         ("hopper_ws hd128, ping-pong", dict(head_dim=128, num_heads=4),
@@ -343,8 +358,9 @@ def main(only=()) -> int:
         if varlen:  # packed (tokens, heads, dim): two sequences of 300
             q, k = q.transpose(1, 2).reshape(600, h, d), k.transpose(1, 2).reshape(600, hk, d)
             cu = torch.tensor([0, 300, 600], dtype=torch.int32)
-            kw.update(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300, max_seqlen_k=300,
-                      dropout_p=0.1, seed=torch.zeros(1, dtype=torch.int64))
+            kw.update(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300, max_seqlen_k=300)
+            if spec.dropout_p:
+                kw.update(dropout_p=spec.dropout_p, seed=torch.zeros(1, dtype=torch.int64))
         if spec.fp8:
             kw.update(k_descale=torch.ones(2, hk))
         lse = torch.zeros(h, 600) if varlen else torch.zeros(2, h, 300)
@@ -365,7 +381,8 @@ def main(only=()) -> int:
                 continue
             print(f"ok {name} {phase}: " + "; ".join(COMPILED) + f" ({time.perf_counter() - start:.1f} s)")
     # FA3's overlap keeps its MMAs asynchronous only if ptxas does not serialize them (C7514)
-    overlapped = {case: ptx for (case, kernel), ptx in PTX.items() if "overlap" in case and kernel == "_attn_fwd_hopper_ws"}
+    overlapped = {case: ptx for (case, kernel), ptx in PTX.items()
+                  if "overlap" in case and kernel in ("_attn_fwd_hopper_ws", "_attn_fwd_hopper_ws_packed")}
     notes = {case: note for case, ptx in overlapped.items() if (note := serialized_wgmma(ptx))}
     if notes or (not overlapped and not only):
         failed += 1

@@ -93,7 +93,10 @@ def test_call_unserved():
     assert hopper.call_unserved(q, k, v, "bhsd", device_check=ok) is None
     assert hopper.call_unserved(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "bshd",
                                 device_check=ok) is None  # any 16-byte strides
-    assert "layout 'thd'" in hopper.call_unserved(q[0], k[0], v[0], "thd", varlen=True, device_check=ok)
+    # packed sequences where the module has a packed kernel (unmasked fp16/bf16), else the portable forward
+    assert "layout 'thd' (served: bhsd, bshd)" in hopper.call_unserved(q[0], k[0], v[0], "thd", varlen=True,
+                                                                       device_check=ok)
+    assert hopper.call_unserved(q[0], k[0], v[0], "thd", varlen=True, device_check=ok, packed=True) is None
     assert "dropout_p" in hopper.call_unserved(q, k, v, "bhsd", dropout_p=0.1, device_check=ok)
     assert "q: strides" in hopper.call_unserved(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, "bhsd",
                                                 device_check=ok)
@@ -189,7 +192,8 @@ def test_render_keeps_the_portable_forward_beside_it():
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True, backward=True)
     source = render(spec, KernelConfig(**HOPPER), standalone=False)
     assert "def _attn_fwd_hopper_ws(" in source and "def _attn_fwd(" in source
-    assert "_LAUNCHER.hopper_forward = HopperForward(_attn_fwd_hopper_ws, SPEC, CONFIG, fallback={" in source
+    assert ("_LAUNCHER.hopper_forward = HopperForward(_attn_fwd_hopper_ws, SPEC, CONFIG, "
+            "packed=_attn_fwd_hopper_ws_packed, fallback={") in source
     portable = render(spec, KernelConfig(**dict(HOPPER, family="portable")), standalone=False)
     assert "gluon" not in portable and "hopper_forward" not in portable
 
@@ -685,7 +689,8 @@ def test_a_padded_head_dim_masks_the_pointer_store_only():
         exact = timed_source(render(spec(128), KernelConfig(**knobs), standalone=False), "fwd")
         assert "o_cols <" not in exact and "gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(o_rows < seqlen_q)" \
             "[:, None])" in exact
-        stored = render(spec(96), KernelConfig(**knobs, hopper_tma_store=True))
+        # (the dense kernels': the packed kernel beside them stores by pointers, masked past the head dim)
+        stored = timed_source(render(spec(96), KernelConfig(**knobs, hopper_tma_store=True)), "fwd")
         assert "o_cols <" not in stored and "tma_store(O," in stored
 
 
@@ -730,6 +735,8 @@ def test_tma_store_knob_keeps_the_register_store_text_and_renders_the_copy():
     # off, the knob leaves the config's dict and every kernel's text (stored configs keep their ids);
     # on, O leaves through o_smem and a TMA store whose descriptor takes O's place, the previous store
     # waited before o_smem is written again and before the program ends (one-tile and persistent)
+    from flashgen.codegen.render import timed_source
+
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=True)
     assert "hopper_tma_store" not in KernelConfig(**HOPPER).to_dict()
     on = KernelConfig(**HOPPER, hopper_tma_store=True)
@@ -737,7 +744,9 @@ def test_tma_store_knob_keeps_the_register_store_text_and_renders_the_copy():
     for knobs in (HOPPER, PERSISTENT):
         plain, stored = render(spec, KernelConfig(**knobs)), render(spec, KernelConfig(**knobs, hopper_tma_store=True))
         assert "o_smem" not in plain and "gl.store(o_ptrs" in plain
-        assert "gl.store(o_ptrs" not in stored and "def _attn_fwd_hopper_ws(QD, KD, VD, OD, O, LSE," in stored
+        # (the dense kernels store by TMA; the packed kernel beside them by pointers: _hw_consumer_packed)
+        assert "gl.store(o_ptrs" not in timed_source(stored, "fwd") and "gl.store(o_ptrs" in stored
+        assert "def _attn_fwd_hopper_ws(QD, KD, VD, OD, O, LSE," in stored
         assert ("o_smem = gl.allocate_shared_memory(OD.dtype, [CONSUMERS, 1, 1, _HW_ROWS, HEAD_DIM], OD.layout)"
                 in stored)
         epilogue = stored[stored.index("tma_store_wait(0)\n    warps_barrier()"):]
@@ -773,3 +782,43 @@ def test_a_tma_store_call_passes_an_o_descriptor(monkeypatch):
     odd = torch.empty(2, 4, 45, 68, dtype=torch.float16)[..., :64]  # 136-byte rows: not a 16-byte multiple
     plan = module._LAUNCHER.hopper_forward.plan
     assert plan(None, q, k, v, "bhsd", odd, 0.125, 0.0, module.CONFIG) is None
+
+
+@pytest.mark.parametrize("fields, packed", [(dict(dtype="bf16", head_dim=128, causal=True), True),
+                                           (dict(dtype="fp16", head_dim=96), True),
+                                           (dict(dtype="bf16", head_dim=128, mask={"sliding_window": {"left": 100}}),
+                                            False),
+                                           (dict(dtype="fp8_e4m3", head_dim=128, backward=False), False)])
+@pytest.mark.parametrize("knobs", [{}, dict(hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)])
+def test_the_packed_kernel_is_rendered_beside_the_dense_one_and_left_out_of_its_hash(fields, packed, knobs):
+    # unmasked fp16/bf16 modules carry _attn_fwd_hopper_ws_packed (packed sequences, one tile per program, O by
+    # pointers and V's rows past a sequence zeroed: _hw_consumer_packed); masks and FP8 keep the portable forward for
+    # packed calls. The tuner times dense calls: the packed kernel is not in the forward's timed source, whose text
+    # is the dense kernels' alone
+    from flashgen.codegen.render import timed_source
+
+    spec = AttentionSpec(num_heads=4, **fields)
+    source = render(spec, KernelConfig(**HOPPER, **knobs), standalone=False)
+    assert ("packed=_attn_fwd_hopper_ws_packed" in source) == packed
+    assert ("def _hw_consumer_packed(" in source) == packed and ("def _hw_pv_packed(" in source) == packed
+    timed = timed_source(source, "fwd")
+    assert "_attn_fwd_hopper_ws(" in timed and "_packed" not in timed
+    assert "_hw_seq_bounds" not in timed
+
+
+def test_packed_calls_the_portable_forward_serves_faster_are_declined():
+    # (measured: benchmarks/results/2026-11-29-h200-packed-s39-rule.md) three consumers over sequences averaging
+    # under 2048 tokens; causal sequences averaging under 1024 tokens
+    two, three = dict(BLOCK_M=128), dict(BLOCK_M=192)
+    causal = hopper.HopperForward(None, dict(causal=True, dtype="bf16", head_dim=128, head_dim_v=128, mask=None,
+                                             score_mod=None, dropout_p=0.0, target="auto"), {})
+    plain = hopper.HopperForward(None, dict(causal=False, dtype="bf16", head_dim=64, head_dim_v=64, mask=None,
+                                            score_mod=None, dropout_p=0.0, target="auto"), {})
+    assert plain.packed_declines(three, (16, 1024, 1024), 16384)
+    assert plain.packed_declines(three, (13, 2048, 2048), 16384)  # 1260 tokens on average
+    assert not plain.packed_declines(three, (8, 2048, 2048), 16384)
+    assert not plain.packed_declines(three, (4, 4096, 4096), 16384)
+    assert not plain.packed_declines(two, (26, 1024, 1024), 16384)
+    assert causal.packed_declines(two, (26, 1024, 1024), 16384)  # 630 tokens on average
+    assert not causal.packed_declines(two, (16, 1024, 1024), 16384)
+    assert not causal.packed_declines(two, (8, 4096, 4096), 16384)

@@ -272,3 +272,92 @@ def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, program
     assert_attention_close(out, lse, q, k, v, causal=causal, layout=layout)
     again, lse_again = module.forward(q, k, v, layout=layout)
     assert torch.equal(again, out) and torch.equal(lse_again, lse)
+
+
+# Packed sequences (layout 'thd') on the family's packed kernel: (query lengths, key lengths) per sequence, with a
+# sequence of one query, one of none, lengths off the tiles, keys longer and shorter than the queries, a
+# sequence without keys (O = 0, LSE = -inf)
+PACKED = [([1000, 1, 0, 333, 130], None), ([300, 77, 513, 64, 200], [300, 1024, 5, 64, 0])]
+PACKED_KNOBS = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": dict(hopper_pingpong=True),
+                "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s4": dict(BLOCK_N=64, num_stages=4),
+                # the defaults' knobs: persistent and the TMA store are the dense calls' (a packed call takes
+                # neither), three consumers are hd64's
+                "persistent, overlap, tma store": dict(hopper_persistent=True, hopper_overlap=True,
+                                                       hopper_tma_store=True),
+                "three consumers": dict(BLOCK_M=192, hopper_regs=160, hopper_tma_store=True)}
+
+
+@pytest.fixture
+def packed_served(monkeypatch):
+    """The packed kernel for every packed call these tests make (HopperForward.packed_declines sends short causal
+    sequences and three consumers' short calls to the portable forward)."""
+    from flashgen.runtime.hopper import HopperForward
+
+    monkeypatch.setattr(HopperForward, "PACKED_THREE_MEAN", 0)
+    monkeypatch.setattr(HopperForward, "PACKED_CAUSAL_MEAN", 0)
+
+
+def packed_call(module, lengths, heads, kv_heads, d, dtype, causal):
+    """A packed call through the module's forward on fresh random inputs into NaN-filled outputs; each sequence
+    checked against the reference. The buffers run on past the last sequence with NaN (a padded buffer's
+    uninitialized tail): the last sequence's key blocks read them, which must not reach its output."""
+    lq, lk = lengths[0], lengths[1] or lengths[0]
+    tail = torch.full((70, heads, d), float("nan"), device="cuda", dtype=dtype)
+    q = torch.cat([torch.randn(sum(lq), heads, d, device="cuda", dtype=dtype), tail])
+    k, v = (torch.cat([torch.randn(sum(lk), kv_heads, d, device="cuda", dtype=dtype), tail[:, :kv_heads]])
+            for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+                  for n in (lq, lk))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((heads, q.shape[0]), float("nan"), device="cuda")
+    module.forward(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                   max_seqlen_k=max(lk), out=out, lse=lse)
+    assert any(isinstance(plan, HopperPlan) and plan.packed for plan in module._LAUNCHER.plans.values())
+    for i in range(len(lq)):
+        rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        if lq[i] == 0:
+            continue
+        if lk[i] == 0:  # no key: O = 0, LSE = -inf
+            assert bool((out[rows] == 0).all()) and bool((lse[:, rows] == float("-inf")).all()), i
+            continue
+        seq = [t.transpose(0, 1)[None] for t in (q[rows], k[keys], v[keys])]
+        assert_attention_close(out[rows].transpose(0, 1)[None], lse[:, rows][None], *seq, causal=causal)
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", PACKED, ids=["keys-as-queries", "keys-differ"])
+@pytest.mark.parametrize("knobs", PACKED_KNOBS.values(), ids=PACKED_KNOBS.keys())
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_packed_sequences(packed_served, head_dim, knobs, lengths, causal):
+    if knobs.get("BLOCK_M") == 192 and head_dim != 64:
+        pytest.skip("three consumers are head dim 64's")
+    spec = AttentionSpec(dtype="bf16", head_dim=head_dim, num_heads=8, num_kv_heads=2, causal=causal)
+    module = flashgen.compile(spec, KernelConfig(**{**BASE, **knobs})).module()
+    packed_call(module, lengths, 8, 2, head_dim, torch.bfloat16, causal)
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_sequences_fp16_and_a_training_step_on_the_default(packed_served, causal):
+    # fp16 through the module; then flashgen.attention_varlen on its default (the family's, at 2048 tokens) with
+    # autograd: the portable backward reads the packed kernel's LSE
+    spec = AttentionSpec(dtype="fp16", head_dim=128, num_heads=4, num_kv_heads=4, causal=causal)
+    module = flashgen.compile(spec, KernelConfig(**BASE)).module()
+    packed_call(module, PACKED[1], 4, 4, 128, torch.float16, causal)
+    lengths = [2048, 700, 1]
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=4, num_kv_heads=2, causal=causal)
+    assert default_config(spec, None, 2048).family == "hopper_ws"
+    q = torch.randn(sum(lengths), 4, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lengths), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flashgen.attention_varlen(*leaves, cu, cu, 2048, 2048, causal=causal)
+    do = torch.randn_like(out)
+    out.backward(do)
+    for i in range(len(lengths)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        seq = [t[rows].transpose(0, 1)[None] for t in (q, k, v)]
+        assert_attention_close(out.detach()[rows].transpose(0, 1)[None], None, *seq, causal=causal)
+        grads = tuple(t.grad[rows].transpose(0, 1)[None] for t in leaves)
+        assert_gradients_close(grads, *seq, do[rows].transpose(0, 1)[None], causal=causal)

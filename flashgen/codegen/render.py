@@ -115,6 +115,9 @@ TIMED_KERNELS = {  # the launcher's keyword arguments, and the Gluon kernels han
     "bwd": ("preprocess_kernel", "dkdv_kernel", "dq_kernel", "short_kernel", "block_map_kernel", "hopper_backward"),
 }
 LAUNCHER = "_LAUNCHER"  # the module global holding the AttentionLauncher
+# Kernels handed to a Gluon family's launcher that no tuned result times: packed sequences' forward (the tuner
+# times dense calls; a packed call runs the config the dense calls were tuned for)
+UNTIMED_KERNELS = ("packed",)
 
 
 def timed_source(source: str, phase: str) -> str:
@@ -143,7 +146,8 @@ def timed_source(source: str, phase: str) -> str:
               and isinstance(node.value, ast.Call) and node.value.args and isinstance(node.value.args[0], ast.Name)):
             # _LAUNCHER.hopper_forward = HopperForward(kernel, ..., ranges=kernel2): the kernels it launches
             attached[node.targets[0].attr] = [node.value.args[0]] + [kw.value for kw in node.value.keywords
-                                                                     if isinstance(kw.value, ast.Name)]
+                                                                     if isinstance(kw.value, ast.Name)
+                                                                     and kw.arg not in UNTIMED_KERNELS]
     launcher = constants[LAUNCHER].value
     settings = [f"{kw.arg}={ast.literal_eval(kw.value)!r}" for kw in sorted(launcher.keywords, key=lambda kw: kw.arg)
                 if isinstance(kw.value, ast.Constant)]
@@ -260,9 +264,9 @@ def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, 
     )
 
 
-# The portable forward's knobs a call the Gluon forward declines (packed sequences, strides the copy engine
-# cannot read) runs on: the portable default of its length, not the family's tiles (H200, bf16, packed calls of
-# 16384 tokens: the family's tiles ran at 0.36-0.55x of these at head dims 96-256; session 37's stand-in tiles
+# The portable forward's knobs a call the Gluon forward declines (masked or FP8 packed sequences, packed calls
+# HopperForward.packed_declines, strides the copy engine cannot read) runs on: the portable default of its
+# length, not the family's tiles (H200, bf16, packed calls of 16384 tokens: the family's tiles ran at 0.36-0.55x of these at head dims 96-256; session 37's stand-in tiles
 # at 0.75-0.84x at hd64, 0.82-0.98x at 96 and 128; benchmarks/results/2026-11-29-h200-declined-fallback-s38.md).
 FALLBACK_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_specialize", "tma")
 

@@ -103,7 +103,7 @@ backward_head_dims = (64, 128)  # the Gluon dK/dV's (hopper_bwd): hd256 is not w
 served_dtypes = ("fp16", "bf16", "fp8_e4m3")
 # FP8 (e4m3; e5m2 keeps the portable forward): forward only, so the Gluon dK/dV (hopper_bwd) refuses it
 forward_only_dtypes = ("fp8_e4m3",)
-served_layouts = ("bhsd", "bshd")  # packed 'thd' (varlen) runs the portable forward
+served_layouts = ("bhsd", "bshd")  # and packed 'thd' (varlen) where the module has a packed kernel (call_unserved)
 
 
 def spec_unserved(spec, *, backward=False) -> str | None:
@@ -179,16 +179,19 @@ def device_unserved(device) -> str | None:
     return None
 
 
-def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, device_check=None) -> str | None:
+def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, device_check=None,
+                  packed=False) -> str | None:
     """Why this call cannot run the family (then the portable forward runs), or None.
 
     The kernel reads Q/K/V through (batch, heads, seq, dim) tensor descriptors and writes O through
-    pointers, so it needs: a dense layout (bhsd or bshd), a contiguous last dim and 16-byte strides
+    pointers, so it needs: a dense layout (bhsd or bshd), or packed sequences (layout 'thd', varlen) where the
+    module has a packed kernel (packed: unmasked fp16/bf16 forwards), a contiguous last dim and 16-byte strides
     and base pointers (the copy engine's rules), no dropout. An FP8 V is read seq-contiguous
     (through a (batch, heads, dim, seq) descriptor): its seq dim contiguous and its other strides
     16-byte multiples (a seq-contiguous copy of V has them when seqlen_k is a multiple of 16)."""
-    if varlen or layout not in served_layouts:
-        return f"layout {layout!r} (served: {', '.join(served_layouts)})"
+    layouts = served_layouts + (("thd",) if packed else ())
+    if layout not in layouts or varlen != (layout == "thd"):
+        return f"layout {layout!r} (served: {', '.join(layouts)})"
     if dropout_p:
         return f"dropout_p {dropout_p} (served: 0)"
     reason = (device_check or device_unserved)(q.device)
@@ -258,8 +261,11 @@ class HopperForward:
     KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False, "hopper_persistent": False,
                      "hopper_tma_store": False}
 
-    def __init__(self, kernel, spec, config, ranges=None, paired=None, fallback=None):
+    def __init__(self, kernel, spec, config, ranges=None, paired=None, packed=None, fallback=None):
         self.kernel = kernel
+        # packed sequences' kernel (_attn_fwd_hopper_ws_packed: one sequence's tiles per program), None where the
+        # module has none (masks, FP8: their packed calls take the portable forward)
+        self.packed = packed
         self.spec, self.config = spec, config
         # {bucket: the portable forward's knobs} for the calls plan() declines (render._portable_fallback)
         self.fallback = fallback or {}
@@ -278,10 +284,14 @@ class HopperForward:
     def descriptor(t, layout, rows, cols):
         """A (batch, heads, seq, dim) Gluon descriptor of t, one (1, 1, rows, cols = the head dim's padded width)
         tile per load: the copy engine zero-fills past the sequence and past the head dim, so no tile reads another
-        head's rows or columns."""
+        head's rows or columns. Packed 'thd': (1, heads, tokens, dim), every sequence's tokens in one (the packed
+        kernel's tiles start at their sequence's first token; zero-filled past the last token only)."""
         block = [1, 1, rows, cols]
         smem = gl.NVMMASharedLayout.get_default_for(block, gluon_dtypes[str(t.dtype)])
-        return GluonTensorDescriptor(t, list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout)), block, smem)
+        shape, strides = list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout))
+        if layout == "thd":  # one batch element, whose stride (never stepped) is the tensor's span
+            shape[0], strides[0] = 1, t.shape[0] * t.stride(0)
+        return GluonTensorDescriptor(t, shape, strides, block, smem)
 
     @staticmethod
     def transposed_descriptor(t, layout, rows, cols):
@@ -293,21 +303,47 @@ class HopperForward:
         sb, sh, ss, sd = bhsd_strides(t, layout)
         return GluonTensorDescriptor(t, [b, h, d, s], [sb, sh, sd, ss], block, smem)
 
+    # Packed calls the portable forward serves faster, by their sequences' mean length (a tile's rows past its
+    # sequence's end are a larger share of the work the shorter the sequences). H200, bf16, 16 heads, 16384 tokens,
+    # packed kernel / portable default (benchmarks/results/2026-11-29-h200-packed-s39{,-variants,-rule}.md; "mixed":
+    # lengths between S/4 and S):
+    # - three consumers' 192-row tiles (hd64) under PACKED_THREE_MEAN tokens: S=1024 0.90x, mixed 1024 0.85x, mixed
+    #   2048 (1280 on average) 0.97x; taken from it: S=2048 1.08x, S=4096 1.12x, mixed 4096 1.08x;
+    # - causal calls under PACKED_CAUSAL_MEAN tokens: hd128 mixed 1024 (640 on average) 0.92x, hd96 1.02x; taken from
+    #   it: S=1024 1.04-1.13x, mixed 2048 1.04-1.15x.
+    # Those runs were before the packed kernel zeroed V's rows past a sequence (_hw_pv_packed); after it (hd96, hd128:
+    # -s39-tail-zeroing.md) the calls taken read 1.04-1.36x, but hd128 S=1024 causal 0.99x (its thresholds unmoved).
+    PACKED_THREE_MEAN = 2048
+    PACKED_CAUSAL_MEAN = 1024
+
+    def packed_declines(self, cfg, varlen, total_q: int) -> bool:
+        """Whether a packed call (varlen: its sequences and longest lengths; total_q: its query tokens) runs faster
+        on the portable forward than on the packed kernel with these knobs."""
+        sequences = varlen[0]
+        if cfg["BLOCK_M"] == 192 and total_q < self.PACKED_THREE_MEAN * sequences:
+            return True
+        return bool(self.spec["causal"]) and total_q < self.PACKED_CAUSAL_MEAN * sequences
+
     def fallback_knobs(self, seqlen: int) -> dict:
         """The portable forward's knobs for a declined call of this length (the longer of its query and key
         lengths): the nearest bucket's, as a kernel's bucket configs are picked (host.nearest_bucket)."""
         return self.fallback[nearest_bucket(seqlen, self.fallback)] if self.fallback else {}
 
-    def plan(self, base, q, k, v, layout, out, scale, dropout_p, cfg, *, varlen=False):
+    def plan(self, base, q, k, v, layout, out, scale, dropout_p, cfg, *, varlen=None):
         """A plan for this call (called like launch.ForwardPlan, whose allocation it keeps), or None
-        when the family cannot serve it (then the portable forward runs)."""
-        if self.spec_reason or call_unserved(q, k, v, layout, varlen=varlen, dropout_p=dropout_p, out=out,
-                                             device_check=self.device_unserved):
+        when the family cannot serve it (then the portable forward runs). varlen: packed sequences' (batch,
+        max_seqlen_q, max_seqlen_k), host.AttentionLauncher.varlen_args' (the longest sequences size the grid)."""
+        if self.spec_reason or call_unserved(q, k, v, layout, varlen=varlen is not None, dropout_p=dropout_p, out=out,
+                                             device_check=self.device_unserved, packed=self.packed is not None):
             return None
         cfg = {**self.KNOB_DEFAULTS, **cfg}
+        if varlen is not None:  # the packed kernel: one tile per program, O stored by pointers
+            if self.packed_declines(cfg, varlen, q.shape[0]):
+                return None
+            cfg.update(hopper_persistent=False, hopper_tma_store=False)
         if cfg["hopper_tma_store"] and out is not None and tensor_unserved("out", out):
             return None  # the caller's out cannot take a TMA store (fresh outputs always can)
-        return HopperPlan(self, base, q, k, layout, out, scale, cfg)
+        return HopperPlan(self, base, q, k, layout, out, scale, cfg, varlen)
 
 
 class HopperPlan:
@@ -317,7 +353,7 @@ class HopperPlan:
     host.Descriptors does for the portable forward), launched through a BoundLaunch (Triton's launch
     path once, then the compiled kernel's launcher)."""
 
-    def __init__(self, forward, base, q, k, layout, out, scale, cfg):
+    def __init__(self, forward, base, q, k, layout, out, scale, cfg, varlen=None):
         self.forward, self.base, self.layout, self.scale, self.cfg = forward, base, layout, scale, cfg
         # (tiles of the padded head dim: the copy engine zero-fills the columns past q's, and O's store leaves them)
         block_n, head_dim = cfg["BLOCK_N"], padded_head_dim(q.shape[-1])
@@ -325,6 +361,10 @@ class HopperPlan:
         _, kv_heads, seqlen_k, _ = bhsd_order(k.shape, layout)
         o_strides = bhsd_order(contiguous_strides(base.o_shape) if out is None else out.stride(), layout)
         lse_strides = contiguous_strides(base.lse_shape)
+        self.packed = varlen is not None  # packed sequences: the module's packed kernel, the sequences' offsets
+        if self.packed:  # (sequences, the longest's lengths); LSE (heads, tokens), no batch stride
+            batch, seqlen_q, seqlen_k = varlen
+            lse_strides = (0, q.shape[0])
         # Q in one consumer's rows per load; K and V in BLOCK_N-key slots of the ring
         fp8 = forward.spec["dtype"] in forward_only_dtypes  # V^T tiles of the seq-contiguous V
         v_descriptor = forward.transposed_descriptor if fp8 else forward.descriptor
@@ -334,6 +374,8 @@ class HopperPlan:
             blocks, makers = (*blocks, (forward.CONSUMER_ROWS, head_dim)), [*makers, forward.descriptor]
         self.descriptors = Descriptors(layout, blocks, makers)
         self.args = (*o_strides[:3], *lse_strides[:2], seqlen_q, seqlen_k, heads // kv_heads, scale * forward.RCP_LN2)
+        if self.packed:  # the strides, then (the call's offsets, then) the totals and the longest lengths
+            self.args, self.packed_args = self.args[:5], (q.shape[0], k.shape[0], *self.args[5:])
         tiles_m = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
         grid = (tiles_m, heads, batch)
         if cfg["hopper_persistent"]:  # work units (a paired unit: two tiles, one heavy, one light), one program per SM
@@ -341,7 +383,7 @@ class HopperPlan:
             grid = (max(1, min(units, sm_count(q.device))),)
             self.args += (heads, tiles_m, units)
         consumers = cfg["BLOCK_M"] // forward.CONSUMER_ROWS
-        self.launch = BoundLaunch(forward.kernel, grid, dict(
+        self.launch = BoundLaunch(forward.packed if self.packed else forward.kernel, grid, dict(
             # (CAUSAL: the unmasked kernel's causal mask, and on the persistent grid its tile pairing; a masked
             # kernel's mask holds causality, so there it only pairs the tiles)
             CAUSAL=forward.paired if cfg["hopper_persistent"] else bool(forward.spec["causal"]),
@@ -391,5 +433,9 @@ class HopperPlan:
             extra = base.tensor_extra(tensors, None if self.ranges is None else base.launcher.unused_runs)
         named = extra if self.ranges is None else self.ranges.fill(extra, fill_runs=fill_runs)
         # (the descriptors of the first len(blocks) tensors: out's only with the TMA store)
+        if self.packed:  # the offsets checked on every call, as the portable forward's (ForwardPlan.offset_args)
+            self.launch(*self.descriptors(q, k, v), out, lse, *self.args,
+                        *base.offset_args(cu_seqlens_q, cu_seqlens_k), *self.packed_args)
+            return out, lse
         self.launch(*self.descriptors(q, k, v, out), out, lse, *self.args, *named, *fp8_args)
         return out, lse

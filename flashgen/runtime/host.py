@@ -1273,7 +1273,8 @@ class AttentionLauncher:
         plan.tail = (*maps, total_q, total_k)
         hopper = getattr(self, "hopper_forward", None)  # config family hopper_ws: runtime/hopper.py
         if hopper is not None and cfg.get("family") == "hopper_ws":
-            served = hopper.plan(plan, q, k, v, layout, out, scale, dropout_p, cfg, varlen=layout == "thd")
+            served = hopper.plan(plan, q, k, v, layout, out, scale, dropout_p, cfg,
+                                 varlen=(batch, seqlen_q, seqlen_k) if layout == "thd" else None)
             if served is not None:  # else the portable forward below
                 return served
             # the portable forward on its own default's knobs for this length, the longer side's as a kernel's
