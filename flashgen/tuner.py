@@ -530,9 +530,11 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
     budget = options.trials or spec.tune.trials
 
     def evaluated() -> int:
+        # (a trial told a config's earlier record, "reused", evaluated nothing: two workers sharing a study suggest
+        # each other's configs, and counting those stopped a budget of 3 at 2 configs measured)
         return sum(1 for t in study.get_trials(deepcopy=False) if t.state.is_finished()
                    and t.user_attrs.get("record", {}).get("status") not in (None, "restricted")
-                   and not t.user_attrs.get("final"))
+                   and not t.user_attrs.get("final") and not t.user_attrs.get("reused"))
 
     def retries_waiting() -> bool:
         """A dead worker's trial, failed by its heartbeat, is enqueued again: it runs even when

@@ -786,19 +786,23 @@ def test_a_tma_store_call_passes_an_o_descriptor(monkeypatch):
 
 @pytest.mark.parametrize("fields, packed", [(dict(dtype="bf16", head_dim=128, causal=True), True),
                                            (dict(dtype="fp16", head_dim=96), True),
+                                           (dict(dtype="bf16", head_dim=256), False),
+                                           (dict(dtype="bf16", head_dim=160), False),
                                            (dict(dtype="bf16", head_dim=128, mask={"sliding_window": {"left": 100}}),
                                             False),
                                            (dict(dtype="fp8_e4m3", head_dim=128, backward=False), False)])
 @pytest.mark.parametrize("knobs", [{}, dict(hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)])
 def test_the_packed_kernel_is_rendered_beside_the_dense_one_and_left_out_of_its_hash(fields, packed, knobs):
-    # unmasked fp16/bf16 modules carry _attn_fwd_hopper_ws_packed (packed sequences, one tile per program, O by
-    # pointers and V's rows past a sequence zeroed: _hw_consumer_packed); masks and FP8 keep the portable forward for
-    # packed calls. The tuner times dense calls: the packed kernel is not in the forward's timed source, whose text
-    # is the dense kernels' alone
+    # unmasked fp16/bf16 modules on 64- or 128-wide tiles carry _attn_fwd_hopper_ws_packed (packed sequences, one
+    # tile per program, O by pointers and V's rows past a sequence zeroed: _hw_consumer_packed); masks, FP8 and the
+    # 256-wide tiles (hd160-256) keep the portable forward for packed calls. The tuner times dense calls: the packed
+    # kernel is not in the forward's timed source, whose text is the dense kernels' alone
     from flashgen.codegen.render import timed_source
 
     spec = AttentionSpec(num_heads=4, **fields)
-    source = render(spec, KernelConfig(**HOPPER, **knobs), standalone=False)
+    # (hd256's 16-bit tiles: 64-key blocks, O's TMA store tiles beside one consumer only)
+    tiles = dict(BLOCK_N=64, BLOCK_M=64 if knobs else 128) if spec.head_dim > 128 else {}
+    source = render(spec, KernelConfig(**{**HOPPER, **knobs, **tiles}), standalone=False)
     assert ("packed=_attn_fwd_hopper_ws_packed" in source) == packed
     assert ("def _hw_consumer_packed(" in source) == packed and ("def _hw_pv_packed(" in source) == packed
     timed = timed_source(source, "fwd")

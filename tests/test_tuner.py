@@ -462,6 +462,27 @@ def test_two_tunes_on_one_fresh_database_both_finish(tmp_path):
 
 
 @needs_interpreter
+def test_a_config_told_its_earlier_record_spends_no_budget(store, monkeypatch):
+    # two workers sharing a study suggest each other's configs: one measured before is told its record again
+    # ("reused"), not measured, and must not count toward the budget (it did: two tunes sharing a fresh study
+    # with a budget of 3 stopped at 2 configs measured). Here the sampler repeats the enqueued default once.
+    import optuna
+
+    class Repeats(optuna.samplers.RandomSampler):
+        def sample_independent(self, study, trial, name, distribution):
+            if trial.number == 1:  # the default's knobs again
+                return study.trials[0].params[name]
+            return super().sample_independent(study, trial, name, distribution)
+
+    monkeypatch.setattr(flashgen.tuner, "make_sampler", lambda name, seed, space: Repeats(seed=seed))
+    spec = SPEC.replace(backward=False)
+    tune(spec, InterpretRunner(), store, TuneOptions(trials=2))
+    measured = {config_key(r.config) for r in store.trials(EnvInfo.current(interpret=True), spec, bucket=64)
+                if r.status == "ok"}
+    assert len(measured) == 2
+
+
+@needs_interpreter
 def test_a_worse_retune_keeps_the_better_result(store):
     spec = SPEC.replace(backward=False)
     here = EnvInfo.current(interpret=True)

@@ -264,10 +264,11 @@ def render(spec: AttentionSpec, config: KernelConfig, template: str = TEMPLATE, 
     )
 
 
-# The portable forward's knobs a call the Gluon forward declines (masked or FP8 packed sequences, packed calls
-# HopperForward.packed_declines, strides the copy engine cannot read) runs on: the portable default of its
-# length, not the family's tiles (H200, bf16, packed calls of 16384 tokens: the family's tiles ran at 0.36-0.55x of these at head dims 96-256; session 37's stand-in tiles
-# at 0.75-0.84x at hd64, 0.82-0.98x at 96 and 128; benchmarks/results/2026-11-29-h200-declined-fallback-s38.md).
+# The portable forward's knobs a call the Gluon forward declines (masked, FP8 or hd160-256 packed sequences,
+# packed calls HopperForward.packed_declines, strides the copy engine cannot read) runs on: the portable default
+# of its length, not the family's tiles (H200, bf16, packed calls of 16384 tokens: the family's tiles ran at
+# 0.36-0.55x of these at head dims 96-256; session 37's stand-in tiles at 0.75-0.84x at hd64, 0.82-0.98x at 96
+# and 128; benchmarks/results/2026-11-29-h200-declined-fallback-s38.md).
 FALLBACK_KNOBS = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "warp_specialize", "tma")
 
 

@@ -264,7 +264,7 @@ class HopperForward:
     def __init__(self, kernel, spec, config, ranges=None, paired=None, packed=None, fallback=None):
         self.kernel = kernel
         # packed sequences' kernel (_attn_fwd_hopper_ws_packed: one sequence's tiles per program), None where the
-        # module has none (masks, FP8: their packed calls take the portable forward)
+        # module has none (masks, FP8, hd160-256: their packed calls take the portable forward)
         self.packed = packed
         self.spec, self.config = spec, config
         # {bucket: the portable forward's knobs} for the calls plan() declines (render._portable_fallback)
@@ -304,7 +304,8 @@ class HopperForward:
         return GluonTensorDescriptor(t, [b, h, d, s], [sb, sh, sd, ss], block, smem)
 
     # Packed calls the portable forward serves faster, by their sequences' mean length (a tile's rows past its
-    # sequence's end are a larger share of the work the shorter the sequences). H200, bf16, 16 heads, 16384 tokens,
+    # sequence's end are a larger share of the work the shorter the sequences; the host's mean, q's tokens over
+    # the sequences, counts a padded buffer's tokens past the last sequence too: cu_seqlens stay on the device). H200, bf16, 16 heads, 16384 tokens,
     # packed kernel / portable default (benchmarks/results/2026-11-29-h200-packed-s39{,-variants,-rule}.md; "mixed":
     # lengths between S/4 and S):
     # - three consumers' 192-row tiles (hd64) under PACKED_THREE_MEAN tokens: S=1024 0.90x, mixed 1024 0.85x, mixed
