@@ -305,9 +305,9 @@ class HopperForward:
 
     # Packed calls the portable forward serves faster, by their sequences' mean length (a tile's rows past its
     # sequence's end are a larger share of the work the shorter the sequences; the host's mean, q's tokens over
-    # the sequences, counts a padded buffer's tokens past the last sequence too: cu_seqlens stay on the device). H200, bf16, 16 heads, 16384 tokens,
-    # packed kernel / portable default (benchmarks/results/2026-11-29-h200-packed-s39{,-variants,-rule}.md; "mixed":
-    # lengths between S/4 and S):
+    # the sequences, counts a padded buffer's tokens past the last sequence too: cu_seqlens stay on the device).
+    # H200, bf16, 16 heads, 16384 tokens, packed kernel / portable default
+    # (benchmarks/results/2026-11-29-h200-packed-s39{,-variants,-rule}.md; "mixed": lengths between S/4 and S):
     # - three consumers' 192-row tiles (hd64) under PACKED_THREE_MEAN tokens: S=1024 0.90x, mixed 1024 0.85x, mixed
     #   2048 (1280 on average) 0.97x; taken from it: S=2048 1.08x, S=4096 1.12x, mixed 4096 1.08x;
     # - causal calls under PACKED_CAUSAL_MEAN tokens: hd128 mixed 1024 (640 on average) 0.92x, hd96 1.02x; taken from
