@@ -19,6 +19,11 @@ def make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v=No
             randn(batch, kv_heads, seqlen_k, head_dim_v))
 
 
+def cu_seqlens(lengths, device):
+    """Packed sequences' int32 offsets (batch + 1, from 0) for these sequence lengths."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
 def poisoned_outputs(q, heads, seqlen_q, head_dim_v, layout):
     """NaN-filled out and lse buffers, so an element the kernel never writes fails the check."""
     batch = q.shape[0]

@@ -18,6 +18,7 @@ from flashgen import AttentionSpec, ConfigError, KernelConfig
 from flashgen.codegen import render
 from flashgen.space import DeviceLimits, backward_space
 
+from .helpers import cu_seqlens
 from .test_masks import SMALL, _doc_ids, check_variant
 
 # (id, fields, sq, sk, named tensors)
@@ -88,7 +89,7 @@ def _packed_grads(device, config):
     and the same with SMALL."""
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     lens = [1, 40, 0, 17]
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = cu_seqlens(lens, device)
     q, k, v = (torch.randn(sum(lens), h, 32, generator=gen).to(device, torch.float16).requires_grad_()
                for h in (4, 2, 2))
     out = flashgen.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, config=config)

@@ -11,7 +11,7 @@ from flashgen import AttentionSpec, KernelConfig, default_config
 from flashgen.runtime.hopper import HopperPlan
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
-from .helpers import make_qkv, poisoned_outputs
+from .helpers import cu_seqlens, make_qkv, poisoned_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -306,8 +306,7 @@ def packed_call(module, lengths, heads, kv_heads, d, dtype, causal):
     q = torch.cat([torch.randn(sum(lq), heads, d, device="cuda", dtype=dtype), tail])
     k, v = (torch.cat([torch.randn(sum(lk), kv_heads, d, device="cuda", dtype=dtype), tail[:, :kv_heads]])
             for _ in range(2))
-    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-                  for n in (lq, lk))
+    cu_q, cu_k = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
     out = torch.full_like(q, float("nan"))
     lse = torch.full((heads, q.shape[0]), float("nan"), device="cuda")
     module.forward(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
@@ -350,7 +349,7 @@ def test_packed_sequences_fp16_and_a_training_step_on_the_default(packed_served,
     assert default_config(spec, None, 2048).family == "hopper_ws"
     q = torch.randn(sum(lengths), 4, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(sum(lengths), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    cu = cu_seqlens(lengths, "cuda")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flashgen.attention_varlen(*leaves, cu, cu, 2048, 2048, causal=causal)
     do = torch.randn_like(out)

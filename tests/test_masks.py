@@ -20,6 +20,8 @@ from flashgen.runtime.host import runs_table, runs_table_fill
 from flashgen.verify import (assert_attention_close, assert_gradients_close, reference_attention,
                              reference_varlen)
 
+from .helpers import cu_seqlens
+
 SMALL = KernelConfig(BLOCK_M=16, BLOCK_N=16, num_stages=1, BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16)
 
 
@@ -542,8 +544,7 @@ def test_a_strided_tensors_gradient_from_the_kernel_module(device, memory):
 def test_varlen_matches_per_sequence_reference(device, mask, causal):
     seed, gen = _seeded()
     lens_q, lens_k = [1, 17, 0, 30, 9], [5, 17, 3, 22, 9]
-    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
     q = torch.randn(sum(lens_q), 4, 32, generator=gen).to(device, torch.float16).requires_grad_()
     k = torch.randn(sum(lens_k), 2, 32, generator=gen).to(device, torch.float16).requires_grad_()
     v = torch.randn(sum(lens_k), 2, 32, generator=gen).to(device, torch.float16).requires_grad_()

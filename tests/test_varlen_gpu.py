@@ -13,6 +13,8 @@ import torch
 import flashgen
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
+from .helpers import cu_seqlens
+
 pytestmark = pytest.mark.gpu
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -22,7 +24,7 @@ def packed(lengths, heads=4, kv_heads=2, d=64, gen=None):
     total = sum(lengths)
     q = torch.randn(total, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     k, v = (torch.randn(total, kv_heads, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    cu = cu_seqlens(lengths, "cuda")
     return q, k, v, cu
 
 
