@@ -24,6 +24,19 @@ def cu_seqlens(lengths, device):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
+def packed_plans(call):
+    """call()'s result and how many packed-sequence plans of the Gluon forward (HopperPlan.packed) it made: the
+    plans of the kernel modules loaded in this process are forgotten first (a later call makes them again)."""
+    from flashgen import ops
+    from flashgen.runtime.hopper import HopperPlan
+
+    for module in list(ops._MODULES.values()):
+        module._LAUNCHER.plans.clear()
+    result = call()
+    return result, sum(isinstance(plan, HopperPlan) and plan.packed for module in list(ops._MODULES.values())
+                       for plan in list(module._LAUNCHER.plans.values()))
+
+
 def poisoned_outputs(q, heads, seqlen_q, head_dim_v, layout):
     """NaN-filled out and lse buffers, so an element the kernel never writes fails the check."""
     batch = q.shape[0]

@@ -11,7 +11,7 @@ from flashgen import AttentionSpec, KernelConfig, default_config
 from flashgen.runtime.hopper import HopperPlan
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
-from .helpers import cu_seqlens, make_qkv, poisoned_outputs
+from .helpers import cu_seqlens, make_qkv, packed_plans, poisoned_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -297,24 +297,29 @@ def packed_served(monkeypatch):
     monkeypatch.setattr(HopperForward, "PACKED_CAUSAL_MEAN", 0)
 
 
-def packed_call(module, lengths, heads, kv_heads, d, dtype, causal):
+def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=()):
     """A packed call through the module's forward on fresh random inputs into NaN-filled outputs; each sequence
-    checked against the reference. The buffers run on past the last sequence with NaN (a padded buffer's
-    uninitialized tail): the last sequence's key blocks read them, which must not reach its output."""
+    checked against the reference. K and V run on past the last sequence with NaN (a padded buffer's
+    uninitialized tail): the last sequence's key blocks read them, which must not reach its output. Q runs on with
+    finite rows, whose results are computed and must not be stored: out's and the LSE's rows past the last
+    sequence stay NaN. poisoned: sequences whose first value row is inf, read by the sequence before them through
+    its last key block (their own outputs are not checked)."""
     lq, lk = lengths[0], lengths[1] or lengths[0]
-    tail = torch.full((70, heads, d), float("nan"), device="cuda", dtype=dtype)
-    q = torch.cat([torch.randn(sum(lq), heads, d, device="cuda", dtype=dtype), tail])
-    k, v = (torch.cat([torch.randn(sum(lk), kv_heads, d, device="cuda", dtype=dtype), tail[:, :kv_heads]])
-            for _ in range(2))
+    tail = torch.full((70, kv_heads, d), float("nan"), device="cuda", dtype=dtype)
+    q = torch.randn(sum(lq) + 70, heads, d, device="cuda", dtype=dtype)
+    k, v = (torch.cat([torch.randn(sum(lk), kv_heads, d, device="cuda", dtype=dtype), tail]) for _ in range(2))
     cu_q, cu_k = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
+    for i in poisoned:
+        v[int(cu_k[i])] = float("inf")
     out = torch.full_like(q, float("nan"))
     lse = torch.full((heads, q.shape[0]), float("nan"), device="cuda")
-    module.forward(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
-                   max_seqlen_k=max(lk), out=out, lse=lse)
-    assert any(isinstance(plan, HopperPlan) and plan.packed for plan in module._LAUNCHER.plans.values())
+    _, plans = packed_plans(lambda: module.forward(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                   max_seqlen_q=max(lq), max_seqlen_k=max(lk), out=out, lse=lse))
+    assert plans == 1  # the packed kernel's
+    assert bool(out[sum(lq):].isnan().all()) and bool(lse[:, sum(lq):].isnan().all())
     for i in range(len(lq)):
         rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        if lq[i] == 0:
+        if lq[i] == 0 or i in poisoned:
             continue
         if lk[i] == 0:  # no key: O = 0, LSE = -inf
             assert bool((out[rows] == 0).all()) and bool((lse[:, rows] == float("-inf")).all()), i
@@ -338,6 +343,39 @@ def test_packed_sequences(packed_served, head_dim, knobs, lengths, causal):
 
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("knobs", ["base", "overlap", "pingpong", "n64 s4"])
+def test_an_inf_in_the_next_sequences_values_stays_there(packed_served, knobs, causal):
+    # the sequences of 1000 and 333 keys end inside a key block that reads the next sequence's first value row (inf)
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=causal)
+    module = flashgen.compile(spec, KernelConfig(**{**BASE, **PACKED_KNOBS[knobs]})).module()
+    packed_call(module, PACKED[0], 8, 2, 128, torch.bfloat16, causal, poisoned=(1, 4))
+
+
+@sm90
+@pytest.mark.parametrize("bad", [[0, 100, 50, 197], [0, 100, 101, 9000], [5, 100, 101, 197], [0, 1, 2, 197]])
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_bad_offsets_on_the_packed_kernel_stay_inside_the_tensors(packed_served, bad, which):
+    # offsets out of order, past the tokens, not from 0, or longer than max_seqlen: the kernel clamps them as the
+    # portable one does (no fault, nothing written past out's rows), and the bounds record names the argument
+    spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=4, num_kv_heads=2)
+    module = flashgen.compile(spec, KernelConfig(**BASE)).module()
+    q = torch.randn(197, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(197, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    good, bad = cu_seqlens([100, 1, 96], "cuda"), torch.tensor(bad, device="cuda", dtype=torch.int32)
+    cu_q, cu_k = (bad, good) if which == "q" else (good, bad)
+    buffer = torch.full((197 + 64, 4, 64), 7.0, device="cuda", dtype=torch.bfloat16)
+    _, plans = packed_plans(lambda: module.forward(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                   max_seqlen_q=100, max_seqlen_k=100, out=buffer[:197]))
+    assert plans == 1
+    torch.cuda.synchronize()  # no fault
+    assert bool((buffer[197:] == 7.0).all())
+    with pytest.raises(ValueError, match=f"^(cu_seqlens_{which}|max_seqlen_{which}): "):
+        flashgen.check_bounds()
+    flashgen.check_bounds()  # the record was cleared
+
+
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
 def test_packed_sequences_fp16_and_a_training_step_on_the_default(packed_served, causal):
     # fp16 through the module; then flashgen.attention_varlen on its default (the family's, at 2048 tokens) with
     # autograd: the portable backward reads the packed kernel's LSE
@@ -351,7 +389,8 @@ def test_packed_sequences_fp16_and_a_training_step_on_the_default(packed_served,
     k, v = (torch.randn(sum(lengths), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cu = cu_seqlens(lengths, "cuda")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = flashgen.attention_varlen(*leaves, cu, cu, 2048, 2048, causal=causal)
+    out, plans = packed_plans(lambda: flashgen.attention_varlen(*leaves, cu, cu, 2048, 2048, causal=causal))
+    assert plans == 1
     do = torch.randn_like(out)
     out.backward(do)
     for i in range(len(lengths)):
