@@ -28,9 +28,9 @@ VARIANTS = ("default", "portable", "dense_default", "sdpa_flash", "cudnn")
 ANCHORS = ("portable", "dense_default", "sdpa_flash", "cudnn")
 
 
-# --variants: the Gluon packed kernel on the default's knobs ("packed_kernel") and on other consumer counts (each
-# the default config with these knobs), whatever HopperForward.packed_declines says (research: which a packed call
-# should take)
+# --variants: the Gluon packed kernel on the default's knobs ("packed_kernel"), on the one-tile grid where the
+# default is persistent ("one_tile") and on other consumer counts (each the default config with these knobs),
+# whatever HopperForward.packed_declines says (research: which a packed call should take)
 GLUON_VARIANTS = {"two_consumers": dict(BLOCK_M=128, hopper_regs=240),
                   "one_consumer": dict(BLOCK_M=64, num_stages=3, hopper_regs=240)}
 
@@ -101,7 +101,9 @@ def run_case(case, args):
     default = default_config(spec, None, bucket)
     if args.variants and default.family == "hopper_ws":
         configs = {"packed_kernel": default, **{name: default.replace(**knobs) for name, knobs in GLUON_VARIANTS.items()
-                                                if knobs["BLOCK_M"] != default.BLOCK_M}}
+                                                if knobs.get("BLOCK_M", 0) != default.BLOCK_M}}
+        if default.hopper_persistent:  # the default's knobs on the one-tile grid
+            configs["one_tile"] = default.replace(hopper_persistent=False)
         calls.update({name: forced_packed(flashgen.compile(spec, config).module(), packed, cu, longest)
                       for name, config in configs.items()})
     if not mixed:  # the same tokens as a dense batch of equal-length sequences
@@ -128,7 +130,7 @@ def run_case(case, args):
 
 
 def markdown(rows, env):
-    variants = [*VARIANTS, *(v for v in ("packed_kernel", *GLUON_VARIANTS) if any(v in row for row in rows))]
+    variants = [*VARIANTS, *(v for v in ("packed_kernel", "one_tile", *GLUON_VARIANTS) if any(v in row for row in rows))]
     lines = table_head("Packed sequences (attention_varlen) on the user path", env,
                        f"bf16 forward, {HEADS} heads, {TOKENS} tokens per call, TFLOP/s over visible pairs (do_bench "
                        "medians of interleaved rounds); default = flashgen.attention_varlen's default; portable = "

@@ -25,16 +25,16 @@ def cu_seqlens(lengths, device):
 
 
 def packed_plans(call):
-    """call()'s result and how many packed-sequence plans of the Gluon forward (HopperPlan.packed) it made: the
-    plans of the kernel modules loaded in this process are forgotten first (a later call makes them again)."""
+    """call()'s result and the packed-sequence plans of the Gluon forward (HopperPlan.packed) it made: the plans of
+    the kernel modules loaded in this process are forgotten first (a later call makes them again)."""
     from flashgen import ops
     from flashgen.runtime.hopper import HopperPlan
 
     for module in list(ops._MODULES.values()):
         module._LAUNCHER.plans.clear()
     result = call()
-    return result, sum(isinstance(plan, HopperPlan) and plan.packed for module in list(ops._MODULES.values())
-                       for plan in list(module._LAUNCHER.plans.values()))
+    return result, [plan for module in list(ops._MODULES.values()) for plan in list(module._LAUNCHER.plans.values())
+                    if isinstance(plan, HopperPlan) and plan.packed]
 
 
 def poisoned_outputs(q, heads, seqlen_q, head_dim_v, layout):

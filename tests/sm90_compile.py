@@ -70,7 +70,8 @@ def _compile_only(run):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
         BINARIES[(CASE[0], self.__name__)] = kernel.hash
         SHARED[(CASE[0], self.__name__)] = kernel.metadata.shared
-        if self.__name__ in ("_attn_fwd_hopper_ws", "_attn_fwd_hopper_ws_packed", "_attn_bwd_dkdv_hopper"):
+        if self.__name__ in ("_attn_fwd_hopper_ws", "_attn_fwd_hopper_ws_packed", "_attn_fwd_hopper_ws_packed_persistent",
+                             "_attn_bwd_dkdv_hopper"):
             PTX[(CASE[0], self.__name__)] = kernel.asm["ptx"]
         COMPILED.append(f"{self.__name__}: {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B smem, "
                         f"{len(kernel.asm['cubin'])} B cubin")
@@ -202,9 +203,10 @@ def main(only=()) -> int:
         ("hopper_ws persistent hd40 (padded), 3 consumers, TMA store", dict(head_dim=40, num_heads=4, forward_only=True),
          KernelConfig(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_regs=160,
                       hopper_persistent=True, hopper_tma_store=True)),
-        # packed sequences on the Gluon forward (_attn_fwd_hopper_ws_packed: one tile per program, O stored by
-        # pointers whatever the module's TMA store): hd128's default knobs (persistent, overlap, TMA store) on GQA
-        # causal, hd64's three consumers
+        # packed sequences on the Gluon forward (O stored by pointers whatever the module's TMA store; sequences of
+        # one length: the persistent packed kernel where the module is persistent): hd128's default knobs
+        # (persistent, overlap, TMA store) on GQA causal, hd64's three consumers (persistent), and the one-tile
+        # kernel's ping-pong
         ("hopper_ws packed sequences gqa causal, overlap", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True,
                                                                varlen=True, forward_only=True),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
@@ -212,6 +214,9 @@ def main(only=()) -> int:
         ("hopper_ws packed sequences hd64, 3 consumers", dict(head_dim=64, num_heads=4, varlen=True, forward_only=True),
          KernelConfig(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_regs=160,
                       hopper_persistent=True, hopper_tma_store=True)),
+        ("hopper_ws packed sequences causal, one tile, ping-pong", dict(head_dim=128, num_heads=4, causal=True,
+                                                                         varlen=True, forward_only=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
         ("hopper_ws hd128, ping-pong", dict(head_dim=128, num_heads=4),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_pingpong=True)),
         # the persistent grid (hopper_persistent): one program per SM walking work units, causal GQA on two
@@ -382,7 +387,7 @@ def main(only=()) -> int:
             print(f"ok {name} {phase}: " + "; ".join(COMPILED) + f" ({time.perf_counter() - start:.1f} s)")
     # FA3's overlap keeps its MMAs asynchronous only if ptxas does not serialize them (C7514)
     overlapped = {case: ptx for (case, kernel), ptx in PTX.items()
-                  if "overlap" in case and kernel in ("_attn_fwd_hopper_ws", "_attn_fwd_hopper_ws_packed")}
+                  if "overlap" in case and kernel.startswith("_attn_fwd_hopper_ws")}
     notes = {case: note for case, ptx in overlapped.items() if (note := serialized_wgmma(ptx))}
     if notes or (not overlapped and not only):
         failed += 1

@@ -794,7 +794,8 @@ def test_a_tma_store_call_passes_an_o_descriptor(monkeypatch):
 @pytest.mark.parametrize("knobs", [{}, dict(hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)])
 def test_the_packed_kernel_is_rendered_beside_the_dense_one_and_left_out_of_its_hash(fields, packed, knobs):
     # unmasked fp16/bf16 modules on 64- or 128-wide tiles carry _attn_fwd_hopper_ws_packed (packed sequences, one
-    # tile per program, O by pointers and V's rows past a sequence zeroed: _hw_consumer_packed); masks, FP8 and the
+    # tile per program, O by pointers and V's rows past a sequence zeroed at a consumer's last block:
+    # _hw_consumer_packed), persistent ones _attn_fwd_hopper_ws_packed_persistent too; masks, FP8 and the
     # 256-wide tiles (hd160-256) keep the portable forward for packed calls. The tuner times dense calls: the packed
     # kernel is not in the forward's timed source, whose text is the dense kernels' alone
     from flashgen.codegen.render import timed_source
@@ -805,9 +806,23 @@ def test_the_packed_kernel_is_rendered_beside_the_dense_one_and_left_out_of_its_
     source = render(spec, KernelConfig(**{**HOPPER, **knobs, **tiles}), standalone=False)
     assert ("packed=_attn_fwd_hopper_ws_packed" in source) == packed
     assert ("def _hw_consumer_packed(" in source) == packed and ("def _hw_pv_packed(" in source) == packed
+    # a persistent module's: the persistent packed kernel too (sequences of one length)
+    assert ("packed_persistent=_attn_fwd_hopper_ws_packed_persistent" in source) == (packed and bool(knobs))
+    assert ("def _hw_consumer_persistent_packed(" in source) == (packed and bool(knobs))
     timed = timed_source(source, "fwd")
     assert "_attn_fwd_hopper_ws(" in timed and "_packed" not in timed
     assert "_hw_seq_bounds" not in timed
+
+
+def test_only_packed_sequences_of_one_length_take_the_persistent_packed_kernel():
+    # (measured: benchmarks/results/2026-11-30-h200-packed-s40-persistent.md) the persistent grid's static walk gave
+    # unequal lengths 0.68-0.92x the one-tile grid: their tokens are not sequences x the longest lengths
+    equal = hopper.HopperForward.equal_lengths
+    assert equal((4, 1024, 1024), 4096, 4096)
+    assert equal((2, 300, 513), 600, 1026)  # keys longer than queries, one length each
+    assert not equal((4, 1024, 1024), 4000, 4096)  # a shorter query sequence
+    assert not equal((4, 1024, 1024), 4096, 4095)
+    assert not equal((4, 1024, 2048), 4096, 4096)  # max_seqlen_k past every key sequence
 
 
 def test_packed_calls_the_portable_forward_serves_faster_are_declined():

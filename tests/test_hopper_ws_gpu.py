@@ -278,13 +278,22 @@ def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, program
 # sequence of one query, one of none, lengths off the tiles, keys longer and shorter than the queries, a
 # sequence without keys (O = 0, LSE = -inf)
 PACKED = [([1000, 1, 0, 333, 130], None), ([300, 77, 513, 64, 200], [300, 1024, 5, 64, 0])]
+# sequences of one length (the persistent packed kernel's calls where the module is persistent: their tensors hold
+# no tokens past the last sequence)
+PACKED_EQUAL = [([300, 300, 300], None), ([300, 300], [513, 513])]
 PACKED_KNOBS = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": dict(hopper_pingpong=True),
                 "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s4": dict(BLOCK_N=64, num_stages=4),
-                # the defaults' knobs: persistent and the TMA store are the dense calls' (a packed call takes
-                # neither), three consumers are hd64's
+                # the persistent grid (a packed call's units: the longest sequence's tiles for every sequence, those
+                # past a sequence's end skipped); the defaults' knobs: the TMA store is the dense calls' (a packed
+                # call stores by pointers), three consumers are hd64's
+                "persistent": dict(hopper_persistent=True),
+                "persistent, pingpong": dict(hopper_persistent=True, hopper_pingpong=True),
+                "persistent, one consumer": dict(BLOCK_M=64, num_stages=3, hopper_persistent=True),
                 "persistent, overlap, tma store": dict(hopper_persistent=True, hopper_overlap=True,
                                                        hopper_tma_store=True),
-                "three consumers": dict(BLOCK_M=192, hopper_regs=160, hopper_tma_store=True)}
+                "three consumers": dict(BLOCK_M=192, hopper_regs=160, hopper_tma_store=True),
+                "persistent, three consumers": dict(BLOCK_M=192, hopper_regs=160, hopper_persistent=True,
+                                                    hopper_tma_store=True)}
 
 
 @pytest.fixture
@@ -302,11 +311,13 @@ def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=())
     checked against the reference. K and V run on past the last sequence with NaN (a padded buffer's
     uninitialized tail): the last sequence's key blocks read them, which must not reach its output. Q runs on with
     finite rows, whose results are computed and must not be stored: out's and the LSE's rows past the last
-    sequence stay NaN. poisoned: sequences whose first value row is inf, read by the sequence before them through
-    its last key block (their own outputs are not checked)."""
+    sequence stay NaN. Sequences of one length (PACKED_EQUAL) have no tail, and take the persistent packed kernel
+    where the module is persistent. poisoned: sequences whose first value row is inf, read by the sequence before
+    them through its last key block (their own outputs are not checked)."""
     lq, lk = lengths[0], lengths[1] or lengths[0]
-    tail = torch.full((70, kv_heads, d), float("nan"), device="cuda", dtype=dtype)
-    q = torch.randn(sum(lq) + 70, heads, d, device="cuda", dtype=dtype)
+    rows = 0 if lengths in PACKED_EQUAL else 70
+    tail = torch.full((rows, kv_heads, d), float("nan"), device="cuda", dtype=dtype)
+    q = torch.randn(sum(lq) + rows, heads, d, device="cuda", dtype=dtype)
     k, v = (torch.cat([torch.randn(sum(lk), kv_heads, d, device="cuda", dtype=dtype), tail]) for _ in range(2))
     cu_q, cu_k = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
     for i in poisoned:
@@ -315,7 +326,8 @@ def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=())
     lse = torch.full((heads, q.shape[0]), float("nan"), device="cuda")
     _, plans = packed_plans(lambda: module.forward(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                                    max_seqlen_q=max(lq), max_seqlen_k=max(lk), out=out, lse=lse))
-    assert plans == 1  # the packed kernel's
+    persistent = bool(getattr(module, "CONFIG", {}).get("hopper_persistent")) and lengths in PACKED_EQUAL
+    assert [plan.cfg["hopper_persistent"] for plan in plans] == [persistent]  # the packed kernel's, on its grid
     assert bool(out[sum(lq):].isnan().all()) and bool(lse[:, sum(lq):].isnan().all())
     for i in range(len(lq)):
         rows, keys = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
@@ -330,7 +342,8 @@ def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=())
 
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lengths", PACKED, ids=["keys-as-queries", "keys-differ"])
+@pytest.mark.parametrize("lengths", PACKED + PACKED_EQUAL, ids=["keys-as-queries", "keys-differ", "equal",
+                                                                 "equal-keys-differ"])
 @pytest.mark.parametrize("knobs", PACKED_KNOBS.values(), ids=PACKED_KNOBS.keys())
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_packed_sequences(packed_served, head_dim, knobs, lengths, causal):
@@ -343,22 +356,26 @@ def test_packed_sequences(packed_served, head_dim, knobs, lengths, causal):
 
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("knobs", ["base", "overlap", "pingpong", "n64 s4"])
-def test_an_inf_in_the_next_sequences_values_stays_there(packed_served, knobs, causal):
-    # the sequences of 1000 and 333 keys end inside a key block that reads the next sequence's first value row (inf)
+@pytest.mark.parametrize("knobs", ["base", "overlap", "pingpong", "n64 s4", "persistent, pingpong",
+                                   "persistent, overlap, tma store"])
+@pytest.mark.parametrize("lengths, poisoned", [(PACKED[0], (1, 4)), (PACKED_EQUAL[0], (1,))], ids=["mixed", "equal"])
+def test_an_inf_in_the_next_sequences_values_stays_there(packed_served, lengths, poisoned, knobs, causal):
+    # the sequences of 1000, 333 and 300 keys end inside a key block that reads the next sequence's first value row
+    # (inf); sequences of one length take the persistent packed kernel where the module is persistent
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=causal)
     module = flashgen.compile(spec, KernelConfig(**{**BASE, **PACKED_KNOBS[knobs]})).module()
-    packed_call(module, PACKED[0], 8, 2, 128, torch.bfloat16, causal, poisoned=(1, 4))
+    packed_call(module, lengths, 8, 2, 128, torch.bfloat16, causal, poisoned=poisoned)
 
 
 @sm90
 @pytest.mark.parametrize("bad", [[0, 100, 50, 197], [0, 100, 101, 9000], [5, 100, 101, 197], [0, 1, 2, 197]])
 @pytest.mark.parametrize("which", ["q", "k"])
-def test_bad_offsets_on_the_packed_kernel_stay_inside_the_tensors(packed_served, bad, which):
+@pytest.mark.parametrize("grid", ["one tile", "persistent"])
+def test_bad_offsets_on_the_packed_kernel_stay_inside_the_tensors(packed_served, bad, which, grid):
     # offsets out of order, past the tokens, not from 0, or longer than max_seqlen: the kernel clamps them as the
     # portable one does (no fault, nothing written past out's rows), and the bounds record names the argument
-    spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=4, num_kv_heads=2)
-    module = flashgen.compile(spec, KernelConfig(**BASE)).module()
+    spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=4, num_kv_heads=2, causal=grid == "persistent")
+    module = flashgen.compile(spec, KernelConfig(**BASE, hopper_persistent=grid == "persistent")).module()
     q = torch.randn(197, 4, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(197, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     good, bad = cu_seqlens([100, 1, 96], "cuda"), torch.tensor(bad, device="cuda", dtype=torch.int32)
@@ -366,7 +383,7 @@ def test_bad_offsets_on_the_packed_kernel_stay_inside_the_tensors(packed_served,
     buffer = torch.full((197 + 64, 4, 64), 7.0, device="cuda", dtype=torch.bfloat16)
     _, plans = packed_plans(lambda: module.forward(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                                    max_seqlen_q=100, max_seqlen_k=100, out=buffer[:197]))
-    assert plans == 1
+    assert len(plans) == 1
     torch.cuda.synchronize()  # no fault
     assert bool((buffer[197:] == 7.0).all())
     with pytest.raises(ValueError, match=f"^(cu_seqlens_{which}|max_seqlen_{which}): "):
@@ -390,7 +407,7 @@ def test_packed_sequences_fp16_and_a_training_step_on_the_default(packed_served,
     cu = cu_seqlens(lengths, "cuda")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, plans = packed_plans(lambda: flashgen.attention_varlen(*leaves, cu, cu, 2048, 2048, causal=causal))
-    assert plans == 1
+    assert len(plans) == 1
     do = torch.randn_like(out)
     out.backward(do)
     for i in range(len(lengths)):

@@ -113,7 +113,7 @@ def test_packed_rows_past_2_31_elements(causal):
     assert (total - length) * heads * d > 2**31
     cu = torch.arange(0, total + 1, length, device="cuda", dtype=torch.int32)
     out, plans = packed_plans(lambda: flashgen.attention_varlen(q, k, v, cu, cu, length, length, causal=causal))
-    assert plans == (not causal and torch.cuda.get_device_capability() == (9, 0))
+    assert len(plans) == (not causal and torch.cuda.get_device_capability() == (9, 0))
     do = fresh(total, heads, d, gen=gen)
     out.backward(do)
     try:

@@ -117,7 +117,7 @@ TIMED_KERNELS = {  # the launcher's keyword arguments, and the Gluon kernels han
 LAUNCHER = "_LAUNCHER"  # the module global holding the AttentionLauncher
 # Kernels handed to a Gluon family's launcher that no tuned result times: packed sequences' forward (the tuner
 # times dense calls; a packed call runs the config the dense calls were tuned for)
-UNTIMED_KERNELS = ("packed",)
+UNTIMED_KERNELS = ("packed", "packed_persistent")
 
 
 def timed_source(source: str, phase: str) -> str:

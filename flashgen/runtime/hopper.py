@@ -261,11 +261,13 @@ class HopperForward:
     KNOB_DEFAULTS = {"hopper_regs": 240, "hopper_overlap": False, "hopper_pingpong": False, "hopper_persistent": False,
                      "hopper_tma_store": False}
 
-    def __init__(self, kernel, spec, config, ranges=None, paired=None, packed=None, fallback=None):
+    def __init__(self, kernel, spec, config, ranges=None, paired=None, packed=None, packed_persistent=None,
+                 fallback=None):
         self.kernel = kernel
-        # packed sequences' kernel (_attn_fwd_hopper_ws_packed: one sequence's tiles per program), None where the
-        # module has none (masks, FP8, hd160-256: their packed calls take the portable forward)
-        self.packed = packed
+        # packed sequences' kernel (_attn_fwd_hopper_ws_packed: one sequence's tile per program), None where the
+        # module has none (masks, FP8, hd160-256: their packed calls take the portable forward); with the persistent
+        # knob, its persistent kernel too (_attn_fwd_hopper_ws_packed_persistent: sequences of equal length)
+        self.packed, self.packed_persistent = packed, packed_persistent
         self.spec, self.config = spec, config
         # {bucket: the portable forward's knobs} for the calls plan() declines (render._portable_fallback)
         self.fallback = fallback or {}
@@ -314,8 +316,22 @@ class HopperForward:
     #   it: S=1024 1.04-1.13x, mixed 2048 1.04-1.15x.
     # Those runs were before the packed kernel zeroed V's rows past a sequence (_hw_pv_packed); after it (hd96, hd128:
     # -s39-tail-zeroing.md) the calls taken read 1.04-1.36x, but hd128 S=1024 causal 0.99x (its thresholds unmoved).
+    # With the zeroing at a consumer's last block only and the persistent packed kernel for sequences of one length
+    # (-s40-persistent-equal.md): the calls taken 1.01-1.40x; the declined ones' packed kernel still 0.80-0.99x (hd64
+    # S=1024: equal lengths persistent 0.98x, mixed 0.80x; hd128 mixed 1024 causal 0.89x, hd96 0.99x).
     PACKED_THREE_MEAN = 2048
     PACKED_CAUSAL_MEAN = 1024
+
+    @staticmethod
+    def equal_lengths(varlen, total_q: int, total_k: int) -> bool:
+        """Whether a packed call's sequences all have the longest lengths (its tokens are sequences x longest), the
+        calls the persistent packed kernel takes where the module is persistent. Its static walk of work units gave
+        sequences of unequal length (between S/4 and S) 0.68-0.92x the one-tile grid, whose programs the GPU
+        schedules as SMs free up; equal ones 0.99-1.10x (H200, bf16, 16 heads, 16384 tokens, hd64-128, S = 1024
+        and 4096: benchmarks/results/2026-11-30-h200-packed-s40-persistent.md, its one_tile column). A padded
+        buffer's tail can make unequal lengths read as equal: the call is right either way."""
+        sequences, longest_q, longest_k = varlen
+        return total_q == sequences * longest_q and total_k == sequences * longest_k
 
     def packed_declines(self, cfg, varlen, total_q: int) -> bool:
         """Whether a packed call (varlen: its sequences and longest lengths; total_q: its query tokens) runs faster
@@ -338,10 +354,11 @@ class HopperForward:
                                              device_check=self.device_unserved, packed=self.packed is not None):
             return None
         cfg = {**self.KNOB_DEFAULTS, **cfg}
-        if varlen is not None:  # the packed kernel: one tile per program, O stored by pointers
+        if varlen is not None:  # the packed kernels, O stored by pointers
             if self.packed_declines(cfg, varlen, q.shape[0]):
                 return None
-            cfg.update(hopper_persistent=False, hopper_tma_store=False)
+            cfg.update(hopper_tma_store=False, hopper_persistent=cfg["hopper_persistent"] and self.equal_lengths(
+                varlen, q.shape[0], k.shape[0]))
         if cfg["hopper_tma_store"] and out is not None and tensor_unserved("out", out):
             return None  # the caller's out cannot take a TMA store (fresh outputs always can)
         return HopperPlan(self, base, q, k, layout, out, scale, cfg, varlen)
@@ -375,16 +392,20 @@ class HopperPlan:
             blocks, makers = (*blocks, (forward.CONSUMER_ROWS, head_dim)), [*makers, forward.descriptor]
         self.descriptors = Descriptors(layout, blocks, makers)
         self.args = (*o_strides[:3], *lse_strides[:2], seqlen_q, seqlen_k, heads // kv_heads, scale * forward.RCP_LN2)
-        if self.packed:  # the strides, then (the call's offsets, then) the totals and the longest lengths
-            self.args, self.packed_args = self.args[:5], (q.shape[0], k.shape[0], *self.args[5:])
         tiles_m = triton.cdiv(seqlen_q, cfg["BLOCK_M"])
         grid = (tiles_m, heads, batch)
         if cfg["hopper_persistent"]:  # work units (a paired unit: two tiles, one heavy, one light), one program per SM
             units = batch * heads * ((tiles_m + 1) // 2 if forward.paired else tiles_m)
             grid = (max(1, min(units, sm_count(q.device))),)
             self.args += (heads, tiles_m, units)
+        if self.packed:  # the strides, then (the call's offsets, then) the totals and the longest lengths (a packed
+            # call's units are the longest sequence's tiles for every sequence: the kernel skips those past its end)
+            self.args, self.packed_args = self.args[:5], (q.shape[0], k.shape[0], *self.args[5:])
         consumers = cfg["BLOCK_M"] // forward.CONSUMER_ROWS
-        self.launch = BoundLaunch(forward.packed if self.packed else forward.kernel, grid, dict(
+        kernel = forward.kernel
+        if self.packed:
+            kernel = forward.packed_persistent if cfg["hopper_persistent"] else forward.packed
+        self.launch = BoundLaunch(kernel, grid, dict(
             # (CAUSAL: the unmasked kernel's causal mask, and on the persistent grid its tile pairing; a masked
             # kernel's mask holds causality, so there it only pairs the tiles)
             CAUSAL=forward.paired if cfg["hopper_persistent"] else bool(forward.spec["causal"]),
