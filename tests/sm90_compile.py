@@ -204,14 +204,19 @@ def main(only=()) -> int:
          KernelConfig(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_regs=160,
                       hopper_persistent=True, hopper_tma_store=True)),
         # packed sequences on the Gluon forward (O stored by pointers whatever the module's TMA store; sequences of
-        # one length: the persistent packed kernel where the module is persistent): hd128's default knobs
-        # (persistent, overlap, TMA store) on GQA causal, hd64's three consumers (persistent), and the one-tile
-        # kernel's ping-pong
+        # one length: the persistent packed kernel where the module is persistent, else the one-tile one): hd128's
+        # default knobs (persistent, overlap, TMA store) on GQA causal sequences of one length and on unequal ones,
+        # hd64's three consumers on unequal ones, and the one-tile kernel's ping-pong
         ("hopper_ws packed sequences gqa causal, overlap", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True,
                                                                varlen=True, forward_only=True),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
                       hopper_overlap=True, hopper_tma_store=True)),
-        ("hopper_ws packed sequences hd64, 3 consumers", dict(head_dim=64, num_heads=4, varlen=True, forward_only=True),
+        ("hopper_ws packed sequences, unequal lengths, overlap", dict(head_dim=128, num_heads=4, varlen="unequal",
+                                                                      forward_only=True),
+         KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
+                      hopper_overlap=True, hopper_tma_store=True)),
+        ("hopper_ws packed sequences hd64, 3 consumers, unequal lengths", dict(head_dim=64, num_heads=4,
+                                                                               varlen="unequal", forward_only=True),
          KernelConfig(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_regs=160,
                       hopper_persistent=True, hopper_tma_store=True)),
         ("hopper_ws packed sequences causal, one tile, ping-pong", dict(head_dim=128, num_heads=4, causal=True,
@@ -360,10 +365,12 @@ def main(only=()) -> int:
         tensors = {name: t for name, t in (("doc", torch.zeros(2, 300, dtype=torch.int32)),
                                            ("plen", torch.full((2,), 70, dtype=torch.int32))) if name in module.TENSORS}
         kw = dict(tensors=tensors)
-        if varlen:  # packed (tokens, heads, dim): two sequences of 300
+        if varlen:  # packed (tokens, heads, dim): two sequences of 300 ("unequal": of 300 and 250, 50 tokens after)
             q, k = q.transpose(1, 2).reshape(600, h, d), k.transpose(1, 2).reshape(600, hk, d)
-            cu = torch.tensor([0, 300, 600], dtype=torch.int32)
-            kw.update(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=300, max_seqlen_k=300)
+            unequal = varlen == "unequal"
+            cu = torch.tensor([0, 300, 550 if unequal else 600], dtype=torch.int32)
+            longest = 320 if unequal else 300  # (600 tokens = 2 x 300 would read as one length)
+            kw.update(layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
             if spec.dropout_p:
                 kw.update(dropout_p=spec.dropout_p, seed=torch.zeros(1, dtype=torch.int64))
         if spec.fp8:

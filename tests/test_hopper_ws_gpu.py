@@ -279,8 +279,10 @@ def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, program
 # sequence without keys (O = 0, LSE = -inf)
 PACKED = [([1000, 1, 0, 333, 130], None), ([300, 77, 513, 64, 200], [300, 1024, 5, 64, 0])]
 # sequences of one length (the persistent packed kernel's calls where the module is persistent: their tensors hold
-# no tokens past the last sequence)
+# no tokens past the last sequence), and unequal ones a padded buffer's tail makes read as one length (3 x 300
+# tokens: the persistent kernel skips the shorter sequence's last tile)
 PACKED_EQUAL = [([300, 300, 300], None), ([300, 300], [513, 513])]
+PACKED_READ_EQUAL = [([300, 200, 300], None)]
 PACKED_KNOBS = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": dict(hopper_pingpong=True),
                 "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s4": dict(BLOCK_N=64, num_stages=4),
                 # the persistent grid (a packed call's units: the longest sequence's tiles for every sequence, those
@@ -311,11 +313,11 @@ def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=())
     checked against the reference. K and V run on past the last sequence with NaN (a padded buffer's
     uninitialized tail): the last sequence's key blocks read them, which must not reach its output. Q runs on with
     finite rows, whose results are computed and must not be stored: out's and the LSE's rows past the last
-    sequence stay NaN. Sequences of one length (PACKED_EQUAL) have no tail, and take the persistent packed kernel
-    where the module is persistent. poisoned: sequences whose first value row is inf, read by the sequence before
+    sequence stay NaN. Sequences of one length (PACKED_EQUAL) have no tail, those of PACKED_READ_EQUAL the tail that
+    makes them read as one length: both take the persistent packed kernel where the module is persistent. poisoned: sequences whose first value row is inf, read by the sequence before
     them through its last key block (their own outputs are not checked)."""
     lq, lk = lengths[0], lengths[1] or lengths[0]
-    rows = 0 if lengths in PACKED_EQUAL else 70
+    rows = 0 if lengths in PACKED_EQUAL else len(lq) * max(lq) - sum(lq) if lengths in PACKED_READ_EQUAL else 70
     tail = torch.full((rows, kv_heads, d), float("nan"), device="cuda", dtype=dtype)
     q = torch.randn(sum(lq) + rows, heads, d, device="cuda", dtype=dtype)
     k, v = (torch.cat([torch.randn(sum(lk), kv_heads, d, device="cuda", dtype=dtype), tail]) for _ in range(2))
@@ -326,7 +328,7 @@ def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=())
     lse = torch.full((heads, q.shape[0]), float("nan"), device="cuda")
     _, plans = packed_plans(lambda: module.forward(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                                    max_seqlen_q=max(lq), max_seqlen_k=max(lk), out=out, lse=lse))
-    persistent = bool(getattr(module, "CONFIG", {}).get("hopper_persistent")) and lengths in PACKED_EQUAL
+    persistent = bool(module.CONFIG.get("hopper_persistent")) and lengths in PACKED_EQUAL + PACKED_READ_EQUAL
     assert [plan.cfg["hopper_persistent"] for plan in plans] == [persistent]  # the packed kernel's, on its grid
     assert bool(out[sum(lq):].isnan().all()) and bool(lse[:, sum(lq):].isnan().all())
     for i in range(len(lq)):
@@ -342,8 +344,8 @@ def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=())
 
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("lengths", PACKED + PACKED_EQUAL, ids=["keys-as-queries", "keys-differ", "equal",
-                                                                 "equal-keys-differ"])
+@pytest.mark.parametrize("lengths", PACKED + PACKED_EQUAL + PACKED_READ_EQUAL,
+                         ids=["keys-as-queries", "keys-differ", "equal", "equal-keys-differ", "read-equal"])
 @pytest.mark.parametrize("knobs", PACKED_KNOBS.values(), ids=PACKED_KNOBS.keys())
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_packed_sequences(packed_served, head_dim, knobs, lengths, causal):
@@ -357,35 +359,38 @@ def test_packed_sequences(packed_served, head_dim, knobs, lengths, causal):
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("knobs", ["base", "overlap", "pingpong", "n64 s4", "persistent, pingpong",
-                                   "persistent, overlap, tma store"])
+                                   "persistent, overlap, tma store", "persistent, three consumers"])
 @pytest.mark.parametrize("lengths, poisoned", [(PACKED[0], (1, 4)), (PACKED_EQUAL[0], (1,))], ids=["mixed", "equal"])
 def test_an_inf_in_the_next_sequences_values_stays_there(packed_served, lengths, poisoned, knobs, causal):
     # the sequences of 1000, 333 and 300 keys end inside a key block that reads the next sequence's first value row
-    # (inf); sequences of one length take the persistent packed kernel where the module is persistent
-    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=8, num_kv_heads=2, causal=causal)
+    # (inf); sequences of one length take the persistent packed kernel where the module is persistent (three
+    # consumers: hd64's)
+    d = 64 if PACKED_KNOBS[knobs].get("BLOCK_M") == 192 else 128
+    spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=8, num_kv_heads=2, causal=causal)
     module = flashgen.compile(spec, KernelConfig(**{**BASE, **PACKED_KNOBS[knobs]})).module()
-    packed_call(module, lengths, 8, 2, 128, torch.bfloat16, causal, poisoned=poisoned)
+    packed_call(module, lengths, 8, 2, d, torch.bfloat16, causal, poisoned=poisoned)
 
 
 @sm90
-@pytest.mark.parametrize("bad", [[0, 100, 50, 197], [0, 100, 101, 9000], [5, 100, 101, 197], [0, 1, 2, 197]])
+@pytest.mark.parametrize("bad", [[0, 100, 50, 300], [0, 100, 101, 9000], [5, 100, 101, 300], [0, 1, 2, 300]])
 @pytest.mark.parametrize("which", ["q", "k"])
 @pytest.mark.parametrize("grid", ["one tile", "persistent"])
 def test_bad_offsets_on_the_packed_kernel_stay_inside_the_tensors(packed_served, bad, which, grid):
     # offsets out of order, past the tokens, not from 0, or longer than max_seqlen: the kernel clamps them as the
-    # portable one does (no fault, nothing written past out's rows), and the bounds record names the argument
+    # portable one does (no fault, nothing written past out's rows), and the bounds record names the argument. Three
+    # sequences of 100 of the 300 tokens read as one length: a persistent module takes its persistent packed kernel
     spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=4, num_kv_heads=2, causal=grid == "persistent")
     module = flashgen.compile(spec, KernelConfig(**BASE, hopper_persistent=grid == "persistent")).module()
-    q = torch.randn(197, 4, 64, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(197, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    good, bad = cu_seqlens([100, 1, 96], "cuda"), torch.tensor(bad, device="cuda", dtype=torch.int32)
+    q = torch.randn(300, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(300, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    good, bad = cu_seqlens([100, 100, 100], "cuda"), torch.tensor(bad, device="cuda", dtype=torch.int32)
     cu_q, cu_k = (bad, good) if which == "q" else (good, bad)
-    buffer = torch.full((197 + 64, 4, 64), 7.0, device="cuda", dtype=torch.bfloat16)
+    buffer = torch.full((300 + 64, 4, 64), 7.0, device="cuda", dtype=torch.bfloat16)
     _, plans = packed_plans(lambda: module.forward(q, k, v, layout="thd", cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                                                   max_seqlen_q=100, max_seqlen_k=100, out=buffer[:197]))
-    assert len(plans) == 1
+                                                   max_seqlen_q=100, max_seqlen_k=100, out=buffer[:300]))
+    assert [plan.cfg["hopper_persistent"] for plan in plans] == [grid == "persistent"]
     torch.cuda.synchronize()  # no fault
-    assert bool((buffer[197:] == 7.0).all())
+    assert bool((buffer[300:] == 7.0).all())
     with pytest.raises(ValueError, match=f"^(cu_seqlens_{which}|max_seqlen_{which}): "):
         flashgen.check_bounds()
     flashgen.check_bounds()  # the record was cleared

@@ -98,12 +98,15 @@ def test_dense_rows_past_2_31_elements(name):
         raise AssertionError(f"{name}, seed {seed}: {err}") from None
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal, longest", [(True, 1000), (False, 1000), (False, 1024)],
+                         ids=["causal", "one length", "max_seqlen past it"])
 @needs_memory(36)
-def test_packed_rows_past_2_31_elements(causal):
+def test_packed_rows_past_2_31_elements(causal, longest):
     # 540 sequences of 1000 tokens, 32 query heads over 8 KV heads: q, out, dO and dQ hold more than
     # 2^31 elements and the last sequences start past them (cu_seqlens' offset times the row stride).
-    # Non-causal on an sm90 GPU: the Gluon forward's packed kernel (causal sequences this short take the portable one)
+    # Non-causal on an sm90 GPU: the Gluon forward's packed kernels, the persistent one for these sequences of one
+    # length, the one-tile one where max_seqlen (1024) says the lengths may differ; causal sequences this short take
+    # the portable forward
     seed = random.randrange(2**31)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     count, length, heads, kv_heads, d = 540, 1000, 32, 8, 128
@@ -112,8 +115,9 @@ def test_packed_rows_past_2_31_elements(causal):
     k, v = (fresh(total, kv_heads, d, gen=gen).requires_grad_() for _ in range(2))
     assert (total - length) * heads * d > 2**31
     cu = torch.arange(0, total + 1, length, device="cuda", dtype=torch.int32)
-    out, plans = packed_plans(lambda: flashgen.attention_varlen(q, k, v, cu, cu, length, length, causal=causal))
-    assert len(plans) == (not causal and torch.cuda.get_device_capability() == (9, 0))
+    out, plans = packed_plans(lambda: flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal))
+    gluon = not causal and torch.cuda.get_device_capability() == (9, 0)
+    assert [plan.cfg["hopper_persistent"] for plan in plans] == ([longest == length] if gluon else [])
     do = fresh(total, heads, d, gen=gen)
     out.backward(do)
     try:
