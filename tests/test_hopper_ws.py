@@ -94,9 +94,8 @@ def test_call_unserved():
     assert hopper.call_unserved(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "bshd",
                                 device_check=ok) is None  # any 16-byte strides
     # packed sequences where the module has a packed kernel (unmasked fp16/bf16), else the portable forward
-    assert "layout 'thd' (served: bhsd, bshd)" in hopper.call_unserved(q[0], k[0], v[0], "thd", varlen=True,
-                                                                       device_check=ok)
-    assert hopper.call_unserved(q[0], k[0], v[0], "thd", varlen=True, device_check=ok, packed=True) is None
+    assert "layout 'thd' (served: bhsd, bshd)" in hopper.call_unserved(q[0], k[0], v[0], "thd", device_check=ok)
+    assert hopper.call_unserved(q[0], k[0], v[0], "thd", device_check=ok, packed=True) is None
     assert "dropout_p" in hopper.call_unserved(q, k, v, "bhsd", dropout_p=0.1, device_check=ok)
     assert "q: strides" in hopper.call_unserved(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, "bhsd",
                                                 device_check=ok)

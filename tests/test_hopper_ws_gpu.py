@@ -317,7 +317,7 @@ def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=())
     makes them read as one length: both take the persistent packed kernel where the module is persistent. poisoned: sequences whose first value row is inf, read by the sequence before
     them through its last key block (their own outputs are not checked)."""
     lq, lk = lengths[0], lengths[1] or lengths[0]
-    rows = 0 if lengths in PACKED_EQUAL else len(lq) * max(lq) - sum(lq) if lengths in PACKED_READ_EQUAL else 70
+    rows = len(lq) * max(lq) - sum(lq) if lengths in PACKED_EQUAL + PACKED_READ_EQUAL else 70
     tail = torch.full((rows, kv_heads, d), float("nan"), device="cuda", dtype=dtype)
     q = torch.randn(sum(lq) + rows, heads, d, device="cuda", dtype=dtype)
     k, v = (torch.cat([torch.randn(sum(lk), kv_heads, d, device="cuda", dtype=dtype), tail]) for _ in range(2))

@@ -179,8 +179,7 @@ def device_unserved(device) -> str | None:
     return None
 
 
-def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, device_check=None,
-                  packed=False) -> str | None:
+def call_unserved(q, k, v, layout, *, dropout_p=0.0, out=None, device_check=None, packed=False) -> str | None:
     """Why this call cannot run the family (then the portable forward runs), or None.
 
     The kernel reads Q/K/V through (batch, heads, seq, dim) tensor descriptors and writes O through
@@ -190,7 +189,7 @@ def call_unserved(q, k, v, layout, *, varlen=False, dropout_p=0.0, out=None, dev
     (through a (batch, heads, dim, seq) descriptor): its seq dim contiguous and its other strides
     16-byte multiples (a seq-contiguous copy of V has them when seqlen_k is a multiple of 16)."""
     layouts = served_layouts + (("thd",) if packed else ())
-    if layout not in layouts or varlen != (layout == "thd"):
+    if layout not in layouts:
         return f"layout {layout!r} (served: {', '.join(layouts)})"
     if dropout_p:
         return f"dropout_p {dropout_p} (served: 0)"
@@ -350,7 +349,7 @@ class HopperForward:
         """A plan for this call (called like launch.ForwardPlan, whose allocation it keeps), or None
         when the family cannot serve it (then the portable forward runs). varlen: packed sequences' (batch,
         max_seqlen_q, max_seqlen_k), host.AttentionLauncher.varlen_args' (the longest sequences size the grid)."""
-        if self.spec_reason or call_unserved(q, k, v, layout, varlen=varlen is not None, dropout_p=dropout_p, out=out,
+        if self.spec_reason or call_unserved(q, k, v, layout, dropout_p=dropout_p, out=out,
                                              device_check=self.device_unserved, packed=self.packed is not None):
             return None
         cfg = {**self.KNOB_DEFAULTS, **cfg}
