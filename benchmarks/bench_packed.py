@@ -29,7 +29,8 @@ ANCHORS = ("portable", "dense_default", "sdpa_flash", "cudnn")
 
 
 # --variants: the Gluon packed kernel on the default's knobs ("packed_kernel"), on the one-tile grid where the
-# default is persistent ("one_tile") and on other consumer counts (each the default config with these knobs),
+# default is persistent ("one_tile"), with O by pointers only where the default stores by TMA ("o_by_pointers")
+# and on other consumer counts (each the default config with these knobs),
 # whatever HopperForward.packed_declines says (research: which a packed call should take)
 GLUON_VARIANTS = {"two_consumers": dict(BLOCK_M=128, hopper_regs=240),
                   "one_consumer": dict(BLOCK_M=64, num_stages=3, hopper_regs=240)}
@@ -104,6 +105,8 @@ def run_case(case, args):
                                                 if knobs.get("BLOCK_M", 0) != default.BLOCK_M}}
         if default.hopper_persistent:  # the default's knobs on the one-tile grid
             configs["one_tile"] = default.replace(hopper_persistent=False)
+        if default.hopper_tma_store:  # O by pointers only (the packed kernels' store before session 41)
+            configs["o_by_pointers"] = default.replace(hopper_tma_store=False)
         calls.update({name: forced_packed(flashgen.compile(spec, config).module(), packed, cu, longest)
                       for name, config in configs.items()})
     if not mixed:  # the same tokens as a dense batch of equal-length sequences
@@ -130,7 +133,8 @@ def run_case(case, args):
 
 
 def markdown(rows, env):
-    variants = [*VARIANTS, *(v for v in ("packed_kernel", "one_tile", *GLUON_VARIANTS) if any(v in row for row in rows))]
+    variants = [*VARIANTS, *(v for v in ("packed_kernel", "one_tile", "o_by_pointers", *GLUON_VARIANTS)
+                             if any(v in row for row in rows))]
     lines = table_head("Packed sequences (attention_varlen) on the user path", env,
                        f"bf16 forward, {HEADS} heads, {TOKENS} tokens per call, TFLOP/s over visible pairs (do_bench "
                        "medians of interleaved rounds); default = flashgen.attention_varlen's default; portable = "

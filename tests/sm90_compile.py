@@ -203,8 +203,9 @@ def main(only=()) -> int:
         ("hopper_ws persistent hd40 (padded), 3 consumers, TMA store", dict(head_dim=40, num_heads=4, forward_only=True),
          KernelConfig(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_regs=160,
                       hopper_persistent=True, hopper_tma_store=True)),
-        # packed sequences on the Gluon forward (O stored by pointers whatever the module's TMA store; sequences of
-        # one length: the persistent packed kernel where the module is persistent, else the one-tile one): hd128's
+        # packed sequences on the Gluon forward (O by the module's TMA store where a tile lies in its sequence, by
+        # pointers past it; sequences of one length: the persistent packed kernel where the module is persistent,
+        # else the one-tile one): hd128's
         # default knobs (persistent, overlap, TMA store) on GQA causal sequences of one length and on unequal ones,
         # hd64's three consumers on unequal ones, and the one-tile kernel's ping-pong
         ("hopper_ws packed sequences gqa causal, overlap", dict(head_dim=128, num_heads=8, num_kv_heads=2, causal=True,

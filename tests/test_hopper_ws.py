@@ -688,7 +688,8 @@ def test_a_padded_head_dim_masks_the_pointer_store_only():
         exact = timed_source(render(spec(128), KernelConfig(**knobs), standalone=False), "fwd")
         assert "o_cols <" not in exact and "gl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(o_rows < seqlen_q)" \
             "[:, None])" in exact
-        # (the dense kernels': the packed kernel beside them stores by pointers, masked past the head dim)
+        # (the dense kernels': the packed kernels beside them store a sequence's last rows by pointers, masked past
+        # the head dim)
         stored = timed_source(render(spec(96), KernelConfig(**knobs, hopper_tma_store=True)), "fwd")
         assert "o_cols <" not in stored and "tma_store(O," in stored
 
@@ -743,7 +744,7 @@ def test_tma_store_knob_keeps_the_register_store_text_and_renders_the_copy():
     for knobs in (HOPPER, PERSISTENT):
         plain, stored = render(spec, KernelConfig(**knobs)), render(spec, KernelConfig(**knobs, hopper_tma_store=True))
         assert "o_smem" not in plain and "gl.store(o_ptrs" in plain
-        # (the dense kernels store by TMA; the packed kernel beside them by pointers: _hw_consumer_packed)
+        # (the dense kernels store by TMA; the packed kernels beside them a sequence's last rows by pointers)
         assert "gl.store(o_ptrs" not in timed_source(stored, "fwd") and "gl.store(o_ptrs" in stored
         assert "def _attn_fwd_hopper_ws(QD, KD, VD, OD, O, LSE," in stored
         assert ("o_smem = gl.allocate_shared_memory(OD.dtype, [CONSUMERS, 1, 1, _HW_ROWS, HEAD_DIM], OD.layout)"
@@ -793,7 +794,7 @@ def test_a_tma_store_call_passes_an_o_descriptor(monkeypatch):
 @pytest.mark.parametrize("knobs", [{}, dict(hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)])
 def test_the_packed_kernel_is_rendered_beside_the_dense_one_and_left_out_of_its_hash(fields, packed, knobs):
     # unmasked fp16/bf16 modules on 64- or 128-wide tiles carry _attn_fwd_hopper_ws_packed (packed sequences, one
-    # tile per program, O by pointers and V's rows past a sequence zeroed at a consumer's last block:
+    # tile per program, V's rows past a sequence zeroed at a consumer's last block:
     # _hw_consumer_packed), persistent ones _attn_fwd_hopper_ws_packed_persistent too; masks, FP8 and the
     # 256-wide tiles (hd160-256) keep the portable forward for packed calls. The tuner times dense calls: the packed
     # kernel is not in the forward's timed source, whose text is the dense kernels' alone
@@ -811,6 +812,33 @@ def test_the_packed_kernel_is_rendered_beside_the_dense_one_and_left_out_of_its_
     timed = timed_source(source, "fwd")
     assert "_attn_fwd_hopper_ws(" in timed and "_packed" not in timed
     assert "_hw_seq_bounds" not in timed
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_the_packed_kernels_store_whole_tiles_by_tma_and_a_sequences_last_rows_by_pointers(persistent):
+    # with hopper_tma_store, a packed consumer's 64 rows leave through o_smem and the TMA store when they all lie in
+    # its sequence (at the sequence's row q_start + row0 of the descriptor over every token), by masked pointer
+    # stores when they reach past it (the rest are the next sequence's rows); without it, by pointers alone
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=4, causal=True)
+    name = "_hw_consumer_persistent_packed(" if persistent else "_hw_consumer_packed("
+    for tma_store in (False, True):
+        source = render(spec, KernelConfig(**HOPPER, hopper_persistent=persistent, hopper_tma_store=tma_store),
+                        standalone=False)
+        consumer = source[source.index("def " + name):]
+        consumer = consumer[:consumer.index("\n\n\n")]
+        kernel = "_attn_fwd_hopper_ws_packed" + ("_persistent" if persistent else "")
+        assert (f"def {kernel}(QD, KD, VD, OD, O, LSE," in source) == tma_store
+        assert "gl.store(o_ptrs, out.to(" in consumer and ("mask=(o_rows < seqlen_q)[:, None])" in consumer)
+        if not tma_store:
+            assert "tma_store(" not in consumer and "o_smem" not in consumer
+            continue
+        branch = consumer[consumer.index("if row0 + _HW_ROWS <= seqlen_q:"):]
+        order = [branch.index(text) for text in (
+            "tma_store_wait(0)", "o_smem.reshape", "fence_async_shared()",
+            "tma_store(OD, [0, off_h.to(gl.int32), (q_start + row0).to(gl.int32), 0], o_smem)", "else:",
+            "gl.store(o_ptrs")]
+        assert order == sorted(order)
+        assert consumer.rstrip().endswith("before the program ends")  # the last store waited for
 
 
 def test_only_packed_sequences_of_one_length_take_the_persistent_packed_kernel():

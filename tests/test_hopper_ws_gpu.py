@@ -285,9 +285,11 @@ PACKED_EQUAL = [([300, 300, 300], None), ([300, 300], [513, 513])]
 PACKED_READ_EQUAL = [([300, 200, 300], None)]
 PACKED_KNOBS = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": dict(hopper_pingpong=True),
                 "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s4": dict(BLOCK_N=64, num_stages=4),
+                # O by the TMA store where a 64-row tile lies wholly in its sequence, by pointers where it reaches
+                # past it (the sequences' last rows)
+                "tma store": dict(hopper_tma_store=True),
                 # the persistent grid (a packed call's units: the longest sequence's tiles for every sequence, those
-                # past a sequence's end skipped); the defaults' knobs: the TMA store is the dense calls' (a packed
-                # call stores by pointers), three consumers are hd64's
+                # past a sequence's end skipped); the defaults' knobs: three consumers are hd64's
                 "persistent": dict(hopper_persistent=True),
                 "persistent, pingpong": dict(hopper_persistent=True, hopper_pingpong=True),
                 "persistent, one consumer": dict(BLOCK_M=64, num_stages=3, hopper_persistent=True),
@@ -358,7 +360,7 @@ def test_packed_sequences(packed_served, head_dim, knobs, lengths, causal):
 
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("knobs", ["base", "overlap", "pingpong", "n64 s4", "persistent, pingpong",
+@pytest.mark.parametrize("knobs", ["base", "overlap", "pingpong", "n64 s4", "tma store", "persistent, pingpong",
                                    "persistent, overlap, tma store", "persistent, three consumers"])
 @pytest.mark.parametrize("lengths, poisoned", [(PACKED[0], (1, 4)), (PACKED_EQUAL[0], (1,))], ids=["mixed", "equal"])
 def test_an_inf_in_the_next_sequences_values_stays_there(packed_served, lengths, poisoned, knobs, causal):
@@ -375,12 +377,15 @@ def test_an_inf_in_the_next_sequences_values_stays_there(packed_served, lengths,
 @pytest.mark.parametrize("bad", [[0, 100, 50, 300], [0, 100, 101, 9000], [5, 100, 101, 300], [0, 1, 2, 300]])
 @pytest.mark.parametrize("which", ["q", "k"])
 @pytest.mark.parametrize("grid", ["one tile", "persistent"])
-def test_bad_offsets_on_the_packed_kernel_stay_inside_the_tensors(packed_served, bad, which, grid):
+@pytest.mark.parametrize("store", ["pointers", "tma"])
+def test_bad_offsets_on_the_packed_kernel_stay_inside_the_tensors(packed_served, bad, which, grid, store):
     # offsets out of order, past the tokens, not from 0, or longer than max_seqlen: the kernel clamps them as the
     # portable one does (no fault, nothing written past out's rows), and the bounds record names the argument. Three
-    # sequences of 100 of the 300 tokens read as one length: a persistent module takes its persistent packed kernel
+    # sequences of 100 of the 300 tokens read as one length: a persistent module takes its persistent packed kernel.
+    # With the TMA store, a sequence's first 64 rows leave by it, the rest by pointers
     spec = AttentionSpec(dtype="bf16", head_dim=64, num_heads=4, num_kv_heads=2, causal=grid == "persistent")
-    module = flashgen.compile(spec, KernelConfig(**BASE, hopper_persistent=grid == "persistent")).module()
+    module = flashgen.compile(spec, KernelConfig(**BASE, hopper_persistent=grid == "persistent",
+                                                 hopper_tma_store=store == "tma")).module()
     q = torch.randn(300, 4, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(300, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     good, bad = cu_seqlens([100, 100, 100], "cuda"), torch.tensor(bad, device="cuda", dtype=torch.int32)

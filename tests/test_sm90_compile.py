@@ -38,7 +38,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     # three on the one-tile grid)
     assert len([line for line in lines if line.startswith("ok ")]) == 85, proc.stdout
     # packed sequences on the Gluon forward's packed kernels (sequences of one length: the persistent one where the
-    # module is persistent; O by pointers whatever its TMA store)
+    # module is persistent; O by the module's TMA store where a tile lies in its sequence, else by pointers)
     for case, kernel, warps in (("hopper_ws packed sequences gqa causal, overlap", "packed_persistent", 12),
                                 ("hopper_ws packed sequences, unequal lengths, overlap", "packed", 12),
                                 ("hopper_ws packed sequences hd64, 3 consumers, unequal lengths", "packed", 16),

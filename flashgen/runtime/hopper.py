@@ -317,7 +317,9 @@ class HopperForward:
     # -s39-tail-zeroing.md) the calls taken read 1.04-1.36x, but hd128 S=1024 causal 0.99x (its thresholds unmoved).
     # With the zeroing at a consumer's last block only and the persistent packed kernel for sequences of one length
     # (-s40-persistent-equal.md): the calls taken 1.01-1.40x; the declined ones' packed kernel still 0.80-0.99x (hd64
-    # S=1024: equal lengths persistent 0.98x, mixed 0.80x; hd128 mixed 1024 causal 0.89x, hd96 0.99x).
+    # S=1024: equal lengths persistent 0.98x, mixed 0.80x; hd128 mixed 1024 causal 0.89x, hd96 0.99x). With O by
+    # the TMA store where a tile lies in its sequence (-s41-tma-store.md): taken 1.02-1.53x; declined 0.83-1.02x
+    # (hd64 S=1024 1.01x, mixed 0.83x; hd128 mixed 1024 causal 0.96x, hd96 1.02x: within a run's noise, unmoved).
     PACKED_THREE_MEAN = 2048
     PACKED_CAUSAL_MEAN = 1024
 
@@ -353,11 +355,10 @@ class HopperForward:
                                              device_check=self.device_unserved, packed=self.packed is not None):
             return None
         cfg = {**self.KNOB_DEFAULTS, **cfg}
-        if varlen is not None:  # the packed kernels, O stored by pointers
+        if varlen is not None:  # the packed kernels (with the TMA store, a tile reaching past its sequence by pointers)
             if self.packed_declines(cfg, varlen, q.shape[0]):
                 return None
-            cfg.update(hopper_tma_store=False, hopper_persistent=cfg["hopper_persistent"] and self.equal_lengths(
-                varlen, q.shape[0], k.shape[0]))
+            cfg.update(hopper_persistent=cfg["hopper_persistent"] and self.equal_lengths(varlen, q.shape[0], k.shape[0]))
         if cfg["hopper_tma_store"] and out is not None and tensor_unserved("out", out):
             return None  # the caller's out cannot take a TMA store (fresh outputs always can)
         return HopperPlan(self, base, q, k, layout, out, scale, cfg, varlen)
@@ -455,7 +456,7 @@ class HopperPlan:
         named = extra if self.ranges is None else self.ranges.fill(extra, fill_runs=fill_runs)
         # (the descriptors of the first len(blocks) tensors: out's only with the TMA store)
         if self.packed:  # the offsets checked on every call, as the portable forward's (ForwardPlan.offset_args)
-            self.launch(*self.descriptors(q, k, v), out, lse, *self.args,
+            self.launch(*self.descriptors(q, k, v, out), out, lse, *self.args,
                         *base.offset_args(cu_seqlens_q, cu_seqlens_k), *self.packed_args)
             return out, lse
         self.launch(*self.descriptors(q, k, v, out), out, lse, *self.args, *named, *fp8_args)
