@@ -140,10 +140,19 @@ def _run_all(procs, seconds=120):
         assert p.exitcode == 0
 
 
+def _processes():
+    """The start method of the processes these tests run at once on one database: forked by a server that
+    imported flashgen's store and Optuna once (spawn imported torch afresh in every process, about 5 s of
+    CPU apiece), and started apart from this process's threads, as spawned ones are."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["flashgen.db.store", "optuna"])
+    return ctx
+
+
 def _four_writers(url, target, n):
     """Four processes running target(url, worker, n) at once on one database."""
     ResultStore(url).close()
-    ctx = mp.get_context("spawn")
+    ctx = _processes()
     _run_all([ctx.Process(target=target, args=(url, w, n)) for w in range(4)])
 
 
@@ -177,7 +186,7 @@ def test_concurrent_workers_never_take_one_enqueued_trial_twice(url):
     for x in range(160):
         study.enqueue_trial({"x": x}, skip_if_exists=False)
     store.close()
-    ctx = mp.get_context("spawn")
+    ctx = _processes()
     ready = ctx.Barrier(5)  # the four start asking together, once each has loaded the study
     procs = [ctx.Process(target=_asker, args=(url, ready, 40)) for _ in range(4)]
     for p in procs:
