@@ -784,6 +784,42 @@ def test_a_tma_store_call_passes_an_o_descriptor(monkeypatch):
     assert plan(None, q, k, v, "bhsd", odd, 0.125, 0.0, module.CONFIG) is None
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_packed_tma_store_call_passes_an_o_descriptor_over_every_token(monkeypatch, persistent):
+    # a packed call on a TMA-store module: out's descriptor (its base out, (1, heads, tokens, dim), consumer rows
+    # per store) beside the pointer (the sequences' last rows); a caller's out the copy engine cannot take runs the
+    # portable forward
+    monkeypatch.setattr(hopper.HopperForward, "PACKED_CAUSAL_MEAN", 0)
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True)
+    module = flashgen.compile(spec, KernelConfig(**HOPPER, hopper_persistent=persistent,
+                                                 hopper_tma_store=True)).module()
+    module._LAUNCHER.hopper_forward.device_unserved = lambda device: None
+    launched = []
+
+    class Descriptor:
+        def __init__(self, t, layout, rows, cols):
+            self.base, self.layout, self.block = t, layout, (rows, cols)
+
+    monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: (
+        lambda *args: launched.append((kernel, args))))
+    monkeypatch.setattr(module._LAUNCHER.hopper_forward, "descriptor", Descriptor)
+    lengths = [100, 100] if persistent else [100, 37]  # (one length: the persistent packed kernel)
+    q = torch.randn(sum(lengths), 4, 64, dtype=torch.float16)
+    k, v = (torch.randn(sum(lengths), 2, 64, dtype=torch.float16) for _ in range(2))
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    out = torch.empty_like(q)
+    module.forward(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=100, max_seqlen_k=100,
+                   out=out)
+    ((kernel, (qd, kd, vd, od, o, *_)),) = launched
+    forward = module._LAUNCHER.hopper_forward
+    assert kernel is (forward.packed_persistent if persistent else forward.packed)
+    assert od.base is out and o is out and od.layout == "thd" and od.block == (64, 64)
+    assert (qd.base, kd.base, vd.base) == (q, k, v)
+    odd = torch.empty(sum(lengths), 4, 68, dtype=torch.float16)[..., :64]  # 136-byte rows: not a 16-byte multiple
+    assert forward.plan(None, q, k, v, "thd", odd, 0.125, 0.0, module.CONFIG, varlen=(2, 100, 100)) is None
+
+
 @pytest.mark.parametrize("fields, packed", [(dict(dtype="bf16", head_dim=128, causal=True), True),
                                            (dict(dtype="fp16", head_dim=96), True),
                                            (dict(dtype="bf16", head_dim=256), False),

@@ -279,19 +279,24 @@ def test_persistent_programs_walk_many_units(monkeypatch, shape, causal, program
 # sequence without keys (O = 0, LSE = -inf)
 PACKED = [([1000, 1, 0, 333, 130], None), ([300, 77, 513, 64, 200], [300, 1024, 5, 64, 0])]
 # sequences of one length (the persistent packed kernel's calls where the module is persistent: their tensors hold
-# no tokens past the last sequence), and unequal ones a padded buffer's tail makes read as one length (3 x 300
+# no tokens past the last sequence; 512: whole tiles only, a causal program's two tiles both by the TMA store), and
+# unequal ones a padded buffer's tail makes read as one length (3 x 300
 # tokens: the persistent kernel skips the shorter sequence's last tile)
-PACKED_EQUAL = [([300, 300, 300], None), ([300, 300], [513, 513])]
+PACKED_EQUAL = [([300, 300, 300], None), ([300, 300], [513, 513]), ([512, 512, 512], None)]
 PACKED_READ_EQUAL = [([300, 200, 300], None)]
 PACKED_KNOBS = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": dict(hopper_pingpong=True),
                 "one consumer": dict(BLOCK_M=64, num_stages=3), "n64 s4": dict(BLOCK_N=64, num_stages=4),
                 # O by the TMA store where a 64-row tile lies wholly in its sequence, by pointers where it reaches
                 # past it (the sequences' last rows)
                 "tma store": dict(hopper_tma_store=True),
+                "pingpong, tma store": dict(hopper_pingpong=True, hopper_tma_store=True),
+                "one consumer, tma store": dict(BLOCK_M=64, num_stages=3, hopper_tma_store=True),
                 # the persistent grid (a packed call's units: the longest sequence's tiles for every sequence, those
                 # past a sequence's end skipped); the defaults' knobs: three consumers are hd64's
                 "persistent": dict(hopper_persistent=True),
                 "persistent, pingpong": dict(hopper_persistent=True, hopper_pingpong=True),
+                "persistent, pingpong, tma store": dict(hopper_persistent=True, hopper_pingpong=True,
+                                                        hopper_tma_store=True),
                 "persistent, one consumer": dict(BLOCK_M=64, num_stages=3, hopper_persistent=True),
                 "persistent, overlap, tma store": dict(hopper_persistent=True, hopper_overlap=True,
                                                        hopper_tma_store=True),
@@ -347,7 +352,8 @@ def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=())
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lengths", PACKED + PACKED_EQUAL + PACKED_READ_EQUAL,
-                         ids=["keys-as-queries", "keys-differ", "equal", "equal-keys-differ", "read-equal"])
+                         ids=["keys-as-queries", "keys-differ", "equal", "equal-keys-differ", "equal-whole-tiles",
+                              "read-equal"])
 @pytest.mark.parametrize("knobs", PACKED_KNOBS.values(), ids=PACKED_KNOBS.keys())
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_packed_sequences(packed_served, head_dim, knobs, lengths, causal):

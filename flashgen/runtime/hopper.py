@@ -183,7 +183,7 @@ def call_unserved(q, k, v, layout, *, dropout_p=0.0, out=None, device_check=None
     """Why this call cannot run the family (then the portable forward runs), or None.
 
     The kernel reads Q/K/V through (batch, heads, seq, dim) tensor descriptors and writes O through
-    pointers, so it needs: a dense layout (bhsd or bshd), or packed sequences (layout 'thd', varlen) where the
+    pointers or (hopper_tma_store) a descriptor of out, so it needs: a dense layout (bhsd or bshd), or packed sequences (layout 'thd', varlen) where the
     module has a packed kernel (packed: unmasked fp16/bf16 forwards), a contiguous last dim and 16-byte strides
     and base pointers (the copy engine's rules), no dropout. An FP8 V is read seq-contiguous
     (through a (batch, heads, dim, seq) descriptor): its seq dim contiguous and its other strides
@@ -286,7 +286,8 @@ class HopperForward:
         """A (batch, heads, seq, dim) Gluon descriptor of t, one (1, 1, rows, cols = the head dim's padded width)
         tile per load: the copy engine zero-fills past the sequence and past the head dim, so no tile reads another
         head's rows or columns. Packed 'thd': (1, heads, tokens, dim), every sequence's tokens in one (the packed
-        kernel's tiles start at their sequence's first token; zero-filled past the last token only)."""
+        kernel's tiles start at their sequence's first token; zero-filled past the last token only, and O's TMA
+        store clipped there: the packed kernels store by it only the tiles wholly in their sequence)."""
         block = [1, 1, rows, cols]
         smem = gl.NVMMASharedLayout.get_default_for(block, gluon_dtypes[str(t.dtype)])
         shape, strides = list(bhsd_order(t.shape, layout)), list(bhsd_strides(t, layout))
