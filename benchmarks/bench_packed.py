@@ -84,6 +84,10 @@ def run_case(case, args):
     from flashgen.flops import attention_flops
     from flashgen.runtime.host import nearest_bucket
 
+    if getattr(args, "persistent_mixed", False):  # (the static walk over sequences of unequal length)
+        from flashgen.runtime.hopper import HopperForward
+
+        HopperForward.equal_lengths = staticmethod(lambda varlen, total_q, total_k: True)
     d, causal, s, mixed = (case[k] for k in ("head_dim", "causal", "seqlen", "mixed"))
     lengths = mixed_lengths(s, s * 1000 + d) if mixed else [s] * (TOKENS // s)
     gen = torch.Generator(device="cuda").manual_seed(s * 1000 + d)
@@ -162,6 +166,9 @@ def add_arguments(parser):
     parser.add_argument("--seqlens", default=None, help="comma-separated sequence lengths S (default: 1024,4096)")
     parser.add_argument("--variants", action="store_true",
                         help="also time the Gluon packed kernel on other consumer counts (GLUON_VARIANTS)")
+    parser.add_argument("--persistent-mixed", action="store_true",
+                        help="research: read every packed call as sequences of one length, so that a persistent "
+                             "default runs the persistent packed kernel on mixed lengths too")
 
 
 if __name__ == "__main__":
