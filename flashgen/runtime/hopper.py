@@ -183,10 +183,10 @@ def call_unserved(q, k, v, layout, *, dropout_p=0.0, out=None, device_check=None
     """Why this call cannot run the family (then the portable forward runs), or None.
 
     The kernel reads Q/K/V through (batch, heads, seq, dim) tensor descriptors and writes O through
-    pointers or (hopper_tma_store) a descriptor of out, so it needs: a dense layout (bhsd or bshd), or packed sequences (layout 'thd', varlen) where the
-    module has a packed kernel (packed: unmasked fp16/bf16 forwards), a contiguous last dim and 16-byte strides
-    and base pointers (the copy engine's rules), no dropout. An FP8 V is read seq-contiguous
-    (through a (batch, heads, dim, seq) descriptor): its seq dim contiguous and its other strides
+    pointers or (hopper_tma_store) a descriptor of out, so it needs: a dense layout (bhsd or bshd), or packed
+    sequences (layout 'thd', varlen) where the module has a packed kernel (packed: unmasked fp16/bf16 forwards), a
+    contiguous last dim and 16-byte strides and base pointers (the copy engine's rules), no dropout. An FP8 V is read
+    seq-contiguous (through a (batch, heads, dim, seq) descriptor): its seq dim contiguous and its other strides
     16-byte multiples (a seq-contiguous copy of V has them when seqlen_k is a multiple of 16)."""
     layouts = served_layouts + (("thd",) if packed else ())
     if layout not in layouts:
@@ -359,7 +359,8 @@ class HopperForward:
         if varlen is not None:  # the packed kernels (with the TMA store, a tile reaching past its sequence by pointers)
             if self.packed_declines(cfg, varlen, q.shape[0]):
                 return None
-            cfg.update(hopper_persistent=cfg["hopper_persistent"] and self.equal_lengths(varlen, q.shape[0], k.shape[0]))
+            equal = self.equal_lengths(varlen, q.shape[0], k.shape[0])
+            cfg.update(hopper_persistent=cfg["hopper_persistent"] and equal)
         if cfg["hopper_tma_store"] and out is not None and tensor_unserved("out", out):
             return None  # the caller's out cannot take a TMA store (fresh outputs always can)
         return HopperPlan(self, base, q, k, layout, out, scale, cfg, varlen)
