@@ -14,7 +14,7 @@ in the kernel's dtype, F = 2 (3 for gradients), and atol at least 1e-5 (see comp
 float64 and the relative error ||out - ref|| / ||ref|| must stay below 1e-5 (gradients: or 3x a float32
 reference's, where the inputs make fp32 itself ill-conditioned); a gradient into a named tensor
 (a bias table, ALiBi slopes), whose few elements each sum many pairs' dS that largely cancel, is
-held per element to 1e-5 of the |dS| terms it summed (check_gradients).
+held per element to 1e-5 of the size of the dS terms it summed (check_gradients).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
                         layout: str = "bhsd", compute_dtype: torch.dtype = torch.float32,
                         dropout_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                         mask=None, score_mod=None, tensors=None, return_probs: bool = False,
-                        p_dtype: torch.dtype | None = None, qk=None, pv=None, score_hook=None):
+                        p_dtype: torch.dtype | None = None, qk=None, pv=None, score_hook=None,
+                        probs_hook=None):
     """Dense attention in plain PyTorch, computed in ``compute_dtype``.
 
     Matmuls run in compute_dtype; the softmax in float32 (float64 for float64) and is
@@ -66,7 +67,8 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     ``qk`` (B, H, Sq, Sk): the products q k^T when computed elsewhere (FP8 tensor cores);
     ``pv(p8)``: the product of the rounded P with V likewise.
     ``score_hook(scores)``: called with the scores after the score modifier, before any mask
-    (check_gradients reads the per-pair dS through it).
+    (check_gradients reads the per-pair dS through it); ``probs_hook(probs)`` with the probabilities
+    before dropout (and dP through them).
     """
     if layout == "bshd":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -99,6 +101,8 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     if return_probs:
         return probs
+    if probs_hook is not None:
+        probs_hook(probs)
     if dropout_mask is not None:
         probs = probs * dropout_mask.to(probs.dtype) / (1.0 - dropout_p)
     if p_dtype is not None:
@@ -326,26 +330,33 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
 
     def ref_grads(dtype, with_sums=False):
         """(the reference's gradients in dtype, sums): with ``with_sums`` (float64) and named tensors
-        to differentiate, sums holds each one's gradient taken over |dS| (else None). For an fp32
-        kernel, each element of a tensor gradient sums dS times the score's derivative over many
-        pairs, and a row's dS sums to 0, so a bias table's entry for all far keys is mostly
-        cancellation (a correct kernel's error relative to that small sum reached the fp32 bound
-        on about 1 in 100+ fresh inputs). Its fp32 error scales with the size of what it summed,
-        which the |dS| sums measure (the score's derivative keeps its sign: where it changes sign
-        over the pairs, the sum can still cancel, and compare takes |ref| when that is larger)."""
+        to differentiate, sums holds each one's gradient taken over the size of each pair's dS terms
+        (else None). For an fp32 kernel, each element of a tensor gradient sums dS times the score's
+        derivative over many pairs, and a row's dS sums to 0, so a bias table's entry for all far
+        keys is mostly cancellation (a correct kernel's error relative to that small sum reached the
+        fp32 bound on about 1 in 100+ fresh inputs). Its fp32 error scales with the size of what it
+        summed. A pair's dS = P (dP - delta) cancels too: a table entry one pair reaches (the
+        farthest key of a 9-token causal row) was off by 1.9e-5 of its |dS| in a correct kernel
+        (the float32 reference's own: 6.8e-6), so each pair counts P (|dP| + |delta|). The score's
+        derivative keeps its sign: where it changes sign over the pairs, the sum can still cancel,
+        and compare takes |ref| when that is larger."""
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         named = dict(tensors or {})
         extra = []
         for name in grad_tensors:
             named[name] = named[name].detach().to(torch.float64 if dtype == torch.float64 else torch.float32)
             extra.append(named[name].requires_grad_())
-        scores = []  # the scores after the score modifier, when the sums are wanted: their gradient is dS
-        out, _ = reference_attention(*leaves, compute_dtype=dtype, tensors=named,
-                                     score_hook=scores.append if with_sums and extra else None, **kw)
-        grads = torch.autograd.grad(out, leaves + extra + scores, do.to(dtype), retain_graph=bool(scores))
+        # the scores after the score modifier (their gradient: dS) and the probabilities (dP), for the sums
+        scores, probs = [], []
+        hooks = dict(score_hook=scores.append, probs_hook=probs.append) if with_sums and extra else {}
+        out, _ = reference_attention(*leaves, compute_dtype=dtype, tensors=named, **hooks, **kw)
+        grads = torch.autograd.grad(out, leaves + extra + scores + probs, do.to(dtype), retain_graph=bool(scores))
         if not scores:
             return grads, None
-        return grads[:-1], torch.autograd.grad(scores, extra, grads[-1].abs(), allow_unused=True)
+        p, dp = probs[0].detach(), grads[-1]
+        delta = (p * dp).sum(-1, keepdim=True)
+        terms = p * (dp.abs() + delta.abs())
+        return grads[:-2], torch.autograd.grad(scores, extra, terms, allow_unused=True)
 
     names = ("dq", "dk", "dv", *(f"d{n}" for n in grad_tensors))
     sums = None

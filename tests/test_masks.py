@@ -341,8 +341,8 @@ def test_fp32_tensor_gradient_rule_is_relative_to_what_each_element_sums():
     """A bias table's entry for all far keys sums dS over most pairs, and each row's dS sums to 0:
     the entry is mostly cancellation, and a correct kernel's fp32 error relative to it reached the
     1e-5 bound on about 1 in 100+ fresh inputs. The rule takes each element's error relative to
-    the |dS| it summed: the float32 reference passes with room, and one pair's term missing from
-    any element still fails it."""
+    the size of the dS terms it summed (each pair's P (|dP| + |delta|)): the float32 reference
+    passes with room, and one pair's term (its |dS|) missing from any element still fails it."""
     from flashgen.verify import check_gradients
 
     seed, gen = _seeded()
