@@ -84,7 +84,7 @@ def run_case(case, args):
     from flashgen.flops import attention_flops
     from flashgen.runtime.host import nearest_bucket
 
-    if getattr(args, "persistent_mixed", False):  # (the static walk over sequences of unequal length)
+    if args.persistent_mixed:  # (the static walk over sequences of unequal length)
         from flashgen.runtime.hopper import HopperForward
 
         HopperForward.equal_lengths = staticmethod(lambda varlen, total_q, total_k: True)

@@ -359,8 +359,7 @@ class HopperForward:
         if varlen is not None:  # the packed kernels (with the TMA store, a tile reaching past its sequence by pointers)
             if self.packed_declines(cfg, varlen, q.shape[0]):
                 return None
-            equal = self.equal_lengths(varlen, q.shape[0], k.shape[0])
-            cfg.update(hopper_persistent=cfg["hopper_persistent"] and equal)
+            cfg["hopper_persistent"] = cfg["hopper_persistent"] and self.equal_lengths(varlen, q.shape[0], k.shape[0])
         if cfg["hopper_tma_store"] and out is not None and tensor_unserved("out", out):
             return None  # the caller's out cannot take a TMA store (fresh outputs always can)
         return HopperPlan(self, base, q, k, layout, out, scale, cfg, varlen)
