@@ -182,6 +182,17 @@ def cases():
                 fg_tf.decode_calls = False
         return step
 
+    # A Llama layer's training call through the integration (bench_transformers' model: 16 / 4 heads, causal, no
+    # mask), B=1 x 2048 tokens: the query a (B, H, L, D) view of (B, L, H, D) memory (its projection's transpose),
+    # keys and values contiguous (B, H_kv, L, D) (DynamicCache's torch.cat), the backward by autograd.grad.
+    tq = torch.randn(1, 2048, 16, D, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    tk, tv = (torch.randn(1, 4, 2048, D, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    tdo = torch.randn(1, 2048, 16, D, dtype=torch.bfloat16)
+
+    def transformers_train_step():
+        out, _ = fg_tf.attention_forward(layer, tq, tk, tv, None, scaling=D ** -0.5)
+        torch.autograd.grad(out, (tq, tk, tv), tdo)
+
     # The Hopper warp-specialized forward (family hopper_ws), where it is the H100 default at hd128:
     # causal from 4096 tokens, full attention from 1024 (B=1, H=16, bf16, no grad).
     long_inputs = {seqlen: [torch.randn(1, H, seqlen, D, dtype=torch.bfloat16) for _ in range(3)]
@@ -201,6 +212,7 @@ def cases():
             "generation step over 4097+ keys": long_generation_step,
             "transformers generation step, prefill kernel": transformers_step(False),
             "transformers generation step, decode kernel (decode_calls)": transformers_step(True),
+            "transformers training call (B=1 x 2048, 16/4 heads, fwd+bwd)": transformers_train_step,
             "hopper_ws forward S=1024 (full)": hopper_forward(1024, False),
             "hopper_ws forward S=4096 (causal)": hopper_forward(4096, True)}
 

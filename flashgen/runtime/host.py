@@ -608,6 +608,16 @@ class AttentionLauncher:
 
     RCP_LN2 = 1.4426950408889634  # = 1 / ln 2: exp(x) = exp2(x * RCP_LN2), folded into qk_scale
 
+    # The short-keys forward (templates/prefill/short_kv.j2), where the module has it (unmasked, non-causal 16-bit
+    # specs): set by the module after the launcher is made. short_kv_knobs says which calls it takes.
+    short_kv_kernel = None
+    SHORT_KV_KEYS = 128  # keys in one tile at most
+    SHORT_KV_QUERIES = 1024  # queries at least, and SHORT_KV_RATIO per key
+    SHORT_KV_RATIO = 4
+    SHORT_KV_HEAD_DIM = 64  # head dims at most, powers of two only: measured faster there (below)
+    SHORT_KV_TILE = dict(BLOCK_M=64, STAGES=2, num_warps=4)
+    SHORT_KV_TILES = 4  # query tiles per program at most; fewer where the grid would leave SMs idle
+
     def __init__(self, *, spec, config, forward_kernel, preprocess_kernel, dkdv_kernel, dq_kernel,
                  tensor_ranks=None, grad_tensors=(), runs_tensors=(), integer_tensors=(), block_map_kernel=None,
                  map_uses_batch=False, map_uses_head=False, keep_mask_kernel=None, same_seqlen=False, short_kernel=None,
@@ -1271,6 +1281,14 @@ class AttentionLauncher:
             else:
                 maps = self.map_args(cols_cnt, cols_idx, batch)
         plan.tail = (*maps, total_q, total_k)
+        short = self.short_kv_knobs(cfg, layout, dropout_p, batch, seqlen_q, seqlen_k, q.device)
+        if short is not None:  # keys that fit one tile: the short-keys forward, with the same arguments and its tiles
+            grid, tiles = short
+            plan.tail = (*plan.tail, tiles)
+            plan.launch = BoundLaunch(self.short_kv_kernel, grid, dict(self.SHORT_KV_TILE,
+                                                                       BLOCK_N=max(16, triton.next_power_of_2(seqlen_k))))
+            plan.direct = plan.plain
+            return plan
         hopper = getattr(self, "hopper_forward", None)  # config family hopper_ws: runtime/hopper.py
         if hopper is not None and cfg.get("family") == "hopper_ws":
             served = hopper.plan(plan, q, k, v, layout, out, scale, dropout_p, cfg,
@@ -1311,6 +1329,29 @@ class AttentionLauncher:
             flags["WIDE_ROWS"] = flags["WIDE_ROWS"] or seqlen_q * self.block_dv >= 2**31
             plan.launch = BoundLaunch(self.forward_kernel, (num_heads, batch), dict(flags, **launch))
         return plan
+
+    def short_kv_knobs(self, cfg, layout, dropout_p, batch, seqlen_q, seqlen_k, device):
+        """(grid, query tiles per program) of a call the short-keys forward takes, else None: a dense call of
+        the Q-outer loop order without dropout whose keys fit one tile (at most SHORT_KV_KEYS, at least one)
+        under many more queries (at least SHORT_KV_QUERIES, and SHORT_KV_RATIO per key), at head dims that
+        are powers of two up to SHORT_KV_HEAD_DIM. Each program loads K and V once and walks up to
+        SHORT_KV_TILES query tiles; fewer where that would leave the grid under two programs per SM.
+        H200, bf16, 8 heads, us, this kernel / the forward before it (cuDNN, FlashAttention-2), 3 interleaved
+        rounds (benchmarks/NOTES.md, session 43): batch 8, 4096 queries x 77 keys, hd64 42.9 / 66.4 (cuDNN
+        41-50, FA2 60.4); batch 2 16.2 / 23.4 (16.6, 20.4); 1024 x 77 15.7 / 23.8 (FA2 23.7); 4096 x 16 26.5 /
+        58.9 (41.2, 60.0); 4096 x 128 37.6 / 45.8 (39.1, 57.4); hd32 (10 heads, batch 4) 24.7 / 28.0. Not
+        taken: hd40 (padded to 64; 65.7-69.8 / 65.8, cuDNN 43.6) and hd128 (71.4 / 73.6, cuDNN 54.1)."""
+        if (self.short_kv_kernel is None or layout == "thd" or dropout_p or cfg["loop_order"] != "q_outer"
+                or not 0 < seqlen_k <= self.SHORT_KV_KEYS
+                # (a decode-shaped call's plan serves every key length (decode_call): never one of this kernel's)
+                or seqlen_q < max(self.SHORT_KV_QUERIES, self.SHORT_KV_RATIO * seqlen_k, self.DECODE_QUERIES + 1)
+                or self.spec["head_dim"] != self.block_d or self.spec["head_dim_v"] != self.block_dv
+                or max(self.block_d, self.block_dv) > self.SHORT_KV_HEAD_DIM):
+            return None
+        tiles_m = triton.cdiv(seqlen_q, self.SHORT_KV_TILE["BLOCK_M"])
+        heads = batch * self.num_heads
+        tiles = max(1, min(self.SHORT_KV_TILES, tiles_m * heads // (2 * sm_count(device))))
+        return (triton.cdiv(tiles_m, tiles), self.num_heads, batch), tiles
 
     # ------------------------------------------------------------------ backward
     def backward(self, do, q, k, v, out, lse, *, layout="bhsd", softmax_scale=None, dropout_p=0.0, seed=None,
