@@ -236,7 +236,7 @@ def test_forward_boundary_loop_reading_ids_per_column_takes_two_stages():
     def staged(mask, stages=3):
         spec = AttentionSpec(head_dim=16, mask=mask)
         source = render.render(spec, KernelConfig(BLOCK_M=64, BLOCK_N=64, num_stages=stages))
-        calls = [line.strip() for line in source.splitlines() if "STAGES=" in line]
+        calls = [line.strip() for line in source.splitlines() if "STAGES=" in line and "WARP_SPECIALIZE=" in line]
         return plan_for(spec).masked_loads_columns, "num_stages=STAGES" in source, calls
 
     for causal in (True, False):

@@ -23,10 +23,34 @@ from .helpers import make_qkv, poisoned_outputs
 SHORT = "_attn_fwd_short_kv"
 
 
+def forget_plans():
+    """Forget every module's call plans (and api's fast path's), so the next call is routed afresh."""
+    flashgen.api._FAST.clear()
+    for module in flashgen.ops._MODULES.values():
+        module._LAUNCHER.plans.clear()
+
+
 @pytest.fixture
 def small_rule(monkeypatch):
-    """The rule's query floor lowered, so that interpreter-sized calls are taken (the other conditions stand)."""
+    """The rule's query floor lowered, so that interpreter-sized calls are taken (the other conditions stand);
+    plans made under it are forgotten after the test."""
     monkeypatch.setattr(AttentionLauncher, "SHORT_KV_QUERIES", 64)
+    forget_plans()
+    yield
+    forget_plans()
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """short_kv_knobs' answers (None: not taken), in call order."""
+    answers = []
+    original = AttentionLauncher.short_kv_knobs
+
+    def spy(self, *args):
+        answers.append(original(self, *args))
+        return answers[-1]
+    monkeypatch.setattr(AttentionLauncher, "short_kv_knobs", spy)
+    return answers
 
 
 def forward_kernels(kernel):
@@ -50,6 +74,7 @@ def run_call(device, seqlens, head_dims, heads, layout, *, spec_kw=None, config=
                        generator=gen)
     spec = AttentionSpec(dtype=dtype, head_dim=d, head_dim_v=dv, num_heads=h, num_kv_heads=hk, **(spec_kw or {}))
     kernel = flashgen.compile(spec, config)
+    kernel.module()._LAUNCHER.plans.clear()  # (so the plans read below are this call's)
     out, lse = poisoned_outputs(q, h, seqlen_q, dv, layout)
     kernel.forward(q, k, v, layout=layout, out=out, lse=lse, **call_kw)
     try:
@@ -57,6 +82,10 @@ def run_call(device, seqlens, head_dims, heads, layout, *, spec_kw=None, config=
                                layout=layout)
     except AssertionError as err:
         raise AssertionError(f"seed {seed}: {err}") from None
+    # the same call again: its plan's bound launch (on a GPU the compiled kernel's launcher, not Triton's path)
+    again, lse_again = poisoned_outputs(q, h, seqlen_q, dv, layout)
+    kernel.forward(q, k, v, layout=layout, out=again, lse=lse_again, **call_kw)
+    assert torch.equal(again, out) and torch.equal(lse_again, lse), f"seed {seed}: a second call differs"
     return forward_kernels(kernel)
 
 
@@ -87,32 +116,25 @@ def test_other_calls_keep_their_forward(device, small_rule, case, seqlens, head_
     assert kernels and SHORT not in kernels, case
 
 
-def test_dropout_and_packed_calls_keep_their_forward(device, small_rule):
-    torch_dtype, _ = dtype_for(device)
+def test_dropout_packed_and_knob_calls_keep_their_forward(device, small_rule, routes):
+    torch_dtype, dtype = dtype_for(device)
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     q, k, v = make_qkv(1, 4, 4, 400, 77, 32, dtype=torch_dtype, device=device, generator=gen)
-    launched = []
-    original = AttentionLauncher.short_kv_knobs
-
-    def spy(self, *args):
-        launched.append(original(self, *args))
-        return launched[-1]
-    AttentionLauncher.short_kv_knobs = spy
-    try:
-        flashgen.attention(q, k, v, dropout_p=0.1)
-        assert launched[-1] is None  # dropout: the Q-outer forward, which draws the keep mask
-        flashgen.attention(q, k, v)
-        assert launched[-1] is not None  # the same call without dropout takes it
-        cu_q = torch.tensor([0, 400], dtype=torch.int32, device=device)
-        cu_k = torch.tensor([0, 77], dtype=torch.int32, device=device)
-        flashgen.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_q, cu_k,
-                                  400, 77)
-        assert launched[-1] is None  # packed sequences
-    finally:
-        AttentionLauncher.short_kv_knobs = original
+    flashgen.attention(q, k, v, dropout_p=0.1)
+    assert routes[-1] is None  # dropout: the Q-outer forward, which draws the keep mask
+    flashgen.attention(q, k, v)
+    assert routes[-1] is not None  # the same call without dropout takes it
+    cu_q = torch.tensor([0, 400], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, 77], dtype=torch.int32, device=device)
+    flashgen.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu_q, cu_k, 400, 77)
+    assert routes[-1] is None  # packed sequences
+    taken = len(routes)
+    kernel = flashgen.compile(AttentionSpec(dtype=dtype, head_dim=32, num_heads=4))
+    kernel.module()._LAUNCHER.forward(q, k, v, BLOCK_M=32, BLOCK_N=32)  # knobs named by the call: their forward
+    assert len(routes) == taken  # (not asked)
 
 
-def test_gradients_through_the_short_forward(device, small_rule):
+def test_gradients_through_the_short_forward(device, small_rule, routes):
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     torch_dtype, _ = dtype_for(device)
@@ -120,6 +142,7 @@ def test_gradients_through_the_short_forward(device, small_rule):
                                                      layout="bshd", generator=gen))
     do = torch.randn(q.shape, generator=gen).to(device=device, dtype=torch_dtype)
     out = flashgen.attention(q, k, v, layout="bshd")
+    assert routes and routes[-1] is not None  # the step's forward took the short-keys kernel
     grads = torch.autograd.grad(out, (q, k, v), do)
     try:
         assert_attention_close(out.detach(), None, q.detach(), k.detach(), v.detach(), causal=False, layout="bshd")
@@ -152,18 +175,42 @@ def test_the_grid_keeps_two_programs_per_sm(monkeypatch):
     assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 4096, 77, None) == ((16, 8, 8), 4)
     # a batch of one: one tile per program (512 programs), not 4 (128 programs on 132 SMs)
     assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 1, 4096, 77, None) == ((64, 8, 1), 1)
-    assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 1023, 77, None) is None  # under SHORT_KV_QUERIES
+    assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 1024, 77, None) is not None  # SHORT_KV_QUERIES
+    assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 1023, 77, None) is None
+    assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 4096, 128, None) is not None  # SHORT_KV_KEYS
+    assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 4096, 129, None) is None
     assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 4096, 0, None) is None  # no keys: the forward above
+    monkeypatch.setattr(AttentionLauncher, "SHORT_KV_QUERIES", 1)
+    assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 400, 100, None) is not None  # SHORT_KV_RATIO per key
+    assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 399, 100, None) is None
+    assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 17, 1, None) is not None  # past DECODE_QUERIES only
+    assert launcher.short_kv_knobs(cfg, "bhsd", 0.0, 8, 16, 1, None) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [32, 64])
-def test_diffusion_cross_attention_on_its_default(head_dim):
-    # 4096 latents over 77 text tokens, 8 heads, the default rule: the short-keys forward, checked
-    assert SHORT in run_call("cuda", (4096, 77), (head_dim, head_dim), (8, 8), "bhsd", batch=4)
+def test_cross_attention_on_its_default(head_dim):
+    # 4000 queries over 77 keys, 8 heads, batch 4, the default rule: the short-keys forward, checked; 63 query
+    # tiles (the last half full) in programs of 4 (the last of 3)
+    assert SHORT in run_call("cuda", (4000, 77), (head_dim, head_dim), (8, 8), "bhsd", batch=4)
+
+
+@pytest.mark.gpu
+def test_a_bhsd_view_of_bshd_memory_on_its_default():
+    # transformers' query layout (a projection's view): the call runs as bshd, on the short-keys forward
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    q, k, v = make_qkv(2, 8, 8, 4096, 77, 64, dtype=torch.bfloat16, device="cuda", layout="bshd", generator=gen)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    forget_plans()
+    out, lse = flashgen.attention(q, k, v, return_lse=True)
+    assert_attention_close(out, lse, q, k, v, causal=False)
+    kernels = {p.launch.kernel.__name__ for m in flashgen.ops._MODULES.values() for p in m._LAUNCHER.plans.values()
+               if getattr(p, "launch", None) is not None and hasattr(p, "new_out")}
+    assert SHORT in kernels
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [40, 128])
 def test_other_head_dims_keep_the_default_forward(head_dim):
-    assert SHORT not in run_call("cuda", (4096, 77), (head_dim, head_dim), (8, 8), "bhsd", batch=2)
+    kernels = run_call("cuda", (4096, 77), (head_dim, head_dim), (8, 8), "bhsd", batch=2)
+    assert kernels and SHORT not in kernels

@@ -1281,7 +1281,7 @@ class AttentionLauncher:
             else:
                 maps = self.map_args(cols_cnt, cols_idx, batch)
         plan.tail = (*maps, total_q, total_k)
-        short = self.short_kv_knobs(cfg, layout, dropout_p, batch, seqlen_q, seqlen_k, q.device)
+        short = None if knobs else self.short_kv_knobs(cfg, layout, dropout_p, batch, seqlen_q, seqlen_k, q.device)
         if short is not None:  # keys that fit one tile: the short-keys forward, with the same arguments and its tiles
             grid, tiles = short
             plan.tail = (*plan.tail, tiles)
@@ -1335,7 +1335,9 @@ class AttentionLauncher:
         the Q-outer loop order without dropout whose keys fit one tile (at most SHORT_KV_KEYS, at least one)
         under many more queries (at least SHORT_KV_QUERIES, and SHORT_KV_RATIO per key), at head dims that
         are powers of two up to SHORT_KV_HEAD_DIM. Each program loads K and V once and walks up to
-        SHORT_KV_TILES query tiles; fewer where that would leave the grid under two programs per SM.
+        SHORT_KV_TILES query tiles; fewer where that would leave the grid under two programs per SM. Its tiles
+        are its own: the module's config (the tuner times self-attention) is the other forwards'; a call that
+        names knobs (module.forward(..., BLOCK_M=...)) runs the forward they name.
         H200, bf16, 8 heads, us, this kernel / the forward before it (cuDNN, FlashAttention-2), 3 interleaved
         rounds (benchmarks/NOTES.md, session 43): batch 8, 4096 queries x 77 keys, hd64 42.9 / 66.4 (cuDNN
         41-50, FA2 60.4); batch 2 16.2 / 23.4 (16.6, 20.4); 1024 x 77 15.7 / 23.8 (FA2 23.7); 4096 x 16 26.5 /
