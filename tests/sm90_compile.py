@@ -71,7 +71,7 @@ def _compile_only(run):
         BINARIES[(CASE[0], self.__name__)] = kernel.hash
         SHARED[(CASE[0], self.__name__)] = kernel.metadata.shared
         if self.__name__ in ("_attn_fwd_hopper_ws", "_attn_fwd_hopper_ws_packed", "_attn_fwd_hopper_ws_packed_persistent",
-                             "_attn_bwd_dkdv_hopper"):
+                             "_attn_bwd_dkdv_hopper", "_attn_decode_fp8"):
             PTX[(CASE[0], self.__name__)] = kernel.asm["ptx"]
         COMPILED.append(f"{self.__name__}: {kernel.metadata.num_warps} warps, {kernel.metadata.shared} B smem, "
                         f"{len(kernel.asm['cubin'])} B cubin")
@@ -135,6 +135,39 @@ def training_step(launcher, q, k, tensors):
     BoundLaunch.enabled = False
     out, lse, plan, extra = launcher.training_forward(q, k, k, "bhsd", 0.0, None, tensors, None, None, None, None)
     return launcher.training_backward(plan, out, q, k, k, out, lse, None, tensors, None, None, extra=extra)
+
+
+def decode_fp8_cases(flashgen, AttentionSpec):
+    """The Gluon FP8-cache decode kernel (templates/decode/fp8_cache.j2) through decode()'s launch path:
+    hd128 causal GQA over 16-key pages with two query rows (per-key pages, the tightest registers), and
+    hd64 over a contiguous cache through cache_batch_idx, split and merged in the kernel. Returns
+    (name, run, kernel) per case; the PTX of each is kept in PTX (its spills are checked)."""
+    from flashgen.runtime.launch import BoundLaunch
+
+    cases = []
+    for name, d, causal, paged, sq in (("decode fp8 gluon hd128 causal paged-16, 2 rows", 128, True, True, 2),
+                                       ("decode fp8 gluon hd64 cache_batch_idx, split", 64, False, False, 1)):
+        spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=32, num_kv_heads=8, causal=causal, backward=False)
+        module = flashgen.compile(spec).module()
+        module._LAUNCHER.interpreting = lambda: True  # accept CPU tensors: nothing is launched
+        decoder = module._DECODE
+        decoder.fp8_gluon = lambda q, k_cache, v_cache, knobs: True  # (an sm90 GPU's rule)
+        batch, keys = (2, 4096) if paged else (1, 8192)
+        q = torch.randn(batch, sq, 32, d).to(torch.bfloat16)
+        cache = torch.randn(batch, keys, 8, d).to(torch.float8_e4m3fn)
+        descale = torch.ones(batch, 8)
+        kw = dict(cache_seqlens=torch.full((batch,), keys, dtype=torch.int32), k_descale=descale, v_descale=descale)
+        if paged:
+            cache = cache.reshape(batch * keys // 16, 16, 8, d)
+            kw["block_table"] = torch.arange(batch * keys // 16, dtype=torch.int32).view(batch, -1)
+        else:  # 3 splits (a knob: the rule above takes it here), merged by the last program
+            kw.update(cache_batch_idx=torch.arange(batch, dtype=torch.int32), num_splits=3)
+
+        def run(decoder=decoder, q=q, cache=cache, kw=kw):
+            BoundLaunch.enabled = False
+            decoder.decode(q, cache, cache, **kw)
+        cases.append((name, run, module._attn_decode_fp8))
+    return cases
 
 
 def main(only=()) -> int:
@@ -393,6 +426,21 @@ def main(only=()) -> int:
                 print(f"FAILED {name} {phase}: {type(err).__name__}: {str(err)[:4000]}")
                 continue
             print(f"ok {name} {phase}: " + "; ".join(COMPILED) + f" ({time.perf_counter() - start:.1f} s)")
+    if not only or any(word in "decode fp8 gluon" for word in only):
+        for name, run, kernel in decode_fp8_cases(flashgen, AttentionSpec):
+            CASE[0] = name
+            COMPILED.clear()
+            start = time.perf_counter()
+            try:
+                run()
+                stack = stack_bytes(PTX[(name, "_attn_decode_fp8")])
+                if stack:  # its O (2 x 16 x 64 float32 a warp at hd128), S, pages and copies in 255 registers
+                    raise AssertionError(f"{stack} bytes of stack: spilled registers")
+            except Exception as err:  # noqa: BLE001 - report every case, then fail
+                failed += 1
+                print(f"FAILED {name}: {type(err).__name__}: {str(err)[:4000]}")
+                continue
+            print(f"ok {name}: " + "; ".join(COMPILED) + f" ({time.perf_counter() - start:.1f} s)")
     # FA3's overlap keeps its MMAs asynchronous only if ptxas does not serialize them (C7514)
     overlapped = {case: ptx for (case, kernel), ptx in PTX.items()
                   if "overlap" in case and kernel.startswith("_attn_fwd_hopper_ws")}

@@ -63,7 +63,7 @@ class Fp8Cache:
 
 def run_fp8_decode(device, *, fp8="e4m3", dtype="fp16", heads=(4, 2), d=32, batch=3, sq=1, lengths=(37, 1, 20),
                    capacity=48, page_size=None, appended=0, num_splits=1, descales=True, BLOCK_N=16, head_scales=None,
-                   factor=2.0, mean_factor=1.1, truncated_output=False, **knobs):
+                   factor=2.0, mean_factor=1.1, truncated_output=False, causal=True, **knobs):
     """flashgen.decode over a fresh FP8 cache, out and LSE checked against the dequantized reference.
     head_scales: a factor per query head that q is multiplied by (rows of very different magnitudes).
     truncated_output: out's last cast rounds toward zero (the interpreter's fp32 -> bf16), so each
@@ -71,7 +71,7 @@ def run_fp8_decode(device, *, fp8="e4m3", dtype="fp16", heads=(4, 2), d=32, batc
     is applied to a reference whose error is the two added (interpreter_cast_reference)."""
     seed, gen = _seeded()
     torch_dtype = DTYPES[dtype]
-    spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads[0], num_kv_heads=heads[1], causal=True,
+    spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads[0], num_kv_heads=heads[1], causal=causal,
                          backward=False)
     lengths = list(lengths)[:batch]
     cache = Fp8Cache(gen, FP8[fp8], batch, heads[1], d, lengths, capacity, torch_dtype, device, page_size, appended)
@@ -90,7 +90,7 @@ def run_fp8_decode(device, *, fp8="e4m3", dtype="fp16", heads=(4, 2), d=32, batc
     flashgen.decode(spec, q, cache.k_cache, cache.v_cache, cache.cache_seqlens, k=cache.new_k, v=cache.new_v,
                     block_table=cache.block_table, out=out, lse=lse, num_splits=num_splits, BLOCK_N=BLOCK_N,
                     **scales, **knobs)
-    out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=True)
+    out_ref, lse_ref, out_pt, lse_pt = reference_decode(q, cache, causal=causal)
     what = f"{fp8} {spec.uri} sq={sq} lengths={lengths} page_size={page_size} splits={num_splits} seed={seed}"
     if truncated_output:
         out_pt = interpreter_cast_reference(out_ref, out_pt)

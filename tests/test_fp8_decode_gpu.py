@@ -86,13 +86,23 @@ def test_fp8_queries_compat_gpu():
     assert result.ok, f"seed={seed}: {result}"
 
 
-def test_fp8_cuda_graph_replay():
-    # Captured once with an FP8 cache and appends, replayed with new cache_seqlens.
+@pytest.mark.parametrize("page_size,lengths,again", [(16, (600, 300), (450, 17)), (None, (8000, 300), (7000, 150))],
+                         ids=["paged16", "contiguous-splits"])
+def test_fp8_cuda_graph_replay(page_size, lengths, again):
+    # Captured once with an FP8 cache, replayed with new cache_seqlens (within the stored keys: the slots past
+    # them hold NaN): the eager call's result bit for bit.
+    # Contiguous: 8K keys split over the SMs and merged by the split kernel's last program, whose tickets must
+    # be back at 0 for each replay. On sm90 both run the Gluon FP8-cache kernel (asserted).
+    from flashgen import kvcache
+
     seed, gen = _seeded()
-    cache = Fp8Cache(gen, torch.float8_e4m3fn, 2, 8, 128, (600, 300), 1024, torch.bfloat16, "cuda", page_size=16)
+    cache = Fp8Cache(gen, torch.float8_e4m3fn, 2, 8, 128, lengths, 8192, torch.bfloat16, "cuda",
+                     page_size=page_size)
     q = torch.randn(2, 1, 32, 128, generator=gen).to("cuda", torch.bfloat16)
-    lengths = cache.cache_seqlens.clone()
-    step = lambda: flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=lengths,  # noqa: E731
+    launcher = kvcache.compat_launcher(q, cache.k_cache, cache.v_cache, True, (-1, -1), 0.0, None, None)
+    launcher.calls.clear()
+    seqlens = cache.cache_seqlens.clone()
+    step = lambda: flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=seqlens,  # noqa: E731
                                            block_table=cache.block_table, causal=True, k_descale=cache.k_descale,
                                            v_descale=cache.v_descale)
     step()
@@ -100,9 +110,13 @@ def test_fp8_cuda_graph_replay():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    lengths.copy_(torch.tensor([450, 17], dtype=torch.int32))
-    graph.replay()
-    eager = flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=lengths,
-                                    block_table=cache.block_table, causal=True, k_descale=cache.k_descale,
-                                    v_descale=cache.v_descale)
-    assert torch.equal(out, eager), f"seed={seed}"
+    for step_lengths in (again, lengths):
+        seqlens.copy_(torch.tensor(step_lengths, dtype=torch.int32))
+        graph.replay()
+        eager = flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=seqlens,
+                                        block_table=cache.block_table, causal=True, k_descale=cache.k_descale,
+                                        v_descale=cache.v_descale)
+        assert torch.equal(out, eager) and not out.isnan().any(), f"seed={seed} lengths={step_lengths}"
+    if torch.cuda.get_device_capability()[0] == 9:
+        bound = {bound[1].kernel.fn.__name__ for call in launcher.calls.values() for bound in call.bound.values()}
+        assert bound == {"_attn_decode_fp8"}

@@ -194,7 +194,9 @@ def test_render_keeps_the_portable_forward_beside_it():
     assert ("_LAUNCHER.hopper_forward = HopperForward(_attn_fwd_hopper_ws, SPEC, CONFIG, "
             "packed=_attn_fwd_hopper_ws_packed, fallback={") in source
     portable = render(spec, KernelConfig(**dict(HOPPER, family="portable")), standalone=False)
-    assert "gluon" not in portable and "hopper_forward" not in portable
+    # (its Gluon is the FP8-cache decode's alone, after the launcher: templates/decode/fp8_cache.j2)
+    before_decode, decode = portable.split("\nfrom flashgen.runtime.hopper import async_load")
+    assert "gluon" not in before_decode and "hopper_forward" not in portable and "_HW_" not in decode
 
 
 @pytest.mark.interpreter

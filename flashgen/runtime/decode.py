@@ -492,6 +492,9 @@ class DecodeLauncher:
         attention.decoder = self  # its calls of a few queries over more keys run here (AttentionLauncher.decode_call)
         self.spec = attention.spec
         self.kernel, self.combine_kernel, self.append_kernel = kernel, combine_kernel, _decode_append
+        # _attn_decode_fp8 (templates/decode/fp8_cache.j2), set by the module where it renders; the calls
+        # fp8_gluon() takes run it in place of _attn_decode, with the same arguments
+        self.fp8_kernel = None
         self.tuned = None
         self.calls = {}  # call key -> DecodeCall
         self.reads = {}  # read()'s short key -> the length-free DecodeCall entry of self.calls it stands for
@@ -654,26 +657,75 @@ class DecodeLauncher:
             self.lengths[key] = table
         return table.as_strided((batch,), (1,), n * table.shape[1])
 
-    def plan(self, batch, seqlen_q, capacity, device, knobs, page_size=None, element_size=None):
+    # The Gluon FP8-cache kernel's tiles: 128 keys (32 KB of K and V per stage at head dim 128), 4 warps,
+    # each a quarter of a tile's keys; a ring of 3 stages, 2 where the grid crowds the SMs
+    # (SMALL_TILE_PROGRAMS_PER_SM); split by num_splits_heuristic, one program per SM (fewer splits
+    # than _attn_decode's two per SM: the merge reads fewer partials), except over pages smaller than a
+    # tile (per-key page reads: two per SM, as _attn_decode). H200, hd128, 32 / 8 heads, one query, us
+    # (benchmarks/NOTES.md, session 44): B=1 x 128K 16 splits 82.6-83.1, 33 89.2-90.2, 48 106.2; B=2 x 64K
+    # 8 82.1-82.7, 16 86.9-87.6; B=4 x 32K 4 81.4-82.0, 8 86.8-87.4; B=8 x 8K 2 51.1-51.6, 4 54.5-55.7;
+    # B=32 x 4K 1 81.8, 2 90.8; paged-16 B=8 x 8K 2 66.3-66.9, 4 57.3-57.9; B=64 x 4K 128 x 2 143.7, 128 x
+    # 3 146.2, 64 x 4 174.0 (prototype).
+    FP8_TILE = dict(BLOCK_N=128, num_warps=4)
+    TILE_KNOBS = ("BLOCK_N", "num_warps", "num_stages", "page_prefetch")  # knobs that name _attn_decode's tiles
+
+    def fp8_gluon(self, q, k_cache, v_cache, knobs):
+        """Whether a call runs _attn_decode_fp8: rendered for this spec (head dim 64 or 128, no mask
+        pattern or score modifier), an FP8 cache with fp16/bf16 queries on an sm90 GPU (not the
+        interpreter), at most 16 packed rows (query positions x heads of a group), caches contiguous in
+        their last dim, and no knob of _attn_decode's tiles named by the call (TILE_KNOBS: num_splits
+        and fused_combine apply to either kernel). Caches its copies cannot reach (fp8_aligned) run
+        _attn_decode on the same plan."""
+        if (self.fp8_kernel is None or k_cache.dtype not in FP8_TYPES
+                or q.dtype not in (torch.float16, torch.bfloat16)):
+            return False
+        if (self.attention.interpreting() or q.device.type != "cuda"
+                or torch.cuda.get_device_capability(q.device)[0] != 9):
+            return False
+        if q.shape[1] * (self.spec["num_heads"] // self.spec["num_kv_heads"]) > 16:
+            return False
+        if any(knobs.get(name) is not None for name in self.TILE_KNOBS):
+            return False
+        return k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+
+    @staticmethod
+    def fp8_aligned(k_cache, v_cache):
+        """Whether _attn_decode_fp8's 16-byte copies reach every row of these caches: their bases and
+        strides 16-byte multiples. Decided per bound launch (bind): the launches are kept per the
+        pointers' 16-byte alignment and the length-free calls' strides' divisibility by 16, so a call
+        keyed with them binds the kernel this says, and the rest of its plan serves _attn_decode."""
+        return all(t.data_ptr() & 15 == 0 and all(st & 15 == 0 for st in t.stride()[:3]) for t in (k_cache, v_cache))
+
+    def plan(self, batch, seqlen_q, capacity, device, knobs, page_size=None, element_size=None, fp8_gluon=False):
         """The launch plan of a decode call (knobs, split count, grids), from shapes only: the
         tuned knobs of the (batch, capacity) bucket where the call overrides none, else the
         heuristic defaults with the call's overrides (knobs: {name: value or None}). page_size:
         a paged cache's, None for a contiguous one. element_size: the cache's bytes per element
-        (default the spec dtype's)."""
+        (default the spec dtype's). fp8_gluon: the call runs _attn_decode_fp8 (fp8_gluon()): its
+        tiles (FP8_TILE), its split count (unless the call names one) and its ring's STAGES."""
         spec = self.spec
         group = spec["num_heads"] // spec["num_kv_heads"]
         tuned = None
         untouched = knobs.get("num_splits", 0) == 0 and all(v is None for n, v in knobs.items() if n != "num_splits")
-        if self.tuned is not None and untouched:
+        if self.tuned is not None and untouched and not fp8_gluon:  # (tuned for _attn_decode)
             tuned = self.tuned(batch, capacity)
         chosen = decode_knobs(spec["head_dim"], seqlen_q * group, batch, spec["num_kv_heads"], capacity, device,
                               page_size=page_size,
                               element_size=element_size or self.attention.dtype.itemsize, **(tuned or knobs))
         splits = chosen["num_splits"]
+        if fp8_gluon:
+            mblocks = triton.cdiv(seqlen_q * group, chosen["BLOCK_M"]) * batch * spec["num_kv_heads"]
+            if not knobs.get("num_splits") and (page_size is None or page_size >= self.FP8_TILE["BLOCK_N"]):
+                # one program per SM where splits can fill them (FA3's rule); a tile over several pages keeps
+                # decode_knobs' two per SM
+                splits = min(num_splits_heuristic(mblocks, sm_count(device),
+                                                  triton.cdiv(capacity, self.FP8_TILE["BLOCK_N"])), MAX_SPLITS)
+            stages = 2 if splits * mblocks >= SMALL_TILE_PROGRAMS_PER_SM * sm_count(device) else 3
+            chosen = dict(chosen, **self.FP8_TILE, num_splits=splits, num_stages=stages, STAGES=stages)
         block_dv, block_s = padded_head_dim(spec["head_dim_v"]), max(2, triton.next_power_of_2(splits))
         # the fused merge's rows per step: the row block's (a power of two), as many as COMBINE_ELEMENTS allow
         budget = 1 << max(0, (COMBINE_ELEMENTS // (block_s * block_dv)).bit_length() - 1)
-        return dict(chosen, splits=splits, split=splits > 1, tuned=bool(tuned), block_dv=block_dv,
+        return dict(chosen, splits=splits, split=splits > 1, tuned=bool(tuned), gluon=fp8_gluon, block_dv=block_dv,
                     fused=splits > 1 and chosen["fused_combine"],
                     grid=(splits, triton.cdiv(seqlen_q * group, chosen["BLOCK_M"]), batch * spec["num_kv_heads"]),
                     combine_grid=(batch * seqlen_q * spec["num_heads"], 1, 1), BLOCK_S=block_s,
@@ -704,7 +756,7 @@ class DecodeLauncher:
         capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
         seqlen_add = 0 if k is None else k.shape[1]
         plan = self.plan(batch, seqlen_q, capacity, q.device, knobs, page_size if paged else None,
-                         k_cache.dtype.itemsize)
+                         k_cache.dtype.itemsize, self.fp8_gluon(q, k_cache, v_cache, knobs))
         scale = spec["softmax_scale"] if softmax_scale is None else check_softmax_scale(softmax_scale)
         out_strides = out.stride() if out is not None else (seqlen_q * num_heads * dv, num_heads * dv, dv, 1)
         write_lse = lse is not None or bool(return_lse)
@@ -728,6 +780,8 @@ class DecodeLauncher:
                                  V_CVT=fp8_v_conversion(k_cache.dtype, out_dtype, q.device), FUSED=plan["fused"],
                                  BLOCK_S=plan["BLOCK_S"], COMBINE_ROWS=plan["combine_rows"],
                                  num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        if plan["gluon"]:
+            kernel_constexprs["STAGES"] = plan["STAGES"]
         combine_args = (*out_strides, num_heads * seqlen_q, seqlen_q, seqlen_q, num_heads, plan["splits"])
         combine_constexprs = dict(BLOCK_S=plan["BLOCK_S"], WRITE_LSE=write_lse, num_warps=4, num_stages=1)
         append_args = append_constexprs = None
@@ -755,13 +809,17 @@ class DecodeLauncher:
                           lengths={},
                           variants=None, split_buffers=None)
 
-    def bind(self, call):
-        """The BoundLaunch objects of a call's (append, split-KV, combine) kernels; None where it has none."""
+    def bind(self, call, aligned=True):
+        """The BoundLaunch objects of a call's (append, split-KV, combine) kernels; None where it has none.
+        aligned: fp8_aligned() of the call's caches (a Gluon plan runs _attn_decode where they are not)."""
         append = BoundLaunch(self.append_kernel, call.append_grid, call.append_constexprs) \
             if call.append_args is not None and call.append_grid[0] else None
         combine = BoundLaunch(self.combine_kernel, call.plan["combine_grid"], call.combine_constexprs) \
             if call.plan["split"] and not call.plan["fused"] else None
-        return append, BoundLaunch(self.kernel, call.plan["grid"], call.kernel_constexprs), combine
+        if call.plan["gluon"] and aligned:
+            return append, BoundLaunch(self.fp8_kernel, call.plan["grid"], call.kernel_constexprs), combine
+        constexprs = {n: v for n, v in call.kernel_constexprs.items() if n != "STAGES"}
+        return append, BoundLaunch(self.kernel, call.plan["grid"], constexprs), combine
 
     # ------------------------------------------------------------------ calls keyed without the cache's length
     @staticmethod
@@ -879,7 +937,8 @@ class DecodeLauncher:
                  argument_signature((*k_strides[:3], *v_strides[:3], capacity)))
         launches = call.bound.get(align)
         if launches is None:
-            launches = call.bound[align] = self.bind(call)
+            aligned = not call.plan["gluon"] or self.fp8_aligned(k_cache, v_cache)
+            launches = call.bound[align] = self.bind(call, aligned)
         _, kernel, combine = launches
         out = call.new_out()
         lse = call.new_lse() if call.write_lse else None
@@ -993,7 +1052,8 @@ class DecodeLauncher:
             align = (align, argument_signature((*k_strides[:3], *v_strides[:3], capacity)))
         launches = call.bound.get(align)
         if launches is None:
-            launches = call.bound[align] = self.bind(call)
+            aligned = not call.plan["gluon"] or self.fp8_aligned(k_cache, v_cache)
+            launches = call.bound[align] = self.bind(call, aligned)
         append, kernel, combine = launches
         bt = block_table if block_table is not None else seqlens  # never read
         cbi = cache_batch_idx if cache_batch_idx is not None else seqlens  # read only when given

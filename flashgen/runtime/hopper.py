@@ -36,12 +36,16 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+    # the FP8-cache decode (templates/decode/fp8_cache.j2): cp.async copies and mma.sync (sm80+ ops)
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     # 3.9 renamed tma.async_copy_global_to_shared to tma.async_load (the old name warns), and
     # async_copy_shared_to_global to async_store
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     tma_store_wait = tma.store_wait  # wait until at most n of this thread's TMA stores still read shared memory
+    # 3.9 renamed async_copy.async_copy_global_to_shared (cp.async: global memory into shared) to async_load
+    async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     # the copy engine adding a shared-memory tile into global memory (cp.reduce.async.bulk.tensor .add):
     # 3.9's tma.async_atomic_add; 3.6 builds the op but names it nowhere in Python; None without either
     # (then the Gluon dK/dV kernels that add dQ serve no call: hopper_bwd.HopperBackward)
@@ -81,7 +85,7 @@ except ImportError as err:  # no Gluon: the module still imports; the family is 
 
     gluon = gl = _Absent()
     fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = tma_load = warps_barrier = None
-    tma_store = tma_store_wait = tma_reduce_add = None
+    tma_store = tma_store_wait = tma_reduce_add = async_copy = async_load = mma_v2 = None
     GluonTensorDescriptor = None
 
 gluon_dtypes = ({"torch.float16": gl.float16, "torch.bfloat16": gl.bfloat16, "torch.float8_e4m3fn": gl.float8e4nv,

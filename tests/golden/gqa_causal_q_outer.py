@@ -1046,3 +1046,318 @@ forward = _LAUNCHER.forward
 decode = _DECODE.decode
 backward = _LAUNCHER.backward
 _tensors = _LAUNCHER.named_tensors
+
+
+from flashgen.runtime.hopper import async_load, async_copy, gl, gluon, mma_v2, warps_barrier  # noqa: E402,F401
+
+
+@gluon.jit
+def _fd_split_bytes(x, FORMAT: gl.constexpr):
+    # x: int16 elements whose register holds two of them along the operand's k, bytes b0 b1 | b2 b3.
+    # Returns fp16 (b0, b2) and (b1, b3): the even bytes' values and the odd bytes' (exact).
+    if FORMAT == 1:  # e4m3: the permute pairs the bytes, one conversion per pair
+        lo, hi = gl.inline_asm_elementwise(
+            "{ .reg .b32 t; .reg .b16 a, b; prmt.b32 t, $2, 0, 0x3120; mov.b32 {a, b}, t; "
+            "cvt.rn.f16x2.e4m3x2 $0, a; cvt.rn.f16x2.e4m3x2 $1, b; }",
+            "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+    else:  # e5m2 is fp16's high byte
+        lo, hi = gl.inline_asm_elementwise("{ prmt.b32 $0, $2, 0, 0x2404; prmt.b32 $1, $2, 0, 0x3414; }",
+                                           "=r,=r,r", [x], dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+    return lo, hi
+
+
+@gluon.jit
+def _fd_record(REC, KIND: gl.constexpr, b, j, value, limit):
+    # _record_bound's: the first index out of range a launch meets claims the record (word 0 := its kind).
+    zero = gl.to_tensor(0).to(gl.int64)
+    if gl.atomic_cas(REC, zero, zero + KIND) == 0:
+        gl.store(REC + 1, zero + b)
+        gl.store(REC + 2, zero + j)
+        gl.store(REC + 3, zero + value)
+        gl.store(REC + 4, zero + limit)
+
+
+@gluon.jit
+def _fd_pages(BT, keys, seqlen_k, num_pages, PAGE_SIZE: gl.constexpr):
+    # The pages of keys (a tensor), clamped into the pool (int64), and per key its (column << 32 | entry)
+    # where a key below seqlen_k has a block table entry outside [0, num_pages), else NO_BAD_PAGE.
+    col = keys // PAGE_SIZE
+    used = keys < seqlen_k
+    entry = gl.load(BT + col, mask=used, other=0)
+    out = used & ((entry < 0) | (entry >= num_pages))
+    bad = gl.where(out, (col.to(gl.int64) << 32) | (entry.to(gl.int64) & 0xFFFFFFFF), NO_BAD_PAGE)
+    page = gl.minimum(gl.maximum(entry, 0), gl.maximum(num_pages - 1, 0)).to(gl.int64)
+    return page, bad
+
+
+@gluon.jit
+def _fd_issue(k_smem, v_smem, K, V, pages, keys, split_hi, offs_c, stride_kn, stride_vn, stride_kp, stride_vp,
+              slot, W: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    # One tile's K and V (keys: (W, NW) key indices, warp w's row of them its own) into ring slot `slot`,
+    # 16 bytes per copy; keys from split_hi on read zeros.
+    ok = (keys < split_hi)[:, :, None]
+    if PAGED:
+        slots = (keys % PAGE_SIZE).to(gl.int64)
+        k_rows = pages * stride_kp + slots * stride_kn
+        v_rows = pages * stride_vp + slots * stride_vn
+    else:
+        k_rows = keys.to(gl.int64) * stride_kn
+        v_rows = keys.to(gl.int64) * stride_vn
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    DH: gl.constexpr = k_smem.shape[2]
+    async_load(k_smem.index(slot).reshape([W, BLOCK_N // W, DH]), K + k_rows[:, :, None] + offs_c, mask=ok)
+    async_load(v_smem.index(slot).reshape([W, BLOCK_N // W, DH]), V + v_rows[:, :, None] + offs_c, mask=ok)
+
+
+@gluon.jit
+def _fd_q_half(Q, off_b, stride_qb, stride_qm, stride_qh, stride_qd, qpos, head, row_ok, cq, ODD: gl.constexpr):
+    # The rows' even (or odd) dims of q as float32, (1, BLOCK_M, HEAD_DIM // 2), each warp its own copy.
+    ptr = (Q + off_b * stride_qb + (qpos * stride_qm + head * stride_qh)[None, :, None]
+           + ((2 * cq + ODD) * stride_qd)[None, None, :])
+    return gl.load(ptr, mask=row_ok[None, :, None], other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _attn_decode_fp8(
+    Q, K, V, O, LSE, PART, SEQLENS, BT, CACHE_BATCH, REC, Q_DESCALE, K_DESCALE, V_DESCALE, TICKETS,
+    stride_qb, stride_qm, stride_qh, stride_qd,
+    stride_kb, stride_kn, stride_kh, stride_kd,
+    stride_vb, stride_vn, stride_vh, stride_vd,
+    stride_ob, stride_om, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    stride_btb, num_pages, num_kv_heads, cache_batch, capacity, seqlen_q, seqlen_add, num_splits,
+    stride_qsb, stride_qsh, stride_ksb, stride_ksh, stride_vsb, stride_vsh,
+    sm_scale, qk_scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    BATCH_INDEX: gl.constexpr, SPLIT: gl.constexpr, WRITE_LSE: gl.constexpr, PREFETCH: gl.constexpr,
+    DESCALE: gl.constexpr, FP16_DOT: gl.constexpr, V_CVT: gl.constexpr, FUSED: gl.constexpr,
+    BLOCK_S: gl.constexpr, COMBINE_ROWS: gl.constexpr, STAGES: gl.constexpr,
+):
+    # Grid, rows, lengths, splits and PART as _attn_decode's. Unused: stride_kd and stride_vd (1: the
+    # host's rule), FP16_DOT, PREFETCH (a paged tile's pages are always read a tile ahead).
+    W: gl.constexpr = gl.num_warps()
+    D: gl.constexpr = HEAD_DIM
+    DH: gl.constexpr = HEAD_DIM // 2  # int16 words of a row
+    NW: gl.constexpr = BLOCK_N // W  # a warp's keys of a tile
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    row_l: gl.constexpr = gl.SliceLayout(2, mma)  # (W, BLOCK_M): a warp's row statistics
+    ld: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32 // (DH // 8), DH // 8], [W, 1, 1], [2, 1, 0])
+    ql: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [W, 1, 1], [2, 1, 0])
+    ring: gl.constexpr = gl.SwizzledSharedLayout(8, 128 // (2 * DH), 2 * DH // 16, [1, 0])
+
+    split = gl.program_id(0)
+    start_m = gl.program_id(1) * BLOCK_M
+    off_b = (gl.program_id(2) // num_kv_heads).to(gl.int64)
+    off_hk = (gl.program_id(2) % num_kv_heads).to(gl.int64)
+    reporter = (split == 0) & (gl.program_id(1) == 0) & (off_hk == 0)
+    length = gl.load(SEQLENS + off_b)
+    if reporter & (length < 0):
+        _fd_record(REC, BOUND_NEGATIVE_LENGTH, off_b, 0, length, 0)
+    elif reporter & (length + seqlen_add > capacity):
+        _fd_record(REC, BOUND_PAST_CAPACITY, off_b, seqlen_add, length, capacity)
+    seqlen_k = gl.minimum(gl.maximum(length + seqlen_add, 0), capacity)
+    K16 = K.to(gl.pointer_type(gl.int16), bitcast=True)
+    V16 = V.to(gl.pointer_type(gl.int16), bitcast=True)
+    if PAGED:
+        BT += off_b * stride_btb
+        K16 += off_hk * (stride_kh // 2)
+        V16 += off_hk * (stride_vh // 2)
+    else:
+        cache_b = off_b
+        if BATCH_INDEX:
+            row = gl.load(CACHE_BATCH + off_b)
+            if reporter & ((row < 0) | (row >= cache_batch)):
+                _fd_record(REC, BOUND_CACHE_ROW, off_b, 0, row, cache_batch)
+            cache_b = gl.minimum(gl.maximum(row, 0), gl.maximum(cache_batch - 1, 0)).to(gl.int64)
+        K16 += cache_b * (stride_kb // 2) + off_hk * (stride_kh // 2)
+        V16 += cache_b * (stride_vb // 2) + off_hk * (stride_vh // 2)
+
+    # q: each packed row's even and odd dims in fp16, scaled by the power of two that puts the row's
+    # largest magnitude in [2^14, 2^15) (_fp16_rows), every warp holding its own copy
+    rq = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, gl.SliceLayout(2, ql)))
+    cq = gl.arange(0, DH, layout=gl.SliceLayout(0, gl.SliceLayout(1, ql)))
+    q_pos = (rq // GQA_GROUP).to(gl.int64)
+    q_head = off_hk * GQA_GROUP + rq % GQA_GROUP
+    qe = _fd_q_half(Q, off_b, stride_qb, stride_qm, stride_qh, stride_qd, q_pos, q_head, q_pos < seqlen_q, cq, 0)
+    qo = _fd_q_half(Q, off_b, stride_qb, stride_qm, stride_qh, stride_qd, q_pos, q_head, q_pos < seqlen_q, cq, 1)
+    qe = gl.broadcast(qe, gl.zeros([W, BLOCK_M, DH], gl.float32, layout=ql))[0]
+    qo = gl.broadcast(qo, gl.zeros([W, BLOCK_M, DH], gl.float32, layout=ql))[0]
+    biased = (gl.maximum(gl.max(gl.abs(qe), 2), gl.max(gl.abs(qo), 2)).to(gl.int32, bitcast=True) >> 23) & 0xFF
+    e = gl.minimum(gl.maximum(141 - biased, -126), 126)
+    up = ((e + 127) << 23).to(gl.float32, bitcast=True)
+    down = ((127 - e) << 23).to(gl.float32, bitcast=True)
+    q_even = gl.convert_layout((qe * up[:, :, None]).to(gl.float16), a_l)
+    q_odd = gl.convert_layout((qo * up[:, :, None]).to(gl.float16), a_l)
+    if DESCALE:
+        qk_scale = qk_scale * (gl.load(Q_DESCALE + off_b * stride_qsb + off_hk * stride_qsh)
+                               * gl.load(K_DESCALE + off_b * stride_ksb + off_hk * stride_ksh))
+    row_scale = gl.convert_layout(down * qk_scale, row_l)
+
+    # the keys each packed row sees: [0, limit) (causal: bottom-right aligned), and their hull
+    rr = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, row_l))
+    r_pos = rr // GQA_GROUP
+    limit = gl.minimum(seqlen_k - seqlen_q + r_pos + 1, seqlen_k)
+    vis_hi = gl.minimum(seqlen_k - seqlen_q + gl.minimum((start_m + BLOCK_M - 1) // GQA_GROUP, seqlen_q - 1) + 1,
+                        seqlen_k)
+    limit3 = limit[None, :, None]
+    vis_hi = gl.maximum(vis_hi, 0)
+    # this split's slice of [0, vis_hi), in whole blocks (an empty slice: O = 0, LSE = -inf)
+    per_split = gl.cdiv(gl.cdiv(vis_hi, BLOCK_N), num_splits) * BLOCK_N
+    split_lo = split * per_split
+    split_hi = gl.maximum(gl.minimum(split_lo + per_split, vis_hi), split_lo)
+    n_tiles = gl.cdiv(split_hi - split_lo, BLOCK_N)
+
+    k_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, DH], ring)
+    v_smem = gl.allocate_shared_memory(gl.int16, [STAGES, BLOCK_N, DH], ring)
+    lw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld)))
+    ln = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld)))
+    tile_keys = lw[:, None] * NW + ln[None, :]  # (W, NW): warp w's keys of a tile
+    offs_c = gl.arange(0, DH, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld)))[None, None, :]
+    bad = gl.full([W, NW], NO_BAD_PAGE, gl.int64, layout=gl.SliceLayout(2, ld))
+    pages = tile_keys.to(gl.int64) * 0
+    if PAGED:
+        pages, page_bad = _fd_pages(BT, split_lo + tile_keys, seqlen_k, num_pages, PAGE_SIZE)
+        bad = gl.minimum(bad, page_bad)
+    for t in gl.static_range(STAGES - 1):
+        if t < n_tiles:
+            _fd_issue(k_smem, v_smem, K16, V16, pages, split_lo + t * BLOCK_N + tile_keys, split_hi, offs_c,
+                      stride_kn // 2, stride_vn // 2, stride_kb // 2, stride_vb // 2, t, W, PAGED, PAGE_SIZE)
+            if PAGED:  # the next tile's pages, a tile ahead of its copies
+                pages, page_bad = _fd_pages(BT, split_lo + (t + 1) * BLOCK_N + tile_keys, seqlen_k, num_pages,
+                                            PAGE_SIZE)
+                bad = gl.minimum(bad, page_bad)
+        async_copy.commit_group()
+
+    m_i = gl.full([W, BLOCK_M], float("-inf"), gl.float32, layout=row_l)
+    l_i = gl.zeros([W, BLOCK_M], gl.float32, layout=row_l)
+    o_even = gl.zeros([W, BLOCK_M, DH], gl.float32, layout=mma)
+    o_odd = gl.zeros([W, BLOCK_M, DH], gl.float32, layout=mma)
+    sw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(1, mma)))
+    sn = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, mma)))
+    s_keys = (sw[:, None] * NW + sn[None, :])[:, None, :]  # (W, 1, NW): the scores' keys of a tile
+    for t in range(n_tiles):
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of tile t landed
+        warps_barrier()  # everyone's; and every warp is done with the slot tile t - 1 read
+        nt = t + STAGES - 1
+        if nt < n_tiles:
+            _fd_issue(k_smem, v_smem, K16, V16, pages, split_lo + nt * BLOCK_N + tile_keys, split_hi, offs_c,
+                      stride_kn // 2, stride_vn // 2, stride_kb // 2, stride_vb // 2, nt % STAGES, W, PAGED,
+                      PAGE_SIZE)
+            if PAGED:
+                pages, page_bad = _fd_pages(BT, split_lo + (nt + 1) * BLOCK_N + tile_keys, seqlen_k, num_pages,
+                                            PAGE_SIZE)
+                bad = gl.minimum(bad, page_bad)
+        async_copy.commit_group()
+        slot = t % STAGES
+        kt = k_smem.index(slot).reshape([W, NW, DH]).permute((0, 2, 1)).load(b_l)  # (W, DH, NW) K^T's pairs
+        k_even, k_odd = _fd_split_bytes(kt, V_CVT)
+        s = mma_v2(q_even, k_even, gl.zeros([W, BLOCK_M, NW], gl.float32, layout=mma))
+        s = mma_v2(q_odd, k_odd, s)
+        s = gl.where(split_lo + t * BLOCK_N + s_keys < limit3, s * row_scale[:, :, None], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 2))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(s - m_safe[:, :, None])
+        l_i = l_i * alpha + gl.sum(p, 2)
+        m_i = m_new
+        vt = v_smem.index(slot).reshape([W, NW, DH]).load(b_l)  # (W, NW, DH) V's pairs, by ldmatrix.trans
+        v_even, v_odd = _fd_split_bytes(vt, V_CVT)
+        p16 = gl.convert_layout(p.to(gl.float16), a_l)
+        o_even = mma_v2(p16, v_even, o_even * alpha[:, :, None])
+        o_odd = mma_v2(p16, v_odd, o_odd * alpha[:, :, None])
+    async_copy.wait_group(0)
+    if PAGED:
+        least = gl.min(gl.min(bad, 1), 0)
+        if least != NO_BAD_PAGE:
+            _fd_record(REC, BOUND_PAGE, off_b, least >> 32, (least & 0xFFFFFFFF).to(gl.int32), num_pages)
+
+    # the warps' (m, l, O) merged: O = sum_w 2^(m_w - m) O_w / sum_w 2^(m_w - m) l_w
+    m_all = gl.max(m_i, 0)
+    f = gl.exp2(m_i - gl.where(m_all == float("-inf"), 0.0, m_all)[None, :])
+    l_all = gl.sum(l_i * f, 0)
+    l_safe = gl.where(l_all == 0.0, 1.0, l_all)
+    out_l: gl.constexpr = gl.SliceLayout(0, mma)  # (BLOCK_M, DH)
+    scale = 1.0 / l_safe
+    if DESCALE:
+        scale = scale * gl.load(V_DESCALE + off_b * stride_vsb + off_hk * stride_vsh)
+    scale = gl.convert_layout(scale, gl.SliceLayout(1, out_l))[:, None]
+    out_even = gl.sum(o_even * f[:, :, None], 0) * scale
+    out_odd = gl.sum(o_odd * f[:, :, None], 0) * scale
+    lse = gl.where(l_all == 0.0, float("-inf"), (m_all + gl.log2(l_safe)) * LN2)
+
+    ro = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
+    co = 2 * gl.arange(0, DH, layout=gl.SliceLayout(0, out_l))[None, :]
+    o_pos = (ro // GQA_GROUP).to(gl.int64)
+    o_head = off_hk * GQA_GROUP + ro % GQA_GROUP
+    o_ok = (o_pos < seqlen_q)[:, None]
+    l_pos = (rr // GQA_GROUP).to(gl.int64)
+    l_head = off_hk * GQA_GROUP + rr % GQA_GROUP
+    l_ok = l_pos < seqlen_q
+    if SPLIT:
+        # PART: the partial outputs (batch, seqlen_q, heads, num_splits, BLOCK_DV), then their LSEs
+        o_row = ((off_b * seqlen_q + o_pos) * (num_kv_heads * GQA_GROUP) + o_head) * num_splits + split
+        gl.store(PART + o_row[:, None] * BLOCK_DV + co, out_even, mask=o_ok)
+        gl.store(PART + o_row[:, None] * BLOCK_DV + co + 1, out_odd, mask=o_ok)
+        rows_total = (gl.num_programs(2) // num_kv_heads).to(gl.int64) * seqlen_q * num_kv_heads * GQA_GROUP
+        lse_part = PART + rows_total * num_splits * BLOCK_DV
+        l_row = ((off_b * seqlen_q + l_pos) * (num_kv_heads * GQA_GROUP) + l_head) * num_splits + split
+        gl.store(lse_part + l_row, lse, mask=l_ok)
+        if FUSED:
+            # the last split program of the row block to finish merges the splits (_attn_decode's tickets)
+            warps_barrier()
+            ticket = TICKETS + gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)
+            if gl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                gl.store(ticket, 0)
+                _fd_combine(O, LSE, PART, lse_part, off_b, off_hk, start_m, seqlen_q, num_kv_heads, num_splits,
+                            stride_ob, stride_om, stride_oh, stride_od, stride_lb, stride_lh, BLOCK_M, BLOCK_S,
+                            COMBINE_ROWS, WRITE_LSE)
+    else:
+        base = O + off_b * stride_ob + (o_pos * stride_om + o_head * stride_oh)[:, None]
+        gl.store(base + co * stride_od, out_even.to(O.dtype.element_ty), mask=o_ok)
+        gl.store(base + (co + 1) * stride_od, out_odd.to(O.dtype.element_ty), mask=o_ok)
+        if WRITE_LSE:
+            gl.store(LSE + off_b * stride_lb + l_head * stride_lh + l_pos, lse, mask=l_ok)
+
+
+@gluon.jit
+def _fd_combine(O, LSE, PART, LSE_PART, off_b, off_hk, start_m, seqlen_q, num_kv_heads, num_splits, stride_ob,
+                stride_om, stride_oh, stride_od, stride_lb, stride_lh, BLOCK_M: gl.constexpr,
+                BLOCK_S: gl.constexpr, ROWS: gl.constexpr, WRITE_LSE: gl.constexpr):
+    # decode/combine.j2's _combine_splits over the row block's packed rows, ROWS at a time: LSE = ln
+    # sum_s exp(l_s), O = sum_s exp(l_s - LSE) O_s; splits that saw no key weigh nothing.
+    W: gl.constexpr = gl.num_warps()
+    cl: gl.constexpr = gl.BlockedLayout([1, 1, BLOCK_DV // 32], [1, 1, 32], [1, W, 1], [2, 1, 0])
+    s2: gl.constexpr = gl.SliceLayout(2, cl)
+    offs_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(0, s2))
+    offs_d = gl.arange(0, BLOCK_DV, layout=gl.SliceLayout(0, gl.SliceLayout(1, cl)))
+    row_end = gl.minimum(start_m + BLOCK_M, seqlen_q * GQA_GROUP)
+    for r0 in range(start_m, row_end, ROWS):
+        rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s2))
+        pos = (rows // GQA_GROUP).to(gl.int64)
+        head = off_hk * GQA_GROUP + rows % GQA_GROUP
+        at = (((off_b * seqlen_q + pos) * (num_kv_heads * GQA_GROUP) + head) * num_splits)[:, None] + offs_s[None, :]
+        ok = (rows < row_end)[:, None] & (offs_s < num_splits)[None, :]
+        lse_s = gl.load(LSE_PART + at, mask=ok, other=float("-inf"))
+        m = gl.max(lse_s, 1)
+        m_safe = gl.where(m == float("-inf"), 0.0, m)
+        w = gl.exp2((lse_s - m_safe[:, None]) * RCP_LN2)
+        total = gl.sum(w, 1)
+        total_safe = gl.where(total == 0.0, 1.0, total)
+        part = gl.load(PART + at[:, :, None] * BLOCK_DV + offs_d[None, None, :], mask=(ok & (w > 0.0))[:, :, None],
+                       other=0.0)
+        out = gl.sum(part * (w / total_safe[:, None])[:, :, None], 1)
+        o_l: gl.constexpr = gl.SliceLayout(1, cl)
+        o_rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_l))
+        o_pos = (o_rows // GQA_GROUP).to(gl.int64)
+        o_head = off_hk * GQA_GROUP + o_rows % GQA_GROUP
+        o_ptr = (O + off_b * stride_ob + (o_pos * stride_om + o_head * stride_oh)[:, None]
+                 + gl.arange(0, BLOCK_DV, layout=gl.SliceLayout(0, o_l))[None, :] * stride_od)
+        gl.store(o_ptr, out.to(O.dtype.element_ty), mask=(o_rows < row_end)[:, None])
+        if WRITE_LSE:
+            lse = gl.where(total == 0.0, float("-inf"), m_safe + gl.log(total_safe))
+            gl.store(LSE + off_b * stride_lb + head * stride_lh + pos, lse, mask=rows < row_end)
+
+
+_DECODE.fp8_kernel = _attn_decode_fp8
