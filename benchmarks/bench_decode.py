@@ -318,8 +318,9 @@ def variants(timer, device="cuda", rows=None, cases=None, repeats=REPEATS):
             extra["block_table"] = table
         check = _sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)(qh, kh, vh).transpose(1, 2).float()
         nbytes = 2 * batch * kv * KV_HEADS * HEAD_DIM * k_cache.element_size()
-        plan = {n: launcher.plan(batch, 1, kv, q.device, {}, page, k_cache.element_size())[n]
-                for n in ("num_splits", "BLOCK_N", "num_stages", "num_warps", "fused_combine")}
+        gluon = launcher.fp8_gluon(q, k_cache, v_cache, {})  # (the plan an FP8 cache runs on sm90)
+        plan = {n: launcher.plan(batch, 1, kv, q.device, {}, page, k_cache.element_size(), gluon)[n]
+                for n in ("num_splits", "BLOCK_N", "num_stages", "num_warps", "fused_combine", "gluon")}
         timed = {}  # knobs -> its times
         for repeat in range(repeats):
             for knobs in [{}, *knob_sets]:

@@ -139,14 +139,14 @@ def training_step(launcher, q, k, tensors):
 
 def decode_fp8_cases(flashgen, AttentionSpec):
     """The Gluon FP8-cache decode kernel (templates/decode/fp8_cache.j2) through decode()'s launch path:
-    hd128 causal GQA over 16-key pages with two query rows (per-key pages, the tightest registers), and
-    hd64 over a contiguous cache through cache_batch_idx, split and merged in the kernel. Returns
-    (name, run, kernel) per case; the PTX of each is kept in PTX (its spills are checked)."""
+    hd128 causal GQA over an e4m3 cache of 16-key pages with two query rows (per-key pages, the tightest
+    registers), and hd64 over a contiguous e5m2 cache through cache_batch_idx, split and merged in the
+    kernel. Returns (name, run, kernel) per case; the PTX of each is kept in PTX (its spills are checked)."""
     from flashgen.runtime.launch import BoundLaunch
 
     cases = []
     for name, d, causal, paged, sq in (("decode fp8 gluon hd128 causal paged-16, 2 rows", 128, True, True, 2),
-                                       ("decode fp8 gluon hd64 cache_batch_idx, split", 64, False, False, 1)):
+                                       ("decode fp8 gluon hd64 e5m2 cache_batch_idx, split", 64, False, False, 1)):
         spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=32, num_kv_heads=8, causal=causal, backward=False)
         module = flashgen.compile(spec).module()
         module._LAUNCHER.interpreting = lambda: True  # accept CPU tensors: nothing is launched
@@ -154,7 +154,7 @@ def decode_fp8_cases(flashgen, AttentionSpec):
         decoder.fp8_gluon = lambda q, k_cache, v_cache, knobs: True  # (an sm90 GPU's rule)
         batch, keys = (2, 4096) if paged else (1, 8192)
         q = torch.randn(batch, sq, 32, d).to(torch.bfloat16)
-        cache = torch.randn(batch, keys, 8, d).to(torch.float8_e4m3fn)
+        cache = torch.randn(batch, keys, 8, d).to(torch.float8_e4m3fn if paged else torch.float8_e5m2)
         descale = torch.ones(batch, 8)
         kw = dict(cache_seqlens=torch.full((batch,), keys, dtype=torch.int32), k_descale=descale, v_descale=descale)
         if paged:

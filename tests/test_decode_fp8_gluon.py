@@ -88,10 +88,11 @@ def test_unaligned_caches_bind_the_triton_kernel_without_its_ring():
     _, kernel, _ = dec.bind(call, aligned=False)
     assert kernel.kernel is dec.kernel and "STAGES" not in kernel.constexprs
     buffer = torch.zeros(16 * 1024 + 8, dtype=torch.uint8)
+    assert buffer.data_ptr() % 64 == 0  # (torch's CPU allocator aligns to 64 bytes)
     aligned = buffer[:16 * 1024].view(torch.float8_e4m3fn).view(1, 16, 8, 128)
     shifted = buffer[8:].view(torch.float8_e4m3fn).view(1, 16, 8, 128)
-    assert dec.fp8_aligned(aligned, aligned) == (aligned.data_ptr() % 16 == 0)
-    assert not dec.fp8_aligned(aligned, shifted)
+    assert dec.fp8_aligned(aligned, aligned)
+    assert not dec.fp8_aligned(aligned, shifted) and not dec.fp8_aligned(shifted, aligned)
     odd_rows = torch.zeros(1, 16, 8, 136).to(torch.float8_e4m3fn)[..., :128]  # 136-byte key rows
     assert not dec.fp8_aligned(odd_rows, odd_rows)
 
@@ -104,6 +105,7 @@ GRID = [
     ("e4m3", (8, 1), 64, 2, 1, 0, True), ("e5m2", (16, 16), 64, 1, None, 0, False),
     ("e4m3", (32, 8), 64, 3, 64, 3, True), ("e4m3", (32, 8), 128, 3, None, 2, False),
 ]
+DTYPE = {7: "fp16"}  # (the row's spec dtype where not bf16: fp16 queries and output)
 
 
 @sm90
@@ -112,10 +114,13 @@ GRID = [
                          ids=[f"{f}-h{h[0]}x{h[1]}-d{d}-sq{sq}-page{p}-append{a}-{'causal' if c else 'full'}"
                               for f, h, d, sq, p, a, c in GRID])
 def test_gluon_decode_grid_gpu(fp8, heads, d, sq, page_size, appended, causal):
-    dec = decoder(heads, d, causal)
+    dtype = DTYPE.get(GRID.index((fp8, heads, d, sq, page_size, appended, causal)), "bf16")
+    spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads[0], num_kv_heads=heads[1], causal=causal,
+                         backward=False)
+    dec = flashgen.compile(spec).module()._DECODE
     dec.calls.clear()
     # lengths past one tile and a split, of one key, and of none (a sequence of 0 keys: O = 0, LSE = -inf)
-    run_fp8_decode("cuda", fp8=fp8, dtype="bf16", heads=heads, d=d, sq=sq, page_size=page_size, appended=appended,
+    run_fp8_decode("cuda", fp8=fp8, dtype=dtype, heads=heads, d=d, sq=sq, page_size=page_size, appended=appended,
                    num_splits=0, batch=4, lengths=(4097 + appended, 1 + appended, 1531, appended), capacity=4352,
                    BLOCK_N=None, causal=causal)
     assert launched(dec) == {"_attn_decode_fp8"}
@@ -156,6 +161,18 @@ def test_gluon_decode_cache_batch_idx_and_lse_gpu():
     for result in (compare("out", out, out_ref, out_pt), compare("lse", lse, lse_ref, lse_pt)):
         assert result.ok, f"seed={seed}: {result}"
     assert launched(dec) == {"_attn_decode_fp8"}
+
+
+@sm90
+@pytest.mark.gpu
+def test_the_interpreter_never_takes_it_gpu(monkeypatch):
+    dec = decoder()
+    q = torch.zeros(2, 1, 32, 128, dtype=torch.bfloat16, device="cuda")
+    cache = torch.zeros(2, 256, 8, 128, device="cuda").to(torch.float8_e4m3fn)
+    assert dec.fp8_gluon(q, cache, cache, {})
+    monkeypatch.setattr(dec.attention, "interpreting", lambda: True)
+    assert not dec.fp8_gluon(q, cache, cache, {})
+    assert not dec.fp8_gluon(q, cache.to(torch.bfloat16), cache.to(torch.bfloat16), {})  # a 16-bit cache
 
 
 @sm90
@@ -231,3 +248,16 @@ def test_gluon_decode_bounds_gpu():
                                   block_table=cache.block_table, **kw)
     assert torch.equal(out, good), f"seed={seed}"
     assert launched(dec) == {"_attn_decode_fp8"}
+    # a contiguous cache: a negative length, then a cache_batch_idx row past the cache (both with check "sync")
+    flat = Fp8Cache(gen, torch.float8_e4m3fn, 3, 8, 128, (1000, 300, 50), 1024, torch.bfloat16, "cuda")
+    kw = dict(causal=True, k_descale=flat.k_descale[:2], v_descale=flat.v_descale[:2], check="sync")
+    dec = compat_decoder(q, flat.k_cache)
+    dec.calls.clear()
+    with pytest.raises(ValueError, match="cache_seqlens: .*-3"):
+        flash_attn_with_kvcache(q, flat.k_cache[:2], flat.v_cache[:2], cache_seqlens=torch.tensor(
+            [-3, 300], dtype=torch.int32, device="cuda"), **kw)
+    with pytest.raises(ValueError, match="cache_batch_idx: .*got 5"):
+        flash_attn_with_kvcache(q, flat.k_cache, flat.v_cache, cache_seqlens=flat.cache_seqlens[:2],
+                                cache_batch_idx=torch.tensor([0, 5], dtype=torch.int32, device="cuda"), **kw)
+    assert launched(dec) == {"_attn_decode_fp8"}
+    kvcache.check_bounds()  # nothing left recorded

@@ -48,7 +48,9 @@ FP8 (float8_e4m3fn or float8_e5m2): the cache, and optionally q, may be FP8 with
 descales (batch, KV heads), flash-attn 3's q_descale / k_descale / v_descale (a missing one is
 1.0). The decode kernel loads FP8 tiles and converts them in registers, to fp16 where the output
 is bf16 (fp16_dot: one instruction per pair of elements, exact) and V before its layout change
-(fp8_v_conversion); the output has the spec's dtype. New keys and values (k, v) always come in the spec's dtype, as a model produces
+(fp8_v_conversion); the output has the spec's dtype. On sm90 the calls DecodeLauncher.fp8_gluon
+takes run a Gluon kernel instead (templates/decode/fp8_cache.j2: the cache's bytes read in pairs and
+split into fp16 operands in registers, V never written back to shared memory), with its own plan. New keys and values (k, v) always come in the spec's dtype, as a model produces
 them; with an FP8 cache the append kernel quantizes them on write, x / descale rounded to
 nearest even and saturated to the FP8 range (what vLLM's reshape_and_cache does with its
 k_scale / v_scale). FP8 needs sm89+ on a GPU.
@@ -205,7 +207,8 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       111.1 (111.3); MHA B=6 x 4K 108.0 vs 119.1 (110.6), B=8 x 2K 76.8 vs 79.6 (75.6). At one program
       per SM or fewer 128 x 3 stays (B=16 x 8K 135.6 vs 139.6 at 64 x 3); 128 x 2 ties 64 x 3 below two
       programs per SM and loses above (B=40 110.4, B=48 115.4).
-    - An FP8 cache (element_size 1) where the grid does not fill the SMs: 128-key tiles, 3 stages
+    - An FP8 cache (element_size 1) where the grid does not fill the SMs (_attn_decode's; on sm90 the
+      Gluon kernel's plan overrides it, DecodeLauncher.plan): 128-key tiles, 3 stages
       (106 KB: two programs fit an SM), and the split count that fills two programs per SM in one
       wave (fp8_slots_per_sm). Before, 4 stages (139 KB) left one program per SM: B=1, 128K keys,
       16 splits 127.0 -> 32 splits 120.1 (33, the rule's count: 120.4); paged-16 B=8, 2 splits
@@ -482,7 +485,8 @@ class DecodeLauncher:
     attention: the module's AttentionLauncher (the spec, the named tensors). kernel: _attn_decode;
     combine_kernel: _decode_combine. tuned: None, or a function (batch, capacity) -> the tuned
     knobs {num_splits, BLOCK_N, num_warps, num_stages} for that bucket, or None (set by
-    flashgen.kvcache from the results database; used when a call overrides no knob).
+    flashgen.kvcache from the results database; used when a call overrides no knob and does not run
+    the Gluon FP8-cache kernel, fp8_kernel: they are _attn_decode's).
     """
 
     MAX_CALLS = 1024  # call signatures a launcher remembers (cleared past this)
@@ -672,10 +676,10 @@ class DecodeLauncher:
     def fp8_gluon(self, q, k_cache, v_cache, knobs):
         """Whether a call runs _attn_decode_fp8: rendered for this spec (head dim 64 or 128, no mask
         pattern or score modifier), an FP8 cache with fp16/bf16 queries on an sm90 GPU (not the
-        interpreter), at most 16 packed rows (query positions x heads of a group), caches contiguous in
-        their last dim, and no knob of _attn_decode's tiles named by the call (TILE_KNOBS: num_splits
-        and fused_combine apply to either kernel). Caches its copies cannot reach (fp8_aligned) run
-        _attn_decode on the same plan."""
+        interpreter), at most 16 packed rows (query positions x heads of a group), and no knob of
+        _attn_decode's tiles named by the call, at any value (TILE_KNOBS name that kernel's tiles;
+        num_splits and fused_combine apply to either). Caches its copies cannot reach (fp8_aligned)
+        run _attn_decode on the same plan. (check_inputs has required the caches' dim stride 1.)"""
         if (self.fp8_kernel is None or k_cache.dtype not in FP8_TYPES
                 or q.dtype not in (torch.float16, torch.bfloat16)):
             return False
@@ -684,9 +688,7 @@ class DecodeLauncher:
             return False
         if q.shape[1] * (self.spec["num_heads"] // self.spec["num_kv_heads"]) > 16:
             return False
-        if any(knobs.get(name) is not None for name in self.TILE_KNOBS):
-            return False
-        return k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        return all(knobs.get(name) is None for name in self.TILE_KNOBS)
 
     @staticmethod
     def fp8_aligned(k_cache, v_cache):

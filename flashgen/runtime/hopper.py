@@ -36,16 +36,20 @@ try:
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
-    # the FP8-cache decode (templates/decode/fp8_cache.j2): cp.async copies and mma.sync (sm80+ ops)
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     # 3.9 renamed tma.async_copy_global_to_shared to tma.async_load (the old name warns), and
     # async_copy_shared_to_global to async_store
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     tma_store_wait = tma.store_wait  # wait until at most n of this thread's TMA stores still read shared memory
-    # 3.9 renamed async_copy.async_copy_global_to_shared (cp.async: global memory into shared) to async_load
-    async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    # the FP8-cache decode (templates/decode/fp8_cache.j2): cp.async copies and mma.sync (sm80+ ops); 3.9
+    # renamed async_copy.async_copy_global_to_shared to async_load. Without them (None) that kernel is
+    # defined but never served (DecodeLauncher.fp8_gluon), and the rest of the family stands.
+    try:
+        from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+        async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    except (ImportError, AttributeError):
+        async_copy = async_load = mma_v2 = None
     # the copy engine adding a shared-memory tile into global memory (cp.reduce.async.bulk.tensor .add):
     # 3.9's tma.async_atomic_add; 3.6 builds the op but names it nowhere in Python; None without either
     # (then the Gluon dK/dV kernels that add dQ serve no call: hopper_bwd.HopperBackward)

@@ -1078,11 +1078,12 @@ def _fd_record(REC, KIND: gl.constexpr, b, j, value, limit):
 
 
 @gluon.jit
-def _fd_pages(BT, keys, seqlen_k, num_pages, PAGE_SIZE: gl.constexpr):
+def _fd_pages(BT, keys, end, num_pages, PAGE_SIZE: gl.constexpr):
     # The pages of keys (a tensor), clamped into the pool (int64), and per key its (column << 32 | entry)
-    # where a key below seqlen_k has a block table entry outside [0, num_pages), else NO_BAD_PAGE.
+    # where a key below end (the split's, within seqlen_k) has a block table entry outside [0, num_pages),
+    # else NO_BAD_PAGE.
     col = keys // PAGE_SIZE
-    used = keys < seqlen_k
+    used = keys < end
     entry = gl.load(BT + col, mask=used, other=0)
     out = used & ((entry < 0) | (entry >= num_pages))
     bad = gl.where(out, (col.to(gl.int64) << 32) | (entry.to(gl.int64) & 0xFFFFFFFF), NO_BAD_PAGE)
@@ -1134,8 +1135,10 @@ def _attn_decode_fp8(
     BLOCK_S: gl.constexpr, COMBINE_ROWS: gl.constexpr, STAGES: gl.constexpr,
 ):
     # Grid, rows, lengths, splits and PART as _attn_decode's. Unused: stride_kd and stride_vd (1: the
-    # host's rule), FP16_DOT, PREFETCH (a paged tile's pages are always read a tile ahead).
+    # host's rule), sm_scale (qk_scale is it in base 2), FP16_DOT, V_CVT (the cache's dtype says its
+    # format), PREFETCH (a paged tile's pages are always read a tile ahead).
     W: gl.constexpr = gl.num_warps()
+    FORMAT: gl.constexpr = 2 if K.dtype.element_ty == gl.float8e5 else 1  # the cache's FP8: e5m2, else e4m3
     D: gl.constexpr = HEAD_DIM
     DH: gl.constexpr = HEAD_DIM // 2  # int16 words of a row
     NW: gl.constexpr = BLOCK_N // W  # a warp's keys of a tile
@@ -1218,14 +1221,14 @@ def _attn_decode_fp8(
     bad = gl.full([W, NW], NO_BAD_PAGE, gl.int64, layout=gl.SliceLayout(2, ld))
     pages = tile_keys.to(gl.int64) * 0
     if PAGED:
-        pages, page_bad = _fd_pages(BT, split_lo + tile_keys, seqlen_k, num_pages, PAGE_SIZE)
+        pages, page_bad = _fd_pages(BT, split_lo + tile_keys, split_hi, num_pages, PAGE_SIZE)
         bad = gl.minimum(bad, page_bad)
     for t in gl.static_range(STAGES - 1):
         if t < n_tiles:
             _fd_issue(k_smem, v_smem, K16, V16, pages, split_lo + t * BLOCK_N + tile_keys, split_hi, offs_c,
                       stride_kn // 2, stride_vn // 2, stride_kb // 2, stride_vb // 2, t, W, PAGED, PAGE_SIZE)
             if PAGED:  # the next tile's pages, a tile ahead of its copies
-                pages, page_bad = _fd_pages(BT, split_lo + (t + 1) * BLOCK_N + tile_keys, seqlen_k, num_pages,
+                pages, page_bad = _fd_pages(BT, split_lo + (t + 1) * BLOCK_N + tile_keys, split_hi, num_pages,
                                             PAGE_SIZE)
                 bad = gl.minimum(bad, page_bad)
         async_copy.commit_group()
@@ -1246,13 +1249,13 @@ def _attn_decode_fp8(
                       stride_kn // 2, stride_vn // 2, stride_kb // 2, stride_vb // 2, nt % STAGES, W, PAGED,
                       PAGE_SIZE)
             if PAGED:
-                pages, page_bad = _fd_pages(BT, split_lo + (nt + 1) * BLOCK_N + tile_keys, seqlen_k, num_pages,
+                pages, page_bad = _fd_pages(BT, split_lo + (nt + 1) * BLOCK_N + tile_keys, split_hi, num_pages,
                                             PAGE_SIZE)
                 bad = gl.minimum(bad, page_bad)
         async_copy.commit_group()
         slot = t % STAGES
         kt = k_smem.index(slot).reshape([W, NW, DH]).permute((0, 2, 1)).load(b_l)  # (W, DH, NW) K^T's pairs
-        k_even, k_odd = _fd_split_bytes(kt, V_CVT)
+        k_even, k_odd = _fd_split_bytes(kt, FORMAT)
         s = mma_v2(q_even, k_even, gl.zeros([W, BLOCK_M, NW], gl.float32, layout=mma))
         s = mma_v2(q_odd, k_odd, s)
         s = gl.where(split_lo + t * BLOCK_N + s_keys < limit3, s * row_scale[:, :, None], float("-inf"))
@@ -1263,7 +1266,7 @@ def _attn_decode_fp8(
         l_i = l_i * alpha + gl.sum(p, 2)
         m_i = m_new
         vt = v_smem.index(slot).reshape([W, NW, DH]).load(b_l)  # (W, NW, DH) V's pairs, by ldmatrix.trans
-        v_even, v_odd = _fd_split_bytes(vt, V_CVT)
+        v_even, v_odd = _fd_split_bytes(vt, FORMAT)
         p16 = gl.convert_layout(p.to(gl.float16), a_l)
         o_even = mma_v2(p16, v_even, o_even * alpha[:, :, None])
         o_odd = mma_v2(p16, v_odd, o_odd * alpha[:, :, None])
@@ -1360,4 +1363,4 @@ def _fd_combine(O, LSE, PART, LSE_PART, off_b, off_hk, start_m, seqlen_q, num_kv
             gl.store(LSE + off_b * stride_lb + head * stride_lh + pos, lse, mask=rows < row_end)
 
 
-_DECODE.fp8_kernel = _attn_decode_fp8
+_DECODE.fp8_kernel = _attn_decode_fp8 if mma_v2 is not None else None  # (a Gluon without sm80's ops: never)
