@@ -1139,7 +1139,6 @@ def _attn_decode_fp8(
     # format), PREFETCH (a paged tile's pages are always read a tile ahead).
     W: gl.constexpr = gl.num_warps()
     FORMAT: gl.constexpr = 2 if K.dtype.element_ty == gl.float8e5 else 1  # the cache's FP8: e5m2, else e4m3
-    D: gl.constexpr = HEAD_DIM
     DH: gl.constexpr = HEAD_DIM // 2  # int16 words of a row
     NW: gl.constexpr = BLOCK_N // W  # a warp's keys of a tile
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
