@@ -18,8 +18,8 @@ sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device
                           reason="needs an sm90 GPU (H100/H200): the kernel's rule")
 
 
-def decoder(heads=(32, 8), d=128, causal=True, **fields):
-    spec = AttentionSpec(dtype="bf16", head_dim=d, num_heads=heads[0], num_kv_heads=heads[1], causal=causal,
+def decoder(heads=(32, 8), d=128, causal=True, dtype="bf16", **fields):
+    spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads[0], num_kv_heads=heads[1], causal=causal,
                          backward=False, **fields)
     return flashgen.compile(spec).module()._DECODE
 
@@ -32,8 +32,7 @@ def compat_decoder(q, cache):
 
 def launched(dec):
     """The split-KV kernels the launcher's calls bound since its calls were last cleared."""
-    return {bound[1].kernel.__name__ if hasattr(bound[1].kernel, "__name__") else bound[1].kernel.fn.__name__
-            for call in dec.calls.values() for bound in call.bound.values()}
+    return {bound[1].kernel.fn.__name__ for call in dec.calls.values() for bound in call.bound.values()}
 
 
 # ----------------------------------------------------------------------------- CPU: what renders it, the plan
@@ -98,26 +97,22 @@ def test_unaligned_caches_bind_the_triton_kernel_without_its_ring():
 
 
 # ----------------------------------------------------------------------------- GPU: every path against the reference
-# (fp8, (heads, kv heads), head dim, query rows, page size, appended keys, causal)
+# (fp8, spec dtype (queries and output), (heads, kv heads), head dim, query rows, page size, appended keys, causal)
 GRID = [
-    ("e4m3", (32, 8), 128, 1, None, 0, True), ("e4m3", (32, 8), 128, 4, None, 0, True),
-    ("e5m2", (32, 8), 128, 1, 256, 0, True), ("e4m3", (32, 8), 128, 2, 16, 0, True),
-    ("e4m3", (8, 1), 64, 2, 1, 0, True), ("e5m2", (16, 16), 64, 1, None, 0, False),
-    ("e4m3", (32, 8), 64, 3, 64, 3, True), ("e4m3", (32, 8), 128, 3, None, 2, False),
+    ("e4m3", "bf16", (32, 8), 128, 1, None, 0, True), ("e4m3", "bf16", (32, 8), 128, 4, None, 0, True),
+    ("e5m2", "bf16", (32, 8), 128, 1, 256, 0, True), ("e4m3", "bf16", (32, 8), 128, 2, 16, 0, True),
+    ("e4m3", "bf16", (8, 1), 64, 2, 1, 0, True), ("e5m2", "bf16", (16, 16), 64, 1, None, 0, False),
+    ("e4m3", "bf16", (32, 8), 64, 3, 64, 3, True), ("e4m3", "fp16", (32, 8), 128, 3, None, 2, False),
 ]
-DTYPE = {7: "fp16"}  # (the row's spec dtype where not bf16: fp16 queries and output)
 
 
 @sm90
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8,heads,d,sq,page_size,appended,causal", GRID,
-                         ids=[f"{f}-h{h[0]}x{h[1]}-d{d}-sq{sq}-page{p}-append{a}-{'causal' if c else 'full'}"
-                              for f, h, d, sq, p, a, c in GRID])
-def test_gluon_decode_grid_gpu(fp8, heads, d, sq, page_size, appended, causal):
-    dtype = DTYPE.get(GRID.index((fp8, heads, d, sq, page_size, appended, causal)), "bf16")
-    spec = AttentionSpec(dtype=dtype, head_dim=d, num_heads=heads[0], num_kv_heads=heads[1], causal=causal,
-                         backward=False)
-    dec = flashgen.compile(spec).module()._DECODE
+@pytest.mark.parametrize("fp8,dtype,heads,d,sq,page_size,appended,causal", GRID,
+                         ids=[f"{f}-{t}-h{h[0]}x{h[1]}-d{d}-sq{sq}-page{p}-append{a}-{'causal' if c else 'full'}"
+                              for f, t, h, d, sq, p, a, c in GRID])
+def test_gluon_decode_grid_gpu(fp8, dtype, heads, d, sq, page_size, appended, causal):
+    dec = decoder(heads, d, causal, dtype)
     dec.calls.clear()
     # lengths past one tile and a split, of one key, and of none (a sequence of 0 keys: O = 0, LSE = -inf)
     run_fp8_decode("cuda", fp8=fp8, dtype=dtype, heads=heads, d=d, sq=sq, page_size=page_size, appended=appended,
