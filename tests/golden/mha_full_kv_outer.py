@@ -1077,22 +1077,31 @@ def _fd_pages(BT, keys, end, num_pages, PAGE_SIZE: gl.constexpr):
 
 
 @gluon.jit
-def _fd_issue(k_smem, v_smem, K, V, pages, keys, split_hi, offs_c, stride_kn, stride_vn, stride_kp, stride_vp,
-              slot, W: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr):
-    # One tile's K and V (keys: (W, NW) key indices, warp w's row of them its own) into ring slot `slot`,
-    # 16 bytes per copy; keys from split_hi on read zeros.
+def _fd_issue(k_smem, v_smem, K, V, BT, pages, bad, t, split_lo, split_hi, tile_keys, offs_c, stride_kn, stride_vn,
+              stride_kp, stride_vp, num_pages, W: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    # Tile t's K and V (pages: its keys' pages) into ring slot t % STAGES, 16 bytes per copy (strides in int16
+    # words: the caches' halved); keys from split_hi on read zeros. tile_keys: (W, NW), warp w's row of them its
+    # own. Paged: then tile t + 1's pages, a tile ahead of its copies, the least bad entry kept in bad.
+    # Returns (pages, bad).
+    STAGES: gl.constexpr = k_smem.shape[0]
+    BLOCK_N: gl.constexpr = k_smem.shape[1]
+    DH: gl.constexpr = k_smem.shape[2]
+    keys = split_lo + t * BLOCK_N + tile_keys
     ok = (keys < split_hi)[:, :, None]
     if PAGED:
         slots = (keys % PAGE_SIZE).to(gl.int64)
-        k_rows = pages * stride_kp + slots * stride_kn
-        v_rows = pages * stride_vp + slots * stride_vn
+        k_rows = pages * (stride_kp // 2) + slots * (stride_kn // 2)
+        v_rows = pages * (stride_vp // 2) + slots * (stride_vn // 2)
     else:
-        k_rows = keys.to(gl.int64) * stride_kn
-        v_rows = keys.to(gl.int64) * stride_vn
-    BLOCK_N: gl.constexpr = k_smem.shape[1]
-    DH: gl.constexpr = k_smem.shape[2]
+        k_rows = keys.to(gl.int64) * (stride_kn // 2)
+        v_rows = keys.to(gl.int64) * (stride_vn // 2)
+    slot = t % STAGES
     async_load(k_smem.index(slot).reshape([W, BLOCK_N // W, DH]), K + k_rows[:, :, None] + offs_c, mask=ok)
     async_load(v_smem.index(slot).reshape([W, BLOCK_N // W, DH]), V + v_rows[:, :, None] + offs_c, mask=ok)
+    if PAGED:
+        pages, page_bad = _fd_pages(BT, keys + BLOCK_N, split_hi, num_pages, PAGE_SIZE)
+        bad = gl.minimum(bad, page_bad)
+    return pages, bad
 
 
 @gluon.jit
@@ -1208,12 +1217,8 @@ def _attn_decode_fp8(
         bad = gl.minimum(bad, page_bad)
     for t in gl.static_range(STAGES - 1):
         if t < n_tiles:
-            _fd_issue(k_smem, v_smem, K16, V16, pages, split_lo + t * BLOCK_N + tile_keys, split_hi, offs_c,
-                      stride_kn // 2, stride_vn // 2, stride_kb // 2, stride_vb // 2, t, W, PAGED, PAGE_SIZE)
-            if PAGED:  # the next tile's pages, a tile ahead of its copies
-                pages, page_bad = _fd_pages(BT, split_lo + (t + 1) * BLOCK_N + tile_keys, split_hi, num_pages,
-                                            PAGE_SIZE)
-                bad = gl.minimum(bad, page_bad)
+            pages, bad = _fd_issue(k_smem, v_smem, K16, V16, BT, pages, bad, t, split_lo, split_hi, tile_keys, offs_c,
+                                   stride_kn, stride_vn, stride_kb, stride_vb, num_pages, W, PAGED, PAGE_SIZE)
         async_copy.commit_group()
 
     m_i = gl.full([W, BLOCK_M], float("-inf"), gl.float32, layout=row_l)
@@ -1228,13 +1233,8 @@ def _attn_decode_fp8(
         warps_barrier()  # everyone's; and every warp is done with the slot tile t - 1 read
         nt = t + STAGES - 1
         if nt < n_tiles:
-            _fd_issue(k_smem, v_smem, K16, V16, pages, split_lo + nt * BLOCK_N + tile_keys, split_hi, offs_c,
-                      stride_kn // 2, stride_vn // 2, stride_kb // 2, stride_vb // 2, nt % STAGES, W, PAGED,
-                      PAGE_SIZE)
-            if PAGED:
-                pages, page_bad = _fd_pages(BT, split_lo + (nt + 1) * BLOCK_N + tile_keys, split_hi, num_pages,
-                                            PAGE_SIZE)
-                bad = gl.minimum(bad, page_bad)
+            pages, bad = _fd_issue(k_smem, v_smem, K16, V16, BT, pages, bad, nt, split_lo, split_hi, tile_keys, offs_c,
+                                   stride_kn, stride_vn, stride_kb, stride_vb, num_pages, W, PAGED, PAGE_SIZE)
         async_copy.commit_group()
         slot = t % STAGES
         kt = k_smem.index(slot).reshape([W, NW, DH]).permute((0, 2, 1)).load(b_l)  # (W, DH, NW) K^T's pairs
