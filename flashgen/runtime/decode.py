@@ -823,6 +823,14 @@ class DecodeLauncher:
         constexprs = {n: v for n, v in call.kernel_constexprs.items() if n != "STAGES"}
         return append, BoundLaunch(self.kernel, call.plan["grid"], constexprs), combine
 
+    def bind_key(self, call, key, k_cache, v_cache):
+        """bind() for a launch key a call meets first (launch(), launch_read(): the key holds the
+        pointers' 16-byte alignment, and a length-free call's strides' divisibility by 16, which
+        decide fp8_aligned), kept in call.bound."""
+        aligned = not call.plan["gluon"] or self.fp8_aligned(k_cache, v_cache)
+        launches = call.bound[key] = self.bind(call, aligned)
+        return launches
+
     # ------------------------------------------------------------------ calls keyed without the cache's length
     @staticmethod
     def length_class(plan, capacity):
@@ -937,11 +945,7 @@ class DecodeLauncher:
         head, middle, end = call.scalar_parts
         align = ((q.data_ptr() & 15 and 1) | (k_cache.data_ptr() & 15 and 2) | (v_cache.data_ptr() & 15 and 4),
                  argument_signature((*k_strides[:3], *v_strides[:3], capacity)))
-        launches = call.bound.get(align)
-        if launches is None:
-            aligned = not call.plan["gluon"] or self.fp8_aligned(k_cache, v_cache)
-            launches = call.bound[align] = self.bind(call, aligned)
-        _, kernel, combine = launches
+        _, kernel, combine = call.bound.get(align) or self.bind_key(call, align, k_cache, v_cache)
         out = call.new_out()
         lse = call.new_lse() if call.write_lse else None
         if call.batch * call.seqlen_q == 0:
@@ -1052,11 +1056,7 @@ class DecodeLauncher:
             head, middle, end = call.scalar_parts
             scalars = (*head, *k_strides, *v_strides, *middle, capacity, *end)
             align = (align, argument_signature((*k_strides[:3], *v_strides[:3], capacity)))
-        launches = call.bound.get(align)
-        if launches is None:
-            aligned = not call.plan["gluon"] or self.fp8_aligned(k_cache, v_cache)
-            launches = call.bound[align] = self.bind(call, aligned)
-        append, kernel, combine = launches
+        append, kernel, combine = call.bound.get(align) or self.bind_key(call, align, k_cache, v_cache)
         bt = block_table if block_table is not None else seqlens  # never read
         cbi = cache_batch_idx if cache_batch_idx is not None else seqlens  # read only when given
         if append is not None:
