@@ -386,7 +386,7 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
     d = max(spec.head_dim, spec.head_dim_v)
     seqlen = DEFAULT_SEQLEN if seqlen is None else seqlen
     shape = mask_shape(spec)
-    forward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws)
+    forward = _forward_defaults(spec, arch, d, shape, seqlen, hopper_ws, target)
     backward = _backward_defaults(spec, arch, d, shape, seqlen)
     if arch == "sm90":
         backward.update(_hopper_bwd_default(spec, d, shape, seqlen, target))
@@ -397,7 +397,7 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
         # 16384 tokens, forward TFLOP/s with / without (benchmarks/probe_padded_head_dims.py,
         # results/2026-11-29-h200-padded-head-dims-s37.md): hd40 S=1024 causal 127.7 / 69.9, S=1024 220.8 / 83.7,
         # S=4096 253.1 / 99.8; hd160 and hd192 within 5% either way (those, and hd40 but causal up to 2048
-        # tokens, take the Gluon family there); 80-128 had them. The backward: hd40 causal fwd+bwd, its forward
+        # tokens off an H200, take the Gluon family there); 80-128 had them. The backward: hd40 causal fwd+bwd, its forward
         # on them already, 121 TFLOP/s at S=4096 without (0.88x SDPA's FlashAttention-2;
         # results/2026-11-29-h200-head-dims-s37-after.md), 189 with (-s37-hd40.md)
         if forward.get("family", "portable") == "portable":
@@ -438,7 +438,7 @@ def _padded_16_bit(spec: AttentionSpec) -> bool:
 
 
 def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int,
-                      hopper_ws: bool = True) -> dict:
+                      hopper_ws: bool = True, target: str = "h100") -> dict:
     def cfg(m, n, warps, stages, tma=False):
         return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, tma=tma)
 
@@ -449,7 +449,7 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
         if d <= 64:
             return cfg(64, 32, 4, 2)
         return cfg(32, 32, 4, 1 if d > 128 else 2)
-    if arch == "sm90" and hopper_ws and (hopper := _hopper_ws_default(spec, d, shape, seqlen)) is not None:
+    if arch == "sm90" and hopper_ws and (hopper := _hopper_ws_default(spec, d, shape, seqlen, target)) is not None:
         return hopper
     if arch == "sm90":
         # From the H100 sweeps (bf16, 16 heads, 16k tokens, triton 3.6): hopper_knobs.md for the
@@ -489,14 +489,16 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
     return cfg(64, 32, 4, 1)
 
 
-def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int) -> dict | None:
+def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int,
+                       target: str = "h100") -> dict | None:
     """The Gluon warp-specialized forward (family hopper_ws) where the H100 (hd256: the H200) measured it faster
     than the portable default, else None. Today's rule (the last three paragraphs' runs): hd128 from 1024 tokens,
     causal or not: the persistent grid, FA3's overlap and the TMA store together; hd64 (plain from 1024
     tokens, causal from 4096): three 64-row consumers with the TMA store, on the persistent grid but for
     plain calls from 8192 tokens (one program per tile); hd256 from 1024 tokens: 64-key blocks, persistent, the
-    overlap; the rest (under 1024 tokens, hd64 causal up to 2048) portable. What the paragraphs before them
-    measured led there. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
+    overlap; the rest (under 1024 tokens, hd64 causal up to 2048) portable, but on an H200 hd64 causal at 2048
+    tokens and head dims padded to 64 causal at 1024-2048 take hd128's knobs (the last paragraph). What the
+    paragraphs before them measured led there. H100 bf16, 16384 tokens, forward TFLOP/s hopper_ws / portable
     (benchmarks/results/2026-11-22-h100-hopper-ws-variants.md): hd128 S=1024 473/457 (ping-pong),
     S=4096 591/545 (ping-pong), S=16384 617-634/534; causal S=4096 513/476 and S=16384 586/545 (3
     stages); hd64 S=4096 439-446/429, S=16384 461/440, causal S=16384 435/423. Not taken: hd128 causal
@@ -558,7 +560,21 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     S=4096 474 / 403 / 472, causal 434 / 355 / 407; hd160 S=1024 368 / 193 / 484, causal 294 / 155 / 374, S=4096
     424 / 236 / 532, causal 398 / 202 / 474; hd192 S=1024 431 / 241 / 558, causal 343 / 191 / 451, S=4096 503 /
     303 / 636, causal 466 / 258 / 569; diffusion's cross-attention (4096 x 77 keys, 8 heads, batch 8) hd80 91 / 61,
-    hd160 100 / 58. hd40 causal at 1024 keeps the portable forward (hd64's rule), on descriptors (_padded_16_bit)."""
+    hd160 100 / 58. hd40 causal at 1024 keeps the portable forward (hd64's rule), on descriptors (_padded_16_bit), but
+    on an H200 (the last paragraph).
+
+    hd64 causal at 2048 tokens (the bucket: calls of about 1450-2900) on an H200 (target "h200"): hd128's knobs (two
+    consumers, 128 x 128, persistent, overlap, TMA store). H200, bf16, 32 heads, 16384 tokens, forward TFLOP/s, two
+    runs (session 45): 3 interleaved rounds of flashgen.attention(config=...) (results/2026-11-30-h200-hd64-causal-
+    s45-tiles.md) 362 / 363 / 362 against the portable 64 x 64 default's 343 / 339 / 338 (cuDNN 386), every other
+    portable tile (64-128 x 32-128, 4-8 warps, 2-4 stages, descriptors, warp specialization) 194-343, the Gluon
+    128 x 64 persistent + TMA store 322; then the default as users get it, HEAD against this rule in alternating
+    processes (-hopper-ws-s45-ab.md) 343.1 -> 361.2 (1.053x; 0.892 -> 0.939x cuDNN), 16 heads 1.043x, hd40 (padded
+    to 64) 1.416x (0.64 -> 0.91x cuDNN; -hopper-ws-s45-ab-hd40.md). At 1024 tokens nothing beat hd64's portable
+    default (Gluon 292 against 294; cuDNN 336): hd64 stays there, but head dims padded to 64 take the knobs from 1024
+    (hd40, 16 heads: 165.7 against the portable forward on descriptors' 128.1, 3 rounds; cuDNN 194.5;
+    -hd40-causal-s45.md). The H100 (not measured at causal 1024-2048 with these knobs) keeps the portable forward
+    up to 2048."""
     from .runtime.host import padded_head_dim
     from .runtime.hopper import spec_unserved
 
@@ -570,11 +586,13 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
         return None
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
-    d = padded_head_dim(d)  # a padded head dim (40, 80, 96, 160, ...) runs its padded width's tiles
+    padded, d = padded_head_dim(d) != d, padded_head_dim(d)  # (40, 80, 96, 160, ...) run their padded width's tiles
     if d == 128 and seqlen >= 1024:
         return dict(HOPPER_ALL_THREE)  # calls of up to 512 tokens: not measured
     if d == 256 and seqlen >= 1024:
         return dict(HOPPER_HD256)
+    if d == 64 and shape.causal and target == "h200" and 1024 <= seqlen <= 2048 and (seqlen > 1024 or padded):
+        return dict(HOPPER_ALL_THREE)  # (the last paragraph)
     if d != 64 or seqlen < 1024 or (shape.causal and seqlen <= 2048):
         return None
     three = dict(HOPPER_DEFAULT_TILE, BLOCK_M=192, hopper_regs=HOPPER_THREE_REGS, hopper_tma_store=True)

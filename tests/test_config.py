@@ -74,6 +74,30 @@ def test_defaults_per_bucket_follow_the_mask_shape_on_sm90():
     assert (hd64.BLOCK_M, hd64.BLOCK_N, hd64.num_warps, hd64.tma) == (64, 64, 4, False)
 
 
+def test_h200_causal_hd64_at_1024_2048_tokens_takes_hd128s_gluon_knobs():
+    # config._hopper_ws_default's last paragraph (H200 runs only): hd64 causal in the 2048 bucket, and head dims
+    # padded to 64 causal in the 1024 and 2048 buckets, take hd128's Gluon knobs; the H100 keeps the portable
+    # forward there, and every other bucket's and spec's forward is the same on both
+    gluon = ("hopper_ws", 128, 128, True, True, True)
+    for fields, buckets in (({"head_dim": 64}, (2048,)), ({"head_dim": 64, "num_kv_heads": 4}, (2048,)),
+                            ({"head_dim": 40}, (1024, 2048)), ({"head_dim": 56, "num_kv_heads": 8}, (1024, 2048)),
+                            ({"head_dim": 64, "causal": False}, ()), ({"head_dim": 128}, ())):
+        spec = _spec(**{"causal": True, **fields})
+        for s in DEFAULT_BUCKETS:
+            h200, h100 = default_config(spec, "h200", seqlen=s), default_config(spec, "h100", seqlen=s)
+            if s in buckets:
+                assert (h200.family, h200.BLOCK_M, h200.BLOCK_N, h200.hopper_persistent, h200.hopper_overlap,
+                        h200.hopper_tma_store) == gluon, (fields, s)
+                assert h100.family == "portable", (fields, s)
+                assert h200.replace(**{k: getattr(h100, k) for k in FORWARD_KNOBS}) == h100  # the backward's the same
+            else:  # (hd128's backward has an H200 rule of its own: config._hopper_bwd_default)
+                assert all(getattr(h200, k) == getattr(h100, k) for k in FORWARD_KNOBS), (fields, s)
+
+
+FORWARD_KNOBS = ("family", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "tma", "warp_specialize", "hopper_regs",
+                 "hopper_overlap", "hopper_pingpong", "hopper_persistent", "hopper_tma_store")
+
+
 def test_backward_defaults():
     # hd128: tensor descriptors for every mask shape; hd64 masked keeps pointer loads; the persistent
     # dK/dV grid is no default (it lost every case of the sweep), and atomic dQ only in the Gluon dK/dV
