@@ -119,7 +119,9 @@ def clean_ms(fn, rep=100):
     256 MB buffer before each run. do_bench (time_ms) empties it by writing 256 MB: the L2's
     dirty lines (up to its 50 MB on an H100) are then written back to HBM while the timed kernel
     reads, a fixed cost (~15-20 us on an H100, see --ceiling) that weighs twice as much on an FP8
-    cache's run (half the bytes, half the time) as on a bf16 one's. Reported beside time_ms."""
+    cache's run (half the bytes, half the time) as on a bf16 one's. Reported beside time_ms. It also
+    varies from one do_bench call to the next: the H200's FP8 B=8 x 8K row read 52 or 70 us by time_ms,
+    42.1-42.6 by this (benchmarks/NOTES.md, session 45)."""
     device = torch.cuda.current_device()
     buf = FLUSH.get(device)
     if buf is None:

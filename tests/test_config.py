@@ -240,7 +240,10 @@ def test_tuner_space_has_the_persistent_grid_within_one_sms_resources():
     ({"mask": {"document": {}}}, 16384, 128),  # 64x64 with descriptors, its boundary loop at 2 stages
     ({"causal": True}, 1024, 128),
     ({"causal": True}, 1024, 64),
-], ids=["window-128", "window-256", "documents-4096", "documents-16384", "causal-1024", "causal-1024-hd64"])
+    ({"causal": True}, 2048, 64),  # on an H200 hd128's Gluon knobs (config._hopper_ws_default), else portable
+    ({"causal": True}, 1024, 40),  # the same, padded to 64
+], ids=["window-128", "window-256", "documents-4096", "documents-16384", "causal-1024", "causal-1024-hd64",
+        "causal-2048-hd64", "causal-1024-hd40"])
 def test_gpu_bucket_defaults_match_reference_bf16(fields, seqlen, head_dim):
     from .test_masks import _doc_ids, check_variant
 
