@@ -437,8 +437,8 @@ def _padded_16_bit(spec: AttentionSpec) -> bool:
             and any(reads_padding(x) for x in (spec.head_dim, spec.head_dim_v)))
 
 
-def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int,
-                      hopper_ws: bool = True, target: str = "h100") -> dict:
+def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, seqlen: int, hopper_ws: bool,
+                      target: str) -> dict:
     def cfg(m, n, warps, stages, tma=False):
         return dict(BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, tma=tma)
 
@@ -489,11 +489,11 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
     return cfg(64, 32, 4, 1)
 
 
-def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int,
-                       target: str = "h100") -> dict | None:
-    """The Gluon warp-specialized forward (family hopper_ws) where the H100 (hd256: the H200) measured it faster
-    than the portable default, else None. Today's rule (the last three paragraphs' runs): hd128 from 1024 tokens,
-    causal or not: the persistent grid, FA3's overlap and the TMA store together; hd64 (plain from 1024
+def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int, target: str) -> dict | None:
+    """The Gluon warp-specialized forward (family hopper_ws) where the H100 (hd256, padded head dims and the
+    H200's own rules: the H200) measured it faster than the portable default, else None. Today's rule (the
+    paragraphs from the TMA store's on): hd128 from 1024 tokens, causal or not: the persistent grid, FA3's
+    overlap and the TMA store together; hd64 (plain from 1024
     tokens, causal from 4096): three 64-row consumers with the TMA store, on the persistent grid but for
     plain calls from 8192 tokens (one program per tile); hd256 from 1024 tokens: 64-key blocks, persistent, the
     overlap; the rest (under 1024 tokens, hd64 causal up to 2048) portable, but on an H200 hd64 causal at 2048
@@ -569,8 +569,10 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
     s45-tiles.md) 362 / 363 / 362 against the portable 64 x 64 default's 343 / 339 / 338 (cuDNN 386), every other
     portable tile (64-128 x 32-128, 4-8 warps, 2-4 stages, descriptors, warp specialization) 194-343, the Gluon
     128 x 64 persistent + TMA store 322; then the default as users get it, HEAD against this rule in alternating
-    processes (-hopper-ws-s45-ab.md) 343.1 -> 361.2 (1.053x; 0.892 -> 0.939x cuDNN), 16 heads 1.043x, hd40 (padded
-    to 64) 1.416x (0.64 -> 0.91x cuDNN; -hopper-ws-s45-ab-hd40.md). At 1024 tokens nothing beat hd64's portable
+    processes (-hopper-ws-s45-ab.md, whose tree also held a tail skip for 192-row tiles that these 128-row tiles do
+    not reach) 343.1 -> 361.2 (1.053x; 0.892 -> 0.939x cuDNN); on this code (-hopper-ws-s45-ab-hd40.md) 16 heads
+    1.043x, hd40 (padded to 64) 1.416x (0.64 -> 0.91x cuDNN). GQA, fp16, hd48-56: checked for correctness (GQA,
+    fp16), not timed. At 1024 tokens nothing beat hd64's portable
     default (Gluon 292 against 294; cuDNN 336): hd64 stays there, but head dims padded to 64 take the knobs from 1024
     (hd40, 16 heads: 165.7 against the portable forward on descriptors' 128.1, 3 rounds; cuDNN 194.5;
     -hd40-causal-s45.md). The H100 (not measured at causal 1024-2048 with these knobs) keeps the portable forward

@@ -264,7 +264,8 @@ def main(only=()) -> int:
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True)),
         ("hopper_ws persistent hd64, 1 consumer", dict(head_dim=64, num_heads=4),
          KernelConfig(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3, family="hopper_ws", hopper_persistent=True)),
-        # (with FA3's overlap and the TMA store: the hd128 default from 1024 tokens, and hd64's at 1024-2048)
+        # (with FA3's overlap and the TMA store: the hd128 default from 1024 tokens, and on an H200 hd64 causal's at
+        # 2048 and head dims padded to 64 causal's at 1024-2048)
         ("hopper_ws persistent causal hd128, overlap, TMA store", dict(head_dim=128, num_heads=4, causal=True,
                                                                        forward_only=True),
          KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,

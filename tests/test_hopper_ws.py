@@ -627,7 +627,7 @@ FORWARD_KNOBS = ("family", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "hop
 def test_padded_head_dims_take_their_widths_defaults(head_dim, width, target):
     # a head dim between the family's 64, 128 and 256 runs its padded width's forward (results/2026-11-29-h200-
     # padded-head-dims-s37.md: 1.13-3.07x the portable default); where that width keeps the portable family
-    # (hd64 causal up to 2048 tokens, calls under 1024), the portable forward reads through descriptors
+    # (hd64 causal up to 2048 tokens off an H200, calls under 1024), the portable forward reads through descriptors
     # (zero-filled padding, not loads masked along the head dim: hd40 causal S=1024 1.83x), but for host-bound
     # calls (up to SMALL_CALL tokens), which build none
     from flashgen.config import SMALL_CALL
