@@ -61,13 +61,16 @@ def forced_packed(module, packed, cu, longest):
     out = torch.empty_like(packed[0])
 
     def run():
-        saved = HopperForward.PACKED_THREE_MEAN, HopperForward.PACKED_CAUSAL_MEAN
-        HopperForward.PACKED_THREE_MEAN = HopperForward.PACKED_CAUSAL_MEAN = 0
+        names = ("PACKED_THREE_MEAN", "PACKED_CAUSAL_MEAN", "PACKED_CAUSAL_MEAN_HD64")
+        saved = {name: getattr(HopperForward, name) for name in names}
+        for name in names:
+            setattr(HopperForward, name, 0)
         try:
             module.forward(*packed, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                            max_seqlen_k=longest, out=out)
         finally:
-            HopperForward.PACKED_THREE_MEAN, HopperForward.PACKED_CAUSAL_MEAN = saved
+            for name, value in saved.items():
+                setattr(HopperForward, name, value)
         assert any(isinstance(plan, HopperPlan) and plan.packed for plan in module._LAUNCHER.plans.values())
         return out
     return run

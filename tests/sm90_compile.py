@@ -180,7 +180,7 @@ def main(only=()) -> int:
 
     # the packed cases' 300-token sequences take the packed kernel (HopperForward.packed_declines would send
     # them to the portable forward)
-    HopperForward.PACKED_THREE_MEAN = HopperForward.PACKED_CAUSAL_MEAN = 0
+    HopperForward.PACKED_THREE_MEAN = HopperForward.PACKED_CAUSAL_MEAN = HopperForward.PACKED_CAUSAL_MEAN_HD64 = 0
 
     DOCUMENT_TILES = KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, tma=True)
     hopper = KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, warp_specialize=True,

@@ -58,7 +58,7 @@ def test_the_cpu_and_the_interpreter_never_take_it():
 def test_plan_takes_its_tiles_splits_and_ring(monkeypatch):
     # 128-key tiles on 4 warps, a ring of 3 stages (2 where the grid crowds the SMs: B=64 x 8 KV heads on 132
     # SMs, 512 programs), and the splits that give each program an SM (B=1 x 8 KV heads: 16; B=8: 2), half
-    # _attn_decode's FP8 count, but over pages smaller than a tile; a split count the call names is kept.
+    # _attn_decode's FP8 count, over pages of any size; a split count the call names is kept.
     from flashgen.runtime import decode as host_decode
     monkeypatch.setattr(host_decode, "sm_count", lambda device: 132)
     dec = decoder()
@@ -69,7 +69,8 @@ def test_plan_takes_its_tiles_splits_and_ring(monkeypatch):
     assert dec.plan(1, 1, 131072, cpu, {}, None, 1)["splits"] == 33  # _attn_decode's: two per SM
     assert dec.plan(8, 1, 8192, cpu, {}, None, 1, fp8_gluon=True)["splits"] == 2
     assert dec.plan(8, 1, 8192, cpu, {}, 256, 1, fp8_gluon=True)["splits"] == 2  # a page per tile or more
-    assert dec.plan(8, 1, 8192, cpu, {}, 16, 1, fp8_gluon=True)["splits"] == 4  # 16-key pages: two per SM
+    assert dec.plan(8, 1, 8192, cpu, {}, 16, 1, fp8_gluon=True)["splits"] == 2  # 16-key pages: the same
+    assert dec.plan(8, 1, 8192, cpu, {}, 16, 1)["splits"] == 4  # _attn_decode's over them: two per SM
     assert dec.plan(1, 1, 131072, cpu, {"num_splits": 5}, None, 1, fp8_gluon=True)["splits"] == 5
     crowded = dec.plan(64, 1, 4096, cpu, {}, None, 1, fp8_gluon=True)
     assert (crowded["splits"], crowded["BLOCK_N"], crowded["STAGES"]) == (1, 128, 2)
@@ -103,6 +104,9 @@ GRID = [
     ("e5m2", "bf16", (32, 8), 128, 1, 256, 0, True), ("e4m3", "bf16", (32, 8), 128, 2, 16, 0, True),
     ("e4m3", "bf16", (8, 1), 64, 2, 1, 0, True), ("e5m2", "bf16", (16, 16), 64, 1, None, 0, False),
     ("e4m3", "bf16", (32, 8), 64, 3, 64, 3, True), ("e4m3", "fp16", (32, 8), 128, 3, None, 2, False),
+    # pages that neither divide a 128-key tile nor are a multiple of it (a key's slot from its own index), and pages
+    # of a whole tile (one block table entry per tile)
+    ("e4m3", "bf16", (32, 8), 128, 1, 48, 0, True), ("e5m2", "bf16", (16, 4), 64, 2, 128, 1, False),
 ]
 
 
@@ -214,13 +218,16 @@ def test_gluon_decode_leaves_what_it_does_not_serve_gpu():
 
 @sm90
 @pytest.mark.gpu
-def test_gluon_decode_bounds_gpu():
+@pytest.mark.parametrize("page_size,column", [(16, 5), (48, 3), (256, 1)])
+def test_gluon_decode_bounds_gpu(page_size, column):
     # Indices out of range are clamped and named as _attn_decode's are: a block table entry past the pool (check
-    # "sync": the call raises), a length past the capacity (the next call raises), then a good call is right.
+    # "sync": the call raises; the pages a tile reads per key, per tile, and of another size), a length past the
+    # capacity (the next call raises), then a good call is right.
     from flashgen import kvcache
 
     seed, gen = _seeded()
-    cache = Fp8Cache(gen, torch.float8_e4m3fn, 2, 8, 128, (1000, 300), 1024, torch.bfloat16, "cuda", page_size=16)
+    cache = Fp8Cache(gen, torch.float8_e4m3fn, 2, 8, 128, (1000, 300), 1024, torch.bfloat16, "cuda",
+                     page_size=page_size)
     q = torch.randn(2, 1, 32, 128, generator=gen).to("cuda", torch.bfloat16)
     dec = compat_decoder(q, cache.k_cache)
     kw = dict(causal=True, k_descale=cache.k_descale, v_descale=cache.v_descale)
@@ -229,11 +236,11 @@ def test_gluon_decode_bounds_gpu():
                                    block_table=cache.block_table, **kw)
     pool = cache.k_cache.shape[0]
     table = cache.block_table.clone()
-    table[1, 5] = pool + 7
-    with pytest.raises(ValueError, match=rf"block_table: .*\[0, {pool}\).* got {pool + 7} at \[1, 5\]"):
+    table[1, column] = pool + 7
+    with pytest.raises(ValueError, match=rf"block_table: .*\[0, {pool}\).* got {pool + 7} at \[1, {column}\]"):
         flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=cache.cache_seqlens, block_table=table,
                                 check="sync", **kw)
-    capacity = cache.block_table.shape[1] * 16
+    capacity = cache.block_table.shape[1] * page_size
     lengths = torch.tensor([capacity + 1, 300], dtype=torch.int32, device="cuda")
     flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=lengths, block_table=cache.block_table,
                             **kw)

@@ -800,6 +800,7 @@ def test_a_packed_tma_store_call_passes_an_o_descriptor_over_every_token(monkeyp
     # per store) beside the pointer (the sequences' last rows); a caller's out the copy engine cannot take runs the
     # portable forward
     monkeypatch.setattr(hopper.HopperForward, "PACKED_CAUSAL_MEAN", 0)
+    monkeypatch.setattr(hopper.HopperForward, "PACKED_CAUSAL_MEAN_HD64", 0)
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True)
     module = flashgen.compile(spec, KernelConfig(**HOPPER, hopper_persistent=persistent,
                                                  hopper_tma_store=True)).module()
@@ -899,7 +900,7 @@ def test_only_packed_sequences_of_one_length_take_the_persistent_packed_kernel()
 
 def test_packed_calls_the_portable_forward_serves_faster_are_declined():
     # (measured: benchmarks/results/2026-11-29-h200-packed-s39-rule.md) three consumers over sequences averaging
-    # under 2048 tokens; causal sequences averaging under 1024 tokens
+    # under 2048 tokens; causal sequences averaging under 1024 tokens, under 2048 at head dim 64 itself (-s46.md)
     two, three = dict(BLOCK_M=128), dict(BLOCK_M=192)
     causal = hopper.HopperForward(None, dict(causal=True, dtype="bf16", head_dim=128, head_dim_v=128, mask=None,
                                              score_mod=None, dropout_p=0.0, target="auto"), {})
@@ -913,3 +914,10 @@ def test_packed_calls_the_portable_forward_serves_faster_are_declined():
     assert causal.packed_declines(two, (26, 1024, 1024), 16384)  # 630 tokens on average
     assert not causal.packed_declines(two, (16, 1024, 1024), 16384)
     assert not causal.packed_declines(two, (8, 4096, 4096), 16384)
+    for d, declined in ((64, True), (40, False), (128, False)):  # 1280 tokens on average
+        spec = dict(causal=True, dtype="bf16", head_dim=d, head_dim_v=d, mask=None, score_mod=None, dropout_p=0.0,
+                    target="auto")
+        assert hopper.HopperForward(None, spec, {}).packed_declines(two, (13, 2048, 2048), 16384) == declined, d
+    hd64 = hopper.HopperForward(None, dict(causal=True, dtype="bf16", head_dim=64, head_dim_v=64, mask=None,
+                                           score_mod=None, dropout_p=0.0, target="auto"), {})
+    assert not hd64.packed_declines(two, (8, 2048, 2048), 16384)  # sequences of 2048 tokens

@@ -313,6 +313,7 @@ def packed_served(monkeypatch):
 
     monkeypatch.setattr(HopperForward, "PACKED_THREE_MEAN", 0)
     monkeypatch.setattr(HopperForward, "PACKED_CAUSAL_MEAN", 0)
+    monkeypatch.setattr(HopperForward, "PACKED_CAUSAL_MEAN_HD64", 0)
 
 
 def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=()):

@@ -664,12 +664,13 @@ class DecodeLauncher:
     # The Gluon FP8-cache kernel's tiles: 128 keys (32 KB of K and V per stage at head dim 128), 4 warps,
     # each a quarter of a tile's keys; a ring of 3 stages, 2 where the grid crowds the SMs
     # (SMALL_TILE_PROGRAMS_PER_SM); split by num_splits_heuristic, one program per SM (fewer splits
-    # than _attn_decode's two per SM: the merge reads fewer partials), except over pages smaller than a
-    # tile (per-key page reads: two per SM, as _attn_decode). H200, hd128, 32 / 8 heads, one query, us
-    # (benchmarks/NOTES.md, session 44): B=1 x 128K 16 splits 82.6-83.1, 33 89.2-90.2, 48 106.2; B=2 x 64K
-    # 8 82.1-82.7, 16 86.9-87.6; B=4 x 32K 4 81.4-82.0, 8 86.8-87.4; B=8 x 8K 2 51.1-51.6, 4 54.5-55.7;
-    # B=32 x 4K 1 81.8, 2 90.8; paged-16 B=8 x 8K 2 66.3-66.9, 4 57.3-57.9; B=64 x 4K 128 x 2 143.7, 128 x
-    # 3 146.2, 64 x 4 174.0 (prototype).
+    # than _attn_decode's two per SM: the merge reads fewer partials), contiguous or paged. H200, hd128,
+    # 32 / 8 heads, one query, us (benchmarks/NOTES.md, session 44): B=1 x 128K 16 splits 82.6-83.1, 33
+    # 89.2-90.2, 48 106.2; B=2 x 64K 8 82.1-82.7, 16 86.9-87.6; B=4 x 32K 4 81.4-82.0, 8 86.8-87.4; B=8 x
+    # 8K 2 51.1-51.6, 4 54.5-55.7; B=32 x 4K 1 81.8, 2 90.8; B=64 x 4K 128 x 2 143.7, 128 x 3 146.2, 64 x 4
+    # 174.0 (prototype). Pages smaller than a tile took two per SM until the kernel's block table reads
+    # stopped stalling its loop (session 46, clean L2: paged-16 B=8 x 8K 2 splits 43.8 against 4 47.8,
+    # B=1 x 128K 16 76.4 against 33 83.4, B=4 x 32K 4 75.5 against 8 79.3).
     FP8_TILE = dict(BLOCK_N=128, num_warps=4)
     TILE_KNOBS = ("BLOCK_N", "num_warps", "num_stages", "page_prefetch")  # knobs that name _attn_decode's tiles
 
@@ -717,9 +718,7 @@ class DecodeLauncher:
         splits = chosen["num_splits"]
         if fp8_gluon:
             mblocks = triton.cdiv(seqlen_q * group, chosen["BLOCK_M"]) * batch * spec["num_kv_heads"]
-            if not knobs.get("num_splits") and (page_size is None or page_size >= self.FP8_TILE["BLOCK_N"]):
-                # one program per SM where splits can fill them (FA3's rule); a tile over several pages keeps
-                # decode_knobs' two per SM
+            if not knobs.get("num_splits"):  # one program per SM where splits can fill them (FA3's rule)
                 splits = min(num_splits_heuristic(mblocks, sm_count(device),
                                                   triton.cdiv(capacity, self.FP8_TILE["BLOCK_N"])), MAX_SPLITS)
             stages = 2 if splits * mblocks >= SMALL_TILE_PROGRAMS_PER_SM * sm_count(device) else 3

@@ -329,8 +329,13 @@ class HopperForward:
     # S=1024: equal lengths persistent 0.98x, mixed 0.80x; hd128 mixed 1024 causal 0.89x, hd96 0.99x). With O by
     # the TMA store where a tile lies in its sequence (-s41-tma-store.md): taken 1.02-1.53x; declined 0.83-1.02x
     # (hd64 S=1024 1.01x, mixed 0.83x; hd128 mixed 1024 causal 0.96x, hd96 1.02x: within a run's noise, unmoved).
+    # - hd64 causal calls on 128-row tiles (the H200's 2048-bucket default since session 45) under
+    #   PACKED_CAUSAL_MEAN_HD64 tokens: mixed 2048 (1280 on average) 0.765x; taken: S=2048 1.012x. Head dims padded to
+    #   64 keep PACKED_CAUSAL_MEAN, their portable forward being slow: hd40 mixed 2048 causal 2.17x, S=2048 2.86x
+    #   (-s46.md).
     PACKED_THREE_MEAN = 2048
     PACKED_CAUSAL_MEAN = 1024
+    PACKED_CAUSAL_MEAN_HD64 = 2048
 
     @staticmethod
     def equal_lengths(varlen, total_q: int, total_k: int) -> bool:
@@ -349,7 +354,8 @@ class HopperForward:
         sequences = varlen[0]
         if cfg["BLOCK_M"] == 192 and total_q < self.PACKED_THREE_MEAN * sequences:
             return True
-        return bool(self.spec["causal"]) and total_q < self.PACKED_CAUSAL_MEAN * sequences
+        mean = self.PACKED_CAUSAL_MEAN_HD64 if self.spec["head_dim"] == 64 else self.PACKED_CAUSAL_MEAN
+        return bool(self.spec["causal"]) and total_q < mean * sequences
 
     def fallback_knobs(self, seqlen: int) -> dict:
         """The portable forward's knobs for a declined call of this length (the longer of its query and key

@@ -1078,45 +1078,74 @@ def _fd_record(REC, KIND: gl.constexpr, b, j, value, limit):
 
 
 @gluon.jit
-def _fd_pages(BT, keys, end, num_pages, PAGE_SIZE: gl.constexpr):
-    # The pages of keys (a tensor), clamped into the pool (int64), and per key its (column << 32 | entry)
-    # where a key below end (the split's, within seqlen_k) has a block table entry outside [0, num_pages),
-    # else NO_BAD_PAGE.
-    col = keys // PAGE_SIZE
-    used = keys < end
-    entry = gl.load(BT + col, mask=used, other=0)
-    out = used & ((entry < 0) | (entry >= num_pages))
-    bad = gl.where(out, (col.to(gl.int64) << 32) | (entry.to(gl.int64) & 0xFFFFFFFF), NO_BAD_PAGE)
-    page = gl.minimum(gl.maximum(entry, 0), gl.maximum(num_pages - 1, 0)).to(gl.int64)
-    return page, bad
+def _fd_entries(BT, tile0, tile_keys, end, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    # The block table's raw entries for the keys tile0 + tile_keys below end, else 0: read a tile ahead of their
+    # copies and clamped by the issue that uses them, so nothing waits on this load before then. Where pages hold
+    # whole tiles, the tile's one entry (a scalar; tile0 is a whole number of tiles).
+    if PAGE_SIZE % BLOCK_N == 0:
+        return gl.load(BT + tile0 // PAGE_SIZE, mask=tile0 < end, other=0)
+    else:
+        keys = tile0 + tile_keys
+        return gl.load(BT + keys // PAGE_SIZE, mask=keys < end, other=0)
 
 
 @gluon.jit
-def _fd_issue(k_smem, v_smem, K, V, BT, pages, bad, t, split_lo, split_hi, tile_keys, offs_c, stride_kn, stride_vn,
+def _fd_check_pages(REC, BT, off_b, split_lo, split_hi, num_pages, PAGE_SIZE: gl.constexpr):
+    # Records the least (column << 32 | entry) among the block table's columns of keys [split_lo, split_hi) whose
+    # entry lies outside [0, num_pages), if any: the split's every column read once before its loop, so the loop
+    # only clamps (_fd_issue).
+    CHUNK: gl.constexpr = 32 * gl.num_warps()
+    cl: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    col_lo = split_lo // PAGE_SIZE
+    col_hi = col_lo + (gl.cdiv(split_hi, PAGE_SIZE) - col_lo) * (split_hi > split_lo).to(gl.int32)  # (none if empty)
+    least = gl.full([CHUNK], NO_BAD_PAGE, gl.int64, layout=cl)
+    for c0 in range(col_lo, col_hi, CHUNK):
+        col = c0 + gl.arange(0, CHUNK, layout=cl)
+        entry = gl.load(BT + col, mask=col < col_hi, other=0)
+        out = (col < col_hi) & ((entry < 0) | (entry >= num_pages))
+        least = gl.minimum(least, gl.where(out, (col.to(gl.int64) << 32) | (entry.to(gl.int64) & 0xFFFFFFFF),
+                                           NO_BAD_PAGE))
+    least = gl.min(least, 0)
+    if least != NO_BAD_PAGE:
+        _fd_record(REC, BOUND_PAGE, off_b, least >> 32, (least & 0xFFFFFFFF).to(gl.int32), num_pages)
+
+
+@gluon.jit
+def _fd_issue(k_smem, v_smem, K, V, BT, entries, t, split_lo, split_hi, tile_keys, offs_c, stride_kn, stride_vn,
               stride_kp, stride_vp, num_pages, W: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr):
-    # Tile t's K and V (pages: its keys' pages) into ring slot t % STAGES, 16 bytes per copy (strides in int16
-    # words: the caches' halved); keys from split_hi on read zeros. tile_keys: (W, NW), warp w's row of them its
-    # own. Paged: then tile t + 1's pages, a tile ahead of its copies, the least bad entry kept in bad.
-    # Returns (pages, bad).
+    # Tile t's K and V into ring slot t % STAGES, 16 bytes per copy (strides in int16 words: the caches' halved);
+    # keys from split_hi on read zeros. tile_keys: (W, NW), warp w's row of them its own. Paged: entries are tile
+    # t's block table entries (read by the issue before), their pages clamped into the pool (int64; the bad ones
+    # are recorded by _fd_check_pages); then tile t + 1's entries are read. Returns the entries.
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     DH: gl.constexpr = k_smem.shape[2]
-    keys = split_lo + t * BLOCK_N + tile_keys
-    ok = (keys < split_hi)[:, :, None]
+    tile0 = split_lo + t * BLOCK_N  # a whole number of tiles
+    keys = tile0 + tile_keys
+    used = keys < split_hi
     if PAGED:
-        slots = (keys % PAGE_SIZE).to(gl.int64)
-        k_rows = pages * (stride_kp // 2) + slots * (stride_kn // 2)
-        v_rows = pages * (stride_vp // 2) + slots * (stride_vn // 2)
+        pages = gl.minimum(gl.maximum(entries, 0), gl.maximum(num_pages - 1, 0)).to(gl.int64)
+        if (BLOCK_N % PAGE_SIZE == 0) or (PAGE_SIZE % BLOCK_N == 0):
+            # a key's slot is its tile's first key's (0 where pages divide tiles) plus its place in the tile's: the
+            # rows' in-page offsets are the loop's invariants plus one
+            first = (tile0 % PAGE_SIZE).to(gl.int64)
+            slots = (tile_keys % PAGE_SIZE).to(gl.int64)
+            k_rows = pages * (stride_kp // 2) + (slots * (stride_kn // 2) + first * (stride_kn // 2))
+            v_rows = pages * (stride_vp // 2) + (slots * (stride_vn // 2) + first * (stride_vn // 2))
+        else:
+            slots = (keys % PAGE_SIZE).to(gl.int64)
+            k_rows = pages * (stride_kp // 2) + slots * (stride_kn // 2)
+            v_rows = pages * (stride_vp // 2) + slots * (stride_vn // 2)
     else:
         k_rows = keys.to(gl.int64) * (stride_kn // 2)
         v_rows = keys.to(gl.int64) * (stride_vn // 2)
     slot = t % STAGES
+    ok = used[:, :, None]
     async_load(k_smem.index(slot).reshape([W, BLOCK_N // W, DH]), K + k_rows[:, :, None] + offs_c, mask=ok)
     async_load(v_smem.index(slot).reshape([W, BLOCK_N // W, DH]), V + v_rows[:, :, None] + offs_c, mask=ok)
     if PAGED:
-        pages, page_bad = _fd_pages(BT, keys + BLOCK_N, split_hi, num_pages, PAGE_SIZE)
-        bad = gl.minimum(bad, page_bad)
-    return pages, bad
+        entries = _fd_entries(BT, tile0 + BLOCK_N, tile_keys, split_hi, BLOCK_N, PAGE_SIZE)
+    return entries
 
 
 @gluon.jit
@@ -1226,15 +1255,14 @@ def _attn_decode_fp8(
     ln = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld)))
     tile_keys = lw[:, None] * NW + ln[None, :]  # (W, NW): warp w's keys of a tile
     offs_c = gl.arange(0, DH, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld)))[None, None, :]
-    bad = gl.full([W, NW], NO_BAD_PAGE, gl.int64, layout=gl.SliceLayout(2, ld))
-    pages = tile_keys.to(gl.int64) * 0
+    entries = tile_keys * 0
     if PAGED:
-        pages, page_bad = _fd_pages(BT, split_lo + tile_keys, split_hi, num_pages, PAGE_SIZE)
-        bad = gl.minimum(bad, page_bad)
+        _fd_check_pages(REC, BT, off_b, split_lo, split_hi, num_pages, PAGE_SIZE)
+        entries = _fd_entries(BT, split_lo, tile_keys, split_hi, BLOCK_N, PAGE_SIZE)
     for t in gl.static_range(STAGES - 1):
         if t < n_tiles:
-            pages, bad = _fd_issue(k_smem, v_smem, K16, V16, BT, pages, bad, t, split_lo, split_hi, tile_keys, offs_c,
-                                   stride_kn, stride_vn, stride_kb, stride_vb, num_pages, W, PAGED, PAGE_SIZE)
+            entries = _fd_issue(k_smem, v_smem, K16, V16, BT, entries, t, split_lo, split_hi, tile_keys, offs_c,
+                                stride_kn, stride_vn, stride_kb, stride_vb, num_pages, W, PAGED, PAGE_SIZE)
         async_copy.commit_group()
 
     m_i = gl.full([W, BLOCK_M], float("-inf"), gl.float32, layout=row_l)
@@ -1249,8 +1277,8 @@ def _attn_decode_fp8(
         warps_barrier()  # everyone's; and every warp is done with the slot tile t - 1 read
         nt = t + STAGES - 1
         if nt < n_tiles:
-            pages, bad = _fd_issue(k_smem, v_smem, K16, V16, BT, pages, bad, nt, split_lo, split_hi, tile_keys, offs_c,
-                                   stride_kn, stride_vn, stride_kb, stride_vb, num_pages, W, PAGED, PAGE_SIZE)
+            entries = _fd_issue(k_smem, v_smem, K16, V16, BT, entries, nt, split_lo, split_hi, tile_keys, offs_c,
+                                stride_kn, stride_vn, stride_kb, stride_vb, num_pages, W, PAGED, PAGE_SIZE)
         async_copy.commit_group()
         slot = t % STAGES
         kt = k_smem.index(slot).reshape([W, NW, DH]).permute((0, 2, 1)).load(b_l)  # (W, DH, NW) K^T's pairs
@@ -1270,10 +1298,6 @@ def _attn_decode_fp8(
         o_even = mma_v2(p16, v_even, o_even * alpha[:, :, None])
         o_odd = mma_v2(p16, v_odd, o_odd * alpha[:, :, None])
     async_copy.wait_group(0)
-    if PAGED:
-        least = gl.min(gl.min(bad, 1), 0)
-        if least != NO_BAD_PAGE:
-            _fd_record(REC, BOUND_PAGE, off_b, least >> 32, (least & 0xFFFFFFFF).to(gl.int32), num_pages)
 
     # the warps' (m, l, O) merged: O = sum_w 2^(m_w - m) O_w / sum_w 2^(m_w - m) l_w
     m_all = gl.max(m_i, 0)
