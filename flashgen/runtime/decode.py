@@ -193,7 +193,9 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       256.0; MHA (32 KV heads) B=16 x 4K 255.5 vs 311.3 at 64 x 2, cuDNN 256.2, B=16 x 2K 136.0 vs
       163.6, B=32 x 2K 255.3 vs 263.7, B=64 x 1K 254.8 vs 268.2; GQA B=128 x 2K 255.9 vs 256.1 at 64 x
       2, B=64 x 16K 963.5 vs 972.7, but B=64 x 1K 78.3 vs 76.8. At head dim 64, 64 x 2 (B=64 x 4K: 142.7
-      vs 167.2 at 128 x 2; cuDNN 136.4); a paged cache's crowded grid keeps 32 x 2 (unmeasured there). A
+      vs 167.2 at 128 x 2; cuDNN 136.4). A paged cache's crowded grid the same (session 46, B=64 x 4K,
+      clean L2, 128 x 2 vs 32 x 2: pages of 16 258.5 vs 312.9, 64 259.8 vs 263.7, 256 242.8 vs 263.2;
+      contiguous 241.1; 64 x 3 265.5 / 277.9 / 279.1; results/2026-11-30-h200-decode-bf16-s46-paged-tiles.md). A
       grid that does not fill the SMs (split by default; also with num_splits=1 given), contiguous
       cache: 4 stages where they fit (B=8 x 8K 77.6 / 78.6 vs 79.9 / 79.5; B=1 x 128K 135.7 / 137.8 vs
       140.0 / 140.1, two runs) and 128-key tiles at head dim 64 (B=8 x 8K 49.3 vs 54.7 at 64 x 4, B=4 x
@@ -251,7 +253,7 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
     block_n = BLOCK_N
     if block_n is None:
         if small or split_small:
-            block_n = 64 if element_size == 1 else (128 if head_dim > 64 else 64) if fast_contiguous and small else 32
+            block_n = 64 if element_size == 1 else (128 if head_dim > 64 else 64) if fast and small else 32
         else:
             block_n = 32 if head_dim > 128 else 128 if ((page_size is not None and page_size < 64) or fills
                                                         or fp8_split or (fast_contiguous and head_dim <= 64)) \
