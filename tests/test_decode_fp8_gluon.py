@@ -249,6 +249,14 @@ def test_gluon_decode_bounds_gpu(page_size, column):
     out = flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=cache.cache_seqlens,
                                   block_table=cache.block_table, **kw)
     assert torch.equal(out, good), f"seed={seed}"
+    # an entry past a sequence's keys is neither read nor named, also by a split with no keys whose first key lies in
+    # its column (8 splits of 128 keys: batch 1's 300 keys fill splits 0-2; over 256-key pages split 5 starts at 640)
+    past = cache.block_table.clone()
+    past[1, -(-300 // page_size)] = pool + 7
+    split8 = dict(kw, cache_seqlens=cache.cache_seqlens, num_splits=8)
+    eight = flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, block_table=cache.block_table, **split8)
+    assert torch.equal(flash_attn_with_kvcache(q, cache.k_cache, cache.v_cache, block_table=past, check="sync",
+                                               **split8), eight), f"seed={seed}"
     assert launched(dec) == {"_attn_decode_fp8"}
     # a contiguous cache: a negative length, then a cache_batch_idx row past the cache (both with check "sync")
     flat = Fp8Cache(gen, torch.float8_e4m3fn, 3, 8, 128, (1000, 300, 50), 1024, torch.bfloat16, "cuda")

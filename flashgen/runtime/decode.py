@@ -195,7 +195,8 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       2, B=64 x 16K 963.5 vs 972.7, but B=64 x 1K 78.3 vs 76.8. At head dim 64, 64 x 2 (B=64 x 4K: 142.7
       vs 167.2 at 128 x 2; cuDNN 136.4). A paged cache's crowded grid the same (session 46, B=64 x 4K,
       clean L2, 128 x 2 vs 32 x 2: pages of 16 258.5 vs 312.9, 64 259.8 vs 263.7, 256 242.8 vs 263.2;
-      contiguous 241.1; 64 x 3 265.5 / 277.9 / 279.1; results/2026-11-30-h200-decode-bf16-s46-paged-tiles.md). A
+      contiguous 241.1; 64 x 3 265.5 / 277.9 / 279.1; results/2026-11-30-h200-decode-bf16-s46-paged-tiles.md;
+      1.01-1.33x over 7 crowded shapes, -paged-crowded.md; pages of 1, 32 and 128 unmeasured). A
       grid that does not fill the SMs (split by default; also with num_splits=1 given), contiguous
       cache: 4 stages where they fit (B=8 x 8K 77.6 / 78.6 vs 79.9 / 79.5; B=1 x 128K 135.7 / 137.8 vs
       140.0 / 140.1, two runs) and 128-key tiles at head dim 64 (B=8 x 8K 49.3 vs 54.7 at 64 x 4, B=4 x
@@ -672,7 +673,8 @@ class DecodeLauncher:
     # 8K 2 51.1-51.6, 4 54.5-55.7; B=32 x 4K 1 81.8, 2 90.8; B=64 x 4K 128 x 2 143.7, 128 x 3 146.2, 64 x 4
     # 174.0 (prototype). Pages smaller than a tile took two per SM until the kernel's block table reads
     # stopped stalling its loop (session 46, clean L2: paged-16 B=8 x 8K 2 splits 43.8 against 4 47.8,
-    # B=1 x 128K 16 76.4 against 33 83.4, B=4 x 32K 4 75.5 against 8 79.3).
+    # B=1 x 128K 16 76.4 against 33 83.4, B=4 x 32K 4 75.5 against 8 79.3;
+    # results/2026-11-30-h200-decode-fp8-s46-paged-ab-splits.md).
     FP8_TILE = dict(BLOCK_N=128, num_warps=4)
     TILE_KNOBS = ("BLOCK_N", "num_warps", "num_stages", "page_prefetch")  # knobs that name _attn_decode's tiles
 

@@ -329,10 +329,10 @@ class HopperForward:
     # S=1024: equal lengths persistent 0.98x, mixed 0.80x; hd128 mixed 1024 causal 0.89x, hd96 0.99x). With O by
     # the TMA store where a tile lies in its sequence (-s41-tma-store.md): taken 1.02-1.53x; declined 0.83-1.02x
     # (hd64 S=1024 1.01x, mixed 0.83x; hd128 mixed 1024 causal 0.96x, hd96 1.02x: within a run's noise, unmoved).
-    # - hd64 causal calls on 128-row tiles (the H200's 2048-bucket default since session 45) under
-    #   PACKED_CAUSAL_MEAN_HD64 tokens: mixed 2048 (1280 on average) 0.765x; taken: S=2048 1.012x. Head dims padded to
-    #   64 keep PACKED_CAUSAL_MEAN, their portable forward being slow: hd40 mixed 2048 causal 2.17x, S=2048 2.86x
-    #   (-s46.md).
+    # - causal calls at head dim 64 itself under PACKED_CAUSAL_MEAN_HD64 tokens (measured on 128-row tiles, the H200's
+    #   2048-bucket default since session 45; 192-row tiles are declined under PACKED_THREE_MEAN already): mixed 2048
+    #   (1280 on average) 0.765x; taken: S=2048 1.012x. Head dims padded to 64 keep PACKED_CAUSAL_MEAN, their portable
+    #   forward being slow: hd40 causal mixed 2048 2.17x, S=2048 2.86x (-s46.md).
     PACKED_THREE_MEAN = 2048
     PACKED_CAUSAL_MEAN = 1024
     PACKED_CAUSAL_MEAN_HD64 = 2048

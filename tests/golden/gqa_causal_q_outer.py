@@ -1115,8 +1115,9 @@ def _fd_issue(k_smem, v_smem, K, V, BT, entries, t, split_lo, split_hi, tile_key
               stride_kp, stride_vp, num_pages, W: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr):
     # Tile t's K and V into ring slot t % STAGES, 16 bytes per copy (strides in int16 words: the caches' halved);
     # keys from split_hi on read zeros. tile_keys: (W, NW), warp w's row of them its own. Paged: entries are tile
-    # t's block table entries (read by the issue before), their pages clamped into the pool (int64; the bad ones
-    # are recorded by _fd_check_pages); then tile t + 1's entries are read. Returns the entries.
+    # t's block table entries (read by the issue before; tile 0's before the ring), their pages clamped into the
+    # pool (int64; the bad ones are recorded by _fd_check_pages); then tile t + 1's entries are read. Returns the
+    # entries.
     STAGES: gl.constexpr = k_smem.shape[0]
     BLOCK_N: gl.constexpr = k_smem.shape[1]
     DH: gl.constexpr = k_smem.shape[2]
@@ -1174,7 +1175,7 @@ def _attn_decode_fp8(
 ):
     # Grid, rows, lengths, splits and PART as _attn_decode's. Unused: stride_kd and stride_vd (1: the
     # host's rule), sm_scale (qk_scale is it in base 2), FP16_DOT, V_CVT (the cache's dtype says its
-    # format), PREFETCH (a paged tile's pages are always read a tile ahead).
+    # format), PREFETCH (a paged tile's block table entries are always read a tile ahead).
     W: gl.constexpr = gl.num_warps()
     FORMAT: gl.constexpr = 2 if K.dtype.element_ty == gl.float8e5 else 1  # the cache's FP8: e5m2, else e4m3
     DH: gl.constexpr = HEAD_DIM // 2  # int16 words of a row
