@@ -3,7 +3,13 @@
 import itertools
 import os
 
+import pytest
 import torch
+
+# Tests of the Hopper-only kernels (the Gluon families: warp-specialized forward and backward, FP8, the FP8-cache
+# decode): skipped where no sm90 GPU (H100/H200) is.
+sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="needs an sm90 GPU (H100/H200)")
 
 
 def make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v=None, *, dtype, device,

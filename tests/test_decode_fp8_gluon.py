@@ -11,11 +11,9 @@ from flashgen import AttentionSpec
 from flashgen.compat import flash_attn_with_kvcache
 from flashgen.verify import compare
 
+from .helpers import sm90
 from .test_decode import _seeded, reference_decode
 from .test_fp8_decode import Fp8Cache, run_fp8_decode
-
-sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                          reason="needs an sm90 GPU (H100/H200): the kernel's rule")
 
 
 def decoder(heads=(32, 8), d=128, causal=True, dtype="bf16", **fields):

@@ -14,12 +14,9 @@ from flashgen.runtime.hopper_bwd import HopperBackward, HopperDkdv
 from flashgen.runtime.launch import BackwardPlan
 from flashgen.verify import assert_gradients_close
 
-from .helpers import make_qkv
+from .helpers import make_qkv, sm90
 
 pytestmark = pytest.mark.gpu
-
-sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="needs an sm90 GPU (H100/H200)")
 
 SHAPES = [  # batch, heads, kv heads, seqlen_q, seqlen_k, head dim, layout
     (2, 8, 2, 1000, 1000, 128, "bhsd"),

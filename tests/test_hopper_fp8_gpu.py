@@ -13,12 +13,10 @@ from flashgen import AttentionSpec, KernelConfig, default_config
 from flashgen.runtime.hopper import HopperPlan
 from flashgen.verify import assert_attention_close
 
+from .helpers import sm90
 from .test_fp8 import quantized_inputs
 
 pytestmark = pytest.mark.gpu
-
-sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="needs an sm90 GPU (H100/H200)")
 
 BASE = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2)
 SHAPES = [  # batch, heads, kv heads, seqlen_q, seqlen_k (a multiple of 16: V^T's strides), head dim, layout

@@ -11,12 +11,9 @@ from flashgen import AttentionSpec, KernelConfig, default_config
 from flashgen.runtime.hopper import HopperPlan
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
-from .helpers import cu_seqlens, make_qkv, packed_plans, poisoned_outputs
+from .helpers import cu_seqlens, make_qkv, packed_plans, poisoned_outputs, sm90
 
 pytestmark = pytest.mark.gpu
-
-sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="needs an sm90 GPU (H100/H200)")
 
 BASE = dict(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2)
 TECHNIQUES = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": dict(hopper_pingpong=True),
