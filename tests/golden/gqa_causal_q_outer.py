@@ -1324,12 +1324,12 @@ def _attn_decode_fp8(
     l_ok = l_pos < seqlen_q
     if SPLIT:
         # PART: the partial outputs (batch, seqlen_q, heads, num_splits, BLOCK_DV), then their LSEs
-        o_row = ((off_b * seqlen_q + o_pos) * (num_kv_heads * GQA_GROUP) + o_head) * num_splits + split
+        o_row = _fd_part_row(off_b, o_pos, o_head, seqlen_q, num_kv_heads, num_splits) + split
         gl.store(PART + o_row[:, None] * BLOCK_DV + co, out_even, mask=o_ok)
         gl.store(PART + o_row[:, None] * BLOCK_DV + co + 1, out_odd, mask=o_ok)
         rows_total = (gl.num_programs(2) // num_kv_heads).to(gl.int64) * seqlen_q * num_kv_heads * GQA_GROUP
         lse_part = PART + rows_total * num_splits * BLOCK_DV
-        l_row = ((off_b * seqlen_q + l_pos) * (num_kv_heads * GQA_GROUP) + l_head) * num_splits + split
+        l_row = _fd_part_row(off_b, l_pos, l_head, seqlen_q, num_kv_heads, num_splits) + split
         gl.store(lse_part + l_row, lse, mask=l_ok)
         if FUSED:
             # the last split program of the row block to finish merges the splits (_attn_decode's tickets)
@@ -1349,6 +1349,13 @@ def _attn_decode_fp8(
 
 
 @gluon.jit
+def _fd_part_row(off_b, pos, head, seqlen_q, num_kv_heads, num_splits):
+    # The PART row of split 0 of (batch element off_b, query position pos, head): PART holds the partials as
+    # (batch, seqlen_q, heads, num_splits, BLOCK_DV), then their LSEs as (batch, seqlen_q, heads, num_splits).
+    return ((off_b * seqlen_q + pos) * (num_kv_heads * GQA_GROUP) + head) * num_splits
+
+
+@gluon.jit
 def _fd_combine(O, LSE, PART, LSE_PART, off_b, off_hk, start_m, seqlen_q, num_kv_heads, num_splits, stride_ob,
                 stride_om, stride_oh, stride_od, stride_lb, stride_lh, BLOCK_M: gl.constexpr,
                 BLOCK_S: gl.constexpr, ROWS: gl.constexpr, WRITE_LSE: gl.constexpr):
@@ -1364,7 +1371,7 @@ def _fd_combine(O, LSE, PART, LSE_PART, off_b, off_hk, start_m, seqlen_q, num_kv
         rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s2))
         pos = (rows // GQA_GROUP).to(gl.int64)
         head = off_hk * GQA_GROUP + rows % GQA_GROUP
-        at = (((off_b * seqlen_q + pos) * (num_kv_heads * GQA_GROUP) + head) * num_splits)[:, None] + offs_s[None, :]
+        at = _fd_part_row(off_b, pos, head, seqlen_q, num_kv_heads, num_splits)[:, None] + offs_s[None, :]
         ok = (rows < row_end)[:, None] & (offs_s < num_splits)[None, :]
         lse_s = gl.load(LSE_PART + at, mask=ok, other=float("-inf"))
         m = gl.max(lse_s, 1)
