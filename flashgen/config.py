@@ -588,7 +588,8 @@ def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: in
         return None
     if spec.fp8:
         return _hopper_ws_fp8_default(spec, d, shape, seqlen)
-    padded, d = padded_head_dim(d) != d, padded_head_dim(d)  # (40, 80, 96, 160, ...) run their padded width's tiles
+    width = padded_head_dim(d)  # (40, 80, 96, 160, ...) run their padded width's tiles
+    padded, d = width != d, width
     if d == 128 and seqlen >= 1024:
         return dict(HOPPER_ALL_THREE)  # calls of up to 512 tokens: not measured
     if d == 256 and seqlen >= 1024:

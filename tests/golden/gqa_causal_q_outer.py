@@ -1129,14 +1129,11 @@ def _fd_issue(k_smem, v_smem, K, V, BT, entries, t, split_lo, split_hi, tile_key
         if (BLOCK_N % PAGE_SIZE == 0) or (PAGE_SIZE % BLOCK_N == 0):
             # a key's slot is its tile's first key's (0 where pages divide tiles) plus its place in the tile's: the
             # rows' in-page offsets are the loop's invariants plus one
-            first = (tile0 % PAGE_SIZE).to(gl.int64)
-            slots = (tile_keys % PAGE_SIZE).to(gl.int64)
-            k_rows = pages * (stride_kp // 2) + (slots * (stride_kn // 2) + first * (stride_kn // 2))
-            v_rows = pages * (stride_vp // 2) + (slots * (stride_vn // 2) + first * (stride_vn // 2))
+            slots = (tile_keys % PAGE_SIZE).to(gl.int64) + (tile0 % PAGE_SIZE).to(gl.int64)
         else:
             slots = (keys % PAGE_SIZE).to(gl.int64)
-            k_rows = pages * (stride_kp // 2) + slots * (stride_kn // 2)
-            v_rows = pages * (stride_vp // 2) + slots * (stride_vn // 2)
+        k_rows = pages * (stride_kp // 2) + slots * (stride_kn // 2)
+        v_rows = pages * (stride_vp // 2) + slots * (stride_vn // 2)
     else:
         k_rows = keys.to(gl.int64) * (stride_kn // 2)
         v_rows = keys.to(gl.int64) * (stride_vn // 2)
