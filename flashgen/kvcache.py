@@ -139,9 +139,11 @@ def compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slo
     heads in dim 1 (the launcher is the same: a spec has no layout)."""
     heads = 2 if layout == "bshd" else 1
     try:
+        # (scalars with their types: True, 1 and 1.0 are one dict key, and the spec refuses what its twin passed)
         key = (q.dtype, q.shape[heads], q.shape[3], k_cache.shape[heads], k_cache.shape[3], v_cache.shape[3],
-               bool(causal), tuple(window_size) if window_size is not None else None, float(softcap or 0.0),
-               None if alibi_slopes is None else (alibi_slopes.dtype, alibi_slopes.dim()), softmax_scale)
+               (type(causal), causal), None if window_size is None else tuple((type(w), w) for w in window_size),
+               (type(softcap), softcap), None if alibi_slopes is None else (alibi_slopes.dtype, alibi_slopes.dim()),
+               (type(softmax_scale), softmax_scale))
         launcher = _COMPAT.get(key)
     except (AttributeError, IndexError, TypeError, ValueError):  # the slow path names the argument
         key = launcher = None

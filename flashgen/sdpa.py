@@ -102,8 +102,9 @@ def _as_bhsd(t, lead, heads):
     return t.reshape(math.prod(lead), *t.shape[-3:])  # (not -1: a 0-size dim leaves it undetermined)
 
 
-def _mask_terms(attn_mask, query, target):
-    """(mask, score_mod, named tensors) expressing attn_mask over the (batch, heads, L, S) call."""
+def _check_mask(attn_mask, query, target):
+    """Refuse an attn_mask that is not a bool or float tensor on query's device broadcastable to the (batch, heads,
+    L, S) call (also where L or S is 0: torch's SDPA refuses it there too)."""
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(attn_mask).__name__}")
     if attn_mask.dtype != torch.bool and attn_mask.dtype not in (query.dtype, torch.float32):
@@ -117,6 +118,11 @@ def _mask_terms(attn_mask, query, target):
     if not fits:
         raise ValueError(f"attn_mask: expected a shape broadcastable to {target} (query's batch, heads, "
                          f"L and key's S), got {tuple(attn_mask.shape)}")
+
+
+def _mask_terms(attn_mask, query, target):
+    """(mask, score_mod, named tensors) expressing attn_mask (checked: _check_mask) over the (batch, heads, L, S)
+    call."""
     m = attn_mask.reshape((1,) * (len(target) - attn_mask.dim()) + tuple(attn_mask.shape))
     if len(target) > 4:  # several leading dims: flatten them as query's were (a copy only if they broadcast)
         if any(d != 1 for d in m.shape[:-3]):
@@ -160,6 +166,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out_shape = (*lead, heads, seqlen_q, value.shape[-1]) if query.dim() > 2 else (seqlen_q, value.shape[-1])
 
     mask, mods, tensors = None, [], {}
+    if attn_mask is not None:
+        _check_mask(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
     if attn_mask is not None and seqlen_q and seqlen_k:
         mask, mods, tensors = _mask_terms(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
     if is_causal:  # with attn_mask too, as torch's SDPA combines them: both must allow a pair

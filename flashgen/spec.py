@@ -448,7 +448,7 @@ class AttentionSpec:
             return cls.from_yaml(spec)
         if isinstance(spec, Mapping):
             return cls.from_dict(spec)
-        raise TypeError(f"expected an AttentionSpec, a YAML path or a dict, got {type(spec).__name__}")
+        raise TypeError(f"spec: expected an AttentionSpec, a YAML path or a dict, got {type(spec).__name__}")
 
     # ----------------------------------------------------------------- derived
     @property

@@ -385,6 +385,21 @@ def test_a_forward_refuses_an_out_whose_elements_share_memory():
     assert torch.allclose(out, module.forward(q, q, q)[0], atol=1e-6)
 
 
+def test_a_forward_refuses_an_out_sharing_memory_with_its_inputs():
+    # out inside k or v: programs read keys another program had already overwritten with its output (0.56 off,
+    # silently); refused per call, also after a call of the same metadata with a separate out
+    module = flashgen.compile(AttentionSpec(dtype="fp32", head_dim=16, num_heads=2)).module()
+    q, k, v = (torch.randn(1, 2, 40, 16, device=DEVICE) for _ in range(3))
+    expected = module.forward(q, k, v)[0]
+    module.forward(q, k, v, out=torch.empty_like(q))
+    for name, kw in (("k", dict(out=k)), ("v", dict(out=v)), ("q", dict(out=q)),
+                     ("v", dict(lse=v.view(-1)[:80].view(1, 2, 40)))):
+        with pytest.raises(ValueError, match=rf"^{next(iter(kw))}: expected a buffer apart from {name}, got one "
+                                             rf"sharing its memory"):
+            module.forward(q, k, v, **kw)
+    assert torch.equal(module.forward(q, k, v)[0], expected)  # nothing was written
+
+
 def test_packed_calls_name_what_they_refuse():
     q = torch.randn(20, 2, 16, device=DEVICE, dtype=torch.float16)
     cu = torch.tensor([0, 7, 20], dtype=torch.int32, device=DEVICE)

@@ -1251,3 +1251,59 @@ def test_kvcache_spec_errors_name_the_caches():
     with pytest.raises(ValueError, match=r"^v_cache: expected a head dim from 1 to"):
         flash_attn_with_kvcache(q, cache[:, :, :2], torch.randn(2, 32, 2, 0, dtype=torch.float16),
                                 cache_seqlens=torch.tensor([5, 7], dtype=torch.int32))
+
+
+def test_strided_lengths_and_batch_indices_are_refused_by_name(device):
+    # the kernels read element b of cache_seqlens and cache_batch_idx at b: a strided view would read another
+    # element's length (and append its new keys at the wrong position)
+    q = torch.randn(2, 1, 2, 16).to(device=device, dtype=torch.float16)
+    cache = torch.randn(2, 32, 2, 16).to(device=device, dtype=torch.float16)
+    lengths = torch.tensor([5, 0, 9, 0], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"^cache_seqlens: expected a contiguous tensor \(stride 1\), got stride 2"):
+        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths[::2])
+    rows = torch.tensor([1, 0, 0, 0], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"^cache_batch_idx: expected a contiguous tensor \(stride 1\), got stride 2"):
+        flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths[::2].contiguous(), cache_batch_idx=rows[::2])
+    one = flash_attn_with_kvcache(q[:1], cache[:1], cache[:1], cache_seqlens=lengths[::2][:1])  # batch 1: any stride
+    assert torch.equal(one, flash_attn_with_kvcache(q[:1], cache[:1], cache[:1], cache_seqlens=lengths[:1].clone()))
+
+
+@pytest.mark.parametrize("length", [2**31, -2**40])
+def test_an_int_length_past_int32_is_refused_by_name(device, length):
+    q = torch.randn(2, 1, 2, 16).to(device=device, dtype=torch.float16)
+    cache = torch.randn(2, 32, 2, 16).to(device=device, dtype=torch.float16)
+    flash_attn_with_kvcache(q, cache, cache, cache_seqlens=7)  # its key (an int length) first: checked per call too
+    for _ in range(2):
+        with pytest.raises(ValueError, match=rf"^cache_seqlens: expected a length in int32's range, got {length}$"):
+            flash_attn_with_kvcache(q, cache, cache, cache_seqlens=length)
+
+
+def test_an_out_sharing_memory_with_the_inputs_or_itself_is_refused(device):
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=2, causal=True, backward=False)
+    q = torch.randn(2, 1, 2, 16).to(device=device, dtype=torch.float16)
+    cache = torch.randn(2, 32, 2, 16).to(device=device, dtype=torch.float16)
+    lengths = torch.tensor([5, 9], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"^out: expected a tensor whose elements do not share memory"):
+        flashgen.decode(spec, q, cache, cache.clone(), lengths, out=torch.empty_like(q[:1]).expand(2, -1, -1, -1))
+    good = flashgen.decode(spec, q, cache, cache.clone(), lengths, out=torch.empty_like(q))[0]
+    # out inside k_cache, with the same metadata as the call above (its key: checked per call)
+    inside = cache.view(-1)[:q.numel()].view(q.shape)
+    for name, kw in (("k_cache", dict(out=inside)), ("q", dict(out=q))):
+        with pytest.raises(ValueError, match=rf"^out: expected a buffer apart from {name}, got one sharing its memory"):
+            flashgen.decode(spec, q, cache, cache.clone(), lengths, **kw)
+    assert torch.equal(flashgen.decode(spec, q, cache, cache.clone(), lengths)[0], good)
+
+
+@pytest.mark.parametrize("taken,refused,field", [
+    (dict(softmax_scale=1.0), dict(softmax_scale=True), "softmax_scale"),
+    (dict(window_size=(2, 0)), dict(window_size=(2.0, 0)), "window_size"),
+    (dict(window_size=(1, 0)), dict(window_size=(True, 0)), "window_size")])
+def test_kvcache_refuses_a_value_equal_to_a_taken_one_every_time(device, taken, refused, field):
+    # True == 1 and 2.0 == 2 as dict keys: the compat launcher's key types its scalars, so a refused value never
+    # finds the launcher its taken twin made
+    q = torch.randn(2, 1, 2, 16).to(device=device, dtype=torch.float16)
+    cache = torch.randn(2, 32, 2, 16).to(device=device, dtype=torch.float16)
+    flash_attn_with_kvcache(q, cache, cache, cache_seqlens=7, causal=True, **taken)
+    for _ in range(2):
+        with pytest.raises((TypeError, ValueError), match=field):
+            flash_attn_with_kvcache(q, cache, cache, cache_seqlens=7, causal=True, **refused)

@@ -284,6 +284,12 @@ def test_static_cache_and_bad_names_are_refused():
     (dict(dropout=True), "dropout: expected a number, got True"),
     (dict(cu_seq_lens_q=torch.tensor([0, 5]), cu_seq_lens_k=torch.tensor([0, 7]), max_length_q=2.7, max_length_k=7),
      "max_length_q: expected an integer, got 2.7"),
+    # offsets in floats were truncated by .to(int32); one of the four alone was ignored (a dense call)
+    (dict(cu_seq_lens_q=torch.tensor([0.0, 5.7]), cu_seq_lens_k=torch.tensor([0, 7]), max_length_q=5, max_length_k=7),
+     "cu_seq_lens_q: expected an integer tensor of sequence offsets"),
+    (dict(cu_seq_lens_q=torch.tensor([0, 5])),
+     "cu_seq_lens_k, max_length_q, max_length_k: expected with cu_seq_lens_q"),
+    (dict(softcap="x"), "softcap: expected a number"),
 ])
 def test_bad_arguments_name_the_argument(kw, words):
     q, k = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 7, 16)

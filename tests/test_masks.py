@@ -268,6 +268,24 @@ def test_prefix_lengths_in_a_float_tensor_are_refused_by_name(device):
                            prefix_len=torch.tensor([3.0, 5.0], device=device))
 
 
+def test_a_float_tensor_whose_values_index_another_is_refused_by_name(device):
+    # (a float index failed inside Triton: "invalid operands of type pointer<fp32> and triton.language.float32")
+    q = torch.randn(1, 2, 8, 16).to(device=device, dtype=torch.float16)
+    m = torch.zeros(8, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"^p: expected an integer or bool tensor \(.*an expression indexes a tensor "
+                                         r"with them\), got dtype torch.float32"):
+        flashgen.attention(q, q, q, mask="m[p[q_idx]] >= 0", p=torch.zeros(8, device=device), m=m)
+    out = flashgen.attention(q, q, q, mask="m[p[q_idx]] >= 0", p=torch.zeros(8, dtype=torch.int64, device=device), m=m)
+    assert torch.equal(out, flashgen.attention(q, q, q))
+
+
+def test_a_tensor_name_python_would_fold_into_another_is_refused():
+    # 'ｄoc' (a full-width d) is the identifier 'doc' to Python (NFKC): two names, one kernel parameter
+    with pytest.raises(SpecError, match="mask.and.0.document.ids': expected a tensor name of ASCII letters"):
+        AttentionSpec(dtype="fp16", head_dim=16, num_heads=2,
+                      mask={"and": [{"document": {"ids": "\uff44oc"}}, {"expr": "doc[kv_idx] >= 0"}]})
+
+
 def test_fully_masked_rows_give_zero_and_minus_inf(device):
     # chunked bottom-right with sq > sk: the first rows' positions are negative, seeing nothing
     out, lse = check_variant(device, mask={"causal": {}}, sq=40, sk=16)
@@ -997,6 +1015,9 @@ def test_runs_table_serves_any_ids_tensor_twice(device):
     # passed and kv_idx read them clamped)
     (dict(score_mod="score + t[b] * t[kv_idx]", t=torch.zeros(2)),
      r"t: expected size 2 \(the batch\) and at least 12 \(seqlen_k 12\) or 1 in dim 0, got shape \(2,\)"),
+    # relative_bias: one entry per distance, q_idx - kv_idx + seqlen_k - 1 (before, a short table was read clamped)
+    (dict(score_mod={"relative_bias": "rb"}, rb=torch.zeros(2, 22)),
+     r"rb: expected size at least 23 \(seqlen_q \+ seqlen_k - 1 = 23\) or 1 in dim 1, got shape \(2, 22\)"),
 ])
 def test_a_named_tensor_shorter_than_its_indices_is_refused_by_name(device, kw, message):
     q = torch.randn(2, 2, 12, 16).to(device=device, dtype=torch.float16)

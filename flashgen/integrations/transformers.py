@@ -137,7 +137,7 @@ def _window(sliding_window):
 def _variant(is_causal, sliding_window, softcap, s_aux, tensors):
     """(causal, mask, score_mod) for one layer's options; a sink adds its tensor to `tensors`."""
     window = _window(sliding_window)
-    mods = [{"softcap": float(softcap)}] if softcap is not None else []
+    mods = [{"softcap": _number("softcap", softcap, float)}] if softcap is not None else []
     causal, mask = is_causal, None
     if s_aux is None:
         if window is not None:
@@ -198,6 +198,17 @@ def _number(name, value, kind):
     except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several elements)
         raise TypeError(f"{name}: expected {'a number' if kind is float else 'an integer'}, got "
                         f"{short_repr(value)}") from None
+
+
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # padding-free training's
+
+
+def _offsets(name, value):
+    """transformers' packed-sequence offsets `name` as int32 (flashgen's offsets), from an integer tensor; a
+    float one (whose values .to(int32) would truncate) is refused naming it."""
+    if not isinstance(value, torch.Tensor) or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor of sequence offsets, got {short_repr(value)}")
+    return value.to(torch.int32)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -267,8 +278,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return out.view(batch, seqlen_q, *out.shape[1:]), None
 
     packed = None
-    if all(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")):
-        packed = (kwargs["cu_seq_lens_q"].to(torch.int32), kwargs["cu_seq_lens_k"].to(torch.int32),
+    given = [n for n in PACKED_KWARGS if kwargs.get(n) is not None]
+    if given and len(given) < len(PACKED_KWARGS):  # one without the others would run dense, each row seeing all
+        raise ValueError(f"{', '.join(n for n in PACKED_KWARGS if n not in given)}: expected with "
+                         f"{', '.join(given)} (padding-free calls pass all four)")
+    if given:
+        packed = (_offsets("cu_seq_lens_q", kwargs["cu_seq_lens_q"]), _offsets("cu_seq_lens_k", kwargs["cu_seq_lens_k"]),
                   _number("max_length_q", kwargs["max_length_q"], int), _number("max_length_k", kwargs["max_length_k"], int))
     elif seqlen_q == seqlen_k and not torch.compiler.is_compiling():  # (traced: _traced_masks' document ids)
         packed = _packed_positions(kwargs.get("position_ids"), batch, seqlen_q)

@@ -17,7 +17,7 @@ from ..errors import SpecError
 from ..expr.derivative import derivative
 from ..expr.ir import MAX_DEPTH, Load, Var, depth, tensors_of, walk
 from ..expr.to_triton import MAX_TERMS, tensor_params, written_terms
-from .score_mods import ScoreModNode, score_ir
+from .score_mods import RELATIVE_DISTANCE, ScoreModNode, score_ir
 from .tree import MaskNode, contains_kind, full_segments, integer_tensors, predicate, segments
 
 
@@ -29,10 +29,13 @@ class NamedTensor:
     rank: int  # how many indices the expressions use
     grad: bool  # read by the score modifier: gradients flow into it when it is a float tensor
     # per dimension, the call sizes it must have (or 1, broadcast): "batch", "heads", "seqlen_q", "seqlen_k",
-    # where every index of that dimension is the plain b, h, q_idx or kv_idx; () where one is an expression
-    # (its indices are clamped into the tensor: no size is implied)
+    # where every index of that dimension is the plain b, h, q_idx or kv_idx, "distances" (seqlen_q + seqlen_k - 1)
+    # where it is relative_bias's q_idx - kv_idx + seqlen_k - 1; () where one is another expression (its indices
+    # are clamped into the tensor: no size is implied)
     sizes: tuple = ()
-    integer: bool = False  # a built-in pattern's key ranges compute with its values: an integer or bool tensor
+    # a built-in pattern's key ranges compute with its values, or an expression indexes a tensor with them: a call
+    # passes an integer or bool tensor
+    integer: bool = False
 
 
 SIZE_OF_VAR = {"b": "batch", "h": "heads", "q_idx": "seqlen_q", "kv_idx": "seqlen_k"}
@@ -50,9 +53,17 @@ def _index_sizes(exprs, rank: dict) -> dict:
                         continue
                     if isinstance(index, Var) and index.name in SIZE_OF_VAR:
                         dims[d].add(SIZE_OF_VAR[index.name])
+                    elif index == RELATIVE_DISTANCE:
+                        dims[d].add("distances")
                     else:
                         dims[d] = None
     return {name: tuple(tuple(sorted(d)) if d else () for d in dims) for name, dims in found.items()}
+
+
+def _index_tensors(exprs) -> set:
+    """The tensors whose values index another tensor (m[p[q_idx]]: p): a call passes integer or bool ones."""
+    return {inner.tensor for expr in exprs for n in walk(expr) if isinstance(n, Load) for index in n.index
+            for inner in walk(index) if isinstance(inner, Load)}
 
 
 @dataclass(frozen=True)
@@ -146,7 +157,8 @@ def lower(mask: MaskNode | None, score_mod: ScoreModNode | None) -> Lowered:
     _check_tensors(mask_tensors, score_tensors)
     ranks = {**mask_tensors, **score_tensors}
     sizes = _index_sizes([e for e in (pred, score) if e is not None], ranks)
-    integer = integer_tensors(mask) if mask is not None else set()
+    integer = (integer_tensors(mask) if mask is not None else set()) | _index_tensors([e for e in (pred, score)
+                                                                                      if e is not None])
     tensors = tuple(NamedTensor(n, ranks[n], n in score_tensors, sizes.get(n, ()), n in integer)
                     for n in sorted(ranks))
     score_derivative, grad_sites = None, ()

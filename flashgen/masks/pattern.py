@@ -102,6 +102,8 @@ def check_align(field: str, value) -> str:
 def check_tensor_name(field: str, value) -> str:
     if not isinstance(value, str) or not value.isidentifier() or value.startswith("__"):
         raise SpecError(field, "expected a tensor name (an identifier)", value)
+    if not value.isascii():  # Python folds some letters (NFKC): 'ｄoc' and 'doc' would be one kernel parameter
+        raise SpecError(field, "expected a tensor name of ASCII letters, digits and underscores", value)
     value = plain_str(value)
     if value in MASK_VARS + SCORE_VARS + SIZE_VARS or value in FUNCTIONS:
         raise SpecError(field, "a tensor name cannot be a variable or function name", value)

@@ -24,6 +24,8 @@ MODIFIERS = {
     "relative_bias": ({"tensor": "rel_bias"}, "tensor"),
 }
 KINDS = (*MODIFIERS, "expr")
+# relative_bias's index: q_idx - kv_idx + seqlen_k - 1, one per distance, 0 to seqlen_q + seqlen_k - 2
+RELATIVE_DISTANCE = add(sub(ROWS, COLS), sub(SK, Const(1)))
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def score_ir(node: ScoreModNode):
             s = sub(s, mul(Load(p["slopes"], (Var("b"), Var("h"))), dist))
         elif kind_ == "relative_bias":
             # bias[h, q_idx - kv_idx + seqlen_k - 1]: one value per head and distance
-            s = add(s, Load(p["tensor"], (Var("h"), add(sub(ROWS, COLS), sub(SK, Const(1))))))
+            s = add(s, Load(p["tensor"], (Var("h"), RELATIVE_DISTANCE)))
         else:
             ir, _ = parse_expr(expr, field="score_mod.expr", variables=SCORE_VARS, params=p)
             s = substitute(ir, {"score": s})

@@ -62,7 +62,7 @@ import triton.language as tl  # the same module as the kernels' tl in a standalo
 
 from flashgen.runtime.host import AttentionLauncher, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import check_interpretable, check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
-from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, launch_context, overlapping  # standalone: host.py precedes
+from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, check_outputs_apart, launch_context, overlapping  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
@@ -470,8 +470,21 @@ def _call_key(free, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache
     return (free, _meta(q), *caches, _meta(k), _meta(v), _meta(block_table), _meta(cache_batch_idx),
             _meta(cache_seqlens) if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens),
             tuple((n, _meta(t)) for n, t in named.items()) if named else None, _meta(out), _meta(lse),
-            bool(return_lse), softmax_scale, BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, check,
-            _meta(q_descale), _meta(k_descale), _meta(v_descale), fused_combine)
+            bool(return_lse), *map(_typed, (softmax_scale, BLOCK_N, num_splits, num_warps, num_stages, page_prefetch,
+                                            check)), _meta(q_descale), _meta(k_descale), _meta(v_descale),
+            _typed(fused_combine))
+
+
+def _typed(value):
+    """A scalar argument in a call key with its type: True, 1 and 1.0 are one dict key, and a check refuses what
+    its twin passed (a scale True, num_splits 2.0), so each is keyed, and checked, apart."""
+    return type(value), value
+
+
+def check_int32_length(n):
+    """An int cache_seqlens the kernels can take (int32); negative ones reach them, which record the bad index."""
+    if not -2**31 <= n < 2**31:
+        raise ValueError(f"cache_seqlens: expected a length in int32's range, got {n}")
 
 
 class DecodeCall:
@@ -584,6 +597,9 @@ class DecodeLauncher:
                     or tuple(cache_batch_idx.shape) != (batch,) or cache_batch_idx.device != q.device):
                 raise ValueError(f"cache_batch_idx: expected an int32 tensor of shape ({batch},) on {q.device}, got "
                                  f"{getattr(cache_batch_idx, 'shape', cache_batch_idx)!r}")
+            if batch > 1 and cache_batch_idx.stride(0) != 1:  # the kernels read element b at b
+                raise ValueError(f"cache_batch_idx: expected a contiguous tensor (stride 1), got stride "
+                                 f"{cache_batch_idx.stride(0)}")
         elif k_cache.shape[0] != batch:
             raise ValueError(f"k_cache: expected batch {batch} (that of q) in dim 0, got {k_cache.shape[0]} "
                              "(pass cache_batch_idx to index a larger cache)")
@@ -631,13 +647,19 @@ class DecodeLauncher:
 
     @staticmethod
     def check_seqlens(cache_seqlens, batch, device):
-        if cache_seqlens is None or isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if cache_seqlens is None:
+            return
+        if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+            check_int32_length(cache_seqlens)
             return
         if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
                 or tuple(cache_seqlens.shape) != (batch,) or cache_seqlens.device != device):
             raise ValueError(f"cache_seqlens: expected an int or an int32 tensor of shape ({batch},) on {device}, "
                              f"got {getattr(cache_seqlens, 'shape', cache_seqlens)!r} "
                              f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)}")
+        if batch > 1 and cache_seqlens.stride(0) != 1:  # the kernels read element b at b
+            raise ValueError(f"cache_seqlens: expected a contiguous tensor (stride 1), got stride "
+                             f"{cache_seqlens.stride(0)}")
 
     MAX_TABLE_LENGTH = 1 << 20  # lengths above this (or below 0) get a tensor of their own
 
@@ -650,6 +672,7 @@ class DecodeLauncher:
             return cache_seqlens
         n = capacity if cache_seqlens is None else cache_seqlens
         if not 0 <= n <= self.MAX_TABLE_LENGTH:  # a negative length still reaches the kernel, which records it
+            check_int32_length(n)  # (per call: a plan's key holds an int length's type only)
             return torch.full((batch,), n, dtype=torch.int32, device=device)
         key = (batch, device)
         table = self.lengths.get(key)
@@ -753,6 +776,9 @@ class DecodeLauncher:
                                 or out.dtype != out_dtype or out.device != q.device):
             raise ValueError(f"out: expected a {out_dtype} tensor of shape {out_shape} on {q.device}, got "
                              f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
+        if out is not None and overlapping(out):  # rows written by several programs at once
+            raise ValueError(f"out: expected a tensor whose elements do not share memory, got strides "
+                             f"{tuple(out.stride())} over shape {tuple(out.shape)} (an expand()ed tensor)")
         if lse is not None and (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != lse_shape
                                 or lse.dtype != torch.float32 or not lse.is_contiguous() or lse.device != q.device):
             raise ValueError(f"lse: expected a contiguous float32 tensor of shape {lse_shape} on {q.device}")
@@ -898,7 +924,7 @@ class DecodeLauncher:
         arguments are not 4-d tensors (decode() names them)."""
         try:
             return (seq, q.shape, q.stride(), q.dtype, q.device, _meta_without_length(k_cache, seq),
-                    _meta_without_length(v_cache, seq), softmax_scale, return_lse)
+                    _meta_without_length(v_cache, seq), _typed(softmax_scale), return_lse)
         except (AttributeError, IndexError, TypeError):
             return None
 
@@ -1025,6 +1051,9 @@ class DecodeLauncher:
                     entry.variants[self.length_class(call.plan, k_cache.shape[1])] = call
         elif named:
             named = self.attention.named_tensors(named, q.device)
+        if out is not None or lse is not None:  # per call: a call's key holds only the buffers' alignment
+            check_outputs_apart((("out", out), ("lse", lse)), (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                                               ("k", k), ("v", v)))
         return self.launch(call, free, q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx,
                            named, out, lse, q_descale, k_descale, v_descale)
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
-from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, contiguous_strides, env_flag, overlapping, tensor_key  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, check_outputs_apart, contiguous_strides, env_flag, overlapping, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -578,6 +578,10 @@ def runs_table(t, check=0):
     return table
 
 
+# how check_tensor_sizes names a size rule (a named tensor's dimension relative_bias indexes: one entry per distance)
+SIZE_RULES = {"distances": "seqlen_q + seqlen_k - 1 ="}
+
+
 def check_tensor_names(tensors, names):
     """The named tensors a call passes are exactly the spec's `names`, each a tensor (the one place
     this is checked: the launcher and flashgen.api's call path both use it)."""
@@ -710,7 +714,8 @@ class AttentionLauncher:
         tensors: as passed; named: their views.
         A length given as None is not checked (decode's seqlen_k: the cache's lengths live on the device,
         so its kernel checks the dimensions kv_idx indexes, sequence_checks)."""
-        calls = {"batch": batch, "heads": self.num_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+        calls = {"batch": batch, "heads": self.num_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
+                 "distances": None if seqlen_k is None else seqlen_q + seqlen_k - 1}
         for name, sizes in self.tensor_sizes.items():
             view, given = named[name], tensors[name]
             skipped = view.dim() - given.dim()  # leading dims the view added (broadcast)
@@ -721,12 +726,12 @@ class AttentionLauncher:
                 # every index of the dimension must be in range: one b or h takes the count exactly, q_idx
                 # and kv_idx at least the length (a dimension several index takes each rule)
                 exact = [n for n in names if n in ("batch", "heads")]
-                longest = [n for n in names if n in ("seqlen_q", "seqlen_k") and calls[n] is not None]
+                longest = [n for n in names if n in ("seqlen_q", "seqlen_k", "distances") and calls[n] is not None]
                 need = max((calls[n] for n in longest), default=0)
                 if any(size != calls[n] for n in exact) or size < need:
                     rules = [f"{calls[n]} (the {'batch' if n == 'batch' else 'query heads'})" for n in exact]
                     if longest:
-                        rules.append(f"at least {need} ({', '.join(f'{n} {calls[n]}' for n in longest)})")
+                        rules.append(f"at least {need} ({', '.join(SIZE_RULES.get(n, n) + f' {calls[n]}' for n in longest)})")
                     raise ValueError(f"{name}: expected size {' and '.join(rules)} or 1 in dim {d - skipped}, "
                                      f"got shape {tuple(given.shape)}")
 
@@ -744,7 +749,7 @@ class AttentionLauncher:
                 raise ValueError(f"{name}: expected a real (integer, float or bool) tensor, got dtype {t.dtype}")
             if name in self.integer_tensors and t.is_floating_point():
                 raise ValueError(f"{name}: expected an integer or bool tensor (the mask's key ranges count tokens "
-                                 f"with its values), got dtype {t.dtype}")
+                                 f"with its values, or an expression indexes a tensor with them), got dtype {t.dtype}")
             if t.device != device:
                 raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
             if t.dim() > rank or t.numel() == 0:
@@ -1055,6 +1060,8 @@ class AttentionLauncher:
             decode = self.decode_call(q, k, v, layout, softmax_scale, seed)
             if decode is not None:
                 return decode
+        if out is not None or lse is not None:  # per call: a plan's key holds only the buffers' alignment
+            check_outputs_apart((("out", out), ("lse", lse)), (("q", q), ("k", k), ("v", v)))
         plan = self.forward_call_plan(q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                                       cu_seqlens_k, max_seqlen_q, max_seqlen_k, fp8_args, knobs)
         return plan(q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, fp8_args)

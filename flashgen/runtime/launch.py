@@ -360,6 +360,29 @@ def overlapping(t):
     return False
 
 
+def shares_memory(a, b) -> bool:
+    """Whether tensors a and b may share memory: their byte ranges on one device intersect. Interleaved views
+    of one buffer whose elements differ read as sharing too (a caller's out= there is refused, not guessed)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    start_a, start_b = a.data_ptr(), b.data_ptr()
+    end_a = start_a + (1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))) * a.element_size()
+    end_b = start_b + (1 + sum((n - 1) * st for n, st in zip(b.shape, b.stride()))) * b.element_size()
+    return start_a < end_b and start_b < end_a
+
+
+def check_outputs_apart(outputs, inputs):
+    """Refuse an output buffer (name, tensor or None) that shares memory with an input the kernels read
+    (name, tensor or None): other programs would read what one has already written."""
+    for out_name, out in outputs:
+        if not isinstance(out, torch.Tensor):  # None: allocated; not a tensor: the call's checks name it
+            continue
+        for name, t in inputs:
+            if isinstance(t, torch.Tensor) and shares_memory(out, t):
+                raise ValueError(f"{out_name}: expected a buffer apart from {name}, got one sharing its memory "
+                                 f"(the kernels read {name} while they write {out_name}; pass a separate tensor)")
+
+
 def gradient_buffer(shape, stride, device):
     """float32 zeros with these strides, over the memory they span: the buffer of a named tensor's
     gradient, which the kernels add into through the tensor's own strides (a transposed or sliced
