@@ -1059,8 +1059,9 @@ def db_upgrade(db_url):
     the installed Optuna's."""
     from .db import SCHEMA_VERSION, ResultStore, SchemaVersionError
     from .db.migrate import REVISIONS
-    from .db.store import upgrade_database
+    from .db.store import default_url, upgrade_database
 
+    db_url = db_url or default_url()  # (the migration opens the URL itself: not the store's default)
     try:
         store = ResultStore(db_url, create=False)
     except SchemaVersionError as err:

@@ -44,22 +44,36 @@ def tuned_decode(spec: AttentionSpec, db: str | None = None):
     came from ('database', 'tuning_db', or 'default' with lookup None). Decode's kernels do not
     depend on whether the spec trains, so a spec tuned with either `backward` serves. Never
     raises for a database problem (the prefill loader's rule, flashgen.loader): the heuristic
-    serves."""
-    from .db import EnvInfo, ResultStore, default_url
+    serves, with the loader's one warning where the database cannot be read (not where it does not exist)."""
+    from .db import EnvInfo, MissingDatabaseError, ResultStore, default_url
     from .db.layer import shipped_best
     from .decode_space import tuned_lookup
+    from .loader import unreadable
 
     env = EnvInfo.current()
     url = db or default_url()
-    for where, read in (("database", lambda s: ResultStore(url, create=False).matching_best(env, s)),
-                        ("tuning_db", lambda s: shipped_best(s.key, env))):
-        for candidate in (spec, spec.replace(backward=not spec.backward)):
-            try:
-                lookup = tuned_lookup(read(candidate))
-            except Exception:  # noqa: BLE001 (missing, locked or stale results)
-                continue
-            if lookup is not None:
-                return lookup, where
+    store = None
+    try:  # opened once for both candidates (a locked database waited its 5 s per candidate)
+        store = ResultStore(url, create=False)
+    except MissingDatabaseError:
+        pass  # nothing tuned here yet
+    except Exception as err:  # noqa: BLE001 (locked, corrupt, another schema version...)
+        unreadable(spec, url, err)
+    try:
+        for where, read in (("database", None if store is None else lambda s: store.matching_best(env, s)),
+                            ("tuning_db", lambda s: shipped_best(s.key, env))):
+            for candidate in (spec, spec.replace(backward=not spec.backward)) if read is not None else ():
+                try:
+                    lookup = tuned_lookup(read(candidate))
+                except Exception as err:  # noqa: BLE001 (malformed or unreadable rows)
+                    if where == "database":
+                        unreadable(spec, url, err)
+                    continue
+                if lookup is not None:
+                    return lookup, where
+    finally:
+        if store is not None:
+            store.close()
     return None, "default"
 
 

@@ -106,6 +106,17 @@ def _usable(rows: dict, spec: AttentionSpec, env: EnvInfo, where: str, fix: str,
     return configs
 
 
+def unreadable(spec: AttentionSpec, url: str, err: Exception) -> None:
+    """Warn once (per spec and database) that the database at url could not be read (err), naming the check
+    command: a lookup falls back (tuned() here, kvcache.tuned_decode)."""
+    shown = display_url(url)
+    reason = err.problem if isinstance(err, DatabaseError) else f"{type(err).__name__}: {err}"
+    reason = hide_password(reason.strip().splitlines()[0][:300] if reason.strip() else type(err).__name__, url)
+    # keyed by the database too: a second broken one for the same spec is said as well
+    _warn_once((spec.key, "db", shown), f"flashgen: cannot read tuning results from {shown} ({reason}); "
+                                        f"falling back. Run `flashgen db check --db {shown}`.")
+
+
 def recheck_command(spec: AttentionSpec, spec_path: str | None) -> str:
     return f"flashgen tune --recheck --spec {spec_path or 'spec.yaml'}"
 
@@ -122,6 +133,11 @@ def tuned(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None =
     configs, source = {}, "default"
     try:
         store = ResultStore(url, create=False)
+        if store.unread_wal:
+            _warn_once(("wal", shown), f"flashgen: {shown} is read-only beside a write-ahead log (-wal) of results "
+                                       "not yet written into it (a tune stopped before its checkpoint): those are "
+                                       "not seen. Open the database once where it is writable (`flashgen db check "
+                                       f"--db {shown}` does), then copy it.")
         skipped = []
         rows = store.matching_best(env, spec, skipped)
         configs = _usable(rows, spec, env, shown, check, older, skipped)
@@ -132,11 +148,7 @@ def tuned(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None =
     except MissingDatabaseError:
         pass  # nothing tuned here yet: not worth a warning
     except Exception as err:  # missing tables, locked, corrupt, another schema version, no driver...
-        reason = err.problem if isinstance(err, DatabaseError) else f"{type(err).__name__}: {err}"
-        reason = hide_password(reason.strip().splitlines()[0][:300] if reason.strip() else type(err).__name__, url)
-        # keyed by the database too: a second broken one for the same spec is said as well
-        _warn_once((spec.key, "db", shown), f"flashgen: cannot read tuning results from {shown} ({reason}); "
-                                            f"falling back. {check}")
+        unreadable(spec, url, err)
 
     def skip_file(path, err):
         _warn_once(("layer", str(path)), f"flashgen: skipping the shipped tuning results file {path}: "

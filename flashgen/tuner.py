@@ -495,10 +495,19 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
             study.enqueue_trial(point)
     failures: dict[str, int] = {}
 
+    def retried(t) -> bool:
+        """A trial that timed out under a shorter limit than this run's (a run with a mistaken --timeout): its
+        config is measured again, and it spends none of this run's budget (before, every later run took its
+        timeout as final)."""
+        limit = t.user_attrs.get("timeout_s")
+        return (t.user_attrs.get("record", {}).get("status") == "timeout" and limit is not None
+                and limit < options.timeout_s)
+
     def measured() -> dict[str, TrialRecord]:
-        """The records of the configs this study has finished, this run's and other runs'."""
+        """The records of the configs this study has finished, this run's and other runs' (less the retried)."""
         return {config_key(t.user_attrs["record"]["config"]): TrialRecord(**t.user_attrs["record"])
-                for t in study.get_trials(deepcopy=False) if t.state.is_finished() and "record" in t.user_attrs}
+                for t in study.get_trials(deepcopy=False)
+                if t.state.is_finished() and "record" in t.user_attrs and not retried(t)}
 
     def objective(trial: optuna.Trial) -> float:
         _record_heartbeat(study, trial)  # first: before the suggestions' writes, which wait for the lock too
@@ -509,9 +518,10 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
         rec = measured().get(key)
         if rec is not None:  # measured before, by this run or another: told again, not run again
             trial.set_user_attr("reused", True)
-        elif broken or store.claim(name, key, trial._trial_id):
+        elif broken or store.claim(name, key, trial._trial_id, retake=retried):
             if not broken:  # who measures it: where to look when a worker dies mid-trial
                 trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+                trial.set_user_attr("timeout_s", options.timeout_s)  # the limit a timeout was under (retried)
             rec = runner.trial(kernel, data, broken, phase, work, timeout_s=options.timeout_s)
         else:  # another worker is measuring this config now
             trial.set_user_attr("claimed_elsewhere", True)
@@ -534,7 +544,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
         # each other's configs, and counting those stopped a budget of 3 at 2 configs measured)
         return sum(1 for t in study.get_trials(deepcopy=False) if t.state.is_finished()
                    and t.user_attrs.get("record", {}).get("status") not in (None, "restricted")
-                   and not t.user_attrs.get("final") and not t.user_attrs.get("reused"))
+                   and not t.user_attrs.get("final") and not t.user_attrs.get("reused") and not retried(t))
 
     def retries_waiting() -> bool:
         """A dead worker's trial, failed by its heartbeat, is enqueued again: it runs even when
@@ -763,7 +773,7 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
     groups: dict[tuple[int, str], list[dict]] = {}
     for row in rows:
         groups.setdefault((row["bucket"], row["phase"]), []).append(row)
-    plan = []  # (bucket, phase, default, candidates, fastest stored row, why)
+    plan = []  # (bucket, phase, default, candidates, fastest stored row, why, this environment's (ms, kernel))
     for (bucket, phase), group in sorted(groups.items()):
         default = default_config(spec, target=target, seqlen=bucket)
         candidates = []
@@ -777,10 +787,12 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
             if config != default and config not in candidates:
                 candidates.append(config)
         first = min(group, key=lambda r: r["ms"])
+        # this environment's row as read now: the round's result replaces it while it is unchanged (set_best)
+        own = next(((r["ms"], r["kernel"]) for r in group if r["environment"] == env.as_dict()), None)
         status = default_status(spec, first, target)
         why = "stale" if classify(env, first, kernels_of(spec)) == STALE else \
             {SAME_DEFAULT: "same default", OTHER_DEFAULT: "older default"}.get(status, "unknown default")
-        plan.append((bucket, phase, default, candidates, first, why))
+        plan.append((bucket, phase, default, candidates, first, why, own))
     if not plan:
         return []
     kernel = AttentionKernel(spec, default_config(spec, target=target))
@@ -797,7 +809,7 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
     # threads and alone alike, was not the threads: the full grid's one-key shape, see runtime/host.py.)
     prepared = dict(zip(todo, prepare_all(runner, todo, prepare, jobs or 1)))
     results = []
-    for bucket, phase, default, candidates, first, why in plan:
+    for bucket, phase, default, candidates, first, why, own in plan:
         checked = {c: dataclasses.replace(prepared[(phase, c)], bucket=bucket) for c in [default, *candidates]}
         configs = [c for c, rec in checked.items() if rec.status == "ok"]
         timed = {c: dataclasses.replace(checked[c]) for c in configs}
@@ -825,7 +837,7 @@ def recheck(spec: AttentionSpec, runner: Runner, store: ResultStore, options: Tu
         if winner is not None:
             against = default_kernel(spec, bucket, phase, target) if default_ok else None
             store.set_best(env, spec, bucket, phase, winner.config, winner.ms, winner.tflops,
-                           default_rec.ms if default_ok else None, against, rechecked=True)
+                           default_rec.ms if default_ok else None, against, rechecked=True, read=own)
         result = RecheckResult(bucket, phase, first["ms"], why, stored, default_rec, kept)
         results.append(result)
         if progress:

@@ -95,6 +95,44 @@ def test_round_trip_and_upsert(url):
     store.close()
 
 
+def test_a_recheck_replaces_only_the_row_it_read(url):
+    # a recheck times the stored config and the default in one round and stores the winner whatever its time (a
+    # stored time from another round says nothing against it), but only over the row it read: a faster row a
+    # concurrent tune stored meanwhile was never compared and stays (before, the recheck overwrote it)
+    from flashgen.db.kernels import current_kernel
+
+    store = ResultStore(url)
+    slow, other = dict(CFG, BLOCK_N=16), dict(CFG, BLOCK_M=32)
+    store.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)
+    read = (1.0, current_kernel(SPEC, CFG, "fwd"))
+    assert store.set_best(env(), SPEC, 64, "fwd", slow, 3.0, 0.3, rechecked=True, read=read) is None
+    assert store.best_configs(env(), SPEC)[64]["fwd"]["ms"] == 3.0
+    store.set_best(env(), SPEC, 64, "fwd", other, 0.5, 2.0)  # the concurrent tune's
+    kept = store.set_best(env(), SPEC, 64, "fwd", slow, 3.0, 0.3, rechecked=True,
+                          read=(3.0, current_kernel(SPEC, slow, "fwd")))
+    assert kept["config"] == other and kept["ms"] == 0.5
+    # a recheck that read no row: a row stored meanwhile is replaced only by a lower time
+    assert store.set_best(env(), SPEC, 128, "fwd", CFG, 1.0, 1.0) is None
+    assert store.set_best(env(), SPEC, 128, "fwd", slow, 3.0, 0.3, rechecked=True, read=None)["ms"] == 1.0
+    store.close()
+
+
+def test_a_tilde_in_an_sqlite_url_is_the_home_directory_for_sqlite_too(tmp_path, monkeypatch):
+    # flashgen's checks (the file exists, its lock, replaced under it) expanded ~ while SQLite opened a folder
+    # named ~ in the working directory: writes went there and reads found no results, or the open failed
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    store = ResultStore("sqlite:///~/t.sqlite")
+    store.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)
+    store.close()
+    assert (home / "t.sqlite").exists() and not (work / "~").exists()
+    reader = ResultStore("sqlite:///~/t.sqlite", create=False)
+    assert reader.best_configs(env(), SPEC)[64]["fwd"]["ms"] == 1.0
+    reader.close()
+
+
 def test_other_schema_version_is_refused_with_the_upgrade_command(url):
     from sqlalchemy import text
 
@@ -752,9 +790,10 @@ def test_a_result_without_kernel_hash_serves_with_the_same_templates(tmp_path, m
     assert configs[1024].BLOCK_M == 16 and source == f"database {store.url}"
 
 
-def _downgraded_then_upgraded(store, version: int, column: str):
+def _downgraded_then_upgraded(store, version: int, column: str, default_db: bool = False):
     """Take a database back to schema ``version`` (which lacks best_configs.``column``), check it
-    is refused, upgrade it with `flashgen db upgrade`; the store reopened."""
+    is refused, upgrade it with `flashgen db upgrade` (default_db: without --db, the database
+    FLASHGEN_DB names); the store reopened."""
     from alembic import command
     from click.testing import CliRunner
     from sqlalchemy import inspect
@@ -769,7 +808,10 @@ def _downgraded_then_upgraded(store, version: int, column: str):
     store.close()
     with pytest.raises(SchemaVersionError, match=rf"schema version {version}, .*flashgen db upgrade --db "):
         ResultStore(url)
-    result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
+    if default_db:  # (before, an upgrade without --db passed None to the migration: a traceback)
+        result = CliRunner().invoke(main, ["db", "upgrade"], env={"FLASHGEN_DB": url})
+    else:
+        result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
     assert result.exit_code == 0, result.output
     assert f"upgraded from schema version {version} to {SCHEMA_VERSION}" in result.output, result.output
     return ResultStore(url)
@@ -1023,7 +1065,7 @@ def test_db_upgrade_from_schema_4_keeps_every_result_with_an_unknown_default(url
     _as_machine(monkeypatch, env())
     store = ResultStore(url)
     store.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=16), 1.0, 1.0, 2.0)
-    store = _downgraded_then_upgraded(store, 4, "default_kernel")
+    store = _downgraded_then_upgraded(store, 4, "default_kernel", default_db=True)
     (row,) = store.all_best()
     assert row["default_kernel"] is None and row["ms"] == 1.0 and row["default_ms"] == 2.0
     with warnings.catch_warnings():
@@ -1192,6 +1234,24 @@ def test_reading_leaves_a_databases_file_as_it_is(tmp_path, fresh_warnings):
     assert empty.stat().st_size == 0
 
 
+def test_a_writer_refuses_a_foreign_database_before_touching_it(tmp_path):
+    # `flashgen tune --db` at another program's SQLite file switched it to WAL for good and left a .lock beside it,
+    # then refused it
+    import sqlite3
+
+    foreign = tmp_path / "app.sqlite"
+    with sqlite3.connect(foreign) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    with pytest.raises(SchemaVersionError, match="is not a flashgen database"):
+        ResultStore(f"sqlite:///{foreign}")
+    with sqlite3.connect(foreign) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["app.sqlite"]
+    empty = tmp_path / "empty.sqlite"  # an empty file is a new database: made there
+    empty.touch()
+    ResultStore(f"sqlite:///{empty}").close()
+
+
 def test_a_reader_waits_5_s_for_a_lock_a_writer_30(tmp_path):
     # flashgen.load at a program's start waited 30 s on a locked database before it fell back
     url = f"sqlite:///{tmp_path / 'timeout.sqlite'}"
@@ -1264,3 +1324,32 @@ def test_a_row_whose_canonical_spec_was_edited_is_malformed(tmp_path):
             check_row(bad)
         with pytest.raises(ResultRowError):
             ResultStore(f"sqlite:///{tmp_path / 'edited.sqlite'}").import_rows([bad])
+
+
+def test_a_read_only_database_beside_an_unapplied_write_ahead_log_is_said(tmp_path, monkeypatch, fresh_warnings):
+    # a database copied into a read-only place after a tune was killed before its checkpoint: the immutable
+    # read-only open cannot apply the -wal file beside it, and served the older results in silence
+    import warnings
+
+    from flashgen.db import store as store_module
+
+    url = f"sqlite:///{tmp_path / 'wal.sqlite'}"
+    writer = ResultStore(url)
+    writer.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)
+    with writer.engine.connect() as conn:  # the schema and this row into the database file
+        conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+    writer.set_best(env(), SPEC, 128, "fwd", CFG, 1.0, 1.0)  # still open: this row sits in the write-ahead log
+    assert (tmp_path / "wal.sqlite-wal").stat().st_size > 0
+    _as_machine(monkeypatch, env())
+    monkeypatch.setattr(store_module, "_unwritable", lambda path: True)  # (root can write anywhere: as if mounted ro)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lookup(SPEC, url)
+    said = [str(w.message) for w in caught if issubclass(w.category, flashgen.FlashgenFallbackWarning)]
+    assert any("is read-only beside a write-ahead log" in m for m in said), said
+    writer.close()
+    monkeypatch.undo()
+    with warnings.catch_warnings(record=True) as caught:  # writable: the log is applied, nothing to say
+        warnings.simplefilter("always")
+        configs, _ = lookup(SPEC, url)
+    assert not [w for w in caught if "write-ahead" in str(w.message)] and configs[128].BLOCK_M == CFG["BLOCK_M"]

@@ -98,3 +98,27 @@ def test_tuned_split_counts_are_stored_per_bucket_and_served(tmp_path, monkeypat
     flashgen.decode(spec, q, cache.k_cache, cache.v_cache, cache.cache_seqlens, num_splits=1)
     assert any(not call.plan["tuned"] and call.plan["splits"] == 1 for call in launcher.calls.values())
     kvcache.reload_tuned()
+
+
+def test_an_unreadable_database_falls_back_with_the_loaders_one_warning(tmp_path):
+    # the decode lookup fell back in silence where flashgen.load warns (and opened the database once per
+    # candidate spec: a locked one waited its 5 s twice)
+    import warnings
+
+    from flashgen import loader
+
+    spec = AttentionSpec(name="tiny-decode-broken", dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2,
+                         causal=True, backward=False)
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"not a database" * 100)
+    loader._warned.clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert kvcache.tuned_decode(spec, f"sqlite:///{garbage}") == (None, "default")
+            assert kvcache.tuned_decode(spec, f"sqlite:///{tmp_path / 'none.sqlite'}") == (None, "default")
+        said = [str(w.message) for w in caught if issubclass(w.category, flashgen.FlashgenFallbackWarning)]
+        assert len(said) == 1 and f"cannot read tuning results from sqlite:///{garbage}" in said[0], said
+        assert "flashgen db check" in said[0]
+    finally:
+        loader._warned.clear()

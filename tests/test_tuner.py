@@ -1181,3 +1181,30 @@ def test_the_final_round_checks_the_two_fastest_distinct_configs_side_by_side():
     assert timed == [fast, second] and runner.seconds["compile_verify"] < 100
     assert best.ms == 0.9 and found.ms == 0.9 and default.status == "wrong_result"
     assert failures == {"final wrong_result": 1}  # a round where nothing passed says why (the CLI prints it)
+
+
+@needs_interpreter
+def test_a_run_with_a_longer_timeout_measures_again_what_timed_out_under_a_shorter_one(store):
+    # a run with a mistaken --timeout (0.5 s here) timed every config out; a later run with the usual limit took
+    # those timeouts as final: it resumed them as its budget, ran no trial and stored the default
+    spec = SPEC.replace(backward=False)
+
+    class Slow(ClockRunner):  # every config takes "1 s": over a 0.5 s limit, under 120 s
+        def trial(self, kernel, data, broken, phase, work, *, timeout_s=60.0):
+            rec = super().trial(kernel, data, broken, phase, work, timeout_s=timeout_s)
+            if rec.status == "ok" and timeout_s < 1.0:
+                return dataclasses.replace(rec, status="timeout", ms=None, error=f"the trial took 1s, over {timeout_s}s")
+            return rec
+
+    def ms(config, phase):
+        return 2.0 if config.BLOCK_M == 16 else 1.0
+
+    (first,) = tune(spec, Slow(ms), store, TuneOptions(trials=3, sampler="grid", timeout_s=0.5))
+    assert first.failures.get("timeout") == 3
+    (second,) = tune(spec, Slow(ms), store, TuneOptions(trials=3, sampler="grid", timeout_s=120.0))
+    assert second.resumed == 0 and not second.failures  # the timeouts were measured again, and spent no budget
+    study = store.open_study(spec, Slow(ms).env, 64, "fwd")
+    records = [t.user_attrs["record"] for t in study.get_trials() if "record" in t.user_attrs]
+    assert sum(r["status"] == "ok" for r in records) >= 3
+    (third,) = tune(spec, Slow(ms), store, TuneOptions(trials=3, sampler="grid", timeout_s=120.0))
+    assert third.resumed == 3  # what the second run measured is resumed as before

@@ -37,6 +37,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import platformdirs
 from sqlalchemy import Text, create_engine, event, inspect, select, type_coerce, update
@@ -50,7 +51,7 @@ from .kernels import current_kernel, default_kernel as default_kernel_of, kernel
 from . import migrate
 from .models import SCHEMA_VERSION, Base, Best, Claim, Environment, Meta, SpecRow
 from .rows import ResultRowError, check_best, check_canonical, check_environment, check_row
-from .urls import display_url, engine_options, hide_password, sqlite_file
+from .urls import display_url, engine_options, expanded_url, hide_password, sqlite_file
 
 
 class DatabaseError(RuntimeError):
@@ -157,6 +158,24 @@ def _sqlite_pragmas(engine: Engine, wal: bool = True) -> None:
         cur.close()
 
 
+def _foreign(path: Path) -> bool:
+    """Whether an SQLite file holds tables but not flashgen's (another program's database, a mistaken --db): read
+    through a read-only connection of its own, before a writing store's WAL switch and schema lock touch it."""
+    import sqlite3
+
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    try:
+        conn = sqlite3.connect(f"file:{quote(str(path.absolute()))}?mode=ro", uri=True, timeout=5)
+        try:
+            names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            conn.close()
+    except sqlite3.Error:  # not a database, or locked: the store's own open says what is wrong
+        return False
+    return bool(names) and Meta.__tablename__ not in names
+
+
 def _unwritable(path: Path) -> bool:
     """Whether this user cannot write the SQLite file or its folder (a read-only mount, a results database
     baked into a container image): a reader cannot make the WAL's -shm and -wal files there."""
@@ -167,8 +186,6 @@ def _read_only_url(path: Path) -> str:
     """An SQLite URL that opens the file read-only and immutable: no -shm or -wal files, no locks. Used where
     this user cannot write (_unwritable); a writer with other rights changing the file meanwhile is not seen
     consistently (SQLite may then report the file malformed: the reader's error and load's fallback)."""
-    from urllib.parse import quote
-
     return f"sqlite:///file:{quote(str(path.absolute()))}?mode=ro&immutable=1&uri=true"
 
 
@@ -187,17 +204,23 @@ class ResultStore:
     is what every message shows. ``create=False`` opens an existing flashgen database only."""
 
     def __init__(self, url: str | None = None, *, create: bool = True, heartbeat_s: int = HEARTBEAT_S):
-        self.url = url or default_url()
+        self.url = expanded_url(url or default_url())
         self.heartbeat_s = heartbeat_s
         self.writes = create  # opened to write (tune, import), or only to read (show, export, flashgen.load)
         self.display_url = display_url(self.url)
         path = sqlite_file(self.url)
         if path is not None and not create and not path.exists():
             raise MissingDatabaseError(self.url, "does not exist (the first `flashgen tune` creates it)")
+        if path is not None and create and _foreign(path):  # refused before its journal mode is switched
+            raise SchemaVersionError(self.url, "is not a flashgen database (no flashgen_meta table)")
         try:
             if path is not None and create:
                 path.parent.mkdir(parents=True, exist_ok=True)
             opened = _read_only_url(path) if path is not None and not create and _unwritable(path) else self.url
+            # a read-only file's write-ahead log (a writer killed before its checkpoint): the immutable open cannot
+            # apply it, so the results last written there are not seen (flashgen.load says so)
+            wal = None if path is None else path.with_name(path.name + "-wal")
+            self.unread_wal = opened != self.url and wal.is_file() and wal.stat().st_size > 0
             self.engine = create_engine(opened, future=True, **engine_options(opened))
             if self.engine.dialect.name == "sqlite":
                 _sqlite_pragmas(self.engine, wal=create)
@@ -353,11 +376,12 @@ class ResultStore:
             retry = (callback or storages.RetryFailedTrialCallback)(max_retry=2)
         return {"heartbeat_interval": self.heartbeat_s, "grace_period": 3 * self.heartbeat_s, name: retry}
 
-    def claim(self, study: str, key: str, trial_id: int) -> bool:
+    def claim(self, study: str, key: str, trial_id: int, retake=None) -> bool:
         """Whether trial ``trial_id`` may measure config ``key`` of ``study``: True for the first
         trial to claim it (one insert: the database picks one winner among concurrent workers),
         and for a trial taking over the claim of a trial that failed (its worker died or was
-        interrupted); False while another trial holds it or has measured it."""
+        interrupted) or that ``retake(holder's FrozenTrial)`` says is to be measured again (a
+        timeout under a shorter limit); False while another trial holds it or has measured it."""
         from optuna.trial import TrialState
 
         with self._session() as s:
@@ -365,7 +389,8 @@ class ResultStore:
             holder = s.execute(select(Claim.trial_id).filter_by(study=study, config_key=key)).scalar_one()
         if holder == trial_id:
             return True
-        if self.optuna_storage().get_trial(holder).state != TrialState.FAIL:
+        held = self.optuna_storage().get_trial(holder)
+        if held.state != TrialState.FAIL and not (retake is not None and held.state.is_finished() and retake(held)):
             return False
         with self._session() as s:  # compare-and-set: of two trials taking over, one wins
             taken = s.execute(update(Claim).filter_by(study=study, config_key=key, trial_id=holder)
@@ -425,23 +450,29 @@ class ResultStore:
     # ------------------------------------------------------------------ writes
     def set_best(self, env: EnvInfo, spec: AttentionSpec, bucket: int, phase: str, config: dict, ms: float,
                  tflops: float, default_ms: float | None = None, default_kernel: str | None = None, *,
-                 rechecked: bool = False) -> dict | None:
+                 rechecked: bool = False, read: tuple | None = None) -> dict | None:
         """Store a best config, with the hash of the kernels it was timed on and the default
         it was measured against (``default_kernel``, flashgen.db.kernels.default_kernel),
         unless the environment already holds a faster one for this spec, bucket and phase
         that is not stale and was measured against the same default (or an unrecorded one).
         ``rechecked``: the stored config and the default were both timed in this round
-        (``flashgen tune --recheck``), so this row replaces what is stored whatever its time.
+        (``flashgen tune --recheck``), so this row replaces what is stored whatever its time, as
+        long as that is still what the recheck read: ``read``, the (ms, kernel) of this
+        environment's row when it began (None: it had none). A row another writer stored
+        meanwhile (a concurrent tune) was not timed in the round: it is replaced only by a lower
+        time, as any row is.
         Returns None when stored, else the faster stored row (config, ms, tflops, default_ms),
         which stays."""
         check_best(dict(bucket=bucket, phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms))
         kernel = current_kernel(spec, config, phase)
         with self._session() as s:
             return self._set_best(s, env, spec, bucket, phase, config, ms, tflops, default_ms, kernel,
-                                  default_kernel, always=rechecked)
+                                  default_kernel, unless_changed=read if rechecked else False)
 
     def _set_best(self, s: Session, env: EnvInfo, spec, bucket, phase, config, ms, tflops, default_ms,
-                  kernel: str | None, default_kernel: str | None = None, always: bool = False) -> dict | None:
+                  kernel: str | None, default_kernel: str | None = None, unless_changed=False) -> dict | None:
+        """set_best's write in session s. unless_changed: False (replace only by the rules below), or
+        the (ms, kernel) a recheck read of this row (None: no row then), which it replaces while unchanged."""
         values = dict(environment_id=self._env_id(s, env), spec_id=self._spec_id(s, spec), bucket=bucket,
                       phase=phase, config=config, ms=ms, tflops=tflops, default_ms=default_ms, kernel=kernel,
                       default_kernel=default_kernel)
@@ -459,6 +490,10 @@ class ResultStore:
         # claim: `flashgen tune --recheck` re-measures those). A row measured against an older
         # default (an import of an old export) replaces nothing by that rule.
         replace = [] if stale is None else [Best.kernel == stale]
+        if unless_changed:  # a recheck's round: the row it read, still as it read it
+            read_ms, read_kernel = unless_changed
+            replace.append((Best.ms == read_ms) & (Best.kernel.is_(None) if read_kernel is None
+                                                   else Best.kernel == read_kernel))
         if default_kernel is not None and default_kernel == _current_default(spec, bucket, phase, env):
             replace.append(Best.default_kernel.is_not(None) & (Best.default_kernel != default_kernel))
         or_where = None
@@ -466,7 +501,7 @@ class ResultStore:
             or_where = clause if or_where is None else or_where | clause
         self._upsert(s, Best, values, tuple(natural),
                      update=("config", "ms", "tflops", "default_ms", "kernel", "default_kernel"),
-                     only_if_lower=None if always else "ms", or_where=or_where)
+                     only_if_lower="ms", or_where=or_where)
         kept = s.execute(select(Best).filter_by(**natural)).scalar_one()
         if kept.ms == ms and kept.config == config:
             return None
@@ -673,6 +708,7 @@ def upgrade_database(url: str, found: int) -> None:
     """``flashgen db upgrade``: migrate a flashgen database at schema ``found`` (Alembic,
     flashgen.db.migrate), make any of flashgen's tables it lacks, then bring Optuna's tables
     to the installed Optuna (made where missing)."""
+    url = expanded_url(url)
     try:
         engine = create_engine(url, future=True, **engine_options(url))
         if engine.dialect.name == "sqlite":

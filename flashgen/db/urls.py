@@ -71,6 +71,19 @@ def sqlite_file(url: str) -> Path | None:
     return Path(database).expanduser()
 
 
+def expanded_url(url: str) -> str:
+    """An SQLite URL whose file path starts with ``~`` with the user's home put in, as every path flashgen shows
+    and checks has it (SQLite itself would open a folder named ``~`` in the working directory); other URLs as
+    given."""
+    try:
+        parsed = make_url(url)
+    except Exception:  # noqa: BLE001 (not a URL: its opening names the problem)
+        return url
+    if parsed.get_backend_name() != "sqlite" or not (parsed.database or "").startswith("~"):
+        return url
+    return parsed.set(database=str(Path(parsed.database).expanduser())).render_as_string(hide_password=False)
+
+
 def in_memory(url: str) -> bool:
     """Whether url names an in-memory SQLite database (gone when its process ends)."""
     try:
