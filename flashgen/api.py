@@ -198,6 +198,9 @@ class AttentionKernel:
         """__call__ with its arguments by position (flashgen.attention calls it so: no keyword
         arguments packed and unpacked twice per call)."""
         check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
+        if isinstance(layout, str) and layout == "thd":  # (its offsets are the varlen call's arguments)
+            raise ValueError("layout: 'thd' (packed sequences) needs their offsets: call flashgen.attention_varlen "
+                             "(or a kernel's .varlen) with cu_seqlens_q/k and max_seqlen_q/k")
         kernel_id = self._call_id(q, k, layout, config)
         if self._fp8 or descales[0] is not None or descales[1] is not None or descales[2] is not None:
             out, lse = ops.apply_fp8_attention(q, k, v, descales, kernel_id=kernel_id, layout=layout,
@@ -638,6 +641,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     (total_q, heads, head_dim_v) (and LSE (heads, total_q) with return_lse). Tokens after
     cu_seqlens_q[-1] belong to no sequence: their rows of out, LSE and dq are not written (as
     flash-attn's), so slice them off before anything reads them."""
+    for name in ("q_descale", "k_descale", "v_descale"):
+        if name in tensors:  # (else: "not a tensor of this spec")
+            raise TypeError(f"{name}: attention_varlen takes no FP8 descale factors (FP8 runs through "
+                            "flashgen.attention on dense layouts)")
     eager_key, kernel = _eager_binding(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
     if kernel is None:
         key = _call_key(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)

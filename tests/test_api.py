@@ -410,6 +410,12 @@ def test_packed_calls_name_what_they_refuse():
     with pytest.raises(ValueError, match=r"^cu_seqlens_q: expected a 1-d int32 tensor of batch \+ 1 offsets "
                                          r"\(batch >= 1\), got torch.Size\(\[1\]\)"):
         flashgen.attention_varlen(q, q, q, none, none, 13, 13)
+    # flashgen.attention takes no offsets: 'thd' there named cu_seqlens_q, which the caller cannot pass
+    with pytest.raises(ValueError, match=r"^layout: 'thd' \(packed sequences\) needs their offsets: call "
+                                         r"flashgen.attention_varlen"):
+        flashgen.attention(q, q, q, layout="thd")
+    with pytest.raises(TypeError, match=r"^q_descale: attention_varlen takes no FP8 descale factors"):
+        flashgen.attention_varlen(q, q, q, cu, cu, 13, 13, q_descale=torch.ones(2, 2, device=DEVICE))
 
 
 def test_packed_calls_check_their_longest_lengths():
