@@ -158,8 +158,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     check="sync" (flashgen's addition, for debugging; see flashgen.kvcache.decode). The first call
     with a new combination of dtypes, head counts, head dims and causal/window/softcap/ALiBi
     builds and compiles its spec; later ones find it with one dict lookup."""
-    from .kvcache import compat_launcher
+    from .kvcache import compat_launcher, refuse_tracing
 
+    refuse_tracing("flash_attn_with_kvcache")
     if rotary_cos is not None or rotary_sin is not None:
         raise ValueError("rotary_cos: in-kernel rotary embedding is not supported by flashgen.compat; apply it to "
                          "q and k before the call")

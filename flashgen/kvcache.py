@@ -84,6 +84,15 @@ def reload_tuned() -> None:
     _COMPAT.clear()
 
 
+def refuse_tracing(name: str) -> None:
+    """Refuse a decode call traced by torch.compile, naming it: the decode kernels, their plans and bounds checks are
+    eager-only (a traced call failed deep inside, on a dict key or a pointer's alignment)."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(f"{name}: not supported under torch.compile (the decode kernels run eagerly); call it "
+                           "outside the compiled function, or let the graph break there (fullgraph=False with "
+                           "torch.compiler.disable around the call)")
+
+
 def decode_launcher(kernel: AttentionKernel, config: KernelConfig | None = None):
     """The DecodeLauncher of a kernel's module, with the spec's tuned decode knobs attached (looked up once)."""
     key = kernel.kernel_id(config)
@@ -129,6 +138,7 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     float8_e5m2, q too; q_descale, k_descale, v_descale: float32 (batch, kv_heads), each only for
     an FP8 tensor (else ValueError naming it); k, v stay in the spec's dtype. Needs sm89+ on a GPU.
     """
+    refuse_tracing("flashgen.decode")
     check_flag("return_lse", return_lse)
     kernel = spec_or_kernel if isinstance(spec_or_kernel, AttentionKernel) else compile_spec(
         AttentionSpec.coerce(spec_or_kernel))

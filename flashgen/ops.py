@@ -154,8 +154,13 @@ def _backward_grads(do, q, k, v, out, lse, seed, tensors, module, layout, dropou
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, tensors: list[torch.Tensor],
              kernel_id: str, layout: str, dropout_p: float, deterministic: bool, cu_q: torch.Tensor | None,
              cu_k: torch.Tensor | None, max_q: int, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, seed, tensors, kernel_module(resolve(kernel_id, q, k, layout, max_q, max_k)), layout,
-                    dropout_p, cu_q, cu_k, max_q, max_k)
+    module = kernel_module(resolve(kernel_id, q, k, layout, max_q, max_k))
+    # as an eager call runs (_run_seq_major): a bhsd view of (batch, seq, heads, dim) memory runs as bshd, and its
+    # out is a bhsd view of bshd memory (the caller's out.transpose(1, 2).view(...) works compiled as in eager)
+    seq_major, _, (out, lse) = _run_seq_major(
+        lambda q, k, v, layout: _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_q, cu_k, max_q, max_k),
+        q, k, v, layout)
+    return (out.transpose(1, 2) if seq_major else out), lse
 
 
 @attn_fwd.register_fake
@@ -166,6 +171,9 @@ def _attn_fwd_fake(q, k, v, seed, tensors, kernel_id, layout, dropout_p, determi
     if layout == "bhsd":
         batch, heads, seqlen_q = q.shape[0], q.shape[1], q.shape[2]
         out_shape = (batch, heads, seqlen_q, v.shape[3])
+        if _seq_major(q):  # attn_fwd's out: a bhsd view of bshd memory
+            return (q.new_empty((batch, seqlen_q, heads, v.shape[3])).transpose(1, 2),
+                    q.new_empty((batch, heads, seqlen_q), dtype=torch.float32))
     else:
         batch, seqlen_q, heads = q.shape[0], q.shape[1], q.shape[2]
         out_shape = (batch, seqlen_q, heads, v.shape[3])
@@ -190,7 +198,9 @@ def attn_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 @attn_bwd.register_fake
 def _attn_bwd_fake(do, q, k, v, out, lse, seed, tensors, kernel_id, layout, dropout_p, deterministic, grad_mask,
                    cu_q, cu_k, max_q, max_k):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+    # dq, dk, dv contiguous in q's, k's and v's shapes, as the backward allocates them (empty_like kept a
+    # transposed view's strides: inductor's stride asserts failed on model code's q.view(B, L, H, D).transpose(1, 2))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             [torch.empty_like(t) if grad_mask >> i & 1 else t.new_empty(0) for i, t in enumerate(tensors)])
 
 

@@ -239,3 +239,58 @@ def test_mask_and_score_mod_objects_built_outside_compile(mask):
     # a Mask / ScoreMod object was not a plain key: the call built its spec while traced and broke the graph
     score_mod = flashgen.score_mod("score * 0.5")
     _check(lambda q, k, v: flashgen.attention(q, k, v, mask=mask, score_mod=score_mod), _dense, "aot_eager")
+
+
+def _seq_major(batch, seqlen, heads=4, kv_heads=2, dim=16):
+    """Model code's bhsd views of (batch, seq, heads, dim) memory: x.view(B, L, H, D).transpose(1, 2)."""
+    return [torch.randn(batch, seqlen, h, dim).transpose(1, 2).requires_grad_() for h in (heads, kv_heads, kv_heads)]
+
+
+@pytest.mark.interpreter
+def test_seq_major_views_compile_with_eagers_output_layout():
+    # eager gives out as a bhsd view of bshd memory (as SDPA's): the caller's out.transpose(1, 2).view(B, L, H * D)
+    # is a view. Compiled, the op returned contiguous bhsd and that view failed ("Cannot view a tensor ...")
+    def layer(q, k, v):
+        out = flashgen.attention(q, k, v, causal=True)
+        batch, heads, seqlen, dim = out.shape
+        return out.transpose(1, 2).view(batch, seqlen, heads * dim)
+
+    _check(layer, _seq_major, "aot_eager")
+
+
+@pytest.mark.interpreter
+def test_the_ops_fake_layouts_are_their_real_ones_for_seq_major_views():
+    # inductor asserts the real outputs' strides against the fake ones: the backward's fake gave dq, dk, dv q's, k's
+    # and v's strides (empty_like) where the kernels allocate them contiguous (an AssertionError on model code's
+    # transposed views); the forward's fake is a bhsd view of bshd memory where the op runs them so
+    from flashgen import ops
+
+    kid = flashgen.compile(AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, causal=True))._id
+    q, k, v = (t.detach() for t in _seq_major(3, 17))
+    seed = torch.zeros(1, dtype=torch.int64)
+    fwd = (q, k, v, seed, [], kid, "bhsd", 0.0, False, None, None, 0, 0)
+    out, lse = ops.attn_fwd(*fwd)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = ops._attn_fwd_fake(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in fwd])
+    assert fake[0].stride() == out.stride() == out.transpose(1, 2).contiguous().transpose(1, 2).stride()
+    do = torch.randn_like(out)
+    bwd = (do, q, k, v, out, lse, seed, [], kid, "bhsd", 0.0, False, 0, None, None, 0, 0)
+    real = ops.attn_bwd(*bwd)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = ops._attn_bwd_fake(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in bwd])
+    assert [f.stride() for f in fake[:3]] == [r.stride() for r in real[:3]]
+
+
+@pytest.mark.interpreter
+def test_decode_calls_traced_are_refused_by_name():
+    # the decode kernels are eager-only: traced, a call failed deep inside (a TuneSpec dynamo cannot trace, an int
+    # & on a pointer's alignment); now its own error names it
+    q = torch.randn(2, 1, 4, 16)
+    cache = torch.randn(2, 40, 2, 16)
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    for name, call in (("flash_attn_with_kvcache", lambda q, c: compat.flash_attn_with_kvcache(q, c, c, cache_seqlens=9)),
+                       ("flashgen.decode", lambda q, c: flashgen.decode(spec, q, c, c, 9))):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=f"{name}: not supported under torch.compile"):
+            torch.compile(call, fullgraph=True, backend="eager")(q, cache)
+        call(q, cache)  # eager: served
