@@ -294,3 +294,19 @@ def test_decode_calls_traced_are_refused_by_name():
         with pytest.raises(Exception, match=f"{name}: not supported under torch.compile"):
             torch.compile(call, fullgraph=True, backend="eager")(q, cache)
         call(q, cache)  # eager: served
+
+
+@pytest.mark.interpreter
+def test_padding_free_transformers_calls_compile_once_across_their_max_lengths():
+    # max_length_q/k went through operator.index, which specialized the traced length: a recompile per batch
+    from flashgen.integrations.transformers import attention_forward
+
+    def call(q, k, v, cu, longest):
+        return attention_forward(torch.nn.Module(), q, k, v, None, is_causal=True, cu_seq_lens_q=cu,
+                                 cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)[0]
+
+    def make(batch, seqlen):
+        q, k, v, cu, longest = _packed(batch, seqlen)
+        return [t.detach()[None].transpose(1, 2).requires_grad_() for t in (q, k, v)] + [cu, longest]
+
+    _check(call, make, "aot_eager")

@@ -194,6 +194,8 @@ def _number(name, value, kind):
     try:
         if isinstance(value, bool) or isinstance(value, torch.Tensor) and value.dtype == torch.bool:
             raise TypeError
+        if kind is int and torch.compiler.is_compiling() and not isinstance(value, (float, torch.Tensor)):
+            return value  # traced: kept symbolic (index() would specialize it, a recompile per new max_length_q/k)
         return float(value) if kind is float else operator.index(value)
     except (TypeError, ValueError, RuntimeError):  # (RuntimeError: a tensor of several elements)
         raise TypeError(f"{name}: expected {'a number' if kind is float else 'an integer'}, got "
