@@ -310,3 +310,25 @@ def test_padding_free_transformers_calls_compile_once_across_their_max_lengths()
         return [t.detach()[None].transpose(1, 2).requires_grad_() for t in (q, k, v)] + [cu, longest]
 
     _check(call, make, "aot_eager")
+
+
+@pytest.mark.interpreter
+def test_flash_attn_func_returning_its_lse_compiles():
+    # return_attn_probs=True (flash-attn's way to get the LSE) built a spec for the dense probabilities while traced:
+    # a graph break. Compiled, the probabilities are None (as varlen's) and the LSE is the kernel's
+    torch._dynamo.reset()
+
+    def lse_of(q, k, v):
+        out, lse, probs = compat.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        assert probs is None
+        return out, lse
+
+    compiled = torch.compile(lse_of, fullgraph=True, dynamic=True, backend="aot_eager")
+    for i, (batch, seqlen) in enumerate(SHAPES):
+        q, k, v = (t.detach() for t in _dense(batch, seqlen, layout="bshd"))
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out, lse = compiled(q, k, v)
+        ref_out, ref_lse, probs = compat.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+        assert probs is not None  # eager: the dense probabilities, as before
+        torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=0)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=0)
