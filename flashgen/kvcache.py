@@ -59,10 +59,11 @@ def tuned_decode(spec: AttentionSpec, db: str | None = None):
         pass  # nothing tuned here yet
     except Exception as err:  # noqa: BLE001 (locked, corrupt, another schema version...)
         unreadable(spec, url, err)
+    sources = [("database", lambda s: store.matching_best(env, s))] if store is not None else []
+    sources.append(("tuning_db", lambda s: shipped_best(s.key, env)))
     try:
-        for where, read in (("database", None if store is None else lambda s: store.matching_best(env, s)),
-                            ("tuning_db", lambda s: shipped_best(s.key, env))):
-            for candidate in (spec, spec.replace(backward=not spec.backward)) if read is not None else ():
+        for where, read in sources:
+            for candidate in (spec, spec.replace(backward=not spec.backward)):
                 try:
                     lookup = tuned_lookup(read(candidate))
                 except Exception as err:  # noqa: BLE001 (malformed or unreadable rows)

@@ -114,7 +114,12 @@ def unreadable(spec: AttentionSpec, url: str, err: Exception) -> None:
     reason = hide_password(reason.strip().splitlines()[0][:300] if reason.strip() else type(err).__name__, url)
     # keyed by the database too: a second broken one for the same spec is said as well
     _warn_once((spec.key, "db", shown), f"flashgen: cannot read tuning results from {shown} ({reason}); "
-                                        f"falling back. Run `flashgen db check --db {shown}`.")
+                                        f"falling back. {check_command(shown)}")
+
+
+def check_command(shown: str) -> str:
+    """What a warning about the database shown (display_url) says to run."""
+    return f"Run `flashgen db check --db {shown}`."
 
 
 def recheck_command(spec: AttentionSpec, spec_path: str | None) -> str:
@@ -128,7 +133,7 @@ def tuned(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None =
     env = env or EnvInfo.current()
     url = db or default_url()
     shown = display_url(url)
-    check = f"Run `flashgen db check --db {shown}`."
+    check = check_command(shown)
     stale, older = [], []  # where results for this machine were found stale; phases measured against an older default
     configs, source = {}, "default"
     try:

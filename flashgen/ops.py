@@ -131,6 +131,15 @@ def _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_q, cu_k, max_
                           **_varlen(cu_q, cu_k, max_q, max_k))
 
 
+def _forward_as_called(q, k, v, seed, tensors, module, layout, dropout_p, cu_q, cu_k, max_q, max_k):
+    """_forward, a bhsd view of (batch, seq, heads, dim) memory run as bshd (_run_seq_major) and its out returned as
+    a bhsd view of bshd memory: a no-grad eager call's and the custom op's."""
+    seq_major, _, (out, lse) = _run_seq_major(
+        lambda q, k, v, layout: _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_q, cu_k, max_q, max_k),
+        q, k, v, layout)
+    return (out.transpose(1, 2) if seq_major else out), lse
+
+
 def _backward_grads(do, q, k, v, out, lse, seed, tensors, module, layout, dropout_p, deterministic, wanted,
                     cu_q, cu_k, max_q, max_k, plan=None, extra=None):
     """(dq, dk, dv, [d tensor in its dtype, or None where not wanted or not differentiable]).
@@ -154,13 +163,10 @@ def _backward_grads(do, q, k, v, out, lse, seed, tensors, module, layout, dropou
 def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor, tensors: list[torch.Tensor],
              kernel_id: str, layout: str, dropout_p: float, deterministic: bool, cu_q: torch.Tensor | None,
              cu_k: torch.Tensor | None, max_q: int, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    module = kernel_module(resolve(kernel_id, q, k, layout, max_q, max_k))
-    # as an eager call runs (_run_seq_major): a bhsd view of (batch, seq, heads, dim) memory runs as bshd, and its
-    # out is a bhsd view of bshd memory (the caller's out.transpose(1, 2).view(...) works compiled as in eager)
-    seq_major, _, (out, lse) = _run_seq_major(
-        lambda q, k, v, layout: _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_q, cu_k, max_q, max_k),
-        q, k, v, layout)
-    return (out.transpose(1, 2) if seq_major else out), lse
+    # as an eager call runs: out a bhsd view of bshd memory for seq-major views (the caller's
+    # out.transpose(1, 2).view(...) works compiled as in eager)
+    return _forward_as_called(q, k, v, seed, tensors, kernel_module(resolve(kernel_id, q, k, layout, max_q, max_k)),
+                              layout, dropout_p, cu_q, cu_k, max_q, max_k)
 
 
 @attn_fwd.register_fake
@@ -427,7 +433,5 @@ def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor,
                                     or (tensors and any(t.requires_grad for t in tensors))):
         return _apply_function(q, k, v, seed, cu_seqlens_q, cu_seqlens_k,
                                (module, layout, dropout_p, deterministic, max_seqlen_q, max_seqlen_k, None), *tensors)
-    seq_major, _, (out, lse) = _run_seq_major(
-        lambda q, k, v, layout: _forward(q, k, v, seed, tensors, module, layout, dropout_p, cu_seqlens_q, cu_seqlens_k,
-                                         max_seqlen_q, max_seqlen_k), q, k, v, layout)
-    return (out.transpose(1, 2) if seq_major else out), lse
+    return _forward_as_called(q, k, v, seed, tensors, module, layout, dropout_p, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q, max_seqlen_k)

@@ -481,12 +481,6 @@ def _typed(value):
     return type(value), value
 
 
-def check_int32_length(n):
-    """An int cache_seqlens the kernels can take (int32); negative ones reach them, which record the bad index."""
-    if not -2**31 <= n < 2**31:
-        raise ValueError(f"cache_seqlens: expected a length in int32's range, got {n}")
-
-
 class DecodeCall:
     """What a decode call derives from its arguments' shapes, strides, dtypes and devices: its
     checks passed, its launch plan and the kernels' scalar arguments (DecodeLauncher.prepare)."""
@@ -647,11 +641,8 @@ class DecodeLauncher:
 
     @staticmethod
     def check_seqlens(cache_seqlens, batch, device):
-        if cache_seqlens is None:
-            return
-        if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-            check_int32_length(cache_seqlens)
-            return
+        if cache_seqlens is None or isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+            return  # (an int's range: seqlens_arg, on every call)
         if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32
                 or tuple(cache_seqlens.shape) != (batch,) or cache_seqlens.device != device):
             raise ValueError(f"cache_seqlens: expected an int or an int32 tensor of shape ({batch},) on {device}, "
@@ -672,7 +663,8 @@ class DecodeLauncher:
             return cache_seqlens
         n = capacity if cache_seqlens is None else cache_seqlens
         if not 0 <= n <= self.MAX_TABLE_LENGTH:  # a negative length still reaches the kernel, which records it
-            check_int32_length(n)  # (per call: a plan's key holds an int length's type only)
+            if not -2**31 <= n < 2**31:  # (checked per call: a plan's key holds an int length's type only)
+                raise ValueError(f"cache_seqlens: expected a length in int32's range, got {n}")
             return torch.full((batch,), n, dtype=torch.int32, device=device)
         key = (batch, device)
         table = self.lengths.get(key)
