@@ -1193,6 +1193,19 @@ def test_decode_records_named_tensors_shorter_than_the_keys(device, expr):
     flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, check="sync")  # the record was cleared
 
 
+def test_decode_records_a_relative_bias_table_shorter_than_its_distances(device):
+    # relative_bias reads entry q_idx - kv_idx + seqlen_k - 1 of its head's row: seqlen_q + seqlen_k - 1 entries,
+    # per element's keys, which the host cannot see; before, a short table was read clamped on decode calls
+    spec, gen, q, k_cache, v_cache, lengths = _named_tensor_case({"relative_bias": "rb"}, 3, 2, device)
+    for size in (21, 33):  # the longest element's distances (2 rows over 20 keys), the capacity's
+        rb = torch.randn(2, size, generator=gen).to(device)
+        out = flashgen.decode(spec, q, k_cache, v_cache, lengths, rb=rb, check="sync")
+        _check_rows(out, q, k_cache, v_cache, (12, 20), {"relative_bias": "rb"}, {"rb": rb})
+    with pytest.raises(ValueError, match=r"^rb: expected at least 21 entries in dim -1 \(one per distance, seqlen_q "
+                                         r"\+ seqlen_k - 1 for batch element 1\), got 20"):
+        flashgen.decode(spec, q, k_cache, v_cache, lengths, rb=torch.randn(2, 20).to(device), check="sync")
+
+
 def test_decode_records_a_dimension_both_b_and_kv_idx_index(device):
     # 2 entries pass the batch's rule on the host (2 elements); kv_idx reads past them were clamped, silently:
     # the kernel records the dimension against the keys as for kv_idx alone

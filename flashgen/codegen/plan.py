@@ -65,11 +65,13 @@ class KernelPlan:
                        + ([runs_pointer(t.name)] if t.name in self.runs_tensors else []))
 
     @property
-    def sequence_checks(self) -> list[tuple[str, int, str, int]]:
-        """[(tensor, dim, its size parameter, check id)]: the named tensors' dimensions that kv_idx
-        indexes, which the decode kernel checks against each element's cache length (host.NAMED_SHORT)."""
+    def sequence_checks(self) -> list[tuple[str, int, str, int, str]]:
+        """[(tensor, dim, its size parameter, check id, the entries it needs)]: the named tensors' dimensions
+        that kv_idx (the element's keys) or a query-key distance (seqlen_q + seqlen_k - 1 of them) indexes,
+        which the decode kernel checks against each element's cache length (host.NAMED_SHORT)."""
         sizes, ranks = {t.name: t.sizes for t in self.tensors}, {t.name: t.rank for t in self.tensors}
-        return [(name, d, tensor_size(name, d), check) for name, d, check in host.sequence_checks(sizes, ranks)]
+        return [(name, d, tensor_size(name, d), check, "seqlen_q + seqlen_k - 1" if distances else "seqlen_k")
+                for name, d, check, distances in host.sequence_checks(sizes, ranks)]
 
     @property
     def runs_checks(self) -> list[tuple[str, int]]:

@@ -260,16 +260,17 @@ NAMED_SHORT = 9  # a named tensor shorter than the cache keys kv_idx indexes it 
 # 10: document ids that decrease along a row (runs_table_fill, the Gluon range kernel: hopper/masks.j2
 # _hw_runs_order), words [kind, runs_check_id << 32 | row, column, value, the value before it]
 RUNS_ORDER = 10
-SEQUENCE_CHECKS = {}  # sequence_check_id -> (tensor name, dimension, rank of its view)
+SEQUENCE_CHECKS = {}  # sequence_check_id -> (tensor name, dimension, rank of its view, whether distances index it)
 RUNS_CHECKS = {}  # runs_check_id -> tensor name
 
 
-def sequence_check_id(name, dim, rank):
+def sequence_check_id(name, dim, rank, distances=False):
     """The id a decode kernel records (NAMED_SHORT) for dimension `dim` of the named tensor `name` (its
-    view has `rank` dimensions) where kv_idx indexes it: a 31-bit hash of the three, so the
-    kernel's text can carry it, registered here so that raise_recorded can name the tensor."""
-    check = zlib.crc32(f"{name}/{dim}/{rank}".encode()) & 0x7FFFFFFF
-    SEQUENCE_CHECKS[check] = (name, dim, rank)
+    view has `rank` dimensions) where kv_idx (or, distances, a query-key distance) indexes it: a 31-bit
+    hash of them, so the kernel's text can carry it, registered here so that raise_recorded can name the
+    tensor and its rule."""
+    check = zlib.crc32(f"{name}/{dim}/{rank}{'/distances' if distances else ''}".encode()) & 0x7FFFFFFF
+    SEQUENCE_CHECKS[check] = (name, dim, rank, distances)
     return check
 
 
@@ -287,11 +288,17 @@ def runs_order_error(name, row, column, value, before, where=""):
 
 
 def sequence_checks(tensor_sizes, tensor_ranks):
-    """[(name, dim, id)]: the dimensions of the named tensors that kv_idx indexes (alone or beside other
-    indices), which a decode kernel checks against each element's cache length (the host cannot: the
+    """[(name, dim, id, distances)]: the dimensions of the named tensors that kv_idx indexes (alone or beside
+    other indices), or (distances) a query-key distance (relative_bias's table: seqlen_q + seqlen_k - 1
+    entries), which a decode kernel checks against each element's cache length (the host cannot: the
     lengths live on the device; the others' rules, the host checks), ids registered."""
-    return [(name, d, sequence_check_id(name, d, tensor_ranks[name])) for name, sizes in tensor_sizes.items()
-            for d, names in enumerate(sizes) if "seqlen_k" in names]
+    checks = []
+    for name, sizes in tensor_sizes.items():
+        for d, names in enumerate(sizes):
+            if "seqlen_k" in names or "distances" in names:
+                distances = "distances" in names
+                checks.append((name, d, sequence_check_id(name, d, tensor_ranks[name], distances), distances))
+    return checks
 
 
 class BoundsRecord:
@@ -345,9 +352,11 @@ class BoundsRecord:
             raise ValueError(f"cache_batch_idx: expected indices in [0, {limit}) (the batch of k_cache), got {value} "
                              f"at index {b}{where}")
         if kind == NAMED_SHORT:
-            name, dim, rank = SEQUENCE_CHECKS.get(j, ("a named tensor", 0, 0))
-            raise ValueError(f"{name}: expected at least {value} entries in dim {dim - rank} (kv_idx indexes it: "
-                             f"batch element {b} has {value} keys), got {limit}{where}")
+            name, dim, rank, distances = SEQUENCE_CHECKS.get(j, ("a named tensor", 0, 0, False))
+            rule = f"one per distance, seqlen_q + seqlen_k - 1 for batch element {b}" if distances else \
+                f"kv_idx indexes it: batch element {b} has {value} keys"
+            raise ValueError(f"{name}: expected at least {value} entries in dim {dim - rank} ({rule}), got "
+                             f"{limit}{where}")
         name = ("cu_seqlens_q", "cu_seqlens_k")[b]
         if kind == OFFSETS_FIRST:
             raise ValueError(f"{name}: expected the first offset to be 0, got {value}{where}")
@@ -713,7 +722,7 @@ class AttentionLauncher:
         the sequence's length (packed sequences: the longest); one indexed by several, each of their rules.
         tensors: as passed; named: their views.
         A length given as None is not checked (decode's seqlen_k: the cache's lengths live on the device,
-        so its kernel checks the dimensions kv_idx indexes, sequence_checks)."""
+        so its kernel checks the dimensions kv_idx or a distance indexes, sequence_checks)."""
         calls = {"batch": batch, "heads": self.num_heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k,
                  "distances": None if seqlen_k is None else seqlen_q + seqlen_k - 1}
         for name, sizes in self.tensor_sizes.items():
