@@ -541,20 +541,29 @@ def _remember(key, kernel):
         _BOUND[key] = kernel
 
 
+_REFUSED = "refused:"  # _traced_binding's answer for a call the spec refuses (its error follows)
+
+
 @_constant_result
 def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p,
                     mask, score_mod) -> str:
     """Under torch.compile: the kernel id of a call's key (with the default or tuned config; its
     buckets when it has several: the ops pick the call's nearest bucket, the length being dynamic
-    here). Run once by dynamo at trace time."""
+    here). Run once by dynamo at trace time. A call the spec refuses gets _REFUSED, the error's type and its
+    message, which the traced call raises: raised here, dynamo would report an internal error of its own, even
+    where it could run the call eagerly (without fullgraph), whose error names the argument."""
     key = (dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p, mask,
            score_mod, None)
     kernel = _BOUND.get(key)
     if kernel is None:
-        spec = _spec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, num_heads=num_heads,
-                     num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
-                     mask=_thaw(mask), score_mod=_thaw(score_mod))
-        kernel = _BOUND[key] = _tuned_kernel(spec, None)
+        try:
+            spec = _spec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                         mask=_thaw(mask), score_mod=_thaw(score_mod))
+            kernel = _tuned_kernel(spec, None)
+        except (TypeError, ValueError) as err:
+            return f"{_REFUSED}{'TypeError' if isinstance(err, TypeError) else 'ValueError'}:{err}"
+        _BOUND[key] = kernel
     if kernel.bucket_configs:  # the config follows the call's (symbolic here) length: the ops pick per call
         return ops.bucketed_id(kernel.spec, kernel.bucket_configs)
     return kernel.kernel_id()
@@ -567,12 +576,32 @@ def _traced_tensor_names(*key) -> str:
     return ",".join(_BOUND[(*key, None)].spec.tensor_names)
 
 
+def _check_traced_scalars(causal, softmax_scale, dropout_p):
+    """Under torch.compile, a call without a key (_call_key) for a scalar the spec refuses: its error, naming the
+    argument, raised in the traced code (the spec the eager path builds to say so cannot be traced)."""
+    check_flag("causal", causal)
+    for name, value in (("softmax_scale", softmax_scale), ("dropout_p", dropout_p)):
+        if isinstance(value, bool):
+            raise TypeError(f"{name}: expected a number, got {value!r}")
+
+
 def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=None, descales=(None,) * 3):
-    """A call being traced by torch.compile: the custom op with the id resolved at trace time."""
+    """A call being traced by torch.compile: the custom op with the id resolved at trace time. What the op's
+    fake cannot check (the named tensors' names, the longest lengths' type) is checked here, as eagerly; the
+    rest, the op checks when it runs."""
     check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
     kernel_id = _traced_binding(*key[:-1])
+    if kernel_id.startswith(_REFUSED):
+        kind, message = kernel_id[len(_REFUSED):].split(":", 1)
+        raise (TypeError if kind == "TypeError" else ValueError)(message)
     names = _traced_tensor_names(*key[:-1])
-    named = [tensors[name] for name in names.split(",")] if names else []
+    names = names.split(",") if names else []
+    host.check_tensor_names(tensors, names)
+    named = [tensors[name] for name in names]
+    if cu is not None:
+        for name, m in (("max_seqlen_q", cu[2]), ("max_seqlen_k", cu[3])):
+            if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)):
+                raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
     if key[0] in FP8_DTYPES or any(d is not None for d in descales):
         out, lse = ops.attn_fwd_fp8(q, k, v, *descales, named, kernel_id, layout)
         return (out, lse) if return_lse else out
@@ -618,8 +647,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     eager_key, kernel = _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
     if kernel is None:
         key = _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
-        if key is not None and config is None and torch.compiler.is_compiling():
-            return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, descales=descales)
+        if config is None and torch.compiler.is_compiling():
+            if key is not None:
+                return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, descales=descales)
+            _check_traced_scalars(causal, softmax_scale, dropout_p)
         kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
                        mask=mask, score_mod=score_mod, config=config)
         _remember(eager_key, kernel)
@@ -648,9 +679,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     eager_key, kernel = _eager_binding(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
     if kernel is None:
         key = _call_key(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
-        if key is not None and config is None and torch.compiler.is_compiling():
-            return _compiled_call(key, q, k, v, "thd", return_lse, deterministic, tensors,
-                                  (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+        if config is None and torch.compiler.is_compiling():
+            if key is not None:
+                return _compiled_call(key, q, k, v, "thd", return_lse, deterministic, tensors,
+                                      (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+            _check_traced_scalars(causal, softmax_scale, dropout_p)
         kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
                        mask=mask, score_mod=score_mod, config=config)
         _remember(eager_key, kernel)

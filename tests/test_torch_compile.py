@@ -6,6 +6,8 @@ fp32 on the CPU through the interpreter; compiled and eager run the same kernels
 inputs, so they agree to the last bit, and we check (dtype fp32, atol 1e-6, rtol 0): any
 difference means a different kernel or different arguments."""
 
+import re
+
 import pytest
 import torch
 import torch._dynamo
@@ -332,3 +334,43 @@ def test_flash_attn_func_returning_its_lse_compiles():
         assert probs is not None  # eager: the dense probabilities, as before
         torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=0)
         torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=0)
+
+
+_PACKED_CU = torch.tensor([0, 10, 17], dtype=torch.int32)
+BAD_TRACED_CALLS = {
+    # (call, the argument its error names): a spec field, a scalar without a call key, a named tensor's name,
+    # packed lengths' type
+    "scale": (lambda q, k, v: flashgen.attention(q, k, v, softmax_scale=-1.0), "softmax_scale"),
+    "scale True": (lambda q, k, v: flashgen.attention(q, k, v, softmax_scale=True), "softmax_scale"),
+    "causal": (lambda q, k, v: flashgen.attention(q, k, v, causal="yes"), "causal"),
+    "mask": (lambda q, k, v: flashgen.attention(q, k, v, mask="q_idx <<= kv_idx"), "mask.expr"),
+    "heads": (lambda q, k, v: flashgen.attention(q, k[:, :3], v[:, :3]), "num_kv_heads"),
+    "misspelled tensor": (lambda q, k, v: flashgen.attention(q, k, v, score_mod="score + bias[kv_idx]",
+                                                             bais=torch.zeros(17)), "bais"),
+    "extra tensor": (lambda q, k, v: flashgen.attention(q, k, v, bias=torch.zeros(17)), "bias"),
+    "varlen dropout": (lambda q, k, v: flashgen.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                                                 v[0].transpose(0, 1), _PACKED_CU, _PACKED_CU, 10,
+                                                                 10, dropout_p=2.0), "dropout_p"),
+    "float max_seqlen": (lambda q, k, v: flashgen.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                                                   v[0].transpose(0, 1), _PACKED_CU, _PACKED_CU,
+                                                                   10.0, 10), "max_seqlen_q"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TRACED_CALLS.values(), ids=BAD_TRACED_CALLS.keys())
+@pytest.mark.interpreter
+def test_bad_input_traced_names_the_argument(case):
+    # a refused spec field was raised inside a constant-result function: dynamo reported an internal error of its
+    # own, even without fullgraph, where it runs the call eagerly instead (whose error names the argument); a
+    # misspelled or extra named tensor and a float max_seqlen were taken (no error) or failed in the op's fake.
+    # Now fullgraph's error carries flashgen's (dynamo reports every exception raised in traced code as an
+    # "Observed exception" holding it), and without fullgraph the call's own error is raised
+    call, name = case
+    q, k, v = (torch.randn(1, 4, 17, 16) for _ in range(3))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=rf"raised exception (Type|Value)Error\(.*{re.escape(name)}'?:") as err:
+        torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
+    assert "Internal" not in type(err.value).__name__
+    torch._dynamo.reset()
+    with pytest.raises((TypeError, ValueError), match=rf"(^|')({re.escape(name)}|k)'?:"):
+        torch.compile(call, backend="eager")(q, k, v)
