@@ -546,21 +546,21 @@ _REFUSED = "refused:"  # _traced_binding's answer for a call the spec refuses (i
 
 @_constant_result
 def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p,
-                    mask, score_mod) -> str:
-    """Under torch.compile: the kernel id of a call's key (with the default or tuned config; its
-    buckets when it has several: the ops pick the call's nearest bucket, the length being dynamic
+                    mask, score_mod, config) -> str:
+    """Under torch.compile: the kernel id of a call's key (with the call's config, else the default or tuned
+    one, its buckets when it has several: the ops pick the call's nearest bucket, the length being dynamic
     here). Run once by dynamo at trace time. A call the spec refuses gets _REFUSED, the error's type and its
     message, which the traced call raises: raised here, dynamo would report an internal error of its own, even
     where it could run the call eagerly (without fullgraph), whose error names the argument."""
     key = (dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p, mask,
-           score_mod, None)
+           score_mod, config)
     kernel = _BOUND.get(key)
     if kernel is None:
         try:
             spec = _spec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
                          mask=_thaw(mask), score_mod=_thaw(score_mod))
-            kernel = _tuned_kernel(spec, None)
+            kernel = _tuned_kernel(spec, config)
         except (TypeError, ValueError) as err:
             return f"{_REFUSED}{'TypeError' if isinstance(err, TypeError) else 'ValueError'}:{err}"
         _BOUND[key] = kernel
@@ -573,7 +573,7 @@ def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout
 def _traced_tensor_names(*key) -> str:
     """Under torch.compile: the named tensors a call's spec reads, in call order, comma-joined."""
     _traced_binding(*key)
-    return ",".join(_BOUND[(*key, None)].spec.tensor_names)
+    return ",".join(_BOUND[key].spec.tensor_names)
 
 
 def _check_traced_scalars(causal, softmax_scale, dropout_p):
@@ -590,11 +590,11 @@ def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=
     fake cannot check (the named tensors' names, the longest lengths' type) is checked here, as eagerly; the
     rest, the op checks when it runs."""
     check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
-    kernel_id = _traced_binding(*key[:-1])
+    kernel_id = _traced_binding(*key)
     if kernel_id.startswith(_REFUSED):
         kind, message = kernel_id[len(_REFUSED):].split(":", 1)
         raise (TypeError if kind == "TypeError" else ValueError)(message)
-    names = _traced_tensor_names(*key[:-1])
+    names = _traced_tensor_names(*key)
     names = names.split(",") if names else []
     host.check_tensor_names(tensors, names)
     named = [tensors[name] for name in names]
@@ -647,7 +647,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     eager_key, kernel = _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
     if kernel is None:
         key = _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
-        if config is None and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             if key is not None:
                 return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, descales=descales)
             _check_traced_scalars(causal, softmax_scale, dropout_p)
@@ -679,7 +679,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     eager_key, kernel = _eager_binding(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
     if kernel is None:
         key = _call_key(q, k, v, "thd", causal, softmax_scale, dropout_p, mask, score_mod, config)
-        if config is None and torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
             if key is not None:
                 return _compiled_call(key, q, k, v, "thd", return_lse, deterministic, tensors,
                                       (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))

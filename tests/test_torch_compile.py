@@ -374,3 +374,16 @@ def test_bad_input_traced_names_the_argument(case):
     torch._dynamo.reset()
     with pytest.raises((TypeError, ValueError), match=rf"(^|')({re.escape(name)}|k)'?:"):
         torch.compile(call, backend="eager")(q, k, v)
+
+
+@pytest.mark.interpreter
+def test_a_call_given_a_config_compiles_on_a_cold_process(monkeypatch):
+    # config= inside the compiled function took the eager binding (spec_for: a graph break) unless an eager call
+    # had bound its key first; now the traced binding takes the config as it takes the tuned one
+    from flashgen import api
+
+    monkeypatch.setattr(api, "_BOUND", {})  # a cold process: no key bound
+    config = KernelConfig(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    _check(lambda q, k, v: flashgen.attention(q, k, v, causal=True, config=config), _dense, "aot_eager")
+    bound = [kernel.config for key, kernel in api._BOUND.items() if key[-1] is config]
+    assert bound and all(c == config for c in bound)
