@@ -326,17 +326,42 @@ def _static_int(n, limit: int = 1 << 12) -> int:
 
 def _static_float(x, *likely):
     """A float argument as a constant. Under torch.compile with dynamic shapes a float read from a
-    default or an attribute is symbolic (transformers' self.scaling); 0 (no dropout) and the values in
-    `likely` (a call's usual ones: head_dim ** -0.5 for a scale) are specialized by a guard. Another
-    symbolic value stays so, and tracing refuses it (README: keep such floats static)."""
-    if x is None or not torch.compiler.is_compiling():
+    default or an attribute is symbolic (transformers' self.scaling, a softcap, a dropout rate); 0 (no
+    dropout) and the values in `likely` (a call's usual ones: head_dim ** -0.5 for a scale) are
+    specialized by one guard, another positive finite value by a binary search of comparisons over the
+    doubles' bit patterns (63 guards, as _static_int's search). Anything else stays as it is: the
+    call's checks name it."""
+    if x is None or not torch.compiler.is_compiling():  # (traced, a symbolic float's type reads as float)
         return x
     if x == 0:
         return 0.0
     for value in likely:
         if x == value:
             return value
-    return x
+    if not 0 < x < math.inf:
+        return x
+    lo, hi = 0, _INF_BITS  # the doubles of bit patterns lo and hi hold x between them: _double(lo) <= x < _double(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if x < _double(mid):
+            hi = mid
+        else:
+            lo = mid
+    return _double(lo)
+
+
+_INF_BITS = 0x7FF0000000000000  # float('inf')'s bit pattern; a positive double's patterns order as its values
+
+
+def _double(bits: int) -> float:
+    """The double of IEEE 754 bit pattern `bits` (0 <= bits <= _INF_BITS), by arithmetic dynamo folds (a
+    constant-result function's value carries a source whose type guards it cannot build)."""
+    exponent, mantissa = bits >> 52, bits & ((1 << 52) - 1)
+    if exponent == 0x7FF:
+        return math.inf
+    if exponent == 0:  # subnormal
+        return math.ldexp(mantissa, -1074)
+    return math.ldexp((1 << 52) | mantissa, exponent - 1075)
 
 
 def default_scales(head_dim: int) -> tuple[float, ...]:

@@ -17,7 +17,7 @@ import operator
 
 import torch
 
-from .api import attention, attention_varlen, spec_for
+from .api import _static_float, attention, attention_varlen, spec_for
 from .errors import check_flag
 
 
@@ -60,8 +60,8 @@ def _variant(causal, window_size, softcap, alibi_slopes):
         mask = {"sliding_window": {"left": left, "right": right}}
         causal = False  # right = 0 is the causal bound
     mods = []
-    if softcap:
-        mods.append({"softcap": {"cap": float(softcap)}})
+    if softcap:  # (a constant of the spec: under torch.compile a symbolic one is specialized)
+        mods.append({"softcap": {"cap": float(_static_float(softcap))}})
     tensors = {}
     if alibi_slopes is not None:
         if not isinstance(alibi_slopes, torch.Tensor):

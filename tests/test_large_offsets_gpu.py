@@ -32,20 +32,33 @@ def needs_memory(gib):
     other tests beside these: run this file alone to be sure it runs)."""
     def mark(test):
         def run(*args, **kwargs):
-            gc.collect()  # the previous case's tensors, and the memory torch's allocator keeps for them
-            torch.cuda.empty_cache()
+            release()  # the previous case's tensors, and the memory torch's allocator keeps for them
             if not torch.cuda.is_available() or torch.cuda.mem_get_info()[0] < gib * 2**30:
                 pytest.skip(f"needs a CUDA GPU with {gib} GiB free")
+            short = None
             try:
                 return test(*args, **kwargs)
             except torch.OutOfMemoryError as err:
                 if not os.environ.get("PYTEST_XDIST_WORKER"):  # alone, it is the test's (or flashgen's) memory
                     raise
                 # under pytest-xdist the tests beside it took the memory meanwhile (-n 14: it happens)
-                pytest.skip(f"needs {gib} GiB of GPU memory, taken by other tests during the test: run this "
-                            f"file alone ({str(err).splitlines()[0][:120]})")
+                short = str(err).splitlines()[0][:120]
+            finally:
+                release()
+            # skipped outside the except clause: an exception raised in it chains the OOM error, whose traceback
+            # holds the test's frame, and with it tens of GiB of tensors that this worker's later tests lacked
+            # (a mask test beside it ran out of memory with 34 GiB held here)
+            pytest.skip(f"needs {gib} GiB of GPU memory, taken by other tests during the test: run this file "
+                        f"alone ({short})")
         return functools.wraps(test)(run)
     return mark
+
+
+def release():
+    """Free what the tests of this file left: their tensors (collected), then the cache torch's allocator keeps."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 W, R = 256, 512  # window (keys left of the diagonal) and the query rows checked
 WINDOW = {"sliding_window": {"left": W, "right": 0}}

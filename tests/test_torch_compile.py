@@ -229,6 +229,52 @@ def test_a_scale_held_in_a_module_attribute_compiles_dynamic(entry):
     _compiles_once(layer, (13, 19))
 
 
+FLOAT_ATTRIBUTE_CALLS = {
+    # a float held in a module attribute that is not a usual value (dynamic=True makes it symbolic)
+    "attention scale": lambda layer, q, k, v: flashgen.attention(q, k, v, causal=True, softmax_scale=layer.value),
+    "flash_attn_func softcap": lambda layer, q, k, v: compat.flash_attn_func(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softcap=layer.value),
+    "sdpa scale": lambda layer, q, k, v: flashgen.scaled_dot_product_attention(q, k, v, scale=layer.value,
+                                                                              enable_gqa=True),
+    "transformers softcap": lambda layer, q, k, v: _transformers_forward(layer, q, k, v, softcap=layer.value,
+                                                                         scaling=layer.value / 100),
+    "attention dropout": lambda layer, q, k, v: flashgen.attention(q, k, v, dropout_p=layer.value / 100),
+}
+
+
+def _transformers_forward(layer, q, k, v, **kwargs):
+    from flashgen.integrations.transformers import attention_forward
+
+    return attention_forward(layer, q, k, v, None, is_causal=True, **kwargs)[0]
+
+
+@pytest.mark.parametrize("call", FLOAT_ATTRIBUTE_CALLS.values(), ids=FLOAT_ATTRIBUTE_CALLS.keys())
+@pytest.mark.interpreter
+def test_a_float_attribute_of_any_value_compiles_dynamic(call):
+    # a scale, softcap or dropout rate other than the usual values stayed symbolic and tracing refused it
+    # ("assume_constant_result argument conversion failed"); now it is specialized by guards, so one graph serves
+    # every length, and a new value compiles anew
+    class Layer(torch.nn.Module):
+        value = 30.3
+
+        def forward(self, q, k, v):
+            return call(self, q, k, v)
+
+    layer = Layer()
+    if call is FLOAT_ATTRIBUTE_CALLS["attention dropout"]:  # (random: the graph is checked, not the values)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+        for i, seqlen in enumerate((13, 19)):
+            with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                assert compiled(*(torch.randn(3, h, seqlen, 16) for h in (4, 2, 2))).shape == (3, 4, seqlen, 16)
+        return
+    _compiles_once(layer, (13, 19))
+    layer.value = 7.1  # another value: its own graph, its own kernel
+    q, k, v = (torch.randn(3, h, 13, 16) for h in (4, 2, 2))
+    torch.testing.assert_close(torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")(q, k, v),
+                               layer(q, k, v), atol=1e-6, rtol=0)
+
+
 def _keeps_one_in_three(b, h, q_idx, kv_idx):
     return (q_idx - kv_idx) % 3 != 1
 

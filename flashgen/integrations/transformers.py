@@ -52,6 +52,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from .. import attention, attention_varlen, scaled_dot_product_attention
+from ..api import _static_float
 from ..errors import short_repr
 from ..kvcache import compat_launcher
 
@@ -137,7 +138,8 @@ def _window(sliding_window):
 def _variant(is_causal, sliding_window, softcap, s_aux, tensors):
     """(causal, mask, score_mod) for one layer's options; a sink adds its tensor to `tensors`."""
     window = _window(sliding_window)
-    mods = [{"softcap": _number("softcap", softcap, float)}] if softcap is not None else []
+    # (a softcap is a constant of the spec: under torch.compile a symbolic one is specialized)
+    mods = [{"softcap": _static_float(_number("softcap", softcap, float))}] if softcap is not None else []
     causal, mask = is_causal, None
     if s_aux is None:
         if window is not None:
