@@ -433,3 +433,70 @@ def test_a_call_given_a_config_compiles_on_a_cold_process(monkeypatch):
     _check(lambda q, k, v: flashgen.attention(q, k, v, causal=True, config=config), _dense, "aot_eager")
     bound = [kernel.config for key, kernel in api._BOUND.items() if key[-1] is config]
     assert bound and all(c == config for c in bound)
+
+
+def _packed_from(q, k, v):
+    """(B, H, S, D) q, k, v as packed sequences of S, S - 7, ... tokens (each batch row's first), their offsets and
+    the longest length: attention_varlen's arguments, made outside the compiled function (as a data loader would)."""
+    batch, seqlen = q.shape[0], q.shape[2]
+    lengths = [seqlen - 7 * i for i in range(batch)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=q.device)
+    packed = [torch.cat([t[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)]) for t in (q, k, v)]
+    return (*packed, cu, max(lengths))
+
+
+INDUCTOR_CALLS = {  # name: (call(layer, *args), the args from q, k, v (B, H, S, D))
+    "attention": (lambda layer, q, k, v: flashgen.attention(q, k, v, causal=True), None),
+    "attention on seq-major views": (lambda layer, q, k, v: flashgen.attention(q, k, v, causal=True).transpose(
+        1, 2).reshape(q.shape[0], q.shape[2], -1), lambda *qkv: [t.transpose(1, 2).contiguous().transpose(1, 2)
+                                                                 for t in qkv]),
+    "attention config": (lambda layer, q, k, v: flashgen.attention(q, k, v, causal=True, config=layer.config), None),
+    "attention_varlen": (lambda layer, q, k, v, cu, n: flashgen.attention_varlen(q, k, v, cu, cu, n, n, causal=True),
+                         _packed_from),
+    "flash_attn_func softcap window": (lambda layer, q, k, v: compat.flash_attn_func(
+        q, k, v, causal=True, softcap=layer.value, window_size=(100, 0)),
+        lambda *qkv: [t.transpose(1, 2) for t in qkv]),
+    "sdpa float mask": (lambda layer, q, k, v: flashgen.scaled_dot_product_attention(
+        q, k, v, attn_mask=layer.bias[: q.shape[2], : q.shape[2]], scale=layer.value / 100, enable_gqa=True), None),
+    "transformers softcap window": (lambda layer, q, k, v: _transformers_forward(layer, q, k, v, softcap=layer.value,
+                                                                                sliding_window=64), None),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", INDUCTOR_CALLS.values(), ids=INDUCTOR_CALLS.keys())
+def test_gpu_every_entry_point_compiles_with_inductor(case):
+    # issue 13: torch.compile(fullgraph=True, dynamic=True) with inductor on the GPU, forward and backward, one graph
+    # over two batch sizes and lengths, against eager on the same fresh bf16 inputs (the same kernels run, with
+    # inductor's own code around them)
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    call, prepare = case
+
+    class Layer(torch.nn.Module):
+        value = 30.3
+        config = KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.randn(512, 512, device="cuda")
+
+        def forward(self, *args):
+            return call(self, *args)
+
+    layer = Layer()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    for i, (batch, seqlen) in enumerate(((3, 200), (5, 333))):  # (batch and lengths apart from the head counts)
+        q, k, v = (torch.randn(batch, h, seqlen, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for h in (8, 2, 2))
+        args = (prepare or (lambda *qkv: qkv))(q, k, v)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            out = compiled(*args)
+        do = torch.randn_like(out)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        ref = layer(*args)
+        ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, atol=2e-2, rtol=2e-2)
