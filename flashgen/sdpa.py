@@ -160,14 +160,21 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite Python number or None, got {scale!r}")
     lead, heads, kv_heads = _heads(query, key, value, enable_gqa)
-    q = _as_bhsd(query, lead, heads)
-    k, v = _as_bhsd(key, lead, kv_heads), _as_bhsd(value, lead, kv_heads)
-    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    seqlen_q, seqlen_k = query.shape[-2], key.shape[-2]
     out_shape = (*lead, heads, seqlen_q, value.shape[-1]) if query.dim() > 2 else (seqlen_q, value.shape[-1])
-
-    mask, mods, tensors = None, [], {}
     if attn_mask is not None:
         _check_mask(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
+    if not enable_gqa and query.dim() == key.dim() == value.dim() == 3:
+        # (N, L, E): N sequences of one head, a batch (a head count is a constant of the kernel: N as heads compiled
+        # a kernel per N, and under torch.compile a recompile)
+        lead, heads, kv_heads = (heads,), 1, 1
+        query, key, value = query[:, None], key[:, None], value[:, None]
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask[:, None]
+    q = _as_bhsd(query, lead, heads)
+    k, v = _as_bhsd(key, lead, kv_heads), _as_bhsd(value, lead, kv_heads)
+
+    mask, mods, tensors = None, [], {}
     if attn_mask is not None and seqlen_q and seqlen_k:
         mask, mods, tensors = _mask_terms(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
     if is_causal:  # with attn_mask too, as torch's SDPA combines them: both must allow a pair

@@ -147,6 +147,8 @@ def test_is_causal_with_attn_mask_allows_what_both_allow(device, kind):
     ((2, 3, 2, 9, 16), (1, 3, 2, 11, 16), (2, 1, 2, 11, 16), None, None, {}),  # leading dims broadcast
     ((2, 3, 2, 9, 16), (2, 3, 2, 11, 16), (2, 3, 2, 11, 16), (9, 11), "float", {}),  # 5-d, one mask for all
     ((4, 9, 16), (4, 11, 16), (4, 11, 8), (9, 11), "float", {}),  # 3-d (N, L, E)
+    ((4, 9, 16), (1, 11, 16), (4, 11, 16), (4, 9, 11), "bool", {}),  # 3-d, key's N broadcast, a mask per N
+    ((3, 9, 16), (3, 11, 16), (3, 11, 16), None, None, {"is_causal": True}),
     ((9, 16), (11, 16), (11, 16), None, None, {"is_causal": True}),  # 2-d (L, E)
     ((2, 4, 9, 16), (2, 1, 11, 16), (2, 1, 11, 16), None, None, {}),  # one KV head broadcast without GQA
     ((2, 4, 9, 16), (2, 2, 11, 16), (2, 1, 11, 16), None, None, {"enable_gqa": True}),  # key/value head counts differ
@@ -282,3 +284,20 @@ def test_zero_length_calls_return_what_torch_does(device, lq, lk):
     out = flashgen.scaled_dot_product_attention(q, k, k)
     assert out.shape == (1, 2, lq, 16)
     assert not out.isnan().any() and (lk or not out.any())  # no keys: rows of 0 (torch: NaN)
+
+
+def test_sdpa_3d_inputs_of_any_n_share_one_kernel(device, monkeypatch):
+    # (N, L, E) read N as the head count, a constant of the kernel: a spec and a kernel per N (and under
+    # torch.compile a recompile per N); N is now a batch of single-head sequences
+    from flashgen import api
+
+    gen = torch.Generator().manual_seed(3)
+    qkv = [torch.randn(3, 9, 16, generator=gen).to(device) for _ in range(3)]
+    flashgen.scaled_dot_product_attention(*qkv)
+    built = []
+    original = api.spec_for
+    monkeypatch.setattr(api, "spec_for", lambda *a, **kw: built.append(1) or original(*a, **kw))
+    qkv = [torch.randn(5, 9, 16, generator=gen).to(device) for _ in range(3)]
+    out = flashgen.scaled_dot_product_attention(*qkv)
+    assert not built
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(*qkv), atol=1e-5, rtol=1e-5)

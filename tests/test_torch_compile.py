@@ -101,6 +101,13 @@ def test_sdpa_compiles():
 
 
 @pytest.mark.interpreter
+def test_sdpa_3d_compiles_once_over_n():
+    # (N, L, E): N was the head count, specialized: a recompile per N
+    _check(lambda q, k, v: flashgen.scaled_dot_product_attention(q, k, v, is_causal=True),
+           lambda batch, seqlen: [torch.randn(batch, seqlen, 16, requires_grad=True) for _ in range(3)], "aot_eager")
+
+
+@pytest.mark.interpreter
 def test_kernel_object_compiles():
     kernel = flashgen.compile(flashgen.AttentionSpec(head_dim=16, num_heads=4, num_kv_heads=2, causal=True,
                                                      dtype="fp32", backward=True))
