@@ -328,8 +328,8 @@ def _static_float(x, *likely):
     """A float argument as a constant. Under torch.compile with dynamic shapes a float read from a
     default or an attribute is symbolic (transformers' self.scaling, a softcap, a dropout rate); 0 (no
     dropout) and the values in `likely` (a call's usual ones: head_dim ** -0.5 for a scale) are
-    specialized by one guard, another positive finite value by a binary search of comparisons over the
-    doubles' bit patterns (63 guards, as _static_int's search). Anything else stays as it is: the
+    specialized by one guard, another finite value by a binary search of comparisons over the doubles'
+    bit patterns (63 guards, as _static_int's search). Anything else (inf, NaN) stays as it is: the
     call's checks name it."""
     if x is None or not torch.compiler.is_compiling():  # (traced, a symbolic float's type reads as float)
         return x
@@ -338,8 +338,15 @@ def _static_float(x, *likely):
     for value in likely:
         if x == value:
             return value
-    if not 0 < x < math.inf:
-        return x
+    if 0 < x < math.inf:
+        return _positive_double(x)
+    if -math.inf < x < 0:  # (SDPA takes any scale)
+        return -_positive_double(-x)
+    return x
+
+
+def _positive_double(x) -> float:
+    """A positive finite (symbolic) float's value, by a binary search over the doubles' bit patterns."""
     lo, hi = 0, _INF_BITS  # the doubles of bit patterns lo and hi hold x between them: _double(lo) <= x < _double(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2

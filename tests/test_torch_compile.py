@@ -243,6 +243,8 @@ FLOAT_ATTRIBUTE_CALLS = {
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softcap=layer.value),
     "sdpa scale": lambda layer, q, k, v: flashgen.scaled_dot_product_attention(q, k, v, scale=layer.value,
                                                                               enable_gqa=True),
+    "sdpa negative scale": lambda layer, q, k, v: flashgen.scaled_dot_product_attention(q, k, v, scale=-layer.value,
+                                                                                       enable_gqa=True),
     "transformers softcap": lambda layer, q, k, v: _transformers_forward(layer, q, k, v, softcap=layer.value,
                                                                          scaling=layer.value / 100),
     "attention dropout": lambda layer, q, k, v: flashgen.attention(q, k, v, dropout_p=layer.value / 100),
