@@ -3,6 +3,7 @@ shadowed) and ``flashgen.attention(q, k, v)``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
@@ -13,7 +14,7 @@ import torch
 from . import ops
 from .codegen import render
 from .config import KernelConfig, default_config, default_configs
-from .errors import check_flag
+from .errors import SpecError, TracedSpecError, check_flag
 from .masks import Mask, ScoreMod
 from .runtime import host
 from .runtime.host import nearest_bucket
@@ -265,18 +266,24 @@ def spec_for(q, k, v, *, causal: bool, softmax_scale: float | None, layout: str,
     layout are checked by the host side (host.check_tensors, the one owner of those checks);
     here only what building the spec needs: a supported dtype, heads that divide, head dims."""
     host.check_tensors(q, k, v, layout)
-    if q.dtype not in _TORCH_DTYPES:
-        raise ValueError(f"q: expected dtype float16, bfloat16 or float32, got {q.dtype}")
     head_axis = {"bhsd": 1, "bshd": 2, "thd": 1}[layout]
     num_heads, num_kv_heads = q.shape[head_axis], k.shape[head_axis]
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(f"k: expected a number of heads that divides q's {num_heads}, got {num_kv_heads}")
-    for name, t in (("q", q), ("v", v)):
-        if not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
-            raise ValueError(f"{name}: expected a head dim from 1 to {MAX_HEAD_DIM}, got {t.shape[-1]}")
+    _check_dtype_heads_dims(q.dtype, num_heads, num_kv_heads, q.shape[-1], v.shape[-1])
     return _spec(dtype=_TORCH_DTYPES[q.dtype], head_dim=q.shape[-1], head_dim_v=v.shape[-1], num_heads=num_heads,
                  num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, mask=mask,
                  score_mod=score_mod)
+
+
+def _check_dtype_heads_dims(dtype, num_heads, num_kv_heads, head_dim, head_dim_v):
+    """What building a call's spec needs of its tensors (q's dtype, heads that divide, head dims), refused by
+    argument (spec_for's, and a traced call's, whose spec is built from its key)."""
+    if dtype not in _TORCH_DTYPES:
+        raise ValueError(f"q: expected dtype float16, bfloat16 or float32, got {dtype}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"k: expected a number of heads that divides q's {num_heads}, got {num_kv_heads}")
+    for name, dim in (("q", head_dim), ("v", head_dim_v)):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}: expected a head dim from 1 to {MAX_HEAD_DIM}, got {dim}")
 
 
 def _spec(*, dtype, head_dim, head_dim_v, num_heads, num_kv_heads, causal, softmax_scale, dropout_p, mask,
@@ -573,6 +580,7 @@ def _remember(key, kernel):
         _BOUND[key] = kernel
 
 
+_CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(KernelConfig))  # a traced call's config values
 _REFUSED = "refused:"  # _traced_binding's answer for a call the spec refuses (its error follows)
 
 
@@ -592,7 +600,9 @@ def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout
             spec = _spec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
                          mask=_thaw(mask), score_mod=_thaw(score_mod))
-            kernel = _tuned_kernel(spec, config)
+            kernel = _tuned_kernel(spec, None if config is None else KernelConfig(**dict(zip(_CONFIG_FIELDS, config))))
+        except SpecError as err:
+            return f"{_REFUSED}SpecError:{err.field}:{err}"
         except (TypeError, ValueError) as err:
             return f"{_REFUSED}{'TypeError' if isinstance(err, TypeError) else 'ValueError'}:{err}"
         _BOUND[key] = kernel
@@ -611,10 +621,11 @@ def _traced_tensor_names(*key) -> str:
 def _check_traced_scalars(causal, softmax_scale, dropout_p):
     """Under torch.compile, a call without a key (_call_key) for a scalar the spec refuses: its error, naming the
     argument, raised in the traced code (the spec the eager path builds to say so cannot be traced)."""
-    check_flag("causal", causal)
+    if causal is not True and causal is not False:
+        raise TracedSpecError(f"spec field 'causal': expected true or false, got {causal!r}", "causal")
     for name, value in (("softmax_scale", softmax_scale), ("dropout_p", dropout_p)):
         if isinstance(value, bool):
-            raise TypeError(f"{name}: expected a number, got {value!r}")
+            raise TracedSpecError(f"spec field '{name}': expected a number, got {value!r}", name)
 
 
 def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=None, descales=(None,) * 3):
@@ -622,9 +633,18 @@ def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=
     fake cannot check (the named tensors' names, the longest lengths' type) is checked here, as eagerly; the
     rest, the op checks when it runs."""
     check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
+    _check_dtype_heads_dims(q.dtype, *key[3:5], *key[1:3])
+    # (the config as its values: dynamo guards those, where it would guard a KernelConfig's identity, and a
+    # config made per call, equal to the last, would recompile)
+    key = (*key[:-1], None if key[-1] is None else tuple(
+        value if isinstance(value, (bool, str)) else _static_int(value, 1 << 16)  # (symbolic under dynamic=True)
+        for value in (getattr(key[-1], name) for name in _CONFIG_FIELDS)))
     kernel_id = _traced_binding(*key)
     if kernel_id.startswith(_REFUSED):
         kind, message = kernel_id[len(_REFUSED):].split(":", 1)
+        if kind == "SpecError":
+            field, message = message.split(":", 1)
+            raise TracedSpecError(message, field)
         raise (TypeError if kind == "TypeError" else ValueError)(message)
     names = _traced_tensor_names(*key)
     names = names.split(",") if names else []
@@ -632,7 +652,7 @@ def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=
     named = [tensors[name] for name in names]
     if cu is not None:
         for name, m in (("max_seqlen_q", cu[2]), ("max_seqlen_k", cu[3])):
-            if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)):
+            if isinstance(m, (bool, float, str)):  # (as _max_seqlen, which would specialize an int traced)
                 raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
     if key[0] in FP8_DTYPES or any(d is not None for d in descales):
         out, lse = ops.attn_fwd_fp8(q, k, v, *descales, named, kernel_id, layout)

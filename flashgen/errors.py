@@ -40,3 +40,17 @@ class SpecError(ValueError):
 
     def with_source(self, source: str) -> "SpecError":
         return SpecError(self.field, self.message, self.value, source=source)
+
+
+class TracedSpecError(SpecError):
+    """A SpecError that a call traced by torch.compile raises: TracedSpecError(text, field), its text SpecError's
+    (dynamo cannot trace SpecError's own __init__, so a traced raise of it fails on that instead of reporting the
+    error; this class is built as a plain ValueError is)."""
+
+    __init__ = ValueError.__init__
+    field = property(lambda self: self.args[1])
+    message = property(lambda self: self.args[0].split(": ", 1)[-1])
+    value = dataclasses.MISSING
+
+    def __str__(self):
+        return self.args[0]

@@ -14,6 +14,7 @@ import torch._dynamo
 
 import flashgen
 from flashgen import AttentionSpec, KernelConfig, compat
+from flashgen.errors import SpecError
 
 BACKENDS = ["aot_eager", "eager"]
 # (batch, seqlen): the second call must reuse the first's graph. Sizes are chosen apart from the
@@ -399,7 +400,9 @@ BAD_TRACED_CALLS = {
     "scale True": (lambda q, k, v: flashgen.attention(q, k, v, softmax_scale=True), "softmax_scale"),
     "causal": (lambda q, k, v: flashgen.attention(q, k, v, causal="yes"), "causal"),
     "mask": (lambda q, k, v: flashgen.attention(q, k, v, mask="q_idx <<= kv_idx"), "mask.expr"),
-    "heads": (lambda q, k, v: flashgen.attention(q, k[:, :3], v[:, :3]), "num_kv_heads"),
+    "heads": (lambda q, k, v: flashgen.attention(q, k[:, :3], v[:, :3]), "k"),
+    "dtype": (lambda q, k, v: flashgen.attention(q.double(), k.double(), v.double()), "q"),
+    "causal 1": (lambda q, k, v: flashgen.attention(q, k, v, causal=1), "causal"),
     "misspelled tensor": (lambda q, k, v: flashgen.attention(q, k, v, score_mod="score + bias[kv_idx]",
                                                              bais=torch.zeros(17)), "bais"),
     "extra tensor": (lambda q, k, v: flashgen.attention(q, k, v, bias=torch.zeros(17)), "bias"),
@@ -423,12 +426,17 @@ def test_bad_input_traced_names_the_argument(case):
     call, name = case
     q, k, v = (torch.randn(1, 4, 17, 16) for _ in range(3))
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=rf"raised exception (Type|Value)Error\(.*{re.escape(name)}'?:") as err:
+    with pytest.raises(Exception, match=rf"raised exception \w+Error\(.*[('\"]{re.escape(name)}'?:") as err:
         torch.compile(call, fullgraph=True, backend="eager")(q, k, v)
     assert "Internal" not in type(err.value).__name__
+    try:
+        call(q, k, v)
+    except (TypeError, ValueError) as eager_error:
+        eager = eager_error
     torch._dynamo.reset()
-    with pytest.raises((TypeError, ValueError), match=rf"(^|')({re.escape(name)}|k)'?:"):
+    with pytest.raises(SpecError if isinstance(eager, SpecError) else type(eager)) as err:
         torch.compile(call, backend="eager")(q, k, v)
+    assert str(err.value) == str(eager)  # the eager call's error, of its type (a spec's: a SpecError)
 
 
 @pytest.mark.interpreter
@@ -440,8 +448,25 @@ def test_a_call_given_a_config_compiles_on_a_cold_process(monkeypatch):
     monkeypatch.setattr(api, "_BOUND", {})  # a cold process: no key bound
     config = KernelConfig(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
     _check(lambda q, k, v: flashgen.attention(q, k, v, causal=True, config=config), _dense, "aot_eager")
-    bound = [kernel.config for key, kernel in api._BOUND.items() if key[-1] is config]
-    assert bound and all(c == config for c in bound)
+    bound = [kernel.config for kernel in api._BOUND.values() if kernel.config == config]
+    assert bound
+    # an equal config made per call keeps the graph (a KernelConfig passed as is was guarded by its identity)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, config: flashgen.attention(q, k, v, causal=True, config=config),
+                             fullgraph=True, dynamic=True, backend="eager")
+    for i, (batch, seqlen) in enumerate(SHAPES):
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            compiled(*_dense(batch, seqlen), KernelConfig(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1))
+
+
+@pytest.mark.interpreter
+def test_a_numpy_max_seqlen_compiles():
+    # eager takes any integer max_seqlen (numbers.Integral); the traced check took Python ints only
+    np = pytest.importorskip("numpy")
+    q, k, v, cu, longest = _packed(3, 17)
+    call = lambda q, k, v: flashgen.attention_varlen(q, k, v, cu, cu, np.int64(longest), np.int64(longest))  # noqa: E731
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(call, fullgraph=True, dynamic=True, backend="eager")(q, k, v), call(q, k, v))
 
 
 def _packed_from(q, k, v):
