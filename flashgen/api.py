@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import numbers
+import sys
 from functools import lru_cache
 
 import torch
@@ -472,10 +473,34 @@ def _bind(key, q, k, v, **fields) -> AttentionKernel:
     kernel = _BOUND.get(key) if key is not None else None
     if kernel is None:
         config = fields.pop("config")
-        kernel = _tuned_kernel(spec_for(q, k, v, **fields), config)
+        build = _untraced(_build_kernel) if "torch._dynamo" in sys.modules else _build_kernel
+        kernel = build(q, k, v, config, fields)
         if key is not None:
             _BOUND[key] = kernel
     return kernel
+
+
+def _build_kernel(q, k, v, config, fields) -> AttentionKernel:
+    return _tuned_kernel(spec_for(q, k, v, **fields), config)
+
+
+_UNTRACED: dict = {}  # fn -> its torch.compiler.disable wrapper (a dict: dynamo warns of an lru_cache it traces)
+
+
+def _untraced(fn):
+    """fn where dynamo never traces it (torch.compiler.disable). A call compiled without fullgraph that breaks the
+    graph (bad input, an object built inside the compiled function) runs on eagerly, and dynamo traces the frames it
+    enters: building a spec there, torch 2.11's dynamo failed with an internal AssertionError instead of letting
+    the spec's error name the argument. Under fullgraph, where such a call fails anyway, the error says it is
+    not traced."""
+    wrapped = _UNTRACED.get(fn)
+    if wrapped is None:
+        try:
+            wrapped = torch.compiler.disable(fn, reason="flashgen builds a call's spec and kernel eagerly")
+        except TypeError:  # (a torch without the reason)
+            wrapped = torch.compiler.disable(fn)
+        _UNTRACED[fn] = wrapped
+    return wrapped
 
 
 def _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config):
