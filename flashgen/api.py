@@ -323,6 +323,8 @@ def _static_int(n, limit: int = 1 << 12) -> int:
     if not isinstance(n, torch.SymInt) and not torch.compiler.is_compiling():
         return n
     lo, hi = 0, limit
+    while n > hi:  # (past the limit: widened, not capped)
+        lo, hi = hi + 1, hi * 2
     while lo < hi:
         mid = (lo + hi) // 2
         if n <= mid:

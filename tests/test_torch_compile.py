@@ -534,3 +534,14 @@ def test_gpu_every_entry_point_compiles_with_inductor(case):
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, atol=2e-2, rtol=2e-2)
+
+
+def test_a_traced_size_past_the_search_limit_is_not_capped():
+    # _static_int's binary search ran below its limit (4096): a traced head count past it read as the limit
+    from flashgen import api
+
+    torch._dynamo.reset()
+    sized = torch.compile(lambda x: x.new_zeros(api._static_int(x.shape[1], 8)), fullgraph=True, dynamic=True,
+                          backend="eager")
+    assert sized(torch.zeros(2, 20)).shape == (20,)
+    assert sized(torch.zeros(2, 8)).shape == (8,)
