@@ -15,7 +15,7 @@ import torch
 from . import ops
 from .codegen import render
 from .config import KernelConfig, default_config, default_configs
-from .errors import SpecError, TracedSpecError, check_flag
+from .errors import SpecError, TracedSpecError, check_flag, short_repr
 from .masks import Mask, ScoreMod
 from .runtime import host
 from .runtime.host import nearest_bucket
@@ -341,8 +341,8 @@ def _static_float(x, *likely):
     specialized by one guard, another finite value by a binary search of comparisons over the doubles'
     bit patterns (63 guards, as _static_int's search). Anything else (inf, NaN) stays as it is: the
     call's checks name it."""
-    if x is None or not torch.compiler.is_compiling():  # (traced, a symbolic float's type reads as float)
-        return x
+    if x is None or isinstance(x, bool) or not torch.compiler.is_compiling():  # (a bool: left for the checks)
+        return x  # (traced, a symbolic float's type reads as float)
     if x == 0:
         return 0.0
     for value in likely:
@@ -645,11 +645,13 @@ def _traced_tensor_names(*key) -> str:
     return ",".join(_BOUND[key].spec.tensor_names)
 
 
-def _check_traced_scalars(causal, softmax_scale, dropout_p):
-    """Under torch.compile, a call without a key (_call_key) for a scalar the spec refuses: its error, naming the
-    argument, raised in the traced code (the spec the eager path builds to say so cannot be traced)."""
+def _check_traced_call(q, k, v, layout, causal, softmax_scale, dropout_p):
+    """Under torch.compile, a call without a key (_call_key): the tensors, layout and scalars the spec would refuse,
+    each error naming its argument, raised in the traced code (the eager path that says so builds a spec, which
+    is not traced: _bind runs it untraced)."""
+    host.check_tensors(q, k, v, layout)
     if causal is not True and causal is not False:
-        raise TracedSpecError(f"spec field 'causal': expected true or false, got {causal!r}", "causal")
+        raise TracedSpecError(f"spec field 'causal': expected true or false, got {short_repr(causal)}", "causal")
     for name, value in (("softmax_scale", softmax_scale), ("dropout_p", dropout_p)):
         if isinstance(value, bool):
             raise TracedSpecError(f"spec field '{name}': expected a number, got {value!r}", name)
@@ -679,8 +681,11 @@ def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=
     named = [tensors[name] for name in names]
     if cu is not None:
         for name, m in (("max_seqlen_q", cu[2]), ("max_seqlen_k", cu[3])):
-            if isinstance(m, (bool, float, str)):  # (as _max_seqlen, which would specialize an int traced)
-                raise ValueError(f"{name}: expected a non-negative int, got {m!r}")
+            # (as _max_seqlen, whose int() would specialize a traced length; dynamo reads a numpy integer as an
+            # array, which the op cannot take: traced, a Python int it must be)
+            if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)):
+                raise ValueError(f"{name}: expected a non-negative int (traced by torch.compile: a Python int), got "
+                                 f"a {type(m).__name__}")
     if key[0] in FP8_DTYPES or any(d is not None for d in descales):
         out, lse = ops.attn_fwd_fp8(q, k, v, *descales, named, kernel_id, layout)
         return (out, lse) if return_lse else out
@@ -729,7 +734,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if torch.compiler.is_compiling():
             if key is not None:
                 return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, descales=descales)
-            _check_traced_scalars(causal, softmax_scale, dropout_p)
+            _check_traced_call(q, k, v, layout, causal, softmax_scale, dropout_p)
         kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
                        mask=mask, score_mod=score_mod, config=config)
         _remember(eager_key, kernel)
@@ -762,7 +767,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             if key is not None:
                 return _compiled_call(key, q, k, v, "thd", return_lse, deterministic, tensors,
                                       (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-            _check_traced_scalars(causal, softmax_scale, dropout_p)
+            _check_traced_call(q, k, v, "thd", causal, softmax_scale, dropout_p)
         kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
                        mask=mask, score_mod=score_mod, config=config)
         _remember(eager_key, kernel)

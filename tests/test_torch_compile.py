@@ -403,6 +403,10 @@ BAD_TRACED_CALLS = {
     "heads": (lambda q, k, v: flashgen.attention(q, k[:, :3], v[:, :3]), "k"),
     "dtype": (lambda q, k, v: flashgen.attention(q.double(), k.double(), v.double()), "q"),
     "causal 1": (lambda q, k, v: flashgen.attention(q, k, v, causal=1), "causal"),
+    # calls without a key (their spec is built untraced): the tensors and layout named first
+    "q 3-d": (lambda q, k, v: flashgen.attention(q[0], k, v), "q"),
+    "layout": (lambda q, k, v: flashgen.attention(q, k, v, layout="xyz"), "layout"),
+    "sdpa scale True": (lambda q, k, v: flashgen.scaled_dot_product_attention(q, k, v, scale=True), "scale"),
     "misspelled tensor": (lambda q, k, v: flashgen.attention(q, k, v, score_mod="score + bias[kv_idx]",
                                                              bais=torch.zeros(17)), "bais"),
     "extra tensor": (lambda q, k, v: flashgen.attention(q, k, v, bias=torch.zeros(17)), "bias"),
@@ -459,14 +463,19 @@ def test_a_call_given_a_config_compiles_on_a_cold_process(monkeypatch):
             compiled(*_dense(batch, seqlen), KernelConfig(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1))
 
 
+@pytest.mark.parametrize("kind", ["numpy int32", "numpy int64", "tensor", "None"])
 @pytest.mark.interpreter
-def test_a_numpy_max_seqlen_compiles():
-    # eager takes any integer max_seqlen (numbers.Integral); the traced check took Python ints only
+def test_a_max_seqlen_traced_is_a_python_int(kind):
+    # eager takes any integer (numbers.Integral); traced, dynamo reads a numpy integer as an array the op cannot
+    # take (an int32 failed in the op's fake, an int64 passed), and a tensor was taken where eager refuses it: a
+    # traced call takes a Python int and names max_seqlen_q for anything else
     np = pytest.importorskip("numpy")
     q, k, v, cu, longest = _packed(3, 17)
-    call = lambda q, k, v: flashgen.attention_varlen(q, k, v, cu, cu, np.int64(longest), np.int64(longest))  # noqa: E731
+    bad = {"numpy int32": np.int32, "numpy int64": np.int64, "tensor": torch.tensor, "None": lambda n: None}[kind]
     torch._dynamo.reset()
-    assert torch.equal(torch.compile(call, fullgraph=True, dynamic=True, backend="eager")(q, k, v), call(q, k, v))
+    with pytest.raises(Exception, match="max_seqlen_q: expected a non-negative int"):
+        torch.compile(lambda q, k, v: flashgen.attention_varlen(q, k, v, cu, cu, bad(longest), longest),
+                      fullgraph=True, dynamic=True, backend="eager")(q, k, v)
 
 
 def _packed_from(q, k, v):
