@@ -15,7 +15,7 @@ import torch
 from . import ops
 from .codegen import render
 from .config import KernelConfig, default_config, default_configs
-from .errors import SpecError, TracedSpecError, check_flag, short_repr
+from .errors import MAX_VALUE_REPR, SpecError, TracedSpecError, check_flag
 from .masks import Mask, ScoreMod
 from .runtime import host
 from .runtime.host import nearest_bucket
@@ -651,7 +651,9 @@ def _check_traced_call(q, k, v, layout, causal, softmax_scale, dropout_p):
     is not traced: _bind runs it untraced)."""
     host.check_tensors(q, k, v, layout)
     if causal is not True and causal is not False:
-        raise TracedSpecError(f"spec field 'causal': expected true or false, got {short_repr(causal)}", "causal")
+        got = repr(causal)  # (short_repr's reprlib: torch 2.11's dynamo does not trace it)
+        got = got if len(got) <= MAX_VALUE_REPR else got[:MAX_VALUE_REPR - 3] + "..."
+        raise TracedSpecError(f"spec field 'causal': expected true or false, got {got}", "causal")
     for name, value in (("softmax_scale", softmax_scale), ("dropout_p", dropout_p)):
         if isinstance(value, bool):
             raise TracedSpecError(f"spec field '{name}': expected a number, got {value!r}", name)
