@@ -15,7 +15,7 @@ import torch
 from . import ops
 from .codegen import render
 from .config import KernelConfig, default_config, default_configs
-from .errors import MAX_VALUE_REPR, SpecError, TracedSpecError, check_flag
+from .errors import SpecError, TracedSpecError, check_flag, short_repr
 from .masks import Mask, ScoreMod
 from .runtime import host
 from .runtime.host import nearest_bucket
@@ -135,6 +135,8 @@ class AttentionKernel:
     def _kernel_id_for(self, config, seqlen):
         """The kernel id of a call: its config's, the nearest bucket's, or the default's."""
         if config is not None:
+            if torch.compiler.is_compiling():  # (kernel_id serializes it, not traced; self._ids would be guarded)
+                return _raise_refused(_traced_config_id(self._id, _config_values(config)))
             return self.kernel_id(config)
         if self._bucket_ids:
             if torch.compiler.is_compiling():  # a symbolic length: the ops pick the bucket per call, as for
@@ -628,10 +630,8 @@ def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout
                          num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
                          mask=_thaw(mask), score_mod=_thaw(score_mod))
             kernel = _tuned_kernel(spec, None if config is None else KernelConfig(**dict(zip(_CONFIG_FIELDS, config))))
-        except SpecError as err:
-            return f"{_REFUSED}SpecError:{err.field}:{err}"
         except (TypeError, ValueError) as err:
-            return f"{_REFUSED}{'TypeError' if isinstance(err, TypeError) else 'ValueError'}:{err}"
+            return _refused(err)
         _BOUND[key] = kernel
     if kernel.bucket_configs:  # the config follows the call's (symbolic here) length: the ops pick per call
         return ops.bucketed_id(kernel.spec, kernel.bucket_configs)
@@ -645,15 +645,52 @@ def _traced_tensor_names(*key) -> str:
     return ",".join(_BOUND[key].spec.tensor_names)
 
 
+def _config_values(config):
+    """Under torch.compile, a call's config as the tuple of its values (None: none), what the constant-result
+    functions take: dynamo guards the values, where it would guard a KernelConfig's identity (a config made per
+    call, equal to the last, would recompile), and torch 2.11's cannot pass a frozen dataclass at all."""
+    if config is None:
+        return None
+    return tuple(value if isinstance(value, (bool, str)) else _static_int(value, 1 << 16)  # (symbolic: dynamic=True)
+                 for value in (getattr(config, name) for name in _CONFIG_FIELDS))
+
+
+def _refused(err: Exception) -> str:
+    """A constant-result function's answer for a call refused by err: _REFUSED, its kind and its text."""
+    if isinstance(err, SpecError):
+        return f"{_REFUSED}SpecError:{err.field}:{err}"
+    return f"{_REFUSED}{'TypeError' if isinstance(err, TypeError) else 'ValueError'}:{err}"
+
+
+def _raise_refused(answer: str) -> str:
+    """answer (a kernel id), unless it is _refused's: then its error, raised in the traced code."""
+    if answer.startswith(_REFUSED):
+        kind, message = answer[len(_REFUSED):].split(":", 1)
+        if kind == "SpecError":
+            field, message = message.split(":", 1)
+            raise TracedSpecError(message, field)
+        raise (TypeError if kind == "TypeError" else ValueError)(message)
+    return answer
+
+
+@_constant_result
+def _traced_config_id(kernel_id: str, config: tuple) -> str:
+    """Under torch.compile: the id of kernel_id's spec with the config of these values (a kernel object's call
+    given a config it has not run: ops.kernel_id serializes it, which dynamo cannot trace)."""
+    spec, _ = ops.kernel_spec(kernel_id)
+    try:
+        return ops.kernel_id(spec, KernelConfig(**dict(zip(_CONFIG_FIELDS, config))))
+    except (TypeError, ValueError) as err:
+        return _refused(err)
+
+
 def _check_traced_call(q, k, v, layout, causal, softmax_scale, dropout_p):
     """Under torch.compile, a call without a key (_call_key): the tensors, layout and scalars the spec would refuse,
     each error naming its argument, raised in the traced code (the eager path that says so builds a spec, which
     is not traced: _bind runs it untraced)."""
     host.check_tensors(q, k, v, layout)
     if causal is not True and causal is not False:
-        got = repr(causal)  # (short_repr's reprlib: torch 2.11's dynamo does not trace it)
-        got = got if len(got) <= MAX_VALUE_REPR else got[:MAX_VALUE_REPR - 3] + "..."
-        raise TracedSpecError(f"spec field 'causal': expected true or false, got {got}", "causal")
+        raise TracedSpecError(f"spec field 'causal': expected true or false, got {short_repr(causal)}", "causal")
     for name, value in (("softmax_scale", softmax_scale), ("dropout_p", dropout_p)):
         if isinstance(value, bool):
             raise TracedSpecError(f"spec field '{name}': expected a number, got {value!r}", name)
@@ -665,18 +702,8 @@ def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=
     rest, the op checks when it runs."""
     check_flag("return_lse", return_lse), check_flag("deterministic", deterministic)
     _check_dtype_heads_dims(q.dtype, *key[3:5], *key[1:3])
-    # (the config as its values: dynamo guards those, where it would guard a KernelConfig's identity, and a
-    # config made per call, equal to the last, would recompile)
-    key = (*key[:-1], None if key[-1] is None else tuple(
-        value if isinstance(value, (bool, str)) else _static_int(value, 1 << 16)  # (symbolic under dynamic=True)
-        for value in (getattr(key[-1], name) for name in _CONFIG_FIELDS)))
-    kernel_id = _traced_binding(*key)
-    if kernel_id.startswith(_REFUSED):
-        kind, message = kernel_id[len(_REFUSED):].split(":", 1)
-        if kind == "SpecError":
-            field, message = message.split(":", 1)
-            raise TracedSpecError(message, field)
-        raise (TypeError if kind == "TypeError" else ValueError)(message)
+    key = (*key[:-1], _config_values(key[-1]))
+    kernel_id = _raise_refused(_traced_binding(*key))
     names = _traced_tensor_names(*key)
     names = names.split(",") if names else []
     host.check_tensor_names(tensors, names)

@@ -15,8 +15,15 @@ MAX_VALUE_REPR = 200
 
 
 def short_repr(value: Any) -> str:
-    text = _REPR.repr(value)
+    # (traced by torch.compile, a check's message takes plain repr: torch 2.11's dynamo does not trace reprlib)
+    text = repr(value) if _tracing() else _REPR.repr(value)
     return text if len(text) <= MAX_VALUE_REPR else text[:MAX_VALUE_REPR - 3] + "..."
+
+
+def _tracing() -> bool:
+    import torch  # (here, not at the top: the spec and the CLI's errors import this module without needing torch)
+
+    return torch.compiler.is_compiling()
 
 
 def check_flag(name: str, value: Any) -> bool:

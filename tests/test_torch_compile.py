@@ -554,3 +554,13 @@ def test_a_traced_size_past_the_search_limit_is_not_capped():
                           backend="eager")
     assert sized(torch.zeros(2, 20)).shape == (20,)
     assert sized(torch.zeros(2, 8)).shape == (8,)
+
+
+@pytest.mark.interpreter
+def test_a_kernel_object_given_a_config_it_has_not_run_compiles():
+    # kernel(q, k, v, config=...) worked traced only once an eager call had run that config: its id serializes the
+    # config (json), which dynamo cannot trace
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, causal=True)
+    kernel = flashgen.compile(spec)
+    config = KernelConfig(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    _check(lambda q, k, v: kernel(q, k, v, config=config), _dense, "aot_eager")
