@@ -14,7 +14,7 @@ import torch
 
 from . import ops
 from .codegen import render
-from .config import KernelConfig, default_config, default_configs
+from .config import ConfigError, KernelConfig, default_config, default_configs
 from .errors import SpecError, TracedSpecError, check_flag, short_repr
 from .masks import Mask, ScoreMod
 from .runtime import host
@@ -659,7 +659,8 @@ def _refused(err: Exception) -> str:
     """A constant-result function's answer for a call refused by err: _REFUSED, its kind and its text."""
     if isinstance(err, SpecError):
         return f"{_REFUSED}SpecError:{err.field}:{err}"
-    return f"{_REFUSED}{'TypeError' if isinstance(err, TypeError) else 'ValueError'}:{err}"
+    kind = next(name for name, cls in _REFUSALS.items() if isinstance(err, cls))
+    return f"{_REFUSED}{kind}:{err}"
 
 
 def _raise_refused(answer: str) -> str:
@@ -669,8 +670,12 @@ def _raise_refused(answer: str) -> str:
         if kind == "SpecError":
             field, message = message.split(":", 1)
             raise TracedSpecError(message, field)
-        raise (TypeError if kind == "TypeError" else ValueError)(message)
+        raise _REFUSALS.get(kind, ValueError)(message)
     return answer
+
+
+# the kinds of refusal a traced call raises as they were (the most derived first; a SpecError as a TracedSpecError)
+_REFUSALS = {cls.__name__: cls for cls in (ConfigError, TypeError, ValueError)}
 
 
 @_constant_result

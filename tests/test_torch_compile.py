@@ -564,3 +564,9 @@ def test_a_kernel_object_given_a_config_it_has_not_run_compiles():
     kernel = flashgen.compile(spec)
     config = KernelConfig(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
     _check(lambda q, k, v: kernel(q, k, v, config=config), _dense, "aot_eager")
+    refused = KernelConfig(BLOCK_M=128, BLOCK_N=128, family="hopper_ws")  # (fp32 is not the family's)
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="config knob 'family': 'hopper_ws' cannot serve"):
+            torch.compile(lambda q, k, v: kernel(q, k, v, config=refused), fullgraph=fullgraph,
+                          backend="eager")(*_dense(3, 17))
