@@ -66,10 +66,20 @@ def _check_tensors(query, key, value):
 
 
 def _shape_of(*shapes, what):
-    try:
-        return tuple(torch.broadcast_shapes(*shapes))
-    except RuntimeError:
-        raise ValueError(f"{what}: shapes {' and '.join(str(tuple(s)) for s in shapes)} do not broadcast") from None
+    """torch.broadcast_shapes in plain Python: traced by torch.compile, torch's runs as a graph node whose mismatch
+    fails in a fake-tensor call instead of naming the argument."""
+    ndim = max(len(shape) for shape in shapes)
+    out = []
+    for i in range(-ndim, 0):
+        size = 1
+        for shape in shapes:
+            n = shape[i] if len(shape) >= -i else 1
+            if n != 1:
+                if size != 1 and n != size:
+                    raise ValueError(f"{what}: shapes {' and '.join(str(tuple(s)) for s in shapes)} do not broadcast")
+                size = n
+        out.append(size)
+    return tuple(out)
 
 
 def _heads(query, key, value, enable_gqa):
@@ -111,10 +121,8 @@ def _check_mask(attn_mask, query, target):
         raise ValueError(f"attn_mask: expected dtype bool, float32 or query's {query.dtype}, got {attn_mask.dtype}")
     if attn_mask.device != query.device:
         raise ValueError(f"attn_mask: expected device {query.device} (query's), got {attn_mask.device}")
-    try:
-        fits = attn_mask.dim() <= len(target) and tuple(torch.broadcast_shapes(attn_mask.shape, target)) == target
-    except RuntimeError:
-        fits = False
+    # (each of its dims 1 or the call's; in plain Python, as _shape_of, so that a traced mismatch names it)
+    fits = attn_mask.dim() <= len(target) and all(m == 1 or m == t for m, t in zip(attn_mask.shape[::-1], target[::-1]))
     if not fits:
         raise ValueError(f"attn_mask: expected a shape broadcastable to {target} (query's batch, heads, "
                          f"L and key's S), got {tuple(attn_mask.shape)}")

@@ -407,6 +407,8 @@ BAD_TRACED_CALLS = {
     "q 3-d": (lambda q, k, v: flashgen.attention(q[0], k, v), "q"),
     "layout": (lambda q, k, v: flashgen.attention(q, k, v, layout="xyz"), "layout"),
     "sdpa scale True": (lambda q, k, v: flashgen.scaled_dot_product_attention(q, k, v, scale=True), "scale"),
+    "sdpa mask shape": (lambda q, k, v: flashgen.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.ones(3, 17, 17, dtype=torch.bool)), "attn_mask"),  # (4 heads: 3 does not broadcast)
     "misspelled tensor": (lambda q, k, v: flashgen.attention(q, k, v, score_mod="score + bias[kv_idx]",
                                                              bais=torch.zeros(17)), "bais"),
     "extra tensor": (lambda q, k, v: flashgen.attention(q, k, v, bias=torch.zeros(17)), "bias"),
