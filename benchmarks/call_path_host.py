@@ -114,6 +114,16 @@ def cases():
         with torch.no_grad():
             flash_attn_func(qs, ks, vs, causal=True)
 
+    keep = torch.ones(S, S, dtype=torch.bool).tril()  # SDPA's bool mask (L, S), broadcast over batch and heads
+
+    def sdpa_forward():
+        with torch.no_grad():
+            flashgen.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def sdpa_mask_forward():
+        with torch.no_grad():
+            flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
     # A generation step as transformers makes it: one query per row over a (B, S, H_kv, D) view of its
     # (B, H_kv, S, D) cache, S one longer each step, so each call's metadata is new: its plans are
     # forgotten before every call (compiled kernels stay shared by specialization).
@@ -208,6 +218,7 @@ def cases():
             "fwd+bwd autograd floor (allocating autograd.Function, no kernels)": autograd_floor,
             "fwd+bwd, bwd_short off (portable backward)": fwd_bwd_portable,
             "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward,
+            "SDPA-shaped forward (is_causal)": sdpa_forward, "SDPA-shaped forward (bool mask)": sdpa_mask_forward,
             "generation step (B=4, 16/4 heads, new length)": generation_step,
             "generation step over 4097+ keys": long_generation_step,
             "transformers generation step, prefill kernel": transformers_step(False),

@@ -106,6 +106,8 @@ def _as_bhsd(t, lead, heads):
     only where key and value have different counts (enable_gqa allows it, flashgen shares one)."""
     if t.dim() == 2:
         return t[None, None]
+    if t.dim() == 4 and len(lead) == 1 and t.shape[0] == lead[0] and t.shape[1] == heads:
+        return t  # (batch, heads, seq, dim) already, the common call: no views to make (~3 us each)
     if t.shape[-3] != heads and t.shape[-3] != 1:
         t = t.repeat_interleave(heads // t.shape[-3], dim=-3)  # enable_gqa, key and value differ
     t = t.expand(*lead, heads, *t.shape[-2:])
