@@ -87,6 +87,7 @@ CASES = [
     ((2, 4, 17, 16), (2, 4, 23, 16), (2, 4, 23, 16), None, None, {"is_causal": True}),
     ((2, 4, 23, 16), (2, 4, 17, 16), (2, 4, 17, 16), None, None, {"is_causal": True}),
     ((2, 8, 9, 32), (2, 2, 33, 32), (2, 2, 33, 32), None, None, {"enable_gqa": True, "is_causal": True}),
+    ((2, 4, 19, 16), (2, 4, 19, 16), (2, 4, 19, 16), None, None, {"is_causal": True}),  # L == S: the plain causal spec
     ((1, 8, 13, 16), (1, 1, 13, 16), (1, 1, 13, 16), None, None, {"enable_gqa": True}),
     ((2, 4, 17, 16), (2, 4, 23, 16), (2, 4, 23, 16), (17, 23), "bool", {}),
     ((2, 4, 17, 16), (2, 4, 23, 16), (2, 4, 23, 16), (2, 1, 1, 23), "bool", {}),
@@ -108,7 +109,7 @@ def test_forward_matches_torch_sdpa(device, dtype, qs, ks, vs, ms, kind, kw):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("qs, ks, vs, ms, kind, kw", [CASES[i] for i in (3, 4, 8, 9, 10)])
+@pytest.mark.parametrize("qs, ks, vs, ms, kind, kw", [CASES[i] for i in (3, 4, 5, 9, 10, 11)])
 def test_gradients_match_torch_sdpa(device, dtype, qs, ks, vs, ms, kind, kw):
     gen = torch.Generator().manual_seed(zlib.crc32(repr((qs, ks, ms, kind, "grad")).encode()))
     q, k, v, mask = _inputs(gen, device, dtype, qs, ks, vs, ms, kind, grad=True)
