@@ -629,7 +629,7 @@ def _traced_binding(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout
             spec = _spec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
                          mask=_thaw(mask), score_mod=_thaw(score_mod))
-            kernel = _tuned_kernel(spec, None if config is None else KernelConfig(**dict(zip(_CONFIG_FIELDS, config))))
+            kernel = _tuned_kernel(spec, _config_of(config))
         except (TypeError, ValueError) as err:
             return _refused(err)
         _BOUND[key] = kernel
@@ -653,6 +653,11 @@ def _config_values(config):
         return None
     return tuple(value if isinstance(value, (bool, str)) else _static_int(value, 1 << 16)  # (symbolic: dynamic=True)
                  for value in (getattr(config, name) for name in _CONFIG_FIELDS))
+
+
+def _config_of(values):
+    """The KernelConfig of _config_values' tuple (None: none), rebuilt inside a constant-result function."""
+    return None if values is None else KernelConfig(**dict(zip(_CONFIG_FIELDS, values)))
 
 
 def _refused(err: Exception) -> str:
@@ -684,7 +689,7 @@ def _traced_config_id(kernel_id: str, config: tuple) -> str:
     given a config it has not run: ops.kernel_id serializes it, which dynamo cannot trace)."""
     spec, _ = ops.kernel_spec(kernel_id)
     try:
-        return ops.kernel_id(spec, KernelConfig(**dict(zip(_CONFIG_FIELDS, config))))
+        return ops.kernel_id(spec, _config_of(config))
     except (TypeError, ValueError) as err:
         return _refused(err)
 
