@@ -366,9 +366,14 @@ def shares_memory(a, b) -> bool:
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
     start_a, start_b = a.data_ptr(), b.data_ptr()
-    end_a = start_a + (1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()))) * a.element_size()
-    end_b = start_b + (1 + sum((n - 1) * st for n, st in zip(b.shape, b.stride()))) * b.element_size()
+    end_a = start_a + element_span(a.shape, a.stride()) * a.element_size()
+    end_b = start_b + element_span(b.shape, b.stride()) * b.element_size()
     return start_a < end_b and start_b < end_a
+
+
+def element_span(shape, stride) -> int:
+    """The elements from a view's first to its last, its strides over its shape (one past the last's offset)."""
+    return 1 + sum((n - 1) * st for n, st in zip(shape, stride))
 
 
 def check_outputs_apart(outputs, inputs):
@@ -390,8 +395,7 @@ def gradient_buffer(shape, stride, device):
     would show at every element that shares the memory)."""
     if stride == contiguous_strides(shape):
         return torch.zeros(shape, dtype=torch.float32, device=device)
-    span = 1 + sum((size - 1) * st for size, st in zip(shape, stride))
-    return torch.zeros(span, dtype=torch.float32, device=device).as_strided(shape, stride)
+    return torch.zeros(element_span(shape, stride), dtype=torch.float32, device=device).as_strided(shape, stride)
 
 
 def tensor_key(t):
