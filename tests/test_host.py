@@ -94,6 +94,26 @@ def test_index_lists_order_whole_then_partial_blocks():
     assert lists[0, 1, 1, :1].tolist() == [3]
 
 
+def sorted_lists(tile_classes):
+    """index_lists' answer in torch: per row, stable argsorts putting the whole (then the partial) blocks first."""
+    lists = [torch.argsort((tile_classes != c).to(torch.int8), dim=-1, stable=True).to(torch.int32) for c in (2, 1)]
+    counts = torch.stack([(tile_classes == 2).sum(-1), (tile_classes == 1).sum(-1)], dim=-1).to(torch.int32)
+    return counts, torch.stack(lists, dim=-2)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3, 5), (2, 3, 7, 1), (1, 2, 2, 1100), (1, 1, 1, 0), (3, 1, 0, 4)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_index_lists_is_the_stable_argsort_on_random_classes(shape, transposed):
+    # block_lists_fill against the torch form it replaced: every index, not only the listed ones (rows past 1024
+    # tiles take two chunks; the transposed view is the key blocks' direction, columns 1 apart by nk)
+    classes = torch.randint(0, 3, shape, dtype=torch.int8)
+    if transposed:
+        classes = classes.transpose(-1, -2)
+    counts, lists = host.index_lists(classes)
+    want_counts, want_lists = sorted_lists(classes)
+    assert torch.equal(counts, want_counts) and torch.equal(lists, want_lists)
+
+
 @pytest.mark.parametrize("cu_q,cu_k,max_q,max_k,message", [
     ([1, 5, 12], [0, 5, 12], 7, 7, "cu_seqlens_q: expected the first offset to be 0, got 1"),
     ([0, 5, 40], [0, 5, 12], 35, 7, "cu_seqlens_q: expected offsets within the 12 tokens of q, got last offset 40"),

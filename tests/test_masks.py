@@ -461,6 +461,57 @@ def test_block_map_is_cached_per_shape_without_tensors(device):
     assert doc.block_map(1, 40, 40, device=device, d=ids)[0] is not doc.block_map(1, 40, 40, device=device, d=ids)[0]
 
 
+@pytest.mark.parametrize("loop_order,dq_strategy", [("q_outer", "separate"), ("kv_outer", "atomic")])
+def test_mask_over_a_tensor_keeps_its_plan_and_reads_each_calls_mask(device, loop_order, dq_strategy):
+    # A call plan serves every call of one metadata key; the block map of a mask over a tensor is the one thing it
+    # makes again per call (TensorBlockMap, in the direction each kernel walks): new contents, in place or in a new
+    # tensor of the same layout, give that call's answer, and no new plan is made.
+    seed, gen = _seeded()
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, num_kv_heads=1, mask="keep[b, q_idx, kv_idx] != 0",
+                         backward=True)
+    module = render.build_module(spec, SMALL.replace(loop_order=loop_order, dq_strategy=dq_strategy))
+    q, k, v = _qkv(gen, 2, 2, 1, 40, 37, 16, torch.float16, device)
+    do = torch.randn(q.shape, generator=gen).to(device=device, dtype=torch.float16)
+    rows, cols = torch.arange(40)[:, None], torch.arange(37)[None, :]
+    masks = [torch.ones(2, 40, 37, dtype=torch.bool),  # every tile whole (but the ragged last key block)
+             (rows >= cols).expand(2, 40, 37),  # whole, partial and empty tiles
+             torch.rand(2, 40, 37, generator=gen) < 0.3,  # partial tiles, a different map per batch element
+             ((rows // 16 + cols // 16) % 2 == 0) & (torch.arange(2)[:, None, None] == 0)]  # element 1 sees nothing
+    keep = masks[0].clone().to(device)
+    plans = None
+    try:
+        for i, mask in enumerate(masks):
+            if i % 2:
+                keep.copy_(mask)  # the same tensor, its contents changed in place
+            else:
+                keep = mask.clone().to(device)  # another tensor of the same layout
+            out, lse = module.forward(q, k, v, tensors={"keep": keep})
+            kw = dict(causal=False, mask=spec.mask, tensors={"keep": keep})
+            assert_attention_close(out, lse, q, k, v, **kw)
+            dq, dk, dv, _ = module.backward(do, q, k, v, out, lse, tensors={"keep": keep})
+            assert_gradients_close((dq, dk, dv), q, k, v, do, **kw)
+            if plans is None:
+                plans = len(module._LAUNCHER.plans)
+            assert len(module._LAUNCHER.plans) == plans, "a new plan for a call of the same metadata"
+    except AssertionError as err:
+        raise AssertionError(f"mask {i}, seed={seed}: {err}") from None
+
+
+def test_mask_over_a_tensor_trains_with_each_calls_mask(device):
+    # the autograd path (a training step's forward plan and the backward plan kept under it) over two masks
+    seed, gen = _seeded()
+    q, k, v = (t.requires_grad_() for t in _qkv(gen, 1, 2, 2, 33, 33, 16, torch.float16, device))
+    do = torch.randn(q.shape, generator=gen).to(device=device, dtype=torch.float16)
+    rows, cols = torch.arange(33)[:, None], torch.arange(33)[None, :]
+    for keep in (torch.ones(33, 33, dtype=torch.bool), (rows >= cols) & (torch.rand(33, 33, generator=gen) < 0.7)):
+        keep = keep.to(device)
+        out = flashgen.attention(q, k, v, mask="keep[q_idx, kv_idx] != 0", keep=keep, config=SMALL)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        kw = dict(causal=False, mask="keep[q_idx, kv_idx] != 0", tensors={"keep": keep})
+        assert_attention_close(out.detach(), None, q.detach(), k.detach(), v.detach(), **kw)
+        assert_gradients_close(grads, q.detach(), k.detach(), v.detach(), do, **kw)
+
+
 # ----------------------------------------------------------------------------- autograd, varlen, compat
 def test_autograd_flows_into_tensors(device):
     seed, gen = _seeded()

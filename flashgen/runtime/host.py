@@ -234,12 +234,90 @@ class Descriptors:
         return made
 
 
+@triton.jit
+def block_lists_fill(CLASSES, COUNTS, BLOCKS, n, m, stride_bh, stride_row, stride_col, BLOCK: tl.constexpr):
+    # Program (row, bh): row `row` of an (n, m) view of tile classes (0 nothing visible, 1 partly, 2 wholly)
+    # -> COUNTS[bh, row] = (whole, partial) and BLOCKS[bh, row, 0] the row's columns, the whole ones first then
+    # the others, BLOCKS[bh, row, 1] the partial ones first then the others, each part ascending (two stable
+    # argsorts' order). Two passes over the row: the counts, then each column's place.
+    row = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    src = CLASSES + bh * stride_bh + row.to(tl.int64) * stride_row
+    n_whole = tl.zeros([], tl.int32)
+    n_partial = tl.zeros([], tl.int32)
+    for start in range(0, m, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        cls = tl.load(src + j * stride_col, mask=j < m, other=0)
+        n_whole += tl.sum((cls == 2).to(tl.int32), 0)
+        n_partial += tl.sum((cls == 1).to(tl.int32), 0)
+    dst = BLOCKS + (bh * n + row) * 2 * m
+    seen_whole = tl.zeros([], tl.int32)
+    seen_partial = tl.zeros([], tl.int32)
+    for start in range(0, m, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        inside = j < m
+        cls = tl.load(src + j * stride_col, mask=inside, other=0)
+        whole = (cls == 2).to(tl.int32)
+        partial = (cls == 1).to(tl.int32)
+        whole_before = seen_whole + tl.cumsum(whole, 0) - whole  # (the others before j: j - whole_before)
+        partial_before = seen_partial + tl.cumsum(partial, 0) - partial
+        tl.store(dst + tl.where(whole == 1, whole_before, n_whole + j - whole_before), j, mask=inside)
+        tl.store(dst + m + tl.where(partial == 1, partial_before, n_partial + j - partial_before), j, mask=inside)
+        seen_whole += tl.sum(whole, 0)
+        seen_partial += tl.sum(partial, 0)
+    tl.store(COUNTS + (bh * n + row) * 2, n_whole)
+    tl.store(COUNTS + (bh * n + row) * 2 + 1, n_partial)
+
+
+def list_block(m):
+    """block_lists_fill's BLOCK for rows of m tiles."""
+    return min(1024, max(16, triton.next_power_of_2(m)))
+
+
 def index_lists(tile_classes):
     """Block-map tile classes (.., n, m) -> counts (.., n, 2) [whole, partial] and block indices
-    (.., n, 2, m): per row, the whole blocks' indices, then the partial ones', each ascending."""
-    lists = [torch.argsort((tile_classes != c).to(torch.int8), dim=-1, stable=True).to(torch.int32) for c in (2, 1)]
-    counts = torch.stack([(tile_classes == 2).sum(-1), (tile_classes == 1).sum(-1)], dim=-1).to(torch.int32)
-    return counts.contiguous(), torch.stack(lists, dim=-2).contiguous()
+    (.., n, 2, m): per row, the whole blocks' indices, then the partial ones', each ascending (each
+    followed by the row's other indices). One launch of block_lists_fill (the same in torch, stable
+    argsorts, sums and stacks, was 17 launches: on a GPU host, their host time every call of a mask
+    over tensors)."""
+    *lead, n, m = tile_classes.shape
+    flat = tile_classes.unsqueeze(0).flatten(0, -3)  # (a view: the leading dims are one another's multiples)
+    counts = torch.empty((flat.shape[0], n, 2), dtype=torch.int32, device=flat.device)
+    lists = torch.empty((flat.shape[0], n, 2, m), dtype=torch.int32, device=flat.device)
+    if counts.numel():
+        block_lists_fill[(n, flat.shape[0])](flat, counts, lists, n, m, *flat.stride(), BLOCK=list_block(m))
+    return counts.view(*lead, n, 2), lists.view(*lead, n, 2, m)
+
+
+class TensorBlockMap:
+    """The block map of a mask over named tensors at one call plan's shape and tiling, in one direction
+    (rows: per query block, its key blocks, as Q-outer walks read it; else per key block, its query
+    blocks). Made again on every call, the tensors' contents being the call's, by two bound launches:
+    the mask's tile classifier and block_lists_fill. Called with the named tensors' kernel arguments
+    (AttentionLauncher.tensor_args), it returns the walking kernel's map arguments (map_args)."""
+
+    def __init__(self, launcher, batch, seqlen_q, seqlen_k, block_m, block_n, device, rows):
+        nb = batch if launcher.map_uses_batch else 1
+        nh = launcher.num_heads if launcher.map_uses_head else 1
+        nq, nk = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
+        self.launcher, self.batch, self.device = launcher, batch, device
+        self.classes_shape, self.sizes = (nb * nh, nq, nk), (seqlen_q, seqlen_k, nb, nh)
+        self.n, self.m = (nq, nk) if rows else (nk, nq)
+        self.counts_shape, self.lists_shape = (nb, nh, self.n, 2), (nb, nh, self.n, 2, self.m)
+        self.fill_args = (self.n, self.m, nq * nk, *((nk, 1) if rows else (1, nk)))
+        self.classify = BoundLaunch(launcher.block_map_kernel, (nq, nk, nb * nh),
+                                    dict(BLOCK_M=block_m, BLOCK_N=block_n))
+        self.fill = BoundLaunch(block_lists_fill, (self.n, nb * nh), dict(BLOCK=list_block(self.m)))
+
+    def __call__(self, tensor_args):
+        classes = torch.empty(self.classes_shape, dtype=torch.int8, device=self.device)
+        counts = torch.empty(self.counts_shape, dtype=torch.int32, device=self.device)
+        lists = torch.empty(self.lists_shape, dtype=torch.int32, device=self.device)
+        if classes.numel():
+            self.classify(classes, *self.sizes, *tensor_args)
+        if counts.numel():
+            self.fill(classes, counts, lists, *self.fill_args)
+        return self.launcher.map_args(counts, lists, self.batch)
 
 
 DECODER = "decoder"  # AttentionLauncher.plans[(DECODER, decode key)]: whether its calls may run on the decode kernel
@@ -925,7 +1003,8 @@ class AttentionLauncher:
     def block_map(self, batch, seqlen_q, seqlen_k, block_m, block_n, device, tensors=None):
         """The mask's block map at this tiling: (per query block: counts, key blocks; per key block:
         counts, query blocks). Computed on the device by evaluating the mask on every tile; cached
-        per shape when the mask reads no tensor (a mask over tensors is recomputed each call)."""
+        per shape when the mask reads no tensor (a mask over tensors is remade on each call of a
+        call plan, in the direction its kernel walks: TensorBlockMap)."""
         nb = batch if self.map_uses_batch else 1
         nh = self.num_heads if self.map_uses_head else 1
         key = (nb, nh, seqlen_q, seqlen_k, block_m, block_n, str(device))
@@ -958,9 +1037,10 @@ class AttentionLauncher:
 
     def plan_key(self, scalars, call_tensors, tensors, knobs):
         """The key of a call's plan: its scalars and every tensor's metadata. None (a plan made
-        afresh for that call alone) when bound launches are off, when the mask's block map reads
-        tensors (it differs per call), or when an argument is not a tensor (the checks name it)."""
-        if not BoundLaunch.enabled or (self.block_map_kernel is not None and self.tensor_names):
+        afresh for that call alone) when bound launches are off, or when an argument is not a tensor
+        (the checks name it). (A mask's block map over tensors is the one thing a plan makes again on
+        every call: TensorBlockMap.)"""
+        if not BoundLaunch.enabled:
             return None
         try:
             return (scalars, *map(tensor_key, call_tensors),
@@ -983,8 +1063,6 @@ class AttentionLauncher:
                    q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15,
                    v.data_ptr() & 15, q.is_cpu and self.interpreting())
             if tensors:
-                if self.block_map_kernel is not None:
-                    return None
                 for name, t in tensors.items():
                     key += (name, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
             return key
@@ -1289,9 +1367,12 @@ class AttentionLauncher:
         qk_scale = scale * self.RCP_LN2  # exp(x * scale) = exp2(x * qk_scale)
         plan.head = (*strides, num_heads, seqlen_q, seqlen_k, scale, qk_scale, float(dropout_p))
         maps = []
-        if self.block_map_kernel is not None:
+        if self.block_map_kernel is not None and self.tensor_names:  # made on every call
+            plan.maps = TensorBlockMap(self, batch, seqlen_q, seqlen_k, cfg["BLOCK_M"], cfg["BLOCK_N"], q.device,
+                                       rows=cfg["loop_order"] == "q_outer")
+        elif self.block_map_kernel is not None:
             rows_cnt, rows_idx, cols_cnt, cols_idx = self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M"],
-                                                                    cfg["BLOCK_N"], q.device, named)
+                                                                    cfg["BLOCK_N"], q.device)
             if cfg["loop_order"] == "q_outer":
                 maps = self.map_args(rows_cnt, rows_idx, batch)
             else:
@@ -1465,9 +1546,12 @@ class AttentionLauncher:
         sizes = (num_heads, seqlen_q, seqlen_k, qk_scale, scale, float(dropout_p))
         launch = self.launch_knobs(cfg, "BLOCK_M1", "BLOCK_N1", "bwd_num_warps", "bwd_num_stages")
         maps = []
-        if self.block_map_kernel is not None:
-            maps = self.map_args(*self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M1"], cfg["BLOCK_N1"], q.device,
-                                                 named)[2:], batch)
+        if self.block_map_kernel is not None and self.tensor_names:  # made on every call
+            plan.dkdv_maps = TensorBlockMap(self, batch, seqlen_q, seqlen_k, cfg["BLOCK_M1"], cfg["BLOCK_N1"], q.device,
+                                            rows=False)
+        elif self.block_map_kernel is not None:
+            maps = self.map_args(*self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M1"], cfg["BLOCK_N1"],
+                                                 q.device)[2:], batch)
         tma = cfg["bwd_tma"] and layout != "thd" and all(tma_ready(t) for t in (q, k, v, do))
         if tma:
             plan.rows = Descriptors(layout, ((launch["BLOCK_M"], self.block_d), (launch["BLOCK_M"], self.block_dv)))
@@ -1483,9 +1567,12 @@ class AttentionLauncher:
         plan.dkdv_tail = (*maps, total_q, total_k)
         if not atomic:
             launch = self.launch_knobs(cfg, "BLOCK_M2", "BLOCK_N2", "bwd_num_warps", "bwd_num_stages")
-            if self.block_map_kernel is not None:
+            if self.block_map_kernel is not None and self.tensor_names:
+                maps, plan.dq_maps = [], TensorBlockMap(self, batch, seqlen_q, seqlen_k, cfg["BLOCK_M2"],
+                                                        cfg["BLOCK_N2"], q.device, rows=True)
+            elif self.block_map_kernel is not None:
                 maps = self.map_args(*self.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M2"], cfg["BLOCK_N2"],
-                                                     q.device, named)[:2], batch)
+                                                     q.device)[:2], batch)
             # One key: Triton makes seqlen_k == 1 a constant, and ptxas 12.8 (triton 3.6, sm_90a) dies
             # (SIGSEGV) on the dQ kernel with descriptors so specialized; one key block needs no TMA.
             dq_tma = tma and seqlen_k != 1

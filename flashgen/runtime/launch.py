@@ -420,6 +420,12 @@ class CallPlan:
     def seed_arg(self, seed):
         return seed if self.seed is None else self.seed
 
+    @staticmethod
+    def with_maps(maps, tail, extra):
+        """A kernel's arguments after the named tensors': tail, after the block map made for this call by
+        maps (host.TensorBlockMap, a mask over the tensors whose kernel arguments are extra) where given."""
+        return tail if maps is None else (*maps(extra), *tail)
+
     def tensor_extra(self, tensors, runs=None):
         """The kernel arguments of the named tensors a call passes (a mask's document ids, ...); runs: how
         their runs tables are made (host.AttentionLauncher.tensor_args; None: filled for this call)."""
@@ -446,6 +452,7 @@ class ForwardPlan(CallPlan):
         self.zero_fill = False  # packed sequences without keys: out 0, lse -inf
         self.launch = None  # a BoundLaunch of the forward kernel
         self.head = self.tail = ()  # the kernel's arguments before and after the named tensors'
+        self.maps = None  # a mask over named tensors: the TensorBlockMap whose arguments precede tail
         self.descriptors = None  # Q-outer with TMA: Descriptors of q, k, v, out
         self.buffers = None  # KV-outer: the (rows, BLOCK_DV) shape of its float32 accumulator
         self.softmax_scale = self.dropout_p = None  # the call's scalars (set by forward_plan)
@@ -496,11 +503,12 @@ class ForwardPlan(CallPlan):
             acc = torch.zeros((rows, block_dv), dtype=torch.float32, device=self.device)
             m = torch.full((rows,), float("-inf"), dtype=torch.float32, device=self.device)
             l = torch.zeros((rows,), dtype=torch.float32, device=self.device)  # noqa: E741
-            self.launch(q, k, v, out, lse, seed, cu_q, cu_k, acc, m, l, *self.head, *extra, *self.tail)
+            self.launch(q, k, v, out, lse, seed, cu_q, cu_k, acc, m, l, *self.head, *extra,
+                        *self.with_maps(self.maps, self.tail, extra))
         else:
             tiles = (q, k, v, out) if self.descriptors is None else self.descriptors(q, k, v, out)
             (launch or self.launch)(q, k, v, out, lse, seed, cu_q, cu_k, *tiles, *(self.head if head is None else head),
-                                    *extra, *self.tail, *fp8_args)
+                                    *extra, *self.with_maps(self.maps, self.tail, extra), *fp8_args)
         return out, lse
 
 
@@ -521,6 +529,7 @@ class BackwardPlan(CallPlan):
         self.new_delta = allocator(lse.shape, torch.float32, self.device)
         self.preprocess = self.dkdv = self.dq = None  # BoundLaunch of each kernel (dq: None when atomic)
         self.preprocess_args = self.dkdv_head = self.dkdv_tail = self.dq_head = self.dq_tail = ()
+        self.dkdv_maps = self.dq_maps = None  # a mask over named tensors: each kernel's TensorBlockMap
         self.atomic = False  # dQ accumulated by the dK/dV kernel into a float32 buffer
         self.rows = self.tiles = None  # with TMA: Descriptors of (q, do) for dK/dV and of (k, v) for dQ
         self.fused_delta = None  # bwd_fused_delta: out's strides; the dQ kernel computes delta and runs first
@@ -561,16 +570,16 @@ class BackwardPlan(CallPlan):
         if self.fused_delta is not None:  # delta from the dQ kernel, before dK/dV reads it
             tiles = (k, v) if self.tiles is None else self.tiles(k, v)
             self.dq.run(context, (q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra,
-                                  *self.dq_tail, out, *self.fused_delta))
+                                  *self.with_maps(self.dq_maps, self.dq_tail, extra), out, *self.fused_delta))
         rows = (q, do) if self.rows is None else self.rows(q, do)
         self.dkdv.run(context, (q, k, v, do, lse, delta, dk, dv, dq_acc, seed, cu_q, cu_k, *rows, *self.dkdv_head,
-                                *extra, *grad_args, *self.dkdv_tail))
+                                *extra, *grad_args, *self.with_maps(self.dkdv_maps, self.dkdv_tail, extra)))
         if self.atomic:
             dq.copy_(dq_acc)
         elif self.fused_delta is None:
             tiles = (k, v) if self.tiles is None else self.tiles(k, v)
             self.dq.run(context, (q, k, v, do, lse, delta, dq, seed, cu_q, cu_k, *tiles, *self.dq_head, *extra,
-                                  *self.dq_tail))
+                                  *self.with_maps(self.dq_maps, self.dq_tail, extra)))
         return self.result(dq, dk, dv, grads, tensors)
 
     def gradient_buffers(self):
