@@ -143,6 +143,16 @@ def _mask_terms(attn_mask, query, target):
     return None, [f"score + {_MASK_INDEX}"], {MASK_NAME: m}
 
 
+def _empty_result(out_shape, *inputs):
+    """A call with nothing to compute: zeros of its (empty) output shape, differentiable as SDPA's is (each input
+    that requires a gradient gets one of its shape, zeros)."""
+    out = inputs[0].new_zeros(out_shape)
+    for t in inputs:
+        if t is not None and t.requires_grad:
+            out = out + t.sum() * 0
+    return out
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False):
     """torch.nn.functional.scaled_dot_product_attention on a flashgen kernel: same arguments,
@@ -174,6 +184,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out_shape = (*lead, heads, seqlen_q, value.shape[-1]) if query.dim() > 2 else (seqlen_q, value.shape[-1])
     if attn_mask is not None:
         _check_mask(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
+    if heads == 0 or 0 in lead:  # an empty batch, or no heads: SDPA's empty result (no kernel, no named tensor)
+        return _empty_result(out_shape, query, key, value, attn_mask)
     if not enable_gqa and query.dim() == key.dim() == value.dim() == 3:
         # (N, L, E): N sequences of one head, a batch (a head count is a constant of the kernel: N as heads compiled
         # a kernel per N, and under torch.compile a recompile)

@@ -287,6 +287,18 @@ def test_zero_length_calls_return_what_torch_does(device, lq, lk):
     assert not out.isnan().any() and (lk or not out.any())  # no keys: rows of 0 (torch: NaN)
 
 
+@pytest.mark.parametrize("qs, ms", [((0, 5, 16), (0, 5, 6)), ((0, 2, 5, 16), (0, 2, 5, 6)), ((2, 0, 5, 16), (2, 1, 5, 6)),
+                                    ((0, 2, 5, 16), None)], ids=["3-d N=0", "batch 0", "no heads", "batch 0 no mask"])
+def test_empty_batches_and_no_heads_return_what_torch_does(device, qs, ms):
+    # (an empty batch with a per-element mask was refused: the mask, a named tensor, had no elements)
+    q, k, v = (torch.randn(*qs[:-2], n, 16).to(device).requires_grad_() for n in (5, 6, 6))
+    mask = None if ms is None else (torch.rand(ms) < 0.5).to(device)
+    out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert out.shape == torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).shape
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert [g.shape for g in grads] == [t.shape for t in (q, k, v)]
+
+
 def test_sdpa_3d_inputs_of_any_n_share_one_kernel(device, monkeypatch):
     # (N, L, E) read N as the head count, a constant of the kernel: a spec and a kernel per N (and under
     # torch.compile a recompile per N); N is now a batch of single-head sequences
