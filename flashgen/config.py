@@ -476,6 +476,11 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
                 return cfg(64, 64, 4, 3, tma=True)
             if shape.causal and seqlen <= 2048:
                 return cfg(64, 64, 4, 3, tma=True)  # causal S=1024: 0.186 ms vs 0.221 for 128x128
+            if _reads_pair_tiles(spec):
+                # a (BLOCK_M, BLOCK_N) tile of a tensor per block (SDPA's attn_mask, a bias), staged beside K and V:
+                # 128 x 128 at 3 stages asks 256 KiB of shared memory (the H200 has 227; OutOfResources on every
+                # call, session 49), 128 x 64 160 KiB
+                return dict(cfg(128, 64, 8, 3, tma=True), warp_specialize=True)
             return dict(cfg(128, 128, 8, 3, tma=True), warp_specialize=True)
         if spec.fp8:
             # FP8 hd256 (H100, 16k tokens, triton 3.6): 128x64 with descriptors and warp
@@ -487,6 +492,15 @@ def _forward_defaults(spec: AttentionSpec, arch: str, d: int, shape: MaskShape, 
     if d <= 128:
         return cfg(128, 32, 4, 2)
     return cfg(64, 32, 4, 1)
+
+
+def _reads_pair_tiles(spec: AttentionSpec) -> bool:
+    """Whether the mask or score_mod reads a named tensor by query and key position (SDPA's attn_mask, an (L, S)
+    bias): each block of keys then loads a (BLOCK_M, BLOCK_N) tile of it."""
+    from . import masks
+
+    return any(any("seqlen_q" in names for names in t.sizes) and any("seqlen_k" in names for names in t.sizes)
+               for t in masks.lower(spec.mask_node, spec.score_mod).tensors)
 
 
 def _hopper_ws_default(spec: AttentionSpec, d: int, shape: MaskShape, seqlen: int, target: str) -> dict | None:

@@ -269,3 +269,16 @@ def test_a_config_that_is_not_a_mapping_is_refused_by_name(data):
     from flashgen.config import ConfigError
     with pytest.raises(ConfigError, match="^config: expected a mapping of knob names to values, got "):
         KernelConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("variant", [{"mask": {"expr": "attn_mask[b, h, q_idx, kv_idx] != 0"}},
+                                     {"score_mod": {"expr": "score + bias[q_idx, kv_idx]"}}], ids=["bool mask", "bias"])
+@pytest.mark.parametrize("seqlen", [128, 2048, 16384])
+def test_sm90_tiles_of_a_tensor_read_by_query_and_key_leave_shared_memory(variant, seqlen):
+    # each block loads a (BLOCK_M, BLOCK_N) tile of the tensor beside K and V, staged: 128 x 128 at 3 stages asked
+    # 256 KiB of shared memory at hd128 (tests/test_sdpa.py's GPU test; the sm90 compile measured 128 x 64 at 160)
+    spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, backward=True, **variant)
+    cfg = default_config(spec, "h100", seqlen)
+    assert cfg.BLOCK_M * cfg.BLOCK_N * cfg.num_stages <= 128 * 64 * 3
+    plain = default_config(AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, backward=True), "h100", seqlen)
+    assert plain.family == "hopper_ws" or plain.BLOCK_N == 128  # (an unmasked spec keeps its own)
