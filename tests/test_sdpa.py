@@ -292,6 +292,17 @@ def test_bad_arguments_name_the_argument(args, kw, words):
     assert words in str(info.value)
 
 
+def test_checks_kept_per_metadata_still_refuse_other_inputs():
+    # _checked_heads keeps the checks' answer per inputs' metadata: a call that differs in any of it is checked
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float16)
+    flashgen.scaled_dot_product_attention(q, q, q)
+    for args, words in (((q, q, q.float()), "value: expected dtype torch.float16"),
+                        ((q, q, q[..., :3, :]), "value: expected seq len 4"),
+                        ((q, q[:, :1].expand(1, 3, 4, 8), q), "do not broadcast")):
+        with pytest.raises(ValueError, match=words):
+            flashgen.scaled_dot_product_attention(*args)
+
+
 @pytest.mark.parametrize("lq, lk", [(0, 8), (8, 0)])
 def test_zero_length_calls_return_what_torch_does(device, lq, lk):
     # (a 0-size length made the 4-d flattening's reshape(-1, ...) undetermined: a reshape error)
