@@ -39,7 +39,7 @@ __all__ = ["scaled_dot_product_attention"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MASK_NAME = "attn_mask"  # the named tensor the mask expressions read
-_MASK_INDEX = f"{MASK_NAME}[b, h, q_idx, kv_idx]"
+_MASK_DIMS = ("b", "h", "q_idx", "kv_idx")  # what indexes each dim of a (batch, heads, L, S) attn_mask
 
 
 def _check_tensors(query, key, value):
@@ -158,15 +158,22 @@ def _check_mask(attn_mask, query, target):
 
 def _mask_terms(attn_mask, query, target):
     """(mask, score_mod, named tensors) expressing attn_mask (checked: _check_mask) over the (batch, heads, L, S)
-    call."""
+    call. The expressions index the mask by the dims it does not broadcast along only (an (L, S) mask is
+    attn_mask[q_idx, kv_idx]): a mask shared by the batch or the heads has one block map for them all, not one per
+    (batch, head), and fewer index terms per element. H200, B=4 H=16 S=2048 hd128, a bool (L, S) mask indexed by all
+    four: its block map took 1071 us per call (.scratch/mask_probe.py, session 49)."""
     m = attn_mask.reshape((1,) * (len(target) - attn_mask.dim()) + tuple(attn_mask.shape))
     if len(target) > 4:  # several leading dims: flatten them as query's were (a copy only if they broadcast)
         if any(d != 1 for d in m.shape[:-3]):
             m = m.expand(*target[:-3], *m.shape[-3:])
         m = m.reshape(-1, *m.shape[-3:])
+    m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))  # (batch, heads, L, S), each 1 or the call's
+    kept = [d for d in range(4) if m.shape[d] != 1] or [3]
+    m = m[tuple(slice(None) if d in kept else 0 for d in range(4))]  # (a view: the broadcast dims dropped)
+    index = f"{MASK_NAME}[{', '.join(_MASK_DIMS[d] for d in kept)}]"
     if attn_mask.dtype == torch.bool:
-        return f"{_MASK_INDEX} != 0", [], {MASK_NAME: m}
-    return None, [f"score + {_MASK_INDEX}"], {MASK_NAME: m}
+        return f"{index} != 0", [], {MASK_NAME: m}
+    return None, [f"score + {index}"], {MASK_NAME: m}
 
 
 def _empty_result(out_shape, *inputs):
