@@ -28,7 +28,8 @@ def test_triton_text_of_each_construct():
                          field="score_mod.expr", variables=SCORE_VARS)
     text = triton_expr(node, TILE)
     for piece in ("_fdiv(rows, 3)", "_fmod(cols, 2)", "tl.abs(score)", "-(_tanh(score))",
-                  "tl.load(t_t + _clamp(off_h, t_t_n0) * t_t_s0 + _clamp(cols, t_t_n1) * t_t_s1)",
+                  "tl.load(t_t + _clamp(off_h, t_t_n0) * t_t_s0 + cols * t_t_s1, mask=((cols < t_t_n1) | "
+                  "(cols * 0 + t_t_n1 == 1)), other=0)",
                   "((rows) * 1.0 / (4))", "tl.where("):
         assert piece in text, piece
     assert tensor_params("t", 2) == ["t_t", "t_t_s0", "t_t_s1", "t_t_n0", "t_t_n1"]

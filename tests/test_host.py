@@ -172,8 +172,9 @@ def test_named_tensors_are_checked_and_given_their_rank():
     # missing leading dimensions broadcast: ids (S,) serve every batch element, slopes (H,) every one too
     assert named["doc"].shape == (1, 30) and named["slopes"].shape == (1, 2)
     args = launcher.tensor_args(named)
-    assert args[0] is named["doc"] and args[1:5] == [30, 1, 1, 30] and args[5] is named["slopes"]
-    assert args[6:] == [2, 1, 1, 2]  # strides, then sizes
+    # strides, then sizes; a dim of size 1 (broadcast) has stride 0 (to_triton._load reads kv_idx unclamped)
+    assert args[0] is named["doc"] and args[1:5] == [0, 1, 1, 30] and args[5] is named["slopes"]
+    assert args[6:] == [0, 1, 1, 2]
     cases = [
         ({"doc": ids}, TypeError, "slopes: this spec's mask or score_mod reads tensor 'slopes'"),
         ({"doc": ids, "slopes": slopes, "bogus": ids}, TypeError, "bogus: not a tensor of this spec"),

@@ -6,6 +6,7 @@ Every case draws fresh inputs from a new seed, printed on failure.
 """
 
 import random
+import zlib
 from pathlib import Path
 
 import pytest
@@ -495,6 +496,20 @@ def test_mask_over_a_tensor_keeps_its_plan_and_reads_each_calls_mask(device, loo
             assert len(module._LAUNCHER.plans) == plans, "a new plan for a call of the same metadata"
     except AssertionError as err:
         raise AssertionError(f"mask {i}, seed={seed}: {err}") from None
+
+
+@pytest.mark.parametrize("shape", [(2, 37), (2, 1), (1, 37), (1, 1), (2, 50)], ids=str)
+def test_a_tensor_read_by_kv_idx_broadcasts_and_ignores_padding_keys(device, shape):
+    # kv_idx indexes unclamped and masked past the tensor (to_triton._load: a vectorized row), a dim of size 1 with
+    # stride 0: every key reads its element, a size-1 dim element 0 (the clamp's answer), keys past seqlen_k (the
+    # ragged last tile's) nothing that shows; gradients into the tensor too (their adds keep the clamp)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(shape).encode()))
+    bias = torch.randn(shape, generator=gen)
+    keep = torch.rand(shape, generator=gen) > 0.3
+    keep[..., 0] = True  # every row sees a key
+    check_variant(device, score_mod="score + bias[h, kv_idx]", tensors={"bias": bias}, sq=29, sk=37,
+                  grad_tensors=("bias",) if shape[-1] != 50 else (), dtype="fp32")
+    check_variant(device, mask="keep[h, kv_idx] != 0", tensors={"keep": keep}, sq=29, sk=37)
 
 
 def test_mask_over_a_tensor_trains_with_each_calls_mask(device):

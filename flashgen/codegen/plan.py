@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from .. import masks
 from ..runtime import host
-from ..expr.ir import Load, reads_var, tensors_of, walk
+from ..expr.ir import Load, Search, reads_var, walk
 from ..expr.to_triton import (GLUON, GLUON_SEARCH, TRITON, runs_pointer, runs_search, tensor_params, tensor_size, tensor_stride,
                               triton_expr)
 
@@ -46,9 +46,10 @@ class KernelPlan:
         self.grad_tensors = list(lowered.grad_tensors)
         self.integer_tensors = [t.name for t in self.tensors if t.integer]
         self.same_seqlen = lowered.same_seqlen
-        # which block-map dimensions the mask varies over (a tensor is read per batch element)
+        # which block-map dimensions the mask varies over: b read by the expression, or by a search of a sorted
+        # tensor, which reads row b (a tensor it indexes without b, an (L, S) mask, is one map for the batch)
         self.mask_uses_b = self.predicate is not None and (reads_var(self.predicate, "b")
-                                                           or bool(tensors_of(self.predicate)))
+                                                           or any(isinstance(n, Search) for n in walk(self.predicate)))
         self.mask_uses_h = self.predicate is not None and reads_var(self.predicate, "h")
         # the sorted tensors (document ids) whose block ranges search a row for one of its own
         # elements: the launcher fills a runs table of each per call, and a block's range reads two

@@ -102,11 +102,30 @@ def written_terms(node) -> int:
     return fold(node, count)
 
 
-def _element_offset(node: Load, names, hoist, dialect: Dialect) -> str:
-    """The clamped element offset of a tensor load: sum of clamp(index_d) * stride_d."""
+def _load(node: Load, names, hoist, dialect: Dialect) -> str:
+    """A tensor load: the element offset, sum of clamp(index_d) * stride_d. In the portable kernels (TRITON), an
+    index that is kv_idx itself (a tile's key columns: never negative, one apart along the tile's rows) is read
+    unclamped and masked past the tensor's extent instead, so that a row of a tile is one vectorized load (a clamp
+    hides the columns' contiguity from Triton, and each element became a load of its own: an (S, S) bf16 bias at
+    B=4 H=16 S=2048 hd128 took 1.76 ms per forward on an H200, cuDNN's whole forward 0.25; session 49). What the
+    clamp gave there is kept: a column past the tensor is a padding key (check_tensor_sizes holds a dim kv_idx
+    indexes to seqlen_k or 1), whose score the bounds mask drops, and a dim of size 1 (broadcast) has stride 0 in
+    the kernels' arguments (host.AttentionLauncher.tensor_args) and is never masked (Triton makes a size of 1 a
+    constant: its mask folds away)."""
     t = node.tensor
-    return " + ".join(f"{dialect.helper}clamp({triton_expr(i, names, hoist, dialect)}, {tensor_size(t, d)}) * "
-                      f"{tensor_stride(t, d)}" for d, i in enumerate(node.index))
+    terms, masks = [], []
+    for d, i in enumerate(node.index):
+        index = triton_expr(i, names, hoist, dialect)
+        if dialect.lang == "tl" and isinstance(i, Var) and i.name == "kv_idx":
+            terms.append(f"{index} * {tensor_stride(t, d)}")
+            # (the size compared as a tile: Triton's interpreter takes (n == 1) of a plain int for no mask dtype)
+            masks.append(f"(({index} < {tensor_size(t, d)}) | ({index} * 0 + {tensor_size(t, d)} == 1))")
+        else:
+            terms.append(f"{dialect.helper}clamp({index}, {tensor_size(t, d)}) * {tensor_stride(t, d)}")
+    pointer = f"{tensor_pointer(t)} + {' + '.join(terms)}"
+    if masks:
+        return f"{dialect.lang}.load({pointer}, mask={' & '.join(masks)}, other=0)"
+    return f"{dialect.lang}.load({pointer})"
 
 
 def runs_search(node) -> bool:
@@ -147,7 +166,7 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
     if isinstance(node, Var):
         return names[node.name]
     if isinstance(node, Load):
-        return f"{lang}.load({tensor_pointer(node.tensor)} + {_element_offset(node, names, hoist, dialect)})"
+        return _load(node, names, hoist, dialect)
     if isinstance(node, Search):
         t = node.tensor
         if dialect.runs and runs_search(node):

@@ -861,7 +861,8 @@ class AttentionLauncher:
         args = []
         for name in self.tensor_names:
             t = tensors[name]
-            args += [t, *t.stride(), *t.shape]
+            # a dim of size 1 broadcasts: stride 0 (a load whose index is kv_idx reads it unclamped: to_triton._load)
+            args += [t, *(0 if n == 1 else s for n, s in zip(t.shape, t.stride())), *t.shape]
             if name in self.runs_tensors:
                 self.check_runs(name, t)
                 args.append(runs(t, self.runs_checks[name]))

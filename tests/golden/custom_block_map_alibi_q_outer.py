@@ -129,7 +129,7 @@ def _search(PTR, stride, n, value, RIGHT: tl.constexpr):
 @triton.jit
 def _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_keep, t_keep_s0, t_keep_s1, t_keep_n0, t_keep_n1, t_slopes, t_slopes_s0, t_slopes_s1, t_slopes_n0, t_slopes_n1):
     # Which (query row, key column) pairs are attended; rows and cols broadcast to the tile.
-    return (cols < seqlen_k) & (((rows >= cols) & (((rows - cols) < 256) | (tl.load(t_keep + _clamp(off_b, t_keep_n0) * t_keep_s0 + _clamp(cols, t_keep_n1) * t_keep_s1) != 0))))
+    return (cols < seqlen_k) & (((rows >= cols) & (((rows - cols) < 256) | (tl.load(t_keep + _clamp(off_b, t_keep_n0) * t_keep_s0 + cols * t_keep_s1, mask=((cols < t_keep_n1) | (cols * 0 + t_keep_n1 == 1)), other=0) != 0))))
 
 
 @triton.jit

@@ -131,7 +131,7 @@ def _search(PTR, stride, n, value, RIGHT: tl.constexpr):
 @triton.jit
 def _visible(rows, cols, off_b, off_h, seqlen_q, seqlen_k, t_doc, t_doc_s0, t_doc_s1, t_doc_n0, t_doc_n1, runs_doc):
     # Which (query row, key column) pairs are attended; rows and cols broadcast to the tile.
-    return (cols < seqlen_k) & (((tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(rows, t_doc_n1) * t_doc_s1) == tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(cols, t_doc_n1) * t_doc_s1)) & (cols <= rows)))
+    return (cols < seqlen_k) & (((tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + _clamp(rows, t_doc_n1) * t_doc_s1) == tl.load(t_doc + _clamp(off_b, t_doc_n0) * t_doc_s0 + cols * t_doc_s1, mask=((cols < t_doc_n1) | (cols * 0 + t_doc_n1 == 1)), other=0)) & (cols <= rows)))
 
 
 @triton.jit
