@@ -289,7 +289,7 @@ def test_a_masked_call_passes_its_named_tensors(monkeypatch):
         assert ranges_args[:2] == [20, 20] and ranges_args[2] is args[-7] and ranges_args[-1] is args[-2]
         assert args[:8][6].shape == k.shape and len(args) == 8 + tail + 6 + 1
         t_doc, s0, s1, n0, n1, runs = args[-7:-1]
-        assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (20, 1, 1, 20), args[-6:]
+        assert t_doc.data_ptr() == doc.data_ptr() and (s0, s1, n0, n1) == (0, 1, 1, 20), args[-6:]  # (size 1: stride 0)
         assert runs.tolist() == [[[0] * 7 + [7] * 13], [[7] * 7 + [20] * 13]]  # this call's runs of the ids
         assert args[19:21] == (0.5 * hopper.RCP_LN2, 0.5)  # the scalars; then the atomic buffer's descriptor
         assert tail == 13 or (args[21].base.dtype == torch.float32 and list(args[21].strides) == [2560, 64, 128, 1])
