@@ -1,6 +1,8 @@
 """The expression package on its own: parsing, lowering to Triton text, evaluation in
 PyTorch and the symbolic derivative (checked against autograd). No kernel runs here."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from flashgen.expr.derivative import derivative
 from flashgen.expr.ir import MASK_VARS, SCORE_VARS, Const, Load, Var, depth, kind, reads_var, tensors_of, walk
 from flashgen.expr.parse import parse_expr
 from flashgen.expr.to_torch import evaluate, tensors_at_rank
-from flashgen.expr.to_triton import GLUON, tensor_params, triton_expr, triton_literal
+from flashgen.expr.to_triton import GLUON, TRITON, tensor_params, triton_expr, triton_literal
 
 TILE = {"b": "off_b", "h": "off_h", "q_idx": "rows", "kv_idx": "cols", "score": "score",
         "seqlen_q": "seqlen_q", "seqlen_k": "seqlen_k"}
@@ -28,10 +30,13 @@ def test_triton_text_of_each_construct():
                          field="score_mod.expr", variables=SCORE_VARS)
     text = triton_expr(node, TILE)
     for piece in ("_fdiv(rows, 3)", "_fmod(cols, 2)", "tl.abs(score)", "-(_tanh(score))",
-                  "tl.load(t_t + _clamp(off_h, t_t_n0) * t_t_s0 + cols * t_t_s1, mask=((cols < t_t_n1) | "
-                  "(cols * 0 + t_t_n1 == 1)), other=0)",
+                  "tl.load(t_t + _clamp(off_h, t_t_n0) * t_t_s0 + _clamp(cols, t_t_n1) * t_t_s1)",
                   "((rows) * 1.0 / (4))", "tl.where("):
         assert piece in text, piece
+    # a dim the call's checks hold to seqlen_k (the plan's dialect.key_dims): kv_idx read unclamped, masked past it
+    keyed = triton_expr(node, TILE, dialect=dataclasses.replace(TRITON, key_dims=frozenset({("t", 1)})))
+    assert ("tl.load(t_t + _clamp(off_h, t_t_n0) * t_t_s0 + cols * t_t_s1, mask=((cols < t_t_n1) | "
+            "(cols * 0 + t_t_n1 == 1)), other=0)") in keyed
     assert tensor_params("t", 2) == ["t_t", "t_t_s0", "t_t_s1", "t_t_n0", "t_t_n1"]
     assert [triton_literal(x) for x in (True, 7, 0.1, float("inf"), -float("inf"))] == [
         "True", "7", "0.1", 'float("inf")', 'float("-inf")']

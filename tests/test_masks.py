@@ -460,6 +460,8 @@ def test_block_map_is_cached_per_shape_without_tensors(device):
     doc = flashgen.compile(AttentionSpec(head_dim=16, mask="d[q_idx] == d[kv_idx]"), SMALL)
     ids = _doc_ids([20, 20], device)
     assert doc.block_map(1, 40, 40, device=device, d=ids)[0] is not doc.block_map(1, 40, 40, device=device, d=ids)[0]
+    with pytest.raises(ValueError, match="^d: expected size"):  # checked as a call checks it (was: read clamped)
+        doc.block_map(1, 40, 40, device=device, d=ids[:30])
 
 
 @pytest.mark.parametrize("loop_order,dq_strategy", [("q_outer", "separate"), ("kv_outer", "atomic")])
@@ -510,6 +512,18 @@ def test_a_tensor_read_by_kv_idx_broadcasts_and_ignores_padding_keys(device, sha
     check_variant(device, score_mod="score + bias[h, kv_idx]", tensors={"bias": bias}, sq=29, sk=37,
                   grad_tensors=("bias",) if shape[-1] != 50 else (), dtype="fp32")
     check_variant(device, mask="keep[h, kv_idx] != 0", tensors={"keep": keep}, sq=29, sk=37)
+
+
+@pytest.mark.parametrize("variant", ["score_mod", "mask"])
+def test_a_dim_kv_idx_and_another_index_read_keeps_the_clamp(device, variant):
+    # t[kv_idx] beside t[0] (or t[kv_idx + 1]): the dim has no size rule (a tensor shorter than seqlen_k is taken),
+    # so kv_idx must stay clamped there (the unclamped read gave keys past the tensor 0, not t[-1]: errors of 1-2)
+    t = torch.tensor([0.5, 1.0, -2.0, 3.0])
+    if variant == "score_mod":
+        check_variant(device, score_mod="score + t[kv_idx] + t[0] * 0.5", tensors={"t": t}, grad_tensors=("t",),
+                      dtype="fp32", sq=30, sk=40)
+    else:
+        check_variant(device, mask="t[kv_idx] + t[0] * 0 > 0", tensors={"t": t}, sq=30, sk=40)
 
 
 def test_mask_over_a_tensor_trains_with_each_calls_mask(device):

@@ -9,6 +9,7 @@ stored on it: the spec says what to compute, the plan is how this code generator
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -86,16 +87,24 @@ class KernelPlan:
         return "".join(f", g_{t.name}" for t in self.grad_tensors)
 
     # -- expressions
+    @property
+    def dialect(self):
+        """The portable kernels' printer, with the tensor dims the call's checks hold to seqlen_k (or 1), which a
+        kv_idx index reads unclamped (to_triton._load)."""
+        return dataclasses.replace(TRITON, key_dims=frozenset((t.name, d) for t in self.tensors
+                                                              for d, names in enumerate(t.sizes) if "seqlen_k" in names))
+
     def visible_code(self, dialect: str = "triton") -> str:
         if self.predicate is None:
             return "cols < seqlen_k"
-        return f"(cols < seqlen_k) & ({triton_expr(self.predicate, TILE_NAMES, dialect=DIALECTS[dialect])})"
+        printer = self.dialect if dialect == "triton" else DIALECTS[dialect]
+        return f"(cols < seqlen_k) & ({triton_expr(self.predicate, TILE_NAMES, dialect=printer)})"
 
     def score_code(self) -> str:
-        return triton_expr(self.score_ir, TILE_NAMES)
+        return triton_expr(self.score_ir, TILE_NAMES, dialect=self.dialect)
 
     def score_grad_code(self) -> str:
-        return triton_expr(self.lowered.score_derivative, TILE_NAMES)
+        return triton_expr(self.lowered.score_derivative, TILE_NAMES, dialect=self.dialect)
 
     def tensor_grad_adds(self) -> list[TensorGradAdd]:
         """What dS * d(mod)/d(element) adds into each gradient tensor the modifier reads, one

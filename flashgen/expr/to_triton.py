@@ -38,6 +38,9 @@ class Dialect:
     lang: str
     helper: str
     runs: bool = True
+    # (tensor, dim) pairs held to at least seqlen_k (or 1) by the call's checks, that a kv_idx index reads unclamped
+    # (_load); the plan gives them (KernelPlan.dialect), none by default
+    key_dims: frozenset = frozenset()
 
     def function(self, name: str) -> str:
         """An IR function's name in this dialect (TRITON_FUNCTIONS written for it)."""
@@ -103,20 +106,21 @@ def written_terms(node) -> int:
 
 
 def _load(node: Load, names, hoist, dialect: Dialect) -> str:
-    """A tensor load: the element offset, sum of clamp(index_d) * stride_d. In the portable kernels (TRITON), an
-    index that is kv_idx itself (a tile's key columns: never negative, one apart along the tile's rows) is read
-    unclamped and masked past the tensor's extent instead, so that a row of a tile is one vectorized load (a clamp
-    hides the columns' contiguity from Triton, and each element became a load of its own: an (S, S) bf16 bias at
-    B=4 H=16 S=2048 hd128 took 1.76 ms per forward on an H200, cuDNN's whole forward 0.25; session 49). What the
-    clamp gave there is kept: a column past the tensor is a padding key (check_tensor_sizes holds a dim kv_idx
-    indexes to seqlen_k or 1), whose score the bounds mask drops, and a dim of size 1 (broadcast) has stride 0 in
-    the kernels' arguments (host.AttentionLauncher.tensor_args) and is never masked (Triton makes a size of 1 a
-    constant: its mask folds away)."""
+    """A tensor load: the element offset, sum of clamp(index_d) * stride_d. In the portable kernels, an index that
+    is kv_idx itself (a tile's key columns: never negative, one apart along the tile's rows) into a dim the call's
+    checks hold to seqlen_k or 1 (dialect.key_dims) is read unclamped and masked past the tensor's extent
+    instead, so that a row of a tile is one vectorized load (a clamp hides the columns' contiguity from Triton,
+    and each element became a load of its own: an (S, S) bf16 bias at B=4 H=16 S=2048 hd128 took 1.76 ms per
+    forward on an H200, cuDNN's whole forward 0.25; session 49). What the clamp gave there is kept: a column past
+    the tensor is a padding key, whose score the bounds mask drops, and a dim of size 1 (broadcast) has stride 0
+    in the kernels' arguments (host.AttentionLauncher.tensor_args) and is never masked (Triton makes a size of 1
+    a constant: its mask folds away). A dim also indexed otherwise (t[kv_idx] and t[0]) has no size rule and
+    keeps the clamp."""
     t = node.tensor
     terms, masks = [], []
     for d, i in enumerate(node.index):
         index = triton_expr(i, names, hoist, dialect)
-        if dialect.lang == "tl" and isinstance(i, Var) and i.name == "kv_idx":
+        if (t, d) in dialect.key_dims and isinstance(i, Var) and i.name == "kv_idx":
             terms.append(f"{index} * {tensor_stride(t, d)}")
             # (the size compared as a tile: Triton's interpreter takes (n == 1) of a plain int for no mask dtype)
             masks.append(f"(({index} < {tensor_size(t, d)}) | ({index} * 0 + {tensor_size(t, d)} == 1))")
