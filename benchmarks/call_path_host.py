@@ -124,6 +124,31 @@ def cases():
         with torch.no_grad():
             flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
+    def sdpa_mask_fwd_bwd():
+        torch.autograd.grad(flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep), (q, k, v), do)
+
+    # the same mask, its block map made on every call (a plan made with TensorBlockMap's small-call map off; a copy
+    # one byte off 16-byte alignment keys a plan of its own, its host work the same)
+    from flashgen.runtime.host import TensorBlockMap
+
+    keep_by_column = torch.empty(S * S + 1, dtype=torch.bool)[1:].view(S, S).copy_(keep)
+
+    def per_call_map(step):
+        def call():
+            limit, TensorBlockMap.STATIC_PAIRS = TensorBlockMap.STATIC_PAIRS, 0  # (read when a plan is made)
+            try:
+                step()
+            finally:
+                TensorBlockMap.STATIC_PAIRS = limit
+        return call
+
+    def sdpa_mask_forward_map():
+        with torch.no_grad():
+            flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep_by_column)
+
+    def sdpa_mask_fwd_bwd_map():
+        torch.autograd.grad(flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep_by_column), (q, k, v), do)
+
     # A generation step as transformers makes it: one query per row over a (B, S, H_kv, D) view of its
     # (B, H_kv, S, D) cache, S one longer each step, so each call's metadata is new: its plans are
     # forgotten before every call (compiled kernels stay shared by specialization).
@@ -219,6 +244,9 @@ def cases():
             "fwd+bwd, bwd_short off (portable backward)": fwd_bwd_portable,
             "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward,
             "SDPA-shaped forward (is_causal)": sdpa_forward, "SDPA-shaped forward (bool mask)": sdpa_mask_forward,
+            "SDPA-shaped fwd+bwd (bool mask)": sdpa_mask_fwd_bwd,
+            "SDPA-shaped forward (bool mask, block map per call)": per_call_map(sdpa_mask_forward_map),
+            "SDPA-shaped fwd+bwd (bool mask, block map per call)": per_call_map(sdpa_mask_fwd_bwd_map),
             "generation step (B=4, 16/4 heads, new length)": generation_step,
             "generation step over 4097+ keys": long_generation_step,
             "transformers generation step, prefill kernel": transformers_step(False),

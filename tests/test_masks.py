@@ -464,8 +464,19 @@ def test_block_map_is_cached_per_shape_without_tensors(device):
         doc.block_map(1, 40, 40, device=device, d=ids[:30])
 
 
+@pytest.fixture(params=["map per call", "small-call map"])
+def map_kind(request, monkeypatch):
+    """TensorBlockMap's two ways: the block map made on every call (classifier and list fill), and a call small
+    enough for the map made with its plan (every tile partial)."""
+    from flashgen.runtime.host import TensorBlockMap
+
+    if request.param == "map per call":
+        monkeypatch.setattr(TensorBlockMap, "STATIC_PAIRS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("loop_order,dq_strategy", [("q_outer", "separate"), ("kv_outer", "atomic")])
-def test_mask_over_a_tensor_keeps_its_plan_and_reads_each_calls_mask(device, loop_order, dq_strategy):
+def test_mask_over_a_tensor_keeps_its_plan_and_reads_each_calls_mask(device, loop_order, dq_strategy, map_kind):
     # A call plan serves every call of one metadata key; the block map of a mask over a tensor is the one thing it
     # makes again per call (TensorBlockMap, in the direction each kernel walks): new contents, in place or in a new
     # tensor of the same layout, give that call's answer, and no new plan is made.
@@ -526,7 +537,22 @@ def test_a_dim_kv_idx_and_another_index_read_keeps_the_clamp(device, variant):
         check_variant(device, mask="t[kv_idx] + t[0] * 0 > 0", tensors={"t": t}, sq=30, sk=40)
 
 
-def test_mask_over_a_tensor_trains_with_each_calls_mask(device):
+def test_a_small_call_over_a_tensor_runs_no_block_map_kernel(device, monkeypatch):
+    # at most TensorBlockMap.STATIC_PAIRS pairs: the map made with the plan serves every call (no classifier)
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, mask="keep[q_idx, kv_idx] != 0", backward=True)
+    module = render.build_module(spec, SMALL)
+    q = torch.randn(1, 2, 40, 16).to(device=device, dtype=torch.float16)
+    keep = (torch.rand(40, 40) < 0.5).to(device)
+    module.forward(q, q, q, tensors={"keep": keep})
+    launcher = module._LAUNCHER
+    monkeypatch.setattr(launcher, "block_map_kernel", None)  # (the plan's own launches were bound before)
+    for plan in launcher.plans.values():
+        plan.maps.classify = plan.maps.fill = lambda *args: pytest.fail("a block map made per call")
+    out, lse = module.forward(q, q, q, tensors={"keep": ~keep})
+    assert_attention_close(out, lse, q, q, q, causal=False, mask=spec.mask, tensors={"keep": ~keep})
+
+
+def test_mask_over_a_tensor_trains_with_each_calls_mask(device, map_kind):
     # the autograd path (a training step's forward plan and the backward plan kept under it) over two masks
     seed, gen = _seeded()
     q, k, v = (t.requires_grad_() for t in _qkv(gen, 1, 2, 2, 33, 33, 16, torch.float16, device))
