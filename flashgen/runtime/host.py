@@ -1021,8 +1021,8 @@ class AttentionLauncher:
     def block_map(self, batch, seqlen_q, seqlen_k, block_m, block_n, device, tensors=None):
         """The mask's block map at this tiling: (per query block: counts, key blocks; per key block:
         counts, query blocks). Computed on the device by evaluating the mask on every tile; cached
-        per shape when the mask reads no tensor (a mask over tensors is remade on each call of a
-        call plan, in the direction its kernel walks: TensorBlockMap)."""
+        per shape when the mask reads no tensor (a call plan's map of a mask over tensors:
+        TensorBlockMap)."""
         nb = batch if self.map_uses_batch else 1
         nh = self.num_heads if self.map_uses_head else 1
         key = (nb, nh, seqlen_q, seqlen_k, block_m, block_n, str(device))
@@ -1056,8 +1056,8 @@ class AttentionLauncher:
     def plan_key(self, scalars, call_tensors, tensors, knobs):
         """The key of a call's plan: its scalars and every tensor's metadata. None (a plan made
         afresh for that call alone) when bound launches are off, or when an argument is not a tensor
-        (the checks name it). (A mask's block map over tensors is the one thing a plan makes again on
-        every call: TensorBlockMap.)"""
+        (the checks name it). (A mask's block map over tensors is the one thing a plan may make again
+        on every call: TensorBlockMap.)"""
         if not BoundLaunch.enabled:
             return None
         try:
