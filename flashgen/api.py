@@ -129,8 +129,7 @@ class AttentionKernel:
                 raise ValueError(f"{name}: expected a non-negative int, got {n!r}")
         cfg = module.CONFIG
         device = host.concrete_device(device)  # "cuda" is the current device, where tensors say cuda:0
-        named = module._tensors(tensors, device)
-        module._LAUNCHER.check_tensor_sizes(tensors, named, batch, seqlen_q, seqlen_k)  # (as a call checks them)
+        named = module._tensors(tensors, device, (batch, seqlen_q, seqlen_k))  # (sizes checked as a call's are)
         return module.block_map(batch, seqlen_q, seqlen_k, cfg["BLOCK_M"], cfg["BLOCK_N"], device, named)
 
     def _kernel_id_for(self, config, seqlen):

@@ -1027,9 +1027,8 @@ class DecodeLauncher:
             call = self.prepare(q, k_cache, v_cache, cache_seqlens, k, v, block_table, cache_batch_idx,
                                 softmax_scale, out, lse, return_lse, knobs, check,
                                 {"q_descale": q_descale, "k_descale": k_descale, "v_descale": v_descale})
-            given, named = named, self.attention.named_tensors(named, q.device)
             # batch, heads and q_idx's query rows (keyed); kv_idx's keys: the kernel (host.sequence_checks)
-            self.attention.check_tensor_sizes(given, named, q.shape[0], q.shape[1], None)
+            named = self.attention.named_tensors(named, q.device, (q.shape[0], q.shape[1], None))
             if key is not None:
                 entry = self.calls.get(key)
                 if entry is None:

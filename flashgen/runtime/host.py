@@ -839,9 +839,10 @@ class AttentionLauncher:
                     raise ValueError(f"{name}: expected size {' and '.join(rules)} or 1 in dim {d - skipped}, "
                                      f"got shape {tuple(given.shape)}")
 
-    def named_tensors(self, tensors, device):
+    def named_tensors(self, tensors, device, lengths=None):
         """The named tensors, each viewed with the rank the expressions index it with
-        (missing leading dimensions broadcast: document ids (S,) serve every batch element)."""
+        (missing leading dimensions broadcast: document ids (S,) serve every batch element).
+        lengths: the call's (batch, seqlen_q, seqlen_k), whose rules check_tensor_sizes applies to them."""
         tensors = dict(tensors or {})
         check_tensor_names(tensors, self.tensor_names)
         out = {}
@@ -860,7 +861,10 @@ class AttentionLauncher:
                 raise ValueError(f"{name}: expected a non-empty tensor of at most {rank} dimensions (indexed with "
                                  f"{rank}), got shape {tuple(t.shape)}")
             out[name] = t
-        return self.tensor_views(out)
+        views = self.tensor_views(out)
+        if lengths is not None:
+            self.check_tensor_sizes(tensors, views, *lengths)
+        return views
 
     def tensor_views(self, tensors):
         """The named tensors viewed with the rank the expressions index them with."""
@@ -1364,8 +1368,7 @@ class AttentionLauncher:
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, layout, q, k, seq_dim)
         if self.same_seqlen and seqlen_q != seqlen_k:
             raise ValueError(f"k: a document mask needs seqlen_k == seqlen_q ({seqlen_q}), got {seqlen_k}")
-        named = self.named_tensors(tensors, q.device)
-        self.check_tensor_sizes(tensors, named, batch, seqlen_q, seqlen_k)
+        named = self.named_tensors(tensors, q.device, (batch, seqlen_q, seqlen_k))
         num_heads = self.num_heads
         o_shape, lse_shape = self.check_outputs(layout, q, batch, seqlen_q, out, lse)
         plan = ForwardPlan(self, layout, q, o_shape, lse_shape, seed=self.plan_seed(seed, dropout_p, q.device),
@@ -1514,8 +1517,7 @@ class AttentionLauncher:
             raise ValueError(f"do: expected shape {tuple(out.shape)} and dtype {out.dtype} (those of out), "
                              f"got {tuple(do.shape)} {do.dtype}")
         check_head_span("do", do)
-        named = self.named_tensors(tensors, q.device)
-        self.check_tensor_sizes(tensors, named, batch, seqlen_q, seqlen_k)
+        named = self.named_tensors(tensors, q.device, (batch, seqlen_q, seqlen_k))
         for name in tensor_grads:
             if name not in self.grad_tensors:
                 raise ValueError(f"tensor_grads: {name!r} is not a float tensor read by the score_mod "
