@@ -272,6 +272,8 @@ def main():
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--profile", help="cProfile this case (bound launches on) instead of timing")
+    parser.add_argument("--sort", default="tottime", help="the profile's order: tottime, cumulative, ...")
+    parser.add_argument("--rows", type=int, default=25, help="the profile's rows printed")
     parser.add_argument("--cases", help="time only the cases whose name contains this text")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time by this process's CPU time (time.process_time), not the wall clock: on a "
@@ -294,7 +296,7 @@ def main():
         call()
         profile = cProfile.Profile()
         profile.runcall(lambda: [call() for _ in range(args.calls)])
-        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profile).sort_stats(args.sort).print_stats(args.rows)
         return
     clock = "CPU time" if args.cpu_time else "wall clock"
     print(f"flashgen host us per call, B={B} H={H} S={S} hd{D} causal bf16 (least of {args.repeat} x {args.calls}, "

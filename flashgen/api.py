@@ -76,9 +76,9 @@ class AttentionKernel:
         self._length_ids: dict[int, str] = {}  # sequence length -> its nearest bucket's kernel id (a call's lookup)
         self._names = tuple(spec.tensor_names)  # the named tensors a call passes, in kernel order
         self._fp8, self._dropout_p = spec.fp8, spec.dropout_p  # read on every call
-        # dense calls without options (the fast path): _fast_key(q, k, v, layout) -> _fast_entry's result
+        # dense calls without options (the fast path): _fast_key(q, k, v, layout, tensors) -> _fast_entry's result
         self._fast: dict[tuple, tuple | bool] = {}
-        self._plain = not self._fp8 and not self._dropout_p and not self._names  # such calls can take _fast
+        self._plain = not self._fp8 and not self._dropout_p  # such calls can take _fast
 
     def config_for(self, seqlen: int) -> KernelConfig:
         """The config a call at this sequence length uses."""
@@ -179,15 +179,15 @@ class AttentionKernel:
         if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             host.check_tensors(q, k, v, layout)  # raises, naming the argument
         descales = q_descale, k_descale, v_descale
-        if (self._plain and _fast_options(return_lse, deterministic, config, tensors, descales)
+        if (self._plain and _fast_options(return_lse, deterministic, config, descales)
                 and (dropout_p is None or type(dropout_p) is float and dropout_p == 0.0)):
-            key = _fast_key(q, k, v, layout)
+            key = _fast_key(q, k, v, layout, tensors)
             entry = self._fast.get(key)
             if entry:
-                return _fast_run(entry, q, k, v, return_lse)
+                return _fast_run(entry, q, k, v, return_lse, tensors)
             out = self._call(q, k, v, layout, return_lse, None, dropout_p, False, descales, tensors)
             if entry is None and key is not None:
-                _fast_remember(self._fast, key, self, q, k, v, layout)
+                _fast_remember(self._fast, key, self, q, k, v, layout, tensors)
             return out
         return self._call(q, k, v, layout, return_lse, config, dropout_p, deterministic, descales, tensors)
 
@@ -528,24 +528,26 @@ def _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, scor
 
 
 # ----------------------------------------------------------------------------- the fast path
-# An eager call with no option but the binding arguments (no named tensors, dropout, deterministic, config
-# or FP8 descales: inference, a prefill, a training step's forward), seen before with the same tensor
-# metadata, runs the plan its first call made and checked (host.dense_plan), found by one dict lookup on
-# that metadata: no binding, spec or plan key between the call and the launch (or, recording a gradient,
-# the autograd function, handed the plan). Everything the slower path decides per call (the bucket's
-# kernel, the seq-major swap, the decode route) follows from that key.
+# An eager call with no option but the binding arguments and named tensors (no dropout, deterministic, config
+# or FP8 descales: inference, a prefill, a training step's forward, a mask over tensors), seen before with the
+# same tensor metadata, runs the plan its first call made and checked (host.dense_plan), found by one dict
+# lookup on that metadata: no binding, spec or plan key between the call and the launch (or, recording a
+# gradient, the autograd function, handed the plan). Everything the slower path decides per call (the bucket's
+# kernel, the seq-major swap, the decode route, the named tensors' checks) follows from that key. A named tensor
+# that requires grad keeps the checked path (its gradient needs a contiguous copy: ops._gradient_ready).
 _FAST: dict[tuple, tuple | bool] = {}  # _fast_key(...) + the binding arguments -> _fast_entry's result
 
 
-def _fast_options(return_lse, deterministic, config, tensors, descales) -> bool:
-    """Whether a call's options allow the fast path: return_lse either flag, no deterministic backward, config,
-    named tensors or FP8 descales (a flag that is not a bool takes the checked path, which names it)."""
+def _fast_options(return_lse, deterministic, config, descales) -> bool:
+    """Whether a call's options allow the fast path: return_lse either flag, no deterministic backward, config
+    or FP8 descales (a flag that is not a bool takes the checked path, which names it)."""
     return ((return_lse is False or return_lse is True) and deterministic is False and config is None
-            and not tensors and descales[0] is None and descales[1] is None and descales[2] is None)
+            and descales[0] is None and descales[1] is None and descales[2] is None)
 
 
-def _fast_key(q, k, v, layout, *binding):
-    """The key of a call that may take the fast path: its tensors' metadata, as a plan key has it, whether
+def _fast_key(q, k, v, layout, tensors, *binding):
+    """The key of a call that may take the fast path: its tensors' metadata (the named tensors' too, each with
+    its name and whether it requires grad), as a plan key has it, whether
     it records a gradient, the layout and `binding` (None where it cannot: traced, bound launches off, a
     decode-shaped call, whose route follows its key length (a generation step has a new one each time),
     or not plain tensors: the checked path names the argument, or torch.func's wrappers the transform)."""
@@ -557,48 +559,56 @@ def _fast_key(q, k, v, layout, *binding):
         return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
                 k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
                 q.is_cpu and host.interpreting(),
-                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), layout, *binding)
+                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), layout,
+                tuple((name, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15, t.requires_grad)
+                      for name, t in tensors.items()) if tensors else None, *binding)
     except (AttributeError, IndexError, RuntimeError):  # (a tensor without storage: data_ptr raises)
         return None
 
 
-def _fast_entry(kernel, q, k, v, layout):
-    """(plan, seq_major, call) of a call the slow path has just run (its plan cached then), or False where
-    the call runs more than one plan's launch (decode-shaped, a plan that is not dense). call: where the
-    call records a gradient, the autograd function's call tuple, which hands it the plan (else None)."""
+def _fast_entry(kernel, q, k, v, layout, tensors):
+    """(plan, seq_major, call, names) of a call the slow path has just run (its plan cached then), or False
+    where the call runs more than one plan's launch (decode-shaped, a plan that is not dense) or a named tensor
+    requires grad. call: where the call records a gradient, the autograd function's call tuple, which hands it
+    the plan (else None); names: the named tensors in the kernel's order (() without any)."""
+    if tensors and any(t.requires_grad for t in tensors.values()):
+        return False
     seq_major = layout == "bhsd" and ops._seq_major(q)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)  # (as in its key)
     module = ops.kernel_module(kernel._call_id(q, k, layout, None))
+    names = tuple(module.TENSORS) if tensors else ()
     if seq_major:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    plan = module._LAUNCHER.dense_plan(q, k, v, "bshd" if seq_major else layout)
+    plan = module._LAUNCHER.dense_plan(q, k, v, "bshd" if seq_major else layout,
+                                       {name: tensors[name] for name in names} if names else None)
     if plan is None:
         return False
-    return plan, seq_major, (module, layout, 0.0, False, 0, 0, (plan, seq_major)) if grad else None
+    return plan, seq_major, (module, layout, 0.0, False, 0, 0, (plan, seq_major)) if grad else None, names
 
 
-def _fast_remember(table, key, kernel, q, k, v, layout):
+def _fast_remember(table, key, kernel, q, k, v, layout, tensors):
     if len(table) >= 4096:  # a bound on what changing shapes leave here
         table.clear()
     try:
-        table[key] = _fast_entry(kernel, q, k, v, layout)
+        table[key] = _fast_entry(kernel, q, k, v, layout, tensors)
     except TypeError:  # an unhashable binding argument: such calls keep the checked path
         pass
 
 
-def _fast_run(entry, q, k, v, return_lse):
+def _fast_run(entry, q, k, v, return_lse, tensors):
     """The output of a fast call (and its LSE): its plan's launch on the call's tensors (on bshd views for a
     seq-major q); through the autograd function where it records a gradient."""
-    plan, seq_major, call = entry
+    plan, seq_major, call, names = entry
     if call is not None:
-        out, lse = ops._apply_function(q, k, v, None, None, None, call)
+        out, lse = ops._apply_function(q, k, v, None, None, None, call, *(tensors[name] for name in names))
         return (out, lse) if return_lse else out
+    named = {name: tensors[name] for name in names} if names else None
     lse = None if return_lse else plan.unread_lse()
     if seq_major:
-        out, lse = plan(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, lse, None, None, None, None)
+        out, lse = plan(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, lse, None, named, None, None)
         out = out.transpose(1, 2)
     else:
-        out, lse = plan(q, k, v, None, lse, None, None, None, None)
+        out, lse = plan(q, k, v, None, lse, None, named, None, None)
     return (out, lse) if return_lse else out
 
 
@@ -757,16 +767,16 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     descales = q_descale, k_descale, v_descale
     fast = entry = None
     # (mask and score_mod plain values: not a pattern dict, a function or an object)
-    if (_fast_options(return_lse, deterministic, config, tensors, descales) and type(dropout_p) is float
+    if (_fast_options(return_lse, deterministic, config, descales) and type(dropout_p) is float
             and dropout_p == 0.0 and not _equal_to_refused(causal, softmax_scale, dropout_p)
             and type(mask) in _PLAIN and type(score_mod) in _PLAIN):
-        fast = _fast_key(q, k, v, layout, causal, softmax_scale, mask, score_mod)
+        fast = _fast_key(q, k, v, layout, tensors, causal, softmax_scale, mask, score_mod)
         try:
             entry = _FAST.get(fast)
         except TypeError:  # an unhashable argument: the checked path names it
             entry = fast = None
         if entry:
-            return _fast_run(entry, q, k, v, return_lse)
+            return _fast_run(entry, q, k, v, return_lse, tensors)
     eager_key, kernel = _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
     if kernel is None:
         key = _call_key(q, k, v, layout, causal, softmax_scale, dropout_p, mask, score_mod, config)
@@ -780,7 +790,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     # the bound kernel's config follows the call's length (its buckets), as the kernel's own __call__
     out = kernel._call(q, k, v, layout, return_lse, None, None, deterministic, descales, tensors)
     if fast is not None and entry is None and kernel._plain:
-        _fast_remember(_FAST, fast, kernel, q, k, v, layout)
+        _fast_remember(_FAST, fast, kernel, q, k, v, layout, tensors)
     return out
 
 

@@ -253,7 +253,7 @@ class AttentionFunction(torch.autograd.Function):
             plan, ctx.seq_major = planned
             if ctx.seq_major:
                 q, k, v, layout = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "bshd"
-            out, lse, ctx.extra = plan.training_call(q, k, v, seed, None, None, None)
+            out, lse, ctx.extra = plan.training_call(q, k, v, seed, _named(module, tensors), None, None)
             ctx.plan = plan
         else:
             # the launcher's training entry: the backward reuses this call's plan (no second key or check)

@@ -102,29 +102,43 @@ def _heads(query, key, value, enable_gqa):
 
 
 _CHECKED = {}  # the inputs' metadata and enable_gqa -> _heads' answer, for inputs _check_tensors passed
+_MASKS = {}  # the mask's and the call's metadata -> _mask_plan's answer, for masks _check_mask passed
 _MAX_CHECKED = 256
+
+
+def _once_per_metadata(table, metadata, work, *args):
+    """work(*args) (checks, then what they let through), once per metadata(*args) kept in `table`, then a
+    dictionary hit; every time while torch.compile traces, or where metadata raises AttributeError (an argument
+    that is not a tensor: the checks name it)."""
+    if torch.compiler.is_compiling():
+        return work(*args)
+    try:
+        meta = metadata(*args)
+    except AttributeError:
+        return work(*args)
+    found = table.get(meta)
+    if found is None:
+        found = work(*args)
+        if len(table) >= _MAX_CHECKED:
+            table.clear()
+        table[meta] = found
+    return found
+
+
+def _inputs_metadata(query, key, value, enable_gqa):
+    return (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
+            value.device, enable_gqa)
+
+
+def _checked_inputs_heads(query, key, value, enable_gqa):
+    _check_tensors(query, key, value)
+    return _heads(query, key, value, enable_gqa)
 
 
 def _checked_heads(query, key, value, enable_gqa):
     """_check_tensors, then _heads' (leading dims, query heads, KV heads): once per inputs' metadata (their shapes,
     dtypes and devices are all that either reads), then a dictionary hit (CI CPU: ~8 of an is_causal call's 24 us)."""
-    if torch.compiler.is_compiling():
-        _check_tensors(query, key, value)
-        return _heads(query, key, value, enable_gqa)
-    try:
-        meta = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
-                value.device, enable_gqa)
-    except AttributeError:  # not tensors: _check_tensors names them
-        meta = None
-    found = _CHECKED.get(meta)
-    if found is None:
-        _check_tensors(query, key, value)
-        found = _heads(query, key, value, enable_gqa)
-        if meta is not None:
-            if len(_CHECKED) >= _MAX_CHECKED:
-                _CHECKED.clear()
-            _CHECKED[meta] = found
-    return found
+    return _once_per_metadata(_CHECKED, _inputs_metadata, _checked_inputs_heads, query, key, value, enable_gqa)
 
 
 def _as_bhsd(t, lead, heads):
@@ -156,24 +170,63 @@ def _check_mask(attn_mask, query, target):
                          f"L and key's S), got {tuple(attn_mask.shape)}")
 
 
-def _mask_terms(attn_mask, query, target):
-    """(mask, score_mod, named tensors) expressing attn_mask (checked: _check_mask) over the (batch, heads, L, S)
-    call. The expressions index the mask by the dims it does not broadcast along only (an (L, S) mask is
+def _mask_metadata(attn_mask, query, target):
+    return attn_mask.shape, attn_mask.dtype, attn_mask.device, query.dtype, query.device, target
+
+
+def _checked_mask_plan(attn_mask, query, target):
+    _check_mask(attn_mask, query, target)
+    return _mask_plan(tuple(attn_mask.shape), attn_mask.dtype == torch.bool, target)
+
+
+def _checked_mask(attn_mask, query, target):
+    """_check_mask, then _mask_plan's answer: once per (mask, call) metadata, then a dictionary hit (CI CPU: the
+    check and the mask's views took ~12 of a bool-mask call's 50 us)."""
+    return _once_per_metadata(_MASKS, _mask_metadata, _checked_mask_plan, attn_mask, query, target)
+
+
+def _mask_plan(shape, is_bool, target):
+    """(dims, mask, score_mod) of a mask of this shape (checked: _check_mask) over the (batch, heads, L, S) call
+    `target`. The expressions index the mask by the dims it does not broadcast along only (an (L, S) mask is
     attn_mask[q_idx, kv_idx]): a mask shared by the batch or the heads has one block map for them all, not one per
     (batch, head), and fewer index terms per element. H200, B=4 H=16 S=2048 hd128, a bool (L, S) mask indexed by all
-    four: its block map took 1071 us per call (.scratch/mask_probe.py, session 49)."""
+    four: its block map took 1071 us per call (.scratch/mask_probe.py, session 49). dims: the mask's own dims of
+    size 1 that the expressions do not index (squeezed off per call; () for the common (L, S) and (B, H, L, S)
+    masks: the mask itself is passed), or None where the call has several leading dims to flatten (_flat_mask)."""
+    flat = len(target) > 4 or not shape  # several leading dims, or a 0-d mask
+    if flat:  # the (batch, heads, L, S) shape _flat_mask makes
+        m = (1,) * (len(target) - len(shape)) + shape
+        lead = math.prod(target[:-3]) if any(d != 1 for d in m[:-3]) else 1
+        padded = (1,) * (4 - len(m)) + m if len(m) <= 4 else (lead, *m[-3:])
+    else:
+        padded = (1,) * (4 - len(shape)) + shape
+    kept = [d for d in range(4) if padded[d] != 1] or [3]
+    dims = None if flat else tuple(d - (4 - len(shape)) for d in range(4 - len(shape), 4) if d not in kept)
+    index = f"{MASK_NAME}[{', '.join(_MASK_DIMS[d] for d in kept)}]"
+    if is_bool:
+        return dims, f"{index} != 0", ()
+    return dims, None, (f"score + {index}",)
+
+
+def _mask_view(attn_mask, dims, target):
+    """The tensor _mask_plan's expressions read: attn_mask less its dims `dims`, or flattened (_flat_mask)."""
+    if dims is None:
+        return _flat_mask(attn_mask, target)
+    return attn_mask.squeeze(dims) if dims else attn_mask
+
+
+def _flat_mask(attn_mask, target):
+    """attn_mask over a call of several leading dims (or a 0-d one) as (batch, heads, L, S) with the dims it
+    broadcasts along dropped, as _mask_plan indexes it (its leading dims flattened as query's were: a copy only
+    where they broadcast)."""
     m = attn_mask.reshape((1,) * (len(target) - attn_mask.dim()) + tuple(attn_mask.shape))
-    if len(target) > 4:  # several leading dims: flatten them as query's were (a copy only if they broadcast)
+    if len(target) > 4:
         if any(d != 1 for d in m.shape[:-3]):
             m = m.expand(*target[:-3], *m.shape[-3:])
         m = m.reshape(-1, *m.shape[-3:])
     m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))  # (batch, heads, L, S), each 1 or the call's
     kept = [d for d in range(4) if m.shape[d] != 1] or [3]
-    m = m[tuple(slice(None) if d in kept else 0 for d in range(4))]  # (a view: the broadcast dims dropped)
-    index = f"{MASK_NAME}[{', '.join(_MASK_DIMS[d] for d in kept)}]"
-    if attn_mask.dtype == torch.bool:
-        return f"{index} != 0", [], {MASK_NAME: m}
-    return None, [f"score + {index}"], {MASK_NAME: m}
+    return m[tuple(slice(None) if d in kept else 0 for d in range(4))]  # (a view: the broadcast dims dropped)
 
 
 def _empty_result(out_shape, *inputs):
@@ -215,7 +268,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     seqlen_q, seqlen_k = query.shape[-2], key.shape[-2]
     out_shape = (*lead, heads, seqlen_q, value.shape[-1]) if query.dim() > 2 else (seqlen_q, value.shape[-1])
     if attn_mask is not None:
-        _check_mask(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
+        mask_plan = _checked_mask(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
     if heads == 0 or 0 in lead:  # an empty batch, or no heads: SDPA's empty result (no kernel, no named tensor)
         return _empty_result(out_shape, query, key, value, attn_mask)
     if not enable_gqa and query.dim() == key.dim() == value.dim() == 3:
@@ -225,12 +278,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query, key, value = query[:, None], key[:, None], value[:, None]
         if attn_mask is not None and attn_mask.dim() == 3:
             attn_mask = attn_mask[:, None]
+        if attn_mask is not None:  # (its plan over the call as it now is)
+            mask_plan = _checked_mask(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
     q = _as_bhsd(query, lead, heads)
     k, v = _as_bhsd(key, lead, kv_heads), _as_bhsd(value, lead, kv_heads)
 
     mask, mods, tensors = None, [], {}
     if attn_mask is not None and seqlen_q and seqlen_k:
-        mask, mods, tensors = _mask_terms(attn_mask, query, (*lead, heads, seqlen_q, seqlen_k))
+        dims, mask, mods = mask_plan
+        mods, tensors = list(mods), {MASK_NAME: _mask_view(attn_mask, dims, (*lead, heads, seqlen_q, seqlen_k))}
     causal = False
     if is_causal and mask is None and seqlen_q == seqlen_k:
         # top-left is bottom-right where L == S: flashgen's plain causal spec (its kernel, tuned configs and the
@@ -246,8 +302,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         mods.insert(0, {"expr": "score * s", "params": {"s": softmax_scale}})
         softmax_scale = 1.0
     p = float(dropout_p)
+    # (one modifier as its string: a plain value, which api's fast path can key, where a list is not)
+    score_mod = mods[0] if len(mods) == 1 and isinstance(mods[0], str) else mods or None
     out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=0.0 if p == 1.0 else p, mask=mask,
-                    score_mod=mods or None, **tensors)
+                    score_mod=score_mod, **tensors)
     if p == 1.0:  # every probability dropped: SDPA returns zeros (and zero gradients)
         out = out * 0.0
     return out.reshape(out_shape)

@@ -225,7 +225,7 @@ def test_a_repeated_no_grad_call_is_one_lookup_and_its_plan(monkeypatch):
     ref_out, ref_lse = reference_attention(q.detach(), k, v, causal=True)
     torch.testing.assert_close(lse, ref_lse.float(), atol=2e-3, rtol=2e-3)
     assert lse.shape == (1, 2, 40) and len(slow) == 5
-    plan, _, _ = api._FAST[api._fast_key(q.detach(), k, v, "bhsd", True, None, None, None)]
+    plan, *_ = api._FAST[api._fast_key(q.detach(), k, v, "bhsd", None, True, None, None, None)]
     unread = plan._unread_lse
     assert unread is not None and unread.data_ptr() not in (lse.data_ptr(), first.data_ptr())
     again = flashgen.attention(q.detach(), k, v, causal=True, return_lse=True)[1]

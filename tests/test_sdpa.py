@@ -340,3 +340,48 @@ def test_sdpa_3d_inputs_of_any_n_share_one_kernel(device, monkeypatch):
     out = flashgen.scaled_dot_product_attention(*qkv)
     assert not built
     torch.testing.assert_close(out, F.scaled_dot_product_attention(*qkv), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ms", [(23, 29), (2, 1, 1, 29), (2, 4, 23, 29)], ids=str)
+def test_a_mask_seen_before_takes_the_fast_path_with_each_calls_contents(device, monkeypatch, ms):
+    # A masked call of metadata seen before runs its plan after one lookup (api's fast path with the named tensor's
+    # metadata in its key): no binding, plan key or mask check. Each call's mask and inputs give torch's answer,
+    # forward and gradients (bool masks: every tile partial, whole or empty in turn); a float mask that requires
+    # grad keeps the checked path (its gradient needs ops._gradient_ready's copy), and its gradient is torch's.
+    from flashgen import api, sdpa
+
+    monkeypatch.setattr(api, "_FAST", {})
+    monkeypatch.setattr(api, "_BOUND", {})
+    monkeypatch.setattr(sdpa, "_MASKS", {})
+    slow = []
+    binding = api._eager_binding
+    monkeypatch.setattr(api, "_eager_binding", lambda *a: slow.append(1) or binding(*a))
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(ms).encode()))
+    rows, cols = torch.arange(23)[:, None], torch.arange(29)[None, :]
+    structured = (rows >= cols) if ms[-2] == 23 else (cols < 17)  # causal, or keys past 17 padding
+    contents = [torch.rand(ms, generator=gen) < 0.5, structured.expand(ms), torch.ones(ms, dtype=torch.bool)]
+    for step, keep in enumerate(contents * 2):
+        grad = step >= len(contents)
+        q, k, v, _ = _inputs(gen, device, torch.float16, (2, 4, 23, 16), (2, 4, 29, 16), (2, 4, 29, 16), grad=grad)
+        keep = keep.clone().to(device)
+        out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        if grad:
+            do = torch.randn(out.shape, generator=gen).to(device=device, dtype=torch.float16)
+            _check(out, q, k, v, keep, torch.float16, do=do, grads=torch.autograd.grad(out, (q, k, v), do))
+        else:
+            _check(out, q, k, v, keep, torch.float16)
+    assert len(slow) == 2, "a masked call seen before took the checked path"  # the first no-grad and grad calls
+    for step in range(2):  # a float mask without a gradient: the fast path after its first call
+        q, k, v, bias = _inputs(gen, device, torch.float16, (2, 4, 23, 16), (2, 4, 29, 16), (2, 4, 29, 16), ms,
+                                "float")
+        _check(flashgen.scaled_dot_product_attention(q, k, v, attn_mask=bias), q, k, v, bias, torch.float16)
+    assert len(slow) == 3
+    for step in range(2):
+        q, k, v, bias = _inputs(gen, device, torch.float16, (2, 4, 23, 16), (2, 4, 29, 16), (2, 4, 29, 16), ms,
+                                "float", grad=True)
+        out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        do = torch.randn(out.shape, generator=gen).to(device=device, dtype=torch.float16)
+        _check(out, q, k, v, bias, torch.float16, do=do, grads=torch.autograd.grad(out, (q, k, v, bias), do))
+    assert len(slow) == 5
+    with pytest.raises(ValueError, match="attn_mask: expected a shape broadcastable"):
+        flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep[..., :5])

@@ -314,15 +314,16 @@ class TensorBlockMap:
         self.n, self.m = (nq, nk) if rows else (nk, nq)
         self.counts_shape, self.lists_shape = (nb, nh, self.n, 2), (nb, nh, self.n, 2, self.m)
         self.fill_args = (self.n, self.m, nq * nk, *((nk, 1) if rows else (1, nk)))
-        self.classify = BoundLaunch(launcher.block_map_kernel, (nq, nk, nb * nh),
-                                    dict(BLOCK_M=block_m, BLOCK_N=block_n))
-        self.fill = BoundLaunch(block_lists_fill, (self.n, nb * nh), dict(BLOCK=list_block(self.m)))
-        self.static = None
+        self.static = self.classify = self.fill = None
         if batch * launcher.num_heads * seqlen_q * seqlen_k <= self.STATIC_PAIRS and not device_sync_forbidden(device):
             counts = torch.zeros((1, 1, self.n, 2), dtype=torch.int32, device=device)
             counts[..., 1] = self.m  # no whole tile, every tile partial
             lists = torch.arange(self.m, dtype=torch.int32, device=device).expand(1, 1, self.n, 2, self.m)
             self.static = launcher.map_args(counts, lists.contiguous(), batch)
+        else:  # (the launches a map made per call takes)
+            self.classify = BoundLaunch(launcher.block_map_kernel, (nq, nk, nb * nh),
+                                        dict(BLOCK_M=block_m, BLOCK_N=block_n))
+            self.fill = BoundLaunch(block_lists_fill, (self.n, nb * nh), dict(BLOCK=list_block(self.m)))
 
     def __call__(self, tensor_args):
         if self.static is not None:
@@ -1269,16 +1270,17 @@ class AttentionLauncher:
         head = (*head[:4], kb, kh, ks, kd, vb, vh, vs, vd, *head[12:20], seqlen_k, *head[21:])
         return plan(q, k, v, None, None, seed, None, None, None, head=head, launch=launch)
 
-    def dense_plan(self, q, k, v, layout):
-        """The plan forward(q, k, v, layout=layout) ran for a dense call with nothing else (no buffers, dropout,
-        named tensors, knobs, offsets or descales; CallPlan.plain), when that call is one plan's launch (not
+    def dense_plan(self, q, k, v, layout, tensors=None):
+        """The plan forward(q, k, v, layout=layout, tensors=tensors) ran for a dense call with nothing else (no
+        buffers, dropout, knobs, offsets or descales; CallPlan.dense), when that call is one plan's launch (not
         decode-shaped: decode_call's route varies with the key length); None otherwise, or not run yet. Its
-        caller (api's fast path) keeps it per call key and runs it as plan(q, k, v, None, ...), or, recording
-        a gradient, hands it to the autograd function (plan.training_call)."""
-        if self.fp8 or self.decode_key(q, k, v, layout, None) is not None:
+        caller (api's fast path) keeps it per call key and runs it as plan(q, k, v, None, ..., tensors, ...),
+        or, recording a gradient, hands it to the autograd function (plan.training_call). tensors: the named
+        tensors in the kernel's order, as the call passed them."""
+        if self.fp8 or (not tensors and self.decode_key(q, k, v, layout, None) is not None):
             return None
-        plan = self.cached_plan(self.dense_key(q, k, v, layout, None))
-        return plan if plan is not None and plan.plain else None
+        plan = self.cached_plan(self.dense_key(q, k, v, layout, None, tensors))
+        return plan if plan is not None and plan.dense and plan.named == bool(tensors) else None
 
     def forward_call_plan(self, q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, fp8_args=(), knobs=None):

@@ -415,7 +415,8 @@ class CallPlan:
         self.offsets = offsets  # packed sequences: (total_q, total_k, max_seqlen_q, max_seqlen_k)
         self.no_offsets = launcher.unused_arg(torch.int32, device)  # never read by dense calls
         self.named = bool(launcher.tensor_names)
-        self.plain = seed is not None and offsets is None and not self.named  # nothing per call but the launch
+        self.dense = seed is not None and offsets is None  # no dropout, no packed sequences
+        self.plain = self.dense and not self.named  # nothing per call but the launch
 
     def seed_arg(self, seed):
         return seed if self.seed is None else self.seed
