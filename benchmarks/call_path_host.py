@@ -149,6 +149,24 @@ def cases():
     def sdpa_mask_fwd_bwd_map():
         torch.autograd.grad(flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep_by_column), (q, k, v), do)
 
+    bias = torch.randn(B, H, S, S, dtype=torch.bfloat16)  # SDPA's float mask (B, H, L, S), added to the scores
+
+    def sdpa_bias_forward():
+        with torch.no_grad():
+            flashgen.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    # A document mask's kernel object (what flashgen.load serves) with its document ids, two documents per row
+    doc_kernel = flashgen.compile(flashgen.AttentionSpec(dtype="bf16", head_dim=D, num_heads=H, backward=True,
+                                                         mask={"document": {"causal": True}}))
+    doc_ids = torch.tensor([[0] * (S // 2) + [1] * (S - S // 2)] * B, dtype=torch.int32)
+
+    def document_forward():
+        with torch.no_grad():
+            doc_kernel(q, k, v, document_ids=doc_ids)
+
+    def document_fwd_bwd():
+        torch.autograd.grad(doc_kernel(q, k, v, document_ids=doc_ids), (q, k, v), do)
+
     # A generation step as transformers makes it: one query per row over a (B, S, H_kv, D) view of its
     # (B, H_kv, S, D) cache, S one longer each step, so each call's metadata is new: its plans are
     # forgotten before every call (compiled kernels stay shared by specialization).
@@ -247,6 +265,9 @@ def cases():
             "SDPA-shaped fwd+bwd (bool mask)": sdpa_mask_fwd_bwd,
             "SDPA-shaped forward (bool mask, block map per call)": per_call_map(sdpa_mask_forward_map),
             "SDPA-shaped fwd+bwd (bool mask, block map per call)": per_call_map(sdpa_mask_fwd_bwd_map),
+            "SDPA-shaped forward (float mask (B, H, L, S))": sdpa_bias_forward,
+            "document mask forward (kernel object, document_ids)": document_forward,
+            "document mask fwd+bwd (kernel object, document_ids)": document_fwd_bwd,
             "generation step (B=4, 16/4 heads, new length)": generation_step,
             "generation step over 4097+ keys": long_generation_step,
             "transformers generation step, prefill kernel": transformers_step(False),
