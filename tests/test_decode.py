@@ -1320,3 +1320,28 @@ def test_kvcache_refuses_a_value_equal_to_a_taken_one_every_time(device, taken, 
     for _ in range(2):
         with pytest.raises((TypeError, ValueError), match=field):
             flash_attn_with_kvcache(q, cache, cache, cache_seqlens=7, causal=True, **refused)
+
+
+def test_lengths_and_descales_are_the_graphs_own_while_captured(monkeypatch):
+    # An int cache_seqlens is a view of a table kept per batch size, and a missing descale a kept tensor of
+    # ones: while a graph is captured each is a tensor of the graph's own instead (a replay would read the kept
+    # one after a longer length grew the table, or 64 batch sizes dropped it: freed memory; a table or ones made
+    # during capture would be filled only by replays, and kept, read by eager calls unfilled).
+    spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    launcher = flashgen.kvcache.decode_launcher(flashgen.compile(spec))
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(launcher, "lengths", {})
+    monkeypatch.setattr(launcher, "ones", {})
+    kept = launcher.seqlens_arg(7, 3, 48, cpu)
+    assert kept.tolist() == [7] * 3 and kept._base is launcher.lengths[3, cpu]
+    ones = launcher.descale_arg(None, 3, cpu)
+    assert launcher.descale_arg(None, 3, cpu) is ones
+    monkeypatch.setattr(host_decode, "device_sync_forbidden", lambda device: True)
+    monkeypatch.setattr(host_decode, "capturing", lambda device: True)
+    for n in (7, 5000):
+        captured = launcher.seqlens_arg(n, 3, 48, cpu)
+        assert captured.tolist() == [n] * 3 and captured._base is None
+    assert list(launcher.lengths) == [(3, cpu)] and launcher.lengths[3, cpu].shape[0] == 1024  # not grown
+    captured_ones = launcher.descale_arg(None, 3, cpu)
+    assert captured_ones is not ones and captured_ones.tolist() == [[1.0, 1.0]] * 3
+    assert launcher.descale_arg(None, 5, cpu) is not None and list(launcher.ones) == [(3, 2, cpu)]

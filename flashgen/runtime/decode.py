@@ -62,7 +62,7 @@ import triton.language as tl  # the same module as the kernels' tl in a standalo
 
 from flashgen.runtime.host import AttentionLauncher, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import check_interpretable, check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
-from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, check_outputs_apart, launch_context, overlapping  # standalone: host.py precedes
+from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, capturing, check_outputs_apart, launch_context, overlapping  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
@@ -632,6 +632,8 @@ class DecodeLauncher:
         if descale is not None:
             return descale
         key = (batch, self.spec["num_kv_heads"], device)
+        if capturing(device):  # the graph's own (a kept one may be dropped, or, made now, be filled only by replays)
+            return torch.ones(key[:2], dtype=torch.float32, device=device)
         t = self.ones.get(key)
         if t is None:
             if len(self.ones) >= 64:
@@ -658,7 +660,9 @@ class DecodeLauncher:
         """cache_seqlens as an int32 (batch,) tensor: given, or from an int, or the whole cache
         when None. An int n is row n of a table whose row n holds n in every column (one table
         per batch size and device, grown by doubling): a generation step's new length is a view,
-        not a new tensor and a fill (rows are 16 bytes apart, so every view is aligned alike)."""
+        not a new tensor and a fill (rows are 16 bytes apart, so every view is aligned alike). While a CUDA
+        graph is captured (or torch.compile traces), a tensor of the graph's own: a view of a table would be
+        read by every replay after the table was grown or dropped, its memory freed."""
         if isinstance(cache_seqlens, torch.Tensor):
             return cache_seqlens
         n = capacity if cache_seqlens is None else cache_seqlens
@@ -666,11 +670,11 @@ class DecodeLauncher:
             if not -2**31 <= n < 2**31:  # (checked per call: a plan's key holds an int length's type only)
                 raise ValueError(f"cache_seqlens: expected a length in int32's range, got {n}")
             return torch.full((batch,), n, dtype=torch.int32, device=device)
+        if device_sync_forbidden(device):
+            return torch.full((batch,), n, dtype=torch.int32, device=device)
         key = (batch, device)
         table = self.lengths.get(key)
         if table is None or table.shape[0] <= n:
-            if device_sync_forbidden(device):  # captured: a table made now is filled only by replays
-                return torch.full((batch,), n, dtype=torch.int32, device=device)
             rows = max(1024, triton.next_power_of_2(n + 1))
             width = -(-max(batch, 1) // 4) * 4
             table = torch.arange(rows, dtype=torch.int32, device=device)[:, None].expand(rows, width).contiguous()
@@ -948,14 +952,14 @@ class DecodeLauncher:
         the rest being this call's own aligned allocations), the lengths' row is kept per length,
         the launch context is asked once. seq: the caches' length dim (2: bhsd tensors, their
         strides passed as their bshd views' would be)."""
-        record = call.record
-        if record.words[0] and not device_sync_forbidden(call.device):  # an earlier call met an index out of range
+        record, captured = call.record, device_sync_forbidden(call.device)
+        if record.words[0] and not captured:  # an earlier call met an index out of range
             record.raise_recorded()
         capacity = k_cache.shape[seq]
-        seqlens = call.lengths.get(capacity)
+        seqlens = None if captured else call.lengths.get(capacity)  # (captured: not a kept row of seqlens_arg's table)
         if seqlens is None:
             seqlens = self.seqlens_arg(None, call.batch, capacity, call.device)
-            if not device_sync_forbidden(call.device):  # captured, it may be a tensor of the graph's own
+            if not captured:  # captured, a tensor of the graph's own
                 if len(call.lengths) >= self.MAX_CALLS:
                     call.lengths.clear()
                 call.lengths[capacity] = seqlens
@@ -976,14 +980,14 @@ class DecodeLauncher:
         tickets, part = seqlens, out  # (never read by a call without splits)
         if call.part_numel:
             stream = context[1] if context is not None and context[0] == call.device.index else None
-            tickets, part = self.split_buffers(call, device_sync_forbidden(call.device), stream)
+            tickets, part = self.split_buffers(call, captured, stream)
             tickets = seqlens if tickets is None else tickets  # (read only by a fused merge)
         kernel.run(context, (q, k_cache, v_cache, out, lse_arg, part, seqlens, seqlens, seqlens, record.tensor,
                              seqlens, seqlens, seqlens, tickets, *head, *k_strides, *v_strides, *middle, capacity,
                              *end))
         if combine is not None:
             combine.run(context, (out, lse_arg, part, *call.combine_args))
-        if record.immediate and not device_sync_forbidden(call.device):
+        if record.immediate and not captured:
             record.raise_recorded()
         return out, lse
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
-from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, check_outputs_apart, contiguous_strides, env_flag, overlapping, tensor_key  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, capturing, check_outputs_apart, contiguous_strides, env_flag, overlapping, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -316,18 +316,23 @@ class TensorBlockMap:
         self.fill_args = (self.n, self.m, nq * nk, *((nk, 1) if rows else (1, nk)))
         self.static = self.classify = self.fill = None
         if batch * launcher.num_heads * seqlen_q * seqlen_k <= self.STATIC_PAIRS and not device_sync_forbidden(device):
-            counts = torch.zeros((1, 1, self.n, 2), dtype=torch.int32, device=device)
-            counts[..., 1] = self.m  # no whole tile, every tile partial
-            lists = torch.arange(self.m, dtype=torch.int32, device=device).expand(1, 1, self.n, 2, self.m)
-            self.static = launcher.map_args(counts, lists.contiguous(), batch)
+            self.static = self.all_partial()
         else:  # (the launches a map made per call takes)
             self.classify = BoundLaunch(launcher.block_map_kernel, (nq, nk, nb * nh),
                                         dict(BLOCK_M=block_m, BLOCK_N=block_n))
             self.fill = BoundLaunch(block_lists_fill, (self.n, nb * nh), dict(BLOCK=list_block(self.m)))
 
+    def all_partial(self):
+        """The map arguments of a map whose every tile is partial (no whole tile: each is walked with the mask)."""
+        counts = torch.zeros((1, 1, self.n, 2), dtype=torch.int32, device=self.device)
+        counts[..., 1] = self.m
+        lists = torch.arange(self.m, dtype=torch.int32, device=self.device).expand(1, 1, self.n, 2, self.m)
+        return self.launcher.map_args(counts, lists.contiguous(), self.batch)
+
     def __call__(self, tensor_args):
         if self.static is not None:
-            return self.static
+            # (captured: a map of the graph's own, whose fills replays run; the plan's is freed with the plan)
+            return self.all_partial() if capturing(self.device) else self.static
         classes = torch.empty(self.classes_shape, dtype=torch.int8, device=self.device)
         counts = torch.empty(self.counts_shape, dtype=torch.int32, device=self.device)
         lists = torch.empty(self.lists_shape, dtype=torch.int32, device=self.device)
@@ -344,8 +349,7 @@ DECODER = "decoder"  # AttentionLauncher.plans[(DECODER, decode key)]: whether i
 def device_sync_forbidden(device):
     """True while reading a tensor on `device` from the host would break the caller: a CUDA
     graph being captured (a device->host copy is illegal there) or torch.compile tracing."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    return capturing or torch.compiler.is_compiling()
+    return capturing(device) or torch.compiler.is_compiling()
 
 
 # ----------------------------------------------------------------------------- bounds
@@ -1039,7 +1043,7 @@ class AttentionLauncher:
                                                  BLOCK_M=block_m, BLOCK_N=block_n)
         tile_classes = tile_classes.view(nb, nh, nq, nk)
         result = (*index_lists(tile_classes), *index_lists(tile_classes.transpose(-1, -2)))
-        if not self.tensor_names:
+        if not self.tensor_names and not device_sync_forbidden(device):  # (captured: filled only by replays)
             self.block_maps[key] = result
         return result
 
@@ -1118,7 +1122,9 @@ class AttentionLauncher:
             if d is None:
                 d = self.unused.get(("ones", shape, device))
                 if d is None:
-                    d = self.unused[("ones", shape, device)] = torch.ones(shape, dtype=torch.float32, device=device)
+                    d = torch.ones(shape, dtype=torch.float32, device=device)
+                    if not capturing(device):  # (captured: filled only by replays, and eager calls would read it)
+                        self.unused[("ones", shape, device)] = d
             else:
                 if not isinstance(d, torch.Tensor) or not d.is_floating_point() or d.device != device:
                     raise ValueError(f"{name}: expected a float tensor on {device} broadcastable to (batch, kv_heads) "

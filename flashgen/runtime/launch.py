@@ -398,6 +398,14 @@ def gradient_buffer(shape, stride, device):
     return torch.zeros(element_span(shape, stride), dtype=torch.float32, device=device).as_strided(shape, stride)
 
 
+def capturing(device) -> bool:
+    """Whether a CUDA graph is being captured on `device`'s current stream. A buffer a captured launch reads or
+    writes must then be the graph's own (allocated during capture: its memory pool keeps it for the replays),
+    not one a plan or launcher keeps and may drop (a plan evicted from a full table, a table grown), whose
+    memory replays would then read or write after it was freed."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def tensor_key(t):
     """What a call plan depends on of a tensor argument (None: not given): all but its contents."""
     if t is None:
@@ -463,7 +471,10 @@ class ForwardPlan(CallPlan):
 
     def unread_lse(self):
         """The LSE buffer of calls whose LSE nothing reads (no gradient recorded, return_lse off: api's fast
-        path): one per plan, which each such call's kernel writes, so such a call allocates its output only."""
+        path): one per plan, which each such call's kernel writes, so such a call allocates its output only;
+        while a CUDA graph is captured, one of the graph's own (capturing)."""
+        if capturing(self.device):
+            return self.new_lse()
         if self._unread_lse is None:
             self._unread_lse = self.new_lse()
         return self._unread_lse
