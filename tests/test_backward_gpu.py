@@ -135,9 +135,9 @@ def test_training_step_in_a_cuda_graph():
 @pytest.mark.parametrize("mask", [None, "bool"])
 def test_a_captured_call_outlives_its_evicted_plan(mask):
     # A no-grad call captured after eager calls of its metadata (api's fast path: the plan they made) writes an
-    # LSE nothing reads, and a small masked call reads an all-partial block map: both the graph's own, so a replay
-    # after the plans were evicted and their memory freed and taken by other tensors writes none of it and
-    # gives the eager answer.
+    # LSE nothing reads (the graph's own) and a small masked call reads an all-partial block map (kept for good per
+    # shape), so a replay after the plans were evicted and their memory freed and taken by other tensors writes
+    # none of it and gives the eager answer.
     from flashgen import api, ops
 
     torch.manual_seed(random.randrange(2**31))
@@ -166,7 +166,10 @@ def test_a_captured_call_outlives_its_evicted_plan(mask):
 
     gc.collect()
     torch.cuda.empty_cache()
-    taken = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # memory the plans held, reused
+    # memory the plans held, taken again: tensors of the LSE buffer's size and smaller (the allocator's small pool,
+    # where the freed buffer and maps were) and large ones
+    taken = [torch.full((n,), 7.0, device="cuda") for n in (4096, 1024, 256, 64) for _ in range(512)]
+    taken += [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(16)]
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()

@@ -1152,30 +1152,38 @@ def test_named_tensors_that_fit_or_broadcast_run(device):
 
 
 def test_buffers_a_plan_keeps_are_the_graphs_own_while_captured(device, monkeypatch):
-    # A plan keeps an unread LSE buffer (no-grad calls) and a small call's all-partial block map, and the launcher
-    # the block maps of masks over no tensor: while a graph is captured a call gets its own (a replay would write
-    # the plan's after the plan was evicted from a full table: freed memory), and a map made during capture is
-    # not kept (filled only by replays, eager calls would read it unfilled). Their values are the kept ones'.
+    # A plan keeps an unread LSE buffer (no-grad calls); a small call's all-partial block map is kept for good per
+    # shape (host.ALL_PARTIAL), and the launcher keeps the block maps of masks over no tensor. While a graph is
+    # captured a call gets an LSE buffer of its own (a replay would write the plan's after the plan was evicted
+    # from a full table: freed memory), and nothing made during capture is kept: not a block map, not the plan
+    # that holds one, nor a fast-path entry (each filled only by replays: eager calls would read them unfilled).
     from flashgen.runtime import host, launch
 
     spec = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, mask="keep[q_idx, kv_idx] != 0")
     module = render.build_module(spec, SMALL)
+    module._LAUNCHER.plans.clear()
     q = torch.randn(1, 2, 40, 16).to(device=device, dtype=torch.float16)
     keep = (torch.rand(40, 40) < 0.5).to(device)
     module.forward(q, q, q, tensors={"keep": keep})
     (plan,) = module._LAUNCHER.plans.values()
     unread, static = plan.unread_lse(), plan.maps.static
     assert plan.unread_lse() is unread and plan.maps(()) is static
+    assert static[0]._base is host.ALL_PARTIAL[3, 3, q.device][0]  # (a view of the shape's map, kept for good)
     window = AttentionSpec(dtype="fp16", head_dim=16, num_heads=2, mask="q_idx - kv_idx < 8")
-    launcher = render.build_module(window, SMALL)._LAUNCHER
-    launcher.block_maps.clear()
+    kernel = flashgen.compile(window, SMALL)
+    launcher = kernel.module()._LAUNCHER
+    x = torch.randn(1, 2, 24, 16).to(device=device, dtype=torch.float16)
+    kernel._fast.clear()
     for capture in (True, False):
         monkeypatch.setattr(launch, "capturing", lambda d: capture)
         monkeypatch.setattr(host, "capturing", lambda d: capture)
         fresh = plan.unread_lse()
         assert (fresh is not unread) == capture and fresh.shape == unread.shape
-        args = plan.maps(())
-        assert (args is not static) == capture
-        assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(args, static))
+        assert plan.maps(()) is static
+        launcher.block_maps.clear(), launcher.plans.clear()
         launcher.block_map(1, 40, 40, 16, 16, q.device)
         assert bool(launcher.block_maps) == (not capture)
+        launcher.block_maps.clear()
+        out = kernel(x, x, x)
+        assert_attention_close(out, None, x, x, x, causal=False, mask=window.mask)
+        assert bool(launcher.plans) == bool(launcher.block_maps) == bool(kernel._fast) == (not capture)

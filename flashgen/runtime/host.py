@@ -316,23 +316,15 @@ class TensorBlockMap:
         self.fill_args = (self.n, self.m, nq * nk, *((nk, 1) if rows else (1, nk)))
         self.static = self.classify = self.fill = None
         if batch * launcher.num_heads * seqlen_q * seqlen_k <= self.STATIC_PAIRS and not device_sync_forbidden(device):
-            self.static = self.all_partial()
+            self.static = launcher.map_args(*all_partial_map(self.n, self.m, device), batch)
         else:  # (the launches a map made per call takes)
             self.classify = BoundLaunch(launcher.block_map_kernel, (nq, nk, nb * nh),
                                         dict(BLOCK_M=block_m, BLOCK_N=block_n))
             self.fill = BoundLaunch(block_lists_fill, (self.n, nb * nh), dict(BLOCK=list_block(self.m)))
 
-    def all_partial(self):
-        """The map arguments of a map whose every tile is partial (no whole tile: each is walked with the mask)."""
-        counts = torch.zeros((1, 1, self.n, 2), dtype=torch.int32, device=self.device)
-        counts[..., 1] = self.m
-        lists = torch.arange(self.m, dtype=torch.int32, device=self.device).expand(1, 1, self.n, 2, self.m)
-        return self.launcher.map_args(counts, lists.contiguous(), self.batch)
-
     def __call__(self, tensor_args):
         if self.static is not None:
-            # (captured: a map of the graph's own, whose fills replays run; the plan's is freed with the plan)
-            return self.all_partial() if capturing(self.device) else self.static
+            return self.static
         classes = torch.empty(self.classes_shape, dtype=torch.int8, device=self.device)
         counts = torch.empty(self.counts_shape, dtype=torch.int32, device=self.device)
         lists = torch.empty(self.lists_shape, dtype=torch.int32, device=self.device)
@@ -341,6 +333,23 @@ class TensorBlockMap:
         if counts.numel():
             self.fill(classes, counts, lists, *self.fill_args)
         return self.launcher.map_args(counts, lists, self.batch)
+
+
+ALL_PARTIAL = {}  # (rows, columns, device) -> all_partial_map's (counts, lists), never freed
+
+
+def all_partial_map(n, m, device):
+    """(counts, lists) of a block map of n rows of m tiles each, every tile partial (none whole: each walked with
+    the mask): one per shape and device, kept for good (small calls only, at most STATIC_PAIRS pairs), so that a
+    CUDA graph that captured a plan's launch still reads it after the plan is evicted and freed."""
+    key = (n, m, device)
+    found = ALL_PARTIAL.get(key)
+    if found is None:
+        counts = torch.zeros((1, 1, n, 2), dtype=torch.int32, device=device)
+        counts[..., 1] = m
+        lists = torch.arange(m, dtype=torch.int32, device=device).expand(1, 1, n, 2, m).contiguous()
+        found = ALL_PARTIAL[key] = (counts, lists)
+    return found
 
 
 DECODER = "decoder"  # AttentionLauncher.plans[(DECODER, decode key)]: whether its calls may run on the decode kernel
@@ -959,12 +968,12 @@ class AttentionLauncher:
         if torch.compiler.is_compiling():
             return
         device = cu_seqlens_q.device
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if device.type != "cuda" or (self.SYNC_CHECKS and not capturing):
+        captured = capturing(device)
+        if device.type != "cuda" or (self.SYNC_CHECKS and not captured):
             check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k)
             return
         record = bounds_record(device)
-        if record.words[0] and not capturing:
+        if record.words[0] and not captured:
             record.raise_recorded()  # an earlier call's offsets (or a decode call's indices)
         cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()  # keyed by what is launched
         scalars = (cu_q.numel() - 1, total_q, total_k, max_seqlen_q, max_seqlen_k)
@@ -1302,7 +1311,8 @@ class AttentionLauncher:
         if plan is None:
             plan = self.forward_plan(q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs)
-            self.remember(key, plan)
+            if not capturing(q.device):  # (captured: its block maps, ..., are the graph's, filled by replays only)
+                self.remember(key, plan)
         return plan
 
     # ------------------------------------------------------------------ training (autograd) calls
@@ -1338,7 +1348,8 @@ class AttentionLauncher:
             bplan = self.backward_plan(do, q, k, v, out, lse, plan.layout, plan.softmax_scale, plan.dropout_p, seed,
                                        deterministic, tensors, tuple(tensor_grads), cu_seqlens_q, cu_seqlens_k,
                                        offsets[2], offsets[3], {})
-            plan.backward_plans[key] = bplan
+            if not capturing(q.device):  # (as forward_call_plan)
+                plan.backward_plans[key] = bplan
         return bplan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=True,
                      extra=extra)
 
@@ -1504,7 +1515,8 @@ class AttentionLauncher:
             plan = self.backward_plan(do, q, k, v, out, lse, layout, softmax_scale, dropout_p, seed, deterministic,
                                       tensors, tensor_grads, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       knobs)
-            self.remember(key, plan)
+            if not capturing(q.device):  # (as forward_call_plan)
+                self.remember(key, plan)
         return plan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k)
 
     def backward_plan(self, do, q, k, v, out, lse, layout, softmax_scale, dropout_p, seed, deterministic, tensors,
