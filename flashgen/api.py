@@ -534,7 +534,8 @@ def _eager_binding(q, k, v, layout, causal, softmax_scale, dropout_p, mask, scor
 # lookup on that metadata: no binding, spec or plan key between the call and the launch (or, recording a
 # gradient, the autograd function, handed the plan). Everything the slower path decides per call (the bucket's
 # kernel, the seq-major swap, the decode route, the named tensors' checks) follows from that key. A named tensor
-# that requires grad keeps the checked path (its gradient needs a contiguous copy: ops._gradient_ready).
+# that requires grad keeps the checked path in grad mode (its gradient needs a contiguous copy:
+# ops._gradient_ready); the key's gradient flag counts it, so the same call without grad mode has a key of its own.
 _FAST: dict[tuple, tuple | bool] = {}  # _fast_key(...) + the binding arguments -> _fast_entry's result
 
 
@@ -559,7 +560,9 @@ def _fast_key(q, k, v, layout, tensors, *binding):
         return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
                 k.device, v.device, q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15,
                 q.is_cpu and host.interpreting(),
-                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad), layout,
+                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                             or bool(tensors) and any(t.requires_grad for t in tensors.values())),
+                layout,
                 tuple((name, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15, t.requires_grad)
                       for name, t in tensors.items()) if tensors else None, *binding)
     except (AttributeError, IndexError, RuntimeError):  # (a tensor without storage: data_ptr raises)
@@ -571,8 +574,8 @@ def _fast_entry(kernel, q, k, v, layout, tensors):
     where the call runs more than one plan's launch (decode-shaped, a plan that is not dense) or a named tensor
     requires grad. call: where the call records a gradient, the autograd function's call tuple, which hands it
     the plan (else None); names: the named tensors in the kernel's order (() without any)."""
-    if tensors and any(t.requires_grad for t in tensors.values()):
-        return False
+    if tensors and torch.is_grad_enabled() and any(t.requires_grad for t in tensors.values()):
+        return False  # (without grad mode, a learned bias in eval: the plan as it is)
     seq_major = layout == "bhsd" and ops._seq_major(q)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)  # (as in its key)
     module = ops.kernel_module(kernel._call_id(q, k, layout, None))

@@ -383,5 +383,13 @@ def test_a_mask_seen_before_takes_the_fast_path_with_each_calls_contents(device,
         do = torch.randn(out.shape, generator=gen).to(device=device, dtype=torch.float16)
         _check(out, q, k, v, bias, torch.float16, do=do, grads=torch.autograd.grad(out, (q, k, v, bias), do))
     assert len(slow) == 5
+    for step in range(2):  # the same float mask (a learned bias) in eval, without grad mode: the fast path
+        q, k, v, bias = _inputs(gen, device, torch.float16, (2, 4, 23, 16), (2, 4, 29, 16), (2, 4, 29, 16), ms,
+                                "float", grad=True)
+        with torch.no_grad():
+            out = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        assert out.grad_fn is None
+        _check(out, q, k, v, bias.detach(), torch.float16)
+    assert len(slow) == 6
     with pytest.raises(ValueError, match="attn_mask: expected a shape broadcastable"):
         flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep[..., :5])
