@@ -607,7 +607,7 @@ def _fast_run(entry, q, k, v, return_lse, tensors):
     if call is not None:
         out, lse = ops._apply_function(q, k, v, None, None, None, call, *(tensors[name] for name in names))
         return (out, lse) if return_lse else out
-    named = {name: tensors[name] for name in names} if names else None
+    named = tensors if names else None  # (the plan reads them by name: the caller's dict as it is)
     lse = None if return_lse else plan.unread_lse()
     if seq_major:
         out, lse = plan(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, lse, None, named, None, None)
