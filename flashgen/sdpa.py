@@ -193,7 +193,8 @@ def _mask_plan(shape, is_bool, target):
     four: its block map took 1071 us per call (.scratch/mask_probe.py, session 49). dims: the mask's own dims of
     size 1 that the expressions do not index (squeezed off per call; () for the common (L, S) and (B, H, L, S)
     masks: the mask itself is passed), or None where the call has several leading dims to flatten (_flat_mask)."""
-    flat = len(target) > 4 or not shape  # several leading dims, or a 0-d mask
+    flat = len(target) > 4 or len(shape) == 0  # several leading dims, or a 0-d mask (not `not shape`: torch 2.11's
+    # dynamo cannot trace `not` of a tuple)
     if flat:  # the (batch, heads, L, S) shape _flat_mask makes
         m = (1,) * (len(target) - len(shape)) + shape
         lead = math.prod(target[:-3]) if any(d != 1 for d in m[:-3]) else 1
