@@ -566,6 +566,10 @@ def test_kernel_objects_and_helpers_name_bad_arguments():
     q = torch.randn(1, 2, 16, 16, device=DEVICE)
     with pytest.raises(TypeError, match=r"^doc: expected a torch.Tensor, got list"):
         flashgen.attention(q, q, q, mask="doc[q_idx] == doc[kv_idx]", doc=[0] * 16)
+    # the module-level dict form, passed where keyword arguments are expected: said so, with the names to pass
+    doc = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match=re.escape("tensors: pass the named tensors as keyword arguments (doc=<tensor>)")):
+        flashgen.attention(q, q, q, mask="doc[q_idx] == doc[kv_idx]", tensors={"doc": doc})
     kernel = flashgen.compile(AttentionSpec(dtype="fp32", head_dim=16, num_heads=2))
     with pytest.raises(TypeError, match=r"^q: expected a torch.Tensor, got list"):
         kernel(q.tolist(), q, q)

@@ -704,6 +704,9 @@ def check_tensor_names(tensors, names):
     """The named tensors a call passes are exactly the spec's `names`, each a tensor (the one place
     this is checked: the launcher and flashgen.api's call path both use it)."""
     unknown = sorted(set(tensors) - set(names))
+    if unknown == ["tensors"] and isinstance(tensors["tensors"], dict):  # flashgen.attention(..., tensors={...})
+        raise TypeError(f"tensors: pass the named tensors as keyword arguments "
+                        f"({', '.join(f'{n}=<tensor>' for n in names) or 'this spec reads none'}), not as a dict")
     if unknown:
         raise TypeError(f"{unknown[0]}: not a tensor of this spec (its tensors: {list(names) or 'none'})")
     for name in names:
