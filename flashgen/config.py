@@ -418,8 +418,10 @@ def _short_backward_default(spec: AttentionSpec, d: int, shape: MaskShape) -> bo
     """The one-launch backward (bwd_short) for calls of up to SMALL_CALL tokens, whose fwd+bwd step is
     host time: one backward launch instead of three or four, no delta buffer. H100, B=1 H=16 hd128
     causal bf16, eager fwd+bwd: benchmarks/results/2026-11-23-h100-call-path-v4.md. The half-precision
-    64x64 tiles only (fp32 and hd > 128 keep their own tiles); custom expressions have no short kernel."""
-    return spec.dtype in ("fp16", "bf16") and d <= 128 and not shape.custom
+    64x64 tiles only (fp32 and hd > 128 keep their own tiles). A custom expression's short kernel walks every tile
+    with its mask, no block map (calls of at most TensorBlockMap.STATIC_PAIRS pairs; larger ones take the
+    three launches over the map)."""
+    return spec.dtype in ("fp16", "bf16") and d <= 128
 
 
 def default_configs(spec: AttentionSpec, target: str | None = None) -> dict[int, KernelConfig]:

@@ -168,10 +168,8 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     # The launch order: heaviest first over the grid (causal-like masks: few, long programs at the start).
     if mask_shape(spec).causal:
         params.update(bwd_heavy_first=(False, True))
-    # The one-launch backward (bwd_short), except for custom expressions (a block map: no short kernel).
-    short = not mask_shape(spec).custom
-    if short:
-        params.update(bwd_short=(False, True))
+    # The one-launch backward (bwd_short; a custom expression's walks every tile, for small calls only).
+    params.update(bwd_short=(False, True))
     # The Gluon warp-specialized dK/dV kernel (hopper_bwd), where it serves the spec: it has its own
     # tiles (runtime/hopper_bwd.py), so with it on the portable dK/dV's tile knobs stay at one point.
     hopper_bwd = device.hopper and not device.interpret and spec_unserved(spec, backward=True) is None
@@ -206,17 +204,15 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
         regs = n * p["bwd_num_warps"] * 32 * min(255, dkdv_regs(p) + 64)
         return n == 0 or device.interpret or (regs <= REGISTERS_PER_SM and n * smem(p) <= device.smem_bytes)
 
-    restrictions = []
-    if short and "bwd_heavy_first" in params:
+    # bwd_short's dQ is separate. (It reads only the M1 x N1 tiles and warps/stages: points differing in the
+    # other backward knobs time the same kernel. Not restricted to one of them: a sampler would then
+    # find a valid bwd_short point about once in a few hundred suggestions.)
+    restrictions = [Restriction("not bwd_short or dq_strategy == 'separate'",
+                                lambda p: not p.get("bwd_short") or p["dq_strategy"] == "separate")]
+    if "bwd_heavy_first" in params:
         # the one-launch kernel keeps its own order (causal programs of equal work): no second point
         restrictions.append(Restriction("not (bwd_short and bwd_heavy_first)",
                                         lambda p: not (p.get("bwd_short") and p.get("bwd_heavy_first"))))
-    if short:
-        # Its dQ is separate. (It reads only the M1 x N1 tiles and warps/stages: points differing in the
-        # other backward knobs time the same kernel. Not restricted to one of them: a sampler would then
-        # find a valid bwd_short point about once in a few hundred suggestions.)
-        restrictions.append(Restriction("not bwd_short or dq_strategy == 'separate'",
-                                        lambda p: not p.get("bwd_short") or p["dq_strategy"] == "separate"))
     if hopper_bwd:
         # with dq_strategy 'atomic' the Gluon kernel adds dQ itself (no dQ kernel): both are offered
         restrictions += [

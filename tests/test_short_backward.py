@@ -38,6 +38,29 @@ def test_short_backward_matches_reference(device, name, fields, sq, sk, dtype, h
     check_variant(device, **fields, sq=sq, sk=sk, dtype=dtype, heads=heads, config=SHORT)
 
 
+# (id, mask, tensors, sq, sk, heads): custom expressions (a block map), the short kernel walking every tile
+CUSTOM_CASES = [
+    ("strided", "(q_idx - kv_idx) % 3 == 0", None, 37, 29, (4, 2)),
+    ("causal-documents-over-a-tensor", "(doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)",
+     {"doc": torch.tensor([0] * 9 + [1] * 20 + [2] * 4, dtype=torch.int32)}, 33, 33, (2, 1)),
+    ("rows-see-nothing", "(kv_idx < 11) & (q_idx % 5 != 1)", None, 21, 40, (2, 2)),
+]
+
+
+@pytest.mark.parametrize("name,mask,tensors,sq,sk,heads", CUSTOM_CASES, ids=[c[0] for c in CUSTOM_CASES])
+def test_short_backward_of_custom_expressions_matches_reference(device, name, mask, tensors, sq, sk, heads):
+    check_variant(device, mask=mask, tensors=tensors, sq=sq, sk=sk, dtype="fp16", heads=heads, config=SHORT)
+
+
+def test_short_backward_of_a_float_bias_and_its_gradient(device):
+    # a score modifier over a (Sq, Sk) float tensor, its gradient from the one launch, and a mask beside it
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    bias = torch.randn(26, 19, generator=gen)
+    check_variant(device, mask="q_idx + 3 >= kv_idx", score_mod="score + bias[q_idx, kv_idx]",
+                  tensors={"bias": bias}, sq=26, sk=19, dtype="fp32", heads=(2, 1), config=SHORT,
+                  grad_tensors=("bias",))
+
+
 def _launches(module):
     """Record (kernel attribute, grid) of each of the module's backward launches."""
     launcher, launched = module._LAUNCHER, []
@@ -72,6 +95,30 @@ def test_short_backward_is_one_launch_and_falls_back_for_atomic_dq(device):
     assert [attr for attr, _ in launched] == ["preprocess_kernel", "dkdv_kernel"]
     for a, b in zip(short, atomic):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # fp32; dQ summed in another order (atomics)
+
+
+def test_a_custom_expressions_short_backward_serves_small_calls_only(device, monkeypatch):
+    # a call of more (query, key) pairs than TensorBlockMap.STATIC_PAIRS takes the three launches over the block
+    # map (the tiles it skips); both agree with the reference
+    from flashgen.runtime.host import TensorBlockMap
+
+    mask = "(q_idx >= kv_idx) & (kv_idx % 4 != 3)"
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, mask=mask, backward=True)
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    q, k, v, do = (torch.randn(1, 2, 40, 16, generator=gen).to(device) for _ in range(4))
+    module = render.build_module(spec, SHORT)
+    launched = _launches(module)
+    out, lse = module.forward(q, k, v)
+    small = module.backward(do, q, k, v, out, lse)[:3]
+    assert [attr for attr, _ in launched] == ["short_kernel"]
+    monkeypatch.setattr(TensorBlockMap, "STATIC_PAIRS", 2 * 40 * 40 - 1)
+    module._LAUNCHER.plans.clear()
+    launched.clear()
+    large = module.backward(do, q, k, v, out, lse)[:3]
+    assert [attr for attr, _ in launched] == ["preprocess_kernel", "dkdv_kernel", "dq_kernel"]
+    for a, b in zip(small, large):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert_gradients_close(small, q, k, v, do, causal=False, mask=mask)
 
 
 def test_short_backward_over_packed_sequences_dropout_and_tensor_gradients(device):
@@ -122,9 +169,11 @@ def test_short_knob_is_checked_rendered_behind_itself_and_left_out_when_off():
     off, on = (render.render(spec, config, standalone=False) for config in (SMALL, SHORT))
     assert "_attn_bwd_short" not in off and "short_kernel=_attn_bwd_short" in on
     assert render.kernel_hash(spec, SMALL, "bwd") != render.kernel_hash(spec, SHORT, "bwd")
-    # a custom expression (a block map) has no short kernel: the portable ones serve it
+    # a custom expression's short kernel reads no block map (it walks every tile with the mask)
     custom = AttentionSpec(dtype="fp16", head_dim=32, num_heads=2, mask="(q_idx - kv_idx) % 4 == 0", backward=True)
-    assert "_attn_bwd_short" not in render.render(custom, SHORT, standalone=False)
+    source = render.render(custom, SHORT, standalone=False)
+    short = source[source.index("def _attn_bwd_short("):source.index("\n\n\n", source.index("def _attn_bwd_short("))]
+    assert "short_kernel=_attn_bwd_short" in source and "_map_row" in source and "_map_row" not in short
     # structural: a call cannot switch it
     module = render.build_module(spec, SMALL)
     x = torch.randn(1, 2, 8, 32, dtype=torch.float16)
@@ -140,8 +189,8 @@ def test_short_backward_default_and_search_space():
     documents = AttentionSpec(dtype="bf16", head_dim=128, num_heads=4, mask={"document": {}}, backward=True)
     assert default_config(documents, "h100", 256).bwd_short  # instead of its fused delta
     custom = AttentionSpec(dtype="bf16", head_dim=128, num_heads=4, mask="(q_idx - kv_idx) % 4 == 0", backward=True)
-    assert not default_config(custom, "h100", 256).bwd_short
-    assert "bwd_short" not in backward_space(custom, H100).params
+    assert default_config(custom, "h100", 256).bwd_short and not default_config(custom, "h100", 1024).bwd_short
+    assert backward_space(custom, H100).params["bwd_short"] == (False, True)
     space = backward_space(causal, H100)
     assert space.params["bwd_short"] == (False, True)
     point = dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=32, BLOCK_N2=64, bwd_num_warps=4, bwd_num_stages=2,
@@ -155,8 +204,10 @@ def test_short_backward_default_and_search_space():
                                                ({"causal": True}, 509, 509, (8, 2)),
                                                ({}, 333, 129, (8, 1)),
                                                ({"mask": {"sliding_window": {"left": 100, "right": 0}}}, 512, 512,
-                                                (4, 4))],
-                         ids=["causal-128", "causal-509-gqa", "full-333x129-mqa", "window-512"])
+                                                (4, 4)),
+                                               ({"mask": "(q_idx >= kv_idx) & ((q_idx - kv_idx) % 7 != 3)"}, 300, 300,
+                                                (8, 2))],
+                         ids=["causal-128", "causal-509-gqa", "full-333x129-mqa", "window-512", "custom-300-gqa"])
 def test_gpu_short_backward_bf16(fields, sq, sk, heads):
     # the H100 default's tiles (64x64, 4 warps, 2 stages) with the short backward, hd128 and hd64
     for d in (128, 64):

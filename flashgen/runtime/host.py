@@ -1577,7 +1577,11 @@ class AttentionLauncher:
         # (dq, dk, dv and dQ's float32 buffer: contiguous in q's, k's and v's shapes)
         wide = wide_rows(layout, *((t.shape, t.stride()) for t in (q, k, v, out, do)),
                          *((t.shape, contiguous_strides(t.shape)) for t in (q, k, v)))
-        if self.short_kernel is not None and not atomic:  # bwd_short: one launch does it all
+        # bwd_short: one launch does it all; a custom expression's walks every tile as a partial one (no block map),
+        # for calls small enough that the tiles a map would skip cost less than its launches (TensorBlockMap's rule)
+        if self.short_kernel is not None and not atomic and (
+                self.block_map_kernel is None
+                or batch * num_heads * seqlen_q * seqlen_k <= TensorBlockMap.STATIC_PAIRS):
             return self.short_plan(plan, q, k, v, out, do, layout, cfg, batch, seqlen_q, seqlen_k, total_q, total_k,
                                    scale, dropout_p, tensor_grads, wide)
         # dQ target: the float32 accumulation buffer (atomic) or dq itself (written once); dq,
