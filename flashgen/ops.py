@@ -241,7 +241,7 @@ class AttentionFunction(torch.autograd.Function):
     None): autograd.Function.apply pays per argument. Eager calls enter through _apply_function
     (Function.apply's C++ half directly).
 
-    A dense call without dropout or named tensors saves q, k, v, out, lse only: its seed is the
+    A dense call without dropout saves q, k, v, out, lse and its named tensors only: its seed is the
     unused one (the plan passes its own) and it has no offsets, so there is nothing else to keep
     for the backward (each saved tensor costs a pack and an unpack per step)."""
 
@@ -264,10 +264,11 @@ class AttentionFunction(torch.autograd.Function):
 
             ctx.seq_major, (q, k, v, layout), (out, lse, ctx.plan, ctx.extra) = _run_seq_major(run, q, k, v, layout)
         call = (module, layout, dropout_p, deterministic, max_q, max_k)  # the layout it ran
-        if varlen or dropout_p or tensors:
-            ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
+        ctx.dense = not (varlen or dropout_p)  # the plan passes its own (unused) seed and no offsets
+        if ctx.dense:
+            ctx.save_for_backward(q, k, v, out, lse, *tensors)
         else:
-            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, *tensors)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
         # lse takes no gradient: without this autograd would hand the backward a zero-filled dlse, an
@@ -300,12 +301,15 @@ class AttentionFunction(torch.autograd.Function):
         """gradients() in the layout the forward ran (bshd where it took bhsd views of bshd memory)."""
         saved = ctx.saved_tensors
         module, layout, dropout_p, deterministic, max_q, max_k = ctx.call
-        if len(saved) == 5:  # dense, no dropout, no named tensors (forward): straight to the plan's backward
+        if len(saved) == 5 and ctx.dense:  # no dropout, offsets or named tensors: straight to the plan's backward
             q, k, v, out, lse = saved
             dq, dk, dv, _ = module._LAUNCHER.training_backward(ctx.plan, dout, q, k, v, out, lse, None, None, None,
                                                                None, deterministic=deterministic)
             return dq, dk, dv, None, None, None, None
-        q, k, v, out, lse, seed, cu_q, cu_k, *tensors = saved
+        if ctx.dense:
+            (q, k, v, out, lse, *tensors), seed, cu_q, cu_k = saved, None, None, None
+        else:
+            q, k, v, out, lse, seed, cu_q, cu_k, *tensors = saved
         dq, dk, dv, tensor_grads = _backward_grads(dout, q, k, v, out, lse, seed, tensors, module, layout,
                                                    dropout_p, deterministic, ctx.needs_input_grad[7:], cu_q, cu_k,
                                                    max_q, max_k, ctx.plan, ctx.extra)

@@ -445,6 +445,20 @@ def test_a_dense_training_call_keeps_five_tensors_and_out_follows_qs_memory_orde
     packed = [t.detach().transpose(1, 2).reshape(9, 2, 16).requires_grad_() for t in (q, k, v)]
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     assert len(flashgen.attention_varlen(*packed, cu, cu, 5, 5, causal=True).grad_fn.saved_tensors) == 8
+    # a dense call with named tensors keeps them beside the five (no seed, no offsets), and its gradients are the
+    # reference's (a bool mask's tensor and a float bias's, the bias differentiated too)
+    keep = torch.rand(9, 9, generator=torch.Generator().manual_seed(1)) > 0.3
+    bias = _inputs((9, 9), seed=4).clone().requires_grad_()
+    masked = flashgen.attention(q, k, v, mask="keep[q_idx, kv_idx] != 0", score_mod="score + bias[q_idx, kv_idx]",
+                                keep=keep, bias=bias)
+    assert len(masked.grad_fn.saved_tensors) == 7
+    do = _inputs((1, 2, 9, 16), seed=5)
+    ours = torch.autograd.grad(masked, (q, k, v, bias), do)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *ref_leaves[:3], attn_mask=ref_leaves[3].masked_fill(~keep, float("-inf")))
+    for got, want in zip(ours, torch.autograd.grad(ref, ref_leaves, do.double())):
+        torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
     q_t = q.detach().transpose(1, 2).contiguous().transpose(1, 2)  # bhsd view of bshd memory
     out_t = flashgen.attention(q_t, k, v, causal=True)
     assert out_t.stride() == q_t.stride() and torch.equal(out_t, out)

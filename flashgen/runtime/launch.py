@@ -608,12 +608,15 @@ class BackwardPlan(CallPlan):
         every float tensor's buffer)."""
         if not self.named:
             return (), ()
+        grad_tensors = self.launcher.grad_tensors
+        if extra is not None and not grad_tensors:  # (a mask's tensors only: the forward's arguments serve)
+            return extra, []
         named = self.launcher.tensor_views(tensors)
         if grads and self.scratch:
             grads = {**{name: gradient_buffer(*layout, self.device) for name, layout in self.scratch.items()},
                      **grads}
         return (self.launcher.tensor_args(named) if extra is None else extra,
-                [(grads or {}).get(name, named[name]) for name in self.launcher.grad_tensors])
+                [(grads or {}).get(name, named[name]) for name in grad_tensors])
 
     @staticmethod
     def result(dq, dk, dv, grads, tensors):
