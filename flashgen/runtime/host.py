@@ -306,9 +306,7 @@ class TensorBlockMap:
     STATIC_PAIRS = 2**24
 
     def __init__(self, launcher, batch, seqlen_q, seqlen_k, block_m, block_n, device, rows):
-        nb = batch if launcher.map_uses_batch else 1
-        nh = launcher.num_heads if launcher.map_uses_head else 1
-        nq, nk = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
+        nb, nh, nq, nk = launcher.map_grid(batch, seqlen_q, seqlen_k, block_m, block_n)
         self.launcher, self.batch, self.device = launcher, batch, device
         self.classes_shape, self.sizes = (nb * nh, nq, nk), (seqlen_q, seqlen_k, nb, nh)
         self.n, self.m = (nq, nk) if rows else (nk, nq)
@@ -1044,12 +1042,10 @@ class AttentionLauncher:
         counts, query blocks). Computed on the device by evaluating the mask on every tile; cached
         per shape when the mask reads no tensor (a call plan's map of a mask over tensors:
         TensorBlockMap)."""
-        nb = batch if self.map_uses_batch else 1
-        nh = self.num_heads if self.map_uses_head else 1
+        nb, nh, nq, nk = self.map_grid(batch, seqlen_q, seqlen_k, block_m, block_n)
         key = (nb, nh, seqlen_q, seqlen_k, block_m, block_n, str(device))
         if not self.tensor_names and key in self.block_maps:
             return self.block_maps[key]
-        nq, nk = triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n)
         tile_classes = torch.empty((nb * nh, nq, nk), dtype=torch.int8, device=device)
         self.block_map_kernel[(nq, nk, nb * nh)](tile_classes, seqlen_q, seqlen_k, nb, nh, *self.tensor_args(tensors),
                                                  BLOCK_M=block_m, BLOCK_N=block_n)
@@ -1058,6 +1054,12 @@ class AttentionLauncher:
         if not self.tensor_names and not device_sync_forbidden(device):  # (captured: filled only by replays)
             self.block_maps[key] = result
         return result
+
+    def map_grid(self, batch, seqlen_q, seqlen_k, block_m, block_n):
+        """(batch elements, heads, query blocks, key blocks) of a block map at this tiling: one map for the batch
+        or the heads where the mask reads neither."""
+        return (batch if self.map_uses_batch else 1, self.num_heads if self.map_uses_head else 1,
+                triton.cdiv(seqlen_q, block_m), triton.cdiv(seqlen_k, block_n))
 
     def map_args(self, counts, lists, batch):
         """The kernels' block-map arguments: counts and lists broadcast to (batch, heads), and their strides."""
@@ -1114,8 +1116,10 @@ class AttentionLauncher:
         except TypeError:  # an unhashable knob value: planned afresh each call
             return None
 
-    def remember(self, key, plan):
-        if key is None:
+    def remember(self, key, plan, device=None):
+        """Keep plan for its key; not one made while a CUDA graph is captured on device (its block maps, unread
+        LSE, ... are the graph's, filled by replays only)."""
+        if key is None or (device is not None and capturing(device)):
             return
         if len(self.plans) >= self.MAX_PLANS:
             self.plans.clear()
@@ -1276,7 +1280,7 @@ class AttentionLauncher:
             if (type(plan) is ForwardPlan and plan.launch is not None and plan.descriptors is None
                     and plan.buffers is None and self.block_map_kernel is None and not self.same_seqlen):
                 decode = (plan, {signature: plan.launch})
-            self.remember(key, decode)
+            self.remember(key, decode, q.device)
         if decode is False:
             return None
         plan, launches = decode
@@ -1314,8 +1318,7 @@ class AttentionLauncher:
         if plan is None:
             plan = self.forward_plan(q, k, v, layout, out, lse, softmax_scale, dropout_p, seed, tensors, cu_seqlens_q,
                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, knobs)
-            if not capturing(q.device):  # (captured: its block maps, ..., are the graph's, filled by replays only)
-                self.remember(key, plan)
+            self.remember(key, plan, q.device)
         return plan
 
     # ------------------------------------------------------------------ training (autograd) calls
@@ -1518,8 +1521,7 @@ class AttentionLauncher:
             plan = self.backward_plan(do, q, k, v, out, lse, layout, softmax_scale, dropout_p, seed, deterministic,
                                       tensors, tensor_grads, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       knobs)
-            if not capturing(q.device):  # (as forward_call_plan)
-                self.remember(key, plan)
+            self.remember(key, plan, q.device)
         return plan(do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k)
 
     def backward_plan(self, do, q, k, v, out, lse, layout, softmax_scale, dropout_p, seed, deterministic, tensors,
