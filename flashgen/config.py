@@ -121,7 +121,9 @@ class KernelConfig:
     # host time (four launches and allocations); causal programs get equal work (n - i key-block
     # walk + i + 1 query-block walk). Needs dq_strategy 'separate'. Where it serves a call the other
     # backward knobs (M2/N2, bwd_tma, bwd_persistent, bwd_fused_delta, hopper_bwd) are unused; they
-    # apply where it does not: specs with a block map (custom expressions), a call's atomic dQ.
+    # apply where it does not: a call's atomic dQ, and a custom expression's calls of more than
+    # TensorBlockMap.STATIC_PAIRS (query, key) pairs (its short kernel reads no block map: it walks every
+    # tile with the mask, so it serves small calls only).
     bwd_short: bool = False
 
     # The forward's kernel family: "portable" (the Triton templates above) or "hopper_ws" (Gluon,
