@@ -121,9 +121,8 @@ class KernelConfig:
     # host time (four launches and allocations); causal programs get equal work (n - i key-block
     # walk + i + 1 query-block walk). Needs dq_strategy 'separate'. Where it serves a call the other
     # backward knobs (M2/N2, bwd_tma, bwd_persistent, bwd_fused_delta, hopper_bwd) are unused; they
-    # apply where it does not: a call's atomic dQ, and a custom expression's calls of more than
-    # TensorBlockMap.STATIC_PAIRS (query, key) pairs (its short kernel reads no block map: it walks every
-    # tile with the mask, so it serves small calls only).
+    # apply where it does not: a call's atomic dQ. A custom expression's kernel reads the block map in both
+    # directions (made once per shape, or per call for a mask over named tensors, as the other kernels').
     bwd_short: bool = False
 
     # The forward's kernel family: "portable" (the Triton templates above) or "hopper_ws" (Gluon,
@@ -420,9 +419,9 @@ def _short_backward_default(spec: AttentionSpec, d: int, shape: MaskShape) -> bo
     """The one-launch backward (bwd_short) for calls of up to SMALL_CALL tokens, whose fwd+bwd step is
     host time: one backward launch instead of three or four, no delta buffer. H100, B=1 H=16 hd128
     causal bf16, eager fwd+bwd: benchmarks/results/2026-11-23-h100-call-path-v4.md. The half-precision
-    64x64 tiles only (fp32 and hd > 128 keep their own tiles). A custom expression's short kernel walks every tile
-    with its mask, no block map (calls of at most TensorBlockMap.STATIC_PAIRS pairs; larger ones take the
-    three launches over the map)."""
+    64x64 tiles only (fp32 and hd > 128 keep their own tiles); custom expressions too (their short kernel reads the
+    block map in both directions: H200, masked fwd+bwd at 128-512 tokens,
+    benchmarks/results/2026-11-30-h200-call-path-s51-short-ab.md)."""
     return spec.dtype in ("fp16", "bf16") and d <= 128
 
 

@@ -168,7 +168,7 @@ def backward_space(spec: AttentionSpec, device: DeviceLimits) -> SearchSpace:
     # The launch order: heaviest first over the grid (causal-like masks: few, long programs at the start).
     if mask_shape(spec).causal:
         params.update(bwd_heavy_first=(False, True))
-    # The one-launch backward (bwd_short; a custom expression's walks every tile, for small calls only).
+    # The one-launch backward (bwd_short; a custom expression's reads the block map both ways).
     params.update(bwd_short=(False, True))
     # The Gluon warp-specialized dK/dV kernel (hopper_bwd), where it serves the spec: it has its own
     # tiles (runtime/hopper_bwd.py), so with it on the portable dK/dV's tile knobs stay at one point.

@@ -198,6 +198,12 @@ def main(only=()) -> int:
                                                score_mod={"softcap": 30.0}), hopper),
         ("custom expression (block map), TMA", dict(head_dim=64, num_heads=4, causal=True,
                                                     mask={"expr": "(q_idx - kv_idx) % 64 == 0"}), hopper),
+        # the one-launch backward of a custom mask and a bias over a tensor (SDPA's attn_mask): two block maps
+        ("custom mask and bias, one-launch backward", dict(head_dim=128, num_heads=8, num_kv_heads=2,
+                                                           mask={"expr": "(q_idx >= kv_idx) & (kv_idx % 3 != 1)"},
+                                                           score_mod="score + bias[q_idx, kv_idx]"),
+         KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, tma=True, warp_specialize=True, BLOCK_M1=64,
+                      BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_short=True)),
         # documents' default forward tiles beside plain causal's: the boundary loop's staged id reads
         # must not take shared memory past the unmasked kernel's (main() compares them)
         ("causal, 64x64 TMA", dict(head_dim=128, num_heads=4, causal=True, forward_only=True), DOCUMENT_TILES),
@@ -398,7 +404,8 @@ def main(only=()) -> int:
         q = torch.randn(2, h, seqlen, d).to(spec.torch_dtype)
         k = torch.randn(2, hk, seqlen, d).to(spec.torch_dtype)
         tensors = {name: t for name, t in (("doc", torch.zeros(2, 300, dtype=torch.int32)),
-                                           ("plen", torch.full((2,), 70, dtype=torch.int32))) if name in module.TENSORS}
+                                           ("plen", torch.full((2,), 70, dtype=torch.int32)),
+                                           ("bias", torch.zeros(300, 300))) if name in module.TENSORS}
         kw = dict(tensors=tensors)
         if varlen:  # packed (tokens, heads, dim): two sequences of 300 ("unequal": of 300 and 250, 50 tokens after)
             q, k = q.transpose(1, 2).reshape(600, h, d), k.transpose(1, 2).reshape(600, hk, d)

@@ -139,7 +139,7 @@ def heads(draw):
 
 configs = st.builds(KernelConfig, BLOCK_M=st.sampled_from([16, 32]), BLOCK_N=st.sampled_from([16, 32]),
                     num_warps=st.just(4), num_stages=st.just(1), loop_order=st.sampled_from(["q_outer", "kv_outer"]),
-                    bwd_short=st.booleans())  # (the one-launch backward: a custom mask's walks every tile)
+                    bwd_short=st.booleans())  # (the one-launch backward: a custom mask's reads its block map both ways)
 dtypes = st.sampled_from([torch.float16, torch.float32])  # bf16 tl.dot is wrong on the interpreter
 
 

@@ -38,7 +38,7 @@ def test_short_backward_matches_reference(device, name, fields, sq, sk, dtype, h
     check_variant(device, **fields, sq=sq, sk=sk, dtype=dtype, heads=heads, config=SHORT)
 
 
-# (id, mask, tensors, sq, sk, heads): custom expressions (a block map), the short kernel walking every tile
+# (id, mask, tensors, sq, sk, heads): custom expressions (a block map, read both ways by the short kernel)
 CUSTOM_CASES = [
     ("strided", "(q_idx - kv_idx) % 3 == 0", None, 37, 29, (4, 2)),
     ("causal-documents-over-a-tensor", "(doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)",
@@ -66,6 +66,8 @@ def _launches(module):
     launcher, launched = module._LAUNCHER, []
     for attr in ("preprocess_kernel", "dkdv_kernel", "dq_kernel", "short_kernel"):
         kernel = getattr(launcher, attr)
+        if kernel is None:  # (a module without the short kernel)
+            continue
 
         class Recorder:
             def __getitem__(self, grid, kernel=kernel, attr=attr):
@@ -97,28 +99,33 @@ def test_short_backward_is_one_launch_and_falls_back_for_atomic_dq(device):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # fp32; dQ summed in another order (atomics)
 
 
-def test_a_custom_expressions_short_backward_serves_small_calls_only(device, monkeypatch):
-    # a call of more (query, key) pairs than TensorBlockMap.STATIC_PAIRS takes the three launches over the block
-    # map (the tiles it skips); both agree with the reference
+@pytest.mark.parametrize("per_call_maps", [False, True], ids=["map-kept", "maps-per-call"])
+def test_a_custom_expressions_short_backward_is_one_launch_over_its_block_maps(device, monkeypatch, per_call_maps):
+    # a mask over no tensor (its map made once per shape) and one over a tensor (its maps all-partial for a small
+    # call, or made on every call: STATIC_PAIRS patched to 0): one launch, the three launches' gradients
     from flashgen.runtime.host import TensorBlockMap
 
-    mask = "(q_idx >= kv_idx) & (kv_idx % 4 != 3)"
-    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, mask=mask, backward=True)
+    if per_call_maps:
+        monkeypatch.setattr(TensorBlockMap, "STATIC_PAIRS", 0)
     gen = torch.Generator().manual_seed(random.randrange(2**31))
-    q, k, v, do = (torch.randn(1, 2, 40, 16, generator=gen).to(device) for _ in range(4))
-    module = render.build_module(spec, SHORT)
-    launched = _launches(module)
-    out, lse = module.forward(q, k, v)
-    small = module.backward(do, q, k, v, out, lse)[:3]
-    assert [attr for attr, _ in launched] == ["short_kernel"]
-    monkeypatch.setattr(TensorBlockMap, "STATIC_PAIRS", 2 * 40 * 40 - 1)
-    module._LAUNCHER.plans.clear()
-    launched.clear()
-    large = module.backward(do, q, k, v, out, lse)[:3]
-    assert [attr for attr, _ in launched] == ["preprocess_kernel", "dkdv_kernel", "dq_kernel"]
-    for a, b in zip(small, large):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert_gradients_close(small, q, k, v, do, causal=False, mask=mask)
+    keep = torch.rand(40, 37, generator=gen) > 0.4
+    for mask, tensors in (("(q_idx >= kv_idx) & (kv_idx % 4 != 3)", {}),
+                          ("(keep[q_idx, kv_idx] != 0) & (q_idx + 5 >= kv_idx)", {"keep": keep.to(device)})):
+        spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, mask=mask, backward=True)
+        q, do = (torch.randn(2, 4, 40, 16, generator=gen).to(device) for _ in range(2))
+        k, v = (torch.randn(2, 2, 37, 16, generator=gen).to(device) for _ in range(2))
+        grads = []
+        for config, kernels in ((SHORT, ["short_kernel"]), (SMALL, ["preprocess_kernel", "dkdv_kernel", "dq_kernel"])):
+            module = render.build_module(spec, config)
+            launched = _launches(module)
+            out, lse = module.forward(q, k, v, tensors=tensors)
+            for _ in range(2):  # the plan made, then kept
+                launched.clear()
+                grads.append(module.backward(do, q, k, v, out, lse, tensors=tensors)[:3])
+                assert [attr for attr, _ in launched] == kernels, (mask, config)
+        for a, b in zip(grads[0], grads[2]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert_gradients_close(grads[1], q, k, v, do, causal=False, mask=mask, tensors=tensors)
 
 
 def test_short_backward_over_packed_sequences_dropout_and_tensor_gradients(device):
@@ -169,11 +176,11 @@ def test_short_knob_is_checked_rendered_behind_itself_and_left_out_when_off():
     off, on = (render.render(spec, config, standalone=False) for config in (SMALL, SHORT))
     assert "_attn_bwd_short" not in off and "short_kernel=_attn_bwd_short" in on
     assert render.kernel_hash(spec, SMALL, "bwd") != render.kernel_hash(spec, SHORT, "bwd")
-    # a custom expression's short kernel reads no block map (it walks every tile with the mask)
+    # a custom expression's short kernel reads its block map both ways (per key block, per query block)
     custom = AttentionSpec(dtype="fp16", head_dim=32, num_heads=2, mask="(q_idx - kv_idx) % 4 == 0", backward=True)
     source = render.render(custom, SHORT, standalone=False)
     short = source[source.index("def _attn_bwd_short("):source.index("\n\n\n", source.index("def _attn_bwd_short("))]
-    assert "short_kernel=_attn_bwd_short" in source and "_map_row" in source and "_map_row" not in short
+    assert "short_kernel=_attn_bwd_short" in source and "KV_MAP_COUNTS" in short and "Q_MAP_COUNTS" in short
     # structural: a call cannot switch it
     module = render.build_module(spec, SMALL)
     x = torch.randn(1, 2, 8, 32, dtype=torch.float16)

@@ -1579,11 +1579,7 @@ class AttentionLauncher:
         # (dq, dk, dv and dQ's float32 buffer: contiguous in q's, k's and v's shapes)
         wide = wide_rows(layout, *((t.shape, t.stride()) for t in (q, k, v, out, do)),
                          *((t.shape, contiguous_strides(t.shape)) for t in (q, k, v)))
-        # bwd_short: one launch does it all; a custom expression's walks every tile as a partial one (no block map),
-        # for calls small enough that the tiles a map would skip cost less than its launches (TensorBlockMap's rule)
-        if self.short_kernel is not None and not atomic and (
-                self.block_map_kernel is None
-                or batch * num_heads * seqlen_q * seqlen_k <= TensorBlockMap.STATIC_PAIRS):
+        if self.short_kernel is not None and not atomic:  # bwd_short: one launch does it all
             return self.short_plan(plan, q, k, v, out, do, layout, cfg, batch, seqlen_q, seqlen_k, total_q, total_k,
                                    scale, dropout_p, tensor_grads, wide)
         # dQ target: the float32 accumulation buffer (atomic) or dq itself (written once); dq,
@@ -1642,7 +1638,8 @@ class AttentionLauncher:
                    dropout_p, tensor_grads, wide):
         """plan (a BackwardPlan) with its one launch of the bwd_short kernel: program i of each (batch,
         KV head) computes dK/dV of key block i and dQ of query block i, on the dK/dV tiling (BLOCK_M1 x
-        BLOCK_N1); pointer loads (the kernel has no descriptors): the other backward knobs are unused."""
+        BLOCK_N1); pointer loads (the kernel has no descriptors): the other backward knobs are unused. A
+        custom expression's kernel reads the mask's block map in both directions at that tiling."""
         launch = self.launch_knobs(cfg, "BLOCK_M1", "BLOCK_N1", "bwd_num_warps", "bwd_num_stages")
         blocks = max(triton.cdiv(seqlen_k, launch["BLOCK_N"]), triton.cdiv(seqlen_q, launch["BLOCK_M"]))
         plan.short = BoundLaunch(self.short_kernel, (blocks, self.num_kv_heads, batch), dict(
@@ -1655,6 +1652,13 @@ class AttentionLauncher:
                            *lse_strides, self.num_heads, seqlen_q, seqlen_k, scale * self.RCP_LN2, scale,
                            float(dropout_p))
         plan.short_tail = (total_q, total_k)
+        if self.block_map_kernel is not None and self.tensor_names:  # two maps, made per call (TensorBlockMap)
+            by_key, by_query = (TensorBlockMap(self, batch, seqlen_q, seqlen_k, launch["BLOCK_M"], launch["BLOCK_N"],
+                                               q.device, rows=rows) for rows in (False, True))
+            plan.short_maps = lambda extra: (*by_key(extra), *by_query(extra))
+        elif self.block_map_kernel is not None:  # per key block its query blocks, per query block its key blocks
+            maps = self.block_map(batch, seqlen_q, seqlen_k, launch["BLOCK_M"], launch["BLOCK_N"], q.device)
+            plan.short_tail = (*self.map_args(*maps[2:], batch), *self.map_args(*maps[:2], batch), total_q, total_k)
         plan.dkdv = plan.short  # there is work to launch (BackwardPlan: no dkdv = zero gradients)
         return plan
 

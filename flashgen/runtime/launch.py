@@ -547,6 +547,7 @@ class BackwardPlan(CallPlan):
         self.fused_delta = None  # bwd_fused_delta: out's strides; the dQ kernel computes delta and runs first
         self.short = None  # bwd_short: a BoundLaunch of the one-launch backward (no other launch then)
         self.short_head = self.short_tail = ()
+        self.short_maps = None  # its block maps made per call (a mask over named tensors): extra -> map arguments
 
     def __call__(self, do, q, k, v, out, lse, seed, tensors, cu_seqlens_q, cu_seqlens_k, offsets_checked=False,
                  extra=None):
@@ -572,7 +573,7 @@ class BackwardPlan(CallPlan):
         extra, grad_args = self.named_args(tensors, grads, extra)
         if self.short is not None:
             self.short(q, k, v, out, do, lse, dk, dv, dq, seed, cu_q, cu_k, *self.short_head, *extra, *grad_args,
-                       *self.short_tail)
+                       *self.with_maps(self.short_maps, self.short_tail, extra))
             return self.result(dq, dk, dv, grads, tensors)
         delta = self.new_delta()
         context = launch_context() if self.dkdv.bindable() else None  # once for the step's three launches
