@@ -420,8 +420,8 @@ def _short_backward_default(spec: AttentionSpec, d: int, shape: MaskShape) -> bo
     host time: one backward launch instead of three or four, no delta buffer. H100, B=1 H=16 hd128
     causal bf16, eager fwd+bwd: benchmarks/results/2026-11-23-h100-call-path-v4.md. The half-precision
     64x64 tiles only (fp32 and hd > 128 keep their own tiles); custom expressions too (their short kernel reads the
-    block map in both directions: H200, masked fwd+bwd at 128-512 tokens,
-    benchmarks/results/2026-11-30-h200-call-path-s51-short-ab.md)."""
+    block map in both directions: H200, masked fwd+bwd at 128-512 tokens, measured on a first form that walked
+    every tile, benchmarks/results/2026-11-30-h200-call-path-s51-short-ab.md)."""
     return spec.dtype in ("fp16", "bf16") and d <= 128
 
 
