@@ -410,12 +410,12 @@ def default_config(spec: AttentionSpec, target: str | None = None, seqlen: int |
         # do_bench 0.020 vs 0.013 ms; benchmarks/results/2026-11-22-h100-call-path.md).
         forward["tma"] = False
         backward["bwd_tma"] = False
-        if arch == "sm90" and _short_backward_default(spec, d, shape):
+        if arch == "sm90" and _short_backward_default(spec, d):
             backward.update(bwd_short=True, bwd_fused_delta=False)
     return KernelConfig(**forward, **backward)
 
 
-def _short_backward_default(spec: AttentionSpec, d: int, shape: MaskShape) -> bool:
+def _short_backward_default(spec: AttentionSpec, d: int) -> bool:
     """The one-launch backward (bwd_short) for calls of up to SMALL_CALL tokens, whose fwd+bwd step is
     host time: one backward launch instead of three or four, no delta buffer. H100, B=1 H=16 hd128
     causal bf16, eager fwd+bwd: benchmarks/results/2026-11-23-h100-call-path-v4.md. The half-precision

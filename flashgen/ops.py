@@ -301,13 +301,12 @@ class AttentionFunction(torch.autograd.Function):
         """gradients() in the layout the forward ran (bshd where it took bhsd views of bshd memory)."""
         saved = ctx.saved_tensors
         module, layout, dropout_p, deterministic, max_q, max_k = ctx.call
-        if len(saved) == 5 and ctx.dense:  # no dropout, offsets or named tensors: straight to the plan's backward
-            q, k, v, out, lse = saved
-            dq, dk, dv, _ = module._LAUNCHER.training_backward(ctx.plan, dout, q, k, v, out, lse, None, None, None,
-                                                               None, deterministic=deterministic)
-            return dq, dk, dv, None, None, None, None
-        if ctx.dense:
+        if ctx.dense:  # no dropout or offsets: the plan passes its own seed
             (q, k, v, out, lse, *tensors), seed, cu_q, cu_k = saved, None, None, None
+            if not tensors:  # nor named tensors: straight to the plan's backward
+                dq, dk, dv, _ = module._LAUNCHER.training_backward(ctx.plan, dout, q, k, v, out, lse, None, None,
+                                                                   None, None, deterministic=deterministic)
+                return dq, dk, dv, None, None, None, None
         else:
             q, k, v, out, lse, seed, cu_q, cu_k, *tensors = saved
         dq, dk, dv, tensor_grads = _backward_grads(dout, q, k, v, out, lse, seed, tensors, module, layout,

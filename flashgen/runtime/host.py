@@ -1651,14 +1651,15 @@ class AttentionLauncher:
                            *bhsd_strides(out, layout), *bhsd_strides(do, layout), *(s for t in grad_strides for s in t),
                            *lse_strides, self.num_heads, seqlen_q, seqlen_k, scale * self.RCP_LN2, scale,
                            float(dropout_p))
-        plan.short_tail = (total_q, total_k)
+        kept_maps = ()
         if self.block_map_kernel is not None and self.tensor_names:  # two maps, made per call (TensorBlockMap)
             by_key, by_query = (TensorBlockMap(self, batch, seqlen_q, seqlen_k, launch["BLOCK_M"], launch["BLOCK_N"],
                                                q.device, rows=rows) for rows in (False, True))
             plan.short_maps = lambda extra: (*by_key(extra), *by_query(extra))
         elif self.block_map_kernel is not None:  # per key block its query blocks, per query block its key blocks
             maps = self.block_map(batch, seqlen_q, seqlen_k, launch["BLOCK_M"], launch["BLOCK_N"], q.device)
-            plan.short_tail = (*self.map_args(*maps[2:], batch), *self.map_args(*maps[:2], batch), total_q, total_k)
+            kept_maps = (*self.map_args(*maps[2:], batch), *self.map_args(*maps[:2], batch))
+        plan.short_tail = (*kept_maps, total_q, total_k)
         plan.dkdv = plan.short  # there is work to launch (BackwardPlan: no dkdv = zero gradients)
         return plan
 
