@@ -3,7 +3,7 @@ tile) against the same config with bwd_short=False (preprocess, dK/dV and dQ ove
 process, 3 interleaved rounds; do_bench median ms of forward + autograd.grad (host-bound), and the GPU time of the
 step replayed from a CUDA graph.
 
-    PYTHONPATH=. python3 benchmarks/probe_masked_short_backward.py OUT.json
+    PYTHONPATH=. python3 benchmarks/probe_masked_short_backward.py OUT.json [--more]
 (session 51: results/2026-11-30-h200-call-path-s51-short-ab.md)
 """
 import json, sys
@@ -16,6 +16,10 @@ from flashgen.config import default_config
 H, D = 16, 128
 CASES = [("bool causal (L, S)", 1, 128), ("bool causal (L, S)", 1, 512), ("bool padding (B, 1, 1, S)", 4, 512),
          ("float bias (L, S)", 4, 512), ("custom strided", 2, 256)]
+# --more (session 52): where the one launch stops paying, by (batch x heads x queries x keys): dense causal (no block
+# map) beside the masks, and larger batches at short lengths
+MORE = [("is_causal", 1, 128), ("is_causal", 1, 512), ("is_causal", 4, 512), ("is_causal", 8, 256),
+        ("bool causal (L, S)", 1, 256), ("bool causal (L, S)", 8, 128), ("bool causal (L, S)", 4, 256)]
 
 
 def inputs(kind, batch, seqlen):
@@ -27,6 +31,8 @@ def inputs(kind, batch, seqlen):
     if kind.startswith("bool padding"):
         m = (torch.arange(seqlen, device="cuda") < seqlen - seqlen // 4).expand(batch, seqlen).contiguous()
         return q, k, v, dict(mask="m[b, kv_idx] != 0", m=m)
+    if kind == "is_causal":
+        return q, k, v, dict(causal=True)
     if kind.startswith("float bias"):
         return q, k, v, dict(score_mod="score + m[q_idx, kv_idx]",
                              m=torch.randn(seqlen, seqlen, device="cuda", generator=g))
@@ -34,15 +40,15 @@ def inputs(kind, batch, seqlen):
 
 
 rows = []
-for kind, batch, seqlen in CASES:
+for kind, batch, seqlen in MORE if "--more" in sys.argv else CASES:
     q, k, v, kw = inputs(kind, batch, seqlen)
-    names = {n: kw[n] for n in kw if n not in ("mask", "score_mod")}
-    spec = spec_for(q, k, v, causal=False, softmax_scale=None, layout="bhsd", mask=kw.get("mask"),
+    spec = spec_for(q, k, v, causal=kw.get("causal", False), softmax_scale=None, layout="bhsd", mask=kw.get("mask"),
                     score_mod=kw.get("score_mod"))
     base = default_config(spec, None, seqlen)
     do = torch.randn(batch, H, seqlen, D, device="cuda", dtype=torch.bfloat16)
     cfgs = {"short (default)": base, "three launches": base.replace(bwd_short=False)}
-    row = {"case": f"{kind} B={batch} H={H} S={seqlen} hd{D} bf16", "default_bwd_short": base.bwd_short}
+    row = {"case": f"{kind} B={batch} H={H} S={seqlen} hd{D} bf16", "default_bwd_short": base.bwd_short,
+           "pairs": batch * H * seqlen * seqlen}
     steps, grads = {}, {}
     for name, cfg in cfgs.items():
         def step(cfg=cfg):

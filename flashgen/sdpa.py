@@ -33,6 +33,7 @@ import torch
 
 from .api import _static_float, _static_int, attention, default_scales
 from .runtime.host import SCALE_LIMIT
+from .runtime.launch import check_tensor
 from .spec import MAX_HEAD_DIM
 
 __all__ = ["scaled_dot_product_attention"]
@@ -42,10 +43,15 @@ MASK_NAME = "attn_mask"  # the named tensor the mask expressions read
 _MASK_DIMS = ("b", "h", "q_idx", "kv_idx")  # what indexes each dim of a (batch, heads, L, S) attn_mask
 
 
+def _type_name(x) -> str:
+    """x's type as an error names it: 'int', 'numpy.bool' (whose __name__ alone reads 'bool')."""
+    kind = type(x)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _check_tensors(query, key, value):
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
         if t.dim() < 2:
             raise ValueError(f"{name}: expected at least 2 dims (..., seq, dim), got shape {tuple(t.shape)}")
         if t.dim() != query.dim():
@@ -114,7 +120,7 @@ def _once_per_metadata(table, metadata, work, *args):
         return work(*args)
     try:
         meta = metadata(*args)
-    except AttributeError:
+    except (AttributeError, RuntimeError):  # (a nested tensor's shape raises RuntimeError)
         return work(*args)
     found = table.get(meta)
     if found is None:
@@ -127,7 +133,7 @@ def _once_per_metadata(table, metadata, work, *args):
 
 def _inputs_metadata(query, key, value, enable_gqa):
     return (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device, key.device,
-            value.device, enable_gqa)
+            value.device, query.layout, key.layout, value.layout, enable_gqa)
 
 
 def _checked_inputs_heads(query, key, value, enable_gqa):
@@ -157,8 +163,7 @@ def _as_bhsd(t, lead, heads):
 def _check_mask(attn_mask, query, target):
     """Refuse an attn_mask that is not a bool or float tensor on query's device broadcastable to the (batch, heads,
     L, S) call (also where L or S is 0: torch's SDPA refuses it there too)."""
-    if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask: expected a torch.Tensor or None, got {type(attn_mask).__name__}")
+    check_tensor("attn_mask", attn_mask, "a torch.Tensor or None")
     if attn_mask.dtype != torch.bool and attn_mask.dtype not in (query.dtype, torch.float32):
         raise ValueError(f"attn_mask: expected dtype bool, float32 or query's {query.dtype}, got {attn_mask.dtype}")
     if attn_mask.device != query.device:
@@ -171,7 +176,7 @@ def _check_mask(attn_mask, query, target):
 
 
 def _mask_metadata(attn_mask, query, target):
-    return attn_mask.shape, attn_mask.dtype, attn_mask.device, query.dtype, query.device, target
+    return attn_mask.shape, attn_mask.dtype, attn_mask.layout, attn_mask.device, query.dtype, query.device, target
 
 
 def _checked_mask_plan(attn_mask, query, target):
@@ -183,6 +188,12 @@ def _checked_mask(attn_mask, query, target):
     """_check_mask, then _mask_plan's answer: once per (mask, call) metadata, then a dictionary hit (CI CPU: the
     check and the mask's views took ~12 of a bool-mask call's 50 us)."""
     return _once_per_metadata(_MASKS, _mask_metadata, _checked_mask_plan, attn_mask, query, target)
+
+
+def _kept_dims(shape):
+    """The dims of a (batch, heads, L, S) mask shape that the mask's expressions index: those not of size 1 (the
+    key dim where all are)."""
+    return [d for d in range(4) if shape[d] != 1] or [3]
 
 
 def _mask_plan(shape, is_bool, target):
@@ -201,7 +212,7 @@ def _mask_plan(shape, is_bool, target):
         padded = (1,) * (4 - len(m)) + m if len(m) <= 4 else (lead, *m[-3:])
     else:
         padded = (1,) * (4 - len(shape)) + shape
-    kept = [d for d in range(4) if padded[d] != 1] or [3]
+    kept = _kept_dims(padded)
     dims = None if flat else tuple(d - (4 - len(shape)) for d in range(4 - len(shape), 4) if d not in kept)
     index = f"{MASK_NAME}[{', '.join(_MASK_DIMS[d] for d in kept)}]"
     if is_bool:
@@ -226,7 +237,7 @@ def _flat_mask(attn_mask, target):
             m = m.expand(*target[:-3], *m.shape[-3:])
         m = m.reshape(-1, *m.shape[-3:])
     m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))  # (batch, heads, L, S), each 1 or the call's
-    kept = [d for d in range(4) if m.shape[d] != 1] or [3]
+    kept = _kept_dims(m.shape)
     return m[tuple(slice(None) if d in kept else 0 for d in range(4))]  # (a view: the broadcast dims dropped)
 
 
@@ -255,10 +266,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     eval). dtypes: float16, bfloat16, float32.
     """
     if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa: expected a bool, got {type(enable_gqa).__name__}")
+        raise TypeError(f"enable_gqa: expected a bool, got {_type_name(enable_gqa)}")
     lead, heads, kv_heads = _checked_heads(query, key, value, enable_gqa)
     if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal: expected a bool, got {type(is_causal).__name__}")
+        raise TypeError(f"is_causal: expected a bool, got {_type_name(is_causal)}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p: expected a probability in [0, 1], got {dropout_p!r}")
     if scale is not None and torch.compiler.is_compiling():  # a symbolic scale: its usual values, specialized

@@ -31,6 +31,11 @@ def t(*shape, dtype=torch.float16):
     (t(1, 2, 8, 300), t(1, 2, 8, 300), t(1, 2, 8, 300), "bhsd", "q: expected a head dim from 1 to 256, got 300"),
     (t(1, 2, 8, 0), t(1, 2, 8, 0), t(1, 2, 8, 0), "bhsd", "q: expected a head dim from 1 to 256, got 0"),
     (t(1, 8, 2, 16), t(1, 8, 1, 16), t(1, 8, 1, 16), "bshd", "v: expected (batch, heads, head_dim) = (1, 1, 16)"),
+    # sparse tensors have no strides to read (a RuntimeError from the plan's key, naming nothing, before)
+    (t(1, 2, 8, 16).cpu().to_sparse(), t(1, 2, 8, 16), t(1, 2, 8, 16), "bhsd",
+     "q: expected a dense (strided) tensor, got layout torch.sparse_coo"),
+    (t(1, 2, 8, 16), t(1, 2, 8, 16), t(1, 2, 8, 16).cpu().to_sparse(), "bhsd",
+     "v: expected a dense (strided) tensor, got layout torch.sparse_coo"),
 ])
 def test_bad_arguments_name_the_argument(q, k, v, layout, words):
     if layout == "bshd":  # v's head count disagrees with k's
@@ -38,6 +43,13 @@ def test_bad_arguments_name_the_argument(q, k, v, layout, words):
     with pytest.raises((ValueError, TypeError)) as info:
         flashgen.attention(q, k, v, layout=layout)
     assert words in str(info.value)
+
+
+def test_a_sparse_named_tensor_is_refused_by_name():
+    q = t(1, 2, 8, 16)
+    bias = torch.zeros(8, 8).to_sparse()
+    with pytest.raises(ValueError, match="bias: expected a dense .strided. tensor, got layout torch.sparse_coo"):
+        flashgen.attention(q, q, q, score_mod="score + bias[q_idx, kv_idx]", bias=bias)
 
 
 def test_compiled_kernel_checks_against_its_spec():

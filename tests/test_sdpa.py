@@ -8,6 +8,7 @@ error (flashgen.verify.compare). Gradients use the 3x rule, the float mask's gra
 import math
 import zlib
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -277,6 +278,16 @@ def test_a_scale_past_float32_gives_what_torch_gives(scale):
     ((t(1, 2, 4, 8),) * 3, {"attn_mask": [[True]]}, "attn_mask: expected a torch.Tensor or None"),
     ((t(1, 2, 4, 8),) * 3, {"is_causal": 1}, "is_causal: expected a bool"),
     ((t(1, 2, 4, 8),) * 3, {"enable_gqa": "yes"}, "enable_gqa: expected a bool"),
+    ((t(1, 2, 4, 8),) * 3, {"enable_gqa": np.bool_(False)}, "enable_gqa: expected a bool, got numpy.bool"),
+    # sparse and nested tensors: no strides to read (a RuntimeError that named nothing, before)
+    ((t(1, 2, 4, 8),) * 3, {"attn_mask": torch.ones(4, 4).to_sparse()},
+     "attn_mask: expected a dense (strided) tensor, got layout torch.sparse_coo"),
+    ((t(1, 2, 4, 8),) * 3, {"attn_mask": torch.ones(4, 4).to_sparse_csr()},
+     "attn_mask: expected a dense (strided) tensor, got layout torch.sparse_csr"),
+    ((t(1, 2, 4, 8),) * 3, {"attn_mask": torch.nested.nested_tensor([torch.ones(4, 4)])},
+     "attn_mask: expected a dense (strided) tensor, got a nested tensor"),
+    ((torch.randn(1, 2, 4, 8).to_sparse(), t(1, 2, 4, 8), t(1, 2, 4, 8)), {},
+     "query: expected a dense (strided) tensor, got layout torch.sparse_coo"),
     ((t(1, 2, 4, 8),) * 3, {"dropout_p": 1.5}, "dropout_p: expected a probability in [0, 1], got 1.5"),
     ((t(1, 2, 4, 8),) * 3, {"dropout_p": -0.1}, "dropout_p: expected a probability"),
     ((t(1, 2, 4, 8),) * 3, {"scale": math.inf}, "scale: expected a finite Python number or None, got inf"),
@@ -298,9 +309,47 @@ def test_checks_kept_per_metadata_still_refuse_other_inputs():
     flashgen.scaled_dot_product_attention(q, q, q)
     for args, words in (((q, q, q.float()), "value: expected dtype torch.float16"),
                         ((q, q, q[..., :3, :]), "value: expected seq len 4"),
+                        ((q.to_sparse(), q, q), "query: expected a dense"),
                         ((q, q[:, :1].expand(1, 3, 4, 8), q), "do not broadcast")):
         with pytest.raises(ValueError, match=words):
             flashgen.scaled_dot_product_attention(*args)
+
+
+# Known and open (session 52's review): a row whose every key is masked by a huge finite value. At -1e9 the float32
+# LSE rounds by up to 2^6 in base 2, so the backward's P is off by up to 2^64 (the forward is right; torch's GPU
+# efficient backend, same float32 LSE, is off by the row's key count); at float32's min the scores overflow to -inf
+# when scaled by log2(e), and the row gives 0 where torch's math gives the average of V (its efficient backend gives
+# 0 too). A floor on every modified score fixed both and cost softcap kernels 16-20% on the H200
+# (benchmarks/results/2026-12-01-h200-masks-s52-score-floor.md): not landed. Strict xfails: they fail once fixed.
+_HUGE_ROW_OPEN = pytest.mark.xfail(strict=True, reason="a row masked whole by -1e9 or float32's min: see above")
+
+
+@pytest.mark.parametrize("fill, dtype", [pytest.param(-1e9, torch.float32, marks=_HUGE_ROW_OPEN),
+                                         pytest.param(torch.finfo(torch.float32).min, torch.float32,
+                                                      marks=_HUGE_ROW_OPEN),
+                                         (float("-inf"), torch.float32), (-2e4, torch.float32),
+                                         (torch.finfo(torch.float16).min, torch.float16)])
+def test_rows_masked_by_huge_finite_values_match_torch(device, fill, dtype):
+    # Rows wholly masked (row 3) or partly (row 5) by fill: -inf and a partly masked row, and -2e4 or float16's min
+    # over a whole row, keep their scores as torch's float32 math does.
+    g = torch.Generator().manual_seed(zlib.crc32(repr((fill, dtype)).encode()))
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(device=device, dtype=dtype).requires_grad_() for n in (8, 16, 16))
+    mask = torch.randn(8, 16, generator=g).to(device=device, dtype=dtype)
+    mask[3] = fill
+    mask[5, :6] = fill
+    mask.requires_grad_()
+    do = torch.randn(1, 2, 8, 16, generator=g).to(device=device, dtype=dtype)
+    got = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grads = torch.autograd.grad(got, (q, k, v, mask), do)
+    # (torch's float32 math: -1e9 + a score is -1e9 there, so the row is uniform; in float64 it is not)
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v, mask)]
+    with sdpa_kernel(SDPBackend.MATH):
+        want = F.scaled_dot_product_attention(*ref_in[:3], attn_mask=ref_in[3])
+    want_grads = torch.autograd.grad(want, ref_in, do.float())
+    tol = 2e-3 if dtype == torch.float32 else 2e-2
+    assert (got.float() - want).abs().max().item() < tol
+    for name, a, b in zip(("dq", "dk", "dv", "d(attn_mask)"), grads, want_grads):
+        assert (a.float() - b).abs().max().item() < tol * max(1.0, b.abs().max().item()), name
 
 
 @pytest.mark.parametrize("lq, lk", [(0, 8), (8, 0)])

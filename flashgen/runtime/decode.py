@@ -62,7 +62,7 @@ import triton.language as tl  # the same module as the kernels' tl in a standalo
 
 from flashgen.runtime.host import AttentionLauncher, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import check_interpretable, check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
-from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, capturing, check_outputs_apart, launch_context, overlapping  # standalone: host.py precedes
+from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, capturing, check_outputs_apart, check_tensor, launch_context, overlapping  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
@@ -526,8 +526,7 @@ class DecodeLauncher:
         tensors = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache)]
         tensors += [(name, t) for name, t in (("k", k), ("v", v)) if t is not None]
         for name, t in tensors:
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            check_tensor(name, t)
             if t.dim() != 4:
                 raise ValueError(f"{name}: expected a 4-d tensor, got shape {tuple(t.shape)}")
             if name == "v_cache" and t.dtype != k_cache.dtype:

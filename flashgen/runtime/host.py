@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
-from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, capturing, check_outputs_apart, contiguous_strides, env_flag, overlapping, tensor_key  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, capturing, check_outputs_apart, check_tensor, contiguous_strides, env_flag, overlapping, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -605,8 +605,7 @@ def check_tensors(q, k, v, layout):
         raise ValueError(f"layout: expected 'bhsd', 'bshd' or 'thd' (varlen), got {layout!r}")
     ndim = 3 if layout == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        check_tensor(name, t)
         if t.device.type == "meta":
             raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
         if t.dim() != ndim:
@@ -710,8 +709,7 @@ def check_tensor_names(tensors, names):
     for name in names:
         if name not in tensors:
             raise TypeError(f"{name}: this spec's mask or score_mod reads tensor {name!r}; pass {name}=<tensor>")
-        if not isinstance(tensors[name], torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensors[name]).__name__}")
+        check_tensor(name, tensors[name])
 
 
 class AttentionLauncher:
@@ -1088,7 +1086,7 @@ class AttentionLauncher:
                     tuple((name, tensor_key(t)) for name, t in tensors.items()) if tensors else None,
                     tuple(knobs.items()) if knobs else None,
                     call_tensors[0].is_cpu and self.interpreting())
-        except AttributeError:
+        except (AttributeError, RuntimeError):  # (not tensors, or without strides: the checks name them)
             return None
 
     def dense_key(self, q, k, v, layout, softmax_scale, tensors=None):
@@ -1107,7 +1105,7 @@ class AttentionLauncher:
                 for name, t in tensors.items():
                     key += (name, t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
             return key
-        except AttributeError:
+        except (AttributeError, RuntimeError):  # (not tensors, or without strides: the checks name them)
             return None
 
     def cached_plan(self, key):
@@ -1220,8 +1218,8 @@ class AttentionLauncher:
             return ("decode", layout, softmax_scale, tensor_key(q), *(
                 (t.shape[:seq_dim] + t.shape[seq_dim + 1:], t.stride(seq_dim), t.stride(-1), t.dtype, t.device,
                  t.data_ptr() & 15) for t in (k, v)), q.is_cpu and self.interpreting())
-        except (AttributeError, IndexError, TypeError):  # not tensors, or too few dims: the checks name them
-            return None
+        except (AttributeError, IndexError, TypeError, RuntimeError):  # not tensors, too few dims, no strides (sparse
+            return None  # tensors): the checks name them
 
     def decodes(self, q, k, v, layout):
         """Whether the calls of a decode key (decode_call) run on the split-KV decode kernel (the
@@ -1366,8 +1364,8 @@ class AttentionLauncher:
                    "thd": (q.shape[0], num_heads, dv)}[layout]
         lse_shape = (num_heads, q.shape[0]) if layout == "thd" else (batch, num_heads, seqlen_q)
         for name, t in (("out", out), ("lse", lse)):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t is not None:
+                check_tensor(name, t)
         if out is not None:
             if tuple(out.shape) != o_shape or out.dtype != self.out_dtype or out.device != q.device:
                 raise ValueError(f"out: expected shape {o_shape}, dtype {self.out_dtype} and device {q.device}, got "
@@ -1536,8 +1534,7 @@ class AttentionLauncher:
             if t is None:  # the forward's outputs and dO: all needed
                 raise TypeError(f"{name}: expected a torch.Tensor, got None")
         self.check_outputs(layout, q, batch, seqlen_q, out, lse)
-        if not isinstance(do, torch.Tensor):
-            raise TypeError(f"do: expected a torch.Tensor, got {type(do).__name__}")
+        check_tensor("do", do)
         if do.shape != out.shape or do.dtype != out.dtype or do.device != out.device:
             raise ValueError(f"do: expected shape {tuple(out.shape)} and dtype {out.dtype} (those of out), "
                              f"got {tuple(do.shape)} {do.dtype}")

@@ -398,6 +398,16 @@ def gradient_buffer(shape, stride, device):
     return torch.zeros(element_span(shape, stride), dtype=torch.float32, device=device).as_strided(shape, stride)
 
 
+def check_tensor(name, t, what="a torch.Tensor"):
+    """Refuse, naming it, an argument that is not a dense torch.Tensor: not a tensor (TypeError), or a sparse or
+    nested one, whose strides and data pointer the launches read and these tensors have not (ValueError)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected {what}, got {type(t).__name__}")
+    if t.is_nested or t.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got "
+                         f"{'a nested tensor' if t.is_nested else f'layout {t.layout}'}")
+
+
 def capturing(device) -> bool:
     """Whether a CUDA graph is being captured on `device`'s current stream. A buffer a captured launch reads or
     writes must then be the graph's own (allocated during capture: its memory pool keeps it for the replays),
