@@ -120,6 +120,9 @@ def cases():
         with torch.no_grad():
             flashgen.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    def sdpa_fwd_bwd():
+        torch.autograd.grad(flashgen.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), do)
+
     def sdpa_mask_forward():
         with torch.no_grad():
             flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep)
@@ -261,7 +264,8 @@ def cases():
             "fwd+bwd autograd floor (allocating autograd.Function, no kernels)": autograd_floor,
             "fwd+bwd, bwd_short off (portable backward)": fwd_bwd_portable,
             "varlen forward": varlen_forward, "varlen fwd+bwd": varlen_fwd_bwd, "compat forward": compat_forward,
-            "SDPA-shaped forward (is_causal)": sdpa_forward, "SDPA-shaped forward (bool mask)": sdpa_mask_forward,
+            "SDPA-shaped forward (is_causal)": sdpa_forward, "SDPA-shaped fwd+bwd (is_causal)": sdpa_fwd_bwd,
+            "SDPA-shaped forward (bool mask)": sdpa_mask_forward,
             "SDPA-shaped fwd+bwd (bool mask)": sdpa_mask_fwd_bwd,
             "SDPA-shaped forward (bool mask, block map per call)": per_call_map(sdpa_mask_forward_map),
             "SDPA-shaped fwd+bwd (bool mask, block map per call)": per_call_map(sdpa_mask_fwd_bwd_map),

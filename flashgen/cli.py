@@ -49,6 +49,11 @@ class _Cli(click.Group):
             if said is None:
                 raise
             raise said from None
+        except Exception as err:  # Optuna's StorageInternalError over the database's own (optuna not imported here)
+            said = _said(ctx, err) if _storage_error(err) else None
+            if said is None:
+                raise
+            raise said from None
 
 
 def _said(ctx, err: BaseException) -> click.ClickException | None:
@@ -58,11 +63,31 @@ def _said(ctx, err: BaseException) -> click.ClickException | None:
         return _BadInput(_one_line(ctx, str(err)))
     if isinstance(err, DatabaseError):
         return click.ClickException(_one_line(ctx, str(err)))
+    if _storage_error(err):  # Optuna's wrapper of the database's error (a lock held past the timeout)
+        cause = _database_cause(err)
+        return None if cause is None else _said(ctx, cause)
     if isinstance(err, SQLAlchemyError):  # raised outside ResultStore
         return click.ClickException(_one_line(ctx, str(DatabaseError.from_exception(_db_url(ctx), err))))
     if isinstance(err, OSError) and err.errno != errno.EPIPE:  # EPIPE: stdout closed by `| head`, click's own
         where = f"{err.filename}: " if err.filename else ""
         return click.ClickException(_one_line(ctx, f"{where}{err.strerror or err}"))
+    return None
+
+
+def _storage_error(err: BaseException) -> bool:
+    """Optuna's StorageInternalError, by name: importing optuna would cost every CLI start ~0.3 s."""
+    kind = type(err)
+    return kind.__name__ == "StorageInternalError" and kind.__module__.startswith("optuna")
+
+
+def _database_cause(err: BaseException) -> SQLAlchemyError | None:
+    """The database's error under Optuna's StorageInternalError (its __cause__ or __context__ chain), if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, SQLAlchemyError):
+            return err
+        err = err.__cause__ or err.__context__
     return None
 
 
@@ -83,13 +108,20 @@ def _write_file(path: str | Path, text: str | bytes) -> None:
     """Write a file the user named (atomically); a failure names that file. Never over an SQLite database
     (a results database named by mistake: its tuned configs and trials would be gone)."""
     try:
-        if Path(path).is_file():
-            with open(path, "rb") as f:
+        # a symlink: the file it names is written (the link stays); a device or a pipe (/dev/null, /dev/stdout, a
+        # fifo): written through, not replaced by a regular file (as root, os.replace swapped /dev/null for one)
+        target = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+        if target.exists() and not target.is_file() and not target.is_dir():
+            with open(target, "wb" if isinstance(text, bytes) else "w") as f:
+                f.write(text)
+            return
+        if target.is_file():
+            with open(target, "rb") as f:
                 database = f.read(len(SQLITE_HEADER)) == SQLITE_HEADER
             if database:
                 raise click.ClickException(f"cannot write {path}: it is an SQLite database (a results database?), "
                                            "which writing would replace; name another file")
-        write_atomic(Path(path), text)
+        write_atomic(target, text)
     except OSError as err:
         if err.errno == errno.EPIPE:
             raise
@@ -343,6 +375,10 @@ def tune(ctx, spec_args, spec_opts, trials, seqlens, timeout_s, sampler, seed, n
                                "path through Triton's interpreter (not a timing)")
     if not interpret and gpus > torch.cuda.device_count():
         raise click.UsageError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
+    if interpret and gpus > (os.cpu_count() or 1):  # (each worker a process interpreting kernels: 1000 forked 262
+        # workers in 15 s and did not finish)
+        raise click.UsageError(f"--gpus {gpus}: with --interpret each worker is a CPU process; this machine has "
+                               f"{os.cpu_count() or 1} CPU(s)")
     url = db_url or default_url()
     from .db.urls import in_memory
 
@@ -1003,6 +1039,10 @@ def export_cmd(db_url, gpu, output):
     from .db import EnvInfo
     from .db.layer import export_text, gpu_slug
 
+    for name, value in (("--gpu", gpu), ("-o", output)):  # (empty: they meant this machine and <gpu>.yaml, silently)
+        if value is not None and not value.strip():
+            raise click.BadParameter(f"expected a {'GPU name' if name == '--gpu' else 'file name'}, got an empty one",
+                                     param_hint=f"'{name}'")
     gpu = gpu or EnvInfo.current().gpu
     path = Path(output) if output else Path.cwd() / f"{gpu_slug(gpu)}.yaml"
     rows, skipped = _readable_rows(db_url)

@@ -2,6 +2,7 @@
 
     from flashgen.compat import flash_attn_func, flash_attn_varlen_func
 
+(also flash_attn_qkvpacked_func, flash_attn_kvpacked_func, their varlen forms, and flash_attn_with_kvcache.)
 Same arguments, (batch, seqlen, heads, head_dim) layout and semantics as flash-attn 2:
 causal masks are aligned bottom-right; ``window_size=(left, right)`` lets query i see keys
 in [i + Sk - Sq - left, i + Sk - Sq + right] (-1 = unbounded; causal sets right = 0);
@@ -19,6 +20,7 @@ import torch
 
 from .api import _static_float, attention, attention_varlen, spec_for
 from .errors import check_flag
+from .masks.pattern import MAX_EXTENT
 
 
 def _window(window_size):
@@ -32,7 +34,9 @@ def _window(window_size):
     except TypeError:
         raise ValueError(f"window_size: expected (left, right), two ints (negative: unbounded), got {window_size!r}") \
             from None
-    return max(left, -1), max(right, -1)
+    # a side past MAX_EXTENT reaches past every sequence a kernel runs: unbounded (-1), as the same side at any
+    # length past seqlen_q + seqlen_k is (flash-attn takes any int32)
+    return tuple(-1 if w < 0 or w > MAX_EXTENT else w for w in (left, right))
 
 
 def _num_splits(num_splits):
@@ -129,6 +133,47 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                 softmax_scale=softmax_scale, dropout_p=dropout_p, return_lse=True,
                                 deterministic=deterministic, mask=mask, score_mod=mods, **tensors)
     return _outputs(out, lse, None, return_attn_probs)
+
+
+def _unpacked(name, packed, dim, count):
+    """packed's `count` tensors along `dim` (views: flash-attn's packed layouts, its gradient the stacked one's)."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(packed).__name__}")
+    if packed.dim() <= dim or packed.shape[dim] != count:
+        raise ValueError(f"{name}: expected {count} tensors stacked along dim {dim}, got shape {tuple(packed.shape)}")
+    return packed.unbind(dim)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_qkvpacked_func: qkv (batch, seqlen, 3, heads, head_dim); flash_attn_func of its three."""
+    return flash_attn_func(*_unpacked("qkv", qkv, 2, 3), dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_kvpacked_func: q (batch, seqlen_q, heads, head_dim), kv (batch, seqlen_k, 2, kv_heads, head_dim)."""
+    return flash_attn_func(q, *_unpacked("kv", kv, 2, 2), dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_qkvpacked_func: qkv (total, 3, heads, head_dim), one cu_seqlens and max_seqlen for both."""
+    return flash_attn_varlen_func(*_unpacked("qkv", qkv, 1, 3), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_kvpacked_func: q (total_q, heads, head_dim), kv (total_k, 2, kv_heads, head_dim)."""
+    return flash_attn_varlen_func(q, *_unpacked("kv", kv, 1, 2), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                  deterministic, return_attn_probs)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,

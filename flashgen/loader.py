@@ -159,9 +159,14 @@ def tuned(spec: AttentionSpec, db: str | None = None, *, spec_path: str | None =
         _warn_once(("layer", str(path)), f"flashgen: skipping the shipped tuning results file {path}: "
                                          f"{err.problem}. The other files still count.")
 
+    def skip_entries(path, problems):
+        _warn_once(("layer entries", str(path)), f"flashgen: skipping {len(problems)} malformed entr"
+                                                 f"{'y' if len(problems) == 1 else 'ies'} of the shipped tuning results "
+                                                 f"file {path} (the first: {problems[0]}). Its other entries still count.")
+
     if not configs:
         try:
-            shipped = shipped_rows(spec.key, on_bad_file=skip_file)
+            shipped = shipped_rows(spec.key, on_bad_file=skip_file, on_bad_entries=skip_entries)
             rows = pick(env, shipped, kernels_of(spec))
             configs = _usable(rows, spec, env, "tuning_db", "Regenerate the file with `flashgen export`.", older)
             if configs:

@@ -505,7 +505,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
 
     def measured() -> dict[str, TrialRecord]:
         """The records of the configs this study has finished, this run's and other runs' (less the retried)."""
-        return {config_key(t.user_attrs["record"]["config"]): TrialRecord(**t.user_attrs["record"])
+        return {_trial_key(t.user_attrs["record"]["config"]): TrialRecord(**t.user_attrs["record"])
                 for t in study.get_trials(deepcopy=False)
                 if t.state.is_finished() and "record" in t.user_attrs and not retried(t)}
 
@@ -514,7 +514,7 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
         _stop_if_interrupted(options)
         point = {n: trial.suggest_categorical(n, list(c)) for n, c in space.params.items()}
         data, broken = candidate(space, base, point, default_point)
-        key = config_key(data)
+        key = _trial_key(data)
         rec = measured().get(key)
         if rec is not None:  # measured before, by this run or another: told again, not run again
             trial.set_user_attr("reused", True)
@@ -593,6 +593,17 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
     return BucketResult(bucket, phase, best, default, len(study.trials), failures, importances, name, resumed, kept,
                         len(starts), seconds=seconds, found=found)
 
+
+
+def _trial_key(config: dict) -> str:
+    """A config's key among a study's trials: of its KernelConfig's to_dict (as records store it: knobs at their
+    off value dropped), so that a suggestion equal to a measured config finds it (keyed on the suggestion's own
+    dict, with every knob, a repeated backward point was never found and a second worker was told another
+    measured it). A config KernelConfig refuses keys on its dict as given."""
+    try:
+        return config_key(KernelConfig.from_dict(config).to_dict())
+    except (ConfigError, TypeError, ValueError):
+        return config_key(config)
 
 def _record_heartbeat(study, trial) -> None:
     """Write this trial's first heartbeat now, before its knobs are suggested and it claims a config.

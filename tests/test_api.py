@@ -474,6 +474,44 @@ def test_a_malformed_window_size_is_refused_by_name(window_size):
         flash_attn_func(q, q, q, window_size=window_size)
 
 
+def test_a_window_past_every_sequence_is_unbounded():
+    # flash-attn takes any int32 window; one past 2^30 was a SpecError naming the spec's field, not window_size
+    from flashgen.compat import flash_attn_func
+
+    q, k, v = (torch.randn(1, 24, 2, 16, device=DEVICE, dtype=torch.float16) for _ in range(3))
+    for wide, unbounded in (((2**31 - 1, 0), (-1, 0)), ((3, 2**31 - 1), (3, -1)), ((2**31 - 1,) * 2, (-1, -1))):
+        assert torch.equal(flash_attn_func(q, k, v, window_size=wide), flash_attn_func(q, k, v, window_size=unbounded))
+
+
+def test_packed_compat_functions_match_their_unpacked_calls():
+    # flash-attn's qkv- and kv-packed forms (missing before): the unpacked call on views, gradients into the pack
+    from flashgen.compat import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                 flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                 flash_attn_varlen_qkvpacked_func)
+
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(2, 24, 3, 2, 16, generator=g).to(DEVICE, torch.float16).requires_grad_()
+    do = torch.randn(2, 24, 2, 16, generator=g).to(DEVICE, torch.float16)
+    got = flash_attn_qkvpacked_func(qkv, causal=True, window_size=(5, 0))
+    (dqkv,) = torch.autograd.grad(got, qkv, do)
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv.unbind(2))
+    want = flash_attn_func(q, k, v, causal=True, window_size=(5, 0))
+    assert torch.equal(got, want)
+    assert torch.equal(dqkv, torch.stack(torch.autograd.grad(want, (q, k, v), do), 2))
+    kv = qkv.detach()[:, :, 1:, :1]  # (batch, seqlen, 2, 1 KV head, dim): MQA
+    assert torch.equal(flash_attn_kvpacked_func(q, kv, softcap=5.0), flash_attn_func(q, *kv.unbind(2), softcap=5.0))
+    packed = qkv.detach().reshape(48, 3, 2, 16)
+    cu = torch.tensor([0, 20, 48], device=DEVICE, dtype=torch.int32)
+    want_v = flash_attn_varlen_func(*packed.unbind(1), cu, cu, 28, 28, causal=True)
+    assert torch.equal(flash_attn_varlen_qkvpacked_func(packed, cu, 28, causal=True), want_v)
+    assert torch.equal(flash_attn_varlen_kvpacked_func(packed[:, 0], packed[:, 1:], cu, cu, 28, 28, causal=True),
+                       want_v)
+    with pytest.raises(ValueError, match=r"^qkv: expected 3 tensors stacked along dim 2, got shape \(2, 24, 2, 16\)"):
+        flash_attn_qkvpacked_func(qkv.detach()[:, :, 0])
+    with pytest.raises(TypeError, match="^kv: expected a torch.Tensor, got list"):
+        flash_attn_kvpacked_func(q, [k, v])
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(causal="x"), "^causal: expected True or False, got 'x'"),
     (dict(softcap="x"), "^softcap: expected a number >= 0"), (dict(softcap=True), "^softcap: expected a number >= 0"),

@@ -2,6 +2,7 @@
 for every user error (bad specs, paths, options and databases) from every verb."""
 
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -273,6 +274,11 @@ BAD_PATHS = {  # verb arguments -> exit code and words of the one error line
     "tune-trials": (lambda t: ["tune", "--spec", str(SMALL_SPEC), *INTERPRET, "--trials", "100001"], 2,
                     "100001 is not in the range"),
     "import-missing": (lambda t: ["import", str(t / "nope.yaml")], 2, "does not exist"),
+    "export-empty-output": (lambda t: ["export", "-o", ""], 2, "'-o'", "got an empty one"),
+    "export-empty-gpu": (lambda t: ["export", "--gpu", " "], 2, "'--gpu'", "got an empty one"),
+    # each --interpret worker is a CPU process: --gpus 1000 forked hundreds and never finished
+    "interpret-workers": (lambda t: ["tune", "--spec", str(SMALL_SPEC), *INTERPRET, "--gpus", "100000"], 2,
+                          "--gpus 100000: with --interpret each worker is a CPU process"),
     "import-latin1": (lambda t: ["import", _write(t / "r.yaml", b"gpu: caf\xe9\n"), "--db",
                                  f"sqlite:///{t / 'x.sqlite'}"], 2, "not UTF-8"),
 }
@@ -289,6 +295,45 @@ def test_export_onto_an_unwritable_path(tmp_path, sound_database):
     result = CliRunner().invoke(main, ["export", "--gpu", "triton-interpreter", "-o", str(tmp_path / "f" / "o.yaml"),
                                        "--db", f"sqlite:///{sound_database / 'sound.sqlite'}"])
     _one_error(result, 1, "cannot write", "is not a directory")
+
+
+def test_output_through_a_link_or_onto_a_device_keeps_them(tmp_path):
+    # -o replaced what it named with a regular file (os.replace of a temporary): a symlink lost its link, and as
+    # root /dev/null became a file of Triton source. The link's file is written, a device or pipe written through.
+    real = tmp_path / "real.py"
+    real.write_text("old")
+    (tmp_path / "link.py").symlink_to(real)
+    result = CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--target", "cpu",
+                                       "-o", str(tmp_path / "link.py")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "link.py").is_symlink() and "def _attn_fwd" in real.read_text()
+    device = tmp_path / "null"
+    try:
+        os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null's numbers
+    except (PermissionError, OSError):
+        pytest.skip("no permission to make a device node here (the link case ran)")
+    result = CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--target", "cpu", "-o", str(device)])
+    assert result.exit_code == 0, result.output
+    assert stat.S_ISCHR(os.stat(device).st_mode)
+
+
+def test_a_database_lock_under_optuna_is_one_line(monkeypatch, tmp_path):
+    # a lock held past SQLite's timeout mid-tune reached the user as Optuna's StorageInternalError traceback
+    import optuna
+    from sqlalchemy.exc import OperationalError
+
+    from flashgen import cli
+
+    def locked(*args, **kwargs):
+        try:
+            raise OperationalError("COMMIT", {}, Exception("database is locked"))
+        except OperationalError as err:
+            raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from err
+
+    monkeypatch.setattr(cli, "render", locked)
+    result = CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--target", "cpu",
+                                       "-o", str(tmp_path / "k.py")])
+    _one_error(result, 1, "database is locked")
 
 
 def test_export_never_replaces_the_database(tmp_path, sound_database):

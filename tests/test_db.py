@@ -310,6 +310,27 @@ def test_locked_database_never_raises(tmp_path, fresh_warnings):
         conn.close()
 
 
+def test_a_malformed_shipped_entry_costs_only_itself(tmp_path, monkeypatch, fresh_warnings):
+    # one bad entry made flashgen.load skip the whole file: every good entry of that GPU lost with it
+    import yaml
+
+    src = ResultStore(f"sqlite:///{tmp_path / 'src.sqlite'}")
+    src.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=32), 1.0, 1.0)
+    layer = tmp_path / "tuning_db"
+    layer_mod.export_rows(src.all_best(), layer / "interp.yaml", env().gpu)
+    doc = yaml.safe_load((layer / "interp.yaml").read_text())
+    doc["results"].insert(0, dict(doc["results"][0], ms=-1.0, bucket=4096))  # a negative time: malformed
+    (layer / "interp.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(layer_mod.ResultFileError, match="results entry 0"):
+        layer_mod.read_file(layer / "interp.yaml")  # (import and recheck stay strict)
+    monkeypatch.setattr(layer_mod, "layer_dir", lambda: layer)
+    here = env()
+    monkeypatch.setattr(EnvInfo, "current", classmethod(lambda cls, interpret=False: here))
+    with pytest.warns(flashgen.FlashgenFallbackWarning, match="skipping 1 malformed entry of the shipped .*entry 0"):
+        configs, source = lookup(SPEC, f"sqlite:///{tmp_path / 'empty.sqlite'}")
+    assert source == "tuning_db" and configs[1024].BLOCK_M == 32
+
+
 def test_shipped_layer_is_read_below_the_user_database(tmp_path, monkeypatch, fresh_warnings):
     src = ResultStore(f"sqlite:///{tmp_path / 'src.sqlite'}")
     src.set_best(env(), SPEC, 1024, "fwd", dict(CFG, BLOCK_M=32), 1.0, 1.0)

@@ -1215,3 +1215,19 @@ def test_a_run_with_a_longer_timeout_measures_again_what_timed_out_under_a_short
     assert sum(r["status"] == "ok" for r in records) >= 3
     (third,) = tune(spec, Slow(ms), store, TuneOptions(trials=3, sampler="grid", timeout_s=120.0))
     assert third.resumed == 3  # what the second run measured is resumed as before
+
+
+def test_a_suggestion_finds_the_measured_record_of_its_config():
+    # records store KernelConfig.to_dict (knobs at their off value dropped) and suggestions are whole dicts: keyed
+    # each on its own, a repeated backward point was never "reused" (and a second worker was told another one
+    # measured it)
+    import dataclasses
+
+    from flashgen.tuner import _trial_key
+
+    config = flashgen.default_config(AttentionSpec(head_dim=32, num_heads=2, causal=True), "h100", 4096)
+    whole = dataclasses.asdict(config)
+    assert whole != config.to_dict()  # (some knob sits at its off value and is dropped)
+    assert _trial_key(whole) == _trial_key(config.to_dict())
+    assert _trial_key(whole) != _trial_key(config.replace(BLOCK_N1=16 if config.BLOCK_N1 != 16 else 32).to_dict())
+    assert _trial_key({"BLOCK_M": "x"}) == _trial_key({"BLOCK_M": "x"})  # (refused configs: keyed as given)

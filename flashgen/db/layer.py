@@ -89,9 +89,10 @@ def _sig(x: float | None) -> float | None:
 _ENTRY_KEYS = ("spec", "spec_key", "bucket", "phase", "config", "ms", "tflops", "environment", "canonical")
 
 
-def read_file(path: Path) -> list[dict]:
+def read_file(path: Path, skipped: list[str] | None = None) -> list[dict]:
     """Rows of one exported file, in the store's row format; ResultFileError when the file or
-    any entry in it is malformed."""
+    any entry in it is malformed, or, given a list `skipped`, a malformed entry is left out and
+    said there (what a reader of the shipped layer wants: one bad entry costs only itself)."""
     try:
         doc = read_yaml(path, max_bytes=MAX_FILE_BYTES, max_values=MAX_FILE_VALUES)
     except YamlFileError as err:
@@ -109,6 +110,9 @@ def read_file(path: Path) -> list[dict]:
     for i, e in enumerate(entries):
         where = f"results entry {i}"
         if not isinstance(e, dict) or any(k not in e for k in _ENTRY_KEYS):
+            if skipped is not None:
+                skipped.append(f"{where}: expected a mapping with keys {', '.join(_ENTRY_KEYS)}")
+                continue
             raise ResultFileError(path, f"{where}: expected a mapping with keys {', '.join(_ENTRY_KEYS)}")
         row = dict(environment=e["environment"], spec_key=e["spec_key"], spec_uri=e["spec"], spec=e["canonical"],
                    bucket=e["bucket"], phase=e["phase"], config=e["config"], ms=e["ms"], tflops=e["tflops"],
@@ -117,21 +121,29 @@ def read_file(path: Path) -> list[dict]:
         try:
             check_row(row)
         except ResultRowError as err:
+            if skipped is not None:
+                skipped.append(f"{where} ({e.get('spec')}): {err}")
+                continue
             raise ResultFileError(path, f"{where} ({e.get('spec')}): {err}") from None
         rows.append(row)
     return rows
 
 
-def shipped_rows(spec_key: str, on_bad_file: Callable[[Path, ResultFileError], None] | None = None) -> list[dict]:
+def shipped_rows(spec_key: str, on_bad_file: Callable[[Path, ResultFileError], None] | None = None,
+                 on_bad_entries: Callable[[Path, list[str]], None] | None = None) -> list[dict]:
     """Every row of tuning_db/ for this spec, from every file that can be read (a file that
-    cannot is skipped, and passed to on_bad_file)."""
+    cannot is skipped, and passed to on_bad_file; a malformed entry is skipped alone, and a
+    file's list of them passed to on_bad_entries)."""
     rows = []
     for path in sorted(layer_dir().glob("*.yaml")):
+        skipped = []
         try:
-            rows += [row for row in read_file(path) if row["spec_key"] == spec_key]
+            rows += [row for row in read_file(path, skipped) if row["spec_key"] == spec_key]
         except ResultFileError as err:
             if on_bad_file is not None:
                 on_bad_file(path, err)
+        if skipped and on_bad_entries is not None:
+            on_bad_entries(path, skipped)
     return rows
 
 
