@@ -469,6 +469,11 @@ BAD_ENTRIES = {  # what a careless edit (or a hostile file) writes -> the field 
     "ms-nan": (("ms",), float("nan"), "ms"),
     "tflops-none": (("tflops",), None, "tflops"),
     "env-field": (("environment", "sm_count"), "many", "environment.sm_count"),
+    # (accepted before session 52's review: a negative count, a GPU name that printed over two lines in `show`,
+    # a time that beat every real result of its bucket)
+    "env-negative": (("environment", "sm_count"), -1, "environment.sm_count"),
+    "env-newline": (("environment", "gpu"), "NVIDIA H100\nfake", "environment.gpu"),
+    "ms-tiny": (("ms",), 1e-300, "ms"),
 }
 
 
@@ -481,6 +486,20 @@ def _spoil(path, keys, value):
         target = target[key]
     target[keys[-1]] = value
     path.write_text(yaml.safe_dump(doc))
+
+
+def test_unknown_fields_in_a_results_file_are_refused(tmp_path):
+    import yaml
+
+    path = _exported(tmp_path)
+    doc = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump(dict(doc, foo=1)))
+    with pytest.raises(layer_mod.ResultFileError, match="unknown field 'foo'"):
+        layer_mod.read_file(path)
+    doc["results"][0]["speed"] = "fast"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(layer_mod.ResultFileError, match="results entry 0: unknown field 'speed'"):
+        layer_mod.read_file(path)
 
 
 @pytest.mark.parametrize("case", list(BAD_ENTRIES))

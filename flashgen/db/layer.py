@@ -87,6 +87,7 @@ def _sig(x: float | None) -> float | None:
 
 
 _ENTRY_KEYS = ("spec", "spec_key", "bucket", "phase", "config", "ms", "tflops", "environment", "canonical")
+_OPTIONAL_KEYS = ("default_ms", "kernel", "default_kernel")
 
 
 def read_file(path: Path, skipped: list[str] | None = None) -> list[dict]:
@@ -101,6 +102,9 @@ def read_file(path: Path, skipped: list[str] | None = None) -> list[dict]:
         doc = {}
     if not isinstance(doc, dict):
         raise ResultFileError(path, "expected a mapping with keys schema, gpu, results")
+    unknown = sorted(set(doc) - {"schema", "gpu", "results"}, key=str)
+    if unknown:
+        raise ResultFileError(path, f"unknown field {unknown[0]!r} (a file has schema, gpu, results)")
     if doc.get("schema") != FILE_FORMAT:
         raise ResultFileError(path, f"schema {doc.get('schema')!r}, this flashgen reads {FILE_FORMAT}")
     entries = doc.get("results") or []
@@ -109,11 +113,16 @@ def read_file(path: Path, skipped: list[str] | None = None) -> list[dict]:
     rows = []
     for i, e in enumerate(entries):
         where = f"results entry {i}"
+        problem = None
         if not isinstance(e, dict) or any(k not in e for k in _ENTRY_KEYS):
+            problem = f"{where}: expected a mapping with keys {', '.join(_ENTRY_KEYS)}"
+        elif unknown := sorted(set(e) - set(_ENTRY_KEYS) - set(_OPTIONAL_KEYS), key=str):
+            problem = f"{where}: unknown field {unknown[0]!r}"
+        if problem is not None:
             if skipped is not None:
-                skipped.append(f"{where}: expected a mapping with keys {', '.join(_ENTRY_KEYS)}")
+                skipped.append(problem)
                 continue
-            raise ResultFileError(path, f"{where}: expected a mapping with keys {', '.join(_ENTRY_KEYS)}")
+            raise ResultFileError(path, problem)
         row = dict(environment=e["environment"], spec_key=e["spec_key"], spec_uri=e["spec"], spec=e["canonical"],
                    bucket=e["bucket"], phase=e["phase"], config=e["config"], ms=e["ms"], tflops=e["tflops"],
                    default_ms=e.get("default_ms"), kernel=e.get("kernel"),

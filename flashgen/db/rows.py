@@ -23,6 +23,7 @@ ENVIRONMENT_FIELDS = {"gpu": str, "capability": str, "sm_count": int, "memory_gi
                       "triton": str, "cuda": str, "flashgen": str, "templates": str}
 KERNEL_HASH = re.compile(r"[0-9a-f]{16}")  # flashgen.codegen.render.kernel_hash, flashgen.db.kernels.default_kernel
 MAX_TEXT = 256  # the longest spec uri / environment string the schema stores
+MIN_MS = 1e-4  # the shortest time a result may hold: 0.1 us, below any kernel launch
 
 
 class ResultRowError(ValueError):
@@ -42,8 +43,9 @@ def _number(field: str, value: Any, *, positive: bool) -> None:
 
 
 def _text(field: str, value: Any) -> None:
-    if not isinstance(value, str) or not value or len(value) > MAX_TEXT:
-        raise ResultRowError(field, f"expected a non-empty string of at most {MAX_TEXT} characters", value)
+    if not isinstance(value, str) or not value or len(value) > MAX_TEXT or not value.isprintable():
+        raise ResultRowError(field, f"expected a non-empty printable string of at most {MAX_TEXT} characters",
+                             value)
 
 
 def check_bucket(value: Any) -> int:
@@ -77,6 +79,8 @@ def check_best(row: Mapping) -> None:
                              row.get("phase"))
     check_config(row.get("config"), config_type=DecodeConfig if decode else KernelConfig)
     _number("ms", row.get("ms"), positive=True)
+    if row["ms"] < MIN_MS:  # (no launch completes this fast: such a time would beat every real one of its bucket)
+        raise ResultRowError("ms", f"expected a time of at least {MIN_MS} ms", row["ms"])
     _number("tflops", row.get("tflops"), positive=False)
     if row.get("default_ms") is not None:
         _number("default_ms", row["default_ms"], positive=True)
@@ -110,6 +114,8 @@ def check_environment(env: Any, prefix: str = "environment.") -> None:
             raise ResultRowError(f"{prefix}{name}", f"expected {'a string' if kind is str else 'a number'}", value)
         if kind is str:
             _text(f"{prefix}{name}", value)
+        elif not math.isfinite(value) or value < 0:  # sm_count, memory_gib (0 under the interpreter)
+            raise ResultRowError(f"{prefix}{name}", "expected a finite number >= 0", value)
 
 
 def check_canonical(value: Any) -> None:
