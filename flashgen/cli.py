@@ -1107,6 +1107,8 @@ def db_upgrade(db_url):
     except SchemaVersionError as err:
         if err.found is None:
             raise
+        if err.found < 0:  # not a number: the error quotes the stored value (this said "from schema version -1")
+            raise click.ClickException(_one_line(click.get_current_context(), str(err))) from None
         if err.found > SCHEMA_VERSION:
             raise click.ClickException(f"{err.url} is at schema version {err.found}, newer than this flashgen's "
                                        f"{SCHEMA_VERSION}: upgrade flashgen instead") from None

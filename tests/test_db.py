@@ -681,7 +681,8 @@ def test_db_upgrade_creates_missing_tables_and_refuses_other_versions(tmp_path):
     result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
     assert result.exit_code == 0 and "at schema version 5" in result.output
     assert store.missing_tables() == []
-    for version, words in (("99", "newer than this flashgen's 5"), ("0", "no migration from schema version 0")):
+    for version, words in (("99", "newer than this flashgen's 5"), ("0", "no migration from schema version 0"),
+                           ("abc", "is at flashgen schema version abc")):  # (it said "from schema version -1")
         with store.engine.begin() as conn:
             conn.execute(text(f"UPDATE flashgen_meta SET value = '{version}' WHERE key = 'schema_version'"))
         result = CliRunner().invoke(main, ["db", "upgrade", "--db", url])
