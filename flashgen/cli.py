@@ -44,13 +44,8 @@ class _Cli(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (*_INPUT_ERRORS, DatabaseError, SQLAlchemyError, OSError) as err:
+        except Exception as err:  # (_said picks the user's errors; Optuna's by name: optuna is not imported here)
             said = _said(ctx, err)
-            if said is None:
-                raise
-            raise said from None
-        except Exception as err:  # Optuna's StorageInternalError over the database's own (optuna not imported here)
-            said = _said(ctx, err) if _storage_error(err) else None
             if said is None:
                 raise
             raise said from None

@@ -594,7 +594,6 @@ def _tune_phase(spec, runner, store, options, bucket, phase, base, work, space: 
                         len(starts), seconds=seconds, found=found)
 
 
-
 def _trial_key(config: dict) -> str:
     """A config's key among a study's trials: of its KernelConfig's to_dict (as records store it: knobs at their
     off value dropped), so that a suggestion equal to a measured config finds it (keyed on the suggestion's own
@@ -604,6 +603,7 @@ def _trial_key(config: dict) -> str:
         return config_key(KernelConfig.from_dict(config).to_dict())
     except (ConfigError, TypeError, ValueError):
         return config_key(config)
+
 
 def _record_heartbeat(study, trial) -> None:
     """Write this trial's first heartbeat now, before its knobs are suggested and it claims a config.

@@ -113,28 +113,26 @@ def read_file(path: Path, skipped: list[str] | None = None) -> list[dict]:
     rows = []
     for i, e in enumerate(entries):
         where = f"results entry {i}"
-        problem = None
+        problem = row = None
         if not isinstance(e, dict) or any(k not in e for k in _ENTRY_KEYS):
             problem = f"{where}: expected a mapping with keys {', '.join(_ENTRY_KEYS)}"
         elif unknown := sorted(set(e) - set(_ENTRY_KEYS) - set(_OPTIONAL_KEYS), key=str):
             problem = f"{where}: unknown field {unknown[0]!r}"
-        if problem is not None:
-            if skipped is not None:
-                skipped.append(problem)
-                continue
+        else:
+            row = dict(environment=e["environment"], spec_key=e["spec_key"], spec_uri=e["spec"], spec=e["canonical"],
+                       bucket=e["bucket"], phase=e["phase"], config=e["config"], ms=e["ms"], tflops=e["tflops"],
+                       default_ms=e.get("default_ms"), kernel=e.get("kernel"),
+                       default_kernel=e.get("default_kernel"))
+            try:
+                check_row(row)
+            except ResultRowError as err:
+                problem = f"{where} ({e.get('spec')}): {err}"
+        if problem is None:
+            rows.append(row)
+        elif skipped is not None:
+            skipped.append(problem)
+        else:
             raise ResultFileError(path, problem)
-        row = dict(environment=e["environment"], spec_key=e["spec_key"], spec_uri=e["spec"], spec=e["canonical"],
-                   bucket=e["bucket"], phase=e["phase"], config=e["config"], ms=e["ms"], tflops=e["tflops"],
-                   default_ms=e.get("default_ms"), kernel=e.get("kernel"),
-                   default_kernel=e.get("default_kernel"))
-        try:
-            check_row(row)
-        except ResultRowError as err:
-            if skipped is not None:
-                skipped.append(f"{where} ({e.get('spec')}): {err}")
-                continue
-            raise ResultFileError(path, f"{where} ({e.get('spec')}): {err}") from None
-        rows.append(row)
     return rows
 
 
