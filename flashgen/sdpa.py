@@ -21,7 +21,9 @@ How the SDPA arguments map onto flashgen (one spec per distinct combination, com
   without it, head counts broadcast as SDPA's math does (equal, or 1).
 * Leading dims: any number, broadcast between query, key and value as in SDPA, flattened into
   flashgen's batch (a view unless they broadcast). A 2-d (L, E) query has one head.
-* A query row whose keys are all masked outputs 0 with zero gradients, as torch's SDPA does.
+* A query row whose keys are all masked outputs 0 with zero gradients, as torch's SDPA does; with a float
+  mask that includes a row whose every score is below -65536 (a fill of -1e9 or float32's min, where torch's
+  float32 math averages V): flashgen's LSE could not hold such a row's scale (common/tiles.j2's _finalize).
 """
 
 from __future__ import annotations

@@ -1233,6 +1233,23 @@ def test_decode_checks_named_tensors_of_query_rows_on_the_host(device):
         flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=torch.randn(2).to(device), check="sync")
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_rows_below_the_score_floor_count_as_masked(device, num_splits):
+    # As the prefill kernels (test_sdpa): a row whose every key an additive bias puts below -65536 gives 0 and LSE
+    # -inf, split or not; a row with keys above it is the reference, whichever splits hold its masked keys.
+    spec, gen, q, k_cache, v_cache, lengths = _named_tensor_case("score + bias[b, kv_idx]", 4, 1, device)
+    bias = torch.randn(2, 20, generator=gen).to(device)
+    bias[0] = -1e9  # element 0: every key
+    bias[1, :11] = -1e9  # element 1: its first 11 keys
+    out, lse = flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, num_splits=num_splits, return_lse=True,
+                               check="sync")
+    assert not out[0].any() and (lse[0] == float("-inf")).all()
+    ref = reference_attention(q[1:], k_cache[1:, :20], v_cache[1:, :20], causal=True, layout="bshd",
+                              compute_dtype=torch.float32, score_mod="score + bias[b, kv_idx]",
+                              tensors={"bias": bias[1:]})[0]
+    assert (out[1:].float() - ref).abs().max().item() < 2e-3
+
+
 def _named_tensor_case(expr, seed, seqlen_q, device):
     """A causal fp16 decode spec with score modifier expr (2 query heads over 1 KV head, hd16), and a call's
     inputs: seqlen_q new rows of 2 elements over a 32-slot cache holding 12 and 20 keys."""

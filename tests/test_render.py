@@ -228,6 +228,11 @@ def test_structure_follows_the_spec():
     assert "def _attn_fwd(" in full and "_attn_fwd_kv_outer" not in full
     assert "def _attn_fwd_kv_outer(" in kv and "def _attn_fwd(" not in kv
     assert "def _keep(" not in full and "def _keep(" in render(spec.replace(dropout_p=0.1), KernelConfig())
+    # the score floor (common/tiles.j2's _finalize) only where the modifier reads a value per key from a tensor
+    floored = [name for name, mod in (("bias", "score + bias[q_idx, kv_idx]"), ("softcap", {"softcap": 30.0}),
+                                      ("slopes", {"alibi": {"slopes": "slopes"}}), ("per-key", "score * w[kv_idx]"))
+               if "-65536.0" in render(spec.replace(score_mod=mod), KernelConfig())]
+    assert floored == ["bias", "per-key"]
 
 
 def _templates():

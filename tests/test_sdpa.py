@@ -315,41 +315,57 @@ def test_checks_kept_per_metadata_still_refuse_other_inputs():
             flashgen.scaled_dot_product_attention(*args)
 
 
-# Known and open (session 52's review): a row whose every key is masked by a huge finite value. At -1e9 the float32
-# LSE rounds by up to 2^6 in base 2, so the backward's P is off by up to 2^64 (the forward is right; torch's GPU
-# efficient backend, same float32 LSE, is off by the row's key count); at float32's min the scores overflow to -inf
-# when scaled by log2(e), and the row gives 0 where torch's math gives the average of V (its efficient backend gives
-# 0 too). A floor on every modified score fixed both and cost softcap kernels 16-20% on the H200
-# (benchmarks/results/2026-12-01-h200-masks-s52-score-floor.md): not landed. Strict xfails: they fail once fixed.
-_HUGE_ROW_OPEN = pytest.mark.xfail(strict=True, reason="a row masked whole by -1e9 or float32's min: see above")
-
-
-@pytest.mark.parametrize("fill, dtype", [pytest.param(-1e9, torch.float32, marks=_HUGE_ROW_OPEN),
-                                         pytest.param(torch.finfo(torch.float32).min, torch.float32,
-                                                      marks=_HUGE_ROW_OPEN),
+@pytest.mark.parametrize("fill, dtype", [(-1e9, torch.float32), (torch.finfo(torch.float32).min, torch.float32),
                                          (float("-inf"), torch.float32), (-2e4, torch.float32),
                                          (torch.finfo(torch.float16).min, torch.float16)])
-def test_rows_masked_by_huge_finite_values_match_torch(device, fill, dtype):
-    # Rows wholly masked (row 3) or partly (row 5) by fill: -inf and a partly masked row, and -2e4 or float16's min
-    # over a whole row, keep their scores as torch's float32 math does.
-    g = torch.Generator().manual_seed(zlib.crc32(repr((fill, dtype)).encode()))
-    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(device=device, dtype=dtype).requires_grad_() for n in (8, 16, 16))
-    mask = torch.randn(8, 16, generator=g).to(device=device, dtype=dtype)
+@pytest.mark.parametrize("keys", [16, 37])
+def test_rows_masked_by_huge_fills_match_torch(device, fill, dtype, keys):
+    # Rows wholly masked (row 3) or partly (row 5) by fill. A partly masked row, and -2e4 or float16's min over a
+    # whole row, keep their scores as torch's float32 math does. A row wholly below -65536 (-1e9, float32's min,
+    # -inf) counts as masked: 0 and no gradient, where torch's math averages V at -1e9 (its float32 rounding) and
+    # gives NaN at -inf. (Before, -1e9 gave gradients from a float32 LSE that had lost the row's scale: 2^64 off.)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((fill, dtype, keys)).encode()))
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(device=device, dtype=dtype).requires_grad_()
+               for n in (8, keys, keys))
+    mask = torch.randn(8, keys, generator=g).to(device=device, dtype=dtype)
     mask[3] = fill
     mask[5, :6] = fill
     mask.requires_grad_()
     do = torch.randn(1, 2, 8, 16, generator=g).to(device=device, dtype=dtype)
     got = flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     grads = torch.autograd.grad(got, (q, k, v, mask), do)
-    # (torch's float32 math: -1e9 + a score is -1e9 there, so the row is uniform; in float64 it is not)
     ref_in = [t.detach().float().requires_grad_() for t in (q, k, v, mask)]
+    masked = fill < -65536
+    if masked:  # the reference: row 3 given every key (any finite fill), its output 0 and its gradient none
+        ref_in[3].data[3] = 0.0
+        do = do.clone()
+        do[:, :, 3] = 0.0
     with sdpa_kernel(SDPBackend.MATH):
         want = F.scaled_dot_product_attention(*ref_in[:3], attn_mask=ref_in[3])
     want_grads = torch.autograd.grad(want, ref_in, do.float())
+    if masked:
+        want = want.detach().clone()
+        want[:, :, 3] = 0.0
+        want_grads[3][3] = 0.0
     tol = 2e-3 if dtype == torch.float32 else 2e-2
     assert (got.float() - want).abs().max().item() < tol
     for name, a, b in zip(("dq", "dk", "dv", "d(attn_mask)"), grads, want_grads):
         assert (a.float() - b).abs().max().item() < tol * max(1.0, b.abs().max().item()), name
+
+
+def test_rows_below_the_score_floor_count_as_masked(device):
+    # The documented departure: a row whose every score is below -65536 after an additive mask (a fill of -2e5,
+    # which torch's float32 math still resolves) gives 0, as a row with no visible key; a row with one key above the
+    # floor is torch's. Outside additive masks (a softcap, ALiBi's slopes) nothing is floored (test_render).
+    g = torch.Generator().manual_seed(53)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g).to(device) for n in (4, 24, 24))
+    mask = torch.randn(4, 24, generator=g).to(device) - 2e5
+    mask[1, 5] = -65000.0
+    out, lse = flashgen.attention(q, k, v, score_mod="score + bias[q_idx, kv_idx]", bias=mask, return_lse=True)
+    assert not out[:, :, [0, 2, 3]].any() and (lse[:, :, [0, 2, 3]] == float("-inf")).all()
+    want = F.scaled_dot_product_attention(q[:, :, 1:2], k, v, attn_mask=mask[1:2])
+    torch.testing.assert_close(out[:, :, 1:2], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flashgen.scaled_dot_product_attention(q, k, v, attn_mask=mask), out)
 
 
 @pytest.mark.parametrize("lq, lk", [(0, 8), (8, 0)])

@@ -46,6 +46,12 @@ class KernelPlan:
         self.tensors = list(lowered.tensors)
         self.grad_tensors = list(lowered.grad_tensors)
         self.integer_tensors = [t.name for t in self.tensors if t.integer]
+        # whether the modified score reads a value per key from a tensor, as an additive mask does (SDPA's float
+        # attn_mask, transformers' masks): _finalize (common/tiles.j2) then counts a row whose every score is below
+        # SCORE_FLOOR as fully masked, where a fill of -1e9 left the float32 LSE without the row's scale
+        self.additive_mask = self.score_ir is not None and any(
+            isinstance(n, Load) and n.tensor not in self.integer_tensors and any(reads_var(i, "kv_idx") for i in n.index)
+            for n in walk(self.score_ir))
         self.same_seqlen = lowered.same_seqlen
         # which block-map dimensions the mask varies over: b read by the expression, or by a search of a sorted
         # tensor, which reads row b (a tensor it indexes without b, an (L, S) mask, is one map for the batch)
