@@ -84,6 +84,26 @@ def test_rows_that_see_no_key_get_zero_gradient(device):
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
 
 
+@pytest.mark.parametrize("knobs", [{}, {"bwd_short": False, "dq_strategy": "separate"},
+                                   {"bwd_short": False, "dq_strategy": "atomic"}], ids=["default", "separate", "atomic"])
+def test_a_modifier_past_exp_range_on_padding_rows_keeps_gradients_finite(device, knobs):
+    # Rows past seqlen_q in the last query block load Q = 0: a modifier that takes their score past exp's range
+    # (+100 from a tensor) made P inf there, and inf * dO's 0 NaN dK/dV (a review's catch). A constant shift leaves
+    # softmax, so outputs and gradients are plain attention's.
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen).to(device).requires_grad_() for n in (12, 40, 40))
+    do = torch.randn(1, 2, 12, 16, generator=gen).to(device)
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, score_mod="score + shift[kv_idx]", backward=True)
+    kernel = flashgen.compile(spec, KernelConfig(BLOCK_M=16, BLOCK_N=16, BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16,
+                                                 BLOCK_N2=16, num_stages=1, bwd_num_stages=1, **knobs))
+    out = kernel(q, k, v, shift=torch.full((40,), 100.0, device=device))
+    got = torch.autograd.grad(out, (q, k, v), do)
+    want = torch.autograd.grad(flashgen.attention(q, k, v), (q, k, v), do)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_deterministic_flag_overrides_atomic(device):
     # deterministic=True must use the separate dQ kernel even when the config says atomic:
     # the same inputs then give bitwise-equal gradients.

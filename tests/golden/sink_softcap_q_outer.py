@@ -474,7 +474,7 @@ def _bwd_kv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, seed, row0, start_m, offs_
     else:
         qT = tl.load(Q + offs_d[:, None] * stride_qd + _wide(offs_m, WIDE_ROWS)[None, :] * stride_qm,
                      mask=(offs_d[:, None] < HEAD_DIM) & row_ok[None, :], other=0.0)
-    lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + offs_m, mask=row_ok, other=float("-inf"))
     # LSE in base 2; a row that saw no key has LSE -inf and P = 0: subtract +inf instead.
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * RCP_LN2)
     score = tl.dot(k, qT, input_precision=DOT_PRECISION) * sm_scale
@@ -709,7 +709,7 @@ def _attn_bwd_dq(
                 mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     do = tl.load(DO + _wide(offs_m, WIDE_ROWS)[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
                  mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-    lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + row0 + offs_m, mask=row_ok, other=float("-inf"))
     # LSE in base 2; a row that saw no key has LSE -inf and P = 0: subtract +inf instead.
     lse_log2 = tl.where(lse == float("-inf"), float("inf"), lse * RCP_LN2)
     delta = tl.load(DELTA + row0 + offs_m, mask=row_ok, other=0.0)
