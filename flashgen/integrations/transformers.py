@@ -17,7 +17,9 @@ What each call does, following transformers' own flash-attention path (``_flash_
   attention the 2-d (batch, keys) padding mask (or None when nothing is padded) with its packing
   (kept tokens, cu_seqlens, longest row) worked out once per forward, and each layer packs the
   real tokens with it, runs varlen, and scatters the output back (padded query rows are 0). No
-  (B, H, L, S) mask is built. Queries are the last L keys' rows (left padding, as transformers
+  (B, H, L, S) mask is built. A window over a row with padding between its tokens (a right-padded
+  prompt, then generated tokens) runs unpacked instead, the padding a mask over keys, so that the
+  window counts positions as transformers' does (packed, those tokens are closer than they are). Queries are the last L keys' rows (left padding, as transformers
   assumes), except one query per row in decode. ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` kwargs (padding-free training) and packed ``position_ids`` (batch 1,
   positions restarting) also take the varlen path.
@@ -171,10 +173,16 @@ def _with_sink_rows(k, v, cu_seqlens=None):
 
 
 def _packing(keep):
-    """(indices of kept tokens, int32 cu_seqlens, max length) of a (batch, seq) bool mask."""
+    """(indices of kept tokens, int32 cu_seqlens, max length, whether each row's kept tokens are one run) of a
+    (batch, seq) bool mask. A row with padding between its tokens (a right-padded prompt, then generated tokens)
+    packs tokens that are further apart in positions than in the pack: a sliding window then needs positions."""
     lengths = keep.sum(dim=1, dtype=torch.int32)
     cu = torch.nn.functional.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    return keep.flatten().nonzero().squeeze(1), cu, int(lengths.max())
+    seq = keep.shape[1]
+    first, last = keep.int().argmax(1), seq - 1 - keep.flip(1).int().argmax(1)
+    gaps = ((last - first + 1) != lengths) & (lengths > 0)
+    longest, gapped = torch.stack([lengths.max(), gaps.any().to(lengths.dtype)]).tolist()  # (one wait)
+    return keep.flatten().nonzero().squeeze(1), cu, longest, not gapped
 
 
 def _packed_positions(position_ids, batch, seqlen):
@@ -257,9 +265,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         return attention(query, key, value, layout="bhsd", **kw).transpose(1, 2), None
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, L, H, D) views: flashgen's bshd
 
-    if attention_mask is not None:  # padded batch: pack the real tokens, run varlen, scatter back
-        # the mask hook's packing (padding_mask), else this layer's
-        idx_k, cu_k, max_k = getattr(attention_mask, "_flashgen_packing", None) or _packing(attention_mask.bool())
+    packing = None
+    if attention_mask is not None:  # the mask hook's packing (padding_mask), else this layer's
+        packing = getattr(attention_mask, "_flashgen_packing", None) or _packing(attention_mask.bool())
+    if packing is not None and mask is not None and not packing[3]:
+        # a window (or a sink's window) over rows with padding between their tokens: positions, not the pack's
+        # indices, bound it, so the padding masks keys in place (as under torch.compile) and nothing is packed
+        kw.update(mask=_traced_masks(mask, attention_mask, None, batch, seqlen_q, seqlen_k, s_aux is not None, tensors),
+                  **tensors)
+        if s_aux is not None:
+            k, v, _ = _with_sink_rows(k, v)
+        return attention(q, k, v, layout="bshd", **kw), None
+    if packing is not None:  # padded batch: pack the real tokens, run varlen, scatter back
+        idx_k, cu_k, max_k, _ = packing
         if not causal and mask is None:  # bidirectional, no positional mask: every query is real
             # (cross-attention's queries are another sequence, the decoder's, which the encoder's padding says
             # nothing of; an encoder's padded query rows attend the real keys, as with SDPA's mask)
@@ -272,7 +290,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             idx_q = torch.arange(batch, device=q.device)
             cu_q, max_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32), 1
         else:  # the new tokens are the last seqlen_q keys (left padding)
-            idx_q, cu_q, max_q = _packing(attention_mask[:, -seqlen_q:].bool())
+            idx_q, cu_q, max_q, _ = _packing(attention_mask[:, -seqlen_q:].bool())
         flat = lambda t: t.reshape(-1, *t.shape[2:])  # noqa: E731
         q_p = flat(q) if idx_q is None else flat(q).index_select(0, idx_q)
         out = _varlen(q_p, flat(k).index_select(0, idx_k), flat(v).index_select(0, idx_k), cu_q, cu_k, max_q, max_k,
