@@ -258,6 +258,23 @@ def test_packed_sequences_by_position_ids():
     out = _logits(model, NAME, torch.float32, ids, position_ids=positions)
     _assert_close(out[0, :12], _logits(model, "sdpa", torch.float64, ids[:, :12])[0], name="first")
     _assert_close(out[0, 12:], _logits(model, "sdpa", torch.float64, ids[:, 12:])[0], name="second")
+    # a row that begins with a document's tail (positions 5, 6, 7): documents start wherever a step is not +1, as
+    # transformers splits them (split at the minimum, the offsets began at 3: an error naming cu_seqlens_q)
+    positions = torch.tensor([[5, 6, 7, *range(9), *range(8)]])
+    out = _logits(model, NAME, torch.float32, ids, position_ids=positions, use_cache=False)
+    _assert_close(out, _logits(model, "sdpa", torch.float64, ids, position_ids=positions, use_cache=False))
+
+
+@pytest.mark.interpreter
+def test_output_attentions_warns_that_no_weights_come_back():
+    from flashgen.integrations import transformers as integration
+
+    model = _model("llama")
+    integration._warned.clear()
+    with pytest.warns(UserWarning, match="^output_attentions: flashgen's transformers attention returns no"):
+        model.set_attn_implementation(NAME)
+        out = model(torch.randint(0, VOCAB, (1, 6)), output_attentions=True)
+    assert not out.attentions
 
 
 @pytest.mark.interpreter

@@ -22,7 +22,9 @@ What each call does, following transformers' own flash-attention path (``_flash_
   window counts positions as transformers' does (packed, those tokens are closer than they are). Queries are the last L keys' rows (left padding, as transformers
   assumes), except one query per row in decode. ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` kwargs (padding-free training) and packed ``position_ids`` (batch 1,
-  positions restarting) also take the varlen path.
+  positions restarting: a document at every step that is not +1) also take the varlen path, with a
+  KV cache present too, as transformers' flash-attention path (its SDPA path splits documents only
+  without a cache).
 * ``sliding_window`` (the key q - sliding_window < kv <= q) is the ``sliding_window`` pattern
   with left = sliding_window - 1; ``softcap`` the ``softcap`` score modifier; ``scaling`` the
   softmax scale; ``dropout`` flashgen's fused dropout; GQA is native (K/V never repeated).
@@ -48,6 +50,7 @@ as in transformers' flash-attention path.
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
 from transformers import AttentionInterface
@@ -119,7 +122,7 @@ def _traced_masks(mask, attention_mask, position_ids, batch, seqlen_q, seqlen_k,
         extra.append({"expr": f"{KEEP}[b, kv_idx] != 0"})
     elif position_ids is not None and batch == 1 and seqlen_q == seqlen_k > 1 and not sinks:
         pos = position_ids.reshape(1, -1)
-        tensors[DOCUMENTS] = torch.cumsum((pos == pos.min()).to(torch.int32), dim=1, dtype=torch.int32)
+        tensors[DOCUMENTS] = torch.cumsum(_run_starts(pos[0]).to(torch.int32), dim=0, dtype=torch.int32)[None]
         extra.append({"document": {"ids": DOCUMENTS, "causal": False}})  # (the layer's causal flag still holds)
     if not extra:
         return mask
@@ -185,16 +188,22 @@ def _packing(keep):
     return keep.flatten().nonzero().squeeze(1), cu, longest, not gapped
 
 
+def _run_starts(pos):
+    """Where each run of positions (each step +1) starts in a 1-d position_ids: its first token and every
+    token whose position is not the one before's + 1 (transformers' find_packed_sequence_indices; a packed
+    row may begin with the tail of a document, at no minimum)."""
+    return torch.cat([torch.ones_like(pos[:1], dtype=torch.bool), pos[1:] != pos[:-1] + 1])
+
+
 def _packed_positions(position_ids, batch, seqlen):
     """cu_seqlens of sequences packed into one row (positions restart), or None, as transformers
     detects them (batch 1, more than one token, positions not one increasing run)."""
     if position_ids is None or batch != 1 or seqlen == 1:
         return None
-    pos = position_ids.reshape(-1)
-    if not bool((pos != torch.arange(pos.numel(), device=pos.device) + pos.min()).any()):
+    starts = _run_starts(position_ids.reshape(-1)).nonzero().squeeze(1)
+    if starts.numel() == 1:
         return None
-    starts = (pos == pos.min()).nonzero().squeeze(1)
-    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+    cu = torch.cat([starts, starts.new_tensor([seqlen])]).to(torch.int32)
     return cu, cu, int(cu.diff().max()), int(cu.diff().max())
 
 
@@ -211,6 +220,8 @@ def _number(name, value, kind):
         raise TypeError(f"{name}: expected {'a number' if kind is float else 'an integer'}, got "
                         f"{short_repr(value)}") from None
 
+
+_warned = []  # output_attentions' warning, once per process
 
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # padding-free training's
 
@@ -231,6 +242,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if kwargs.get(arg) is not None:
             raise NotImplementedError(f"{arg}: not supported by flashgen's transformers attention "
                                       "(paged caches and position biases need a dense mask)")
+    if kwargs.get("output_attentions") and not _warned:  # as transformers' SDPA and flash-attention paths
+        _warned.append(1)
+        warnings.warn("output_attentions: flashgen's transformers attention returns no attention weights "
+                      "(the kernels never form them); set the model's attention to 'eager' for them", stacklevel=2)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     dropout = _number("dropout", dropout, float)
     if (attention_mask is None and s_aux is None and kwargs.get("cu_seq_lens_q") is None
