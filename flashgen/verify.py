@@ -86,7 +86,9 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     named = tensors_at_rank(tensors, pred, smod)
     if smod is not None:
         named_c = {n: (t.to(soft_dtype) if t.is_floating_point() else t) for n, t in named.items()}
-        scores = evaluate(smod, {**env, "score": scores}, named_c).to(soft_dtype)
+        modified = torch.as_tensor(evaluate(smod, {**env, "score": scores}, named_c), device=q.device)
+        # (a modifier that reads no score, a constant or a value per (b, h), is the scores' shape as the kernels')
+        scores = (modified + torch.zeros_like(scores)).to(soft_dtype)
     if score_hook is not None:
         score_hook(scores)
     if causal:
@@ -350,7 +352,10 @@ def check_gradients(grads, q, k, v, do, *, causal: bool, softmax_scale: float | 
         scores, probs = [], []
         hooks = dict(score_hook=scores.append, probs_hook=probs.append) if with_sums and extra else {}
         out, _ = reference_attention(*leaves, compute_dtype=dtype, tensors=named, **hooks, **kw)
-        grads = torch.autograd.grad(out, leaves + extra + scores + probs, do.to(dtype), retain_graph=bool(scores))
+        inputs = leaves + extra + scores + probs
+        # (a modifier that reads no score leaves q and k out of the graph: their gradient is 0)
+        grads = torch.autograd.grad(out, inputs, do.to(dtype), retain_graph=bool(scores), allow_unused=True)
+        grads = tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
         if not scores:
             return grads, None
         p, dp = probs[0].detach(), grads[-1]

@@ -204,6 +204,10 @@ def main(only=()) -> int:
                                                            score_mod="score + bias[q_idx, kv_idx]"),
          KernelConfig(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, tma=True, warp_specialize=True, BLOCK_M1=64,
                       BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, bwd_short=True)),
+        # // and % of a float tensor's elements by an integer: _nfdiv's static branch on the kernel's dtypes
+        ("floor division of a float tensor's elements", dict(head_dim=64, num_heads=4, score_mod=(
+            "score + bias[q_idx, kv_idx] // 2 + (q_idx - kv_idx) % (bias[q_idx, kv_idx] + 3.0)")),
+         KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
         # documents' default forward tiles beside plain causal's: the boundary loop's staged id reads
         # must not take shared memory past the unmasked kernel's (main() compares them)
         ("causal, 64x64 TMA", dict(head_dim=128, num_heads=4, causal=True, forward_only=True), DOCUMENT_TILES),

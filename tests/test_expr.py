@@ -73,6 +73,19 @@ def test_derivative_matches_autograd(source):
     assert torch.allclose(torch.as_tensor(symbolic, dtype=torch.float64).broadcast_to(auto.shape), auto)
 
 
+def test_conditions_count_as_python_integers_in_arithmetic():
+    # -True is -1 and True + True 2, as in Python (torch refuses -bool; Triton's 1-bit integers wrapped)
+    env = {"q_idx": torch.arange(4)[:, None], "kv_idx": torch.arange(4)[None, :], "b": 0, "h": 0, "score": 0.0}
+    for source, want in (("-(q_idx >= kv_idx)", -(env["q_idx"] >= env["kv_idx"]).long()),
+                         ("(q_idx >= kv_idx) - (kv_idx > 1)", (env["q_idx"] >= env["kv_idx"]).long()
+                          - (env["kv_idx"] > 1).long()),
+                         ("(q_idx >= kv_idx) + (kv_idx >= q_idx)", 1 + (env["q_idx"] == env["kv_idx"]).long())):
+        node, _ = parse_expr(source, field="m.expr", variables=MASK_VARS)
+        assert kind(node) == "int"
+        assert torch.equal(torch.as_tensor(evaluate(node, env, {})), want), source
+        assert ".to(tl.int32)" in triton_expr(node, {"q_idx": "rows", "kv_idx": "cols"})
+
+
 def test_derivative_for_a_tensor_element():
     node, _ = parse_expr("score - s[h] * abs(q_idx - kv_idx)", field="score_mod.expr", variables=SCORE_VARS)
     site = next(n for n in walk(node) if isinstance(n, Load))
@@ -85,6 +98,8 @@ def test_derivative_for_a_tensor_element():
     ("q_idx ** 2 > 0", "operator Pow"),
     ("f(q_idx) > 0", "function 'f' is not allowed"),
     ("q_idx < 1e400", "number literals must be finite, got inf"),  # (1e400 reads as inf: all-NaN outputs)
+    ("q_idx / 0 > 1", "`/ 0` divides by zero"),  # (Triton's constant folding raised ZeroDivisionError)
+    ("where(q_idx - kv_idx, q_idx, 0) > 1", "where's first argument is a condition"),
 ])
 def test_parse_refuses_with_the_field(source, words):
     with pytest.raises(SpecError, match="spec field 'm.expr'") as info:

@@ -319,6 +319,23 @@ def test_softcap_above_64_on_both_sides_of_its_series(device):
     assert source.count("_softcap(") >= 2 and source.count("t_bias +") <= 6
 
 
+@pytest.mark.parametrize("score_mod, tensors, grads", [
+    # conditions in arithmetic as Python's 0 and 1 (Triton's 1-bit integers wrapped: -(c) read as c)
+    ("score + -(q_idx >= kv_idx) + ((kv_idx > 3) - (q_idx > 5)) * 0.5 + ((q_idx > 2) + (kv_idx > 2))", {}, ()),
+    # // and % of a tensor's elements by an integer, float or integer tensor (Triton's // takes integers only)
+    ("score + fb[kv_idx] // 2 + (q_idx - kv_idx) % (fb[kv_idx] + 3.5)", {"fb": torch.randn(45) * 3}, ()),
+    ("score + ib[kv_idx] // 3 - (q_idx - kv_idx) % ib[kv_idx]", {"ib": torch.randint(1, 7, (45,))}, ()),
+    # no score: a constant, or a value per (b, h), is the tile's shape (Triton's reductions failed on a scalar)
+    ("1.0", {}, ()), ("c[b, h]", {"c": torch.randn(2, 2)}, ()),
+    # a float tensor's element as where's condition: nonzero
+    ("where(keep[kv_idx], score, score - 5.0)", {"keep": (torch.rand(45) < 0.5).float()}, ()),
+    # derivatives at ties as torch's: abs at 0, max of equal values (a zero-initialised bias)
+    ("score - abs(z[h, kv_idx]) + max(z[h, kv_idx], 0.0)", {"z": torch.zeros(2, 45)}, ("z",)),
+], ids=["conditions", "float-floor", "int-floor", "constant", "per-bh", "where-float", "ties"])
+def test_expressions_a_review_found_wrong(device, score_mod, tensors, grads):
+    check_variant(device, score_mod=score_mod, dtype="fp32", tensors=tensors, grad_tensors=grads)
+
+
 @pytest.mark.parametrize("dtype,per_batch", [("fp32", False), ("fp16", True)], ids=["slopes-h-fp32", "slopes-bh-fp16"])
 def test_alibi_with_slope_gradients(device, dtype, per_batch):
     # 8 heads: with 2 slopes the fp16 reference's max error (the bound's yardstick) is the max

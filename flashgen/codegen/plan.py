@@ -16,8 +16,8 @@ from functools import lru_cache
 from .. import masks
 from ..runtime import host
 from ..expr.ir import Load, Search, reads_var, walk
-from ..expr.to_triton import (GLUON, GLUON_SEARCH, TRITON, runs_pointer, runs_search, tensor_params, tensor_size, tensor_stride,
-                              triton_expr)
+from ..expr.to_triton import (GLUON, GLUON_SEARCH, TRITON, numeric_floor, runs_pointer, runs_search, tensor_params,
+                              tensor_size, tensor_stride, triton_expr)
 
 # What each IR variable is called where the template uses the expression: in a tile of
 # (query rows x key columns) ...
@@ -49,6 +49,10 @@ class KernelPlan:
         # whether the modified score reads a value per key from a tensor, as an additive mask does (SDPA's float
         # attn_mask, transformers' masks): _finalize (common/tiles.j2) then counts a row whose every score is below
         # SCORE_FLOOR as fully masked, where a fill of -1e9 left the float32 LSE without the row's scale
+        # whether an expression divides a tensor's elements with floor semantics (common/math.j2's _nfdiv)
+        self.numeric_floors = any(numeric_floor(n) for e in (self.predicate, self.score_ir, lowered.score_derivative,
+                                                             *(site.derivative for site in lowered.grad_sites))
+                                  if e is not None for n in walk(e))
         self.additive_mask = self.score_ir is not None and any(
             isinstance(n, Load) and n.tensor not in self.integer_tensors and any(reads_var(i, "kv_idx") for i in n.index)
             for n in walk(self.score_ir))
@@ -107,7 +111,10 @@ class KernelPlan:
         return f"(cols < seqlen_k) & ({triton_expr(self.predicate, TILE_NAMES, dialect=printer)})"
 
     def score_code(self) -> str:
-        return triton_expr(self.score_ir, TILE_NAMES, dialect=self.dialect)
+        code = triton_expr(self.score_ir, TILE_NAMES, dialect=self.dialect)
+        if not reads_var(self.score_ir, "score"):  # a constant, or a value per (b, h) or per row: the tile's shape
+            code = f"({code}) + tl.zeros_like(score)"
+        return code
 
     def score_grad_code(self) -> str:
         return triton_expr(self.lowered.score_derivative, TILE_NAMES, dialect=self.dialect)

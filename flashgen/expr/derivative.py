@@ -48,8 +48,11 @@ def derivative(node, wrt):
                 return Const(0.0)
             return Fn("where", (a[0], da, db))
         d0 = derivative(a[0], wrt)
-        if node.name == "abs":
-            return Const(0.0) if const_value(d0) == 0 else Fn("where", (Bin(">=", a[0], Const(0)), d0, Neg(d0)))
+        if node.name == "abs":  # 0 at 0, as torch's (a zero-initialised bias under abs learns as in torch)
+            if const_value(d0) == 0:
+                return Const(0.0)
+            return Fn("where", (Bin(">", a[0], Const(0)), d0,
+                                Fn("where", (Bin("<", a[0], Const(0)), Neg(d0), Const(0.0)))))
         if node.name == "exp":
             return mul(node, d0)
         if node.name == "tanh":
@@ -61,6 +64,8 @@ def derivative(node, wrt):
             d1 = derivative(a[1], wrt)
             if const_value(d0) == 0 and const_value(d1) == 0:
                 return Const(0.0)
-            cmp = "<=" if node.name == "min" else ">="
-            return Fn("where", (Bin(cmp, a[0], a[1]), d0, d1))
+            # a tie splits the gradient in halves, as torch.minimum/maximum's does
+            first, second = ("<", ">") if node.name == "min" else (">", "<")
+            tie = mul(add(d0, d1), Const(0.5))
+            return Fn("where", (Bin(first, a[0], a[1]), d0, Fn("where", (Bin(second, a[0], a[1]), d1, tie))))
     raise TypeError(node)

@@ -253,7 +253,7 @@ def kind(node) -> str:
     if isinstance(node, Not):
         return "bool"
     if isinstance(node, Neg):
-        return kind(node.a)
+        return "int" if kind(node.a) == "bool" else kind(node.a)  # -True is -1, as in Python
     if isinstance(node, Bin):
         if node.op in COMPARE_OPS:
             return "bool"

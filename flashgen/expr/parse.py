@@ -108,7 +108,7 @@ class ExpressionChecker:
         if op is None:
             self.fail(node, f"operator {type(node.op).__name__} is not allowed")
         a, b = self.visit(node.left), self.visit(node.right)
-        if op in ("//", "%") and isinstance(b, Const) and b.value == 0:
+        if op in ("/", "//", "%") and isinstance(b, Const) and b.value == 0:
             self.fail(node, f"`{op} 0` divides by zero")
         return Bin(op, a, b)
 
@@ -147,6 +147,9 @@ class ExpressionChecker:
         if node.keywords or len(node.args) != FUNCTIONS[fname]:
             self.fail(node, f"{fname} takes {FUNCTIONS[fname]} positional argument(s)")
         args = tuple(self.visit(a) for a in node.args)
+        if fname == "where" and kind(args[0]) in ("int", "float"):
+            self.fail(node, "where's first argument is a condition (a comparison, &, |, ~ or a tensor element), "
+                            "not a number (write where(x != 0, ...))")
         if fname in ("exp", "tanh") and kind(args[0]) in ("int", "bool"):
             self.fail(node, f"{fname} takes a float, not an integer (write {fname}(x * 1.0))")
         return Fn(fname, args)

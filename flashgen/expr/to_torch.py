@@ -31,8 +31,17 @@ _BINARY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a
            "//": _floor_divide, "%": _remainder, "&": lambda a, b: a & b, "|": lambda a, b: a | b,
            "<": lambda a, b: a < b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b, ">=": lambda a, b: a >= b,
            "==": lambda a, b: a == b, "!=": lambda a, b: a != b}
+_ARITHMETIC = frozenset({"+", "-", "*", "/", "//", "%"})
 _FUNCTIONS = {"abs": torch.abs, "min": torch.minimum, "max": torch.maximum, "exp": torch.exp, "tanh": torch.tanh,
               "softcap": lambda score, cap: cap * torch.tanh(score / cap)}
+
+
+def _number(x):
+    """x as an operand of arithmetic: a condition as an integer (Python's True + True is 2 and -True -1; torch
+    refuses -bool and bool - bool, and its bool + bool is a logical or)."""
+    if isinstance(x, bool):
+        return int(x)
+    return x.long() if isinstance(x, torch.Tensor) and x.dtype == torch.bool else x
 
 
 def _as_tensor(x):
@@ -57,13 +66,15 @@ def evaluate(node, env: Mapping[str, Any], tensors: Mapping[str, Any]):
         if isinstance(n, Not):
             return ~ev(n.a)
         if isinstance(n, Neg):
-            return -ev(n.a)
+            return -_number(ev(n.a))
         if isinstance(n, Bin):
+            if n.op in _ARITHMETIC:
+                return _BINARY[n.op](_number(ev(n.a)), _number(ev(n.b)))
             return _BINARY[n.op](ev(n.a), ev(n.b))
         if isinstance(n, Fn):
             args = [ev(a) for a in n.args]
-            if n.name == "where":
-                return torch.where(_as_tensor(args[0]), args[1], args[2])
+            if n.name == "where":  # (a tensor element's condition: nonzero, as the kernels read it)
+                return torch.where(_as_tensor(args[0]) != 0, args[1], args[2])
             return _FUNCTIONS[n.name](*map(_as_tensor, args))
         raise TypeError(n)
 

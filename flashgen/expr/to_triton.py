@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from .ir import Bin, Const, Fn, Load, Neg, Not, Search, Var, fold, kind
+from .ir import COMPARE_OPS, LOGIC_OPS, Bin, Const, Fn, Load, Neg, Not, Search, Var, fold, kind
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -94,6 +94,13 @@ def triton_literal(value) -> str:
 def _floor_in_float(node: Bin) -> bool:
     """A // or % with a float side: written with tl.floor instead of the integer helpers."""
     return kind(node) == "float" or "float" in (kind(node.a), kind(node.b))
+
+
+def numeric_floor(node) -> bool:
+    """A // or % of integers where a side is a named tensor's element (kind "num", its dtype the call's): written
+    with common/math.j2's _nfdiv/_nfmod, which pick the float or the integer form at compile time."""
+    return (isinstance(node, Bin) and node.op in ("//", "%") and not _floor_in_float(node)
+            and "num" in (kind(node.a), kind(node.b)))
 
 
 def written_terms(node) -> int:
@@ -182,19 +189,33 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
         return hoist(code) if hoist else code
     if isinstance(node, Not):
         return f"~({write(node.a)})"
+    def number(x):
+        """x as an operand of arithmetic: a condition as an int32 0 or 1 (Python's True + True is 2 and -True -1;
+        Triton's 1-bit integers wrap)."""
+        if kind(x) != "bool":
+            return write(x)
+        return str(int(x.value)) if isinstance(x, Const) else f"({write(x)}).to({lang}.int32)"
+
     if isinstance(node, Neg):
-        return f"-({write(node.a)})"
+        return f"-({number(node.a)})"
     if isinstance(node, Bin):
-        a, b = write(node.a), write(node.b)
+        arithmetic = node.op not in COMPARE_OPS and node.op not in LOGIC_OPS
+        a, b = (number(node.a), number(node.b)) if arithmetic else (write(node.a), write(node.b))
         if node.op in ("//", "%"):
             if _floor_in_float(node):
                 quotient = f"{lang}.floor(({a}) / ({b}))"
                 return quotient if node.op == "//" else f"(({a}) - ({b}) * {quotient})"
-            return f"{helper}{'fdiv' if node.op == '//' else 'fmod'}({a}, {b})"  # floor semantics for either sign
+            # floor semantics for either sign; with a tensor element (its dtype the call's) a helper that picks
+            # the float or the integer form once the kernel's dtypes are known
+            num = "n" if lang == "tl" and numeric_floor(node) else ""
+            return f"{helper}{num}{'fdiv' if node.op == '//' else 'fmod'}({a}, {b})"
         if node.op == "/" and kind(node.a) == "int" and kind(node.b) == "int":
             return f"(({a}) * 1.0 / ({b}))"  # true division of integers
         return f"({a} {node.op} {b})"
     if isinstance(node, Fn):
-        return f"{dialect.function(node.name)}({', '.join(write(x) for x in node.args)})"
+        args = [write(x) for x in node.args]
+        if node.name == "where" and kind(node.args[0]) == "num":  # a tensor element: nonzero, whatever its dtype
+            args[0] = f"(({args[0]}) != 0)"
+        return f"{dialect.function(node.name)}({', '.join(args)})"
     raise TypeError(node)
 
