@@ -1250,6 +1250,55 @@ def test_decode_rows_below_the_score_floor_count_as_masked(device, num_splits):
     assert (out[1:].float() - ref).abs().max().item() < 2e-3
 
 
+def test_an_append_only_call_checks_its_targets(device):
+    # No query rows: no decode kernel runs, and it is that kernel which records what the append skips; a bad target
+    # was dropped silently (a review's catch). Checked on the host before the append now; a good call still writes.
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, backward=False)
+    q0 = torch.randn(2, 0, 4, 16).to(device)
+    k_new, v_new = (torch.randn(2, 3, 2, 16).to(device) for _ in range(2))
+    kc, vc = (torch.zeros(2, 5, 2, 16).to(device) for _ in range(2))
+    with pytest.raises(ValueError, match=r"^cache_seqlens: expected lengths \+ 3 appended within the cache's capacity "
+                                         r"5, got 4 \+ 3 appended at index 0$"):
+        flashgen.decode(spec, q0, kc, vc, 4, k=k_new, v=v_new)
+    assert not kc.any()
+    pages = torch.zeros(6, 4, 2, 16).to(device)
+    table = torch.tensor([[0, 1], [2, 99]], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"^block_table: expected page indices in \[0, 6\) \(the pages of k_cache\), "
+                                         r"got 99 at \[1, 1\]$"):
+        flashgen.decode(spec, q0, pages, pages.clone(), torch.tensor([1, 3], dtype=torch.int32, device=device),
+                        k=k_new, v=v_new, block_table=table)
+    with pytest.raises(ValueError, match=r"^cache_batch_idx: expected indices in \[0, 2\) \(the batch of k_cache\), "
+                                         r"got 7 at index 1$"):
+        flashgen.decode(spec, q0, kc, vc, 0, k=k_new, v=v_new,
+                        cache_batch_idx=torch.tensor([0, 7], dtype=torch.int32, device=device))
+    flashgen.decode(spec, q0, kc, vc, 2, k=k_new, v=v_new)
+    assert torch.equal(kc[:, 2:5], k_new) and torch.equal(vc[:, 2:5], v_new) and not kc[:, :2].any()
+
+
+def test_out_and_lse_over_one_memory_are_refused(device):
+    # out and lse sharing memory: each kernel's stores overwrote the other's, silently (a review's catch)
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+    q = torch.randn(2, 3, 4, 16).to(device)
+    kc, vc = (torch.randn(2, 12, 2, 16).to(device) for _ in range(2))
+    buf = torch.empty(2 * 3 * 4 * 16, device=device)
+    with pytest.raises(ValueError, match=r"^lse: expected a buffer apart from out, got one sharing its memory"):
+        flashgen.decode(spec, q, kc, vc, torch.tensor([6, 12], dtype=torch.int32, device=device),
+                        out=buf.view(2, 3, 4, 16), lse=buf[:24].view(2, 4, 3))
+    kernel = flashgen.compile(spec.replace(causal=False))
+    q, k = torch.randn(1, 4, 40, 16).to(device), torch.randn(1, 2, 40, 16).to(device)
+    buf = torch.empty(q.numel(), device=device)
+    with pytest.raises(ValueError, match=r"^lse: expected a buffer apart from out"):
+        kernel.forward(q, k, k, out=buf.view(1, 4, 40, 16), lse=buf[:160].view(1, 4, 40))
+
+
+def test_decode_refuses_meta_tensors_by_name():
+    # (the bounds record read the device's memory: a raw numpy TypeError)
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, backward=False)
+    q, kc = torch.empty(2, 1, 4, 16, device="meta"), torch.empty(2, 8, 2, 16, device="meta")
+    with pytest.raises(ValueError, match="^q: expected a tensor with data, got a meta tensor$"):
+        flashgen.decode(spec, q, kc, kc, torch.empty(2, dtype=torch.int32, device="meta"))
+
+
 def _named_tensor_case(expr, seed, seqlen_q, device):
     """A causal fp16 decode spec with score modifier expr (2 query heads over 1 KV head, hd16), and a call's
     inputs: seqlen_q new rows of 2 elements over a 32-slot cache holding 12 and 20 keys."""

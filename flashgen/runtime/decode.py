@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
-from flashgen.runtime.host import AttentionLauncher, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
+from flashgen.runtime.host import AttentionLauncher, bounds_error, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import check_interpretable, check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
 from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, capturing, check_outputs_apart, check_tensor, launch_context, overlapping  # standalone: host.py precedes
 
@@ -489,6 +489,29 @@ class DecodeCall:
         self.__dict__.update(fields)
 
 
+
+def check_append_targets(seqlens, appended, capacity, block_table, cache_batch_idx, cache_dims):
+    """The targets of an append-only call (no query rows: no decode kernel runs, and it is that kernel which records
+    what the append skips out of range), checked on the host before the append, with one wait for the device:
+    each element's length and its appended keys within the capacity, the pages they land on (block_table) and
+    the cache rows (cache_batch_idx) within the cache. cache_dims: k_cache's (pages, page size) or (rows, capacity)."""
+    lengths = seqlens.long().cpu()
+    for b, n in enumerate(lengths.tolist()):
+        if n < 0:
+            raise bounds_error(1, b, 0, n, capacity)
+        if n + appended > capacity:
+            raise bounds_error(2, b, appended, n, capacity)
+    if block_table is not None:
+        table, page = block_table.long().cpu(), cache_dims[1]
+        for b, n in enumerate(lengths.tolist()):
+            for j in range(n // page, (n + appended - 1) // page + 1):
+                if not 0 <= int(table[b, j]) < cache_dims[0]:
+                    raise bounds_error(3, b, j, int(table[b, j]), cache_dims[0])
+    elif cache_batch_idx is not None:
+        for b, row in enumerate(cache_batch_idx.long().cpu().tolist()):
+            if not 0 <= row < cache_dims[0]:
+                raise bounds_error(4, b, 0, row, cache_dims[0])
+
 class DecodeLauncher:
     """Checks a decode call's inputs and launches the append, split-KV and combine kernels.
 
@@ -527,6 +550,8 @@ class DecodeLauncher:
         tensors += [(name, t) for name, t in (("k", k), ("v", v)) if t is not None]
         for name, t in tensors:
             check_tensor(name, t)
+            if t.device.type == "meta":  # (its bounds record reads the device's memory: a raw numpy error)
+                raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
             if t.dim() != 4:
                 raise ValueError(f"{name}: expected a 4-d tensor, got shape {tuple(t.shape)}")
             if name == "v_cache" and t.dtype != k_cache.dtype:
@@ -1086,6 +1111,8 @@ class DecodeLauncher:
         bt = block_table if block_table is not None else seqlens  # never read
         cbi = cache_batch_idx if cache_batch_idx is not None else seqlens  # read only when given
         if append is not None:
+            if call.batch and not call.seqlen_q:  # no decode kernel follows to record what the append skips
+                check_append_targets(seqlens, k.shape[1], capacity, block_table, cache_batch_idx, k_cache.shape[:2])
             append(k_cache, v_cache, k, v, seqlens, bt, cbi, k_descale, v_descale, *call.append_args)
         if call.batch * call.seqlen_q == 0:
             return out, lse

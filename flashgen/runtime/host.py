@@ -444,36 +444,42 @@ class BoundsRecord:
             "the search of a call's document ids" if kind == RUNS_ORDER else "the check of a packed call's offsets"
         where = f" (met by {source} on {self.device}; that call's outputs are meaningless)" \
             if self.device.type == "cuda" else ""
-        if kind == RUNS_ORDER:
-            raise runs_order_error(RUNS_CHECKS.get(b >> 32, "document ids"), b & 0xFFFFFFFF, j, value, limit, where)
-        if kind == 1:
-            raise ValueError(f"cache_seqlens: expected lengths >= 0, got {value} at index {b}{where}")
-        if kind == 2:
-            added = f" + {j} appended" if j else ""
-            raise ValueError(f"cache_seqlens: expected lengths{added} within the cache's capacity {limit}, got "
-                             f"{value}{added} at index {b}{where}")
-        if kind == 3:
-            raise ValueError(f"block_table: expected page indices in [0, {limit}) (the pages of k_cache), got "
-                             f"{value} at [{b}, {j}]{where}")
-        if kind == 4:
-            raise ValueError(f"cache_batch_idx: expected indices in [0, {limit}) (the batch of k_cache), got {value} "
-                             f"at index {b}{where}")
-        if kind == NAMED_SHORT:
-            name, dim, rank, distances = SEQUENCE_CHECKS.get(j, ("a named tensor", 0, 0, False))
-            rule = f"one per distance, seqlen_q + seqlen_k - 1 for batch element {b}" if distances else \
-                f"kv_idx indexes it: batch element {b} has {value} keys"
-            raise ValueError(f"{name}: expected at least {value} entries in dim {dim - rank} ({rule}), got "
-                             f"{limit}{where}")
-        name = ("cu_seqlens_q", "cu_seqlens_k")[b]
-        if kind == OFFSETS_FIRST:
-            raise ValueError(f"{name}: expected the first offset to be 0, got {value}{where}")
-        if kind == OFFSETS_ORDER:
-            raise ValueError(f"{name}: expected nondecreasing offsets, got {limit} then {value} at index {j}{where}")
-        if kind == OFFSETS_TOTAL:
-            raise ValueError(f"{name}: expected offsets within the {limit} tokens of {'qk'[b]}, got last offset "
-                             f"{value}{where}")
-        raise ValueError(f"{('max_seqlen_q', 'max_seqlen_k')[b]}: expected at least the longest sequence ({value} "
-                         f"tokens, {name}[{j + 1}] - {name}[{j}]), got {limit}{where}")
+        raise bounds_error(kind, b, j, value, limit, where)
+
+
+def bounds_error(kind, b, j, value, limit, where=""):
+    """The ValueError of a BoundsRecord's words (see BoundsRecord), `where` appended to its message: the record's
+    error, and an append-only decode call's (decode.check_append_targets)."""
+    if kind == RUNS_ORDER:
+        return runs_order_error(RUNS_CHECKS.get(b >> 32, "document ids"), b & 0xFFFFFFFF, j, value, limit, where)
+    if kind == 1:
+        return ValueError(f"cache_seqlens: expected lengths >= 0, got {value} at index {b}{where}")
+    if kind == 2:
+        added = f" + {j} appended" if j else ""
+        return ValueError(f"cache_seqlens: expected lengths{added} within the cache's capacity {limit}, got "
+                          f"{value}{added} at index {b}{where}")
+    if kind == 3:
+        return ValueError(f"block_table: expected page indices in [0, {limit}) (the pages of k_cache), got "
+                          f"{value} at [{b}, {j}]{where}")
+    if kind == 4:
+        return ValueError(f"cache_batch_idx: expected indices in [0, {limit}) (the batch of k_cache), got {value} "
+                          f"at index {b}{where}")
+    if kind == NAMED_SHORT:
+        name, dim, rank, distances = SEQUENCE_CHECKS.get(j, ("a named tensor", 0, 0, False))
+        rule = f"one per distance, seqlen_q + seqlen_k - 1 for batch element {b}" if distances else \
+            f"kv_idx indexes it: batch element {b} has {value} keys"
+        return ValueError(f"{name}: expected at least {value} entries in dim {dim - rank} ({rule}), got "
+                          f"{limit}{where}")
+    name = ("cu_seqlens_q", "cu_seqlens_k")[b]
+    if kind == OFFSETS_FIRST:
+        return ValueError(f"{name}: expected the first offset to be 0, got {value}{where}")
+    if kind == OFFSETS_ORDER:
+        return ValueError(f"{name}: expected nondecreasing offsets, got {limit} then {value} at index {j}{where}")
+    if kind == OFFSETS_TOTAL:
+        return ValueError(f"{name}: expected offsets within the {limit} tokens of {'qk'[b]}, got last offset "
+                          f"{value}{where}")
+    return ValueError(f"{('max_seqlen_q', 'max_seqlen_k')[b]}: expected at least the longest sequence ({value} "
+                     f"tokens, {name}[{j + 1}] - {name}[{j}]), got {limit}{where}")
 
 
 RECORDS = {}  # device -> its BoundsRecord

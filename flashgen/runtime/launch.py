@@ -379,6 +379,7 @@ def element_span(shape, stride) -> int:
 def check_outputs_apart(outputs, inputs):
     """Refuse an output buffer (name, tensor or None) that shares memory with an input the kernels read
     (name, tensor or None): other programs would read what one has already written."""
+    written = []
     for out_name, out in outputs:
         if not isinstance(out, torch.Tensor):  # None: allocated; not a tensor: the call's checks name it
             continue
@@ -386,6 +387,11 @@ def check_outputs_apart(outputs, inputs):
             if isinstance(t, torch.Tensor) and shares_memory(out, t):
                 raise ValueError(f"{out_name}: expected a buffer apart from {name}, got one sharing its memory "
                                  f"(the kernels read {name} while they write {out_name}; pass a separate tensor)")
+        for name, t in written:  # (out and lse over one memory: each store overwrote the other's)
+            if shares_memory(out, t):
+                raise ValueError(f"{out_name}: expected a buffer apart from {name}, got one sharing its memory "
+                                 f"(the kernels write both; pass a separate tensor)")
+        written.append((out_name, out))
 
 
 def gradient_buffer(shape, stride, device):
