@@ -25,6 +25,8 @@ file: the other results still count. Warnings never show a password.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -46,10 +48,18 @@ class FlashgenFallbackWarning(UserWarning):
 _warned: set[tuple] = set()
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def _warn_once(key: tuple, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, FlashgenFallbackWarning, stacklevel=4)  # past tuned and lookup: the caller of load
+        # said at the first frame outside flashgen (the user's load, attention or decode line): the depth below
+        # it differs by path (a fixed stacklevel named loader.py's own lines on some)
+        level, frame = 1, sys._getframe(0)
+        while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+            frame, level = frame.f_back, level + 1
+        warnings.warn(message, FlashgenFallbackWarning, stacklevel=level)
 
 
 def _target(spec: AttentionSpec, env: EnvInfo) -> str:

@@ -77,8 +77,8 @@ def quantize_fp8(x: torch.Tensor, *, layout: str = "bhsd", dtype="fp8_e4m3", gro
     # back to the host (not while a CUDA graph is captured or torch.compile traces, where nothing is read back)
     if (not torch.compiler.is_compiling() and not (amax.is_cuda and torch.cuda.is_current_stream_capturing())
             and not bool(torch.isfinite(amax).all())):
-        raise ValueError(f"x: holds inf or NaN (a factor maps a slice's largest magnitude onto {fp8}'s largest "
-                         "finite value, so every value must be finite)")
+        raise ValueError(f"x: holds inf or NaN, or values past float32's range (a factor maps a slice's largest "
+                         f"magnitude onto {fp8}'s largest finite value, so every value must be finite)")
     # (at least float32's smallest normal: a slice of subnormal values gave amax / max = 0, so every value
     # saturated and a zero became 0 / 0 = NaN; such values now round to FP8 zeros, finite)
     descale = torch.where(amax > 0, (amax / torch.finfo(fp8).max).clamp(min=torch.finfo(torch.float32).tiny),

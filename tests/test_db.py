@@ -258,6 +258,16 @@ def test_missing_database_falls_back_to_default_with_one_warning(tmp_path, fresh
         flashgen.load(SPEC, db=url)  # said once, not again
 
 
+def test_fallback_warnings_point_at_the_callers_line(tmp_path, fresh_warnings):
+    # (a fixed stacklevel named loader.py's own lines on some paths: the default's and an unreadable database's)
+    corrupt = tmp_path / "corrupt.sqlite"
+    corrupt.write_bytes(b"this is not a database" * 100)
+    for url in (f"sqlite:///{tmp_path / 'none.sqlite'}", f"sqlite:///{corrupt}"):
+        with pytest.warns(flashgen.FlashgenFallbackWarning) as record:
+            flashgen.load(SPEC, db=url)
+        assert {w.filename for w in record} == {__file__}, [(w.filename, w.lineno) for w in record]
+
+
 def test_corrupt_database_never_raises(tmp_path, fresh_warnings):
     path = tmp_path / "corrupt.sqlite"
     path.write_bytes(b"this is not a database" * 100)

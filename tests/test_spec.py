@@ -48,6 +48,19 @@ def test_defaults_and_python_construction():
     assert AttentionSpec(dtype="float16").dtype == "fp16"  # torch-style alias
 
 
+def test_specs_equal_but_for_a_parameters_type_are_two_kernels():
+    # Python holds 16777217 == 16777217.0, yet kv_idx * w is exact in integers and rounds in float32: the two specs
+    # compared (and hashed) equal and shared one cached kernel, whose outputs were then 1.2 off for the second
+    # (a review's catch). A softcap's cap is a float however written: one kernel and one key for tuned results.
+    exact, rounded = (AttentionSpec(score_mod={"expr": "where((kv_idx * w) % 2 == 1, score, score - 5.0)",
+                                               "params": {"w": w}}) for w in (16777217, 16777217.0))
+    assert exact != rounded and exact.key != rounded.key and hash(exact.score_mod) != hash(rounded.score_mod)
+    masks = [AttentionSpec(mask={"expr": "(kv_idx * w) % 2 == 1", "params": {"w": w}}) for w in (3, 3.0)]
+    assert len({m.mask_node for m in masks}) == 2 and len({m.key for m in masks}) == 2
+    assert AttentionSpec(score_mod={"softcap": 30}) == AttentionSpec(score_mod={"softcap": 30.0})
+    assert AttentionSpec(score_mod={"softcap": 30}).key == AttentionSpec(score_mod={"softcap": 30.0}).key
+
+
 def test_key_is_the_computation_uri_is_readable():
     a = AttentionSpec(name="a", head_dim=64, num_heads=8, causal=True)
     b = AttentionSpec(name="b", head_dim=64, num_heads=8, causal=True, tune={"trials": 3}, target="h100")

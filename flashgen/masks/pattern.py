@@ -57,6 +57,14 @@ class Pattern:
     integer_tensors: Callable[[dict], tuple] = lambda params: ()
 
 
+def typed(params) -> tuple:
+    """(name, value) pairs with each value's type beside it: MaskNode's and ScoreModNode's equality and hash. Python
+    holds 3 == 3.0 (and one hash), yet an expression's parameter computes in integers or in floats by its type
+    (kv_idx * 16777217 is exact, kv_idx * 16777217.0 rounds in float32): nodes equal without the types shared one
+    cached kernel (a review's catch: the second spec's outputs 1.2 off)."""
+    return tuple((name, type(value), value) for name, value in params)
+
+
 def diagonal_offset(align: str):
     """The key index of query row 0's diagonal: seqlen_k - seqlen_q bottom-right aligned
     (flash-attn's causal convention), 0 top-left aligned."""

@@ -15,7 +15,7 @@ from ..errors import SpecError
 from ..expr.ir import SCORE_VARS, Bin, Const, Fn, Load, Var, add, kind, mul, sub, substitute
 from ..expr.parse import canonical_source, expression_params, function_expression, parse_expr
 from .pattern import (COLS, REQUIRED, ROWS, SK, check_align, check_positive_number, check_tensor_name,
-                      diagonal_offset, path, read_params)
+                      diagonal_offset, path, read_params, typed)
 
 # name -> (parameters with defaults, the parameter a bare value sets)
 MODIFIERS = {
@@ -28,11 +28,20 @@ KINDS = (*MODIFIERS, "expr")
 RELATIVE_DISTANCE = add(sub(ROWS, COLS), sub(SK, Const(1)))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ScoreModNode:
     """A chain of score modifiers applied in order (softcap, alibi, relative_bias, expr)."""
 
     steps: tuple  # ((kind, sorted (name, plain value) params, expression source or None), ...)
+
+    def _identity(self):
+        return tuple((kind_, typed(params), expr) for kind_, params, expr in self.steps)
+
+    def __eq__(self, other):  # (a parameter's type counts: pattern.typed)
+        return type(other) is ScoreModNode and self._identity() == other._identity()
+
+    def __hash__(self):
+        return hash(self._identity())
 
     def to_dict(self):
         out = []
@@ -49,7 +58,8 @@ class ScoreModNode:
 
 def _check_modifier(field: str, name: str, p: dict) -> dict:
     if name == "softcap":
-        return {"cap": check_positive_number(path(field, "cap"), p["cap"])}
+        # (a float whatever it was written as: cap 30 and 30.0 are one kernel, and one spec key for tuned results)
+        return {"cap": float(check_positive_number(path(field, "cap"), p["cap"]))}
     if name == "alibi":
         return {"slopes": check_tensor_name(path(field, "slopes"), p["slopes"]),
                 "align": check_align(path(field, "align"), p["align"])}

@@ -14,7 +14,7 @@ from typing import Mapping
 from ..errors import SpecError
 from ..expr.ir import Const, Var, fmax, fmin, land, lor, substitute
 from . import expression
-from .pattern import SK, SQ, check_align, check_bool, path, read_params
+from .pattern import SK, SQ, check_align, check_bool, path, read_params, typed
 from .registry import PATTERNS
 
 KINDS = (*PATTERNS, "and", "or", "expr")
@@ -23,7 +23,7 @@ KINDS = (*PATTERNS, "and", "or", "expr")
 MAX_SEGMENTS = 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MaskNode:
     """One node of a mask: a built-in pattern, an and/or of nodes, or a custom expression."""
 
@@ -31,6 +31,15 @@ class MaskNode:
     params: tuple = ()  # sorted (name, plain value) pairs
     children: tuple = ()
     expr: str | None = None  # the canonical source of a custom expression
+
+    def _identity(self):
+        return self.kind, typed(self.params), self.children, self.expr
+
+    def __eq__(self, other):  # (a parameter's type counts: pattern.typed)
+        return type(other) is MaskNode and self._identity() == other._identity()
+
+    def __hash__(self):
+        return hash(self._identity())
 
     @property
     def param(self) -> dict:
