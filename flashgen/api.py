@@ -103,31 +103,22 @@ class AttentionKernel:
         kernel's calls take their length's bucket's: ``config_for(seqlen)``)."""
         return render.render(self.spec, _check_config(config) if config is not None else self.config)
 
-    def _direct_module(self, q, k, layout, config):
-        """The module forward()/backward() run: the config given, else the one a call on these tensors takes
-        (its length's bucket's: a loaded kernel's tuned config); tensors the module's checks refuse, the kernel's."""
-        if (config is None and self._bucket_ids and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-                and q.dim() == k.dim() == 4 and layout in ("bhsd", "bshd")):
-            return ops.kernel_module(self._call_id(q, k, layout, None))
-        return self.module(config)
-
     def forward(self, q, k, v, *, layout: str = "bhsd", config: KernelConfig | None = None,
                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                 dropout_p: float = 0.0, seed: torch.Tensor | None = None, **tensors):
-        """Run the forward kernel directly (no autograd); returns (out, lse). Without a config, the one a call
-        on these tensors takes."""
-        return self._direct_module(q, k, layout, config).forward(q, k, v, layout=layout, out=out, lse=lse,
-                                                                 dropout_p=dropout_p, seed=seed, tensors=tensors)
+        """Run the forward kernel directly (no autograd); returns (out, lse). Runs ``config``, by default the
+        kernel's own (``self.config``, as module() and source() do): a loaded kernel's calls take their length's
+        bucket's tuned config instead, ``config_for(seqlen)``, which this takes when passed."""
+        return self.module(config).forward(q, k, v, layout=layout, out=out, lse=lse, dropout_p=dropout_p, seed=seed,
+                                           tensors=tensors)
 
     def backward(self, do, q, k, v, out, lse, *, layout: str = "bhsd", config: KernelConfig | None = None,
                  dropout_p: float = 0.0, seed: torch.Tensor | None = None, deterministic: bool = False,
                  **tensors):
-        """Run the backward kernels directly; returns (dq, dk, dv). Without a config, the one a call on these
-        tensors takes."""
+        """Run the backward kernels directly; returns (dq, dk, dv). The config as forward()'s."""
         check_flag("deterministic", deterministic)
-        dq, dk, dv, _ = self._direct_module(q, k, layout, config).backward(
-            do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p, seed=seed, deterministic=deterministic,
-            tensors=tensors)
+        dq, dk, dv, _ = self.module(config).backward(do, q, k, v, out, lse, layout=layout, dropout_p=dropout_p,
+                                                     seed=seed, deterministic=deterministic, tensors=tensors)
         return dq, dk, dv
 
     def block_map(self, batch: int, seqlen_q: int, seqlen_k: int, *, device="cuda",

@@ -651,16 +651,8 @@ def test_kernel_objects_and_helpers_name_bad_arguments():
     assert (error <= torch.maximum(x.abs() * 2**-4, descale.max() * 2**-10)).all()
 
 
-def test_direct_calls_of_a_loaded_kernel_run_the_config_its_calls_take():
-    # forward()/backward() without a config ran the kernel's default where a call of the same tensors took its
-    # length's bucket's (a loaded kernel's tuned config); source() of a dict config raised AttributeError
-    from flashgen import KernelConfig, ops
-
-    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=2, backward=True)
-    tuned = KernelConfig(BLOCK_M=16, BLOCK_N=32, num_stages=1, BLOCK_M1=16, BLOCK_N1=16, BLOCK_M2=16, BLOCK_N2=16)
-    kernel = flashgen.AttentionKernel(spec, bucket_configs={64: tuned, 4096: KernelConfig()})
-    q = torch.randn(1, 2, 48, 16)
-    assert kernel._direct_module(q, q, "bhsd", None) is ops.kernel_module(kernel.kernel_id(tuned))
-    assert kernel._direct_module(q, q, "bhsd", KernelConfig()) is kernel.module(KernelConfig())
+def test_a_kernels_source_names_a_config_that_is_not_one():
+    # (source(config=dict) raised AttributeError: 'dict' object has no attribute 'check_spec')
+    kernel = flashgen.compile(AttentionSpec(dtype="fp32", head_dim=16, num_heads=2))
     with pytest.raises(TypeError, match="^config: expected a flashgen.KernelConfig"):
         kernel.source(config={"BLOCK_M": 16})
