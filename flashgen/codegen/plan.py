@@ -47,8 +47,8 @@ class KernelPlan:
         self.grad_tensors = list(lowered.grad_tensors)
         self.integer_tensors = [t.name for t in self.tensors if t.integer]
         # whether the modified score reads a value per key from a tensor, as an additive mask does (SDPA's float
-        # attn_mask, transformers' masks): _finalize (common/tiles.j2) then counts a row whose every score is below
-        # SCORE_FLOOR as fully masked, where a fill of -1e9 left the float32 LSE without the row's scale
+        # attn_mask, transformers' masks): _finalize (common/tiles.j2) then counts a row whose max score is below
+        # -65536 as fully masked, where a fill of -1e9 left the float32 LSE without the row's scale
         # whether an expression divides a tensor's elements with floor semantics (common/math.j2's _nfdiv)
         self.numeric_floors = any(numeric_floor(n) for e in (self.predicate, self.score_ir, lowered.score_derivative,
                                                              *(site.derivative for site in lowered.grad_sites))

@@ -19,8 +19,9 @@ What each call does, following transformers' own flash-attention path (``_flash_
   real tokens with it, runs varlen, and scatters the output back (padded query rows are 0). No
   (B, H, L, S) mask is built. A window over a row with padding between its tokens (a right-padded
   prompt, then generated tokens) runs unpacked instead, the padding a mask over keys, so that the
-  window counts positions as transformers' does (packed, those tokens are closer than they are). Queries are the last L keys' rows (left padding, as transformers
-  assumes), except one query per row in decode. ``cu_seq_lens_q/k`` and
+  window counts positions as transformers' does (packed, those tokens are closer than they are).
+  Queries are the last L keys' rows (left padding, as transformers assumes), except one query per
+  row in decode. ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` kwargs (padding-free training) and packed ``position_ids`` (batch 1,
   positions restarting: a document at every step that is not +1) also take the varlen path, with a
   KV cache present too, as transformers' flash-attention path (its SDPA path splits documents only
