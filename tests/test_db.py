@@ -268,6 +268,15 @@ def test_fallback_warnings_point_at_the_callers_line(tmp_path, fresh_warnings):
         assert {w.filename for w in record} == {__file__}, [(w.filename, w.lineno) for w in record]
 
 
+def test_a_symlink_loop_is_unreadable_not_missing(tmp_path, fresh_warnings):
+    # (it read as missing: only the "no tuned config" warning, not the database's own)
+    loop = tmp_path / "loop.sqlite"
+    loop.symlink_to(loop)
+    with pytest.warns(flashgen.FlashgenFallbackWarning, match="cannot read tuning results from .*loop.sqlite"):
+        configs, source = lookup(SPEC, f"sqlite:///{loop}")
+    assert source == "default" and configs == {}
+
+
 def test_corrupt_database_never_raises(tmp_path, fresh_warnings):
     path = tmp_path / "corrupt.sqlite"
     path.write_bytes(b"this is not a database" * 100)

@@ -209,7 +209,9 @@ class ResultStore:
         self.writes = create  # opened to write (tune, import), or only to read (show, export, flashgen.load)
         self.display_url = display_url(self.url)
         path = sqlite_file(self.url)
-        if path is not None and not create and not path.exists():
+        # (a symlink whose target is missing or loops exists to no stat: it is not missing but unreadable, and its
+        # open says so below)
+        if path is not None and not create and not path.exists() and not path.is_symlink():
             raise MissingDatabaseError(self.url, "does not exist (the first `flashgen tune` creates it)")
         if path is not None and create and _foreign(path):  # refused before its journal mode is switched
             raise SchemaVersionError(self.url, "is not a flashgen database (no flashgen_meta table)")
