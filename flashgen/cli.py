@@ -625,6 +625,11 @@ def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: boo
     return out
 
 
+def _exit_on_term(signum, frame):
+    """SIGTERM as SystemExit(143), so that `_run_workers` ends the workers before the command exits."""
+    raise SystemExit(128 + signum)
+
+
 def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> list[dict]:
     """Run the workers, wait for all, return their results; a failed worker is an error that
     names it (its own messages went to stderr as it ran). Worker 0 is this process, on the first
@@ -649,6 +654,9 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
         procs = [(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True), env["CUDA_VISIBLE_DEVICES"])
                  for cmd, env in commands[1:]]
     own, outputs = [], []
+    # A SIGTERM to the command ends its workers too: by default it killed this process alone, and a forked worker,
+    # re-parented, went on writing trials (a review's catch). Installed after the forks: theirs stays the default.
+    previous_term = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         for spec in specs:  # worker 0: commands[0]'s order and seed
             own.append(_tune_spec(ctx, spec, store, forwarded["trials"], forwarded["timeout"], forwarded["sampler"],
@@ -660,12 +668,15 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
         click.echo(f"interrupted: the finished trials are kept in {store.display_url}; run the same command again "
                    "to go on from them", err=True)
         ctx.exit(EXIT_INTERRUPTED)
-    except BaseException as err:  # worker 0 interrupted (its ctx.exit; the others had the Ctrl-C too) or failed
+    except BaseException as err:  # worker 0 interrupted (its ctx.exit; the others had the Ctrl-C too), failed or
+        # terminated (_exit_on_term's SystemExit)
         for p, _ in procs:
             if not isinstance(err, click.exceptions.Exit) and p.poll() is None:
                 p.terminate()  # failed: the others end with it
             p.wait()
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
     failed = [f"worker {i} (CUDA_VISIBLE_DEVICES={gpu}) exited with {p.returncode}"
               for i, (p, gpu) in enumerate(procs, start=1) if p.returncode]
     failed += [f"worker 0: no config passed verification for {doc['spec']}" for doc in own if _nothing_stored(doc)]
@@ -1061,8 +1072,9 @@ def import_cmd(path, db_url):
 
     rows = read_file(Path(path))
     n = ResultStore(db_url).import_rows(rows)
-    kept = (f" (kept {len(rows) - n} results the database held: faster, or measured against this flashgen's "
-            "default)") if n < len(rows) else ""
+    kept = (f" (kept {len(rows) - n} results the database held: faster, measured against this flashgen's "
+            "default, or of kernels this flashgen still renders where the file's it no longer does)") \
+        if n < len(rows) else ""
     click.echo(f"imported {n} results from {path}{kept}")
 
 

@@ -700,10 +700,14 @@ def _final_choice(runner, kernel, study, space, phase, work, options, base: Kern
     (the bucket's {status: count}) as 'final <status>', so a round in which no config passed says why."""
     completed = sorted((t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE),
                        key=lambda t: t.value)
+    # the configs an earlier final round saw fail the full grid (its 'final' trials): verification draws fresh
+    # inputs, and a kernel wrong on some passed a later run's draw and was stored (a review's catch)
+    refused = [_config_type(phase).from_dict(t.user_attrs["record"]["config"]) for t in study.trials
+               if t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("final")]
     searched = []  # the two fastest distinct configs (a config measured before is told again: a second trial)
     for t in completed:
         config = _config_type(phase).from_dict(t.user_attrs["record"]["config"])
-        if config not in searched:
+        if config not in searched and config not in refused:
             searched.append(config)
         if len(searched) == 2:
             break

@@ -548,6 +548,25 @@ def test_import_rows_checks_every_row_before_writing(tmp_path):
     assert store.all_best() == []  # not even the good first row
 
 
+def test_an_import_of_stale_results_replaces_no_usable_row(tmp_path):
+    # An old export's rows (kernels this flashgen no longer renders), however fast, replaced the database's usable
+    # rows, and the loader then served neither (a review's catch). They are kept out; where nothing is stored they
+    # land (the loader judges them stale there).
+    from flashgen.db.kernels import current_kernel
+
+    store = ResultStore(f"sqlite:///{tmp_path / 'here.sqlite'}")
+    store.set_best(env(), SPEC, 64, "fwd", CFG, 1.0, 1.0)
+    (row,) = store.all_best()
+    assert row["kernel"] == current_kernel(SPEC, CFG, "fwd")
+    old = dict(row, kernel="0123456789abcdef", ms=0.5)
+    assert store.import_rows([old]) == 0
+    (kept,) = store.all_best()
+    assert kept["ms"] == 1.0 and kept["kernel"] == row["kernel"]
+    assert store.import_rows([dict(row, ms=0.5)]) == 1  # a faster current one still replaces it
+    other = ResultStore(f"sqlite:///{tmp_path / 'empty.sqlite'}")
+    assert other.import_rows([old]) == 1
+
+
 def test_one_bad_shipped_file_is_skipped_alone_and_said_once(tmp_path, monkeypatch, fresh_warnings):
     good = _exported(tmp_path, "a-good.yaml", bucket=1024, block_m=32)
     bad = _exported(tmp_path, "b-bad.yaml", bucket=2048, block_m=64)

@@ -1231,3 +1231,71 @@ def test_a_suggestion_finds_the_measured_record_of_its_config():
     assert _trial_key(whole) == _trial_key(config.to_dict())
     assert _trial_key(whole) != _trial_key(config.replace(BLOCK_N1=16 if config.BLOCK_N1 != 16 else 32).to_dict())
     assert _trial_key({"BLOCK_M": "x"}) == _trial_key({"BLOCK_M": "x"})  # (refused configs: keyed as given)
+
+
+def test_a_config_that_failed_a_final_round_is_never_chosen_by_a_later_one():
+    # Verification draws fresh inputs: a config that failed the full grid in one run's final round passed the next
+    # run's draw and was stored (a review's catch). Its 'final' failed trial keeps it out of every later round.
+    import optuna
+
+    from flashgen import tuner
+    from flashgen.db import TrialRecord
+    from flashgen.space import DeviceLimits, forward_space
+
+    spec = AttentionSpec(dtype="fp16", head_dim=32, causal=True)
+    space = forward_space(spec, DeviceLimits("gpu", float("inf")))
+    base = KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    flaky = base.replace(BLOCK_N=32)
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage())
+    dists = {n: optuna.distributions.CategoricalDistribution(list(c)) for n, c in space.params.items()}
+    study.add_trial(optuna.trial.create_trial(
+        params={n: getattr(flaky, n) for n in space.params}, distributions=dists, value=1.0,
+        user_attrs={"record": dataclasses.asdict(TrialRecord(64, "fwd", flaky.to_dict(), "ok", ms=1.0))}))
+    draws = []
+
+    class Runner:
+        interpret, device, seconds = True, "cpu", {"compile_verify": 0.0}
+
+        def prepare(self, kernel, config, phase, work, timeout_s, full):
+            draws.append(config)
+            wrong = config == flaky and draws.count(flaky) == 1  # wrong on the first draw only
+            return TrialRecord(64, phase, config.to_dict(), "wrong_result" if wrong else "ok")
+
+        def measure(self, kernel, config, phase, work, rec, timeout_s):
+            return rec if rec.status != "ok" else dataclasses.replace(rec, ms=1.0 if config == flaky else 2.0)
+
+    for _ in range(2):
+        best, _, _ = tuner._final_choice(Runner(), None, study, space, "fwd", None, tuner.TuneOptions(), base, {})
+        assert best.config == base.to_dict()
+    assert draws.count(flaky) == 1  # the second round did not even verify it again
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="forked workers: Linux")
+def test_a_sigterm_ends_the_commands_forked_workers_too(tmp_path):
+    # By default a SIGTERM killed the command's process alone: its forked worker, re-parented, went on writing
+    # trials (a review's catch). The command now ends its workers and exits 143.
+    spec = tmp_path / "long.yaml"
+    spec.write_text("name: long\ndtype: fp32\nhead_dim: 16\nnum_heads: 2\ncausal: true\nbackward: true\n"
+                    "tune: {seqlens: [64, 128, 256], trials: 100}\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=child_pythonpath(ROOT), FLASHGEN_WORKER_PROCESSES="fork",
+               FLASHGEN_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "flashgen", "tune", str(spec), "--interpret", "--gpus", "2",
+                             "--db", f"sqlite:///{tmp_path / 't.sqlite'}"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    children = []
+    deadline = time.monotonic() + 120
+    while not children and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+        found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        children = [int(pid) for pid in found]
+    assert children, "no forked worker seen"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    for pid in children:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"worker {pid} outlived the command")

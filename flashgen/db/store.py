@@ -481,9 +481,17 @@ class ResultStore:
         natural = {k: values[k] for k in ("environment_id", "spec_id", "bucket", "phase")}
         stored = s.execute(select(Best.config, Best.kernel).filter_by(**natural)).one_or_none()
         stale = None
+        canonical = spec if isinstance(spec, AttentionSpec) else spec.canonical()
         if stored is not None and stored.kernel is not None:
-            now = current_kernel(spec if isinstance(spec, AttentionSpec) else spec.canonical(), stored.config, phase)
+            now = current_kernel(canonical, stored.config, phase)
             stale = stored.kernel if now is not None and now != stored.kernel else None
+        if stored is not None and stale is None and kernel is not None:
+            # a result whose kernels this flashgen no longer renders (an old export's) replaces no row it can serve,
+            # however fast: the loader would then serve neither (a review's catch: an import wiped usable rows)
+            now = current_kernel(canonical, config, phase)
+            if now is not None and now != kernel:
+                kept = s.execute(select(Best).filter_by(**natural)).scalar_one()
+                return dict(config=kept.config, ms=kept.ms, tflops=kept.tflops, default_ms=kept.default_ms)
         # One statement, so concurrent writers cannot interleave a read and a write: the row is
         # replaced where the new time is lower, where it still holds the stale result read above,
         # or, where this row was measured against this flashgen's own default, where the stored one
