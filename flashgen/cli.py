@@ -681,7 +681,12 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
               for i, (p, gpu) in enumerate(procs, start=1) if p.returncode]
     failed += [f"worker 0: no config passed verification for {doc['spec']}" for doc in own if _nothing_stored(doc)]
     if failed:
-        raise click.ClickException("; ".join(failed))
+        # (a dead worker's trial stays running until its heartbeat lapses, and a study with one running skips its
+        # final round: the next run fails it, runs it again and stores the study's result)
+        again = (f"; the finished trials are kept in {store.display_url}: run the same command again to go on from "
+                 "them (a dead worker's studies store their results then)") if any(p.returncode for p, _ in procs) \
+            else ""
+        raise click.ClickException("; ".join(failed) + again)
     docs = [dict(worker=0, pid=os.getpid(), cuda_visible_devices=commands[0][1]["CUDA_VISIBLE_DEVICES"],
                  started_at=started, specs=own)]
     for i, ((p, gpu), text) in enumerate(zip(procs, outputs), start=1):
