@@ -1299,4 +1299,3 @@ def test_a_sigterm_ends_the_commands_forked_workers_too(tmp_path):
             continue
         os.kill(pid, signal.SIGKILL)
         pytest.fail(f"worker {pid} outlived the command")
-
