@@ -87,8 +87,9 @@ def reference_attention(q, k, v, *, causal: bool = False, softmax_scale: float |
     if smod is not None:
         named_c = {n: (t.to(soft_dtype) if t.is_floating_point() else t) for n, t in named.items()}
         modified = torch.as_tensor(evaluate(smod, {**env, "score": scores}, named_c), device=q.device)
-        # (a modifier that reads no score, a constant or a value per (b, h), is the scores' shape as the kernels')
-        scores = (modified + torch.zeros_like(scores)).to(soft_dtype)
+        # (a modifier that reads no score, a constant or a value per (b, h), is the scores' shape as the kernels': a
+        # view, no copy)
+        scores = modified.broadcast_to(scores.shape).to(soft_dtype)
     if score_hook is not None:
         score_hook(scores)
     if causal:

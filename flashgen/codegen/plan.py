@@ -46,13 +46,13 @@ class KernelPlan:
         self.tensors = list(lowered.tensors)
         self.grad_tensors = list(lowered.grad_tensors)
         self.integer_tensors = [t.name for t in self.tensors if t.integer]
-        # whether the modified score reads a value per key from a tensor, as an additive mask does (SDPA's float
-        # attn_mask, transformers' masks): _finalize (common/tiles.j2) then counts a row whose max score is below
-        # -65536 as fully masked, where a fill of -1e9 left the float32 LSE without the row's scale
         # whether an expression divides a tensor's elements with floor semantics (common/math.j2's _nfdiv)
         self.numeric_floors = any(numeric_floor(n) for e in (self.predicate, self.score_ir, lowered.score_derivative,
                                                              *(site.derivative for site in lowered.grad_sites))
                                   if e is not None for n in walk(e))
+        # whether the modified score reads a value per key from a tensor, as an additive mask does (SDPA's float
+        # attn_mask, transformers' masks): _finalize (common/tiles.j2) then counts a row whose max score is below
+        # -65536 as fully masked, where a fill of -1e9 left the float32 LSE without the row's scale
         self.additive_mask = self.score_ir is not None and any(
             isinstance(n, Load) and n.tensor not in self.integer_tensors and any(reads_var(i, "kv_idx") for i in n.index)
             for n in walk(self.score_ir))

@@ -163,10 +163,18 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
     search into a statement of its own and the expression refers to its result by name. A
     search of a tensor's own element is read from the tensor's runs table (runs_load; the plan
     threads the table of every tensor it searches so: KernelPlan.runs_tensors), in a dialect with runs."""
+    lang, helper = dialect.lang, dialect.helper
+
     def write(x):
         return triton_expr(x, names, hoist, dialect)
 
-    lang, helper = dialect.lang, dialect.helper
+    def number(x):
+        """x as an operand of arithmetic: a condition as an int32 0 or 1 (Python's True + True is 2 and -True -1;
+        Triton's 1-bit integers wrap)."""
+        if kind(x) != "bool":
+            return write(x)
+        return str(int(x.value)) if isinstance(x, Const) else f"({write(x)}).to({lang}.int32)"
+
     if isinstance(node, Const):
         value = node.value
         if lang == "tl" and type(value) is int and not INT32_MIN <= value <= INT32_MAX:
@@ -189,13 +197,6 @@ def triton_expr(node, names: Mapping[str, str], hoist: Callable[[str], str] | No
         return hoist(code) if hoist else code
     if isinstance(node, Not):
         return f"~({write(node.a)})"
-    def number(x):
-        """x as an operand of arithmetic: a condition as an int32 0 or 1 (Python's True + True is 2 and -True -1;
-        Triton's 1-bit integers wrap)."""
-        if kind(x) != "bool":
-            return write(x)
-        return str(int(x.value)) if isinstance(x, Const) else f"({write(x)}).to({lang}.int32)"
-
     if isinstance(node, Neg):
         return f"-({number(node.a)})"
     if isinstance(node, Bin):

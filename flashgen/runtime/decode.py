@@ -489,28 +489,28 @@ class DecodeCall:
         self.__dict__.update(fields)
 
 
-
 def check_append_targets(seqlens, appended, capacity, block_table, cache_batch_idx, cache_dims):
     """The targets of an append-only call (no query rows: no decode kernel runs, and it is that kernel which records
     what the append skips out of range), checked on the host before the append, with one wait for the device:
     each element's length and its appended keys within the capacity, the pages they land on (block_table) and
     the cache rows (cache_batch_idx) within the cache. cache_dims: k_cache's (pages, page size) or (rows, capacity)."""
-    lengths = seqlens.long().cpu()
-    for b, n in enumerate(lengths.tolist()):
+    lengths = seqlens.tolist()
+    for b, n in enumerate(lengths):
         if n < 0:
             raise bounds_error(1, b, 0, n, capacity)
         if n + appended > capacity:
             raise bounds_error(2, b, appended, n, capacity)
     if block_table is not None:
-        table, page = block_table.long().cpu(), cache_dims[1]
-        for b, n in enumerate(lengths.tolist()):
+        table, page = block_table.tolist(), cache_dims[1]
+        for b, n in enumerate(lengths):
             for j in range(n // page, (n + appended - 1) // page + 1):
-                if not 0 <= int(table[b, j]) < cache_dims[0]:
-                    raise bounds_error(3, b, j, int(table[b, j]), cache_dims[0])
+                if not 0 <= table[b][j] < cache_dims[0]:
+                    raise bounds_error(3, b, j, table[b][j], cache_dims[0])
     elif cache_batch_idx is not None:
-        for b, row in enumerate(cache_batch_idx.long().cpu().tolist()):
+        for b, row in enumerate(cache_batch_idx.tolist()):
             if not 0 <= row < cache_dims[0]:
                 raise bounds_error(4, b, 0, row, cache_dims[0])
+
 
 class DecodeLauncher:
     """Checks a decode call's inputs and launches the append, split-KV and combine kernels.
