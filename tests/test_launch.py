@@ -742,9 +742,18 @@ def test_raw_launch_passes_what_tritons_launcher_passes(monkeypatch):
             calls.clear()
             raw(0xABC, args, (True, 64))
             ours = calls.pop()
-            # Triton's path (BoundLaunch's compiled.run call): the same arguments reach the C launcher
+            # Triton's path (BoundLaunch's compiled.run call): the same arguments reach the C launcher, but for
+            # each tensor, which RawLaunch gives as its address (the C launcher's int pointer)
             compiled._run(3, 2, 1, 0xABC, 77, ("meta",), None, None, None, *args, True, 64)
-            assert ours == calls.pop()
+            assert ours == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in calls.pop())
+            assert any(isinstance(a, torch.Tensor) for a in args) and not any(isinstance(a, torch.Tensor) for a in ours)
+        # a call with None where the first call had a tensor: passed as given; with addresses off, every tensor
+        raw(0xABC, (*args[:3], None), (True, 64))
+        assert calls.pop()[-3] is None
+        monkeypatch.setattr(launch.RawLaunch, "addresses", False)
+        raw(0xABC, args, (True, 64))
+        assert calls.pop()[-3] is args[3]
+        monkeypatch.setattr(launch.RawLaunch, "addresses", True)
         # tensors[0], in both descriptors of steps 0 and 2: 4 expansions by Triton's wrapper, here 1 per slot
         assert made.count(tensors[0].data_ptr()) == (6 if slots else 0)
     compiled._run = _triton36_launcher(fake, (0,), lambda *a: calls.append(a), metas=False)  # no maps: none kept

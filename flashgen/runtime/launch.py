@@ -226,13 +226,16 @@ class RawLaunch:
     calls that C launcher itself with the same arguments, each descriptor's expansion kept by its
     base pointer: the rest of it (shape, strides, block, swizzle) is the same on every call of one
     BoundLaunch (its caller's key says so; FLASHGEN_VERIFY_LAUNCH=1 checks it). The Gluon forward's
-    launch: 15-20 us -> 8.4-8.7 us on an H200 host (benchmarks/NOTES.md, session 27). Other launchers
+    launch: 15-20 us -> 8.4-8.7 us on an H200 host (benchmarks/NOTES.md, session 27). Its tensors
+    go as their addresses (addressed()): a small forward's 12 tensors, ~1 us of an H200 host's call
+    (benchmarks/probe_launch_addresses.py). Other launchers
     (triton 3.7+, whose tensor descriptors pass otherwise) keep Triton's path: RawLaunch.of gives None."""
 
-    __slots__ = ("launch", "grid", "middle", "slots", "metas", "make", "expanded")
+    __slots__ = ("launch", "grid", "middle", "slots", "metas", "make", "expanded", "pointers")
     TRITON = "3.6."  # the Triton whose launcher this mirrors (its argument order is not checked, only its shape)
     BASE_ARGS = 13  # triton 3.6's _BASE_ARGS_FORMAT "iiiKKppOOOOOO": grid, stream, function, 2 flags, 6 objects
     MAX_KEPT = 16  # expansions kept per descriptor argument (a training step's tensors cycle through a few)
+    addresses = True  # tensors passed to the C launcher as their addresses (addressed())
 
     @classmethod
     def of(cls, compiled, grid3, positional):
@@ -265,8 +268,11 @@ class RawLaunch:
                        compiled.packed_metadata, None, None, None)
         self.slots, self.metas, self.make = slots, metas, make
         self.expanded = [{} for _ in slots]  # per descriptor argument: base pointer -> its expansion
+        self.pointers = None  # the positions of the tensor arguments, from the first call
 
     def __call__(self, stream, args, tail):
+        if self.addresses:
+            args = self.addressed(args)
         if not self.slots:
             return self.launch(*self.grid, stream, *self.middle, *args, *tail)
         flat, start = [], 0
@@ -275,6 +281,23 @@ class RawLaunch:
             flat += self.expansion(n, args[slot])
             start = slot + 1
         return self.launch(*self.grid, stream, *self.middle, *flat, *args[start:], *tail)
+
+    def addressed(self, args):
+        """args with each tensor given as its address. 3.6's C launcher takes an int pointer as it is; for a
+        tensor it calls data_ptr() and asks the driver whether the address is device memory
+        (cuPointerGetAttribute). A RawLaunch's tensors are on its device: the call's checks put them there
+        (a CPU tensor never reaches a bound launch). The tensors sit where the first call's did (its caller's
+        key holds every argument's kind); a call whose do not is passed as given."""
+        pointers = self.pointers
+        if pointers is None:
+            pointers = self.pointers = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        args = list(args)
+        try:
+            for i in pointers:
+                args[i] = args[i].data_ptr()
+        except AttributeError:  # not a tensor there this time: it and those after it go as given
+            pass
+        return args
 
     def expansion(self, n, descriptor):
         """The C launcher's arguments for descriptor argument n: kept by its base pointer where they hold a
