@@ -30,6 +30,7 @@ from . import masks
 from .errors import SpecError
 from .expr.parse import plain_number, plain_str
 from .masks.pattern import check_bool
+from .masks.tree import CAUSAL, split_causal
 from .runtime.host import SCALE_LIMIT  # the largest softmax_scale the kernels' float32 scale x log2(e) holds
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
@@ -375,7 +376,10 @@ class AttentionSpec:
             )
         check_bool("causal", self.causal)
         if self.mask is not None:
-            set_("mask", masks.parse_mask(self.mask))
+            # a mask that is (or and-s in) flash-attn's causal pattern: stored as `causal: true` and the rest
+            causal, rest = split_causal(masks.parse_mask(self.mask))
+            set_("mask", rest)
+            set_("causal", self.causal or causal)
         if self.score_mod is not None:
             set_("score_mod", masks.parse_score_mod(self.score_mod))
         if self.mask is not None or self.score_mod is not None:
@@ -474,7 +478,7 @@ class AttentionSpec:
     @property
     def mask_node(self):
         """The whole mask as one node: ``causal: true`` and the ``mask:`` section and-ed."""
-        causal = masks.MaskNode("causal", (("align", "bottom_right"),)) if self.causal else None
+        causal = CAUSAL if self.causal else None
         if causal is None or self.mask is None:
             return causal or self.mask
         return masks.MaskNode("and", (), (causal, self.mask))

@@ -83,7 +83,9 @@ PATTERN_CASES = [
     ("window-right-unbounded", {"sliding_window": {"left": 9, "right": -1}}, 45, 45),
     ("window-top-left", {"sliding_window": {"left": 4, "right": 0, "align": "top_left"}}, 30, 50),
     ("causal-top-left", {"causal": {"align": "top_left"}}, 50, 30),
-    ("causal-rows-see-nothing", {"causal": {}}, 50, 20),
+    ("causal-rows-see-nothing", {"causal": {}}, 50, 20),  # (the spec's causal: true, AttentionSpec's rule)
+    # the causal pattern in a masked kernel (an or keeps it a mask), its rows that see nothing too
+    ("causal-or-window", {"or": [{"causal": {}}, {"sliding_window": {"left": 2, "right": 2}}]}, 50, 20),
     ("chunked-1", {"chunked": {"size": 1}}, 45, 45),
     ("chunked-7", {"chunked": 7}, 45, 45),
     ("chunked-bidirectional", {"chunked": {"size": 12, "causal": False}}, 45, 45),

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+import flashgen
 from flashgen import AttentionSpec, SpecError, TuneSpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "specs"
@@ -71,6 +72,31 @@ def test_key_is_the_computation_uri_is_readable():
     assert AttentionSpec(head_dim=64).key == AttentionSpec(head_dim=64, softmax_scale=0.125).key
     assert a.uri == "a_fp16_hd64_h8kv8_causal_fwd"
     assert AttentionSpec.from_dict(a.to_dict()) == a
+
+
+def test_flash_attn_causal_as_a_mask_is_the_causal_spec():
+    """`mask: {causal: {}}` (bottom-right, the default align), alone or and-ed in at the top, is stored as
+    `causal: true`: one key, one kernel, the unmasked causal path's defaults. Top-left causal and causal
+    inside an or stay masks."""
+    plain = AttentionSpec(name="a", head_dim=64, num_heads=8, causal=True)
+    for mask in ({"causal": {}}, {"causal": {"align": "bottom_right"}}, {"and": [{"causal": {}}, {"causal": {}}]},
+                 flashgen.mask(causal={})):
+        spec = AttentionSpec(name="a", head_dim=64, num_heads=8, mask=mask)
+        assert spec == plain and spec.key == plain.key and spec.uri == plain.uri
+        assert spec.causal is True and spec.mask is None
+        assert AttentionSpec(name="a", head_dim=64, num_heads=8, causal=True, mask=mask) == plain
+    window = {"sliding_window": {"left": 8, "right": 0}}
+    both = AttentionSpec(head_dim=64, causal=True, mask=window)
+    for mask in ({"and": [window, {"causal": {}}]}, {"and": [{"causal": {}}, window]},
+                 flashgen.mask(**window) & flashgen.mask(causal={})):
+        spec = AttentionSpec(head_dim=64, mask=mask)
+        assert spec == both and spec.key == both.key and spec.mask.kind == "sliding_window"
+    three = AttentionSpec(head_dim=64, mask={"and": [window, {"causal": {}}, {"prefix_lm": 4}]})
+    assert three.causal and [c.kind for c in three.mask.children] == ["sliding_window", "prefix_lm"]
+    for kept in ({"causal": {"align": "top_left"}}, {"or": [{"causal": {}}, window]}):
+        spec = AttentionSpec(head_dim=64, mask=kept)
+        assert not spec.causal and spec.mask is not None and spec.key != plain.key
+    assert AttentionSpec.from_dict(three.to_dict()) == three
 
 
 def test_round_trip_through_yaml(tmp_path):

@@ -90,6 +90,23 @@ def parse_mask_tree(data, field: str = "mask") -> MaskNode:
     return MaskNode(pattern.name, tuple(sorted(pattern.check(sub_field, p).items())))
 
 
+# flash-attn's causal mask, the spec's `causal: true` (spec.AttentionSpec.mask_node)
+CAUSAL = MaskNode("causal", (("align", "bottom_right"),))
+
+
+def split_causal(node: MaskNode) -> tuple[bool, MaskNode | None]:
+    """(whether node requires CAUSAL, node without it): CAUSAL alone, or among a top-level and's children.
+    A spec stores such a mask as `causal: true` and the rest, so that either spelling gets one key, one
+    kernel and the unmasked causal path's defaults."""
+    if node == CAUSAL:
+        return True, None
+    if node.kind == "and":
+        rest = tuple(c for c in node.children if c != CAUSAL)
+        if len(rest) < len(node.children):
+            return True, (None if not rest else rest[0] if len(rest) == 1 else MaskNode("and", (), rest))
+    return False, node
+
+
 def _leaf_predicate(node: MaskNode):
     if node.kind == "expr":
         return expression.predicate(node.param, node.expr)
