@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -274,6 +275,7 @@ def _worker_option(_ctx, _param, value):
 
 SAMPLERS = ("tpe", "random", "grid")  # flashgen.tuner.SAMPLERS, named here so --help imports no torch
 EXIT_INTERRUPTED = 130  # the shell's code for a process ended by Ctrl-C
+EXIT_TERMINATED = 143  # the shell's code for a process ended by SIGTERM
 
 
 @main.command()
@@ -446,9 +448,6 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot, interpr
                             f"S={event['bucket']} {event['phase']} fail={state['failures']}")
         bar.update(1)
 
-    import signal
-    import threading
-
     interrupted = threading.Event()
 
     def on_interrupt(signum, frame):
@@ -456,13 +455,16 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot, interpr
         raise KeyboardInterrupt
 
     def unraisable(info, default=sys.unraisablehook):
-        # A KeyboardInterrupt raised inside a weakref callback or __del__ is dropped by Python
-        # ("Exception ignored in ..."): quietly, since the tuner stops before its next trial.
-        if not issubclass(info.exc_type, KeyboardInterrupt):
+        # A KeyboardInterrupt (or _exit_on_term's SystemExit) raised inside a weakref callback or __del__ is dropped
+        # by Python ("Exception ignored in ..."): quietly, since the tuner stops before its next trial.
+        if not issubclass(info.exc_type, (KeyboardInterrupt, SystemExit)):
             default(info)
 
+    def stopped():  # a Ctrl-C, or a SIGTERM to a `--gpus` command (_exit_on_term): the tuner asks before each trial
+        return interrupted.is_set() or _TERMINATED.is_set()
+
     options = TuneOptions(trials=trials, timeout_s=timeout_s, sampler=sampler, seed=seed, progress=progress,
-                          interrupted=interrupted.is_set, worker=worker, enqueue_default=not no_default)
+                          interrupted=stopped, worker=worker, enqueue_default=not no_default)
     started = time.time()
     previous, previous_hook = signal.signal(signal.SIGINT, on_interrupt), sys.unraisablehook
     sys.unraisablehook = unraisable
@@ -472,12 +474,17 @@ def _tune_spec(ctx, spec, store, trials, timeout_s, sampler, seed, plot, interpr
         except Exception as err:
             # A Ctrl-C raised inside a library can come out as that library's own error (Optuna's tell,
             # interrupted in its commit, raised UnboundLocalError from it): still the interrupt.
-            if not interrupted.is_set():
+            if not stopped():
                 raise
             raise KeyboardInterrupt from err
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as err:
         bar.close()
-        store.stop_heartbeats()  # a trial's heartbeat thread the Ctrl-C left running would keep the process alive
+        # a trial's heartbeat thread the Ctrl-C (or SIGTERM: _exit_on_term) left running would keep the process alive
+        store.stop_heartbeats()
+        if isinstance(err, SystemExit):
+            raise
+        if _TERMINATED.is_set():  # the tuner stopped for a SIGTERM whose SystemExit Python dropped
+            raise SystemExit(EXIT_TERMINATED) from None
         click.echo(f"interrupted: the finished trials are kept in {store.display_url}; run the same command again "
                    "to go on from them", err=True)
         ctx.exit(EXIT_INTERRUPTED)
@@ -625,9 +632,15 @@ def worker_commands(paths, forwarded: dict, seed: int, gpus: int, interpret: boo
     return out
 
 
+_TERMINATED = threading.Event()  # set by _exit_on_term: a SIGTERM reached a `--gpus` command
+
+
 def _exit_on_term(signum, frame):
-    """SIGTERM as SystemExit(143), so that `_run_workers` ends the workers before the command exits."""
-    raise SystemExit(128 + signum)
+    """SIGTERM as SystemExit(143), so that `_run_workers` ends the workers before the command exits. Python drops an
+    exception raised inside a weakref callback or __del__ (the interpreter's and SQLAlchemy's run often): the event
+    stops the tuner before its next trial all the same (_tune_spec), with this SystemExit."""
+    _TERMINATED.set()
+    raise SystemExit(EXIT_TERMINATED)
 
 
 def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> list[dict]:
@@ -656,6 +669,7 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
     own, outputs = [], []
     # A SIGTERM to the command ends its workers too: by default it killed this process alone, and a forked worker,
     # re-parented, went on writing trials (a review's catch). Installed after the forks: theirs stays the default.
+    _TERMINATED.clear()
     previous_term = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         for spec in specs:  # worker 0: commands[0]'s order and seed
