@@ -62,7 +62,7 @@ import triton.language as tl  # the same module as the kernels' tl in a standalo
 
 from flashgen.runtime.host import AttentionLauncher, bounds_error, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
 from flashgen.runtime.host import check_interpretable, check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
-from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, capturing, check_outputs_apart, check_tensor, launch_context, overlapping  # standalone: host.py precedes
+from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, capturing, check_data, check_outputs_apart, check_tensor, launch_context, overlapping  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
 MAX_SPLITS = 128  # FA3's cap
@@ -550,8 +550,7 @@ class DecodeLauncher:
         tensors += [(name, t) for name, t in (("k", k), ("v", v)) if t is not None]
         for name, t in tensors:
             check_tensor(name, t)
-            if t.device.type == "meta":  # (its bounds record reads the device's memory: a raw numpy error)
-                raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
+            check_data(name, t)  # (its bounds record reads the device's memory: a raw numpy error)
             if t.dim() != 4:
                 raise ValueError(f"{name}: expected a 4-d tensor, got shape {tuple(t.shape)}")
             if name == "v_cache" and t.dtype != k_cache.dtype:

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
-from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, capturing, check_outputs_apart, check_tensor, contiguous_strides, env_flag, overlapping, tensor_key  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, capturing, check_data, check_outputs_apart, check_tensor, contiguous_strides, env_flag, overlapping, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -612,8 +612,7 @@ def check_tensors(q, k, v, layout):
     ndim = 3 if layout == "thd" else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
-        if t.device.type == "meta":
-            raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
+        check_data(name, t)
         if t.dim() != ndim:
             raise ValueError(f"{name}: expected a {ndim}-d tensor in layout {layout!r}, got shape {tuple(t.shape)}")
 
@@ -867,8 +866,7 @@ class AttentionLauncher:
         out = {}
         for name, rank in self.tensor_ranks.items():
             t = tensors[name]
-            if t.device.type == "meta":
-                raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
+            check_data(name, t)
             if t.is_complex():
                 raise ValueError(f"{name}: expected a real (integer, float or bool) tensor, got dtype {t.dtype}")
             if name in self.integer_tensors and t.is_floating_point():

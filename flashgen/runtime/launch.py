@@ -437,6 +437,12 @@ def check_tensor(name, t, what="a torch.Tensor"):
                          f"{'a nested tensor' if t.is_nested else f'layout {t.layout}'}")
 
 
+def check_data(name, t):
+    """Refuse a meta tensor (a shape without memory), naming it: the kernels and the bounds checks read memory."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
+
+
 def capturing(device) -> bool:
     """Whether a CUDA graph is being captured on `device`'s current stream. A buffer a captured launch reads or
     writes must then be the graph's own (allocated during capture: its memory pool keeps it for the replays),
