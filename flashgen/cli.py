@@ -655,6 +655,7 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
     started = time.time()
     run = f"{os.getpid()}-{int(started)}"  # this run's id: its workers' final-round claims
     commands = worker_commands(paths, forwarded, seed, gpus, interpret, run=run)
+    _TERMINATED.clear()  # (an earlier run's in this process: neither this one nor its forks may inherit it)
     if _can_fork(interpret):
         sys.stdout.flush(), sys.stderr.flush()
         store.close()  # no pooled connection crosses the fork (this process opens new ones)
@@ -669,7 +670,6 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
     own, outputs = [], []
     # A SIGTERM to the command ends its workers too: by default it killed this process alone, and a forked worker,
     # re-parented, went on writing trials (a review's catch). Installed after the forks: theirs stays the default.
-    _TERMINATED.clear()
     previous_term = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         for spec in specs:  # worker 0: commands[0]'s order and seed
@@ -683,14 +683,19 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
                    "to go on from them", err=True)
         ctx.exit(EXIT_INTERRUPTED)
     except BaseException as err:  # worker 0 interrupted (its ctx.exit; the others had the Ctrl-C too), failed or
-        # terminated (_exit_on_term's SystemExit)
+        # terminated (_exit_on_term's SystemExit). Every worker is told before any is waited for, and a second
+        # SIGTERM meanwhile is ignored: raised in the wait, it left the workers after the first one running.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if not isinstance(err, click.exceptions.Exit):
+            for p, _ in procs:
+                if p.poll() is None:
+                    p.terminate()  # failed or terminated: the others end with it
         for p, _ in procs:
-            if not isinstance(err, click.exceptions.Exit) and p.poll() is None:
-                p.terminate()  # failed: the others end with it
             p.wait()
         raise
     finally:
         signal.signal(signal.SIGTERM, previous_term)
+        _TERMINATED.clear()  # (a later tune in this process, without --gpus, reads it too)
     failed = [f"worker {i} (CUDA_VISIBLE_DEVICES={gpu}) exited with {p.returncode}"
               for i, (p, gpu) in enumerate(procs, start=1) if p.returncode]
     failed += [f"worker 0: no config passed verification for {doc['spec']}" for doc in own if _nothing_stored(doc)]

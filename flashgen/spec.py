@@ -30,7 +30,7 @@ from . import masks
 from .errors import SpecError
 from .expr.parse import plain_number, plain_str
 from .masks.pattern import check_bool
-from .masks.tree import CAUSAL, split_causal
+from .masks.tree import CAUSAL, check_written_size, split_causal
 from .runtime.host import SCALE_LIMIT  # the largest softmax_scale the kernels' float32 scale x log2(e) holds
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
@@ -347,6 +347,7 @@ class AttentionSpec:
     backward: bool = False
     target: str = "auto"
     tune: TuneSpec = field(default_factory=TuneSpec)
+    _causal_from_mask = False  # (not a field: __post_init__ and replace() set it; see replace)
 
     @_refuse_deep_nesting
     def __post_init__(self):
@@ -376,8 +377,12 @@ class AttentionSpec:
             )
         check_bool("causal", self.causal)
         if self.mask is not None:
-            # a mask that is (or and-s in) flash-attn's causal pattern: stored as `causal: true` and the rest
-            causal, rest = split_causal(masks.parse_mask(self.mask))
+            # a mask that is (or and-s in) flash-attn's causal pattern: stored as `causal: true` and the rest;
+            # _causal_from_mask: causal came from the mask alone (replace(mask=...) replaces it with the mask)
+            mask = masks.parse_mask(self.mask)
+            check_written_size(mask)
+            causal, rest = split_causal(mask)
+            set_("_causal_from_mask", causal and not self.causal)
             set_("mask", rest)
             set_("causal", self.causal or causal)
         if self.score_mod is not None:
@@ -532,7 +537,15 @@ class AttentionSpec:
         return _bounded("_".join(parts))
 
     def replace(self, **changes) -> "AttentionSpec":
-        return dataclasses.replace(self, **changes)
+        """This spec with some fields changed. A new mask replaces the whole old one, the causal bound it
+        became (`mask: {causal: {}}` is stored as `causal: true`) included, unless causal is given too."""
+        from_mask = self._causal_from_mask and "causal" not in changes
+        if from_mask and "mask" in changes:
+            changes["causal"] = False
+        spec = dataclasses.replace(self, **changes)
+        if from_mask and "mask" not in changes:
+            object.__setattr__(spec, "_causal_from_mask", True)
+        return spec
 
 
 def _node_name(node) -> str:

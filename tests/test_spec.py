@@ -1,6 +1,7 @@
 """AttentionSpec: loading, defaults, identity, and one clear error per bad field."""
 
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,33 @@ def test_flash_attn_causal_as_a_mask_is_the_causal_spec():
         spec = AttentionSpec(head_dim=64, mask=kept)
         assert not spec.causal and spec.mask is not None and spec.key != plain.key
     assert AttentionSpec.from_dict(three.to_dict()) == three
+    # chained &: and-s nested in and-s are one conjunction
+    prefix = {"prefix_lm": 4}
+    chained = AttentionSpec(head_dim=64, mask=flashgen.mask(causal={}) & flashgen.mask(**window) & flashgen.mask(**prefix))
+    assert chained == AttentionSpec(head_dim=64, causal=True, mask={"and": [window, prefix]})
+    nested = {"and": [window, prefix]}  # (without causal a mask is kept as written: its key unchanged)
+    assert AttentionSpec(head_dim=64, mask={"and": [nested]}).mask == AttentionSpec(head_dim=64, mask=nested).mask
+    # replace(mask=...) replaces the whole old mask, the causal bound it became included (a review's catch: a
+    # two-sided window replacing `mask: {causal: {}}` was silently made causal)
+    masked = AttentionSpec(head_dim=64, mask={"causal": {}})
+    assert not masked.replace(mask={"sliding_window": {"left": 8, "right": 8}}).causal
+    assert not masked.replace(mask=None).causal and not masked.replace(dtype="fp32").replace(mask=None).causal
+    assert masked.replace(mask=None, causal=True).causal and masked.replace(dtype="fp32").causal
+    assert plain.replace(mask=window).causal  # causal given as such stays
+    assert AttentionSpec(head_dim=64, causal=True, mask={"causal": {}}).replace(mask=None).causal
+
+
+def test_a_mask_tree_of_doublings_is_refused_at_once():
+    # one node held twice per level: 2**40 patterns written out; counting them (not walking them out) refuses it
+    from flashgen.masks.tree import MaskNode, parse_mask_tree
+
+    node = parse_mask_tree({"sliding_window": {"left": 8, "right": 0}})
+    for _ in range(40):
+        node = MaskNode("and", (), (node, node))
+    started = time.monotonic()
+    with pytest.raises(SpecError, match=r"^spec field 'mask': the mask is 1099511627776 patterns long written out"):
+        AttentionSpec(head_dim=64, mask=node)
+    assert time.monotonic() - started < 5
 
 
 def test_round_trip_through_yaml(tmp_path):
@@ -224,7 +252,8 @@ def test_anchors_and_merge_keys_a_spec_may_use_still_load(tmp_path):
     assert spec.mask.children[0] == spec.mask.children[1].children[0]
     medium = tmp_path / "medium.yaml"
     medium.write_text(_alias_bomb(8))  # 2**8 patterns: large, but a real (if silly) spec
-    assert AttentionSpec.from_yaml(medium).mask.kind == "and"
+    large = AttentionSpec.from_yaml(medium)  # (2**8 causal patterns and-ed: flash-attn's causal, the causal spec)
+    assert large.causal and large.mask is None
 
 
 @pytest.mark.parametrize("text,words", [

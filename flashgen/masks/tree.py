@@ -90,21 +90,50 @@ def parse_mask_tree(data, field: str = "mask") -> MaskNode:
     return MaskNode(pattern.name, tuple(sorted(pattern.check(sub_field, p).items())))
 
 
+# At most this many patterns written out (an and/or may hold one node many times: `m = m & m` doubles it): each
+# writes at least one term of the kernel's mask, of which expr.to_triton's MAX_TERMS fit
+MAX_PATTERNS = 4096
+
+
+def check_written_size(node: MaskNode, field: str = "mask") -> None:
+    """Refuse a mask tree of more than MAX_PATTERNS patterns written out, counted without writing it out (a
+    tree of 40 doublings holds 2**40), before anything walks it."""
+    counts: dict[int, int] = {}
+
+    def patterns(n):
+        count = counts.get(id(n))
+        if count is None:
+            count = counts[id(n)] = sum(map(patterns, n.children)) if n.kind in ("and", "or") else 1
+        return count
+
+    total = patterns(node)
+    if total > MAX_PATTERNS:
+        raise SpecError(field, f"the mask is {total} patterns long written out; at most {MAX_PATTERNS} fit in the "
+                               "generated kernel")
+
+
 # flash-attn's causal mask, the spec's `causal: true` (spec.AttentionSpec.mask_node)
 CAUSAL = MaskNode("causal", (("align", "bottom_right"),))
 
 
 def split_causal(node: MaskNode) -> tuple[bool, MaskNode | None]:
-    """(whether node requires CAUSAL, node without it): CAUSAL alone, or among a top-level and's children.
-    A spec stores such a mask as `causal: true` and the rest, so that either spelling gets one key, one
-    kernel and the unmasked causal path's defaults."""
-    if node == CAUSAL:
-        return True, None
+    """(whether node requires CAUSAL, node without it): CAUSAL alone, or among the conjuncts of a top-level and
+    (nested ands included: `causal & a & b`). A spec stores such a mask as `causal: true` and the rest, so that
+    either spelling gets one key, one kernel and the unmasked causal path's defaults. A mask without CAUSAL among
+    its conjuncts comes back as it is."""
+    parts = list(_conjuncts(node))
+    rest = [c for c in parts if c != CAUSAL]
+    if len(rest) == len(parts):
+        return False, node
+    return True, (None if not rest else rest[0] if len(rest) == 1 else MaskNode("and", (), tuple(rest)))
+
+
+def _conjuncts(node: MaskNode):
     if node.kind == "and":
-        rest = tuple(c for c in node.children if c != CAUSAL)
-        if len(rest) < len(node.children):
-            return True, (None if not rest else rest[0] if len(rest) == 1 else MaskNode("and", (), rest))
-    return False, node
+        for child in node.children:
+            yield from _conjuncts(child)
+    else:
+        yield node
 
 
 def _leaf_predicate(node: MaskNode):
