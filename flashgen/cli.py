@@ -656,22 +656,28 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
     run = f"{os.getpid()}-{int(started)}"  # this run's id: its workers' final-round claims
     commands = worker_commands(paths, forwarded, seed, gpus, interpret, run=run)
     _TERMINATED.clear()  # (an earlier run's in this process: neither this one nor its forks may inherit it)
-    if _can_fork(interpret):
+    fork = _can_fork(interpret)
+    if fork:
         sys.stdout.flush(), sys.stderr.flush()
         store.close()  # no pooled connection crosses the fork (this process opens new ones)
-        procs = [(_ForkedWorker(ctx, worker_order(specs, i), forwarded, seed + i,
-                                (run, i), interpret, env["CUDA_VISIBLE_DEVICES"]), env["CUDA_VISIBLE_DEVICES"])
-                 for i, (_, env) in enumerate(commands) if i > 0]
     else:
         import subprocess
-
-        procs = [(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True), env["CUDA_VISIBLE_DEVICES"])
-                 for cmd, env in commands[1:]]
-    own, outputs = [], []
+    procs, own, outputs = [], [], []
     # A SIGTERM to the command ends its workers too: by default it killed this process alone, and a forked worker,
-    # re-parented, went on writing trials (a review's catch). Installed after the forks: theirs stays the default.
+    # re-parented, went on writing trials (a review's catch). Installed before any worker starts, so that one
+    # arriving meanwhile finds each started worker in procs; held (blocked) while workers are forked, so that no
+    # child runs this process's handler (each sets the default and takes the signal again: _ForkedWorker).
     previous_term = signal.signal(signal.SIGTERM, _exit_on_term)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if fork else None
     try:
+        for i, (cmd, env) in enumerate(commands[1:], start=1):
+            gpu = env["CUDA_VISIBLE_DEVICES"]
+            procs.append((_ForkedWorker(ctx, worker_order(specs, i), forwarded, seed + i, (run, i), interpret, gpu,
+                                        held) if fork else
+                          subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True), gpu))
+        if fork:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # (a SIGTERM held meanwhile arrives now)
+            held = None
         for spec in specs:  # worker 0: commands[0]'s order and seed
             own.append(_tune_spec(ctx, spec, store, forwarded["trials"], forwarded["timeout"], forwarded["sampler"],
                                   seed, None, interpret, True, (run, 0), no_default=forwarded.get("no_default", False)))
@@ -695,6 +701,8 @@ def _run_workers(ctx, store, paths, specs, forwarded, seed, gpus, interpret) -> 
         raise
     finally:
         signal.signal(signal.SIGTERM, previous_term)
+        if held is not None:  # (a fork that failed)
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         _TERMINATED.clear()  # (a later tune in this process, without --gpus, reads it too)
     failed = [f"worker {i} (CUDA_VISIBLE_DEVICES={gpu}) exited with {p.returncode}"
               for i, (p, gpu) in enumerate(procs, start=1) if p.returncode]
@@ -735,10 +743,14 @@ class _ForkedWorker:
     tunes ``specs`` on its GPU as worker ``worker`` and sends their results (JSON) back through
     a pipe; its messages go to the command's stderr as they come."""
 
-    def __init__(self, ctx, specs, forwarded, seed, worker, interpret, visible):
+    def __init__(self, ctx, specs, forwarded, seed, worker, interpret, visible, mask=None):
+        # mask: the signal mask to restore in the child (the command holds SIGTERM while it forks)
         read, write = os.pipe()
         self.pid = os.fork()
-        if self.pid == 0:  # the child: never returns
+        if self.pid == 0:  # the child: SIGTERM's default action, then never returns
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             os.close(read)
             _forked_worker_main(ctx, specs, forwarded, seed, worker, interpret, visible, write)
         os.close(write)

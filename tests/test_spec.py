@@ -102,6 +102,13 @@ def test_flash_attn_causal_as_a_mask_is_the_causal_spec():
     prefix = {"prefix_lm": 4}
     chained = AttentionSpec(head_dim=64, mask=flashgen.mask(causal={}) & flashgen.mask(**window) & flashgen.mask(**prefix))
     assert chained == AttentionSpec(head_dim=64, causal=True, mask={"and": [window, prefix]})
+    # causal taken out where it stands: the rest keeps the nesting the `causal: true` spelling writes
+    expr = "kv_idx >= q_idx - 100"
+    assert AttentionSpec(head_dim=64, mask={"and": [{"causal": {}}, {"and": [window, expr]}, prefix]}).key == \
+        AttentionSpec(head_dim=64, causal=True, mask={"and": [{"and": [window, expr]}, prefix]}).key
+    w, e, p = flashgen.mask(**window), flashgen.mask(expr), flashgen.mask(**prefix)
+    assert AttentionSpec(head_dim=64, mask=flashgen.mask(causal={}) & w & e & p) == \
+        AttentionSpec(head_dim=64, causal=True, mask=w & e & p)
     nested = {"and": [window, prefix]}  # (without causal a mask is kept as written: its key unchanged)
     assert AttentionSpec(head_dim=64, mask={"and": [nested]}).mask == AttentionSpec(head_dim=64, mask=nested).mask
     # replace(mask=...) replaces the whole old mask, the causal bound it became included (a review's catch: a

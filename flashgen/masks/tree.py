@@ -117,23 +117,25 @@ CAUSAL = MaskNode("causal", (("align", "bottom_right"),))
 
 
 def split_causal(node: MaskNode) -> tuple[bool, MaskNode | None]:
-    """(whether node requires CAUSAL, node without it): CAUSAL alone, or among the conjuncts of a top-level and
-    (nested ands included: `causal & a & b`). A spec stores such a mask as `causal: true` and the rest, so that
-    either spelling gets one key, one kernel and the unmasked causal path's defaults. A mask without CAUSAL among
-    its conjuncts comes back as it is."""
-    parts = list(_conjuncts(node))
-    rest = [c for c in parts if c != CAUSAL]
-    if len(rest) == len(parts):
+    """(whether node requires CAUSAL, node without it): CAUSAL alone, or among the conjuncts of a top-level and,
+    nested ands included (`causal & a & b` is and(and(causal, a), b)). A spec stores such a mask as
+    `causal: true` and the rest, so that either spelling gets one key, one kernel and the unmasked causal path's
+    defaults. CAUSAL is taken out where it stands and an and left with one child becomes that child, so the rest
+    keeps the nesting the other spelling writes (`causal: true` with `a & b`); a mask without CAUSAL among its
+    conjuncts comes back as it is."""
+    if node == CAUSAL:
+        return True, None
+    if node.kind != "and":
         return False, node
-    return True, (None if not rest else rest[0] if len(rest) == 1 else MaskNode("and", (), tuple(rest)))
-
-
-def _conjuncts(node: MaskNode):
-    if node.kind == "and":
-        for child in node.children:
-            yield from _conjuncts(child)
-    else:
-        yield node
+    found, kept = False, []
+    for child in node.children:
+        causal, rest = split_causal(child)
+        found = found or causal
+        if rest is not None:
+            kept.append(rest)
+    if not found:
+        return False, node
+    return True, (None if not kept else kept[0] if len(kept) == 1 else MaskNode("and", (), tuple(kept)))
 
 
 def _leaf_predicate(node: MaskNode):
