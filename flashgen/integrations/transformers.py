@@ -205,7 +205,8 @@ def _packed_positions(position_ids, batch, seqlen):
     if starts.numel() == 1:
         return None
     cu = torch.cat([starts, starts.new_tensor([seqlen])]).to(torch.int32)
-    return cu, cu, int(cu.diff().max()), int(cu.diff().max())
+    longest = int(cu.diff().max())  # (one wait for the device)
+    return cu, cu, longest, longest
 
 
 def _number(name, value, kind):
