@@ -1250,6 +1250,29 @@ def test_decode_rows_below_the_score_floor_count_as_masked(device, num_splits):
     assert (out[1:].float() - ref).abs().max().item() < 2e-3
 
 
+def test_decode_splits_below_the_score_floor_weigh_in_where_the_row_is_above_it(device):
+    # The floor judges a row by its max over all its keys, split or not, as prefill does. Split-KV decode applied it
+    # per split: a split wholly below -65536 in a row whose other keys are above it was dropped (here 35% of row 1's
+    # weight). Queries of 0, so each score is its bias; BLOCK_N 16 over 20 keys: 2 splits, keys 0-15 and 16-19.
+    spec, gen, q, k_cache, v_cache, _ = _named_tensor_case("score + bias[b, kv_idx]", 5, 1, device)
+    q.zero_()
+    lengths = torch.tensor([20, 20], dtype=torch.int32, device=device)
+    bias = torch.empty(2, 20).to(device)
+    bias[0] = -65536.5  # every key just below the floor: masked, though its LSE (-65533.5) is above it
+    bias[1, :16], bias[1, 16:] = -65537.0, -65535.0  # split 0 wholly below the floor, split 1 above it
+    ref = reference_attention(q[1:], k_cache[1:, :20], v_cache[1:, :20], causal=True, layout="bshd",
+                              compute_dtype=torch.float32, score_mod="score + bias[b, kv_idx]",
+                              tensors={"bias": bias[1:]})[0]
+    # (the scores' float32 rounding near 2^16 in log2 units, 2^-7, moves each weight by up to 0.5%)
+    dropped = v_cache[1, 16:20].float().mean(0)  # split 0 left out: the mean of keys 16-19's values
+    assert (dropped - ref[0, 0]).abs().max().item() > 0.1  # (so the check below tells the two apart)
+    for num_splits in (1, 2):
+        out, lse = flashgen.decode(spec, q, k_cache, v_cache, lengths, bias=bias, num_splits=num_splits, BLOCK_N=16,
+                                   return_lse=True, check="sync")
+        assert not out[0].any() and (lse[0] == float("-inf")).all(), f"num_splits={num_splits}"
+        assert (out[1:].float() - ref).abs().max().item() < 2e-2, f"num_splits={num_splits}"
+
+
 def test_an_append_only_call_checks_its_targets(device):
     # No query rows: no decode kernel runs, and it is that kernel which records what the append skips; a bad target
     # was dropped silently (a review's catch). Checked on the host before the append now; a good call still writes.

@@ -811,7 +811,8 @@ class DecodeLauncher:
         out_strides = out.stride() if out is not None else (seqlen_q * num_heads * dv, num_heads * dv, dv, 1)
         write_lse = lse is not None or bool(return_lse)
         rows = batch * seqlen_q * num_heads
-        part_numel = rows * plan["splits"] * (plan["block_dv"] + 1) if plan["split"] else 0
+        # a split call's partial outputs, their LSEs and their max scores (the score floor's, decode/combine.j2)
+        part_numel = rows * plan["splits"] * (plan["block_dv"] + 2) if plan["split"] else 0
         ones = self.descale_arg(None, batch, q.device) if descale else None
         descale_strides = [(d if d is not None else ones).stride() if descale else (0, 0)
                            for d in descales.values()]

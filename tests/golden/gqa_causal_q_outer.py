@@ -953,12 +953,14 @@ def _attn_decode(
     o_mask = row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
     if SPLIT:
         # PART holds the partial outputs (batch, seqlen_q, heads, num_splits, BLOCK_DV), then
-        # their LSEs (batch, seqlen_q, heads, num_splits), both contiguous fp32.
+        # their LSEs (batch, seqlen_q, heads, num_splits), then their max scores (the same shape; written where
+        # the score floor applies), all contiguous fp32.
         part_row = ((off_b * seqlen_q + qpos) * (num_kv_heads * GQA_GROUP) + head) * num_splits + split
         tl.store(PART + part_row[:, None] * BLOCK_DV + offs_dv[None, :], out, mask=o_mask)
         rows_total = (tl.num_programs(2) // num_kv_heads).to(tl.int64) * seqlen_q * num_kv_heads * GQA_GROUP
         lse_part = PART + rows_total * num_splits * BLOCK_DV
         tl.store(lse_part + part_row, lse, mask=row_ok)
+        max_part = lse_part + rows_total * num_splits
         if FUSED:
             # The barrier orders every warp's partial stores before the ticket; acq_rel at GPU scope
             # publishes them to, and makes the others' visible in, the program that draws the last
@@ -973,8 +975,8 @@ def _attn_decode(
                     c_ok = offs_c < row_end
                     c_pos = offs_c // GQA_GROUP
                     c_head = off_hk * GQA_GROUP + offs_c % GQA_GROUP
-                    c_out, c_lse = _combine_splits(PART, lse_part, (off_b * seqlen_q + c_pos) * (num_kv_heads *
-                                                   GQA_GROUP) + c_head, c_ok, num_splits, BLOCK_S)
+                    c_rows = (off_b * seqlen_q + c_pos) * (num_kv_heads * GQA_GROUP) + c_head
+                    c_out, c_lse = _combine_splits(PART, lse_part, max_part, c_rows, c_ok, num_splits, BLOCK_S)
                     _store_rows(O, LSE, c_out, c_lse, off_b, c_pos, c_head, c_ok, offs_dv, stride_ob, stride_om,
                                 stride_oh, stride_od, stride_lb, stride_lh, WRITE_LSE)
     else:
@@ -983,12 +985,13 @@ def _attn_decode(
 
 
 @triton.jit
-def _combine_splits(O_PART, LSE_PART, rows, row_ok, num_splits, BLOCK_S: tl.constexpr):
+def _combine_splits(O_PART, LSE_PART, MAX_PART, rows, row_ok, num_splits, BLOCK_S: tl.constexpr):
     # rows (R,): output rows ((b * seqlen_q + position) * num_heads + head). With the splits' LSEs
     # l_s and partial outputs O_s (each normalised by its own sum): LSE = ln sum_s exp(l_s),
     # O = sum_s exp(l_s - LSE) O_s. Splits that saw no key have l_s = -inf and weigh nothing; a
     # row no split saw gives O = 0, LSE = -inf. O_PART: the partial outputs (rows, num_splits,
-    # BLOCK_DV) fp32, LSE_PART their LSEs (rows, num_splits). Returns (O (R, BLOCK_DV), LSE (R,)).
+    # BLOCK_DV) fp32, LSE_PART their LSEs (rows, num_splits), MAX_PART their max scores (rows,
+    # num_splits; log2 units), read where the score floor applies. Returns (O (R, BLOCK_DV), LSE (R,)).
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
     ok = row_ok[:, None] & (offs_s[None, :] < num_splits)
@@ -1011,10 +1014,12 @@ def _combine_splits(O_PART, LSE_PART, rows, row_ok, num_splits, BLOCK_S: tl.cons
 def _decode_combine(O, LSE, PART, stride_ob, stride_om, stride_oh, stride_od, stride_lb, stride_lh, seqlen_q, num_heads,
                     num_splits, BLOCK_S: tl.constexpr, WRITE_LSE: tl.constexpr):
     # One (batch, query position, head) row per program (the split kernel's FUSED=False).
-    # PART: the partial outputs (rows, num_splits, BLOCK_DV), then their LSEs (rows, num_splits).
+    # PART: the partial outputs (rows, num_splits, BLOCK_DV), then their LSEs (rows, num_splits), then their max
+    # scores (rows, num_splits; written where the score floor applies).
     row = tl.program_id(0).to(tl.int64) + tl.zeros([1], tl.int64)  # (b * seqlen_q + position) * num_heads + head
     lse_part = PART + tl.num_programs(0).to(tl.int64) * num_splits * BLOCK_DV
-    out, lse = _combine_splits(PART, lse_part, row, row >= 0, num_splits, BLOCK_S)
+    out, lse = _combine_splits(PART, lse_part, lse_part + tl.num_programs(0).to(tl.int64) * num_splits, row, row >= 0,
+                               num_splits, BLOCK_S)
     off_h = row % num_heads
     pos = (row // num_heads) % seqlen_q
     off_b = row // (num_heads * seqlen_q)
