@@ -10,6 +10,7 @@ sm90 in a child process: a bound launch hands CompiledKernel.run the same argume
 JITFunction.run); and the GPU (bound and normal launches bitwise equal, Triton's binder agreeing
 with every bound launch)."""
 
+import contextlib
 import functools
 import inspect
 import os
@@ -122,15 +123,70 @@ def test_bound_launch_takes_tritons_path_when_it_must(fake_driver, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(launch, "triton_driver", type("Config", (), {"active": fake_driver})())
     assert not launch.launch_hooks_set()
-    # another current device than the one it was bound on
-    fake_driver.device = 1
-    bound(None, 16, 1.0)
-    assert len(kernel.normal) == 3 and len(kernel.compiled.launches) == 1
-    fake_driver.device = 0
     # bound launches turned off
     monkeypatch.setattr(BoundLaunch, "enabled", False)
     bound(None, 16, 1.0)
-    assert len(kernel.normal) == 4 and len(kernel.compiled.launches) == 1
+    assert len(kernel.normal) == 3 and len(kernel.compiled.launches) == 1
+
+
+def _fake_device_guard(monkeypatch, driver):
+    """torch.cuda.device(i) as a context that makes i the fake driver's current device; returns the devices
+    made current, in order."""
+    entered = []
+
+    @contextlib.contextmanager
+    def device(index):
+        entered.append(index)
+        before, driver.device = driver.device, index
+        try:
+            yield
+        finally:
+            driver.device = before
+    monkeypatch.setattr(torch.cuda, "device", device)
+    return entered
+
+
+def test_a_launch_runs_on_its_tensors_device_not_the_current_one(fake_driver, monkeypatch):
+    # A model spread over GPUs in one process (transformers' device_map="auto") calls its layers on cuda:1 while
+    # cuda:0 stays current; Triton launches on the current device, so flashgen launched cuda:1's tensors on cuda:0
+    # (and bound the kernel there). Each launch now makes its tensors' device current, as torch's ops do.
+    entered = _fake_device_guard(monkeypatch, fake_driver)
+    monkeypatch.setattr(launch, "tensors_device", lambda args: 1)  # (CPU tensors here: their device as cuda:1's)
+    seen = []  # the current device at each launch by Triton's path
+
+    class Kernel(FakeKernel):
+        def __getitem__(self, grid):
+            seen.append(fake_driver.device)
+            return super().__getitem__(grid)
+    kernel = Kernel()
+    bound = BoundLaunch(kernel, (2,), dict(BLOCK=16))
+    x = torch.empty(4)
+    bound(x, 16, 1.0)  # Triton's path, on cuda:1, and bound there
+    assert seen == [1] and bound.device == 1 and fake_driver.device == 0
+    bound(x, 16, 1.0)  # bound, on cuda:1's current stream
+    assert len(kernel.normal) == 1 and kernel.compiled.launches[-1][3] == 1001 and fake_driver.device == 0
+    fake_driver.device = 1  # with cuda:1 current: no device change
+    bound(x, 16, 1.0)
+    assert kernel.compiled.launches[-1][3] == 1001 and entered == [1, 1]
+    # Triton's path every time (bound launches off): on cuda:1 too
+    fake_driver.device = 0
+    monkeypatch.setattr(BoundLaunch, "enabled", False)
+    bound(x, 16, 1.0)
+    assert seen == [1, 1] and len(kernel.normal) == 2 and fake_driver.device == 0
+    # a bound launch whose current device is another: its own device made current (it took Triton's path before)
+    monkeypatch.setattr(BoundLaunch, "enabled", True)
+    monkeypatch.setattr(launch, "tensors_device", lambda args: 0)
+    other = BoundLaunch(FakeKernel(), (1,), dict(BLOCK=16))
+    other(x, 16, 1.0)
+    fake_driver.device = 1
+    other(x, 16, 1.0)
+    assert len(other.kernel.normal) == 1 and other.kernel.compiled.launches[-1][3] == 1000 and fake_driver.device == 1
+
+
+def test_tensors_device_reads_the_first_tensor():
+    assert launch.tensors_device((None, 3, torch.empty(2), 1.0)) is None  # a CPU tensor
+    assert launch.tensors_device((None, 3)) is None
+    assert isinstance(launch.on_device(torch.empty(2)), contextlib.nullcontext)
 
 
 def test_kernels_that_return_no_compiled_kernel_always_take_their_own_path(fake_driver):
@@ -1020,3 +1076,38 @@ def test_environment_flags_read_the_usual_off_words(monkeypatch):
         assert env_flag("FLASHGEN_TEST_FLAG", False) is True, on
     monkeypatch.delenv("FLASHGEN_TEST_FLAG")
     assert env_flag("FLASHGEN_TEST_FLAG", True) is True and env_flag("FLASHGEN_TEST_FLAG", False) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_gpu_calls_on_another_device_than_the_current_one_run_on_theirs():
+    """cuda:1's tensors with cuda:0 current (a model spread over GPUs): training steps (the default family and the
+    portable one), a bool mask's block map, split-KV decode. Each is bitwise the same call with cuda:1 current,
+    and cuda:0 stays current."""
+    dev = torch.device("cuda", 1)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, do = (torch.randn(2, 8, 300, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    keep = torch.rand(300, 300, device=dev, generator=gen) > 0.3
+    kc, vc = (torch.randn(2, 64, 2, 64, device=dev, dtype=torch.float16, generator=gen) for _ in range(2))
+    q1 = torch.randn(2, 1, 8, 64, device=dev, dtype=torch.float16, generator=gen)
+    decode_spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=8, num_kv_heads=2, causal=True, backward=False)
+
+    def calls():
+        results = []
+        for config in (None, KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)):
+            x = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = flashgen.attention(*x, causal=True, config=config)
+            results += [out, *torch.autograd.grad(out, x, do)]
+        results.append(flashgen.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+        results.append(flashgen.decode(decode_spec, q1, kc, vc, torch.tensor([40, 64], dtype=torch.int32, device=dev),
+                                       num_splits=3))
+        torch.cuda.synchronize(dev)
+        return results
+
+    torch.cuda.set_device(0)
+    elsewhere = calls()
+    assert torch.cuda.current_device() == 0
+    with torch.cuda.device(dev):
+        here = calls()
+    assert all(torch.equal(a, b) for a, b in zip(elsewhere, here))
+    assert_attention_close(elsewhere[0], None, q, k, v, causal=True)

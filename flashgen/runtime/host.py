@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
-from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, capturing, check_data, check_outputs_apart, check_tensor, contiguous_strides, env_flag, overlapping, tensor_key  # standalone: launch.py precedes
+from .launch import BackwardPlan, BoundLaunch, ForwardPlan, argument_signature, capturing, check_data, check_outputs_apart, check_tensor, contiguous_strides, env_flag, on_device, overlapping, tensor_key  # standalone: launch.py precedes
 
 try:  # tensor descriptors (the Hopper copy engine, TMA), triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -285,7 +285,8 @@ def index_lists(tile_classes):
     counts = torch.empty((flat.shape[0], n, 2), dtype=torch.int32, device=flat.device)
     lists = torch.empty((flat.shape[0], n, 2, m), dtype=torch.int32, device=flat.device)
     if counts.numel():
-        block_lists_fill[(n, flat.shape[0])](flat, counts, lists, n, m, *flat.stride(), BLOCK=list_block(m))
+        with on_device(flat):
+            block_lists_fill[(n, flat.shape[0])](flat, counts, lists, n, m, *flat.stride(), BLOCK=list_block(m))
     return counts.view(*lead, n, 2), lists.view(*lead, n, 2, m)
 
 
@@ -1049,8 +1050,9 @@ class AttentionLauncher:
         if not self.tensor_names and key in self.block_maps:
             return self.block_maps[key]
         tile_classes = torch.empty((nb * nh, nq, nk), dtype=torch.int8, device=device)
-        self.block_map_kernel[(nq, nk, nb * nh)](tile_classes, seqlen_q, seqlen_k, nb, nh, *self.tensor_args(tensors),
-                                                 BLOCK_M=block_m, BLOCK_N=block_n)
+        with on_device(tile_classes):
+            self.block_map_kernel[(nq, nk, nb * nh)](tile_classes, seqlen_q, seqlen_k, nb, nh,
+                                                     *self.tensor_args(tensors), BLOCK_M=block_m, BLOCK_N=block_n)
         tile_classes = tile_classes.view(nb, nh, nq, nk)
         result = (*index_lists(tile_classes), *index_lists(tile_classes.transpose(-1, -2)))
         if not self.tensor_names and not device_sync_forbidden(device):  # (captured: filled only by replays)
@@ -1669,5 +1671,6 @@ class AttentionLauncher:
         """For tests only: the (B, H, Sq, Sk) bool keep mask that forward/backward use for this seed."""
         keep = torch.empty((batch, self.num_heads, seqlen_q, seqlen_k), dtype=torch.int8, device=seed.device)
         grid = (triton.cdiv(seqlen_q, 32), triton.cdiv(seqlen_k, 32), batch * self.num_heads)
-        self.keep_mask_kernel[grid](keep, seed, seqlen_q, seqlen_k, float(dropout_p), BLOCK_M=32, BLOCK_N=32)
+        with on_device(keep):
+            self.keep_mask_kernel[grid](keep, seed, seqlen_q, seqlen_k, float(dropout_p), BLOCK_M=32, BLOCK_N=32)
         return keep.bool()

@@ -22,9 +22,15 @@ raises if the specialization or the argument list differs from the first call's 
 
 The normal path is taken instead (and is always correct) when bound launches are off
 (``FLASHGEN_BOUND_LAUNCH=0`` or ``BoundLaunch.enabled = False``), when a Triton launch hook is
-installed (the hooks read metadata only Triton's path builds), when the kernel is not a compiled
-JITFunction (the CPU interpreter, test doubles), and when the current device is not the one the
-kernel was bound on.
+installed (the hooks read metadata only Triton's path builds), and when the kernel is not a compiled
+JITFunction (the CPU interpreter, test doubles).
+
+Every launch runs on its tensors' device, as torch's own ops do, whatever device is current: a
+model spread over GPUs in one process (transformers' ``device_map="auto"``) calls its layers on
+their own devices while cuda:0 stays current, and Triton launches on the current device. A
+BoundLaunch is bound on its tensors' device (its first launch makes that device current), and a
+call where another device is current makes that one current for its launch (``on_device``; one
+comparison of device indices per launch otherwise).
 
 Below BoundLaunch: the call plans host.py makes (CallPlan, ForwardPlan, BackwardPlan): what one
 call of a metadata key allocates and launches, checked and worked out once by its first call.
@@ -42,6 +48,7 @@ into standalone modules, so its top-level names must not clash with the kernels'
 with an underscore or are upper case) or host.py's.
 """
 
+import contextlib
 import os
 
 import torch
@@ -74,6 +81,23 @@ def launch_context():
     active = triton_driver.active
     device = active.get_current_device()
     return device, active.get_current_stream(device)
+
+
+def tensors_device(args):
+    """The index of the CUDA device of the first tensor among args, or None (its first tensor is not on one,
+    or it has none)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.get_device() if a.is_cuda else None
+    return None
+
+
+def on_device(t):
+    """A context that makes tensor t's CUDA device the current one where another is current (Triton launches
+    on the current device, torch's ops on their tensors'), else a null context."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 class BoundLaunch:
@@ -131,9 +155,14 @@ class BoundLaunch:
         """Launch with `context`, launch_context()'s answer taken once for all the launches of one
         call (a call plan's two to four): the device and stream to launch on, or None for Triton's path."""
         compiled = self.compiled
-        if compiled is None and self.family is not None and context is not None:
-            compiled = self.adopt(args)
-        if compiled is None or context is None or context[0] != self.device:
+        if context is not None:
+            device = self.device if compiled is not None else tensors_device(args)
+            if device is not None and device != context[0]:  # another device is current: launch on the tensors'
+                with torch.cuda.device(device):
+                    return self.run(launch_context(), args)
+            if compiled is None and self.family is not None:
+                compiled = self.adopt(args)
+        if compiled is None or context is None:
             return self.launch(args)
         if BoundLaunch.verify:
             self.check(args, context[0])
@@ -149,7 +178,11 @@ class BoundLaunch:
         return compiled
 
     def launch(self, args):
-        """Triton's own path; binds the compiled kernel it returns on the first call."""
+        """Triton's own path, on the tensors' device; binds the compiled kernel it returns on the first call."""
+        device = tensors_device(args)
+        if device is not None and device != triton_driver.active.get_current_device():
+            with torch.cuda.device(device):
+                return self.launch(args)
         result = self.kernel[self.grid](*args, **self.constexprs)
         if (self.compiled is None and BoundLaunch.enabled and hasattr(result, "packed_metadata")
                 and hasattr(self.kernel, "device_caches")):
