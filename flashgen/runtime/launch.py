@@ -480,8 +480,16 @@ def capturing(device) -> bool:
     """Whether a CUDA graph is being captured on `device`'s current stream. A buffer a captured launch reads or
     writes must then be the graph's own (allocated during capture: its memory pool keeps it for the replays),
     not one a plan or launcher keeps and may drop (a plan evicted from a full table, a table grown), whose
-    memory replays would then read or write after it was freed."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    memory replays would then read or write after it was freed. torch answers for the current device; a call
+    on another device's tensors (launched there) asks for its own where the current one captures. (A capture
+    on `device` while another device is current is not seen: torch.cuda.graph makes its stream's device
+    current, and a call inside it would have to change the device back.)"""
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        return False
+    if device.index is None or device.index == torch.cuda.current_device():
+        return True
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def tensor_key(t):
