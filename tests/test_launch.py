@@ -183,6 +183,27 @@ def test_a_launch_runs_on_its_tensors_device_not_the_current_one(fake_driver, mo
     assert len(other.kernel.normal) == 1 and other.kernel.compiled.launches[-1][3] == 1000 and fake_driver.device == 1
 
 
+def test_capturing_asks_the_tensors_device_where_the_current_one_captures(monkeypatch):
+    # a call on cuda:1's tensors while cuda:0's stream captures a graph runs eagerly on cuda:1: not captured
+    current, captures = [0], {0}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: current[0] in captures)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current[0] = current[0], torch.device(d).index
+        try:
+            yield
+        finally:
+            current[0] = before
+    monkeypatch.setattr(torch.cuda, "device", device)
+    assert launch.capturing(torch.device("cuda", 0)) and launch.capturing(torch.device("cuda"))
+    assert not launch.capturing(torch.device("cuda", 1)) and current == [0]
+    captures.add(1)
+    assert launch.capturing(torch.device("cuda", 1)) and current == [0]
+    assert not launch.capturing(torch.device("cpu"))
+
+
 def test_tensors_device_reads_the_first_tensor():
     assert launch.tensors_device((None, 3, torch.empty(2), 1.0)) is None  # a CPU tensor
     assert launch.tensors_device((None, 3)) is None
