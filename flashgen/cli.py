@@ -45,6 +45,9 @@ class _Cli(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:  # (click said "Aborted!" and exited 1; `tune` says what it kept itself)
+            click.echo("interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
         except Exception as err:  # (_said picks the user's errors; Optuna's by name: optuna is not imported here)
             said = _said(ctx, err)
             if said is None:

@@ -640,3 +640,16 @@ def test_generate_with_portable_knobs_starts_from_the_portable_default_on_hopper
     plain = CliRunner().invoke(main, ["generate", "--spec", str(spec), "-o", str(tmp_path / "g.py"), "--target",
                                       "h100"])
     assert plain.exit_code == 0 and "'family': 'hopper_ws'" in (tmp_path / "g.py").read_text()
+
+
+def test_ctrl_c_in_any_verb_exits_130_in_one_line(tmp_path, monkeypatch):
+    # click's own answer was "Aborted!" and exit 1 (a tune interrupted while it loaded its spec, any other verb)
+    import flashgen.cli as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli.AttentionSpec, "from_yaml", interrupted)
+    result = CliRunner().invoke(main, ["generate", "--spec", str(ROOT / "examples/specs/mha-hd64.yaml")])
+    assert result.exit_code == 130, result.output
+    assert result.output.strip() == "interrupted"

@@ -5,6 +5,7 @@ import multiprocessing as mp
 import os
 import re
 import sqlite3
+import time
 import warnings
 from pathlib import Path
 
@@ -1291,6 +1292,42 @@ def test_stop_heartbeats_ends_a_trial_heartbeat_a_ctrl_c_left_running(tmp_path):
     assert ResultStore.stop_heartbeats() == 1
     assert not beat._thread.is_alive()
     assert ResultStore.stop_heartbeats() == 0
+
+
+def test_stop_heartbeats_ends_a_heartbeat_whose_start_a_ctrl_c_cut_short(tmp_path):
+    # A Ctrl-C inside Thread.start() (its wait for the new thread to start, long under CI's load) left a heartbeat
+    # thread that was not yet alive when stop_heartbeats looked: it then beat forever, and the interrupted tune
+    # printed its message and never exited (CI). Here its start is slow, and stop_heartbeats runs meanwhile.
+    import threading
+
+    from optuna.storages._heartbeat import HeartbeatThread
+
+    store = ResultStore(f"sqlite:///{tmp_path / 'results.sqlite'}", heartbeat_s=30)
+    study = store.open_study(SPEC, env(), 1024, "fwd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        trial = study.ask()
+    stop = threading.Event()
+    thread = threading.Thread(target=HeartbeatThread._record_heartbeat, args=(trial._trial_id, store.optuna_storage(), stop))
+    bootstrap = thread._bootstrap_inner
+
+    def slow_start():
+        time.sleep(1.0)
+        bootstrap()
+
+    thread._bootstrap_inner = slow_start
+    starter = threading.Thread(target=thread.start, daemon=True)  # the main thread's start(), cut short
+    starter.start()
+    deadline = time.time() + 5
+    while thread not in threading.enumerate() and time.time() < deadline:
+        time.sleep(0.01)
+    try:
+        assert not thread.is_alive()  # started, not yet running: what the Ctrl-C left
+        assert ResultStore.stop_heartbeats() == 1
+        assert not thread.is_alive()
+    finally:
+        stop.set()  # (a failed check leaves no thread that would hold pytest's exit)
+        starter.join(5)
 
 
 def test_reading_leaves_a_databases_file_as_it_is(tmp_path, fresh_warnings):

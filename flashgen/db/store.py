@@ -350,17 +350,22 @@ class ResultStore:
         __enter__ after the thread started (no __exit__ then), or in __exit__ before the stop event is
         set, leaves it recording a heartbeat every heartbeat_s, and the interpreter's exit waits for it
         forever (an interrupted `flashgen tune` that printed its message and never exited, under CI's
-        load)."""
+        load). A Ctrl-C inside the thread's start() (its wait for the new thread to run) leaves one
+        started but not yet alive: it is stopped too, once it runs."""
         import threading
 
         from optuna.storages._heartbeat import HeartbeatThread
 
         record = HeartbeatThread._record_heartbeat
-        beating = [t for t in threading.enumerate() if getattr(t, "_target", None) is record and t.is_alive()]
+        # (enumerate() lists a thread from its start(), before it is alive; one that ran is left out: Thread
+        # drops its _target when run() ends)
+        beating = [t for t in threading.enumerate() if getattr(t, "_target", None) is record]
         for thread in beating:
             thread._args[2].set()  # (trial_id, heartbeat, stop_event): the event its loop waits on
         for thread in beating:
-            thread.join(timeout_s)
+            # a thread whose start() the Ctrl-C cut short before it began never runs: nothing to join
+            if thread._started.wait(timeout_s):
+                thread.join(timeout_s)
         return len(beating)
 
     def _heartbeat(self) -> dict:
