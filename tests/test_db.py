@@ -1276,16 +1276,21 @@ def test_a_tune_against_the_current_default_replaces_a_result_against_an_older_o
     assert (row["config"]["BLOCK_M"], row["ms"], row["default_kernel"]) == (64, 0.9, _default_of())
 
 
+def _a_running_trial(tmp_path):
+    """A store whose trials beat every 30 s, and a trial asked of one of its studies."""
+    store = ResultStore(f"sqlite:///{tmp_path / 'results.sqlite'}", heartbeat_s=30)
+    study = store.open_study(SPEC, env(), 1024, "fwd")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return store, study.ask()
+
+
 def test_stop_heartbeats_ends_a_trial_heartbeat_a_ctrl_c_left_running(tmp_path):
     # Optuna's heartbeat thread (not a daemon) of a trial whose end a Ctrl-C skipped: the interrupted
     # tune's exit would wait for it forever; stop_heartbeats stops it (and finds none the second time)
     from optuna.storages._heartbeat import HeartbeatThread
 
-    store = ResultStore(f"sqlite:///{tmp_path / 'results.sqlite'}", heartbeat_s=30)
-    study = store.open_study(SPEC, env(), 1024, "fwd")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        trial = study.ask()
+    store, trial = _a_running_trial(tmp_path)
     beat = HeartbeatThread(trial._trial_id, store.optuna_storage())
     beat.start()  # ... and never stopped: the Ctrl-C came inside the heartbeat's __enter__
     assert beat._thread.is_alive()
@@ -1302,11 +1307,7 @@ def test_stop_heartbeats_ends_a_heartbeat_whose_start_a_ctrl_c_cut_short(tmp_pat
 
     from optuna.storages._heartbeat import HeartbeatThread
 
-    store = ResultStore(f"sqlite:///{tmp_path / 'results.sqlite'}", heartbeat_s=30)
-    study = store.open_study(SPEC, env(), 1024, "fwd")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        trial = study.ask()
+    store, trial = _a_running_trial(tmp_path)
     stop = threading.Event()
     thread = threading.Thread(target=HeartbeatThread._record_heartbeat, args=(trial._trial_id, store.optuna_storage(), stop))
     bootstrap = thread._bootstrap_inner
