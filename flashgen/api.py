@@ -140,7 +140,7 @@ class AttentionKernel:
         """The kernel id of a call: its config's, the nearest bucket's, or the default's."""
         if config is not None:
             if torch.compiler.is_compiling():  # (kernel_id serializes it, not traced; self._ids would be guarded)
-                return _raise_refused(_traced_config_id(self._id, _config_values(config)))
+                return _raise_refused(_traced_config_id(self._id, _config_values(_check_config(config))))
             return self.kernel_id(config)
         if self._bucket_ids:
             if torch.compiler.is_compiling():  # a symbolic length: the ops pick the bucket per call, as for
@@ -210,13 +210,14 @@ class AttentionKernel:
             raise ValueError("layout: 'thd' (packed sequences) needs their offsets: call flashgen.attention_varlen "
                              "(or a kernel's .varlen) with cu_seqlens_q/k and max_seqlen_q/k")
         kernel_id = self._call_id(q, k, layout, config)
+        named = self._tensor_list(tensors)
         if self._fp8 or descales[0] is not None or descales[1] is not None or descales[2] is not None:
-            out, lse = ops.apply_fp8_attention(q, k, v, descales, kernel_id=kernel_id, layout=layout,
-                                               tensors=self._tensor_list(tensors))
+            out, lse = ops.apply_fp8_attention(q, k, v, descales, kernel_id=kernel_id, layout=layout, tensors=named,
+                                               names=self._names)
             return (out, lse) if return_lse else out
         p, seed = self._seed(dropout_p, q.device)
-        out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout=layout, seed=seed,
-                                       tensors=self._tensor_list(tensors), dropout_p=p, deterministic=deterministic)
+        out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout=layout, seed=seed, tensors=named,
+                                       names=self._names, dropout_p=p, deterministic=deterministic)
         return (out, lse) if return_lse else out
 
     def varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -230,9 +231,10 @@ class AttentionKernel:
             host.check_tensors(q, k, v, "thd")  # raises, naming the argument
         max_q, max_k = _max_seqlen("max_seqlen_q", max_seqlen_q), _max_seqlen("max_seqlen_k", max_seqlen_k)
         kernel_id = self._kernel_id_for(config, max(max_q, max_k))
+        named = self._tensor_list(tensors)
         p, seed = self._seed(dropout_p, q.device)
-        out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout="thd", seed=seed,
-                                       tensors=self._tensor_list(tensors), dropout_p=p, deterministic=deterministic,
+        out, lse = ops.apply_attention(q, k, v, kernel_id=kernel_id, layout="thd", seed=seed, tensors=named,
+                                       names=self._names, dropout_p=p, deterministic=deterministic,
                                        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                        max_seqlen_q=max_q, max_seqlen_k=max_k)
         return (out, lse) if return_lse else out
@@ -347,8 +349,9 @@ def _static_float(x, *likely):
     specialized by one guard, another finite value by a binary search of comparisons over the doubles'
     bit patterns (63 guards, as _static_int's search). Anything else (inf, NaN) stays as it is: the
     call's checks name it."""
-    if x is None or isinstance(x, bool) or not torch.compiler.is_compiling():  # (a bool: left for the checks)
-        return x  # (traced, a symbolic float's type reads as float)
+    # (a bool, a string, a tensor: left for the checks, which name them; traced, a symbolic float's type reads as float)
+    if x is None or isinstance(x, bool) or not isinstance(x, (int, float)) or not torch.compiler.is_compiling():
+        return x
     if x == 0:
         return 0.0
     for value in likely:
@@ -721,8 +724,8 @@ def _check_traced_call(q, k, v, layout, causal, softmax_scale, dropout_p):
     if causal is not True and causal is not False:
         raise TracedSpecError(f"spec field 'causal': expected true or false, got {short_repr(causal)}", "causal")
     for name, value in (("softmax_scale", softmax_scale), ("dropout_p", dropout_p)):
-        if isinstance(value, bool):
-            raise TracedSpecError(f"spec field '{name}': expected a number, got {value!r}", name)
+        if isinstance(value, (bool, torch.Tensor)):
+            raise TracedSpecError(f"spec field '{name}': expected a number, got {short_repr(value)}", name)
 
 
 def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=None, descales=(None,) * 3):
@@ -737,6 +740,7 @@ def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=
     names = names.split(",") if names else []
     host.check_tensor_names(tensors, names)
     named = [tensors[name] for name in names]
+    ops.check_traced_tensors(q, k, v, layout, names, named, cu, descales)
     if cu is not None:
         for name, m in (("max_seqlen_q", cu[2]), ("max_seqlen_k", cu[3])):
             # (as _max_seqlen, whose int() would specialize a traced length; dynamo reads a numpy integer as an

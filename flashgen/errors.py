@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import reprlib
+import sys
 from typing import Any
 
 # A bad value is quoted, not dumped: a 1 MB string or a structure of shared sub-lists
@@ -15,9 +16,18 @@ MAX_VALUE_REPR = 200
 
 
 def short_repr(value: Any) -> str:
-    # (traced by torch.compile, a check's message takes plain repr: torch 2.11's dynamo does not trace reprlib)
-    text = repr(value) if _tracing() else _REPR.repr(value)
+    # A tensor is described, not printed: traced by torch.compile it has no values, and the message is the same
+    # either way. (Traced, a check's message takes plain repr: torch 2.11's dynamo does not trace reprlib.)
+    if _is_tensor(value):
+        text = f"a tensor of shape {tuple(value.shape)} and dtype {value.dtype}"
+    else:
+        text = repr(value) if _tracing() else _REPR.repr(value)
     return text if len(text) <= MAX_VALUE_REPR else text[:MAX_VALUE_REPR - 3] + "..."
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # (not imported here: the spec and the CLI's errors need no torch)
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def _tracing() -> bool:

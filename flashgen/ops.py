@@ -25,6 +25,7 @@ import torch
 from . import masks
 from .codegen import render
 from .config import KernelConfig
+from .runtime import host
 from .runtime.host import nearest_bucket
 from .spec import AttentionSpec
 
@@ -171,6 +172,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tens
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, seed, tensors, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q, max_k):
+    _check_fake_devices(q, k, v, tensors, cu_q, cu_k)
     if layout == "thd":
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]),
                                                                                dtype=torch.float32)
@@ -404,13 +406,43 @@ def _forward_fp8(q, k, v, descales, tensors, module, layout):
 
 @attn_fwd_fp8.register_fake
 def _attn_fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, tensors, kernel_id, layout):
+    _check_fake_devices(q, k, v, tensors, q_descale, k_descale, v_descale)
     out, lse = _attn_fwd_fake(q, k, v, None, tensors, kernel_id, layout, 0.0, False, None, None, 0, 0)
     return out.to(torch.bfloat16), lse
 
 
-def apply_fp8_attention(q, k, v, descales, *, kernel_id: str, layout: str, tensors=()):
+def check_traced_tensors(q, k, v, layout, names, tensors, cu=None, descales=(None, None, None)):
+    """Under torch.compile, before the op: every tensor of the call has data and is on q's device, each error
+    naming its argument as the eager checks do (names: the named tensors'). Traced, the op's fake is also its
+    Meta kernel: given a meta tensor among real ones, the dispatcher ran that, and the call returned memory nothing
+    had written. (Each traced frame that calls the op checks: without fullgraph, dynamo traces a frame on its own.)"""
+    host.check_tensors(q, k, v, layout)
+    if cu is not None:
+        for name, offsets in (("cu_seqlens_q", cu[0]), ("cu_seqlens_k", cu[1])):
+            host.check_offsets(name, offsets, q.device)
+    for name, t in (("k", k), ("v", v), *zip(names, tensors),
+                    *zip(("q_descale", "k_descale", "v_descale"), descales)):
+        if isinstance(t, torch.Tensor):
+            host.check_data(name, t)
+            if t.device != q.device:
+                raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
+
+
+def _check_fake_devices(q, k, v, tensors, *more):
+    """The op's fake, which is also its Meta kernel: a meta tensor among real ones (the dispatcher runs this
+    kernel for them) is refused, not answered with unwritten memory. Traced calls are checked by name before
+    (check_traced_tensors); this catches the op called directly."""
+    if q.device.type != "meta":
+        for i, t in enumerate((k, v, *tensors, *more)):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                name = ("k", "v")[i] if i < 2 else "a named tensor or offsets"
+                raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
+
+
+def apply_fp8_attention(q, k, v, descales, *, kernel_id: str, layout: str, tensors=(), names=()):
     """(out, lse) of an FP8 call (forward only: FP8 inputs carry no gradient here)."""
     if torch.compiler.is_compiling():
+        check_traced_tensors(q, k, v, layout, names, tensors, None, descales)
         return attn_fwd_fp8(q, k, v, *descales, list(tensors), kernel_id, layout)
     if torch.is_grad_enabled():
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -420,15 +452,17 @@ def apply_fp8_attention(q, k, v, descales, *, kernel_id: str, layout: str, tenso
     return _forward_fp8(q, k, v, descales, tensors, kernel_module(kernel_id), layout)
 
 
-def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor, tensors=(), dropout_p: float = 0.0,
-                    deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int = 0,
-                    max_seqlen_k: int = 0):
+def apply_attention(q, k, v, *, kernel_id: str, layout: str, seed: torch.Tensor, tensors=(), names=(),
+                    dropout_p: float = 0.0, deterministic: bool = False, cu_seqlens_q=None, cu_seqlens_k=None,
+                    max_seqlen_q: int = 0, max_seqlen_k: int = 0):
     """(out, lse) of one differentiable call: the custom op while torch.compile traces; in eager
     mode the autograd.Function when a gradient can flow (grad mode on and an input requires
     grad), else the module's forward alone. `tensors` are the spec's named tensors in its order."""
     if tensors and torch.is_grad_enabled():
         tensors = _gradient_ready(tensors)
     if torch.compiler.is_compiling():
+        check_traced_tensors(q, k, v, layout, names, tensors,
+                             None if cu_seqlens_q is None and cu_seqlens_k is None else (cu_seqlens_q, cu_seqlens_k))
         return attn_fwd(q, k, v, seed, list(tensors), kernel_id, layout, dropout_p, deterministic, cu_seqlens_q,
                         cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     module = kernel_module(kernel_id)

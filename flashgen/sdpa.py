@@ -34,6 +34,7 @@ import numbers
 import torch
 
 from .api import _static_float, _static_int, attention, default_scales
+from .errors import short_repr
 from .runtime.host import SCALE_LIMIT
 from .runtime.launch import check_tensor
 from .spec import MAX_HEAD_DIM
@@ -273,12 +274,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal: expected a bool, got {_type_name(is_causal)}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout_p: expected a probability in [0, 1], got {dropout_p!r}")
+        raise ValueError(f"dropout_p: expected a probability in [0, 1], got {short_repr(dropout_p)}")
     if scale is not None and torch.compiler.is_compiling():  # a symbolic scale: its usual values, specialized
         scale = _static_float(scale, *default_scales(_static_int(query.shape[-1])))
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)  # (numpy's too, as SDPA)
                               or not math.isfinite(scale)):
-        raise ValueError(f"scale: expected a finite Python number or None, got {scale!r}")
+        raise ValueError(f"scale: expected a finite Python number or None, got {short_repr(scale)}")
     seqlen_q, seqlen_k = query.shape[-2], key.shape[-2]
     out_shape = (*lead, heads, seqlen_q, value.shape[-1]) if query.dim() > 2 else (seqlen_q, value.shape[-1])
     if attn_mask is not None:

@@ -420,7 +420,7 @@ def test_packed_calls_name_what_they_refuse():
         flashgen.attention_varlen(q, q, q, cu, cu, 13, 13, mask="(q_idx + kv_idx) % 3 != 0")
     none = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=r"^cu_seqlens_q: expected a 1-d int32 tensor of batch \+ 1 offsets "
-                                         r"\(batch >= 1\), got torch.Size\(\[1\]\)"):
+                                         r"\(batch >= 1\), got shape \(1,\) torch.int32"):
         flashgen.attention_varlen(q, q, q, none, none, 13, 13)
     # flashgen.attention takes no offsets: 'thd' there named cu_seqlens_q, which the caller cannot pass
     with pytest.raises(ValueError, match=r"^layout: 'thd' \(packed sequences\) needs their offsets: call "

@@ -292,7 +292,7 @@ def test_a_scale_past_float32_gives_what_torch_gives(scale):
     ((t(1, 2, 4, 8),) * 3, {"dropout_p": -0.1}, "dropout_p: expected a probability"),
     ((t(1, 2, 4, 8),) * 3, {"scale": math.inf}, "scale: expected a finite Python number or None, got inf"),
     ((t(1, 2, 4, 8),) * 3, {"scale": "0.1"}, "scale: expected a finite Python number"),
-    ((t(1, 2, 4, 8),) * 3, {"scale": torch.tensor(0.3)}, "scale: expected a finite Python number or None, got tensor("),
+    ((t(1, 2, 4, 8),) * 3, {"scale": torch.tensor(0.3)}, "scale: expected a finite Python number or None, got a tensor of shape ()"),
     # a call with no query rows or no keys checks attn_mask too (torch's SDPA does; it was taken unread)
     ((t(1, 2, 0, 8), t(1, 2, 4, 8), t(1, 2, 4, 8)), {"attn_mask": "garbage"}, "attn_mask: expected a torch.Tensor"),
     ((t(1, 2, 4, 8), t(1, 2, 0, 8), t(1, 2, 0, 8)), {"attn_mask": t(3, 5)}, "attn_mask: expected a shape broadcastable"),

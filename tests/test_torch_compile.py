@@ -418,6 +418,24 @@ BAD_TRACED_CALLS = {
     "float max_seqlen": (lambda q, k, v: flashgen.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1),
                                                                    v[0].transpose(0, 1), _PACKED_CU, _PACKED_CU,
                                                                    10.0, 10), "max_seqlen_q"),
+    # a review's (session 57): a string or tensor scalar failed inside the float specialization or a tensor's
+    # repr, or reached the untraced spec build; offsets as lists failed in the op's fake
+    "scale str": (lambda q, k, v: flashgen.attention(q, k, v, softmax_scale="0.1"), "softmax_scale"),
+    "scale tensor": (lambda q, k, v: flashgen.attention(q, k, v, softmax_scale=torch.tensor(0.1)), "softmax_scale"),
+    "dropout tensor": (lambda q, k, v: flashgen.attention(q, k, v, dropout_p=torch.tensor(0.1)), "dropout_p"),
+    "causal tensor": (lambda q, k, v: flashgen.attention(q, k, v, causal=torch.tensor(True)), "causal"),
+    "sdpa scale tensor": (lambda q, k, v: flashgen.scaled_dot_product_attention(q, k, v, scale=torch.tensor(0.1)),
+                          "scale"),
+    "varlen lists": (lambda q, k, v: flashgen.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                                               v[0].transpose(0, 1), [0, 10, 17], [0, 10, 17], 10, 10),
+                     "cu_seqlens_q"),
+    # a meta tensor among real ones ran the op's fake (its Meta kernel): memory nothing wrote, returned silently
+    "meta k": (lambda q, k, v: flashgen.attention(q, k.to("meta"), v), "k"),
+    "meta named tensor": (lambda q, k, v: flashgen.attention(q, k, v, score_mod="score + bias[h]",
+                                                             bias=torch.zeros(4, device="meta")), "bias"),
+    "meta offsets": (lambda q, k, v: flashgen.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                                               v[0].transpose(0, 1), _PACKED_CU.to("meta"),
+                                                               _PACKED_CU, 10, 10), "cu_seqlens_q"),
 }
 
 
@@ -572,3 +590,36 @@ def test_a_kernel_object_given_a_config_it_has_not_run_compiles():
         with pytest.raises(Exception, match="config knob 'family': 'hopper_ws' cannot serve"):
             torch.compile(lambda q, k, v: kernel(q, k, v, config=refused), fullgraph=fullgraph,
                           backend="eager")(*_dense(3, 17))
+
+
+@pytest.mark.interpreter
+def test_a_kernel_object_traced_names_a_meta_tensor_and_a_config_that_is_not_one():
+    # traced, a meta tensor among real ones returned the op's fake output (memory nothing wrote), and a config
+    # given as a dict failed in dynamo (its values were read before its type was checked)
+    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, score_mod="score + bias[h]")
+    kernel = flashgen.compile(spec)
+    q, k, v = (torch.randn(1, h, 17, 16) for h in (4, 2, 2))
+    bias = torch.zeros(4)
+    calls = {
+        "k": lambda q, k, v: kernel(q, k.to("meta"), v, bias=bias),
+        "bias": lambda q, k, v: kernel(q, k, v, bias=bias.to("meta")),
+        "cu_seqlens_k": lambda q, k, v: kernel.varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                                                      _PACKED_CU, _PACKED_CU.to("meta"), 10, 10, bias=bias),
+        "config": lambda q, k, v: kernel(q, k, v, config={"BLOCK_M": 16}, bias=bias),
+    }
+    for name, call in calls.items():
+        with pytest.raises((TypeError, ValueError)) as eager:
+            call(q, k, v)
+        assert str(eager.value).startswith(f"{name}:")
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=rf"raised exception \w+Error\(.*[('\"]{name}:"):
+            torch.compile(call, fullgraph=True, backend="aot_eager")(q, k, v)
+    # the op itself, called with a meta tensor among real ones (its fake is the Meta kernel the dispatcher picks)
+    from flashgen import ops
+
+    seed = torch.empty(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="^k: expected a tensor with data, got a meta tensor"):
+        ops.attn_fwd(q, k.to("meta"), v, seed, [bias], kernel.kernel_id(), "bhsd", 0.0, False, None, None, 0, 0)
+    meta = [t.to("meta") for t in (q, k, v, seed, bias)]  # all on meta: shapes only, as before
+    out, lse = ops.attn_fwd(*meta[:4], [meta[4]], kernel.kernel_id(), "bhsd", 0.0, False, None, None, 0, 0)
+    assert out.device.type == "meta" and out.shape == (1, 4, 17, 16) and lse.shape == (1, 4, 17)

@@ -604,6 +604,17 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
                              f"{name}[{i + 1}] - {name}[{i}]), got {max_len}")
 
 
+def check_offsets(name, cu, device):
+    """A varlen call's cu_seqlens_q or cu_seqlens_k: a 1-d int32 tensor of at least two offsets, with data, on the
+    device of q (their values: the call plan checks them on every call)."""
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype != torch.int32:
+        what = f"shape {tuple(cu.shape)} {cu.dtype}" if isinstance(cu, torch.Tensor) else f"a {type(cu).__name__}"
+        raise ValueError(f"{name}: expected a 1-d int32 tensor of batch + 1 offsets (batch >= 1), got {what}")
+    check_data(name, cu)
+    if cu.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {cu.device}")
+
+
 def check_tensors(q, k, v, layout):
     """q, k, v are tensors with data of the rank the layout has. The one place these are checked:
     the launcher checks them against its spec next; flashgen.api calls this before it reads
@@ -1020,11 +1031,7 @@ class AttentionLauncher:
                 raise ValueError("cu_seqlens_q: packed sequences need layout 'thd' (total_tokens, heads, head_dim)")
             return q.shape[0], q.shape[seq_dim], k.shape[seq_dim], 0, 0
         for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.numel() < 2 or cu.dtype != torch.int32:
-                raise ValueError(f"{name}: expected a 1-d int32 tensor of batch + 1 offsets (batch >= 1), got "
-                                 f"{getattr(cu, 'shape', cu)!r} {getattr(cu, 'dtype', '')}")
-            if cu.device != q.device:
-                raise ValueError(f"{name}: expected device {q.device}, got {cu.device}")
+            check_offsets(name, cu, q.device)
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError(f"cu_seqlens_k: expected {cu_seqlens_q.numel()} offsets (as cu_seqlens_q), "
                              f"got {cu_seqlens_k.numel()}")
