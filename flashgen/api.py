@@ -349,8 +349,9 @@ def _static_float(x, *likely):
     specialized by one guard, another finite value by a binary search of comparisons over the doubles'
     bit patterns (63 guards, as _static_int's search). Anything else (inf, NaN) stays as it is: the
     call's checks name it."""
-    # (a bool, a string, a tensor: left for the checks, which name them; traced, a symbolic float's type reads as float)
-    if x is None or isinstance(x, bool) or not isinstance(x, (int, float)) or not torch.compiler.is_compiling():
+    # (a bool, a string, a tensor: left for the checks, which name them; traced, a symbolic float's type reads as
+    # float, and a numpy scalar as an array, which the comparisons below take)
+    if x is None or isinstance(x, bool) or not torch.compiler.is_compiling() or isinstance(x, (str, torch.Tensor)):
         return x
     if x == 0:
         return 0.0
@@ -716,7 +717,7 @@ def _traced_config_id(kernel_id: str, config: tuple) -> str:
         return _refused(err)
 
 
-def _check_traced_call(q, k, v, layout, causal, softmax_scale, dropout_p):
+def _check_traced_call(q, k, v, layout, causal, softmax_scale, dropout_p, config):
     """Under torch.compile, a call without a key (_call_key): the tensors, layout and scalars the spec would refuse,
     each error naming its argument, raised in the traced code (the eager path that says so builds a spec, which
     is not traced: _bind runs it untraced)."""
@@ -726,6 +727,8 @@ def _check_traced_call(q, k, v, layout, causal, softmax_scale, dropout_p):
     for name, value in (("softmax_scale", softmax_scale), ("dropout_p", dropout_p)):
         if isinstance(value, (bool, torch.Tensor)):
             raise TracedSpecError(f"spec field '{name}': expected a number, got {short_repr(value)}", name)
+    if config is not None:
+        _check_config(config)
 
 
 def _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, cu=None, descales=(None,) * 3):
@@ -796,7 +799,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         if torch.compiler.is_compiling():
             if key is not None:
                 return _compiled_call(key, q, k, v, layout, return_lse, deterministic, tensors, descales=descales)
-            _check_traced_call(q, k, v, layout, causal, softmax_scale, dropout_p)
+            _check_traced_call(q, k, v, layout, causal, softmax_scale, dropout_p, config)
         kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, dropout_p=dropout_p,
                        mask=mask, score_mod=score_mod, config=config)
         _remember(eager_key, kernel)
@@ -829,7 +832,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
             if key is not None:
                 return _compiled_call(key, q, k, v, "thd", return_lse, deterministic, tensors,
                                       (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
-            _check_traced_call(q, k, v, "thd", causal, softmax_scale, dropout_p)
+            _check_traced_call(q, k, v, "thd", causal, softmax_scale, dropout_p, config)
         kernel = _bind(key, q, k, v, causal=causal, softmax_scale=softmax_scale, layout="thd", dropout_p=dropout_p,
                        mask=mask, score_mod=score_mod, config=config)
         _remember(eager_key, kernel)

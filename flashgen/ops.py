@@ -172,7 +172,7 @@ def attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tens
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, seed, tensors, kernel_id, layout, dropout_p, deterministic, cu_q, cu_k, max_q, max_k):
-    _check_fake_devices(q, k, v, tensors, cu_q, cu_k)
+    _check_fake_devices(q, k, v, tensors, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     if layout == "thd":
         return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[1], q.shape[0]),
                                                                                dtype=torch.float32)
@@ -406,7 +406,7 @@ def _forward_fp8(q, k, v, descales, tensors, module, layout):
 
 @attn_fwd_fp8.register_fake
 def _attn_fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, tensors, kernel_id, layout):
-    _check_fake_devices(q, k, v, tensors, q_descale, k_descale, v_descale)
+    _check_fake_devices(q, k, v, tensors, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     out, lse = _attn_fwd_fake(q, k, v, None, tensors, kernel_id, layout, 0.0, False, None, None, 0, 0)
     return out.to(torch.bfloat16), lse
 
@@ -420,22 +420,24 @@ def check_traced_tensors(q, k, v, layout, names, tensors, cu=None, descales=(Non
     if cu is not None:
         for name, offsets in (("cu_seqlens_q", cu[0]), ("cu_seqlens_k", cu[1])):
             host.check_offsets(name, offsets, q.device)
-    for name, t in (("k", k), ("v", v), *zip(names, tensors),
-                    *zip(("q_descale", "k_descale", "v_descale"), descales)):
-        if isinstance(t, torch.Tensor):
+    for name, t in (("k", k), ("v", v), *zip(names, tensors)):
+        if isinstance(t, torch.Tensor):  # (a named value that is not a tensor: the op's own check names it)
             host.check_data(name, t)
             if t.device != q.device:
                 raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
+    shape = (q.shape[0], k.shape[2 if layout == "bshd" else 1])  # (FP8 calls are dense)
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if d is not None:
+            host.check_descale(name, d, q.device, shape)
 
 
-def _check_fake_devices(q, k, v, tensors, *more):
+def _check_fake_devices(q, k, v, tensors, **more):
     """The op's fake, which is also its Meta kernel: a meta tensor among real ones (the dispatcher runs this
     kernel for them) is refused, not answered with unwritten memory. Traced calls are checked by name before
-    (check_traced_tensors); this catches the op called directly."""
+    (check_traced_tensors); this catches the op called directly. more: name=tensor or None."""
     if q.device.type != "meta":
-        for i, t in enumerate((k, v, *tensors, *more)):
+        for name, t in (("k", k), ("v", v), *((f"tensors[{i}]", t) for i, t in enumerate(tensors)), *more.items()):
             if isinstance(t, torch.Tensor) and t.device.type == "meta":
-                name = ("k", "v")[i] if i < 2 else "a named tensor or offsets"
                 raise ValueError(f"{name}: expected a tensor with data, got a meta tensor")
 
 

@@ -436,6 +436,11 @@ BAD_TRACED_CALLS = {
     "meta offsets": (lambda q, k, v: flashgen.attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1),
                                                                v[0].transpose(0, 1), _PACKED_CU.to("meta"),
                                                                _PACKED_CU, 10, 10), "cu_seqlens_q"),
+    "config dict": (lambda q, k, v: flashgen.attention(q, k, v, config={"BLOCK_M": 16}), "config"),
+    "FP8 descale list": (lambda q, k, v: flashgen.attention(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)),
+                                                            q_descale=[1.0] * 4), "q_descale"),
+    "FP8 descale meta": (lambda q, k, v: flashgen.attention(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)),
+                                                            k_descale=torch.ones(1, 4, device="meta")), "k_descale"),
 }
 
 
@@ -623,3 +628,18 @@ def test_a_kernel_object_traced_names_a_meta_tensor_and_a_config_that_is_not_one
     meta = [t.to("meta") for t in (q, k, v, seed, bias)]  # all on meta: shapes only, as before
     out, lse = ops.attn_fwd(*meta[:4], [meta[4]], kernel.kernel_id(), "bhsd", 0.0, False, None, None, 0, 0)
     assert out.device.type == "meta" and out.shape == (1, 4, 17, 16) and lse.shape == (1, 4, 17)
+
+
+@pytest.mark.interpreter
+def test_sdpa_with_a_numpy_scale_compiles_without_fullgraph():
+    # numpy scalars are SDPA's scales too; traced, dynamo reads one as an array, which the float specialization
+    # must still take (a review caught a change that refused it by type)
+    import numpy as np
+
+    q, k, v = (torch.randn(1, 2, 17, 16) for _ in range(3))
+    for scale in (1 / np.sqrt(16), np.float32(0.3)):
+        def call(q, k, v):
+            return flashgen.scaled_dot_product_attention(q, k, v, scale=scale)
+
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(call, backend="eager")(q, k, v), call(q, k, v), atol=1e-6, rtol=0)

@@ -615,6 +615,14 @@ def check_offsets(name, cu, device):
         raise ValueError(f"{name}: expected device {device}, got {cu.device}")
 
 
+def check_descale(name, d, device, shape):
+    """An FP8 call's q_descale, k_descale or v_descale given: a float tensor on q's device (broadcast to
+    shape, (batch, kv_heads), next)."""
+    if not isinstance(d, torch.Tensor) or not d.is_floating_point() or d.device != device:
+        raise ValueError(f"{name}: expected a float tensor on {device} broadcastable to (batch, kv_heads) = {shape}, "
+                         f"got {getattr(d, 'dtype', type(d).__name__)} {tuple(getattr(d, 'shape', ()))}")
+
+
 def check_tensors(q, k, v, layout):
     """q, k, v are tensors with data of the rank the layout has. The one place these are checked:
     the launcher checks them against its spec next; flashgen.api calls this before it reads
@@ -1153,10 +1161,7 @@ class AttentionLauncher:
                     if not capturing(device):  # (captured: filled only by replays, and eager calls would read it)
                         self.unused[("ones", shape, device)] = d
             else:
-                if not isinstance(d, torch.Tensor) or not d.is_floating_point() or d.device != device:
-                    raise ValueError(f"{name}: expected a float tensor on {device} broadcastable to (batch, kv_heads) "
-                                     f"= {shape}, got {getattr(d, 'dtype', type(d).__name__)} "
-                                     f"{tuple(getattr(d, 'shape', ()))}")
+                check_descale(name, d, device, shape)
                 try:
                     d = torch.broadcast_to(d, shape)
                 except RuntimeError:
