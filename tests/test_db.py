@@ -1331,6 +1331,19 @@ def test_stop_heartbeats_ends_a_heartbeat_whose_start_a_ctrl_c_cut_short(tmp_pat
         starter.join(5)
 
 
+def test_stop_heartbeats_passes_over_a_heartbeat_that_ends_while_it_looks(monkeypatch):
+    # a thread whose run() ended between reading its _target and its _args (Thread deletes both): an AttributeError
+    # on the interrupt path, a traceback where the tune's one line was due (a review's catch)
+    import threading
+    import types
+
+    from optuna.storages._heartbeat import HeartbeatThread
+
+    ending = types.SimpleNamespace(_target=HeartbeatThread._record_heartbeat)  # _args already gone
+    monkeypatch.setattr(threading, "enumerate", lambda: [ending])
+    assert ResultStore.stop_heartbeats() == 0
+
+
 def test_reading_leaves_a_databases_file_as_it_is(tmp_path, fresh_warnings):
     # show / flashgen.load opened every SQLite file with journal_mode=WAL: a foreign database was switched
     # for good, and an empty file got a header

@@ -358,11 +358,17 @@ class ResultStore:
 
         record = HeartbeatThread._record_heartbeat
         # (enumerate() lists a thread from its start(), before it is alive; one that ran is left out: Thread
-        # drops its _target when run() ends)
-        beating = [t for t in threading.enumerate() if getattr(t, "_target", None) is record]
-        for thread in beating:
-            thread._args[2].set()  # (trial_id, heartbeat, stop_event): the event its loop waits on
-        for thread in beating:
+        # drops its _target and _args when run() ends, which may be meanwhile)
+        beating = []
+        for thread in threading.enumerate():
+            try:
+                if thread._target is record:  # (_args: trial_id, heartbeat, and the stop event its loop waits on)
+                    beating.append((thread, thread._args[2]))
+            except AttributeError:
+                pass
+        for _, stop in beating:
+            stop.set()
+        for thread, _ in beating:
             # a thread whose start() the Ctrl-C cut short before it began never runs: nothing to join
             if thread._started.wait(timeout_s):
                 thread.join(timeout_s)
