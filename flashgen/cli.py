@@ -159,7 +159,7 @@ def main():
     """flashgen: compile attention specs into tuned Triton kernels.
 
     Exit codes: 0 done, 1 failed (database, file system, nothing passed verification),
-    2 bad input (a spec, an option, a results file).
+    2 bad input (a spec, an option, a results file), 130 interrupted (Ctrl-C).
     """
 
 
