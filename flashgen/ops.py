@@ -423,8 +423,7 @@ def check_traced_tensors(q, k, v, layout, names, tensors, cu=None, descales=(Non
     for name, t in (("k", k), ("v", v), *zip(names, tensors)):
         if isinstance(t, torch.Tensor):  # (a named value that is not a tensor: the op's own check names it)
             host.check_data(name, t)
-            if t.device != q.device:
-                raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
+            host.check_device(name, t, q.device)
     shape = (q.shape[0], k.shape[2 if layout == "bshd" else 1])  # (FP8 calls are dense)
     for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
         if d is not None:

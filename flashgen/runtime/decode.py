@@ -61,7 +61,7 @@ import triton
 import triton.language as tl  # the same module as the kernels' tl in a standalone module
 
 from flashgen.runtime.host import AttentionLauncher, bounds_error, bounds_record, check_bounds, device_sync_forbidden  # standalone: host.py precedes
-from flashgen.runtime.host import check_interpretable, check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
+from flashgen.runtime.host import check_device, check_interpretable, check_softmax_scale, padded_head_dim, sm_count  # standalone: host.py precedes
 from flashgen.runtime.launch import BoundLaunch, allocator, argument_signature, capturing, check_data, check_outputs_apart, check_tensor, launch_context, overlapping  # standalone: host.py precedes
 
 MAX_PAGE_SIZE = 256
@@ -560,8 +560,7 @@ class DecodeLauncher:
                     " (new keys and values come in the spec's dtype; an FP8 cache quantizes them on write)" \
                     if name in ("k", "v") else ""
                 raise ValueError(f"{name}: expected dtype {att.dtype} (spec dtype {spec['dtype']}){fp8}, got {t.dtype}")
-            if t.device != q.device:
-                raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
+            check_device(name, t, q.device)
         if q.device.type == "cpu" and not self.attention.interpreting():
             raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on "
                              "the CPU)")

@@ -604,6 +604,12 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
                              f"{name}[{i + 1}] - {name}[{i}]), got {max_len}")
 
 
+def check_device(name, t, device):
+    """Tensor t of a call on q's device (its kernels launch on one device)."""
+    if t.device != device:
+        raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+
+
 def check_offsets(name, cu, device):
     """A varlen call's cu_seqlens_q or cu_seqlens_k: a 1-d int32 tensor of at least two offsets, with data, on the
     device of q (their values: the call plan checks them on every call)."""
@@ -824,8 +830,7 @@ class AttentionLauncher:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dtype != self.dtype:
                 raise ValueError(f"{name}: expected dtype {self.dtype} (spec dtype {self.spec['dtype']}), got {t.dtype}")
-            if t.device != q.device:
-                raise ValueError(f"{name}: expected device {q.device} (the device of q), got {t.device}")
+            check_device(name, t, q.device)
         if q.device.type == "cpu" and not self.interpreting():
             raise ValueError(f"q: expected a CUDA tensor, got device {q.device} (set TRITON_INTERPRET=1 to run on the CPU)")
         check_interpretable("q", q.dtype)
@@ -892,8 +897,7 @@ class AttentionLauncher:
             if name in self.integer_tensors and t.is_floating_point():
                 raise ValueError(f"{name}: expected an integer or bool tensor (the mask's key ranges count tokens "
                                  f"with its values, or an expression indexes a tensor with them), got dtype {t.dtype}")
-            if t.device != device:
-                raise ValueError(f"{name}: expected device {device} (the device of q), got {t.device}")
+            check_device(name, t, device)
             if t.dim() > rank or t.numel() == 0:
                 raise ValueError(f"{name}: expected a non-empty tensor of at most {rank} dimensions (indexed with "
                                  f"{rank}), got shape {tuple(t.shape)}")
