@@ -2,6 +2,7 @@
 and the ``gpu`` marker, whose tests skip cleanly where no CUDA device is present."""
 
 import atexit
+import collections
 import os
 import shutil
 import tempfile
@@ -56,15 +57,23 @@ def pytest_collection_modifyitems(config, items):
 RUN_FIRST = ("tests/test_sm90_compile.py",)  # (its child process compiles 75 kernels for sm90: ~4 minutes)
 
 
+_RECENT = collections.deque(maxlen=6)  # this worker's last tests, for a fault's message
+
+
 @pytest.fixture(autouse=True)
-def _faults_fail_the_test_that_launched_them():
+def _faults_fail_the_test_that_launched_them(request):
     """On a GPU, wait for each test's kernels at its end: a fault they raise (an illegal memory access) then fails
     the test that launched them, in its teardown, not whichever later test of the same pytest-xdist worker syncs
     first (the full GPU suite met one now and then at the first line of test_packed_rows_past_2_31_elements
-    [max_seqlen past it], which passes alone, and every later test of that worker failed after it)."""
+    [max_seqlen past it], which passes alone, and every later test of that worker failed after it). The error
+    names the tests this worker ran before, whose kernels or leftovers it may come from."""
+    _RECENT.append(request.node.nodeid)
     yield
     if HAS_GPU and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}\nthis worker's tests up to this one: {list(_RECENT)}") from None
 
 
 @pytest.fixture
