@@ -783,6 +783,7 @@ def test_compat_flash_attn_func_semantics(device):
     ("q_idx if b else kv_idx", "where(c, x, y)"),
     ("'a' == q_idx", "only numbers"),
     ("q_idx + kv_idx", "must be a condition"),
+    ("keep[b, kv_idx] & (q_idx >= kv_idx)", "even a bool tensor's: compare it (keep[...] != 0)"),
     ("q_idx >", "not a valid expression"),
     ("~q_idx", "negates a condition"),
     ("abs(q_idx, kv_idx) > 0", "abs takes 1"),
@@ -791,6 +792,15 @@ def test_expression_checker_rejects(expr, message):
     with pytest.raises(SpecError) as info:
         AttentionSpec(mask={"expr": expr})
     assert message in str(info.value) and "spec field 'mask.expr'" in str(info.value)
+
+
+def test_a_mask_function_returning_a_tensor_element_is_told_to_compare_it():
+    def kept(b, h, q_idx, kv_idx):
+        return keep[b, kv_idx]  # noqa: F821 (a named tensor, passed with the call)
+
+    with pytest.raises(SpecError, match=r"must return a condition; a named tensor's element is a number, even a "
+                                        r"bool tensor's: compare it \(keep\[\.\.\.\] != 0\)"):
+        flashgen.mask(kept)
 
 
 def test_pattern_fields_are_checked():

@@ -26,15 +26,21 @@ def device(request):
 
 
 def forget_plans():
-    """Every call plan this process keeps (they may hold buffers made at their first call)."""
+    """Every call plan this process keeps, and the split decode's shared partials (they may hold buffers made at
+    their first call)."""
     from flashgen import api, kvcache, ops
+    from flashgen.runtime import decode
 
     api._FAST.clear()
+    decode.PARTS.clear()
+    decoders = [*kvcache._LAUNCHERS.values(), *kvcache._COMPAT.values()]
     for module in list(ops._MODULES.values()):
         module._LAUNCHER.plans.clear()
-    for launcher in (*kvcache._LAUNCHERS.values(), *kvcache._COMPAT.values()):
+        decoders.append(module._DECODE)
+    for launcher in decoders:
         launcher.calls.clear()
         launcher.reads.clear()
+        launcher.lengths.clear()
 
 
 @pytest.fixture
