@@ -784,6 +784,7 @@ def test_compat_flash_attn_func_semantics(device):
     ("'a' == q_idx", "only numbers"),
     ("q_idx + kv_idx", "must be a condition"),
     ("keep[b, kv_idx] & (q_idx >= kv_idx)", "even a bool tensor's: compare it (keep[...] != 0)"),
+    ("(q_idx >= kv_idx) & ~keep[b, kv_idx]", "~ negates a condition (a comparison, & or |); a named tensor's"),
     ("q_idx >", "not a valid expression"),
     ("~q_idx", "negates a condition"),
     ("abs(q_idx, kv_idx) > 0", "abs takes 1"),
@@ -792,6 +793,13 @@ def test_expression_checker_rejects(expr, message):
     with pytest.raises(SpecError) as info:
         AttentionSpec(mask={"expr": expr})
     assert message in str(info.value) and "spec field 'mask.expr'" in str(info.value)
+
+
+def test_only_a_tensor_element_in_a_conditions_place_gets_the_hint():
+    # arithmetic that reads a tensor is another mistake: no advice to compare the element
+    with pytest.raises(SpecError, match="must be a condition") as info:
+        AttentionSpec(mask={"expr": "q_idx + off[b]"})
+    assert "named tensor" not in str(info.value)
 
 
 def test_a_mask_function_returning_a_tensor_element_is_told_to_compare_it():

@@ -240,6 +240,19 @@ def tensors_of(node) -> dict[str, int]:
     return out
 
 
+def element_hint(node) -> str:
+    """What a condition's place holds where it holds a named tensor's element (itself, or an operand of & | ~
+    that is one): FlexAttention's mask_mod may return a bool tensor's element as it is, but here the element is a
+    number whatever its dtype, which comes only with the call. "" elsewhere (arithmetic such as q_idx + off[b])."""
+    if isinstance(node, Load):
+        return f"; a named tensor's element is a number, even a bool tensor's: compare it ({node.tensor}[...] != 0)"
+    if isinstance(node, Not):
+        return element_hint(node.a)
+    if isinstance(node, Bin) and node.op in LOGIC_OPS:
+        return element_hint(node.a) or element_hint(node.b)
+    return ""
+
+
 def kind(node) -> str:
     """'bool', 'int' or 'float' ('num' for a tensor element, whose dtype comes at call time)."""
     if isinstance(node, Const):

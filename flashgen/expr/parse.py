@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 
 from ..errors import SpecError
 from .ir import (FUNCTIONS, INT64_MAX, INT64_MIN, MAX_DEPTH, SIZE_VARS, Bin, Const, Fn, Load, Neg, Not, Var,
-                 call_argument_clash, kind)
+                 call_argument_clash, element_hint, kind)
 
 
 # ----------------------------------------------------------------------------- plain values
@@ -120,7 +120,7 @@ class ExpressionChecker:
         if isinstance(node.op, ast.Invert):
             inner = self.visit(node.operand)
             if kind(inner) != "bool":
-                self.fail(node, "~ negates a condition (a comparison, & or |)")
+                self.fail(node, "~ negates a condition (a comparison, & or |)" + element_hint(inner))
             return Not(inner)
         self.fail(node, "`not` is not allowed (use ~ on a condition)")
 

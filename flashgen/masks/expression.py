@@ -7,21 +7,11 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 from ..errors import SpecError
-from ..expr.ir import MASK_VARS, Load, kind, walk
+from ..expr.ir import MASK_VARS, element_hint, kind
 from ..expr.parse import canonical_source, expression_params, function_expression, parse_expr
 from .pattern import path
 
 CONDITION = "a mask expression must be a condition (comparison, &, |, ~)"
-
-
-def _tensor_hint(node) -> str:
-    """What a non-condition that reads a named tensor lacks (FlexAttention's mask_mod may return a bool tensor's
-    element as it is): the element is a number whatever its dtype, which comes only with the call."""
-    for n in walk(node):
-        if isinstance(n, Load):
-            return (f"; a named tensor's element is a number, even a bool tensor's: compare it "
-                    f"({n.tensor}[...] != 0)")
-    return ""
 
 
 def check(field: str, data: Mapping) -> tuple[tuple, str]:
@@ -29,7 +19,7 @@ def check(field: str, data: Mapping) -> tuple[tuple, str]:
     params = expression_params(field, data.get("params"), MASK_VARS)
     node, _ = parse_expr(data["expr"], field=path(field, "expr"), variables=MASK_VARS, params=params)
     if kind(node) != "bool":
-        raise SpecError(path(field, "expr"), CONDITION + _tensor_hint(node), data["expr"])
+        raise SpecError(path(field, "expr"), CONDITION + element_hint(node), data["expr"])
     return tuple(sorted(params.items())), canonical_source(data["expr"])
 
 
@@ -37,7 +27,7 @@ def from_function(fn: Callable, field: str) -> tuple[tuple, str]:
     """(sorted params, canonical source) of a Python mask function."""
     node, source, params = function_expression(fn, field, MASK_VARS)
     if kind(node) != "bool":
-        raise SpecError(field, "a mask function must return a condition" + _tensor_hint(node), source)
+        raise SpecError(field, "a mask function must return a condition" + element_hint(node), source)
     return params, source
 
 
