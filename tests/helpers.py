@@ -12,6 +12,27 @@ sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device
                           reason="needs an sm90 GPU (H100/H200)")
 
 
+def portable_config(spec, seqlen, **knobs):
+    """The H100 default config of spec at seqlen on the portable family throughout (pointer loads, no warp
+    specialization, the multi-launch backward), with knobs replaced."""
+    from flashgen import default_config
+
+    return default_config(spec, "h100", seqlen, hopper_ws=False).replace(
+        bwd_short=False, family="portable", tma=False, warp_specialize=False, **knobs)
+
+
+def gluon_configs(spec, seqlen):
+    """portable_config with each Gluon (sm90) kernel in turn, by name: the forward (O stored from registers), the
+    dK/dV kernel, and the dK/dV kernel adding dQ itself."""
+    portable = portable_config(spec, seqlen)
+    return {
+        "gluon forward": portable.replace(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2,
+                                          hopper_tma_store=False),
+        "gluon dK/dV": portable.replace(hopper_bwd=True),
+        "gluon dK/dV adding dQ": portable.replace(hopper_bwd=True, dq_strategy="atomic", bwd_fused_delta=False),
+    }
+
+
 def make_qkv(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v=None, *, dtype, device,
              layout="bhsd", generator=None):
     """Fresh randn q, k, v in the given layout (bhsd or bshd)."""

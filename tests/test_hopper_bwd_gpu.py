@@ -14,7 +14,7 @@ from flashgen.runtime.hopper_bwd import HopperBackward, HopperDkdv
 from flashgen.runtime.launch import BackwardPlan
 from flashgen.verify import assert_gradients_close
 
-from .helpers import make_qkv, sm90
+from .helpers import make_qkv, portable_config, sm90
 
 pytestmark = pytest.mark.gpu
 
@@ -119,8 +119,7 @@ def test_atomic_dq_padding_keys_add_nothing(causal, seqlen_q, seqlen_k):
     # negative: P there is exp(-LSE), far past fp16's range. Their dS must not reach dQ (inf x K's 0 = NaN).
     # (Non-causal: masked by their own test; causal: by the diagonal's.)
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=2, causal=causal, backward=True)
-    config = default_config(spec, "h100", 333, hopper_ws=False).replace(bwd_short=False, family="portable", tma=False,
-                                                       warp_specialize=False, hopper_bwd=True, dq_strategy="atomic")
+    config = portable_config(spec, 333, hopper_bwd=True, dq_strategy="atomic")
     module = flashgen.compile(spec, config).module()
     gen = torch.Generator(device="cuda").manual_seed(0)
     k = (1 + 0.1 * torch.randn(1, 2, seqlen_k, 64, device="cuda", generator=gen)).half()  # every q.k about -256

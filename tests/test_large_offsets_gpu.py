@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import AttentionSpec, default_config
+from flashgen import AttentionSpec
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
-from .helpers import packed_plans
+from .helpers import gluon_configs, packed_plans, portable_config
 
 pytestmark = pytest.mark.gpu
 
@@ -70,16 +70,10 @@ def fresh(*shape, gen):
 
 def dense_configs():
     spec = AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, mask=WINDOW, backward=True)
-    portable = default_config(spec, "h100", 4096, hopper_ws=False).replace(
-        bwd_short=False, family="portable", tma=False, warp_specialize=False)
-    configs = {"default": None, "portable": portable}
+    configs = {"default": None, "portable": portable_config(spec, 4096)}
     if torch.cuda.get_device_capability() == (9, 0):
         # the Gluon forward storing O from registers (the default stores it by TMA), then the Gluon dK/dV
-        configs["gluon forward"] = portable.replace(family="hopper_ws", BLOCK_M=128, BLOCK_N=128, num_warps=4,
-                                                    num_stages=2, hopper_tma_store=False)
-        configs["gluon dK/dV"] = portable.replace(hopper_bwd=True)
-        configs["gluon dK/dV adding dQ"] = portable.replace(hopper_bwd=True, dq_strategy="atomic",
-                                                            bwd_fused_delta=False)
+        configs.update(gluon_configs(spec, 4096))
     return configs
 
 
