@@ -64,6 +64,14 @@ W, R = 256, 512  # window (keys left of the diagonal) and the query rows checked
 WINDOW = {"sliding_window": {"left": W, "right": 0}}
 
 
+def nonfinite_sequences(t, length):
+    """The first few indices of t's sequences (its rows in runs of `length`) holding a NaN or an infinity, and
+    how many there are (session 59's suite run met a non-finite out in an unchecked sequence here)."""
+    sums = t.detach().reshape(-1, length * t[0].numel()).sum(dim=1, dtype=torch.float32)  # (NaN and inf carry)
+    bad = (~torch.isfinite(sums)).nonzero().flatten()
+    return (bad[:8].tolist(), len(bad)) if len(bad) else None
+
+
 def fresh(*shape, gen):
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
 
@@ -125,8 +133,13 @@ def test_packed_rows_past_2_31_elements(causal, longest):
     out, plans = packed_plans(lambda: flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal))
     gluon = not causal and torch.cuda.get_device_capability() == (9, 0)
     assert [plan.cfg["hopper_persistent"] for plan in plans] == ([longest == length] if gluon else [])
+    forward_bad = nonfinite_sequences(out, length)  # (read before the backward runs: which of the two wrote it)
     do = fresh(total, heads, d, gen=gen)
     out.backward(do)
+    bad = {"out after the forward": forward_bad, "out after the backward": nonfinite_sequences(out, length),
+           "dq": nonfinite_sequences(q.grad, length), "dk": nonfinite_sequences(k.grad, length),
+           "dv": nonfinite_sequences(v.grad, length)}
+    assert not any(bad.values()), f"seed {seed}: non-finite values in sequences {bad}"
     try:
         for i in (0, count - 2, count - 1):  # the first sequence, and the two farthest
             rows = slice(i * length, (i + 1) * length)
@@ -134,6 +147,5 @@ def test_packed_rows_past_2_31_elements(causal, longest):
             assert_attention_close(out.detach()[rows].transpose(0, 1)[None], None, *seq, causal=causal)
             grads = tuple(t.grad[rows].transpose(0, 1)[None] for t in (q, k, v))
             assert_gradients_close(grads, *seq, do[rows].transpose(0, 1)[None], causal=causal)
-        assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
     except AssertionError as err:
         raise AssertionError(f"seed {seed}: {err}") from None

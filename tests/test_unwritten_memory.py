@@ -8,6 +8,7 @@ a plan keeps is made, and filled, afresh.
 On the CPU the interpreter runs the portable kernels; on a GPU the calls take that GPU's defaults (on sm90 the
 Gluon forward, packed one-tile and persistent, and the Gluon backward) and the portable family beside them."""
 
+import gc
 import random
 
 import pytest
@@ -26,12 +27,16 @@ def device(request):
 
 
 def forget_plans():
-    """The call plans of dense, packed and decode calls, and the split decode's shared partials: what may hold a
-    buffer made at an earlier call for the cases here (a custom mask's cached block maps are not among them)."""
+    """The call plans of dense, packed and decode calls (flashgen.attention's, each kernel object's own fast
+    path's, the modules' launchers'), and the split decode's shared partials: what may hold a buffer made at an
+    earlier call for the cases here (a custom mask's cached block maps are not among them)."""
     from flashgen import api, kvcache, ops
     from flashgen.runtime import decode
 
     api._FAST.clear()
+    # (type(), not isinstance: the heap holds weak proxies, which raise ReferenceError once their object is gone)
+    for kernel in [o for o in gc.get_objects() if issubclass(type(o), api.AttentionKernel)]:
+        kernel._fast.clear()
     decode.PARTS.clear()
     decoders = [*kvcache._LAUNCHERS.values(), *kvcache._COMPAT.values()]
     for module in list(ops._MODULES.values()):
