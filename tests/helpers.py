@@ -12,6 +12,30 @@ sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device
                           reason="needs an sm90 GPU (H100/H200)")
 
 
+class FreshBuffers:
+    """torch.empty and torch.empty_like patched (through monkeypatch, for the test) to fill what they make while
+    `garbage` is set: True, garbage (NaN; a bool True; an integer a third of its type's max), False, zeros; None (at
+    first), left as made. `count`: how many buffers were filled. A kernel that reads an element of a buffer that
+    nothing wrote then reads garbage, whatever the allocator's memory held before (zeros, on a fresh GPU process)."""
+
+    def __init__(self, monkeypatch):
+        self.garbage, self.count = None, 0
+        empty, empty_like = torch.empty, torch.empty_like
+        monkeypatch.setattr(torch, "empty", lambda *a, **kw: self.fill(empty(*a, **kw)))
+        monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: self.fill(empty_like(*a, **kw)))
+
+    def fill(self, t):
+        if self.garbage is not None and t.numel() and t.device.type != "meta":
+            self.count += 1
+            if t.dtype.is_floating_point:
+                t.fill_(float("nan") if self.garbage else 0.0)
+            elif t.dtype == torch.bool:
+                t.fill_(self.garbage)
+            else:
+                t.fill_(torch.iinfo(t.dtype).max // 3 if self.garbage else 0)
+        return t
+
+
 def portable_config(spec, seqlen, **knobs):
     """The H100 default config of spec at seqlen on the portable family throughout (pointer loads, no warp
     specialization, the multi-launch backward), with knobs replaced."""

@@ -17,7 +17,7 @@ import torch
 import flashgen
 from flashgen import AttentionSpec, compat
 
-from .helpers import cu_seqlens, gluon_configs, make_qkv, portable_config, sm90
+from .helpers import FreshBuffers, cu_seqlens, gluon_configs, make_qkv, portable_config, sm90
 
 
 @pytest.fixture(params=[pytest.param("cpu", marks=pytest.mark.interpreter), pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -51,33 +51,18 @@ def forget_plans():
 @pytest.fixture
 def poisoned(monkeypatch):
     """run(call) -> call()'s tensors from two runs, the first with every fresh buffer garbage, the second zeros."""
-    empty, empty_like = torch.empty, torch.empty_like
-    fill = {"value": None, "count": 0}
-
-    def filled(t):
-        if fill["value"] is not None and t.numel() and t.device.type != "meta":
-            fill["count"] += 1
-            if t.dtype.is_floating_point:
-                t.fill_(float("nan") if fill["value"] else 0.0)
-            elif t.dtype == torch.bool:
-                t.fill_(fill["value"])
-            else:
-                t.fill_(torch.iinfo(t.dtype).max // 3 if fill["value"] else 0)
-        return t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: filled(empty(*a, **kw)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: filled(empty_like(*a, **kw)))
+    buffers = FreshBuffers(monkeypatch)
 
     def run(call):
         results = []
         for garbage in (True, False):
             forget_plans()
-            fill["value"], fill["count"] = garbage, 0
+            buffers.garbage, buffers.count = garbage, 0
             try:
                 results.append([t.detach().clone() for t in call()])
             finally:
-                fill["value"] = None
-            assert fill["count"], "no buffer was made through torch.empty or torch.empty_like: nothing was checked"
+                buffers.garbage = None
+            assert buffers.count, "no buffer was made through torch.empty or torch.empty_like: nothing was checked"
         return results
 
     yield run
