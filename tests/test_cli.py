@@ -642,6 +642,31 @@ def test_generate_with_portable_knobs_starts_from_the_portable_default_on_hopper
     assert plain.exit_code == 0 and "'family': 'hopper_ws'" in (tmp_path / "g.py").read_text()
 
 
+def test_ctrl_c_while_the_command_imports_flashgen_exits_130_in_one_line(monkeypatch, capsys):
+    # the command's entry point imports the CLI (torch, Triton: seconds) inside main: a Ctrl-C there is the CLI's
+    # one line, not Python's traceback of the import; otherwise main is the CLI's
+    import builtins
+
+    import flashgen_command
+
+    assert '\nflashgen = "flashgen_command:main"' in (ROOT / "pyproject.toml").read_text()  # (no tomllib in 3.10)
+    real_import = builtins.__import__
+
+    def interrupted(name, *args, **kwargs):
+        if name == "flashgen.cli":
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    assert flashgen_command.main() == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    monkeypatch.setattr(sys, "argv", ["flashgen", "--help"])
+    with pytest.raises(SystemExit) as done:
+        flashgen_command.main()
+    assert done.value.code == 0 and "tune" in capsys.readouterr().out
+
+
 def test_ctrl_c_in_any_verb_exits_130_in_one_line(tmp_path, monkeypatch):
     # click's own answer was "Aborted!" and exit 1 (a tune interrupted while it loaded its spec, any other verb)
     import flashgen.cli as cli

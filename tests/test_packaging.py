@@ -26,6 +26,7 @@ def test_wheel_ships_templates_and_finds_them(tmp_path):
     missing = [t for t in templates if f"flashgen/templates/{t}" not in names]
     assert not missing, missing
     assert "flashgen/runtime/host.py" in names
+    assert "flashgen_command.py" in names  # the command's entry point, beside the package
     # every package of the source tree (a folder with __init__.py) is in the wheel
     packages = sorted(p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "flashgen").rglob("__init__.py"))
     missing = [p for p in packages if f"{p}/__init__.py" not in names]
