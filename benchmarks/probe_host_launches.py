@@ -11,9 +11,13 @@ import threading
 import time
 
 import torch
+import triton
+
 import flashgen
 from flashgen.runtime import launch as L
 
+if not torch.cuda.is_available():
+    raise SystemExit("this probe times a GPU host: it needs a CUDA GPU")
 B, H, D, S = 1, 16, 128, 128
 dev = "cuda"
 g = torch.Generator(device=dev).manual_seed(0)
@@ -46,6 +50,16 @@ variants = {
     "flashgen fwd, launch no-op": (noop, fgf),
     "flashgen fwd, C launcher with grid 0": (empty_grid, fgf),
 }
+for _ in range(3):  # (the first calls bind the launches through Triton's own path)
+    fg()
+raw_calls = []
+L.RawLaunch.__call__ = lambda self, stream, args, tail: (raw_calls.append(1), orig(self, stream, args, tail))[1]
+fg()
+torch.cuda.synchronize()
+L.RawLaunch.__call__ = orig
+if len(raw_calls) != 2:  # (RawLaunch mirrors triton 3.6's launcher; other Tritons launch through their own)
+    raise SystemExit(f"a step made {len(raw_calls)} RawLaunch calls, not 2 (triton {triton.__version__}): this probe "
+                     "takes RawLaunch's launches apart, which only triton 3.6's launcher has")
 res = {name: [] for name in variants}
 for name, (patch, fn) in variants.items():
     for _ in range(30): fn()
