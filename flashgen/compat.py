@@ -204,10 +204,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     call after the kernels met it (the outputs of that call are meaningless), or at once with
     check="sync" (flashgen's addition, for debugging; see flashgen.kvcache.decode). The first call
     with a new combination of dtypes, head counts, head dims and causal/window/softcap/ALiBi
-    builds and compiles its spec; later ones find it with one dict lookup."""
-    from .kvcache import compat_launcher, refuse_tracing
+    builds and compiles its spec; later ones find it with one dict lookup. Under torch.compile the
+    call is one custom op (fullgraph, any batch size and cache length; the cache written in place)."""
+    from .kvcache import compat_launcher, traced_compat_id, traced_decode
 
-    refuse_tracing("flash_attn_with_kvcache")
     if rotary_cos is not None or rotary_sin is not None:
         raise ValueError("rotary_cos: in-kernel rotary embedding is not supported by flashgen.compat; apply it to "
                          "q and k before the call")
@@ -215,12 +215,21 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError("cache_leftpad: left-padded caches are not supported by flashgen.compat")
     _check_flags(causal, softcap)  # (before the launcher's key, which reads them as bool and float)
     check_flag("return_softmax_lse", return_softmax_lse)
-    launcher = compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slopes, softmax_scale)
-    tensors = {"alibi_slopes": alibi_slopes} if alibi_slopes is not None else None
-    out, lse = launcher.decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
-                               cache_batch_idx=cache_batch_idx, tensors=tensors, return_lse=return_softmax_lse,
-                               num_splits=_num_splits(num_splits), check=check, q_descale=q_descale, k_descale=k_descale,
-                               v_descale=v_descale)
+    if torch.compiler.is_compiling():  # one custom op (flashgen/kvcache.py)
+        causal, mask, mods, tensors = _variant(causal, window_size, softcap, alibi_slopes)
+        kernel_id = traced_compat_id(q, k_cache, v_cache, causal, softmax_scale, mask, mods)
+        out, lse = traced_decode(kernel_id, q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+                                 cache_batch_idx=cache_batch_idx, names=tuple(tensors), tensors=tensors,
+                                 softmax_scale=softmax_scale, return_lse=return_softmax_lse,
+                                 num_splits=_num_splits(num_splits), check=check, q_descale=q_descale,
+                                 k_descale=k_descale, v_descale=v_descale)
+    else:
+        launcher = compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slopes, softmax_scale)
+        tensors = {"alibi_slopes": alibi_slopes} if alibi_slopes is not None else None
+        out, lse = launcher.decode(q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+                                   cache_batch_idx=cache_batch_idx, tensors=tensors, return_lse=return_softmax_lse,
+                                   num_splits=_num_splits(num_splits), check=check, q_descale=q_descale,
+                                   k_descale=k_descale, v_descale=v_descale)
     if not return_softmax_lse:
         return out
     return out, torch.where(lse == float("-inf"), float("inf"), lse)  # flash-attn's empty-row LSE

@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import torch
 
-from .api import AttentionKernel, compile_spec
+from . import ops
+from .api import (AttentionKernel, _call_key, _check_config, _check_dtype_heads_dims, _check_traced_call,
+                  _config_values, _constant_result, _raise_refused, _refused, _spec, _thaw, _traced_config_id,
+                  compile_spec)
 from .config import KernelConfig
 from .errors import check_flag
+from .runtime import host
 from .runtime.host import check_bounds
-from .spec import FP8_DTYPES, AttentionSpec
+from .spec import DTYPES, FP8_DTYPES, AttentionSpec
 
 __all__ = ["decode", "check_bounds", "decode_launcher", "tuned_decode", "compat_launcher", "reload_tuned"]
 
@@ -85,24 +89,157 @@ def reload_tuned() -> None:
     _COMPAT.clear()
 
 
-def refuse_tracing(name: str) -> None:
-    """Refuse a decode call traced by torch.compile, naming it: the decode kernels, their plans and bounds checks are
-    eager-only (a traced call failed deep inside, on a dict key or a pointer's alignment)."""
-    if torch.compiler.is_compiling():
-        raise RuntimeError(f"{name}: not supported under torch.compile (the decode kernels run eagerly); call it "
-                           "outside the compiled function, or let the graph break there (fullgraph=False with "
-                           "torch.compiler.disable around the call)")
-
-
 def decode_launcher(kernel: AttentionKernel, config: KernelConfig | None = None):
     """The DecodeLauncher of a kernel's module, with the spec's tuned decode knobs attached (looked up once)."""
-    key = kernel.kernel_id(config)
-    launcher = _LAUNCHERS.get(key)
+    return _launcher(kernel.kernel_id(config))
+
+
+def _launcher(kernel_id: str):
+    """The DecodeLauncher of a kernel id (ops.kernel_id): its module built on first use, as the custom ops build
+    theirs, so that an id works in any process."""
+    launcher = _LAUNCHERS.get(kernel_id)
     if launcher is None:
-        launcher = kernel.module(config)._DECODE
-        launcher.tuned, launcher.tuned_source = tuned_decode(kernel.spec)
-        _LAUNCHERS[key] = launcher
+        launcher = ops.kernel_module(kernel_id)._DECODE
+        launcher.tuned, launcher.tuned_source = tuned_decode(ops.kernel_spec(kernel_id)[0])
+        _LAUNCHERS[kernel_id] = launcher
     return launcher
+
+
+# ----------------------------------------------------------------------------- under torch.compile
+# A decode call traced by torch.compile is one custom op, opaque to dynamo: its eager body (the launcher's checks,
+# plans and bound launches) runs as it does outside a compiled function, on the real tensors. A call that writes
+# new keys and values into the cache is `flashgen::decode_append`, which declares k_cache and v_cache mutated; a
+# call that only reads the cache is `flashgen::decode`, which mutates nothing (declared mutated, the cache would be
+# copied per call where the compiler cannot write it in place: aot_eager always). The kernel is named by its id
+# (ops.kernel_id), resolved at trace time: a flashgen.decode kernel object's, or for flash_attn_with_kvcache the id
+# of the spec its eager call builds (compat_launcher), by a function dynamo runs once and treats as a constant.
+def _decode_body(q, k_cache, v_cache, k, v, cache_seqlens, seqlen, block_table, cache_batch_idx, tensors, kernel_id,
+                 softmax_scale, return_lse, num_splits, BLOCK_N, num_warps, num_stages, page_prefetch, fused_combine,
+                 check, q_descale, k_descale, v_descale):
+    launcher = _launcher(kernel_id)
+    out, lse = launcher.decode(
+        q, k_cache, v_cache, cache_seqlens if cache_seqlens is not None else seqlen, k=k, v=v, block_table=block_table,
+        cache_batch_idx=cache_batch_idx, softmax_scale=softmax_scale,
+        tensors=dict(zip(launcher.attention.tensor_names, tensors)), return_lse=return_lse, BLOCK_N=BLOCK_N,
+        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages, page_prefetch=page_prefetch, check=check,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, fused_combine=fused_combine)
+    return out, (lse if lse is not None else out.new_empty(0, dtype=torch.float32))
+
+
+def _decode_fake(q, k_cache, v_cache, k, v, cache_seqlens, seqlen, block_table, cache_batch_idx, tensors, kernel_id,
+                 softmax_scale, return_lse, num_splits, BLOCK_N, num_warps, num_stages, page_prefetch, fused_combine,
+                 check, q_descale, k_descale, v_descale):
+    # out (batch, seqlen_q, heads, head_dim_v) in the spec's dtype, lse (batch, heads, seqlen_q) float32 where asked
+    # for (else empty), both contiguous, as the launcher allocates them
+    ops._check_fake_devices(q, k_cache, v_cache, tensors, k_new=k, v_new=v, cache_seqlens=cache_seqlens,
+                            block_table=block_table, cache_batch_idx=cache_batch_idx, q_descale=q_descale,
+                            k_descale=k_descale, v_descale=v_descale)
+    batch, seqlen_q, heads = q.shape[:3]
+    dtype = getattr(torch, DTYPES[ops.kernel_spec(kernel_id)[0].dtype])
+    out = q.new_empty((batch, seqlen_q, heads, v_cache.shape[-1]), dtype=dtype)
+    return out, q.new_empty((batch, heads, seqlen_q) if return_lse else (0,), dtype=torch.float32)
+
+
+# (torch.library.Library, not torch.library.custom_op: a custom_op's Python dispatch costs about 40 us a call on
+# a CPU host, where each decode step's launch costs about 10; these ops record no gradient)
+_LIBRARY = torch.library.Library("flashgen", "FRAGMENT")
+_SCHEMA = ("(Tensor q, Tensor{k} k_cache, Tensor{v} v_cache, Tensor? k, Tensor? v, Tensor? cache_seqlens, "
+           "SymInt? seqlen, Tensor? block_table, Tensor? cache_batch_idx, Tensor[] tensors, str kernel_id, "
+           "float? softmax_scale, bool return_lse, int num_splits, int? BLOCK_N, int? num_warps, int? num_stages, "
+           "bool? page_prefetch, bool? fused_combine, str check, Tensor? q_descale, Tensor? k_descale, "
+           "Tensor? v_descale) -> (Tensor, Tensor)")
+
+
+def _decode_op(name, mutable):
+    _LIBRARY.define(name + _SCHEMA.format(k="(a!)" if mutable else "", v="(b!)" if mutable else ""))
+    for key in ("CPU", "CUDA"):
+        _LIBRARY.impl(name, _decode_body, key)
+    torch.library.register_fake(f"flashgen::{name}", _decode_fake, lib=_LIBRARY)
+    return getattr(torch.ops.flashgen, name).default
+
+
+decode_read_op = _decode_op("decode", False)
+decode_append_op = _decode_op("decode_append", True)
+
+
+@_constant_result
+def _traced_compat_id(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layout, causal, softmax_scale, dropout_p,
+                      mask, score_mod, config) -> str:
+    """Under torch.compile: the kernel id of flash_attn_with_kvcache's call key (api._call_key's), the one its eager
+    call builds (compat_launcher: the spec of its arguments with the default config). Run once by dynamo at trace
+    time; a call the spec refuses gets api._refused's answer, raised in the traced code."""
+    try:
+        return compile_spec(_spec(dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, num_heads=num_heads,
+                                  num_kv_heads=num_kv_heads, causal=causal, softmax_scale=softmax_scale,
+                                  dropout_p=dropout_p, mask=_thaw(mask), score_mod=_thaw(score_mod))).kernel_id()
+    except (TypeError, ValueError) as err:
+        return _refused(err)
+
+
+def traced_compat_id(q, k_cache, v_cache, causal, softmax_scale, mask, score_mod) -> str:
+    """The kernel id of a flash_attn_with_kvcache call being traced (its arguments checked as compat_launcher's
+    are; an FP8 q's spec computes in bf16)."""
+    if isinstance(q, torch.Tensor) and q.dtype in FP8_DTYPES:
+        q = q.new_empty(q.shape, dtype=torch.bfloat16)
+    key = _call_key(q, k_cache, v_cache, "bshd", causal, softmax_scale, 0.0, mask, score_mod, None)
+    try:
+        if key is None:
+            _check_traced_call(q, k_cache, v_cache, "bshd", causal, softmax_scale, 0.0, None)
+        _check_dtype_heads_dims(q.dtype, *key[3:5], *key[1:3])
+    except (TypeError, ValueError) as err:
+        _raise_for_caches(err)
+    return _raise_refused(_traced_compat_id(*key))
+
+
+def _raise_for_caches(err: Exception):
+    """Raise err, an error about a call's k or v named as flash_attn_with_kvcache names them: k_cache, v_cache."""
+    message = str(err)
+    for given, name in (("k: ", "k_cache: "), ("v: ", "v_cache: ")):
+        if message.startswith(given):
+            raise type(err)(name + message[len(given):]) from None
+    raise err
+
+
+def traced_decode(kernel_id, q, k_cache, v_cache, cache_seqlens, *, k, v, block_table, cache_batch_idx, names,
+                  tensors, softmax_scale, return_lse, out=None, lse=None, num_splits=0, BLOCK_N=None, num_warps=None,
+                  num_stages=None, page_prefetch=None, fused_combine=None, check="async", q_descale=None,
+                  k_descale=None, v_descale=None):
+    """A decode call being traced: its arguments checked as far as a trace can (each error naming its argument; the
+    op's body checks the rest when it runs), then the custom op. Returns (out, lse) (lse empty unless asked for)."""
+    check_flag("return_lse", return_lse)
+    host.check_tensor_names(tensors, names)
+    given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("block_table", block_table),
+             ("cache_batch_idx", cache_batch_idx), ("q_descale", q_descale), ("k_descale", k_descale),
+             ("v_descale", v_descale), ("out", out), ("lse", lse), *((n, tensors[n]) for n in names))
+    for name, t in given:
+        if t is not None:
+            host.check_tensor(name, t)
+            host.check_data(name, t)
+    for name, t in given[1:]:
+        if t is not None:
+            host.check_device(name, t, q.device)
+    if (k is None) != (v is None):
+        raise ValueError(f"{'v' if k is not None else 'k'}: expected k and v together (new keys and values), got "
+                         f"only {'k' if k is not None else 'v'}")
+    seqlen = None
+    if isinstance(cache_seqlens, torch.Tensor):
+        host.check_tensor("cache_seqlens", cache_seqlens)
+        host.check_device("cache_seqlens", cache_seqlens, q.device)
+    elif cache_seqlens is not None:
+        if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.SymInt)):
+            raise TypeError(f"cache_seqlens: expected an int32 tensor (batch,), an int or None, got "
+                            f"{type(cache_seqlens).__name__}")
+        seqlen, cache_seqlens = cache_seqlens, None
+    op = decode_append_op if k is not None else decode_read_op
+    result, result_lse = op(q, k_cache, v_cache, k, v, cache_seqlens, seqlen, block_table, cache_batch_idx,
+                            [tensors[n] for n in names], kernel_id, softmax_scale, return_lse, num_splits, BLOCK_N,
+                            num_warps, num_stages, page_prefetch, fused_combine, check, q_descale, k_descale,
+                            v_descale)
+    if out is not None:
+        result = out.copy_(result)
+    if lse is not None:
+        result_lse = lse.copy_(result_lse)
+    return result, result_lse
 
 
 def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens=None, *,
@@ -138,8 +275,27 @@ def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     FP8 (see the module docstring): k_cache and v_cache (one dtype) may be float8_e4m3fn or
     float8_e5m2, q too; q_descale, k_descale, v_descale: float32 (batch, kv_heads), each only for
     an FP8 tensor (else ValueError naming it); k, v stay in the spec's dtype. Needs sm89+ on a GPU.
+
+    Under torch.compile (fullgraph too) the call is one custom op; spec_or_kernel must then be a kernel
+    object built outside the compiled function.
     """
-    refuse_tracing("flashgen.decode")
+    if torch.compiler.is_compiling():
+        if not isinstance(spec_or_kernel, AttentionKernel):  # (building a spec and its module is not traced)
+            raise TypeError(f"spec_or_kernel: under torch.compile, expected a kernel object built outside the compiled "
+                            f"function (flashgen.compile(spec) or flashgen.load(spec)), got "
+                            f"{type(spec_or_kernel).__name__}")
+        if spec_or_kernel.spec.dtype in FP8_DTYPES:
+            raise ValueError(f"spec_or_kernel: decode computes in the spec's dtype, bf16, fp16 or fp32, got "
+                             f"{spec_or_kernel.spec.dtype!r}; pass the FP8 cache (and q) with descales to a bf16 spec")
+        kernel_id = spec_or_kernel._id if config is None else _raise_refused(
+            _traced_config_id(spec_or_kernel._id, _config_values(_check_config(config))))
+        out, lse = traced_decode(kernel_id, q, k_cache, v_cache, cache_seqlens, k=k, v=v, block_table=block_table,
+                                 cache_batch_idx=cache_batch_idx, names=spec_or_kernel._names, tensors=tensors,
+                                 softmax_scale=softmax_scale, return_lse=return_lse, out=out, lse=lse,
+                                 num_splits=num_splits, BLOCK_N=BLOCK_N, num_warps=num_warps, num_stages=num_stages,
+                                 page_prefetch=page_prefetch, fused_combine=fused_combine, check=check,
+                                 q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+        return (out, lse) if return_lse else out
     check_flag("return_lse", return_lse)
     kernel = spec_or_kernel if isinstance(spec_or_kernel, AttentionKernel) else compile_spec(
         AttentionSpec.coerce(spec_or_kernel))
@@ -183,11 +339,7 @@ def compat_launcher(q, k_cache, v_cache, causal, window_size, softcap, alibi_slo
             spec = spec_for(q, k_cache, v_cache, causal=causal, softmax_scale=softmax_scale, layout=layout, mask=mask,
                             score_mod=mods)
         except (TypeError, ValueError) as err:  # spec_for names its k and v: here they are the caches
-            message = str(err)
-            for given, name in (("k: ", "k_cache: "), ("v: ", "v_cache: ")):
-                if message.startswith(given):
-                    raise type(err)(name + message[len(given):]) from None
-            raise
+            _raise_for_caches(err)
         launcher = decode_launcher(compile_spec(spec))
         if key is not None:
             if len(_COMPAT) >= 256:

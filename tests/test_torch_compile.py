@@ -6,6 +6,7 @@ fp32 on the CPU through the interpreter; compiled and eager run the same kernels
 inputs, so they agree to the last bit, and we check (dtype fp32, atol 1e-6, rtol 0): any
 difference means a different kernel or different arguments."""
 
+import random
 import re
 
 import pytest
@@ -339,19 +340,106 @@ def test_the_ops_fake_layouts_are_their_real_ones_for_seq_major_views():
     assert [f.stride() for f in fake[:3]] == [r.stride() for r in real[:3]]
 
 
+_DECODE_SPEC = AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
+
+
+def _decode_inputs(batch, capacity, paged, append, tensor_lengths, gen):
+    """q (batch, 1, 4, 16), the caches (contiguous, or pages of 8 in a shuffled block table), new keys and values
+    where appending, and cache_seqlens (a tensor, or an int)."""
+    q = torch.randn(batch, 1, 4, 16, generator=gen)
+    if paged:
+        per_seq = capacity // 8
+        caches = [torch.randn(batch * per_seq + 3, 8, 2, 16, generator=gen) for _ in range(2)]
+        block_table = torch.randperm(batch * per_seq + 3, generator=gen)[: batch * per_seq].view(batch, per_seq)
+        block_table = block_table.to(torch.int32)
+    else:
+        caches = [torch.randn(batch, capacity, 2, 16, generator=gen) for _ in range(2)]
+        block_table = None
+    new = [torch.randn(batch, 1, 2, 16, generator=gen) for _ in range(2)] if append else [None, None]
+    if tensor_lengths:
+        lengths = torch.randint(0, capacity - 1, (batch,), generator=gen, dtype=torch.int32)
+    else:
+        lengths = capacity - 7
+    return q, *caches, *new, lengths, block_table
+
+
+DECODE_ENTRIES = {
+    "flash_attn_with_kvcache": lambda q, kc, vc, k, v, n, bt: compat.flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=n, block_table=bt, causal=True, return_softmax_lse=True),
+    "flash_attn_with_kvcache window softcap": lambda q, kc, vc, k, v, n, bt: compat.flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=n, block_table=bt, window_size=(20, 0), softcap=30.0),
+    "flashgen.decode": lambda q, kc, vc, k, v, n, bt: flashgen.decode(
+        _DECODE_KERNEL, q, kc, vc, n, k=k, v=v, block_table=bt, return_lse=True),
+}
+_DECODE_KERNEL = flashgen.compile(_DECODE_SPEC)
+
+
+@pytest.mark.parametrize("entry", DECODE_ENTRIES.values(), ids=DECODE_ENTRIES.keys())
+@pytest.mark.parametrize("paged, append, tensor_lengths", [(False, False, True), (False, True, True),
+                                                           (True, True, True), (False, False, False)],
+                         ids=["read", "append", "paged append", "int length"])
 @pytest.mark.interpreter
-def test_decode_calls_traced_are_refused_by_name():
-    # the decode kernels are eager-only: traced, a call failed deep inside (a TuneSpec dynamo cannot trace, an int
-    # & on a pointer's alignment); now its own error names it
-    q = torch.randn(2, 1, 4, 16)
-    cache = torch.randn(2, 40, 2, 16)
-    spec = AttentionSpec(dtype="fp32", head_dim=16, num_heads=4, num_kv_heads=2, causal=True, backward=False)
-    for name, call in (("flash_attn_with_kvcache", lambda q, c: compat.flash_attn_with_kvcache(q, c, c, cache_seqlens=9)),
-                       ("flashgen.decode", lambda q, c: flashgen.decode(spec, q, c, c, 9))):
-        torch._dynamo.reset()
-        with pytest.raises(Exception, match=f"{name}: not supported under torch.compile"):
-            torch.compile(call, fullgraph=True, backend="eager")(q, cache)
-        call(q, cache)  # eager: served
+def test_decode_calls_compile(entry, paged, append, tensor_lengths):
+    # issue 13 (compat.* under torch.compile(fullgraph=True)): a decode call traced is one custom op, the cache
+    # written in place where the call appends; one graph over two batch sizes and cache lengths, against eager on
+    # copies of the same inputs (the same kernels: equal to the bit, the caches too)
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    torch._dynamo.reset()
+    compiled = torch.compile(entry, fullgraph=True, dynamic=True, backend="aot_eager")
+    for i, (batch, capacity) in enumerate(((3, 40), (5, 56))):
+        args = _decode_inputs(batch, capacity, paged, append, tensor_lengths, gen)
+        copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(*args)
+        want = entry(*copies)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        torch.testing.assert_close(args[1:3], copies[1:3], atol=0, rtol=0)  # the caches, appended alike
+        if append:  # (and written where they belong: each element's new key and value at its length)
+            lengths, block_table = args[5], args[6]
+            for b in range(batch):
+                n = int(lengths[b])
+                page, slot = (int(block_table[b, n // 8]), n % 8) if paged else (b, n)
+                torch.testing.assert_close(args[1][page, slot], args[3][b, 0], atol=0, rtol=0)
+                torch.testing.assert_close(args[2][page, slot], args[4][b, 0], atol=0, rtol=0)
+
+
+BAD_TRACED_DECODE_CALLS = {
+    "a spec, not a kernel object": (lambda q, c, n: flashgen.decode(_DECODE_SPEC, q, c, c, n), "spec_or_kernel"),
+    "a float length": (lambda q, c, n: flashgen.decode(_DECODE_KERNEL, q, c, c, 9.0), "cache_seqlens"),
+    "k without v": (lambda q, c, n: compat.flash_attn_with_kvcache(q, c, c, c[:, :1], cache_seqlens=n), "v"),
+    "a meta block table": (lambda q, c, n: compat.flash_attn_with_kvcache(
+        q, c, c, cache_seqlens=n, block_table=torch.zeros(2, 5, dtype=torch.int32, device="meta")), "block_table"),
+    "an unknown named tensor": (lambda q, c, n: flashgen.decode(_DECODE_KERNEL, q, c, c, n, bias=c), "bias"),
+    "k_cache's heads": (lambda q, c, n: compat.flash_attn_with_kvcache(q, c[:, :, :1].expand(2, 40, 3, 16), c, cache_seqlens=n),
+                        "k_cache"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TRACED_DECODE_CALLS.values(), ids=BAD_TRACED_DECODE_CALLS.keys())
+@pytest.mark.interpreter
+def test_bad_decode_input_traced_names_the_argument(case):
+    call, name = case
+    q, cache = torch.randn(2, 1, 4, 16), torch.randn(2, 40, 2, 16)
+    n = torch.full((2,), 9, dtype=torch.int32)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=rf"{re.escape(name)}'?:"):
+        torch.compile(call, fullgraph=True, backend="eager")(q, cache, n)
+
+
+@pytest.mark.interpreter
+def test_the_decode_ops_fake_is_their_real_output():
+    from flashgen import kvcache
+
+    q, k_cache, v_cache = torch.randn(3, 2, 4, 16), torch.randn(3, 40, 2, 16), torch.randn(3, 40, 2, 8)
+    spec = _DECODE_SPEC.replace(head_dim_v=8)
+    kernel_id = flashgen.compile(spec).kernel_id()
+    for return_lse in (True, False):
+        args = (q, k_cache, v_cache, None, None, None, 30, None, None, [], kernel_id, None, return_lse, 0, None, None,
+                None, None, None, "async", None, None, None)
+        real = kvcache.decode_read_op(*args)
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fake = kvcache.decode_read_op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+        assert [(f.shape, f.stride(), f.dtype) for f in fake] == [(r.shape, r.stride(), r.dtype) for r in real]
 
 
 @pytest.mark.interpreter
@@ -568,6 +656,82 @@ def test_gpu_every_entry_point_compiles_with_inductor(case):
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_gpu_decode_compiles_with_inductor_writing_the_cache_in_place(paged):
+    # flash_attn_with_kvcache appending a token, then flashgen.decode reading the cache, in one compiled step
+    # (inductor, fullgraph, dynamic), against eager on copies: the same kernels, so the outputs and caches are
+    # equal to the bit. The cache is written in place: inductor runs the appending op on the cache itself (a copy
+    # of a 64 MiB cache per step would show in the peak memory)
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kernel = flashgen.compile(AttentionSpec(dtype="bf16", head_dim=128, num_heads=32, num_kv_heads=8, causal=True,
+                                            backward=False))
+
+    def step(q, k_cache, v_cache, k, v, lengths, block_table):
+        out = compat.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                             block_table=block_table, causal=True)
+        again = flashgen.decode(kernel, q, k_cache, v_cache, lengths + 1, block_table=block_table)
+        return out, again
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
+
+    def fresh(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    for i, (batch, capacity) in enumerate(((4, 4096), (6, 2048))):
+        q, k, v = fresh(batch, 1, 32, 128), fresh(batch, 1, 8, 128), fresh(batch, 1, 8, 128)
+        if paged:
+            pages = batch * capacity // 256
+            k_cache, v_cache = fresh(pages, 256, 8, 128), fresh(pages, 256, 8, 128)
+            block_table = torch.randperm(pages, device="cuda", generator=gen).view(batch, -1).to(torch.int32)
+        else:
+            k_cache, v_cache, block_table = fresh(batch, capacity, 8, 128), fresh(batch, capacity, 8, 128), None
+        lengths = torch.randint(1, capacity - 1, (batch,), device="cuda", dtype=torch.int32, generator=gen)
+        caches = (k_cache.clone(), v_cache.clone())
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            compiled(q, k_cache, v_cache, k, v, lengths, block_table)  # (compiles; the measured call is the next)
+            k_cache.copy_(caches[0]), v_cache.copy_(caches[1])
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            got = compiled(q, k_cache, v_cache, k, v, lengths, block_table)
+            torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - before < k_cache.nbytes // 4, "the compiled step copied the cache"
+        want = step(q, *caches, k, v, lengths, block_table)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        torch.testing.assert_close((k_cache, v_cache), caches, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_cache_decode_compiles():
+    # an FP8 cache (sm90: the Gluon FP8-cache kernel) under inductor: new keys quantized into the cache on write,
+    # out and LSE equal to eager's on copies, the caches' bytes too
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a CUDA GPU with FP8 (sm89+)")
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
+    q = torch.randn(8, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache, v_cache = (torch.randn(8, 4096, 8, 128, device="cuda", generator=gen).to(torch.float8_e4m3fn)
+                        for _ in range(2))
+    k_descale, v_descale = (torch.rand(8, 8, device="cuda", generator=gen) + 0.5 for _ in range(2))
+    k, v = (torch.randn(8, 1, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    lengths = torch.randint(1, 4000, (8,), device="cuda", dtype=torch.int32, generator=gen)
+
+    def call(q, k_cache, v_cache, k, v, lengths, k_descale, v_descale):
+        return compat.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
+                                             k_descale=k_descale, v_descale=v_descale, return_softmax_lse=True)
+
+    torch._dynamo.reset()
+    copies = (k_cache.clone(), v_cache.clone())
+    got = torch.compile(call, fullgraph=True, dynamic=True)(q, k_cache, v_cache, k, v, lengths, k_descale, v_descale)
+    want = call(q, *copies, k, v, lengths, k_descale, v_descale)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    for a, b in zip((k_cache, v_cache), copies):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_a_traced_size_past_the_search_limit_is_not_capped():
