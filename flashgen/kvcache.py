@@ -32,6 +32,7 @@ from .api import (AttentionKernel, _call_key, _check_config, _check_dtype_heads_
 from .config import KernelConfig
 from .errors import check_flag
 from .runtime import host
+from .runtime.decode import CHECKS, check_knob_values
 from .runtime.host import check_bounds
 from .spec import DTYPES, FP8_DTYPES, AttentionSpec
 
@@ -179,12 +180,14 @@ def _traced_compat_id(dtype, head_dim, head_dim_v, num_heads, num_kv_heads, layo
 def traced_compat_id(q, k_cache, v_cache, causal, softmax_scale, mask, score_mod) -> str:
     """The kernel id of a flash_attn_with_kvcache call being traced (its arguments checked as compat_launcher's
     are; an FP8 q's spec computes in bf16)."""
-    if isinstance(q, torch.Tensor) and q.dtype in FP8_DTYPES:
-        q = q.new_empty(q.shape, dtype=torch.bfloat16)
+    if isinstance(q, torch.Tensor) and q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q = q.new_empty(q.shape, dtype=torch.bfloat16)  # (as compat_launcher's)
     key = _call_key(q, k_cache, v_cache, "bshd", causal, softmax_scale, 0.0, mask, score_mod, None)
     try:
         if key is None:
             _check_traced_call(q, k_cache, v_cache, "bshd", causal, softmax_scale, 0.0, None)
+            raise TypeError(f"softmax_scale: under torch.compile, expected a Python float or None, got "
+                            f"{type(softmax_scale).__name__}")  # (what else _call_key refuses, that check names)
         _check_dtype_heads_dims(q.dtype, *key[3:5], *key[1:3])
     except (TypeError, ValueError) as err:
         _raise_for_caches(err)
@@ -205,16 +208,29 @@ def traced_decode(kernel_id, q, k_cache, v_cache, cache_seqlens, *, k, v, block_
                   num_stages=None, page_prefetch=None, fused_combine=None, check="async", q_descale=None,
                   k_descale=None, v_descale=None):
     """A decode call being traced: its arguments checked as far as a trace can (each error naming its argument; the
-    op's body checks the rest when it runs), then the custom op. Returns (out, lse) (lse empty unless asked for)."""
+    op's body checks the rest when it runs), then the custom op, without autograd (decode is forward-only: eager's
+    output requires no grad either). Returns (out, lse) (lse empty unless asked for)."""
     check_flag("return_lse", return_lse)
+    for name, buffer in (("out", out), ("lse", lse)):
+        if buffer is not None:  # (the op returns its own: a buffer's checks and writes would be the trace's)
+            raise ValueError(f"{name}: buffers to write into are not supported under torch.compile; the call "
+                             f"returns a fresh {name}")
+    if check not in CHECKS:
+        raise ValueError(f"check: expected one of {CHECKS}, got {check!r}")
+    if softmax_scale is not None and not isinstance(softmax_scale, torch.SymFloat):
+        host.check_softmax_scale(softmax_scale)
+    check_knob_values(BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, fused_combine)
     host.check_tensor_names(tensors, names)
     given = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v), ("block_table", block_table),
              ("cache_batch_idx", cache_batch_idx), ("q_descale", q_descale), ("k_descale", k_descale),
-             ("v_descale", v_descale), ("out", out), ("lse", lse), *((n, tensors[n]) for n in names))
+             ("v_descale", v_descale), *((n, tensors[n]) for n in names))
     for name, t in given:
         if t is not None:
             host.check_tensor(name, t)
             host.check_data(name, t)
+    for name, t in given[:5]:  # (the fake reads their shapes)
+        if t is not None and t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-d tensor, got shape {tuple(t.shape)}")
     for name, t in given[1:]:
         if t is not None:
             host.check_device(name, t, q.device)
@@ -231,15 +247,10 @@ def traced_decode(kernel_id, q, k_cache, v_cache, cache_seqlens, *, k, v, block_
                             f"{type(cache_seqlens).__name__}")
         seqlen, cache_seqlens = cache_seqlens, None
     op = decode_append_op if k is not None else decode_read_op
-    result, result_lse = op(q, k_cache, v_cache, k, v, cache_seqlens, seqlen, block_table, cache_batch_idx,
-                            [tensors[n] for n in names], kernel_id, softmax_scale, return_lse, num_splits, BLOCK_N,
-                            num_warps, num_stages, page_prefetch, fused_combine, check, q_descale, k_descale,
-                            v_descale)
-    if out is not None:
-        result = out.copy_(result)
-    if lse is not None:
-        result_lse = lse.copy_(result_lse)
-    return result, result_lse
+    with torch.no_grad():
+        return op(q, k_cache, v_cache, k, v, cache_seqlens, seqlen, block_table, cache_batch_idx,
+                  [tensors[n] for n in names], kernel_id, softmax_scale, return_lse, num_splits, BLOCK_N, num_warps,
+                  num_stages, page_prefetch, fused_combine, check, q_descale, k_descale, v_descale)
 
 
 def decode(spec_or_kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens=None, *,

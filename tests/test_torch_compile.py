@@ -9,6 +9,7 @@ difference means a different kernel or different arguments."""
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch._dynamo
@@ -410,8 +411,17 @@ BAD_TRACED_DECODE_CALLS = {
     "a meta block table": (lambda q, c, n: compat.flash_attn_with_kvcache(
         q, c, c, cache_seqlens=n, block_table=torch.zeros(2, 5, dtype=torch.int32, device="meta")), "block_table"),
     "an unknown named tensor": (lambda q, c, n: flashgen.decode(_DECODE_KERNEL, q, c, c, n, bias=c), "bias"),
-    "k_cache's heads": (lambda q, c, n: compat.flash_attn_with_kvcache(q, c[:, :, :1].expand(2, 40, 3, 16), c, cache_seqlens=n),
-                        "k_cache"),
+    "k_cache's heads": (lambda q, c, n: compat.flash_attn_with_kvcache(q, c[:, :, :1].expand(2, 40, 3, 16), c,
+                                                                       cache_seqlens=n), "k_cache"),
+    "an out buffer": (lambda q, c, n: flashgen.decode(_DECODE_KERNEL, q, c, c, n, out=torch.empty_like(q)), "out"),
+    "an lse buffer": (lambda q, c, n: flashgen.decode(_DECODE_KERNEL, q, c, c, n, lse=torch.empty(2, 4, 1)), "lse"),
+    "a bool scale": (lambda q, c, n: flashgen.decode(_DECODE_KERNEL, q, c, c, n, softmax_scale=True), "softmax_scale"),
+    "a numpy scale": (lambda q, c, n: compat.flash_attn_with_kvcache(q, c, c, cache_seqlens=n,
+                                                                     softmax_scale=np.float32(0.25)), "softmax_scale"),
+    "a bool split count": (lambda q, c, n: flashgen.decode(_DECODE_KERNEL, q, c, c, n, num_splits=True), "num_splits"),
+    "an int prefetch": (lambda q, c, n: flashgen.decode(_DECODE_KERNEL, q, c, c, n, page_prefetch=1), "page_prefetch"),
+    "no check": (lambda q, c, n: flashgen.decode(_DECODE_KERNEL, q, c, c, n, check=None), "check"),
+    "a 2-d q": (lambda q, c, n: flashgen.decode(_DECODE_KERNEL, q[:, 0, 0], c, c, n), "q"),
 }
 
 
@@ -424,6 +434,35 @@ def test_bad_decode_input_traced_names_the_argument(case):
     torch._dynamo.reset()
     with pytest.raises(Exception, match=rf"{re.escape(name)}'?:"):
         torch.compile(call, fullgraph=True, backend="eager")(q, cache, n)
+
+
+@pytest.mark.interpreter
+def test_a_traced_decode_call_records_no_gradient():
+    # decode is forward-only: eager's output requires no grad, and the compiled one must not claim one (a backward
+    # through it ran and left q.grad None)
+    q = torch.randn(2, 1, 4, 16, requires_grad=True)
+    cache = torch.randn(2, 40, 2, 16)
+    call = lambda q, c: flashgen.decode(_DECODE_KERNEL, q, c, c, 9)  # noqa: E731
+    torch._dynamo.reset()
+    got = torch.compile(call, fullgraph=True, backend="aot_eager")(q, cache)
+    assert not got.requires_grad and not call(q, cache).requires_grad
+
+
+def test_an_fp8_q_traced_takes_the_bf16_spec_its_eager_call_takes():
+    # flash-attn 3's all-FP8 call computes and outputs in bf16: traced, the kernel id was an FP8 spec's (whose
+    # decode launcher refused it when the compiled call ran) and the fake's output FP8
+    from flashgen import kvcache, ops
+
+    q8 = torch.randn(2, 1, 4, 16).to(torch.float8_e4m3fn)
+    cache = torch.randn(2, 40, 2, 16).to(torch.float8_e4m3fn)
+    kernel_id = kvcache.traced_compat_id(q8, cache, cache, True, None, None, None)
+    assert ops.kernel_spec(kernel_id)[0].dtype == "bf16"
+    assert kvcache.compat_launcher(q8, cache, cache, True, (-1, -1), 0.0, None, None) is kvcache._launcher(kernel_id)
+    args = (q8, cache, cache, None, None, None, 30, None, None, [], kernel_id, None, True, 0, None, None, None, None,
+            None, "async", None, None, None)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        out, lse = kvcache.decode_read_op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
 
 
 @pytest.mark.interpreter
@@ -708,13 +747,18 @@ def test_gpu_decode_compiles_with_inductor_writing_the_cache_in_place(paged):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_cache_decode_compiles():
-    # an FP8 cache (sm90: the Gluon FP8-cache kernel) under inductor: new keys quantized into the cache on write,
-    # out and LSE equal to eager's on copies, the caches' bytes too
+@pytest.mark.parametrize("fp8_q", [False, True], ids=["bf16 q", "FP8 q"])
+def test_gpu_fp8_cache_decode_compiles(fp8_q):
+    # an FP8 cache (sm90: the Gluon FP8-cache kernel) under inductor, with a bf16 q or an FP8 one (flash-attn 3's
+    # all-FP8 call: out in bf16): new keys quantized into the cache on write, out and LSE equal to eager's on
+    # copies, the caches' bytes too
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs a CUDA GPU with FP8 (sm89+)")
     gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
     q = torch.randn(8, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q_descale = None
+    if fp8_q:
+        q, q_descale = q.to(torch.float8_e4m3fn), torch.rand(8, 8, device="cuda", generator=gen) + 0.5
     k_cache, v_cache = (torch.randn(8, 4096, 8, 128, device="cuda", generator=gen).to(torch.float8_e4m3fn)
                         for _ in range(2))
     k_descale, v_descale = (torch.rand(8, 8, device="cuda", generator=gen) + 0.5 for _ in range(2))
@@ -723,13 +767,15 @@ def test_gpu_fp8_cache_decode_compiles():
 
     def call(q, k_cache, v_cache, k, v, lengths, k_descale, v_descale):
         return compat.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths, causal=True,
-                                             k_descale=k_descale, v_descale=v_descale, return_softmax_lse=True)
+                                             q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                                             return_softmax_lse=True)
 
     torch._dynamo.reset()
     copies = (k_cache.clone(), v_cache.clone())
     got = torch.compile(call, fullgraph=True, dynamic=True)(q, k_cache, v_cache, k, v, lengths, k_descale, v_descale)
     want = call(q, *copies, k, v, lengths, k_descale, v_descale)
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert got[0].dtype == torch.bfloat16
     for a, b in zip((k_cache, v_cache), copies):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 

@@ -348,8 +348,8 @@ decode_calls = True
 
 def _decode_shaped(query, key, value, is_causal, dropout):
     """A generation step (with decode_calls on): a few causal queries (the newest tokens) against more
-    cached keys, nothing padded, no dropout, no gradient, not traced (the decode kernels are eager-only
-    and forward-only)."""
+    cached keys, nothing padded, no dropout, no gradient, not traced (the decode kernels are forward-only;
+    traced, the length tests below would guard the graph: a compiled model's steps take flashgen.attention)."""
     if torch.compiler.is_compiling():  # first: the length comparisons below would guard a compiled graph on them
         return False
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]

@@ -154,6 +154,24 @@ def fp8_slots_per_sm(staged, device):
     return 2 if 2 * staged <= smem_limit(device) else 1
 
 
+def check_knob_values(BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, fused_combine):
+    """A decode call's knobs, each refused by name unless of its kind (what they are worth: decode_knobs)."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0: the tuned count or a heuristic), got {num_splits!r}")
+    if fused_combine is not None and not isinstance(fused_combine, bool):
+        raise ValueError(f"fused_combine: expected a bool or None (None: the default), got {fused_combine!r}")
+    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):  # Triton's: a power of two
+        raise ValueError(f"num_warps: expected one of 1, 2, 4, 8, 16, got {num_warps!r}")
+    if page_prefetch is not None and not isinstance(page_prefetch, bool):
+        raise ValueError(f"page_prefetch: expected a bool or None (None: the default), got {page_prefetch!r}")
+    if BLOCK_N is not None and (isinstance(BLOCK_N, bool) or not isinstance(BLOCK_N, int) or BLOCK_N < 16
+                                or BLOCK_N & (BLOCK_N - 1)):
+        raise ValueError(f"BLOCK_N: expected a power of two >= 16, got {BLOCK_N!r}")
+
+
 def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *, BLOCK_N=None, num_splits=0,
                  num_warps=None, num_stages=None, page_prefetch=None, fused_combine=None, page_size=None,
                  element_size=2):
@@ -224,17 +242,7 @@ def decode_knobs(head_dim, packed_rows, batch, num_kv_heads, capacity, device, *
       splits (one launch per step, as cuDNN's decode) instead of a combine kernel after it.
       Default FUSED_COMBINE."""
     block_m = min(max(16, triton.next_power_of_2(packed_rows)), MAX_PACKED_ROWS)
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
-        raise ValueError(f"num_splits: expected an int >= 0 (0: the tuned count or a heuristic), got {num_splits!r}")
-    if fused_combine is not None and not isinstance(fused_combine, bool):
-        raise ValueError(f"fused_combine: expected a bool or None (None: the default), got {fused_combine!r}")
-    for name, value in (("num_warps", num_warps), ("num_stages", num_stages)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
-    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):  # Triton's: a power of two
-        raise ValueError(f"num_warps: expected one of 1, 2, 4, 8, 16, got {num_warps!r}")
-    if page_prefetch is not None and not isinstance(page_prefetch, bool):
-        raise ValueError(f"page_prefetch: expected a bool or None (None: the default), got {page_prefetch!r}")
+    check_knob_values(BLOCK_N, num_splits, num_warps, num_stages, page_prefetch, fused_combine)
     total_mblocks = batch * num_kv_heads * triton.cdiv(packed_rows, block_m)
     fills = total_mblocks >= 0.8 * sm_count(device)
     fp8_split = element_size == 1 and not fills
