@@ -132,7 +132,7 @@ def _decode_fake(q, k_cache, v_cache, k, v, cache_seqlens, seqlen, block_table, 
                  check, q_descale, k_descale, v_descale):
     # out (batch, seqlen_q, heads, head_dim_v) in the spec's dtype, lse (batch, heads, seqlen_q) float32 where asked
     # for (else empty), both contiguous, as the launcher allocates them
-    ops._check_fake_devices(q, k_cache, v_cache, tensors, k_new=k, v_new=v, cache_seqlens=cache_seqlens,
+    ops._check_fake_devices(q, k, v, tensors, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens,
                             block_table=block_table, cache_batch_idx=cache_batch_idx, q_descale=q_descale,
                             k_descale=k_descale, v_descale=v_descale)
     batch, seqlen_q, heads = q.shape[:3]

@@ -479,6 +479,13 @@ def test_the_decode_ops_fake_is_their_real_output():
         with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
             fake = kvcache.decode_read_op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
         assert [(f.shape, f.stride(), f.dtype) for f in fake] == [(r.shape, r.stride(), r.dtype) for r in real]
+    # called directly with a meta tensor among real ones, the dispatcher runs the fake: refused, named as the
+    # argument it is (the fake's check named the caches k and v, the new keys k_new)
+    for i, name in ((1, "k_cache"), (2, "v_cache")):
+        meta = list(args)
+        meta[i] = meta[i].to("meta")
+        with pytest.raises(ValueError, match=f"^{name}: expected a tensor with data, got a meta tensor"):
+            kvcache.decode_read_op(*meta)
 
 
 @pytest.mark.interpreter
