@@ -7,7 +7,10 @@ intermediate 5632, vocab 32000, bf16), run with ``attn_implementation`` = flashg
 * ``train_step``: forward + backward + AdamW step on batch 4 x 2048 tokens (median ms per step);
 * ``prefill``: a no-grad forward of the same batch, after checking both paths' logits agree;
 * ``generate``: greedy generation of 128 new tokens after a 128-token prompt, batch 4 (dynamic
-  KV cache, exactly 128 tokens each: no EOS), whole ``generate`` call, median of a few; then the
+  KV cache, exactly 128 tokens each: no EOS), whole ``generate`` call. A generation step is host
+  time, which drifts over a run by more than the two paths differ, so the two run in alternating
+  rounds (sdpa then flashgen, then flashgen then sdpa, ...; ``--generate-runs`` rounds): the
+  medians of each, and each round's ratio (``ratio_per_round``, its median beside); then the
   same with flashgen's decode-shaped calls through flashgen.attention instead of the integration's
   direct decode route (``generate (through flashgen.attention)``,
   ``flashgen.integrations.transformers.decode_calls = False``);
@@ -44,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_call_path's kernel_profile
 
 FULL = dict(layers=8, hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=32000, batch=4, seqlen=2048,
-            prompt=128, new_tokens=128, dtype="bf16", warmup=3, steps=10, generate_runs=3)
+            prompt=128, new_tokens=128, dtype="bf16", warmup=3, steps=10, generate_runs=8)
 TINY = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=128, batch=2, seqlen=24,
             prompt=8, new_tokens=4, dtype="fp32", warmup=1, steps=2, generate_runs=1)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -152,6 +155,32 @@ def run_mode(rows, case, mode, measure, **extra):
     return row
 
 
+def run_alternating(rows, case, mode, once, rounds, **extra):
+    """One row as run_mode's, the two implementations timed in alternating rounds: once(impl) -> ms of one
+    run (each run once first, untimed), then `rounds` rounds, sdpa first in even rounds and flashgen first
+    in odd ones; the medians of each and every round's ratio. A failure is stored, not raised."""
+    row = {"case": case, "mode": mode, "flashgen_ms": None, "sdpa_ms": None, "ratio_vs_sdpa": None, **extra}
+    times = {"sdpa": [], "flashgen": []}
+    try:
+        for impl in times:
+            once(impl)
+        for r in range(rounds):
+            for impl in (("sdpa", "flashgen") if r % 2 == 0 else ("flashgen", "sdpa")):
+                times[impl].append(once(impl))
+    except Exception as exc:  # noqa: BLE001 - a benchmark part records its failure and the run goes on
+        row["error"] = {"run": error_text(exc)}
+        print(f"[{mode}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    if len(times["flashgen"]) == len(times["sdpa"]) == rounds:
+        row["sdpa_ms"], row["flashgen_ms"] = (round(statistics.median(times[i]), 3) for i in ("sdpa", "flashgen"))
+        row["ratio_vs_sdpa"] = round(row["sdpa_ms"] / row["flashgen_ms"], 3)
+        per_round = [s / f for s, f in zip(times["sdpa"], times["flashgen"])]
+        row["ratio_per_round"] = [round(x, 3) for x in per_round]
+        row["ratio_per_round_median"] = round(statistics.median(per_round), 3)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def train_profile(torch, model, ids, use, steps=3) -> dict:
     """Where a training step's GPU time goes: us per step by kernel (bench_call_path.kernel_profile: the
     10 largest, attention kernels named as they are), the sum of all kernels and the wall time."""
@@ -242,15 +271,16 @@ def benchmark(args) -> dict:
     if "generate" not in args.skip:
         tokens = {}
 
-        def generate(impl):
+        def generate(impl):  # one timed run
             use(impl, False)
 
             def run():
                 tokens[impl] = model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                                               do_sample=False)[:, args.prompt:]
-            return timer(run, 1, args.generate_runs)
+            return timer(run, 0, 1)
 
-        row = run_mode(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate", generate)
+        row = run_alternating(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate", generate,
+                              args.generate_runs)
         if len(tokens) == 2:  # bf16 roundings may flip a near-tie; report how many tokens agree
             row["same_tokens_fraction"] = float((tokens["flashgen"] == tokens["sdpa"]).float().mean())
 
@@ -263,8 +293,8 @@ def benchmark(args) -> dict:
             finally:
                 integration.decode_calls = default
 
-        run_mode(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate (through flashgen.attention)",
-                 generate_through_attention)
+        run_alternating(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate (through flashgen.attention)",
+                        generate_through_attention, args.generate_runs)
 
     if "compile_train_step" not in args.skip:
         backend = "inductor" if args.device == "cuda" else "aot_eager"

@@ -55,6 +55,32 @@ def test_a_failing_part_is_recorded_and_the_run_goes_on():
                                                                  "rows": rows})
 
 
+def test_alternating_rounds_swap_the_order_and_keep_every_ratio():
+    calls, times = [], {"sdpa": iter([9.0, 10.0, 12.0, 11.0, 10.0]), "flashgen": iter([9.0, 8.0, 12.0, 10.0, 11.0])}
+
+    def once(impl):
+        calls.append(impl)
+        return next(times[impl])
+
+    rows = []
+    row = bench.run_alternating(rows, "case", "generate", once, 4)
+    assert calls == ["sdpa", "flashgen"] + ["sdpa", "flashgen", "flashgen", "sdpa"] * 2  # untimed first runs
+    assert rows == [row] and (row["sdpa_ms"], row["flashgen_ms"]) == (10.5, 10.5)  # medians of the timed runs
+    assert row["ratio_vs_sdpa"] == 1.0  # (the medians'), beside each round's own
+    assert row["ratio_per_round"] == [1.25, 1.0, 1.1, 0.909] and row["ratio_per_round_median"] == 1.05
+
+    def failing(impl):
+        if impl == "flashgen" and calls.count("flashgen") > 2:
+            raise RuntimeError("out of memory, say")
+        calls.append(impl)
+        return 1.0
+
+    calls.clear()
+    row = bench.run_alternating(rows, "case", "generate", failing, 4)
+    assert row["error"] == {"run": "RuntimeError: out of memory, say"} and row["ratio_vs_sdpa"] is None
+    assert row["flashgen_ms"] is None and len(rows) == 2
+
+
 def test_gpu_names_become_short_file_names():
     assert bench.gpu_slug({"gpu": "NVIDIA H100 80GB HBM3"}, "cuda") == "h100"
     assert bench.gpu_slug({"gpu": "NVIDIA H200"}, "cuda") == "h200"
