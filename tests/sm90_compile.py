@@ -179,8 +179,9 @@ def main(only=()) -> int:
     from flashgen.runtime.hopper import HopperForward
 
     # the packed cases' 300-token sequences take the packed kernel (HopperForward.packed_declines would send
-    # them to the portable forward)
+    # them to the portable forward), unequal lengths the one-tile one (off by default: PACKED_ONE_TILE)
     HopperForward.PACKED_THREE_MEAN = HopperForward.PACKED_CAUSAL_MEAN = HopperForward.PACKED_CAUSAL_MEAN_HD64 = 0
+    HopperForward.PACKED_ONE_TILE = True
 
     DOCUMENT_TILES = KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, tma=True)
     hopper = KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, warp_specialize=True,

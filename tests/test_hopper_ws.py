@@ -801,6 +801,7 @@ def test_a_packed_tma_store_call_passes_an_o_descriptor_over_every_token(monkeyp
     # portable forward
     monkeypatch.setattr(hopper.HopperForward, "PACKED_CAUSAL_MEAN", 0)
     monkeypatch.setattr(hopper.HopperForward, "PACKED_CAUSAL_MEAN_HD64", 0)
+    monkeypatch.setattr(hopper.HopperForward, "PACKED_ONE_TILE", True)
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True)
     module = flashgen.compile(spec, KernelConfig(**HOPPER, hopper_persistent=persistent,
                                                  hopper_tma_store=True)).module()
@@ -828,6 +829,37 @@ def test_a_packed_tma_store_call_passes_an_o_descriptor_over_every_token(monkeyp
     assert (qd.base, kd.base, vd.base) == (q, k, v)
     odd = torch.empty(sum(lengths), 4, 68, dtype=torch.float16)[..., :64]  # 136-byte rows: not a 16-byte multiple
     assert forward.plan(None, q, k, v, "thd", odd, 0.125, 0.0, module.CONFIG, varlen=(2, 100, 100)) is None
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("lengths, one_tile, kernel", [([100, 37], False, None), ([100, 37], True, "packed"),
+                                                       ([100, 100], False, "packed_persistent")])
+def test_the_one_tile_packed_kernel_serves_no_call_unless_turned_on(monkeypatch, lengths, one_tile, kernel):
+    # it faulted and left rows unwritten on a GPU shared by other processes' calls (session 61: PACKED_ONE_TILE), so
+    # sequences of unequal length run the portable forward (checked here against the reference, per sequence);
+    # those of one length on a persistent config keep the persistent packed kernel; turned on, the one-tile one
+    monkeypatch.setattr(hopper.HopperForward, "PACKED_ONE_TILE", one_tile)
+    spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2)
+    module = flashgen.compile(spec, KernelConfig(**HOPPER, hopper_persistent=True, hopper_tma_store=True)).module()
+    module._LAUNCHER.plans.clear()  # (the module is the other cases', with their call plans)
+    forward = module._LAUNCHER.hopper_forward
+    forward.device_unserved = lambda device: None
+    launched = []
+    monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: (
+        lambda *args: launched.append(kernel)))
+    monkeypatch.setattr(forward, "descriptor", lambda t, layout, rows, cols: t)
+    gen = torch.Generator().manual_seed(61)
+    q = torch.randn(sum(lengths), 4, 64, generator=gen).half()
+    k, v = (torch.randn(sum(lengths), 2, 64, generator=gen).half() for _ in range(2))
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    out, lse = module.forward(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=100,
+                              max_seqlen_k=100)
+    assert launched == ([] if kernel is None else [getattr(forward, kernel)])
+    if kernel is None:
+        for b in range(2):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            seq = [t[rows].transpose(0, 1)[None] for t in (q, k, v)]
+            assert_attention_close(out[rows].transpose(0, 1)[None], lse[:, rows][None], *seq, causal=False)
 
 
 @pytest.mark.parametrize("fields, packed", [(dict(dtype="bf16", head_dim=128, causal=True), True),

@@ -1,0 +1,108 @@
+"""Reproduces the one-tile packed Gluon forward's fault (session 61): a kernel variant run in --procs processes at
+once on one GPU for --seconds each, every call's output compared whole with torch's SDPA over the same tokens as a
+dense batch. Each process prints a line per call that faulted (the CUDA error ends it) or left sequences wrong (NaN,
+or more than 0.05 off), then its count of calls.
+
+Variants (bf16, --sequences sequences of 1000 tokens, 32/8 heads, hd128, non-causal; the H200 default config's knobs
+at 1024 tokens: two consumers, overlap, TMA store):
+  one_tile               the one-tile packed kernel (max_seqlen 1024: lengths that may differ), turned on for the run
+                         (HopperForward.PACKED_ONE_TILE); session 61: faults within two calls in most processes
+  one_tile_no_tma_store  the same without the TMA store
+  dense_one_tile         the same tokens as a dense (sequences, 1000) bshd batch on the dense one-tile kernel
+  persistent             the persistent packed kernel (max_seqlen 1000: sequences of one length)
+  default                what attention_varlen runs with max_seqlen 1024 as shipped (the portable forward)
+
+    PYTHONPATH=. python3 benchmarks/probe_packed_fault.py one_tile dense_one_tile [--procs 3] [--seconds 30]
+
+Needs an sm90 GPU and (procs x ~20 GB at 540 sequences) of its memory; nothing is written but the printed lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = ("one_tile", "one_tile_no_tma_store", "dense_one_tile", "persistent", "default")
+LENGTH, HEADS, KV_HEADS, HEAD_DIM = 1000, 32, 8, 128
+
+
+def config_for(variant, q, k, v):
+    """The call's config= (None: the default) and whether it needs the one-tile packed kernel turned on."""
+    from flashgen.api import spec_for
+    from flashgen.config import default_config
+
+    base = default_config(spec_for(q, k, v, causal=False, softmax_scale=None, layout="thd"), None, 1024)
+    return {"one_tile": (None, True), "one_tile_no_tma_store": (base.replace(hopper_tma_store=False), True),
+            "dense_one_tile": (base.replace(hopper_persistent=False), False),
+            "persistent": (None, False), "default": (None, False)}[variant]
+
+
+def child(variant: str, sequences: int, seconds: float, tag: str) -> None:
+    import torch
+
+    import flashgen
+    from flashgen.runtime.hopper import HopperForward
+
+    longest = LENGTH if variant == "persistent" else 1024
+    total = sequences * LENGTH
+    calls = wrong_calls = 0
+    start = time.time()
+    while time.time() - start < seconds:
+        gen = torch.Generator(device="cuda").manual_seed(1000 * int(tag) + calls)
+        q = torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+                for _ in range(2))
+        cu = torch.arange(0, total + 1, LENGTH, device="cuda", dtype=torch.int32)
+        if calls == 0:
+            config, HopperForward.PACKED_ONE_TILE = config_for(variant, q, k, v)
+        # out's memory NaN before the call (the allocator hands this block back): a row nothing wrote shows
+        torch.full((total * HEADS * HEAD_DIM,), float("nan"), device="cuda", dtype=torch.bfloat16)  # (freed at once)
+        dense = [t.view(sequences, LENGTH, -1, HEAD_DIM) for t in (q, k, v)]
+        try:
+            if variant == "dense_one_tile":
+                out = flashgen.attention(*dense, layout="bshd", config=config)
+            else:
+                out = flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, config=config)
+            torch.cuda.synchronize()
+        except Exception as err:  # noqa: BLE001 - the fault is what this probe looks for
+            print(f"[{variant} {tag}] call {calls}: FAULT: {str(err).splitlines()[0][:160]}", flush=True)
+            return
+        ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in dense), enable_gqa=True)
+        diff = (out.view(sequences, LENGTH, HEADS, HEAD_DIM).float() - ref.transpose(1, 2).float()).abs()
+        diff = diff.amax(dim=(1, 2, 3))
+        wrong = ((diff > 0.05) | ~torch.isfinite(diff)).nonzero().flatten()
+        if len(wrong):
+            wrong_calls += 1
+            print(f"[{variant} {tag}] call {calls}: {len(wrong)} wrong sequences {wrong[:6].tolist()}, max |diff| "
+                  f"{diff[wrong[:6]].tolist()}", flush=True)
+        calls += 1
+    print(f"[{variant} {tag}] {calls} calls, {wrong_calls} with wrong sequences, no fault", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("variants", nargs="+", choices=VARIANTS)
+    p.add_argument("--procs", type=int, default=3, help="processes per variant, at once")
+    p.add_argument("--seconds", type=float, default=30.0, help="each process's time (calls start until then)")
+    p.add_argument("--sequences", type=int, default=540, help="sequences of 1000 tokens per call")
+    p.add_argument("--child", nargs=2, metavar=("VARIANT", "TAG"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args.child[0], args.sequences, args.seconds, args.child[1])
+        return 0
+    for variant in args.variants:
+        procs = [subprocess.Popen([sys.executable, __file__, variant, "--sequences", str(args.sequences),
+                                   "--seconds", str(args.seconds), "--child", variant, str(i)])
+                 for i in range(args.procs)]
+        for proc in procs:
+            proc.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
