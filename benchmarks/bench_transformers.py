@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # bench_call_path's kernel_profile
 FULL = dict(layers=8, hidden=2048, intermediate=5632, heads=16, kv_heads=4, vocab=32000, batch=4, seqlen=2048,
             prompt=128, new_tokens=128, dtype="bf16", warmup=3, steps=10, generate_runs=8)
 TINY = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=128, batch=2, seqlen=24,
-            prompt=8, new_tokens=4, dtype="fp32", warmup=1, steps=2, generate_runs=1)
+            prompt=8, new_tokens=4, dtype="fp32", warmup=1, steps=2, generate_runs=2)
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -77,6 +77,8 @@ def parse_args(argv=None):
     for name, value in (TINY if args.tiny else FULL).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.generate_runs < 1:
+        p.error(f"--generate-runs: expected at least 1 round, got {args.generate_runs}")
     if args.dtype not in DTYPES:
         p.error(f"--dtype: expected one of {sorted(DTYPES)}, got {args.dtype!r}")
     if args.model == "llama" and (args.head_dim or args.sliding_window):
@@ -161,6 +163,7 @@ def run_alternating(rows, case, mode, once, rounds, **extra):
     in odd ones; the medians of each and every round's ratio. A failure is stored, not raised."""
     row = {"case": case, "mode": mode, "flashgen_ms": None, "sdpa_ms": None, "ratio_vs_sdpa": None, **extra}
     times = {"sdpa": [], "flashgen": []}
+    impl = "sdpa"
     try:
         for impl in times:
             once(impl)
@@ -168,9 +171,9 @@ def run_alternating(rows, case, mode, once, rounds, **extra):
             for impl in (("sdpa", "flashgen") if r % 2 == 0 else ("flashgen", "sdpa")):
                 times[impl].append(once(impl))
     except Exception as exc:  # noqa: BLE001 - a benchmark part records its failure and the run goes on
-        row["error"] = {"run": error_text(exc)}
-        print(f"[{mode}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-    if len(times["flashgen"]) == len(times["sdpa"]) == rounds:
+        row["error"] = {impl: error_text(exc)}  # (the implementation that was running)
+        print(f"[{mode}/{impl}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+    if rounds > 0 and len(times["flashgen"]) == len(times["sdpa"]) == rounds and min(times["flashgen"]) > 0:
         row["sdpa_ms"], row["flashgen_ms"] = (round(statistics.median(times[i]), 3) for i in ("sdpa", "flashgen"))
         row["ratio_vs_sdpa"] = round(row["sdpa_ms"] / row["flashgen_ms"], 3)
         per_round = [s / f for s, f in zip(times["sdpa"], times["flashgen"])]

@@ -14,7 +14,9 @@ at 1024 tokens: two consumers, overlap, TMA store):
 
     PYTHONPATH=. python3 benchmarks/probe_packed_fault.py one_tile dense_one_tile [--procs 3] [--seconds 30]
 
-Needs an sm90 GPU and (procs x ~20 GB at 540 sequences) of its memory; nothing is written but the printed lines.
+Needs an sm90 GPU and, at 540 sequences, about 11 GB of its memory per process for q, k, v and out, and a few GB
+more for the reference's chunks (estimated, not measured); nothing is written but the printed lines. Exits 1 when a process met a fault or wrong sequences
+(an out-of-memory error is reported as such, not as a fault), else 0.
 """
 
 from __future__ import annotations
@@ -41,7 +43,23 @@ def config_for(variant, q, k, v):
             "persistent": (None, False), "default": (None, False)}[variant]
 
 
-def child(variant: str, sequences: int, seconds: float, tag: str) -> None:
+def wrong_sequences(out, dense, sequences, chunk=64):
+    """(indices, max |diff| of each) of the sequences whose output is more than 0.05 off torch's SDPA, or not
+    finite; compared `chunk` sequences at a time (float32 copies of the whole output took 9 GB each)."""
+    import torch
+
+    diffs = []
+    for start in range(0, sequences, chunk):
+        part = [t[start:start + chunk].transpose(1, 2) for t in dense]
+        ref = torch.nn.functional.scaled_dot_product_attention(*part, enable_gqa=True).transpose(1, 2)
+        got = out.view(sequences, LENGTH, HEADS, HEAD_DIM)[start:start + chunk]
+        diffs.append((got.float() - ref.float()).abs().amax(dim=(1, 2, 3)))
+    diff = torch.cat(diffs)
+    wrong = ((diff > 0.05) | ~torch.isfinite(diff)).nonzero().flatten()
+    return wrong, diff[wrong]
+
+
+def child(variant: str, sequences: int, seconds: float, tag: str) -> int:
     import torch
 
     import flashgen
@@ -50,8 +68,8 @@ def child(variant: str, sequences: int, seconds: float, tag: str) -> None:
     longest = LENGTH if variant == "persistent" else 1024
     total = sequences * LENGTH
     calls = wrong_calls = 0
-    start = time.time()
-    while time.time() - start < seconds:
+    start = None  # (from the first call's end: its compile is not in --seconds)
+    while start is None or time.time() - start < seconds:
         gen = torch.Generator(device="cuda").manual_seed(1000 * int(tag) + calls)
         q = torch.randn(total, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
         k, v = (torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -68,19 +86,22 @@ def child(variant: str, sequences: int, seconds: float, tag: str) -> None:
             else:
                 out = flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, config=config)
             torch.cuda.synchronize()
+        except torch.OutOfMemoryError as err:  # (not the fault: fewer --procs or --sequences)
+            print(f"[{variant} {tag}] call {calls}: out of memory: {str(err).splitlines()[0][:160]}", flush=True)
+            return 2
         except Exception as err:  # noqa: BLE001 - the fault is what this probe looks for
             print(f"[{variant} {tag}] call {calls}: FAULT: {str(err).splitlines()[0][:160]}", flush=True)
-            return
-        ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in dense), enable_gqa=True)
-        diff = (out.view(sequences, LENGTH, HEADS, HEAD_DIM).float() - ref.transpose(1, 2).float()).abs()
-        diff = diff.amax(dim=(1, 2, 3))
-        wrong = ((diff > 0.05) | ~torch.isfinite(diff)).nonzero().flatten()
+            return 1
+        wrong, diffs = wrong_sequences(out, dense, sequences)
         if len(wrong):
             wrong_calls += 1
             print(f"[{variant} {tag}] call {calls}: {len(wrong)} wrong sequences {wrong[:6].tolist()}, max |diff| "
-                  f"{diff[wrong[:6]].tolist()}", flush=True)
+                  f"{diffs[:6].tolist()}", flush=True)
+        del out, q, k, v, dense  # (the next call's buffers take their memory, as the first call's did)
         calls += 1
+        start = start or time.time()
     print(f"[{variant} {tag}] {calls} calls, {wrong_calls} with wrong sequences, no fault", flush=True)
+    return 1 if wrong_calls else 0
 
 
 def main(argv=None) -> int:
@@ -92,15 +113,14 @@ def main(argv=None) -> int:
     p.add_argument("--child", nargs=2, metavar=("VARIANT", "TAG"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        child(args.child[0], args.sequences, args.seconds, args.child[1])
-        return 0
+        return child(args.child[0], args.sequences, args.seconds, args.child[1])
+    failed = False
     for variant in args.variants:
         procs = [subprocess.Popen([sys.executable, __file__, variant, "--sequences", str(args.sequences),
                                    "--seconds", str(args.seconds), "--child", variant, str(i)])
                  for i in range(args.procs)]
-        for proc in procs:
-            proc.wait()
-    return 0
+        failed |= any(proc.wait() != 0 for proc in procs)  # (every one waited for)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Shared test helpers: fresh random inputs, output buffers poisoned with NaN, child processes."""
 
+import gc
 import itertools
 import os
 
@@ -34,6 +35,28 @@ class FreshBuffers:
             else:
                 t.fill_(torch.iinfo(t.dtype).max // 3 if self.garbage else 0)
         return t
+
+
+def forget_plans():
+    """The call plans of dense, packed and decode calls (flashgen.attention's, each kernel object's own fast
+    path's, the modules' launchers'), and the split decode's shared partials: what may hold a buffer made at an
+    earlier call for the cases here (a custom mask's cached block maps are not among them)."""
+    from flashgen import api, kvcache, ops
+    from flashgen.runtime import decode
+
+    api._FAST.clear()
+    # (type(), not isinstance: the heap holds weak proxies, which raise ReferenceError once their object is gone)
+    for kernel in [o for o in gc.get_objects() if issubclass(type(o), api.AttentionKernel)]:
+        kernel._fast.clear()
+    decode.PARTS.clear()
+    decoders = [*kvcache._LAUNCHERS.values(), *kvcache._COMPAT.values()]
+    for module in list(ops._MODULES.values()):
+        module._LAUNCHER.plans.clear()
+        decoders.append(module._DECODE)
+    for launcher in decoders:
+        launcher.calls.clear()
+        launcher.reads.clear()
+        launcher.lengths.clear()
 
 
 def portable_config(spec, seqlen, **knobs):

@@ -77,8 +77,10 @@ def test_alternating_rounds_swap_the_order_and_keep_every_ratio():
 
     calls.clear()
     row = bench.run_alternating(rows, "case", "generate", failing, 4)
-    assert row["error"] == {"run": "RuntimeError: out of memory, say"} and row["ratio_vs_sdpa"] is None
-    assert row["flashgen_ms"] is None and len(rows) == 2
+    assert row["error"] == {"flashgen": "RuntimeError: out of memory, say"} and row["ratio_vs_sdpa"] is None
+    assert row["flashgen_ms"] is None and row["sdpa_ms"] is None and "ratio_per_round" not in row and len(rows) == 2
+    with pytest.raises(SystemExit):  # no round: refused by name
+        bench.parse_args(["--generate-runs", "0"])
 
 
 def test_gpu_names_become_short_file_names():

@@ -11,7 +11,7 @@ from flashgen import AttentionSpec, KernelConfig, default_config
 from flashgen.runtime.hopper import HopperPlan
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
-from .helpers import cu_seqlens, make_qkv, packed_plans, poisoned_outputs, sm90
+from .helpers import cu_seqlens, forget_plans, make_qkv, packed_plans, poisoned_outputs, sm90
 
 pytestmark = pytest.mark.gpu
 
@@ -306,13 +306,15 @@ PACKED_KNOBS = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": di
 def packed_served(monkeypatch):
     """The packed kernel for every packed call these tests make (HopperForward.packed_declines sends short causal
     sequences and three consumers' short calls to the portable forward, and PACKED_ONE_TILE off every call the
-    persistent packed kernel does not take)."""
+    persistent packed kernel does not take); the plans made under it are forgotten after the test."""
     from flashgen.runtime.hopper import HopperForward
 
     monkeypatch.setattr(HopperForward, "PACKED_ONE_TILE", True)
     monkeypatch.setattr(HopperForward, "PACKED_THREE_MEAN", 0)
     monkeypatch.setattr(HopperForward, "PACKED_CAUSAL_MEAN", 0)
     monkeypatch.setattr(HopperForward, "PACKED_CAUSAL_MEAN_HD64", 0)
+    yield
+    forget_plans()  # (plans made here are not what these modules' calls get without the fixture)
 
 
 def packed_call(module, lengths, heads, kv_heads, d, dtype, causal, poisoned=()):

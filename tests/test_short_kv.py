@@ -18,16 +18,9 @@ from flashgen.codegen.render import render, timed_source
 from flashgen.runtime.host import AttentionLauncher
 from flashgen.verify import assert_attention_close, assert_gradients_close
 
-from .helpers import make_qkv, poisoned_outputs
+from .helpers import forget_plans, make_qkv, poisoned_outputs
 
 SHORT = "_attn_fwd_short_kv"
-
-
-def forget_plans():
-    """Forget every module's call plans (and api's fast path's), so the next call is routed afresh."""
-    flashgen.api._FAST.clear()
-    for module in flashgen.ops._MODULES.values():
-        module._LAUNCHER.plans.clear()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ a plan keeps is made, and filled, afresh.
 On the CPU the interpreter runs the portable kernels; on a GPU the calls take that GPU's defaults (on sm90 the
 Gluon forward, its persistent packed kernel, and the Gluon backward) and the portable family beside them."""
 
-import gc
 import random
 
 import pytest
@@ -17,35 +16,13 @@ import torch
 import flashgen
 from flashgen import AttentionSpec, compat
 
-from .helpers import FreshBuffers, cu_seqlens, gluon_configs, make_qkv, portable_config, sm90
+from .helpers import FreshBuffers, cu_seqlens, forget_plans, gluon_configs, make_qkv, portable_config, sm90
 
 
 @pytest.fixture(params=[pytest.param("cpu", marks=pytest.mark.interpreter), pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request):
     """Each test on the CPU through the interpreter, and on a GPU (`pytest -m gpu`)."""
     return request.param
-
-
-def forget_plans():
-    """The call plans of dense, packed and decode calls (flashgen.attention's, each kernel object's own fast
-    path's, the modules' launchers'), and the split decode's shared partials: what may hold a buffer made at an
-    earlier call for the cases here (a custom mask's cached block maps are not among them)."""
-    from flashgen import api, kvcache, ops
-    from flashgen.runtime import decode
-
-    api._FAST.clear()
-    # (type(), not isinstance: the heap holds weak proxies, which raise ReferenceError once their object is gone)
-    for kernel in [o for o in gc.get_objects() if issubclass(type(o), api.AttentionKernel)]:
-        kernel._fast.clear()
-    decode.PARTS.clear()
-    decoders = [*kvcache._LAUNCHERS.values(), *kvcache._COMPAT.values()]
-    for module in list(ops._MODULES.values()):
-        module._LAUNCHER.plans.clear()
-        decoders.append(module._DECODE)
-    for launcher in decoders:
-        launcher.calls.clear()
-        launcher.reads.clear()
-        launcher.lengths.clear()
 
 
 @pytest.fixture
