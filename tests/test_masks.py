@@ -407,6 +407,34 @@ def test_fp32_tensor_gradient_rule_is_relative_to_what_each_element_sums():
         assert not bad.ok, f"seed={seed}: one pair's term missing from dtable[{element}] passed: {bad}"
 
 
+def test_fp32_zero_tensor_gradient_is_held_to_what_it_summed():
+    """A bias over size-1 dims adds one constant to every score: its gradient sums every dS, exactly 0 in float64,
+    and a correct fp32 kernel's sum is rounding (3.3e-5 on a seed CI met, where the zero-reference rule's absolute
+    1e-5 failed it). It is held to the size of what it summed, as any tensor gradient: the float32 reference
+    passes with room, and an error of a thousandth of that size fails."""
+    from flashgen.verify import check_gradients
+
+    seed, gen = _seeded()
+    sm = "score + bias[h, kv_idx]"
+    bias = torch.randn(1, 1, generator=gen)
+    q, k, v = _qkv(gen, 2, 2, 1, 29, 37, 32, torch.float64, "cpu")
+    do = torch.randn(2, 2, 29, 32, generator=gen, dtype=torch.float64)
+    leaves = [t.float().requires_grad_() for t in (q, k, v, bias)]
+    out, _ = reference_attention(*leaves[:3], score_mod=sm, tensors={"bias": leaves[3]}, compute_dtype=torch.float32)
+    grads = torch.autograd.grad(out, leaves, do.float())
+    rule = dict(causal=False, score_mod=sm, tensors={"bias": bias}, grad_tensors=("bias",))
+    ok = check_gradients(grads, q.float(), k.float(), v.float(), do.float(), **rule)[3]
+    assert ok.ok and ok.max_err < ok.bound / 10 and "summed" in ok.detail, f"seed={seed}: {ok}"
+    scores = []
+    leaves64 = [t.detach().requires_grad_() for t in (q, k, v)]
+    out64, _ = reference_attention(*leaves64, score_mod=sm, tensors={"bias": bias.double()},
+                                   compute_dtype=torch.float64, score_hook=scores.append)
+    ds, = torch.autograd.grad(out64, scores, do)
+    wrong = grads[3] + 1e-3 * float(ds.abs().sum())
+    bad = check_gradients((*grads[:3], wrong), q.float(), k.float(), v.float(), do.float(), **rule)[3]
+    assert not bad.ok, f"seed={seed}: {bad}"
+
+
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_fp16_slope_gradient_rule_allows_delta_read_off_the_stored_output(layout):
     """A FlashAttention backward takes delta = rowsum(dO O) from the output it stored in fp16, and an ALiBi
