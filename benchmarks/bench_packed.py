@@ -1,7 +1,7 @@
 """Packed sequences (flashgen.attention_varlen, layout 'thd') on the user path: the default, which on an sm90 GPU
 runs the Gluon forward's persistent packed kernel for sequences of one length on a persistent config and the
-portable forward for the rest (the one-tile packed kernel is off: HopperForward.PACKED_ONE_TILE), against the portable forward's default
-on the same call ("portable": what packed calls ran before), and the same tokens as a dense bhsd batch through
+portable forward for the rest (the one-tile packed kernel is off: HopperForward.PACKED_ONE_TILE), against the
+portable forward's default on the same call ("portable": what packed calls ran before), and the same tokens as a dense bhsd batch through
 flashgen.attention, SDPA's FlashAttention-2 and cuDNN. bf16, 16 heads, 16384 tokens per call: equal-length
 sequences (the dense anchors' batch), and "mixed" rows of sequences of random lengths between a quarter of S and S
 (no dense anchor: the default against the portable forward, FLOPs counted per sequence). do_bench medians of
@@ -63,10 +63,11 @@ def forced_packed(module, packed, cu, longest):
     out = torch.empty_like(packed[0])
 
     def run():
-        names = ("PACKED_THREE_MEAN", "PACKED_CAUSAL_MEAN", "PACKED_CAUSAL_MEAN_HD64", "PACKED_ONE_TILE")
-        saved = {name: getattr(HopperForward, name) for name in names}
-        for name in names:
-            setattr(HopperForward, name, name == "PACKED_ONE_TILE")  # (the thresholds 0; the one-tile kernel on)
+        forced = {"PACKED_THREE_MEAN": 0, "PACKED_CAUSAL_MEAN": 0, "PACKED_CAUSAL_MEAN_HD64": 0,
+                  "PACKED_ONE_TILE": True}
+        saved = {name: getattr(HopperForward, name) for name in forced}
+        for name, value in forced.items():
+            setattr(HopperForward, name, value)
         try:
             module.forward(*packed, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                            max_seqlen_k=longest, out=out)

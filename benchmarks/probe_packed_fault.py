@@ -15,8 +15,8 @@ at 1024 tokens: two consumers, overlap, TMA store):
     PYTHONPATH=. python3 benchmarks/probe_packed_fault.py one_tile dense_one_tile [--procs 3] [--seconds 30]
 
 Needs an sm90 GPU and, at 540 sequences, about 11 GB of its memory per process for q, k, v and out, and a few GB
-more for the reference's chunks (estimated, not measured); nothing is written but the printed lines. Exits 1 when a process met a fault or wrong sequences
-(an out-of-memory error is reported as such, not as a fault), else 0.
+more for the reference's chunks (estimated, not measured); nothing is written but the printed lines. Exits 1 when
+a process met a fault or wrong sequences (an out-of-memory error is reported as such, not as a fault), else 0.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def main(argv=None) -> int:
         procs = [subprocess.Popen([sys.executable, __file__, variant, "--sequences", str(args.sequences),
                                    "--seconds", str(args.seconds), "--child", variant, str(i)])
                  for i in range(args.procs)]
-        failed |= any(proc.wait() != 0 for proc in procs)  # (every one waited for)
+        codes = [proc.wait() for proc in procs]  # (all of them, before the next variant starts)
+        failed |= any(codes)
     return 1 if failed else 0
 
 

@@ -843,7 +843,7 @@ def test_the_one_tile_packed_kernel_serves_no_call_unless_turned_on(monkeypatch,
     module = flashgen.compile(spec, KernelConfig(**HOPPER, hopper_persistent=True, hopper_tma_store=True)).module()
     module._LAUNCHER.plans.clear()  # (the module is the other cases', with their call plans)
     forward = module._LAUNCHER.hopper_forward
-    forward.device_unserved = lambda device: None
+    monkeypatch.setattr(forward, "device_unserved", lambda device: None)
     launched = []
     monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: (
         lambda *args: launched.append(kernel)))

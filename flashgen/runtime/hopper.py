@@ -342,11 +342,11 @@ class HopperForward:
     # 1000 tokens, max_seqlen 1024, 32/8 heads, hd128, the H200 default's knobs), it raised an illegal memory access
     # within its first two calls in 9 of 13 processes over four runs (with the TMA store or without it, with its
     # warp_specialize out of its branch), and some calls that returned left rows of out NaN or ~1e35; the dense
-    # one-tile kernel on the same knobs and tokens, beside
-    # itself the same way: 0 faults and 0 wrong rows in 362 calls. The GPU suite's recurring illegal memory access
-    # (sessions 47-61) was this kernel's, in test_packed_rows_past_2_31_elements[max_seqlen past it]. Cause not yet
-    # found (benchmarks/NOTES.md, session 61; benchmarks/probe_packed_fault.py reproduces it in a minute). The
-    # kernel stays rendered and compiled, and its GPU tests turn this on.
+    # one-tile kernel on the same knobs and tokens, beside itself the same way: 0 faults and 0 wrong rows in 362
+    # calls. The GPU suite's recurring illegal memory access (sessions 47-61) was this kernel's, in
+    # test_packed_rows_past_2_31_elements[max_seqlen past it]. Cause not yet found (benchmarks/NOTES.md, session 61;
+    # benchmarks/probe_packed_fault.py reproduces it in a minute). The kernel stays rendered and compiled, and its
+    # GPU tests turn this on.
     PACKED_ONE_TILE = False
 
     @staticmethod
