@@ -5,7 +5,10 @@ flashgen.integrations.transformers.attention_forward (decode route), alternated,
 
     PYTHONPATH=. python3 benchmarks/decode_call_host.py
 """
-import sys, time, itertools, statistics
+import itertools
+import statistics
+import time
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from flashgen.integrations import transformers as fg_tf
@@ -13,7 +16,6 @@ from flashgen.kvcache import compat_launcher
 from flashgen.runtime import launch as L
 D = 128
 dev = "cuda"
-storage = torch.randn(4 * 4 * 400 * D, dtype=torch.bfloat16, device=dev)
 query = torch.randn(4, 16, 1, D, dtype=torch.bfloat16, device=dev)
 caches = [torch.randn(4, 4, s, D, dtype=torch.bfloat16, device=dev) for s in range(129, 257)]
 class Layer(torch.nn.Module):
@@ -22,6 +24,7 @@ class Layer(torch.nn.Module):
 layer = Layer()
 it = itertools.cycle(caches)
 def T(name, f, n=2000):
+    # host time: n calls timed up to their return, the sync after (so not the device's time)
     for _ in range(200): f()
     torch.cuda.synchronize()
     res = []
@@ -47,7 +50,7 @@ def fg():
     c = next(it)
     with torch.no_grad():
         fg_tf.attention_forward(layer, query, c, c, None, scaling=D ** -0.5)
-# check equal
+# the two paths' largest difference, printed before they are timed
 with torch.no_grad():
     c = caches[50]
     a = sdpa_attention_forward(layer, query, c, c, None, scaling=D ** -0.5)[0]
@@ -77,8 +80,10 @@ def cap(self, context, args):
     captured.append((self, context, args))
     return orig(self, context, args)
 L.BoundLaunch.run = cap
-lr()
-L.BoundLaunch.run = orig
+try:
+    lr()
+finally:
+    L.BoundLaunch.run = orig
 bl, context, args = captured[0]
 print("args", len(args), "raw", bl.raw, "tail", len(bl.tail))
 T("BoundLaunch.run (same args)", lambda: bl.run(context, args))
@@ -96,7 +101,7 @@ def sdpa_k():
 def fg_k():
     c = caches[100]
     launcher.launch_read(call, query, c, c, 2)
-# device time only: CUDA graph-free estimate by long queue
+# each kernel's device time (torch's profiler), at one cache length
 for name, f in (("sdpa kernel S=229", sdpa_k), ("flashgen kernel S=229", fg_k)):
     f(); torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
