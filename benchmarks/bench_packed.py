@@ -1,6 +1,6 @@
 """Packed sequences (flashgen.attention_varlen, layout 'thd') on the user path: the default, which on an sm90 GPU
 runs the Gluon forward's persistent packed kernel for sequences of one length on a persistent config and the
-portable forward for the rest (the one-tile packed kernel is off: HopperForward.PACKED_ONE_TILE), against the
+one-tile packed kernel for the rest (but where HopperForward.packed_declines sends them to the portable forward), against the
 portable forward's default on the same call ("portable": what packed calls ran before), and the same tokens as a dense bhsd batch through
 flashgen.attention, SDPA's FlashAttention-2 and cuDNN. bf16, 16 heads, 16384 tokens per call: equal-length
 sequences (the dense anchors' batch), and "mixed" rows of sequences of random lengths between a quarter of S and S
@@ -53,7 +53,7 @@ def mixed_lengths(seqlen: int, seed: int) -> list[int]:
 
 
 def forced_packed(module, packed, cu, longest):
-    """A call of the module's packed kernel whatever HopperForward.packed_declines and PACKED_ONE_TILE say
+    """A call of the module's packed kernel whatever HopperForward.packed_declines says
     (--variants: what a declined call would have run), into its own out buffer (a plan of its own, not the default
     call's)."""
     import torch
@@ -63,8 +63,7 @@ def forced_packed(module, packed, cu, longest):
     out = torch.empty_like(packed[0])
 
     def run():
-        forced = {"PACKED_THREE_MEAN": 0, "PACKED_CAUSAL_MEAN": 0, "PACKED_CAUSAL_MEAN_HD64": 0,
-                  "PACKED_ONE_TILE": True}
+        forced = {"PACKED_THREE_MEAN": 0, "PACKED_CAUSAL_MEAN": 0, "PACKED_CAUSAL_MEAN_HD64": 0}
         saved = {name: getattr(HopperForward, name) for name in forced}
         for name, value in forced.items():
             setattr(HopperForward, name, value)

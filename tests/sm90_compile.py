@@ -104,6 +104,26 @@ def serialized_wgmma(ptx: str) -> str | None:
     return next((line.strip() for line in ptxas_notes(ptx) if "C7514" in line), None)
 
 
+def overwritten_mbarriers(ptx: str) -> set[int]:
+    """The shared-memory offsets a kernel both initializes as an mbarrier and writes with plain stores. Triton hands
+    the values a warp_specialize partition takes from the default partition's registers (a loaded value: an FP8
+    descale, a packed sequence's bounds) through a shared buffer, which it may place over barriers that no partition
+    uses (the one-tile kernels' ping-pong turns without ping-pong): memory reused so without mbarrier.inval is
+    undefined in PTX, and the one-tile packed kernel, whose partitions took its O pointer that way, raised illegal
+    memory accesses and left rows unwritten on a GPU shared with other processes (benchmarks/NOTES.md, sessions
+    61-63). Offsets as the kernels address them: base register (mov.b32 %r, global_smem) plus a constant."""
+    bases = set(re.findall(r"mov\.b32\s+(%r\d+), global_smem;", ptx))
+    offset_of = {reg: int(off) for reg, base, off in re.findall(r"add\.s32\s+(%r\d+), (%r\d+), (\d+);", ptx)
+                 if base in bases}
+    barriers = {offset_of[reg] for reg in re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[(%r\d+)\]", ptx)
+                if reg in offset_of}
+    barriers |= {int(off) for off in re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[global_smem\+(\d+)\]", ptx)}
+    stored = set()
+    for op, off in re.findall(r"\bst\.shared(\.v\d)?\.b(?:8|16|32|64)\s+\[global_smem\+(\d+)\]", ptx):
+        stored.add(int(off))
+    return {off for off in barriers for st in stored if off <= st < off + 8}
+
+
 def stack_bytes(ptx: str) -> int | None:
     """The kernel's stack frame in bytes as ptxas -v reports it (spilled registers live there)."""
     found = [re.search(r"(\d+) bytes stack frame", line) for line in ptxas_notes(ptx)]
@@ -179,9 +199,8 @@ def main(only=()) -> int:
     from flashgen.runtime.hopper import HopperForward
 
     # the packed cases' 300-token sequences take the packed kernel (HopperForward.packed_declines would send
-    # them to the portable forward), unequal lengths the one-tile one (off by default: PACKED_ONE_TILE)
+    # them to the portable forward), unequal lengths the one-tile one
     HopperForward.PACKED_THREE_MEAN = HopperForward.PACKED_CAUSAL_MEAN = HopperForward.PACKED_CAUSAL_MEAN_HD64 = 0
-    HopperForward.PACKED_ONE_TILE = True
 
     DOCUMENT_TILES = KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, tma=True)
     hopper = KernelConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, tma=True, warp_specialize=True,
@@ -289,6 +308,12 @@ def main(only=()) -> int:
         ("hopper_ws fp8 e4m3 persistent causal hd128, TMA store", dict(dtype="fp8_e4m3", head_dim=128, num_heads=4,
                                                                      causal=True, seqlen=304),
          KernelConfig(BLOCK_M=128, BLOCK_N=256, num_warps=4, num_stages=2, family="hopper_ws", hopper_persistent=True,
+                      hopper_tma_store=True)),
+        # FP8's default at 8192+ plain tokens (one tile per program): its partitions take the descales it loads
+        # through a shared buffer, which must not lie over an initialized mbarrier (the "mbarriers" check below)
+        ("hopper_ws fp8 e4m3 one-tile hd128, TMA store", dict(dtype="fp8_e4m3", head_dim=128, num_heads=4,
+                                                             seqlen=304),
+         KernelConfig(BLOCK_M=128, BLOCK_N=256, num_warps=4, num_stages=2, family="hopper_ws",
                       hopper_tma_store=True)),
         ("hopper_ws masked window hd64, 1 consumer, TMA store", dict(head_dim=64, num_heads=4, forward_only=True,
                                                                      mask={"sliding_window": {"left": 100}}),
@@ -454,6 +479,15 @@ def main(only=()) -> int:
                 print(f"FAILED {name}: {type(err).__name__}: {str(err)[:4000]}")
                 continue
             print(f"ok {name}: " + "; ".join(COMPILED) + f" ({time.perf_counter() - start:.1f} s)")
+    # no Gluon kernel writes plain values over an initialized mbarrier (overwritten_mbarriers)
+    gluon = {key: ptx for key, ptx in PTX.items() if key[1].startswith(("_attn_fwd_hopper_ws", "_attn_bwd_dkdv_hopper"))}
+    clobbered = {f"{case}: {kernel}": sorted(offsets) for (case, kernel), ptx in gluon.items()
+                 if (offsets := overwritten_mbarriers(ptx))}
+    if clobbered or (not gluon and not only):
+        failed += 1
+        print(f"FAILED mbarriers: plain stores over initialized mbarriers at {clobbered or 'no Gluon kernel compiled'}")
+    elif gluon:
+        print(f"ok mbarriers: no plain store over an initialized mbarrier in {len(gluon)} Gluon kernels")
     # FA3's overlap keeps its MMAs asynchronous only if ptxas does not serialize them (C7514)
     overlapped = {case: ptx for (case, kernel), ptx in PTX.items()
                   if "overlap" in case and kernel.startswith("_attn_fwd_hopper_ws")}

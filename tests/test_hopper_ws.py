@@ -3,6 +3,7 @@ its config knobs, its rendering beside the portable forward, the fallback to the
 for calls it cannot serve, and the tuner's space. The kernel itself is compiled for sm90 by
 tests/test_sm90_compile.py and run by tests/test_hopper_ws_gpu.py."""
 
+import ast
 import types
 
 import pytest
@@ -801,7 +802,6 @@ def test_a_packed_tma_store_call_passes_an_o_descriptor_over_every_token(monkeyp
     # portable forward
     monkeypatch.setattr(hopper.HopperForward, "PACKED_CAUSAL_MEAN", 0)
     monkeypatch.setattr(hopper.HopperForward, "PACKED_CAUSAL_MEAN_HD64", 0)
-    monkeypatch.setattr(hopper.HopperForward, "PACKED_ONE_TILE", True)
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2, causal=True)
     module = flashgen.compile(spec, KernelConfig(**HOPPER, hopper_persistent=persistent,
                                                  hopper_tma_store=True)).module()
@@ -832,13 +832,10 @@ def test_a_packed_tma_store_call_passes_an_o_descriptor_over_every_token(monkeyp
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("lengths, one_tile, kernel", [([100, 37], False, None), ([100, 37], True, "packed"),
-                                                       ([100, 100], False, "packed_persistent")])
-def test_the_one_tile_packed_kernel_serves_no_call_unless_turned_on(monkeypatch, lengths, one_tile, kernel):
-    # it faulted and left rows unwritten on a GPU shared by other processes' calls (session 61: PACKED_ONE_TILE), so
-    # sequences of unequal length run the portable forward (checked here against the reference, per sequence);
-    # those of one length on a persistent config keep the persistent packed kernel; turned on, the one-tile one
-    monkeypatch.setattr(hopper.HopperForward, "PACKED_ONE_TILE", one_tile)
+@pytest.mark.parametrize("lengths, kernel", [([100, 37], "packed"), ([100, 100], "packed_persistent")])
+def test_packed_sequences_of_unequal_length_take_the_one_tile_packed_kernel(monkeypatch, lengths, kernel):
+    # on a persistent config: sequences of one length the persistent packed kernel, the rest the one-tile one (it
+    # served no call in sessions 61-62, while it faulted on a GPU shared with other processes: see the next test)
     spec = AttentionSpec(dtype="fp16", head_dim=64, num_heads=4, num_kv_heads=2)
     module = flashgen.compile(spec, KernelConfig(**HOPPER, hopper_persistent=True, hopper_tma_store=True)).module()
     module._LAUNCHER.plans.clear()  # (the module is the other cases', with their call plans)
@@ -848,18 +845,67 @@ def test_the_one_tile_packed_kernel_serves_no_call_unless_turned_on(monkeypatch,
     monkeypatch.setattr(hopper, "BoundLaunch", lambda kernel, grid, constexprs: (
         lambda *args: launched.append(kernel)))
     monkeypatch.setattr(forward, "descriptor", lambda t, layout, rows, cols: t)
-    gen = torch.Generator().manual_seed(61)
-    q = torch.randn(sum(lengths), 4, 64, generator=gen).half()
-    k, v = (torch.randn(sum(lengths), 2, 64, generator=gen).half() for _ in range(2))
+    q = torch.randn(sum(lengths), 4, 64).half()
+    k, v = (torch.randn(sum(lengths), 2, 64).half() for _ in range(2))
     cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
-    out, lse = module.forward(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=100,
-                              max_seqlen_k=100)
-    assert launched == ([] if kernel is None else [getattr(forward, kernel)])
-    if kernel is None:
-        for b in range(2):
-            rows = slice(int(cu[b]), int(cu[b + 1]))
-            seq = [t[rows].transpose(0, 1)[None] for t in (q, k, v)]
-            assert_attention_close(out[rows].transpose(0, 1)[None], lse[:, rows][None], *seq, causal=False)
+    module.forward(q, k, v, layout="thd", cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=100, max_seqlen_k=100)
+    assert launched == [getattr(forward, kernel)]
+
+
+def loaded_captures(source: str, kernel: str) -> set[str]:
+    """The names in `kernel`'s gl.warp_specialize calls whose values its own body loaded from memory (a .load, or a
+    call of a function of the module that loads), directly or through what was computed from them. Triton hands
+    such values to the worker partitions through shared memory; kernel arguments and program ids it recomputes in
+    each partition."""
+    tree = ast.parse(source)
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+
+    def loads(node, seen=()) -> bool:
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            if isinstance(call.func, ast.Attribute) and call.func.attr == "load":
+                return True
+            name = getattr(call.func, "id", None)
+            if name in functions and name not in seen and loads(functions[name], (*seen, name)):
+                return True
+        return False
+
+    loaded: set[str] = set()
+    assignments = [n for n in ast.walk(functions[kernel]) if isinstance(n, (ast.Assign, ast.AugAssign))]
+    while True:
+        before = len(loaded)
+        for node in assignments:
+            if loads(node.value) or any(isinstance(n, ast.Name) and n.id in loaded for n in ast.walk(node.value)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    loaded |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        if len(loaded) == before:
+            break
+    return {n.id for call in ast.walk(functions[kernel]) if isinstance(call, ast.Call)
+            and getattr(call.func, "attr", None) == "warp_specialize" for n in ast.walk(call.args[0])
+            if isinstance(n, ast.Name) and n.id in loaded}
+
+
+@pytest.mark.parametrize("knobs", [dict(hopper_overlap=True, hopper_tma_store=True), dict(hopper_pingpong=True),
+                                   dict(BLOCK_M=192, hopper_regs=160, hopper_tma_store=True),
+                                   dict(hopper_persistent=True, hopper_overlap=True, hopper_tma_store=True)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_packed_kernels_partitions_read_their_sequence_bounds_themselves(knobs, causal):
+    # The one-tile packed kernel's partitions took q_start, the bounds, the key blocks and O's and the LSE's offset
+    # pointers from its default partition, which Triton (3.6 and 3.9) passes through a shared buffer, placed over the
+    # initialized ping-pong barriers: on an H200 shared with other processes the kernel raised illegal memory
+    # accesses in 3 of 3 processes, with each partition reading the bounds itself in 0 of 7
+    # (results/2026-12-03-h200-packed-fault-s63.md). tests/sm90_compile.py checks the stores over barriers in the
+    # compiled kernels; this, on the CPU in every run, that the packed and dense bf16 kernels hand no loaded value to
+    # their partitions (the FP8 and masked one-tile kernels do: their descales and key ranges).
+    spec = AttentionSpec(dtype="bf16", head_dim=64 if knobs.get("BLOCK_M") == 192 else 128, num_heads=4,
+                         causal=causal)
+    source = render(spec, KernelConfig(**{**HOPPER, **knobs}))
+    kernels = ["_attn_fwd_hopper_ws_packed", "_attn_fwd_hopper_ws"] + (
+        ["_attn_fwd_hopper_ws_packed_persistent"] if knobs.get("hopper_persistent") else [])
+    assert {kernel: loaded_captures(source, kernel) for kernel in kernels} == {kernel: set() for kernel in kernels}
+    # (the check itself: a value the kernel's body loads and hands to its partitions is found)
+    mark = "    # (the sequence's bounds decide here"
+    handed = source.replace(mark, "    O += gl.load(CU_SEQLENS_Q)\n" + mark, 1)
+    assert loaded_captures(handed, "_attn_fwd_hopper_ws_packed") == {"O"}
 
 
 @pytest.mark.parametrize("fields, packed", [(dict(dtype="bf16", head_dim=128, causal=True), True),

@@ -305,11 +305,10 @@ PACKED_KNOBS = {"base": {}, "overlap": dict(hopper_overlap=True), "pingpong": di
 @pytest.fixture
 def packed_served(monkeypatch):
     """The packed kernel for every packed call these tests make (HopperForward.packed_declines sends short causal
-    sequences and three consumers' short calls to the portable forward, and PACKED_ONE_TILE off every call the
-    persistent packed kernel does not take); the plans made under it are forgotten after the test."""
+    sequences and three consumers' short calls to the portable forward); the plans made under it are forgotten
+    after the test."""
     from flashgen.runtime.hopper import HopperForward
 
-    monkeypatch.setattr(HopperForward, "PACKED_ONE_TILE", True)
     monkeypatch.setattr(HopperForward, "PACKED_THREE_MEAN", 0)
     monkeypatch.setattr(HopperForward, "PACKED_CAUSAL_MEAN", 0)
     monkeypatch.setattr(HopperForward, "PACKED_CAUSAL_MEAN_HD64", 0)

@@ -120,8 +120,9 @@ def test_packed_rows_past_2_31_elements(causal, longest, monkeypatch):
     # 540 sequences of 1000 tokens, 32 query heads over 8 KV heads: q, out, dO and dQ hold more than
     # 2^31 elements and the last sequences start past them (cu_seqlens' offset times the row stride).
     # Non-causal on an sm90 GPU: the Gluon forward's persistent packed kernel for these sequences of one length; where
-    # max_seqlen (1024) says the lengths may differ, the portable forward (the one-tile packed kernel is off:
-    # HopperForward.PACKED_ONE_TILE), as for causal sequences this short
+    # max_seqlen (1024) says the lengths may differ, the one-tile packed kernel (which faulted here beside other
+    # tests' processes while its partitions took the sequence bounds through shared memory: sessions 61-63); causal
+    # sequences this short, the portable forward
     seed = random.randrange(2**31)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     count, length, heads, kv_heads, d = 540, 1000, 32, 8, 128
@@ -135,7 +136,7 @@ def test_packed_rows_past_2_31_elements(causal, longest, monkeypatch):
     FreshBuffers(monkeypatch).garbage = True
     out, plans = packed_plans(lambda: flashgen.attention_varlen(q, k, v, cu, cu, longest, longest, causal=causal))
     gluon = not causal and torch.cuda.get_device_capability() == (9, 0)
-    assert [plan.cfg["hopper_persistent"] for plan in plans] == ([True] if gluon and longest == length else [])
+    assert [plan.cfg["hopper_persistent"] for plan in plans] == ([longest == length] if gluon else [])
     forward_bad = nonfinite_sequences(out, length)  # (read before the backward runs: which of the two wrote it)
     do = fresh(total, heads, d, gen=gen)
     out.backward(do)

@@ -336,18 +336,6 @@ class HopperForward:
     PACKED_THREE_MEAN = 2048
     PACKED_CAUSAL_MEAN = 1024
     PACKED_CAUSAL_MEAN_HD64 = 2048
-    # Whether packed calls the persistent packed kernel does not take (sequences of unequal length, or a module that
-    # is not persistent) run the one-tile packed kernel (_attn_fwd_hopper_ws_packed); off, the portable forward. Off
-    # since session 61: on an H200 shared by three or four processes making such calls (100 or 540 sequences of
-    # 1000 tokens, max_seqlen 1024, 32/8 heads, hd128, the H200 default's knobs), it raised an illegal memory access
-    # within its first two calls in 9 of 13 processes over four runs (with the TMA store or without it, with its
-    # warp_specialize out of its branch), and some calls that returned left rows of out NaN or ~1e35; the dense
-    # one-tile kernel on the same knobs and tokens, beside itself the same way: 0 faults and 0 wrong rows in 362
-    # calls. The GPU suite's recurring illegal memory access (sessions 47-61) was this kernel's, in
-    # test_packed_rows_past_2_31_elements[max_seqlen past it]. Cause not yet found (benchmarks/NOTES.md, session 61;
-    # benchmarks/probe_packed_fault.py reproduces it in a minute). The kernel stays rendered and compiled, and its
-    # GPU tests turn this on.
-    PACKED_ONE_TILE = False
 
     @staticmethod
     def equal_lengths(varlen, total_q: int, total_k: int) -> bool:
@@ -386,8 +374,6 @@ class HopperForward:
             if self.packed_declines(cfg, varlen, q.shape[0]):
                 return None
             cfg["hopper_persistent"] = cfg["hopper_persistent"] and self.equal_lengths(varlen, q.shape[0], k.shape[0])
-            if not cfg["hopper_persistent"] and not self.PACKED_ONE_TILE:
-                return None  # (the one-tile packed kernel: see PACKED_ONE_TILE)
         if cfg["hopper_tma_store"] and out is not None and tensor_unserved("out", out):
             return None  # the caller's out cannot take a TMA store (fresh outputs always can)
         return HopperPlan(self, base, q, k, layout, out, scale, cfg, varlen)
