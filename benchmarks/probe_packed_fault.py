@@ -16,8 +16,8 @@ at 1024 tokens: two consumers, overlap, TMA store):
   one_tile_no_tma_store  the same without the TMA store
   dense_one_tile         the same tokens as a dense (sequences, 1000) bshd batch on the dense one-tile kernel
   persistent             the persistent packed kernel (max_seqlen 1000: sequences of one length)
-  default                what attention_varlen runs with max_seqlen 1024 as shipped (since session 63 the one-tile
-                         packed kernel; sessions 61-62 the portable forward)
+  default                what attention_varlen runs with max_seqlen 1024 as shipped (since session 63 the one_tile
+                         call itself; sessions 61-62 the portable forward)
   fp8_one_tile           the same tokens in FP8 e4m3 (descales 1) as a dense batch on the FP8 default at 16384 plain
                          tokens, the one-tile FP8 kernel (128 x 256 tiles, TMA store), whose partitions take the
                          descales through shared memory too; compared with SDPA on the dequantized inputs

@@ -111,17 +111,32 @@ def overwritten_mbarriers(ptx: str) -> set[int]:
     uses (the one-tile kernels' ping-pong turns without ping-pong): memory reused so without mbarrier.inval is
     undefined in PTX, and the one-tile packed kernel, whose partitions took its O pointer that way, raised illegal
     memory accesses and left rows unwritten on a GPU shared with other processes (benchmarks/NOTES.md, sessions
-    61-63). Offsets as the kernels address them: base register (mov.b32 %r, global_smem) plus a constant."""
-    bases = set(re.findall(r"mov\.b32\s+(%r\d+), global_smem;", ptx))
-    offset_of = {reg: int(off) for reg, base, off in re.findall(r"add\.s32\s+(%r\d+), (%r\d+), (\d+);", ptx)
-                 if base in bases}
-    barriers = {offset_of[reg] for reg in re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[(%r\d+)\]", ptx)
-                if reg in offset_of}
-    barriers |= {int(off) for off in re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[global_smem\+(\d+)\]", ptx)}
-    stored = set()
-    for op, off in re.findall(r"\bst\.shared(\.v\d)?\.b(?:8|16|32|64)\s+\[global_smem\+(\d+)\]", ptx):
-        stored.add(int(off))
-    return {off for off in barriers for st in stored if off <= st < off + 8}
+    61-63). Addresses whose offset is a constant: global_smem[+N], or a register that global_smem plus constants
+    reached (mov.b32 / add.s32 / cvta chains Triton emits), [+N]; a store covers its vector's whole width. Stores
+    at thread-dependent addresses (the tiles' own) are not followed."""
+    offsets = {}  # register -> its constant offset from global_smem
+    for line in ptx.splitlines():
+        if m := re.match(r"\s*mov\.b32\s+(%r\d+),\s*global_smem;", line):
+            offsets[m.group(1)] = 0
+        elif (m := re.match(r"\s*add\.s32\s+(%r\d+),\s*(%r\d+),\s*(-?\d+);", line)) and m.group(2) in offsets:
+            offsets[m.group(1)] = offsets[m.group(2)] + int(m.group(3))
+
+    def offset(address: str) -> int | None:
+        m = re.fullmatch(r"\s*(global_smem|%r\d+)\s*(?:\+\s*(-?\d+))?\s*", address)
+        if not m:
+            return None
+        base = 0 if m.group(1) == "global_smem" else offsets.get(m.group(1))
+        return None if base is None else base + int(m.group(2) or 0)
+
+    barriers, stores = set(), []
+    for line in ptx.splitlines():
+        if m := re.search(r"mbarrier\.init\.shared(?:::cta)?\.b64\s+\[([^\]]+)\]", line):
+            if (at := offset(m.group(1))) is not None:
+                barriers.add(at)
+        elif m := re.search(r"\bst\.shared(?:::cta)?(?:\.v(\d))?\.[busf](8|16|32|64)\s+\[([^\]]+)\]", line):
+            if (at := offset(m.group(3))) is not None:
+                stores.append((at, int(m.group(1) or 1) * int(m.group(2)) // 8))
+    return {b for b in barriers for at, width in stores if at < b + 8 and b < at + width}
 
 
 def stack_bytes(ptx: str) -> int | None:

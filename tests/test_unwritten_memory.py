@@ -6,7 +6,7 @@ launch filled) gives a different result, a NaN, or a fault. Call plans are forgo
 a plan keeps is made, and filled, afresh.
 
 On the CPU the interpreter runs the portable kernels; on a GPU the calls take that GPU's defaults (on sm90 the
-Gluon forward, its persistent packed kernel, and the Gluon backward) and the portable family beside them."""
+Gluon forward, its one-tile and persistent packed kernels, and the Gluon backward) and the portable family beside them."""
 
 import random
 
