@@ -14,6 +14,8 @@ intermediate 5632, vocab 32000, bf16), run with ``attn_implementation`` = flashg
   same with flashgen's decode-shaped calls through flashgen.attention instead of the integration's
   direct decode route (``generate (through flashgen.attention)``,
   ``flashgen.integrations.transformers.decode_calls = False``);
+* ``generate (static cache)``: the same with ``cache_implementation="static"``, whose steps after the
+  prompt transformers compiles on a GPU (inductor with CUDA graphs, its default ``CompileConfig``);
 * ``compile_train_step``: ``torch.compile(model, fullgraph=True)`` (inductor on the GPU,
   aot_eager on the CPU) then the training step, compiled both ways; a failure to compile is
   recorded with its error.
@@ -61,7 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu runs flashgen's kernels through Triton's interpreter")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results", help="folder for the JSON and table")
-    p.add_argument("--skip", nargs="*", default=[], choices=["train_step", "prefill", "generate", "compile_train_step"],
+    p.add_argument("--skip", nargs="*", default=[],
+                   choices=["train_step", "prefill", "generate", "generate_static", "compile_train_step"],
                    help="modes to leave out")
     p.add_argument("--tag", default="", type=file_tag, help="file name suffix: v2 (or -v2) writes ...-v2")
     p.add_argument("--model", default="llama", choices=["llama", "gemma3"],
@@ -274,12 +277,12 @@ def benchmark(args) -> dict:
     if "generate" not in args.skip:
         tokens = {}
 
-        def generate(impl):  # one timed run
+        def generate(impl, **kw):  # one timed run
             use(impl, False)
 
             def run():
                 tokens[impl] = model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                              do_sample=False)[:, args.prompt:]
+                                              do_sample=False, **kw)[:, args.prompt:]
             return timer(run, 0, 1)
 
         row = run_alternating(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate", generate,
@@ -298,6 +301,15 @@ def benchmark(args) -> dict:
 
         run_alternating(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate (through flashgen.attention)",
                         generate_through_attention, args.generate_runs)
+
+    if "generate_static" not in args.skip:
+        # a static KV cache, whose steps after the prompt transformers compiles on a GPU (its default
+        # CompileConfig: inductor, CUDA graphs; each implementation's first, untimed run compiles them)
+        tokens = {}
+        row = run_alternating(rows, f"{case}-prompt{args.prompt}+{args.new_tokens}", "generate (static cache)",
+                              lambda impl: generate(impl, cache_implementation="static"), args.generate_runs)
+        if len(tokens) == 2:
+            row["same_tokens_fraction"] = float((tokens["flashgen"] == tokens["sdpa"]).float().mean())
 
     if "compile_train_step" not in args.skip:
         backend = "inductor" if args.device == "cuda" else "aot_eager"

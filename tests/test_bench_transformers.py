@@ -14,7 +14,8 @@ _spec = importlib.util.spec_from_file_location("bench_transformers", ROOT / "ben
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-MODES = ["prefill", "train_step", "generate", "generate (through flashgen.attention)", "compile_train_step"]
+MODES = ["prefill", "train_step", "generate", "generate (through flashgen.attention)", "generate (static cache)",
+         "compile_train_step"]
 
 
 @pytest.mark.slow
@@ -27,17 +28,17 @@ def test_tiny_cpu_run_writes_every_row(tmp_path):
     assert result["environment"]["transformers"] and result["config"]["layers"] == 2
     rows = {row["mode"]: row for row in result["rows"]}
     assert list(rows) == MODES
-    for mode in MODES[:4]:  # these run both ways on the CPU
+    for mode in MODES[:5]:  # these run both ways on the CPU
         row = rows[mode]
         assert "error" not in row, row
         assert row["flashgen_ms"] > 0 and row["sdpa_ms"] > 0
         assert row["ratio_vs_sdpa"] == round(row["sdpa_ms"] / row["flashgen_ms"], 3)
     assert rows["prefill"]["max_abs_logit_diff_vs_sdpa"] < 1e-4
-    assert rows["generate"]["same_tokens_fraction"] == 1.0
+    assert rows["generate"]["same_tokens_fraction"] == rows["generate (static cache)"]["same_tokens_fraction"] == 1.0
     compiled = rows["compile_train_step"]  # compiles, or says why not
     assert compiled["sdpa_ms"] > 0 and (compiled["flashgen_ms"] or compiled["error"]["flashgen"])
     table = path.with_suffix(".md").read_text()
-    assert "| case | mode | flashgen ms | sdpa ms | ratio vs sdpa | notes |" in table and table.count("| llama-") == 5
+    assert "| case | mode | flashgen ms | sdpa ms | ratio vs sdpa | notes |" in table and table.count("| llama-") == 6
 
 
 def test_a_failing_part_is_recorded_and_the_run_goes_on():

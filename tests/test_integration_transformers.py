@@ -141,8 +141,9 @@ def test_greedy_generation_matches(kind):
     _assert_same_tokens(kind, "cpu", new_tokens=6)
 
 
-def _assert_same_tokens(kind, device, new_tokens):
-    """Greedy generation from two rows (one left-padded) gives transformers' own path's tokens."""
+def _assert_same_tokens(kind, device, new_tokens, **kw):
+    """Greedy generation from two rows (one left-padded) gives transformers' own path's tokens (kw: generate's,
+    the reference's too)."""
     model, gen = _model(kind).to(device).float(), torch.Generator().manual_seed(3)
     ids, mask = (t.to(device) for t in _padded_batch(gen))
     ids, mask = ids[:2, 3:], mask[:2, 3:]
@@ -150,7 +151,7 @@ def _assert_same_tokens(kind, device, new_tokens):
     for impl in (REFERENCE[kind], NAME):
         model.set_attn_implementation(impl)
         tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                      pad_token_id=0)[:, ids.shape[1]:]
+                                      pad_token_id=0, **kw)[:, ids.shape[1]:]
     assert torch.equal(tokens[NAME], tokens[REFERENCE[kind]]), tokens
 
 
@@ -298,17 +299,80 @@ def test_dropout_in_training():
     assert abs(out.mean().item() - 1.0) < 0.05
 
 
-def test_static_cache_and_bad_names_are_refused():
-    model, gen = _model("llama"), torch.Generator().manual_seed(7)
-    model.set_attn_implementation(NAME)
-    with pytest.raises(ValueError, match="past_key_values: .* needs a dynamic KV cache"):
-        model.generate(torch.randint(0, VOCAB, (1, 5), generator=gen), max_new_tokens=2, do_sample=False,
-                       cache_implementation="static", pad_token_id=0)
+def test_bad_names_are_refused():
     with pytest.raises(ValueError, match="name: transformers treats names containing 'flash'"):
         register("my_flash")
     with pytest.raises(ValueError, match="name: expected an identifier-like string"):
         register("")
     assert register() == DEFAULT_NAME
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt_oss"])
+@pytest.mark.interpreter
+def test_static_cache_generation_matches(kind):
+    """cache_implementation="static": the keys are the cache's slots, those past the filled ones unfilled (zeros),
+    which the mask hook marks; a left-padded row's generation gives transformers' own path's tokens on the same
+    static cache (Gemma 2's and gpt-oss's sliding layers fill, then roll their 5 slots)."""
+    _assert_same_tokens(kind, "cpu", new_tokens=8, cache_implementation="static")
+
+
+@pytest.mark.interpreter
+def test_static_cache_steps_run_the_decode_kernel(monkeypatch):
+    # Unpadded rows over a static cache: each step after the prompt is one query per row over the filled slots,
+    # the decode kernel's call (the same route as a dynamic cache's), logits against float64 SDPA's
+    from flashgen.runtime.decode import DecodeLauncher
+
+    keys, original = [], DecodeLauncher.read
+    monkeypatch.setattr(DecodeLauncher, "read", lambda self, q, k, *a, **kw: (kw.get("layout") == "bhsd" and keys.append(
+        k.shape[2])) or original(self, q, k, *a, **kw))  # (the layer's own call: a first call reads bshd views again)
+    model, gen = _model("llama"), torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
+    runs = {}
+    for impl, dtype in (("sdpa", torch.float64), (NAME, torch.float32)):
+        model.set_attn_implementation(impl)
+        runs[impl] = model.to(dtype).generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                              cache_implementation="static", output_logits=True,
+                                              return_dict_in_generate=True)
+    layers = TINY["num_hidden_layers"]
+    assert keys == [n for n in range(10, 14) for _ in range(layers)]  # the filled slots, not the cache's 13
+    assert torch.equal(runs[NAME].sequences, runs["sdpa"].sequences)
+    for step, (a, b) in enumerate(zip(runs[NAME].logits, runs["sdpa"].logits)):
+        _assert_close(a, b, name=f"logits of step {step}")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.interpreter
+def test_static_cache_steps_compile_fullgraph(kind):
+    """Traced over a static cache, the mask is the cache's fixed (batch, slots) shape, unfilled slots masked: a
+    compiled step of 6 new queries per row (left-padded rows; their causal bound is each row's last filled slot,
+    not the last slot) against the uncompiled reference model's, and transformers' compiled generation (one graph
+    for every step)."""
+    model, gen = _model(kind), torch.Generator().manual_seed(3)
+    ids, mask = _padded_batch(gen)  # (3, 21): 15 prompt tokens, then 6 at once
+    logits = {}
+    for impl, compiled in ((REFERENCE[kind], False), (NAME, True)):
+        model.set_attn_implementation(impl)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        run = lambda ids, mask: model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits  # noqa: E731
+        torch._dynamo.reset()
+        with torch.no_grad():
+            run(ids[:, :15], mask[:, :15])
+            logits[impl] = (torch.compile(run, fullgraph=True, backend="aot_eager") if compiled else run)(ids[:, 15:], mask)
+    real = mask[:, 15:].bool()
+    _assert_close(logits[NAME][real], logits[REFERENCE[kind]][real])
+    if kind == "llama":  # generate's steps compiled as transformers does on a GPU
+        compile_config = transformers.CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+        compile_config._compile_all_devices = True  # (transformers compiles generation steps on accelerators only)
+        ids, mask = ids[:2, 3:], mask[:2, 3:]
+        tokens = {}
+        for impl, kw in (("sdpa", {}), (NAME, dict(compile_config=compile_config))):
+            model.set_attn_implementation(impl)
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            tokens[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                                          cache_implementation="static", **kw)[:, ids.shape[1]:]
+        assert torch.equal(tokens[NAME], tokens["sdpa"]), tokens
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the steps after the prompt's, one graph
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -444,3 +508,12 @@ def test_gpu_training_gradients_match(kind):
 def test_gpu_greedy_generation_matches(kind):
     # fp32 on the GPU (Gemma 2 past its 5-key window): each step after the prompt runs the decode kernel.
     _assert_same_tokens(kind, "cuda", new_tokens=12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_gpu_static_cache_generation_matches(kind):
+    # a static cache on the GPU: transformers compiles the steps after the prompt (inductor, CUDA graphs), both
+    # implementations, over the cache's fixed (batch, slots) mask
+    torch._dynamo.reset()
+    _assert_same_tokens(kind, "cuda", new_tokens=12, cache_implementation="static")

@@ -665,31 +665,31 @@ INDUCTOR_CALLS = {  # name: (call(layer, *args), the args from q, k, v (B, H, S,
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", INDUCTOR_CALLS.values(), ids=INDUCTOR_CALLS.keys())
-def test_gpu_every_entry_point_compiles_with_inductor(case):
-    # issue 13: torch.compile(fullgraph=True, dynamic=True) with inductor on the GPU, forward and backward, one graph
-    # over two batch sizes and lengths, against eager on the same fresh bf16 inputs (the same kernels run, with
-    # inductor's own code around them)
+class _InductorLayer(torch.nn.Module):
+    """An INDUCTOR_CALLS call as a module: its scalar, config and bias tensor are attributes."""
+    value = 30.3
+    config = KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+
+    def __init__(self, call):
+        super().__init__()
+        self.call = call
+        self.bias = torch.randn(512, 512, device="cuda")
+
+    def forward(self, *args):
+        return self.call(self, *args)
+
+
+def _check_inductor_calls(case, shapes, **compile_kw):
+    """The case's layer compiled (fullgraph, compile_kw) and called at each (batch, seqlen) on fresh bf16 inputs,
+    forward and backward against eager on the same inputs (the same kernels run, with inductor's code around them);
+    from the second call on, a recompile fails."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     call, prepare = case
-
-    class Layer(torch.nn.Module):
-        value = 30.3
-        config = KernelConfig(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-
-        def __init__(self):
-            super().__init__()
-            self.bias = torch.randn(512, 512, device="cuda")
-
-        def forward(self, *args):
-            return call(self, *args)
-
-    layer = Layer()
+    layer = _InductorLayer(call)
     torch._dynamo.reset()
-    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
-    for i, (batch, seqlen) in enumerate(((3, 200), (5, 333))):  # (batch and lengths apart from the head counts)
+    compiled = torch.compile(layer, fullgraph=True, **compile_kw)
+    for i, (batch, seqlen) in enumerate(shapes):
         q, k, v = (torch.randn(batch, h, seqlen, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for h in (8, 2, 2))
         args = (prepare or (lambda *qkv: qkv))(q, k, v)
@@ -702,6 +702,25 @@ def test_gpu_every_entry_point_compiles_with_inductor(case):
         torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", INDUCTOR_CALLS.values(), ids=INDUCTOR_CALLS.keys())
+def test_gpu_every_entry_point_compiles_with_inductor(case):
+    # issue 13: torch.compile(fullgraph=True, dynamic=True) with inductor on the GPU, forward and backward, one graph
+    # over two batch sizes and lengths (apart from the head counts)
+    _check_inductor_calls(case, ((3, 200), (5, 333)), dynamic=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", INDUCTOR_CALLS.values(), ids=INDUCTOR_CALLS.keys())
+def test_gpu_every_entry_point_runs_in_cuda_graph_trees(case):
+    # torch.compile(mode="reduce-overhead"): inductor's CUDA graph trees run a graph's first calls uncaptured with
+    # every allocation in the graphs' pool, then capture it, and fail a call after which a tensor of that pool
+    # outlives it (flashgen's plans, block maps and one-element arguments, kept per shape, were; transformers'
+    # compiled generation runs so). A shape no other test runs, so that these calls make their plans inside the
+    # trees; three calls (warmup, capture, replay).
+    _check_inductor_calls(case, ((3, 211),) * 3, mode="reduce-overhead")
 
 
 @pytest.mark.gpu

@@ -340,14 +340,17 @@ ALL_PARTIAL = {}  # (rows, columns, device) -> all_partial_map's (counts, lists)
 def all_partial_map(n, m, device):
     """(counts, lists) of a block map of n rows of m tiles each, every tile partial (none whole: each walked with
     the mask): one per shape and device, kept for good (small calls only, at most STATIC_PAIRS pairs), so that a
-    CUDA graph that captured a plan's launch still reads it after the plan is evicted and freed."""
+    CUDA graph that captured a plan's launch still reads it after the plan is evicted and freed. One made while a
+    graph is captured (or a graph tree warms up) is the graph's own, not kept: filled by its replays only, it
+    would be read unfilled by an eager call, and kept, it would hold the graph's memory."""
     key = (n, m, device)
     found = ALL_PARTIAL.get(key)
     if found is None:
         counts = torch.zeros((1, 1, n, 2), dtype=torch.int32, device=device)
         counts[..., 1] = m
-        lists = torch.arange(m, dtype=torch.int32, device=device).expand(1, 1, n, 2, m).contiguous()
-        found = ALL_PARTIAL[key] = (counts, lists)
+        found = (counts, torch.arange(m, dtype=torch.int32, device=device).expand(1, 1, n, 2, m).contiguous())
+        if not capturing(device):
+            ALL_PARTIAL[key] = found
     return found
 
 
@@ -816,7 +819,9 @@ class AttentionLauncher:
         dropout, cu_seqlens of a dense batch): allocated once per device, not per call."""
         t = self.unused.get((dtype, device))
         if t is None:
-            t = self.unused[(dtype, device)] = torch.empty(1, dtype=dtype, device=device)
+            t = torch.empty(1, dtype=dtype, device=device)
+            if not capturing(device):  # (kept, it would hold a graph's memory)
+                self.unused[(dtype, device)] = t
         return t
 
     def interpreting(self):

@@ -50,6 +50,7 @@ with an underscore or are upper case) or host.py's.
 
 import contextlib
 import os
+import sys
 
 import torch
 import triton
@@ -396,6 +397,8 @@ def allocator(shape, dtype, device):
     if torch.Size(shape).numel() > 1:
         base = TEMPLATE_BASES.get((dtype, device))
         if base is None:
+            if capturing(device):  # (kept, it would hold a graph's memory; allocators made now are the graph's)
+                return lambda: torch.empty(shape, dtype=dtype, device=device)
             base = TEMPLATE_BASES[(dtype, device)] = torch.empty((), dtype=dtype, device=device)
         template = base.expand(shape)
         return lambda: torch.empty_like(template)
@@ -484,12 +487,31 @@ def capturing(device) -> bool:
     on another device's tensors (launched there) asks for its own where the current one captures. (A capture
     on `device` while another device is current is not seen: torch.cuda.graph makes its stream's device
     current, and a call inside it would have to change the device back.)"""
-    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda":
         return False
+    if not torch.cuda.is_current_stream_capturing():
+        return graph_tree_warmup(device)
     if device.index is None or device.index == torch.cuda.current_device():
         return True
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()
+
+
+def graph_tree_warmup(device) -> bool:
+    """Whether inductor's CUDA graph trees (torch.compile's mode="reduce-overhead", transformers' compiled
+    generation) run a compiled graph uncaptured on `device` now: its first calls (warmup) run eagerly on the
+    trees' own stream with every allocation in the graphs' memory pool, and a tensor that outlives the call
+    there, but for the graph's outputs, fails the trees' check ("Detected ... tensor(s) in the cudagraph pool
+    not tracked as outputs"), so such a call keeps nothing either (as a captured one)."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:  # (never imported: no graph tree in this process)
+        return False
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        manager = trees.get_manager(index, create_if_none_exists=False)
+        return manager is not None and torch.cuda.current_stream(index) == manager.stream
+    except (AttributeError, TypeError, KeyError):  # (another torch's internals: no tree found)
+        return False
 
 
 def tensor_key(t):
