@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from flashgen.integrations.transformers import DEFAULT_NAME, attention_forward, register  # noqa: E402
+from flashgen.integrations.transformers import DEFAULT_NAME, attention_forward, padding_mask, register  # noqa: E402
 from flashgen.verify import compare  # noqa: E402
 
 NAME = register()
@@ -373,6 +373,61 @@ def test_static_cache_steps_compile_fullgraph(kind):
                                           cache_implementation="static", **kw)[:, ids.shape[1]:]
         assert torch.equal(tokens[NAME], tokens["sdpa"]), tokens
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the steps after the prompt's, one graph
+
+
+@pytest.mark.parametrize("window, sinks", [(None, False), (4, False), (4, True)], ids=["causal", "window", "sinks"])
+@pytest.mark.interpreter
+def test_a_static_cache_mask_as_hooked_copied_and_traced(window, sinks):
+    """One layer over a static cache of 16 slots, 9 filled, 3 new queries, row 1 left-padded: the hook's mask
+    (eager), a copy of it (which loses what the hook's tensor carries: .to(another device) makes one) and the call
+    traced (fullgraph; a window and sinks take their bounds from the filled count), against a float64 reference
+    over the filled slots (a copy took the unfilled slots as tokens, 0.93 off)."""
+    gen = torch.Generator().manual_seed(0)
+    batch, slots, filled, new = 2, 16, 9, 3
+    q = torch.randn(batch, 4, new, 16, generator=gen)
+    k, v = torch.zeros(batch, 2, slots, 16), torch.zeros(batch, 2, slots, 16)
+    k[:, :, :filled], v[:, :, :filled] = (torch.randn(batch, 2, filled, 16, generator=gen) for _ in range(2))
+    padding = torch.ones(batch, filled, dtype=torch.bool)
+    padding[1, :2] = False
+    s_aux = torch.randn(4, generator=gen) if sinks else None
+    hooked = padding_mask(batch, new, slots, q_offset=torch.tensor(filled - new), attention_mask=padding)
+    run = lambda mask: attention_forward(torch.nn.Module(), q, k, v, mask, is_causal=True, sliding_window=window,  # noqa: E731
+                                         s_aux=s_aux, scaling=0.25)[0]
+    torch._dynamo.reset()
+    outs = {"hooked": run(hooked), "copied": run(hooked.clone()),
+            "traced": torch.compile(run, fullgraph=True, backend="aot_eager")(hooked)}
+    pos = torch.arange(filled)
+    rows = (filled - new + torch.arange(new))[:, None]
+    seen = (pos <= rows) & ((pos > rows - window) if window else True) & padding[:, None, None, :]  # (B, 1, L, S)
+    scores = torch.einsum("bhld,bhsd->bhls", q.double(), k[:, :, :filled].double().repeat_interleave(2, 1)) * 0.25
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks:
+        scores = torch.cat([scores, s_aux.double()[None, :, None, None].expand(batch, -1, new, 1)], dim=-1)
+    p = scores.softmax(-1)[..., :filled]
+    ref = torch.einsum("bhls,bhsd->blhd", p, v[:, :, :filled].double().repeat_interleave(2, 1))
+    for name, out in outs.items():
+        _assert_close(out, ref, name=name)
+
+
+@pytest.mark.interpreter
+def test_static_cache_masks_read_as_transformers_reads_them():
+    # Gemma 2's sliding layer (5 slots) before it fills, given a 2-d mask of the cache's 16 positions (as SDPA's
+    # and eager paths take it): padding is read from the layer's first position, not the mask's last five (0.36 off)
+    model, gen = _model("gemma2"), torch.Generator().manual_seed(2)
+    ids = torch.randint(0, VOCAB, (2, 3), generator=gen)
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 0] = 0
+    logits = {}
+    for impl in ("eager", NAME):
+        model.set_attn_implementation(impl)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+        with torch.no_grad():
+            logits[impl] = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    _assert_close(logits[NAME][:, 1:], logits["eager"][:, 1:])
+    # without a cache a mask longer than the tokens is named (not read as a static cache's)
+    model.set_attn_implementation(NAME)
+    with pytest.raises(ValueError, match=r"attention_mask: expected a \(batch, keys\) = \(2, 3\)"):
+        model(ids, attention_mask=mask[:, :8], use_cache=False)
 
 
 @pytest.mark.parametrize("kw, words", [

@@ -204,6 +204,45 @@ def test_capturing_asks_the_tensors_device_where_the_current_one_captures(monkey
     assert not launch.capturing(torch.device("cpu"))
 
 
+def test_capturing_sees_a_cuda_graph_tree_warming_up_on_its_stream(monkeypatch):
+    # inductor's CUDA graph trees warm a graph up uncaptured on the tree manager's stream: a call then keeps nothing.
+    # The trees' state is read, never made: no container for another device or in a thread torch did not start
+    # (their accessors assert there: the fresh-thread launch test failed so on the GPU), and no error escapes.
+    import threading
+    import types
+
+    import torch._inductor.cudagraph_trees as trees
+
+    stream, other = object(), object()
+    current = [stream]
+    manager = types.SimpleNamespace(stream=stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: current[0])
+    containers = {0: types.SimpleNamespace(tree_manager=manager), 1: types.SimpleNamespace(tree_manager=None)}
+    monkeypatch.setattr(trees.local, "tree_manager_containers", containers, raising=False)
+
+    def accessor(*args, **kwargs):  # torch 2.11's get_obj asserts in a thread autograd did not start
+        raise AssertionError("a trees accessor was called")
+    for name in ("get_obj", "get_container", "get_manager"):
+        monkeypatch.setattr(trees, name, accessor)
+    assert launch.capturing(torch.device("cuda", 0)) and launch.capturing(torch.device("cuda"))
+    assert not launch.capturing(torch.device("cuda", 1)) and not launch.capturing(torch.device("cuda", 2))
+    assert not launch.capturing(torch.device("cpu")) and set(containers) == {0, 1}
+    current[0] = other  # the graph's replays and eager calls run on other streams
+    assert not launch.capturing(torch.device("cuda", 0))
+    current[0] = stream
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(launch.capturing(torch.device("cuda", 0))))
+    thread.start()
+    thread.join()
+    assert seen == [False]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: 1 / 0)
+    assert not launch.graph_tree_warmup(torch.device("cuda", 0))
+    monkeypatch.delitem(sys.modules, "torch._inductor.cudagraph_trees")
+    assert not launch.graph_tree_warmup(torch.device("cuda", 0))
+
+
 def test_tensors_device_reads_the_first_tensor():
     assert launch.tensors_device((None, 3, torch.empty(2), 1.0)) is None  # a CPU tensor
     assert launch.tensors_device((None, 3)) is None

@@ -62,7 +62,7 @@ GOLDEN_CASES = [
 ]
 GOLDEN_IDS = [c[0] for c in GOLDEN_CASES]
 SPEC_CONSTANTS = ("HEAD_DIM", "HEAD_DIM_V", "BLOCK_D", "BLOCK_DV", "GQA_GROUP", "DOT_PRECISION", "RCP_LN2")
-STANDALONE_IMPORTS = {"contextlib", "os", "threading", "zlib", "torch", "triton", "triton.language",
+STANDALONE_IMPORTS = {"contextlib", "os", "sys", "threading", "zlib", "torch", "triton", "triton.language",
                       "triton.tools.tensor_descriptor", "triton.runtime"}  # interpret.py: the interpreter it patches
 
 

@@ -41,11 +41,11 @@ What each call does, following transformers' own flash-attention path (``_flash_
 * A 4-d mask (a custom mask passed to the model) runs as ``flashgen.scaled_dot_product_attention``
   with that mask, as transformers' SDPA path would.
 * Static KV caches (``cache_implementation="static"``): the keys are the cache's slots, the first
-  ones filled. The mask hook returns a (batch, slots) mask of the filled, unpadded slots, of the
+  ones filled. The mask hook returns an int8 (batch, slots) mask (token, padding, unfilled), of the
   same shape at every step (transformers compiles the steps on a GPU, and a mask that grew would
   make a new graph per step). Untraced, a layer runs only the filled slots, as a dynamic cache's
-  keys (the decode kernel, packing); traced, the mask masks the rest, and several new queries
-  take their causal bound (and a window's) from each row's last filled slot (``_filled_bounds``).
+  keys (the decode kernel, packing); traced, the mask masks the rest, and the causal bound of
+  several new queries (and a window's) is taken from the filled count (``_filled_bounds``).
 
 Not supported, refused with an error: paged attention (continuous batching) and ``position_bias``.
 Mask overlays a model adds to the causal mask through ``or_mask_function``/``and_mask_function``
@@ -92,8 +92,10 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     # (a bidirectional mask, create_bidirectional_mask's: an encoder's, or cross-attention's over the encoder's
     # tokens, whose kv_length is theirs, not a cache's)
     bidirectional = "allow_is_bidirectional_skip" in kwargs
+    # a static cache: StaticLayer's offset is a tensor, a sliding static layer's slots outnumber its filled ones (and
+    # so does a call without a cache whose mask is longer than its tokens: attention_forward names the mask)
     if not bidirectional and (isinstance(q_offset, torch.Tensor) or kv_length > q_offset + q_length):
-        return _static_keep(batch_size, q_length, kv_length, q_offset, attention_mask, kwargs.get("device"))
+        return _static_keep(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask, kwargs.get("device"))
     if attention_mask is None:
         return None
     attention_mask = attention_mask[:, -kv_length:]  # sliding-window layers keep the last keys
@@ -111,31 +113,36 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
 UNFILLED = 2  # a static cache's slot past the filled ones in _static_keep's mask (1: a token, 0: padding)
 
 
-def _static_keep(batch, q_length, kv_length, q_offset, attention_mask, device):
+def _static_keep(batch, q_length, kv_length, q_offset, kv_offset, attention_mask, device):
     """A static cache's mask (cache_implementation="static": keys are the cache's kv_length slots, the first
     q_offset + q_length of them filled, the queries the last q_length filled ones): (batch, kv_length) int8, 1
-    where a token is, 0 where the 2-d padding mask (over the filled slots, or the last kv_length of them for a
-    sliding layer's rolled slots) has padding, UNFILLED past the filled slots. Its shape is the cache's, fixed for
-    every step (a compiled step's mask input keeps one shape); made of tensor ops, so it traces. Untraced, it
-    carries the filled count (an int: q_offset is StaticLayer's length tensor, one read) for attention_forward,
-    which runs the filled slots as a dynamic cache's keys (the decode kernel, packing), and their packing.
-    (transformers hands the hook its own mask again as bool, UNFILLED as True: the filled count masks it.)"""
+    where a token is, 0 where the 2-d padding mask has padding (over positions from kv_offset on, as transformers
+    reads it: a sliding layer's rolled slots), UNFILLED past the filled slots. Its shape is the cache's, fixed for every
+    step (a compiled step's mask input keeps one shape); made of tensor ops only (no wait for the device: the
+    filled count is read by the first layer that needs it, _static_filled), so it traces. (transformers hands the
+    hook its own mask again as bool, UNFILLED as True: the filled count masks it.)"""
     end = q_offset + q_length
     if attention_mask is not None:
-        pad = attention_mask.bool()[:, -kv_length:]
+        pad = attention_mask.bool()
+        if pad.shape[1] != kv_length:  # (of that length: this hook's own mask, back from the model as bool)
+            pad = pad[:, kv_offset:kv_offset + kv_length]
         keep = torch.nn.functional.pad(pad, (0, kv_length - pad.shape[1]), value=False)
     else:
         keep = torch.ones(batch, kv_length, dtype=torch.bool,
                           device=end.device if isinstance(end, torch.Tensor) else device)
     filled = (torch.arange(kv_length, device=keep.device) < end)[None]
-    slots = torch.where(filled, keep.to(torch.int8), UNFILLED)
-    if torch.compiler.is_compiling():
-        return slots
-    count = min(int(end), kv_length)
-    head = keep[:, :count]
-    slots._flashgen_filled = count
-    slots._flashgen_packing = None if bool(head.all()) else _packing(head)  # (None: nothing padded)
-    return slots
+    return torch.where(filled, keep.to(torch.int8), UNFILLED)
+
+
+def _static_filled(slots):
+    """(filled count, packing of the filled slots or None where nothing is padded) of _static_keep's mask, untraced:
+    worked out once per mask (kept on it: every layer of a forward gets the same mask; a copy works them out
+    again). Two waits for the device, and the packing's."""
+    found = getattr(slots, "_flashgen_static", None)
+    if found is None:
+        count, padded = torch.stack([(slots[0] != UNFILLED).sum(), (slots == 0).any()]).tolist()
+        found = slots._flashgen_static = (count, _packing(slots[:, :count] == 1) if padded else None)
+    return found
 
 
 KEEP, DOCUMENTS = "fg_keep", "fg_documents"  # the named tensors of _traced_masks
@@ -167,23 +174,20 @@ def _traced_masks(mask, attention_mask, position_ids, batch, seqlen_q, seqlen_k,
 DIAG = "fg_diag"  # _filled_bounds' named tensor
 
 
-def _filled_bounds(slots, is_causal, sliding_window, s_aux, seqlen_q, tensors):
-    """(causal, mask) of a traced call of several queries over a static cache (_static_keep's slots): the queries
-    are the last seqlen_q filled slots, not the last slots, so bottom-right alignment would let them see unfilled
-    slots' neighbours (a row's padding, masked too, does not say where the filled slots end): the causal bound
-    (and a window's) is kv_idx - q_idx against each row's own diagonal, a named tensor."""
-    if s_aux is not None:
-        raise NotImplementedError("s_aux: sinks with several new queries over a static cache do not trace here; "
-                                  "use a dynamic cache or run this step uncompiled")
+def _filled_bounds(slots, is_causal, sliding_window, sinks, seqlen_q, tensors):
+    """(causal, mask) of a traced call over a static cache (_static_keep's slots): the queries are the last seqlen_q
+    filled slots, not the last slots, so bottom-right alignment would let several queries see unfilled slots'
+    neighbours, and a window would count from the last slot (a row's padding, masked too, does not say where the
+    filled slots end): the causal bound (and a window's) is kv_idx - q_idx against each row's own diagonal, a named
+    tensor. sinks: the keys have the sink's in front (_with_sink_rows), seen by every query."""
     tensors[DIAG] = (slots != UNFILLED).sum(dim=1, dtype=torch.int32) - seqlen_q  # filled count, less the queries
     window = _window(sliding_window)
-    bounds = []
-    if is_causal or window is not None:
-        right = 0 if is_causal or window is None else window
-        bounds.append({"expr": f"kv_idx - q_idx <= {DIAG}[b] + {right}"})
+    kv = "kv_idx - 1" if sinks else "kv_idx"
+    bounds = [{"expr": f"{kv} - q_idx <= {DIAG}[b] + {0 if is_causal or window is None else window}"}]
     if window is not None:
-        bounds.append({"expr": f"q_idx - kv_idx <= {window} - {DIAG}[b]"})
-    return False, bounds[0] if len(bounds) == 1 else {"and": bounds}
+        bounds.append({"expr": f"q_idx - ({kv}) <= {window} - {DIAG}[b]"})
+    mask = bounds[0] if len(bounds) == 1 else {"and": bounds}
+    return False, {"or": [{"expr": "kv_idx < 1"}, mask]} if sinks else mask
 
 
 def _window(sliding_window):
@@ -304,15 +308,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                       "(the kernels never form them); set the model's attention to 'eager' for them", stacklevel=2)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     dropout = _number("dropout", dropout, float)
-    if attention_mask is not None and not torch.compiler.is_compiling():
-        filled = getattr(attention_mask, "_flashgen_filled", None)
-        if filled is not None:  # a static cache (_static_keep): its filled slots are the keys, as a dynamic cache's
-            key, value = key[:, :, :filled], value[:, :, :filled]
-            packing, attention_mask = attention_mask._flashgen_packing, attention_mask[:, :filled]
-            if packing is None:
-                attention_mask = None
-            else:
-                attention_mask._flashgen_packing = packing
+    if attention_mask is not None and attention_mask.dtype == torch.int8 and not torch.compiler.is_compiling():
+        # a static cache (_static_keep): its filled slots are the keys, as a dynamic cache's
+        _check_padding_mask(attention_mask, query.shape[0], key.shape[2])
+        filled, packing = _static_filled(attention_mask)
+        key, value = key[:, :, :filled], value[:, :, :filled]
+        padding, attention_mask = attention_mask, None
+        if packing is not None:
+            attention_mask = padding[:, :filled] == 1
+            attention_mask._flashgen_packing = packing
     if (attention_mask is None and s_aux is None and kwargs.get("cu_seq_lens_q") is None
             and _decode_shaped(query, key, value, is_causal, dropout)):  # a generation step: checked first
         return _decode(query, key, value, _window(sliding_window), softcap, scaling), None
@@ -326,13 +330,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     tensors = {}
     causal, mask, score_mod = _variant(bool(is_causal), sliding_window, softcap, s_aux, tensors)
     batch, seqlen_q, seqlen_k = query.shape[0], query.shape[2], key.shape[2]
-    if attention_mask is not None and attention_mask.shape != (batch, seqlen_k):
-        raise ValueError(f"attention_mask: expected a (batch, keys) = {(batch, seqlen_k)} padding mask, "
-                         f"got {tuple(attention_mask.shape)}")
+    if attention_mask is not None:
+        _check_padding_mask(attention_mask, batch, seqlen_k)
     if torch.compiler.is_compiling() and kwargs.get("cu_seq_lens_q") is None:
         if attention_mask is not None and attention_mask.dtype == torch.int8:  # a static cache's (_static_keep)
-            if 1 < seqlen_q < seqlen_k and (causal or mask is not None):
-                causal, mask = _filled_bounds(attention_mask, is_causal, sliding_window, s_aux, seqlen_q, tensors)
+            window = sliding_window is not None
+            if seqlen_q < seqlen_k and (is_causal or window) and (seqlen_q > 1 or window):
+                causal, mask = _filled_bounds(attention_mask, is_causal, sliding_window, s_aux is not None, seqlen_q,
+                                              tensors)
             attention_mask = attention_mask == 1
         mask = _traced_masks(mask, attention_mask, kwargs.get("position_ids"), batch, seqlen_q, seqlen_k,
                              s_aux is not None, tensors)
@@ -432,6 +437,12 @@ def _decode(query, key, value, window, softcap, scaling):
     window_size = None if window is None else (window, 0)
     launcher = compat_launcher(query, key, value, True, window_size, softcap, None, scaling, layout="bhsd")
     return launcher.read(query, key, value, scaling, layout="bhsd")[0]
+
+
+def _check_padding_mask(attention_mask, batch, seqlen_k):
+    if attention_mask.shape != (batch, seqlen_k):
+        raise ValueError(f"attention_mask: expected a (batch, keys) = {(batch, seqlen_k)} padding mask, "
+                         f"got {tuple(attention_mask.shape)}")
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, s_aux, kw):

@@ -502,15 +502,21 @@ def graph_tree_warmup(device) -> bool:
     generation) run a compiled graph uncaptured on `device` now: its first calls (warmup) run eagerly on the
     trees' own stream with every allocation in the graphs' memory pool, and a tensor that outlives the call
     there, but for the graph's outputs, fails the trees' check ("Detected ... tensor(s) in the cudagraph pool
-    not tracked as outputs"), so such a call keeps nothing either (as a captured one)."""
+    not tracked as outputs"), so such a call keeps nothing either (as a captured one). Reads the trees' state
+    without creating any (their accessors make per-thread state, and assert in a thread torch did not start)."""
     trees = sys.modules.get("torch._inductor.cudagraph_trees")
-    if trees is None:  # (never imported: no graph tree in this process)
+    if trees is None or device.type != "cuda":  # (never imported: no graph tree in this process)
         return False
     try:
+        containers = getattr(trees.local, "tree_manager_containers", None)
+        if containers is None:  # (this thread's trees are in torch's thread state, if anywhere)
+            if not torch._C._is_key_in_tls("tree_manager_containers"):
+                return False
+            containers = torch._C._get_obj_in_tls("tree_manager_containers")
         index = device.index if device.index is not None else torch.cuda.current_device()
-        manager = trees.get_manager(index, create_if_none_exists=False)
+        manager = getattr(containers.get(index), "tree_manager", None)
         return manager is not None and torch.cuda.current_stream(index) == manager.stream
-    except (AttributeError, TypeError, KeyError):  # (another torch's internals: no tree found)
+    except Exception:  # noqa: BLE001 - another torch's internals, or no CUDA: no tree found
         return False
 
 
