@@ -773,6 +773,32 @@ def test_gpu_decode_compiles_with_inductor_writing_the_cache_in_place(paged):
 
 
 @pytest.mark.gpu
+def test_gpu_decode_runs_in_cuda_graph_trees():
+    # flash_attn_with_kvcache reading a cache and flashgen.decode over it under mode="reduce-overhead" (CUDA graph
+    # trees: warmup, capture, replays): a length and a batch no other test runs (their split buffers, tickets and
+    # length tables are made inside the trees and must not be kept), against eager on the same inputs
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    kernel = flashgen.compile(AttentionSpec(dtype="bf16", head_dim=128, num_heads=16, num_kv_heads=4, causal=True,
+                                            backward=False))
+
+    def step(q, k_cache, v_cache, lengths):
+        out = compat.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, causal=True)
+        return out, flashgen.decode(kernel, q, k_cache, v_cache, lengths)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(random.randrange(2**31))
+    for _ in range(4):
+        q = torch.randn(7, 1, 16, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k_cache, v_cache = (torch.randn(7, 3001, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                            for _ in range(2))
+        lengths = torch.randint(1, 3001, (7,), device="cuda", dtype=torch.int32, generator=gen)
+        got = [t.clone() for t in compiled(q, k_cache, v_cache, lengths)]
+        torch.testing.assert_close(got, list(step(q, k_cache, v_cache, lengths)), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fp8_q", [False, True], ids=["bf16 q", "FP8 q"])
 def test_gpu_fp8_cache_decode_compiles(fp8_q):
     # an FP8 cache (sm90: the Gluon FP8-cache kernel) under inductor, with a bf16 q or an FP8 one (flash-attn 3's
