@@ -486,7 +486,8 @@ def capturing(device) -> bool:
     memory replays would then read or write after it was freed. torch answers for the current device; a call
     on another device's tensors (launched there) asks for its own where the current one captures. (A capture
     on `device` while another device is current is not seen: torch.cuda.graph makes its stream's device
-    current, and a call inside it would have to change the device back.)"""
+    current, and a call inside it would have to change the device back.) Also True while inductor's CUDA graph
+    trees warm a graph up (graph_tree_warmup): what a call makes then is the graph pool's too."""
     if device.type != "cuda":
         return False
     if not torch.cuda.is_current_stream_capturing():
