@@ -27,7 +27,7 @@ from .codegen.cache import write_atomic
 from .codegen.render import render
 from .db import DatabaseError, MissingDatabaseError, ResultRowError, default_url, display_url, hide_password
 from .db.layer import ResultFileError
-from .spec import MAX_TRIALS, TARGETS, AttentionSpec, SpecError, YamlFileError
+from .spec import MAX_SEQLEN, MAX_TRIALS, TARGETS, AttentionSpec, SpecError, YamlFileError
 
 EXIT_FAILURE, EXIT_BAD_INPUT = 1, 2
 _INPUT_ERRORS = (SpecError, ConfigError, ResultFileError, ResultRowError, YamlFileError)
@@ -236,6 +236,9 @@ def _tuned_config(spec, spec_path, db_url, seqlen) -> KernelConfig:
     with warnings.catch_warnings(record=True) as caught:  # the fallback warnings: here a missing result is an error
         warnings.simplefilter("always")
         configs, source = tuned(spec, db_url, spec_path=spec_path)
+    for w in caught:  # results left out (malformed, stale) are said, as show, export and flashgen.load say them
+        if str(w.message).startswith("flashgen: skipping") or "; not used." in str(w.message):
+            click.echo(str(w.message).removeprefix("flashgen: "), err=True)
     if not configs:
         unread = [str(w.message).removeprefix("flashgen: ").replace("; falling back", "") for w in caught
                   if "cannot read" in str(w.message)]
@@ -263,6 +266,8 @@ def _seqlens(_ctx, _param, value):
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
     if not lengths or min(lengths) < 1:
         raise click.BadParameter(f"expected positive lengths, got {value!r}")
+    if max(lengths) > MAX_SEQLEN:
+        raise click.BadParameter(f"expected lengths of at most {MAX_SEQLEN}, got {value!r}")
     return lengths
 
 
@@ -540,7 +545,7 @@ def _recheck(specs, url, shipped, interpret, timeout_s, as_json, jobs) -> None:
         return results
 
     if not shipped:
-        store = ResultStore(url)
+        store = ResultStore(url, create=False)  # (a misspelled --db is said, not made empty and found to hold nothing)
         for spec in specs:
             run(store, spec)
     else:

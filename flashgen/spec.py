@@ -57,6 +57,7 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # used with fullmatch: `$`
 # file from hanging or crashing the reader (nested aliases expand exponentially, deep
 # nesting exhausts Python's stack) long before any real spec comes near them.
 MAX_SPEC_BYTES = 1 << 20
+MAX_SEQLEN = 1 << 20  # the longest tune.seqlens bucket (and `flashgen tune --seqlens` length)
 MAX_TRIALS = 100_000  # tune.trials and `flashgen tune --trials`
 MAX_SPEC_VALUES = 10_000  # scalars, lists and mappings, counting every alias expansion
 MAX_YAML_DEPTH = 64
@@ -272,7 +273,7 @@ class TuneSpec:
         seqlens = self.seqlens
         if isinstance(seqlens, (str, bytes)) or not isinstance(seqlens, (list, tuple)) or not seqlens:
             raise SpecError("tune.seqlens", "expected a non-empty list of sequence lengths", seqlens)
-        checked = tuple(_check_int("tune.seqlens", s, 1, 1 << 20) for s in seqlens)
+        checked = tuple(_check_int("tune.seqlens", s, 1, MAX_SEQLEN) for s in seqlens)
         object.__setattr__(self, "seqlens", tuple(sorted(set(checked))))
         object.__setattr__(self, "trials", _check_int("tune.trials", self.trials, 1, MAX_TRIALS))
         object.__setattr__(self, "batch_tokens", _check_int("tune.batch_tokens", self.batch_tokens, 1))

@@ -483,6 +483,14 @@ def test_generate_tuned_writes_the_stored_config(tmp_path, monkeypatch):
     text = out.read_text()
     assert "'BLOCK_N': 64," in text and "'num_warps': 2," in text and "'num_stages': 2," in text
     assert "tuned config for S=64 from database" in result.output
+    # a malformed stored row is left out and said (it was silent here, said by show, export and flashgen.load)
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "gen.sqlite") as connection:
+        connection.execute("UPDATE best_configs SET config = '{\"BLOCK_M\": 48}' WHERE bucket = 1024")
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0 and "skipping 1 malformed tuning result(s)" in result.output, result.output
+    assert "'BLOCK_M': 16," in out.read_text()  # the row left
     empty = ["generate", "--spec", str(SMALL_SPEC), "--tuned", "--db", f"sqlite:///{tmp_path / 'none.sqlite'}"]
     _one_error(CliRunner().invoke(main, empty), 1, "no tuned config", "flashgen tune --spec")
     # a database that cannot be read: its reason, not "tune it" (which hid it)

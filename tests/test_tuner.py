@@ -1096,11 +1096,23 @@ def test_cli_recheck_prints_its_table_and_refreshes_the_shipped_file(tmp_path, m
     (["--recheck", "--trials", "3", "x.yaml"], 2, "leave out --trials"),
     (["--recheck"], 2, "no spec"),
     (["--recheck", "missing.yaml"], 2, "missing.yaml"),
+    (["--seqlens", "2000000", "x.yaml"], 2, "'--seqlens': expected lengths of at most 1048576"),
 ])
 def test_cli_recheck_bad_input_is_one_line(args, code, words, tmp_path):
     result = CliRunner().invoke(main, ["tune", *args, "--db", f"sqlite:///{tmp_path / 'x.sqlite'}"])
     assert result.exit_code == code and words in result.output, result.output
     assert "Traceback" not in result.output
+
+
+@needs_interpreter
+def test_cli_recheck_of_a_database_that_does_not_exist_says_so(tmp_path):
+    # a misspelled --db: said, not made (empty) and reported as holding no result
+    missing = tmp_path / "nope.sqlite"
+    result = CliRunner().invoke(main, ["tune", "--recheck", "--interpret", str(ROOT / "examples/specs/mha-hd64.yaml"),
+                                       "--db", f"sqlite:///{missing}"])
+    assert result.exit_code == 1 and "does not exist" in result.output and "Traceback" not in result.output, \
+        result.output
+    assert not missing.exists()
 
 
 @needs_interpreter
