@@ -135,13 +135,17 @@ def _static_keep(batch, q_length, kv_length, q_offset, kv_offset, attention_mask
 
 
 def _static_filled(slots):
-    """(filled count, packing of the filled slots or None where nothing is padded) of _static_keep's mask, untraced:
-    worked out once per mask (kept on it: every layer of a forward gets the same mask; a copy works them out
-    again). Two waits for the device, and the packing's."""
+    """(filled count, the filled slots' bool padding mask carrying its packing, or None where nothing is padded) of
+    _static_keep's mask, untraced: worked out once per mask (kept on it: every layer of a forward gets the same mask;
+    a copy works them out again). Two waits for the device, and the packing's."""
     found = getattr(slots, "_flashgen_static", None)
     if found is None:
         count, padded = torch.stack([(slots[0] != UNFILLED).sum(), (slots == 0).any()]).tolist()
-        found = slots._flashgen_static = (count, _packing(slots[:, :count] == 1) if padded else None)
+        padding = None
+        if padded:
+            padding = slots[:, :count] == 1
+            padding._flashgen_packing = _packing(padding)
+        found = slots._flashgen_static = (count, padding)
     return found
 
 
@@ -311,12 +315,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if attention_mask is not None and attention_mask.dtype == torch.int8 and not torch.compiler.is_compiling():
         # a static cache (_static_keep): its filled slots are the keys, as a dynamic cache's
         _check_padding_mask(attention_mask, query.shape[0], key.shape[2])
-        filled, packing = _static_filled(attention_mask)
+        filled, attention_mask = _static_filled(attention_mask)
         key, value = key[:, :, :filled], value[:, :, :filled]
-        padding, attention_mask = attention_mask, None
-        if packing is not None:
-            attention_mask = padding[:, :filled] == 1
-            attention_mask._flashgen_packing = packing
     if (attention_mask is None and s_aux is None and kwargs.get("cu_seq_lens_q") is None
             and _decode_shaped(query, key, value, is_causal, dropout)):  # a generation step: checked first
         return _decode(query, key, value, _window(sliding_window), softcap, scaling), None
