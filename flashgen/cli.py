@@ -32,6 +32,7 @@ from .spec import MAX_SEQLEN, MAX_TRIALS, TARGETS, AttentionSpec, SpecError, Yam
 EXIT_FAILURE, EXIT_BAD_INPUT = 1, 2
 _INPUT_ERRORS = (SpecError, ConfigError, ResultFileError, ResultRowError, YamlFileError)
 _DB_URL = "flashgen.db_url"  # ctx.meta key: the database this command uses, whose password no message shows
+_DB_GIVEN = "flashgen.db_given"  # ctx.meta key: whether --db named it (else $FLASHGEN_DB or the default)
 
 
 class _BadInput(click.ClickException):
@@ -61,12 +62,13 @@ def _said(ctx, err: BaseException) -> click.ClickException | None:
     if isinstance(err, _INPUT_ERRORS):
         return _BadInput(_one_line(ctx, str(err)))
     if isinstance(err, DatabaseError):
-        return click.ClickException(_one_line(ctx, str(err)))
+        return click.ClickException(_one_line(ctx, _db_source(ctx) + str(err)))
     if _storage_error(err):  # Optuna's wrapper of the database's error (a lock held past the timeout)
         cause = _database_cause(err)
         return None if cause is None else _said(ctx, cause)
     if isinstance(err, SQLAlchemyError):  # raised outside ResultStore
-        return click.ClickException(_one_line(ctx, str(DatabaseError.from_exception(_db_url(ctx), err))))
+        return click.ClickException(_one_line(ctx, _db_source(ctx) + str(DatabaseError.from_exception(_db_url(ctx),
+                                                                                                     err))))
     if isinstance(err, OSError) and err.errno != errno.EPIPE:  # EPIPE: stdout closed by `| head`, click's own
         where = f"{err.filename}: " if err.filename else ""
         return click.ClickException(_one_line(ctx, f"{where}{err.strerror or err}"))
@@ -92,6 +94,12 @@ def _database_cause(err: BaseException) -> SQLAlchemyError | None:
 
 def _db_url(ctx) -> str:
     return ctx.meta.get(_DB_URL) or default_url()
+
+
+def _db_source(ctx) -> str:
+    """'$FLASHGEN_DB: ' where the command's database is the one that variable names (no --db given), else ''."""
+    env = os.environ.get("FLASHGEN_DB")
+    return "$FLASHGEN_DB: " if env and _db_url(ctx) == env and not ctx.meta.get(_DB_GIVEN) else ""
 
 
 def _one_line(ctx, message: str) -> str:
@@ -126,7 +134,11 @@ def _write_file(path: str | Path, text: str | bytes) -> None:
             raise
         if isinstance(err, FileExistsError):  # from mkdir: a file where a directory must be
             raise click.ClickException(f"cannot write {path}: {err.filename} is not a directory") from None
-        other = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
+        other = ""
+        if err.filename and str(err.filename) != str(path):
+            name = Path(str(err.filename))  # write_atomic's temporary file beside it: the user never named it
+            temporary = name.parent == target.parent and name.name.startswith(f".{target.name}.")
+            other = f" (the folder {target.parent})" if temporary else f" ({err.filename})"
         raise click.ClickException(f"cannot write {path}: {err.strerror or err}{other}") from None
 
 
@@ -134,6 +146,7 @@ def _remember_db(ctx, param, value):
     if value is not None and not value.strip():  # (it chose the default database, silently)
         raise click.BadParameter("expected a database URL, got an empty one", param=param)
     ctx.meta[_DB_URL] = value or default_url()
+    ctx.meta[_DB_GIVEN] = value is not None
     return value
 
 

@@ -182,6 +182,8 @@ def read_yaml(path: str | Path, *, max_bytes: int = MAX_SPEC_BYTES, max_values: 
             raw = f.read(max_bytes + 1)
     except OSError as err:
         raise YamlFileError(str(path), f"cannot read: {err.strerror or err}") from None
+    except YamlFileError:  # (a ValueError: not the NUL byte's below)
+        raise
     except ValueError as err:  # a NUL byte in the path
         raise YamlFileError(repr(str(path)), f"cannot read: {err}") from None
     if len(raw) > max_bytes:

@@ -267,7 +267,9 @@ BAD_PATHS = {  # verb arguments -> exit code and words of the one error line
     "target": (lambda t: ["generate", "--spec", str(SMALL_SPEC), "--target", "tpu"], 2, "'tpu' is not one of"),
     "tune-spec-missing": (lambda t: ["tune", "--spec", str(t / "nope.yaml"), *INTERPRET], 2, "nope.yaml"),
     "bench-seqlens": (lambda t: ["bench", "--spec", str(SMALL_SPEC), "--seqlens", "1,a"], 2, "comma-separated"),
-    "spec-fifo": (lambda t: ["generate", "--spec", _fifo(t / "s.yaml")], 2, "a named pipe or socket, not a file"),
+    # (said once: read_yaml's own error was caught as a NUL byte's, "cannot read: <path>: cannot read: a named ...")
+    "spec-fifo": (lambda t: ["generate", "--spec", _fifo(t / "s.yaml")], 2,
+                  "cannot read spec file: a named pipe or socket, not a file"),
     "output-over-a-database": (lambda t: ["generate", "--spec", str(SMALL_SPEC), "-o",
                                           _write(t / "tuning.sqlite", b"SQLite format 3\x00" + bytes(100))], 1,
                                "is an SQLite database", "name another file"),
@@ -290,11 +292,37 @@ def test_bad_paths_and_options_give_one_line(case, tmp_path):
     _one_error(CliRunner().invoke(main, args(tmp_path)), code, *words)
 
 
+@pytest.mark.parametrize("url, words", [
+    ("bogus://x", ["unknown kind of database"]),
+    ("/no/such/dir/tuning.sqlite", ["not a database URL", "sqlite:///path/to/tuning.sqlite"]),
+])
+def test_a_bad_database_from_the_environment_is_named_as_its(monkeypatch, url, words):
+    # the URL came from $FLASHGEN_DB, which the error did not say (the user had given no --db)
+    monkeypatch.setenv("FLASHGEN_DB", url)
+    line = _one_error(CliRunner().invoke(main, ["show"]), 1, f"$FLASHGEN_DB: database {url}: cannot be opened", *words)
+    # with --db the option names it: the variable is not blamed
+    assert "$FLASHGEN_DB" not in _one_error(CliRunner().invoke(main, ["show", "--db", url]), 1, *words), line
+
+
 def test_export_onto_an_unwritable_path(tmp_path, sound_database):
     (tmp_path / "f").write_text("x")
     result = CliRunner().invoke(main, ["export", "--gpu", "triton-interpreter", "-o", str(tmp_path / "f" / "o.yaml"),
                                        "--db", f"sqlite:///{sound_database / 'sound.sqlite'}"])
     _one_error(result, 1, "cannot write", "is not a directory")
+
+
+def test_an_unwritable_folder_is_named_not_the_temporary_file(monkeypatch, tmp_path):
+    # the error named the temporary file write_atomic makes beside the output ("(<dir>/.k.py.abc123.tmp)")
+    from flashgen.codegen import cache
+
+    def refused(dir, prefix, suffix):
+        raise PermissionError(13, "Permission denied", str(Path(dir) / f"{prefix}x1y2z3{suffix}"))
+
+    monkeypatch.setattr(cache.tempfile, "mkstemp", refused)
+    line = _one_error(CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--target", "cpu", "-o",
+                                                str(tmp_path / "k.py")]), 1,
+                      f"cannot write {tmp_path / 'k.py'}: Permission denied (the folder {tmp_path})")
+    assert ".tmp" not in line
 
 
 def test_output_through_a_link_or_onto_a_device_keeps_them(tmp_path):
@@ -496,7 +524,7 @@ def test_generate_tuned_writes_the_stored_config(tmp_path, monkeypatch):
     # a database that cannot be read: its reason, not "tune it" (which hid it)
     broken = ["generate", "--spec", str(SMALL_SPEC), "--tuned", "--db", "notaurl"]
     _one_error(CliRunner().invoke(main, broken), 1, "no tuned config", "cannot read tuning results from notaurl",
-               "Could not parse SQLAlchemy URL")
+               "not a database URL")
     _one_error(CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--seqlen", "64"]), 2, "--tuned")
 
 

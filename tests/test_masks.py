@@ -1030,6 +1030,10 @@ def test_a_float_tensor_read_by_the_mask_has_no_gradient(device):
     ({"mask": "(" * 12 + "q_idx * 1.5" + " % 2.5)" * 12 + " < 1.0"}, "mask", "terms long written out"),
     ({"mask": "x[q_idx] + x_s0[kv_idx] > 0"}, "mask", "'x' and 'x_s0' collide"),
     ({"mask": "x[q_idx] > 0", "score_mod": "score + x_n0[kv_idx]"}, "score_mod", "collide"),
+    # one tensor in two roles: a pattern's document ids [b, position] and ALiBi's slopes [b, h]
+    ({"mask": {"document": {"ids": "t"}}, "score_mod": {"alibi": {"slopes": "t"}}}, "score_mod",
+     "'t' is indexed by the heads in its dimension 1 here and by positions in the mask"),
+    ({"mask": "t[q_idx] > 0", "score_mod": "score + t[b]"}, "score_mod", "by the batch in its dimension 0 here"),
     ({"mask": "q_idx % 0 == 1"}, "mask.expr", "`% 0` divides by zero"),
     ({"mask": "q_idx // 0 == 1"}, "mask.expr", "`// 0` divides by zero"),
     ({"mask": {"expr": "q_idx % n == 1", "params": {"n": 0}}}, "mask.expr", "divides by zero"),

@@ -42,7 +42,7 @@ from urllib.parse import quote
 import platformdirs
 from sqlalchemy import Text, create_engine, event, inspect, select, type_coerce, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..spec import AttentionSpec
@@ -104,6 +104,8 @@ def _describe(err: BaseException) -> str:
         text = f"{err.filename} is not a directory"
     elif isinstance(err, OSError):
         text = f"{err.strerror or err}" + (f": {err.filename}" if err.filename else "")
+    elif isinstance(err, ArgumentError) and "Could not parse" in str(err):  # a path, or a typo in the scheme
+        text = "not a database URL (expected one such as sqlite:///path/to/tuning.sqlite or postgresql://host/db)"
     elif isinstance(err, (ValueError, SQLAlchemyError)) and not isinstance(err, DBAPIError):
         text = f"{err}"
     else:

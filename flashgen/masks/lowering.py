@@ -60,6 +60,28 @@ def _index_sizes(exprs, rank: dict) -> dict:
     return {name: tuple(tuple(sorted(d)) if d else () for d in dims) for name, dims in found.items()}
 
 
+# the kinds of size a dimension's plain-variable indices imply
+SIZE_KIND = {"batch": "the batch", "heads": "the heads", "seqlen_q": "positions", "seqlen_k": "positions",
+             "distances": "positions"}
+
+
+def _check_roles(pred, score, ranks: dict) -> None:
+    """Refuse a tensor that the mask and the score modifier index by different kinds (the batch, the heads,
+    positions) in one dimension: read in two roles, as a pattern's document ids [b, position] and ALiBi's slopes
+    [b, h], which only a broadcast (size-1) dimension would fit. (Within one of them, such a dimension takes
+    both sizes' rules at the call: AttentionLauncher.check_tensor_sizes.)"""
+    if pred is None or score is None:
+        return
+    in_mask, in_score = _index_sizes([pred], ranks), _index_sizes([score], ranks)
+    for name in sorted(in_mask.keys() & in_score.keys()):
+        for d, (a, b) in enumerate(zip(in_mask[name], in_score[name])):
+            kinds = ({SIZE_KIND[s] for s in a}, {SIZE_KIND[s] for s in b})
+            if all(kinds) and kinds[0] != kinds[1]:
+                raise SpecError("score_mod", f"tensor {name!r} is indexed by {' and '.join(sorted(kinds[1]))} in "
+                                f"its dimension {d} here and by {' and '.join(sorted(kinds[0]))} in the mask (one "
+                                "tensor in two roles); give each role its own tensor name")
+
+
 def _index_tensors(exprs) -> set:
     """The tensors whose values index another tensor (m[p[q_idx]]: p): a call passes integer or bool ones."""
     return {inner.tensor for expr in exprs for n in walk(expr) if isinstance(n, Load) for index in n.index
@@ -156,6 +178,7 @@ def lower(mask: MaskNode | None, score_mod: ScoreModNode | None) -> Lowered:
     score_tensors = tensors_of(score) if score is not None else {}
     _check_tensors(mask_tensors, score_tensors)
     ranks = {**mask_tensors, **score_tensors}
+    _check_roles(pred, score, ranks)
     sizes = _index_sizes([e for e in (pred, score) if e is not None], ranks)
     integer = (integer_tensors(mask) if mask is not None else set()) | _index_tensors([e for e in (pred, score)
                                                                                       if e is not None])
