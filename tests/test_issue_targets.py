@@ -1,0 +1,109 @@
+"""benchmarks/issue_targets.py on the CPU: the open issues' targets read from the checked-in H200 results files (the
+benchmarks' real fields), and from those files changed to pass, fail, or lose their rows."""
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+_spec = importlib.util.spec_from_file_location("issue_targets", ROOT / "benchmarks" / "issue_targets.py")
+targets = sys.modules["issue_targets"] = importlib.util.module_from_spec(_spec)  # (its dataclasses look it up)
+_spec.loader.exec_module(targets)
+
+RUNS = {  # topic -> a checked-in H200 run of it (tagged)
+    "call-path": "2026-12-02-h200-call-path-s60.json",
+    "call-path-transformers": "2026-12-02-h200-call-path-transformers-s60.json",
+    "fp8": "2026-11-29-h200-fp8-s35.json",
+    "decode-fp8": "2026-11-30-h200-decode-fp8-s46.json",
+    "hopper-ws": "2026-11-29-h200-hopper-ws-s37.json",
+}
+
+
+def _readings(results, files=()):
+    return {r["target"]: r for r in targets.check(results, "h200", {13, 17, 18}, files)}
+
+
+def _untagged(tmp_path, change=None):
+    """The runs copied under their untagged names (what `run` reads), `change(topic, data)` applied first."""
+    for topic, name in RUNS.items():
+        data = json.loads((RESULTS / name).read_text())
+        if change is not None:
+            change(topic, data)
+        (tmp_path / f"2026-12-03-h200-{topic}.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def test_the_checked_in_runs_read_as_their_notes_say():
+    readings = _readings(RESULTS, [RESULTS / name for name in RUNS.values()])
+    assert len(readings) == len(targets.TARGETS)
+    met = {text: r["met"] for text, r in readings.items()}
+    # benchmarks/NOTES.md, sessions 35-60: these four missed on the H200, FP8 cuDNN is not in torch 2.11
+    missed = {"Llama greedy generation >= 1.0x SDPA",
+              "FP8 forward >= 1.5x flashgen's own bf16 at hd128 (S 4096, 16384, causal and not)",
+              "FP8-cache decode bytes/s >= the bf16 cache's",
+              "forward >= 0.95x cuDNN on every case of the standard table"}
+    assert {t for t, m in met.items() if m is False} == missed
+    assert [t for t, m in met.items() if m is None] == ["FP8 forward >= 0.85x cuDNN's FP8 SDPA where torch exposes it"]
+    assert "0.992x SDPA" in readings["Llama greedy generation >= 1.0x SDPA"]["measured"]
+    assert "hd64 S=1024 causal 0.889" in readings["forward >= 0.95x cuDNN on every case of the standard table"][
+        "measured"]
+    assert "643 TFLOP/s" in readings["forward >= 620 TFLOP/s at hd128 S=16384 non-causal"]["measured"]
+    table = targets.table(list(readings.values()))
+    assert table.count("\n") == len(readings) + 1 and "| **no** |" in table
+
+
+def test_untagged_files_are_read_and_a_changed_figure_moves_its_target(tmp_path):
+    def faster(topic, data):
+        for row in data["rows"]:
+            if topic == "call-path-transformers" and row["mode"] == "generate":
+                row["ratio_vs_sdpa"] = 1.01
+            if topic == "hopper-ws" and row["mode"] == "fwd":
+                row["ratio_vs_cudnn"]["flashgen"] = max(row["ratio_vs_cudnn"]["flashgen"], 0.95)
+            if topic == "fp8" and row.get("head_dim") == 128:
+                row["ratio_vs_bf16"] = 1.5
+    met = {t: r["met"] for t, r in _readings(_untagged(tmp_path, faster)).items()}
+    assert met["Llama greedy generation >= 1.0x SDPA"] is True
+    assert met["forward >= 0.95x cuDNN on every case of the standard table"] is True
+    assert met["FP8 forward >= 1.5x flashgen's own bf16 at hd128 (S 4096, 16384, causal and not)"] is True
+
+
+def test_failed_or_missing_rows_are_never_met(tmp_path):
+    def broken(topic, data):
+        if topic == "hopper-ws":  # a case that failed: its row holds no ratio
+            data["rows"][0]["ratio_vs_cudnn"] = {}
+        if topic == "call-path":  # the short calls' rows gone (a run cut off)
+            data["rows"] = [r for r in data["rows"] if "S=128 " not in r["case"]]
+        if topic == "fp8":
+            data["rows"] = [r for r in data["rows"] if r.get("head_dim") != 128 or r.get("causal")]
+    readings = _readings(_untagged(tmp_path, broken))
+    assert readings["forward >= 0.95x cuDNN on every case of the standard table"]["met"] is False
+    assert readings["forward B=1 H=16 S=128 hd128 causal <= 20 us per call"]["met"] is None
+    assert readings["fwd+bwd <= 1.3x SDPA flash's time at S=128"]["met"] is None
+    # two of the four hd128 cases left, both above 1.5: not met (the target is every case)
+    fp8 = readings["FP8 forward >= 1.5x flashgen's own bf16 at hd128 (S 4096, 16384, causal and not)"]
+    assert fp8["met"] is False
+    (tmp_path / "2026-12-03-h200-decode-fp8.json").unlink()
+    assert _readings(tmp_path)["FP8-cache decode bytes/s >= the bf16 cache's"]["met"] is None
+
+
+def test_a_file_is_read_by_its_topic_and_a_foreign_name_refused(tmp_path):
+    assert targets.topic_of(Path("2026-12-02-h200-call-path-s60.json"), "h200") == "call-path"
+    assert targets.topic_of(Path("2026-12-02-h200-call-path-transformers.json"), "h200") == "call-path-transformers"
+    assert targets.topic_of(Path("2026-12-02-h100-call-path.json"), "h200") is None
+    shutil.copy(RESULTS / RUNS["fp8"], tmp_path / "fp8.json")
+    with pytest.raises(SystemExit, match="not named <date>-h200-<topic>"):
+        targets.check(RESULTS, "h200", {17}, [tmp_path / "fp8.json"])
+
+
+def test_the_cli_checks_without_a_gpu(capsys):
+    targets.main(["check", "--gpu", "h200", "--issues", "18", "--json", "--files",
+                  str(RESULTS / RUNS["hopper-ws"])])
+    readings = json.loads(capsys.readouterr().out)
+    assert [r["issue"] for r in readings] == [18, 18, 18]
+    with pytest.raises(SystemExit):
+        targets.main(["check", "--gpu", "h200", "--issues", "x"])
