@@ -62,13 +62,13 @@ def _said(ctx, err: BaseException) -> click.ClickException | None:
     if isinstance(err, _INPUT_ERRORS):
         return _BadInput(_one_line(ctx, str(err)))
     if isinstance(err, DatabaseError):
-        return click.ClickException(_one_line(ctx, _db_source(ctx) + str(err)))
+        return click.ClickException(_one_line(ctx, _db_source(ctx, err.url) + str(err)))
     if _storage_error(err):  # Optuna's wrapper of the database's error (a lock held past the timeout)
         cause = _database_cause(err)
         return None if cause is None else _said(ctx, cause)
     if isinstance(err, SQLAlchemyError):  # raised outside ResultStore
-        return click.ClickException(_one_line(ctx, _db_source(ctx) + str(DatabaseError.from_exception(_db_url(ctx),
-                                                                                                     err))))
+        url = _db_url(ctx)
+        return click.ClickException(_one_line(ctx, _db_source(ctx, url) + str(DatabaseError.from_exception(url, err))))
     if isinstance(err, OSError) and err.errno != errno.EPIPE:  # EPIPE: stdout closed by `| head`, click's own
         where = f"{err.filename}: " if err.filename else ""
         return click.ClickException(_one_line(ctx, f"{where}{err.strerror or err}"))
@@ -96,10 +96,12 @@ def _db_url(ctx) -> str:
     return ctx.meta.get(_DB_URL) or default_url()
 
 
-def _db_source(ctx) -> str:
-    """'$FLASHGEN_DB: ' where the command's database is the one that variable names (no --db given), else ''."""
+def _db_source(ctx, url: str) -> str:
+    """'$FLASHGEN_DB: ' where the database `url` that failed is the one that variable names and no --db named it
+    (not a scratch database of the command's own), else ''."""
     env = os.environ.get("FLASHGEN_DB")
-    return "$FLASHGEN_DB: " if env and _db_url(ctx) == env and not ctx.meta.get(_DB_GIVEN) else ""
+    given = ctx.meta.get(_DB_GIVEN)
+    return "$FLASHGEN_DB: " if env and not given and url in (env, display_url(env)) else ""
 
 
 def _one_line(ctx, message: str) -> str:
@@ -136,9 +138,15 @@ def _write_file(path: str | Path, text: str | bytes) -> None:
             raise click.ClickException(f"cannot write {path}: {err.filename} is not a directory") from None
         other = ""
         if err.filename and str(err.filename) != str(path):
-            name = Path(str(err.filename))  # write_atomic's temporary file beside it: the user never named it
-            temporary = name.parent == target.parent and name.name.startswith(f".{target.name}.")
-            other = f" (the folder {target.parent})" if temporary else f" ({err.filename})"
+            # write_atomic's temporary file beside it (mkstemp makes its path absolute): the user never named it;
+            # the folder is what refused, unless the replace of the target itself failed (filename2)
+            name = Path(os.path.abspath(err.filename))
+            temporary = (name.parent == Path(os.path.abspath(target)).parent
+                         and name.name.startswith(f".{target.name}."))
+            if not temporary:
+                other = f" ({err.filename})"
+            elif err.filename2 is None or os.path.abspath(err.filename2) != os.path.abspath(target):
+                other = f" (the folder {Path(os.path.abspath(target)).parent})"
         raise click.ClickException(f"cannot write {path}: {err.strerror or err}{other}") from None
 
 

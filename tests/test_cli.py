@@ -300,8 +300,21 @@ def test_a_bad_database_from_the_environment_is_named_as_its(monkeypatch, url, w
     # the URL came from $FLASHGEN_DB, which the error did not say (the user had given no --db)
     monkeypatch.setenv("FLASHGEN_DB", url)
     line = _one_error(CliRunner().invoke(main, ["show"]), 1, f"$FLASHGEN_DB: database {url}: cannot be opened", *words)
-    # with --db the option names it: the variable is not blamed
+    # with --db the option names it, even as the same URL: the variable is not blamed
     assert "$FLASHGEN_DB" not in _one_error(CliRunner().invoke(main, ["show", "--db", url]), 1, *words), line
+
+
+def test_another_database_failing_is_not_blamed_on_the_environment(monkeypatch):
+    # a database the command opens of its own (recheck --shipped's scratch one) is not $FLASHGEN_DB's
+    from flashgen import cli
+    from flashgen.db import DatabaseError
+
+    monkeypatch.setenv("FLASHGEN_DB", "sqlite:////somewhere/tuning.sqlite")
+    ctx = cli.main.make_context("flashgen", ["show"])
+    said = cli._said(ctx, DatabaseError("sqlite:////tmp/scratch/recheck.sqlite", "cannot be opened: locked"))
+    assert said.message == "database sqlite:////tmp/scratch/recheck.sqlite: cannot be opened: locked"
+    said = cli._said(ctx, DatabaseError("sqlite:////somewhere/tuning.sqlite", "cannot be opened: locked"))
+    assert said.message.startswith("$FLASHGEN_DB: database sqlite:////somewhere/tuning.sqlite")
 
 
 def test_export_onto_an_unwritable_path(tmp_path, sound_database):
@@ -311,18 +324,37 @@ def test_export_onto_an_unwritable_path(tmp_path, sound_database):
     _one_error(result, 1, "cannot write", "is not a directory")
 
 
-def test_an_unwritable_folder_is_named_not_the_temporary_file(monkeypatch, tmp_path):
-    # the error named the temporary file write_atomic makes beside the output ("(<dir>/.k.py.abc123.tmp)")
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
+def test_an_unwritable_folder_is_named_not_the_temporary_file(monkeypatch, tmp_path, relative):
+    # the error named the temporary file write_atomic makes beside the output ("(<dir>/.k.py.abc123.tmp)");
+    # mkstemp makes that path absolute, so a relative -o needs its folder made absolute to be recognized
+    import os
+
     from flashgen.codegen import cache
 
     def refused(dir, prefix, suffix):
-        raise PermissionError(13, "Permission denied", str(Path(dir) / f"{prefix}x1y2z3{suffix}"))
+        raise PermissionError(13, "Permission denied", os.path.join(os.path.abspath(dir), f"{prefix}x1y2z3{suffix}"))
 
     monkeypatch.setattr(cache.tempfile, "mkstemp", refused)
-    line = _one_error(CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--target", "cpu", "-o",
-                                                str(tmp_path / "k.py")]), 1,
-                      f"cannot write {tmp_path / 'k.py'}: Permission denied (the folder {tmp_path})")
+    monkeypatch.chdir(tmp_path)
+    out = "k.py" if relative else str(tmp_path / "k.py")
+    line = _one_error(CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--target", "cpu", "-o", out]),
+                      1, f"cannot write {out}: Permission denied (the folder {tmp_path})")
     assert ".tmp" not in line
+
+
+def test_a_refused_replace_of_the_output_blames_neither_folder_nor_temporary_file(monkeypatch, tmp_path):
+    # os.replace's error names the temporary file first and the output second: the output is what refused
+    from flashgen.codegen import cache
+
+    def refused(src, dst):
+        raise PermissionError(1, "Operation not permitted", str(src), None, str(dst))  # (as os.replace sets them)
+
+    monkeypatch.setattr(cache.os, "replace", refused)
+    out = tmp_path / "k.py"
+    line = _one_error(CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--target", "cpu", "-o",
+                                                str(out)]), 1)
+    assert line == f"Error: cannot write {out}: Operation not permitted", line
 
 
 def test_output_through_a_link_or_onto_a_device_keeps_them(tmp_path):

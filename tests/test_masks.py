@@ -1015,6 +1015,16 @@ def test_a_float_tensor_read_by_the_mask_has_no_gradient(device):
     assert w.grad is None
 
 
+@pytest.mark.parametrize("fields", [
+    {"mask": "t[q_idx] > 0", "score_mod": "score + t[kv_idx]"},  # positions both ways
+    {"mask": "t[q_idx] > t[b]", "score_mod": "score + t[b]"},  # the mask's own mixing, the score's within it
+    {"mask": "t[q_idx] > 0", "score_mod": "score + t[kv_idx] + t[b]"},
+    {"mask": {"document": {"ids": "t"}}, "score_mod": "score + t[b, kv_idx]"},
+], ids=lambda x: str(x)[:50])
+def test_one_tensor_read_alike_by_the_mask_and_the_score_modifier_is_accepted(fields):
+    assert AttentionSpec(head_dim=16, **fields).tensor_names == ("t",)
+
+
 @pytest.mark.parametrize("fields,where,words", [
     ({"mask": "exp(q_idx) > 1"}, "mask.expr", "exp takes a float"),
     ({"score_mod": "score + tanh(kv_idx)"}, "score_mod.expr", "tanh takes a float"),

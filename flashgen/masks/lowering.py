@@ -75,10 +75,11 @@ def _check_roles(pred, score, ranks: dict) -> None:
     in_mask, in_score = _index_sizes([pred], ranks), _index_sizes([score], ranks)
     for name in sorted(in_mask.keys() & in_score.keys()):
         for d, (a, b) in enumerate(zip(in_mask[name], in_score[name])):
-            kinds = ({SIZE_KIND[s] for s in a}, {SIZE_KIND[s] for s in b})
-            if all(kinds) and kinds[0] != kinds[1]:
-                raise SpecError("score_mod", f"tensor {name!r} is indexed by {' and '.join(sorted(kinds[1]))} in "
-                                f"its dimension {d} here and by {' and '.join(sorted(kinds[0]))} in the mask (one "
+            mask_kinds, score_kinds = {SIZE_KIND[s] for s in a}, {SIZE_KIND[s] for s in b}
+            # (one side's kinds within the other's: that side's own mixing, which it may do alone)
+            if mask_kinds and score_kinds and not (mask_kinds <= score_kinds or score_kinds <= mask_kinds):
+                raise SpecError("score_mod", f"tensor {name!r} is indexed by {' and '.join(sorted(score_kinds))} in "
+                                f"its dimension {d} here and by {' and '.join(sorted(mask_kinds))} in the mask (one "
                                 "tensor in two roles); give each role its own tensor name")
 
 
