@@ -263,8 +263,10 @@ def _tuned_config(spec, spec_path, db_url, seqlen) -> KernelConfig:
     if not configs:
         unread = [str(w.message).removeprefix("flashgen: ").replace("; falling back", "") for w in caught
                   if "cannot read" in str(w.message)]
+        from_env = "" if db_url else _db_source(click.get_current_context(), default_url()).removesuffix(": ")
         raise click.ClickException(f"no tuned config for {spec.uri} on this machine in "
-                                   f"{display_url(db_url or default_url())} or tuning_db: "
+                                   f"{display_url(db_url or default_url())}{f' ({from_env})' if from_env else ''} "
+                                   "or tuning_db: "
                                    + (unread[0] if unread else f"tune it with `flashgen tune --spec {spec_path}`"))
     bucket = nearest_bucket(seqlen, configs) if seqlen else max(configs)
     click.echo(f"tuned config for S={bucket} from {source}", err=True)

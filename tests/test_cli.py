@@ -302,6 +302,11 @@ def test_a_bad_database_from_the_environment_is_named_as_its(monkeypatch, url, w
     line = _one_error(CliRunner().invoke(main, ["show"]), 1, f"$FLASHGEN_DB: database {url}: cannot be opened", *words)
     # with --db the option names it, even as the same URL: the variable is not blamed
     assert "$FLASHGEN_DB" not in _one_error(CliRunner().invoke(main, ["show", "--db", url]), 1, *words), line
+    # generate --tuned reads it through the loader, whose reason it quotes
+    tuned = ["generate", "--spec", str(SMALL_SPEC), "--tuned", "-o", "-"]
+    _one_error(CliRunner().invoke(main, tuned), 1, f"on this machine in {url} ($FLASHGEN_DB) or tuning_db", *words)
+    # (the loader says an unreadable database's reason once per process: this second read in the process has none)
+    assert "$FLASHGEN_DB" not in _one_error(CliRunner().invoke(main, [*tuned, "--db", url]), 1, "no tuned config")
 
 
 def test_another_database_failing_is_not_blamed_on_the_environment(monkeypatch):
