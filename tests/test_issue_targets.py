@@ -155,3 +155,21 @@ def test_the_cli_checks_without_a_gpu(capsys):
     assert [r["issue"] for r in readings] == [18, 18, 18]
     with pytest.raises(SystemExit):
         targets.main(["check", "--gpu", "h200", "--issues", "x"])
+
+
+def test_run_passes_the_results_folder_to_the_job_and_checks_its_issue(monkeypatch, tmp_path, capsys):
+    # the GPU path without a GPU: a stand-in benchmark that writes the issue's results file where --out says
+    stand_in = tmp_path / "bench.py"
+    stand_in.write_text("import shutil, sys\n"
+                        f"shutil.copy({str(RESULTS / RUNS['fp8'])!r}, sys.argv[sys.argv.index('--out') + 1] + "
+                        "'/2026-12-03-h200-fp8.json')\n")
+    monkeypatch.setitem(targets.JOBS, "17-fp8", [[str(stand_in)]])
+    monkeypatch.setattr(targets, "gpu_name", lambda: "h200")
+    out = tmp_path / "results"
+    out.mkdir()
+    targets.main(["run", "17-fp8", "--results", str(out), "--json"])
+    printed = capsys.readouterr().out
+    readings = json.loads(printed[printed.index("["):])
+    assert [r["issue"] for r in readings] == [17, 17, 17]
+    assert readings[0]["file"] == "2026-12-03-h200-fp8.json" and readings[0]["met"] is False
+    assert readings[2]["met"] is None  # (no decode file in this folder)
