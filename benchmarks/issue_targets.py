@@ -93,10 +93,9 @@ def _short_forward_host(data):
 
 def _short_fwd_bwd(seqlen):
     def check(data):
-        every = [r for r in data["rows"] if r.get("mode") == "fwd+bwd" and r["case"].startswith(f"B=1 H=16 S={seqlen} ")]
-        if any(_failed(r) for r in every):
-            return Result(f"{sum(map(_failed, every))} of {len(every)} runs failed", False)
-        rows = every
+        rows = [r for r in data["rows"] if r.get("mode") == "fwd+bwd" and r["case"].startswith(f"B=1 H=16 S={seqlen} ")]
+        if any(_failed(r) for r in rows):
+            return Result(f"{sum(map(_failed, rows))} of {len(rows)} runs failed", False)
         ratio = _median([r["flashgen_ratio_vs_sdpa_flash"] for r in rows if "flashgen_ratio_vs_sdpa_flash" in r])
         if ratio is None:
             return _missing(f"fwd+bwd B=1 H=16 S={seqlen} flashgen_ratio_vs_sdpa_flash")
@@ -305,7 +304,7 @@ def main(argv=None):
     chk.add_argument("--gpu", required=True, help="the results files' GPU tag (h100, h200, ...)")
     chk.add_argument("--issues", default="13,17,18", help="comma-separated issue numbers")
     chk.add_argument("--files", nargs="*", default=(), type=Path,
-                     help="results files to read instead of each topic's newest untagged one (tagged runs)")
+                     help="results files to read instead of each topic's newest one (newest date, untagged first)")
     for p in (run, chk):
         p.add_argument("--results", type=Path, default=RESULTS, help="the results folder")
         p.add_argument("--json", action="store_true", help="print the readings as JSON")

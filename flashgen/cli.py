@@ -62,13 +62,13 @@ def _said(ctx, err: BaseException) -> click.ClickException | None:
     if isinstance(err, _INPUT_ERRORS):
         return _BadInput(_one_line(ctx, str(err)))
     if isinstance(err, DatabaseError):
-        return click.ClickException(_one_line(ctx, _db_source(ctx, err.url) + str(err)))
+        return click.ClickException(_one_line(ctx, _env_prefix(ctx, err.url) + str(err)))
     if _storage_error(err):  # Optuna's wrapper of the database's error (a lock held past the timeout)
         cause = _database_cause(err)
         return None if cause is None else _said(ctx, cause)
     if isinstance(err, SQLAlchemyError):  # raised outside ResultStore
         url = _db_url(ctx)
-        return click.ClickException(_one_line(ctx, _db_source(ctx, url) + str(DatabaseError.from_exception(url, err))))
+        return click.ClickException(_one_line(ctx, _env_prefix(ctx, url) + str(DatabaseError.from_exception(url, err))))
     if isinstance(err, OSError) and err.errno != errno.EPIPE:  # EPIPE: stdout closed by `| head`, click's own
         where = f"{err.filename}: " if err.filename else ""
         return click.ClickException(_one_line(ctx, f"{where}{err.strerror or err}"))
@@ -96,12 +96,15 @@ def _db_url(ctx) -> str:
     return ctx.meta.get(_DB_URL) or default_url()
 
 
-def _db_source(ctx, url: str) -> str:
-    """'$FLASHGEN_DB: ' where the database `url` that failed is the one that variable names and no --db named it
-    (not a scratch database of the command's own), else ''."""
+def _from_env(ctx, url: str) -> bool:
+    """Whether the database `url` is the one $FLASHGEN_DB names and no --db named it (not a scratch database of the
+    command's own)."""
     env = os.environ.get("FLASHGEN_DB")
-    given = ctx.meta.get(_DB_GIVEN)
-    return "$FLASHGEN_DB: " if env and not given and url in (env, display_url(env)) else ""
+    return bool(env) and not ctx.meta.get(_DB_GIVEN) and url in (env, display_url(env))
+
+
+def _env_prefix(ctx, url: str) -> str:
+    return "$FLASHGEN_DB: " if _from_env(ctx, url) else ""
 
 
 def _one_line(ctx, message: str) -> str:
@@ -140,13 +143,11 @@ def _write_file(path: str | Path, text: str | bytes) -> None:
         if err.filename and str(err.filename) != str(path):
             # write_atomic's temporary file beside it (mkstemp makes its path absolute): the user never named it;
             # the folder is what refused, unless the replace of the target itself failed (filename2)
-            name = Path(os.path.abspath(err.filename))
-            temporary = (name.parent == Path(os.path.abspath(target)).parent
-                         and name.name.startswith(f".{target.name}."))
-            if not temporary:
+            name, whole = Path(os.path.abspath(err.filename)), Path(os.path.abspath(target))
+            if name.parent != whole.parent or not name.name.startswith(f".{target.name}."):
                 other = f" ({err.filename})"
-            elif err.filename2 is None or os.path.abspath(err.filename2) != os.path.abspath(target):
-                other = f" (the folder {Path(os.path.abspath(target)).parent})"
+            elif err.filename2 is None or Path(os.path.abspath(err.filename2)) != whole:
+                other = f" (the folder {whole.parent})"
         raise click.ClickException(f"cannot write {path}: {err.strerror or err}{other}") from None
 
 
@@ -263,9 +264,9 @@ def _tuned_config(spec, spec_path, db_url, seqlen) -> KernelConfig:
     if not configs:
         unread = [str(w.message).removeprefix("flashgen: ").replace("; falling back", "") for w in caught
                   if "cannot read" in str(w.message)]
-        from_env = "" if db_url else _db_source(click.get_current_context(), default_url()).removesuffix(": ")
-        raise click.ClickException(f"no tuned config for {spec.uri} on this machine in "
-                                   f"{display_url(db_url or default_url())}{f' ({from_env})' if from_env else ''} "
+        url = db_url or default_url()
+        source = " ($FLASHGEN_DB)" if _from_env(click.get_current_context(), url) else ""
+        raise click.ClickException(f"no tuned config for {spec.uri} on this machine in {display_url(url)}{source} "
                                    "or tuning_db: "
                                    + (unread[0] if unread else f"tune it with `flashgen tune --spec {spec_path}`"))
     bucket = nearest_bucket(seqlen, configs) if seqlen else max(configs)
