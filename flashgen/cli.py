@@ -24,7 +24,6 @@ from . import __version__
 from .config import HOPPER_THREE_REGS, LOOP_ORDERS, ConfigError, KernelConfig, default_config, detect_target
 from .config import interpreting as _interpreting
 from .codegen.cache import write_atomic
-from .codegen.render import render
 from .db import DatabaseError, MissingDatabaseError, ResultRowError, default_url, display_url, hide_password
 from .db.layer import ResultFileError
 from .spec import MAX_SEQLEN, MAX_TRIALS, TARGETS, AttentionSpec, SpecError, YamlFileError
@@ -239,6 +238,8 @@ def generate(spec_path, output, loop_order, block_m, block_n, num_warps, num_sta
         # three consumers take their own register budget (config.HOPPER_THREE_REGS); one or two the default's
         changes["hopper_regs"] = HOPPER_THREE_REGS if block_m == 192 else KernelConfig.hopper_regs
     config = config.replace(**{k: v for k, v in changes.items() if v is not None})
+    from .codegen.render import render
+
     source = render(spec, config)
     if output == "-":
         sys.stdout.write(source)

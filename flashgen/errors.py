@@ -31,9 +31,8 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _tracing() -> bool:
-    import torch  # (here, not at the top: the spec and the CLI's errors import this module without needing torch)
-
-    return torch.compiler.is_compiling()
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)  # (a process without torch traces nothing)
+    return compiler is not None and compiler.is_compiling()
 
 
 def check_flag(name: str, value: Any) -> bool:

@@ -31,7 +31,6 @@ from .errors import SpecError
 from .expr.parse import plain_number, plain_str
 from .masks.pattern import check_bool
 from .masks.tree import CAUSAL, check_written_size, split_causal
-from .runtime.host import SCALE_LIMIT  # the largest softmax_scale the kernels' float32 scale x log2(e) holds
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn",
           "fp8_e5m2": "float8_e5m2"}
@@ -59,6 +58,9 @@ _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # used with fullmatch: `$`
 MAX_SPEC_BYTES = 1 << 20
 MAX_SEQLEN = 1 << 20  # the longest tune.seqlens bucket (and `flashgen tune --seqlens` length)
 MAX_TRIALS = 100_000  # tune.trials and `flashgen tune --trials`
+# the largest softmax_scale the kernels' float32 scale x log2(e) holds: runtime/host.py's SCALE_LIMIT, written
+# again so that reading a spec imports no torch (host.py imports nothing from flashgen; a test keeps them equal)
+SCALE_LIMIT = 3.4028234663852886e38 / 1.4426950408889634
 MAX_SPEC_VALUES = 10_000  # scalars, lists and mappings, counting every alias expansion
 MAX_YAML_DEPTH = 64
 

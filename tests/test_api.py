@@ -588,6 +588,24 @@ def test_compat_is_reachable_as_an_attribute_of_flashgen():
         flashgen.nope  # noqa: B018
 
 
+def test_every_public_name_resolves_and_the_kernel_running_ones_load_on_first_use():
+    # flashgen's names that run kernels come from modules that import torch: `import flashgen` leaves them to
+    # their first use (flashgen/__init__.py's _LAZY); each public name then resolves, to the object named
+    import subprocess
+    import sys
+
+    from flashgen import api, kvcache, loader, quant, sdpa
+
+    code = ("import sys, flashgen; assert 'torch' not in sys.modules and 'flashgen.api' not in sys.modules; "
+            "print(all(getattr(flashgen, n) is not None for n in flashgen.__all__), set(flashgen.__all__) <= set(dir(flashgen)))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (the interpreter's patch imports Triton)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.split() == ["True", "True"], done.stderr[-3000:]
+    assert flashgen.compile is api.compile_spec and flashgen.attention is api.attention
+    assert (flashgen.load, flashgen.decode, flashgen.quantize_fp8, flashgen.scaled_dot_product_attention) == (
+        loader.load, kvcache.decode, quant.quantize_fp8, sdpa.scaled_dot_product_attention)
+
+
 @pytest.mark.parametrize("taken, refused, field", [
     (dict(causal=True), dict(causal=1), "causal"),
     (dict(causal=True), dict(causal=1.0), "causal"),

@@ -124,6 +124,28 @@ def test_console_script_entry_point():
     assert proc.returncode == 0 and "flashgen" in proc.stdout
 
 
+def test_help_and_a_bad_spec_answer_without_importing_torch(tmp_path):
+    # torch and Triton take seconds to import (4 s of every command's start on a CPU host): `import flashgen`,
+    # reading a spec, the help and the answer to a spec's mistake need neither (a kernel's first use imports them)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\ndtype: bf16\nhead_dim: 64\nnum_heads: 3\nnum_kv_heads: 2\n")
+    code = textwrap.dedent(f"""
+        import sys
+        from click.testing import CliRunner
+        import flashgen
+        from flashgen.cli import main
+        flashgen.AttentionSpec.from_yaml({str(SMALL_SPEC)!r})
+        runs = [CliRunner().invoke(main, args) for args in (["--help"], ["tune", "--help"],
+                                                             ["tune", "--spec", {str(bad)!r}])]
+        print(*(r.exit_code for r in runs), "'num_kv_heads'" in runs[2].output,
+              [m for m in ("torch", "triton") if m in sys.modules])
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (the interpreter's patch imports Triton)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                          env=dict(env, PYTHONPATH=child_pythonpath(ROOT)))
+    assert proc.stdout.split() == ["0", "0", "2", "True", "[]"], proc.stderr[-3000:]
+
+
 def test_bench_needs_a_gpu(monkeypatch):
     import torch
 
@@ -387,7 +409,7 @@ def test_a_database_lock_under_optuna_is_one_line(monkeypatch, tmp_path):
     import optuna
     from sqlalchemy.exc import OperationalError
 
-    from flashgen import cli
+    from flashgen.codegen import render
 
     def locked(*args, **kwargs):
         try:
@@ -395,7 +417,7 @@ def test_a_database_lock_under_optuna_is_one_line(monkeypatch, tmp_path):
         except OperationalError as err:
             raise optuna.exceptions.StorageInternalError("An exception is raised during the commit.") from err
 
-    monkeypatch.setattr(cli, "render", locked)
+    monkeypatch.setattr(render, "render", locked)  # (generate imports it when it runs)
     result = CliRunner().invoke(main, ["generate", "--spec", str(SMALL_SPEC), "--target", "cpu",
                                        "-o", str(tmp_path / "k.py")])
     _one_error(result, 1, "database is locked")
@@ -716,7 +738,7 @@ def test_generate_with_portable_knobs_starts_from_the_portable_default_on_hopper
 
 
 def test_ctrl_c_while_the_command_imports_flashgen_exits_130_in_one_line(monkeypatch, capsys):
-    # the command's entry point imports the CLI (torch, Triton: seconds) inside main: a Ctrl-C there is the CLI's
+    # the command's entry point imports the CLI inside main: a Ctrl-C there is the CLI's
     # one line, not Python's traceback of the import; otherwise main is the CLI's
     import builtins
 

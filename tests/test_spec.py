@@ -437,3 +437,12 @@ def test_tensor_names_that_are_call_arguments_are_refused():
                           ({"score_mod": {"alibi": {"slopes": "k"}}}, "score_mod.alibi.slopes")):
         with pytest.raises(SpecError, match=f"spec field '{re.escape(where)}'.*an argument of the calls"):
             AttentionSpec(head_dim=16, **fields)
+
+
+def test_the_spec_s_scale_limit_is_the_kernels():
+    # spec.py writes host.py's SCALE_LIMIT again (reading a spec imports no torch; host.py imports nothing from
+    # flashgen): the two must agree
+    from flashgen import spec
+    from flashgen.runtime import host
+
+    assert spec.SCALE_LIMIT == host.SCALE_LIMIT
