@@ -2,6 +2,8 @@
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING as _TYPE_CHECKING  # noqa: E402
+
 from .spec import AttentionSpec, SpecError, TuneSpec  # noqa: E402
 from .config import KernelConfig, ConfigError, default_config  # noqa: E402
 from .masks import Mask, ScoreMod, mask, score_mod  # noqa: E402
@@ -16,6 +18,14 @@ _LAZY = {
     "check_bounds": "kvcache", "decode": "kvcache", "dequantize_fp8": "quant", "quantize_fp8": "quant",
 }
 _RENAMED = {"compile": "compile_spec"}  # flashgen.compile is api.compile_spec
+
+if _TYPE_CHECKING:  # what type checkers and editors read; at run time __getattr__ imports these on first use
+    from .api import AttentionKernel, attention, attention_varlen  # noqa: F401
+    from .api import compile_spec as compile  # noqa: F401,A004
+    from .kvcache import check_bounds, decode  # noqa: F401
+    from .loader import FlashgenFallbackWarning, load  # noqa: F401
+    from .quant import dequantize_fp8, quantize_fp8  # noqa: F401
+    from .sdpa import scaled_dot_product_attention  # noqa: F401
 
 
 def __getattr__(name):
